@@ -1,0 +1,12 @@
+# Compiler settings shared by every cpattn target, through the interface target
+# cpattn_build_options (never exported: it does not reach the library's users).
+add_library(cpattn_build_options INTERFACE)
+target_compile_features(cpattn_build_options INTERFACE cxx_std_20)
+target_compile_options(cpattn_build_options INTERFACE
+  -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wno-sign-conversion -Wnon-virtual-dtor
+  $<$<BOOL:${CPATTN_WARNINGS_AS_ERRORS}>:-Werror>)
+if(CPATTN_SANITIZE)
+  target_compile_options(cpattn_build_options INTERFACE
+    -fsanitize=${CPATTN_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  target_link_options(cpattn_build_options INTERFACE -fsanitize=${CPATTN_SANITIZE})
+endif()

@@ -1,0 +1,179 @@
+// The load-balancing planner (DESIGN.md sections 3 and 4): pure functions of the document
+// boundaries, cp and rank that return plain data. No MPI.
+//
+// Every document, padded to P = padded_length(L, cp), is cut into 2*cp chunks of c = P/(2*cp)
+// tokens; rank r keeps chunk r (front) and chunk 2*cp-1-r (back) of every document, in
+// document order, front before back. Worked example, cu_seqlens = [0, 16, 40], cp = 2:
+//   rank 0 holds global tokens 0-3, 12-15, 16-21, 34-39; rank 1 holds 4-7, 8-11, 22-27, 28-33.
+// After the K/V all-gather, rank s's local tokens sit at [s*T_loc, (s+1)*T_loc) of the
+// rank-major gathered buffer. Rank r runs two attention tasks per document: the front chunk's
+// queries over chunks 0..r, the back chunk's over chunks 0..2*cp-1-r, each bottom-right aligned.
+// For the example, in ends form: actual_seq_qlen = [4, 8, 14, 20] on both ranks,
+// actual_seq_kvlen = [4, 20, 26, 50] on rank 0 and [8, 20, 32, 50] on rank 1.
+#pragma once
+
+#include <cpattn/worklist.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+
+// One document under the split; the same on every rank.
+struct DocSplit {
+  int64_t begin = 0;         // first token in the real (unpadded) batch
+  int64_t len = 0;           // real tokens
+  int64_t padded_begin = 0;  // first token in the padded batch
+  int64_t padded_len = 0;    // padded_length(len, cp)
+  int64_t chunk = 0;         // padded_len / (2*cp)
+  int64_t local_begin = 0;   // padded_begin / cp: where the front chunk starts on every rank
+};
+
+// Work of one rank's attention: sum(q_len * kv_len) over its tasks, and the exact number of
+// (query, key) pairs the causal mask leaves visible.
+struct Workload {
+  int64_t rect_work = 0;
+  int64_t visible_pairs = 0;
+};
+
+// Everything rank `rank` needs for one batch: get_thd_load_balanced_cp_metadata's result.
+struct RankPlan {
+  int cp = 1;
+  int rank = 0;
+  int64_t global_tokens = 0;         // T, real tokens of the whole batch
+  int64_t global_tokens_padded = 0;  // T_pad
+  int64_t local_tokens = 0;          // T_loc = T_pad / cp, this rank's tokens (padding included)
+  int64_t padding_tokens = 0;        // how many of this rank's tokens are padding
+  std::vector<int64_t> cu_seqlens;         // [docs+1] the real boundaries
+  std::vector<int64_t> cu_seqlens_padded;  // [docs+1]
+  std::vector<DocSplit> docs;              // [docs]
+  // [T_loc] for each local token, its index in the padded global batch ...
+  std::vector<int64_t> global_token_index;
+  // ... and in the real batch, or -1 for a padding token.
+  std::vector<int64_t> real_token_index;
+  // Per task (2 per document: front, back), cumulative with a leading 0: [2*docs+1].
+  std::vector<int64_t> cu_seqlens_q;
+  std::vector<int64_t> cu_seqlens_kv;
+  // The same in the ends form (Ascend's actual_seq_qlen / actual_seq_kvlen): [2*docs].
+  std::vector<int64_t> actual_seq_qlen;
+  std::vector<int64_t> actual_seq_kvlen;
+  // [cu_seqlens_kv.back()] for each task, in task order, the rank-major gathered-buffer
+  // positions of its keys in sequence order (the reference design's index_select index).
+  std::vector<int64_t> kv_gather_index;
+  // The same keys read in place: query rows are local rows, key runs are rows of the
+  // rank-major gathered buffer [cp * T_loc], adjacent chunks merged into one run.
+  WorkList work;
+  // The same tasks over the copy that kv_gather_index selects (one run per task).
+  WorkList work_indexed;
+  Workload workload;
+};
+
+// The reference design's metadata function, for real (unpadded) cu_seqlens, cp >= 1 and
+// 0 <= rank < cp. Throws cpattn::Error naming the argument on invalid input.
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank);
+// The same into an existing plan, reusing its storage: a planner called for every batch then
+// touches no fresh memory (first-touch page faults are most of a fresh plan's cost).
+void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                       RankPlan& plan);
+
+// The per-document split alone (no per-token arrays): cheap, the same for every rank.
+std::vector<DocSplit> split_documents(std::span<const int64_t> cu_seqlens, int cp);
+
+// Which rank holds chunk j of a document, and whether it is that rank's back chunk.
+constexpr int chunk_owner(int64_t j, int cp) {
+  return static_cast<int>(j < cp ? j : 2 * int64_t{cp} - 1 - j);
+}
+
+// ---- Rows of THD tensors between the global batch and a rank -------------------------------
+
+// local[i] = global[plan.real_token_index[i]] for real tokens, zero bytes for padding.
+// `row_bytes` is the size of one token's row (heads * head_dim * element size).
+void take_local_rows(const void* global, int64_t row_bytes, const RankPlan& plan, void* local);
+// The inverse: global[plan.real_token_index[i]] = local[i] for real tokens; padding dropped.
+void put_local_rows(const void* local, int64_t row_bytes, const RankPlan& plan, void* global);
+
+// ---- The data side: Megatron's get_batch_on_this_cp_rank for THD batches ---------------------
+
+inline constexpr int64_t kIgnoreIndex = -100;  // label of a token the loss skips
+
+// Per-token arrays of a packed batch, all of the same length.
+struct TokenBatch {
+  std::vector<int64_t> tokens;        // token ids
+  std::vector<int64_t> labels;        // next-token labels; kIgnoreIndex is not scored
+  std::vector<int64_t> position_ids;  // position of each token in its document
+  std::vector<float> loss_mask;       // 1 where the loss counts the token, else 0
+};
+
+// Rank `rank`'s local arrays in the split's order. Padding tokens get `pad_token_id`, label
+// kIgnoreIndex, loss mask 0 and positions continuing the document's (L, L+1, ...); real tokens
+// keep every value they had.
+TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const int64_t> cu_seqlens,
+                                     int cp, int rank, int64_t pad_token_id = 0);
+
+// ---- Balance report ----------------------------------------------------------------------------
+
+struct RankBalance {
+  int rank = 0;
+  int64_t local_tokens = 0;
+  int64_t padding_tokens = 0;
+  int64_t tasks = 0;
+  Workload balanced;              // the symmetric split
+  int64_t contiguous_tokens = 0;  // the plain split: tokens [r*T/cp, (r+1)*T/cp) of the real batch
+  Workload contiguous;
+};
+
+struct BalanceReport {
+  int cp = 1;
+  int64_t real_tokens = 0;
+  int64_t padded_tokens = 0;
+  int64_t padding_tokens() const { return padded_tokens - real_tokens; }
+  double padding_percent() const;  // of the real tokens
+  std::vector<RankBalance> ranks;
+  // max / mean of visible pairs over ranks (1.0 is perfect balance)
+  double imbalance_balanced = 1.0;
+  double imbalance_contiguous = 1.0;
+};
+
+BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp);
+
+// ---- The metadata cache ----------------------------------------------------------------------
+
+// A bounded LRU of RankPlans keyed by the boundaries' content, cp and rank. A lookup hashes
+// the boundaries and, on a hash match, compares them in full, so it can never return a plan
+// for other boundaries. Thread-safe. Entries are shared: a plan stays valid for as long as a
+// caller holds it, even after eviction or clear().
+class PlanCache {
+ public:
+  explicit PlanCache(std::size_t capacity = 8);
+
+  std::shared_ptr<const RankPlan> get(std::span<const int64_t> cu_seqlens, int cp, int rank);
+
+  std::size_t capacity() const { return capacity_; }
+  std::size_t size() const;
+  int64_t hits() const;
+  int64_t misses() const;
+  void clear();  // drops every entry and zeroes the counters
+
+ private:
+  struct Entry {
+    uint64_t hash;
+    int cp;
+    int rank;
+    std::shared_ptr<const RankPlan> plan;
+  };
+  std::size_t capacity_;
+  mutable std::mutex mutex_;
+  std::vector<Entry> entries_;  // most recently used last; capacity is small
+  int64_t hits_ = 0;
+  int64_t misses_ = 0;
+};
+
+// 64-bit hash of boundaries (what the cache keys by).
+uint64_t hash_boundaries(std::span<const int64_t> cu_seqlens);
+
+}  // namespace cpattn

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs every test: an optimized build with warnings as errors, then the same tests again
+# under AddressSanitizer + UndefinedBehaviorSanitizer. Usage: scripts/test.sh [--fast]
+# (--fast skips the sanitizer pass).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+jobs=$(nproc)
+cmake --preset ci >/dev/null
+cmake --build --preset ci -j "$jobs"
+ctest --preset ci -j "$jobs"
+if [ "${1:-}" != "--fast" ]; then
+  cmake --preset asan >/dev/null
+  cmake --build --preset asan -j "$jobs"
+  ctest --preset asan -j "$jobs"
+fi

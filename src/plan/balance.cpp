@@ -1,0 +1,70 @@
+#include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
+#include <cpattn/plan.hpp>
+
+#include <algorithm>
+
+#include "plan_math.hpp"
+
+namespace cpattn {
+
+double BalanceReport::padding_percent() const {
+  return real_tokens == 0 ? 0.0 : 100.0 * static_cast<double>(padding_tokens()) / static_cast<double>(real_tokens);
+}
+
+namespace {
+
+double max_over_mean(const std::vector<RankBalance>& ranks, Workload RankBalance::*which) {
+  int64_t max = 0;
+  double sum = 0;
+  for (const RankBalance& r : ranks) {
+    max = std::max(max, (r.*which).visible_pairs);
+    sum += static_cast<double>((r.*which).visible_pairs);
+  }
+  const double mean = sum / static_cast<double>(ranks.size());
+  return mean > 0 ? static_cast<double>(max) / mean : 1.0;
+}
+
+}  // namespace
+
+BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
+  const std::vector<DocSplit> docs = split_documents(cu_seqlens, cp);
+  BalanceReport report;
+  report.cp = cp;
+  report.real_tokens = cu_seqlens.back();
+  report.padded_tokens = docs.back().padded_begin + docs.back().padded_len;
+  report.ranks.resize(cp);
+  for (int r = 0; r < cp; ++r) {
+    RankBalance& rb = report.ranks[r];
+    rb.rank = r;
+    rb.local_tokens = report.padded_tokens / cp;
+    rb.tasks = 2 * static_cast<int64_t>(docs.size());
+    for (const DocSplit& s : docs) {
+      for (const int64_t j : {int64_t{r}, 2 * int64_t{cp} - 1 - r}) {
+        const int64_t c = s.chunk;
+        // Positions [j*c, (j+1)*c) of the document; those at or past its length are padding.
+        rb.padding_tokens += std::clamp<int64_t>((j + 1) * c - std::max(s.len, j * c), 0, c);
+        rb.balanced.rect_work += c * (j + 1) * c;
+        rb.balanced.visible_pairs += detail::visible_pairs_prefix(j * c, c, (j + 1) * c);
+      }
+    }
+    // The plain split: real tokens [r*T/cp, (r+1)*T/cp), each query seeing its document's
+    // prefix; as one kernel task per document piece, keys 0 .. last query.
+    const int64_t t = report.real_tokens;
+    const int64_t lo = r * t / cp, hi = (r + 1) * t / cp;
+    rb.contiguous_tokens = hi - lo;
+    auto d = std::upper_bound(cu_seqlens.begin(), cu_seqlens.end(), lo) - cu_seqlens.begin() - 1;
+    for (; lo < hi && d + 1 < static_cast<std::ptrdiff_t>(cu_seqlens.size()); ++d) {
+      const int64_t a = std::max(lo, cu_seqlens[d]) - cu_seqlens[d];
+      const int64_t b = std::min(hi, cu_seqlens[d + 1]) - cu_seqlens[d];
+      if (a >= b) break;
+      rb.contiguous.rect_work += (b - a) * b;
+      rb.contiguous.visible_pairs += detail::visible_pairs_prefix(a, b - a, b);
+    }
+  }
+  report.imbalance_balanced = max_over_mean(report.ranks, &RankBalance::balanced);
+  report.imbalance_contiguous = max_over_mean(report.ranks, &RankBalance::contiguous);
+  return report;
+}
+
+}  // namespace cpattn

@@ -1,0 +1,21 @@
+// Closed forms for counting causal work, shared by the planner and the balance report.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace cpattn::detail {
+
+// Visible (query, key) pairs when q_len queries at positions q_pos .. q_pos+q_len-1 attend
+// causally to the keys at positions 0 .. kv_len-1: sum over i of min(q_pos + i + 1, kv_len).
+constexpr int64_t visible_pairs_prefix(int64_t q_pos, int64_t q_len, int64_t kv_len) {
+  // Queries whose causal prefix fits inside the keys see q_pos+i+1 keys; the rest see kv_len.
+  const int64_t full = std::clamp<int64_t>(kv_len - q_pos, 0, q_len);
+  const int64_t a = q_pos + 1, b = q_pos + full;  // arithmetic series a..b
+  return (full > 0 ? (a + b) * full / 2 : 0) + (q_len - full) * kv_len;
+}
+static_assert(visible_pairs_prefix(0, 4, 4) == 10);   // 1+2+3+4
+static_assert(visible_pairs_prefix(4, 4, 8) == 26);   // 5+6+7+8
+static_assert(visible_pairs_prefix(0, 3, 2) == 5);    // 1+2+2 (keys end first)
+
+}  // namespace cpattn::detail

@@ -1,0 +1,23 @@
+// The subcommands of the `cpattn` command line. Each registers itself on the app and runs
+// through its callback; errors reach main() as exceptions (see main.cpp for the exit codes).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+namespace cpattn::cli {
+
+// Thrown by a subcommand to end the program with `code` after printing what it had to.
+struct ExitCode {
+  int code;
+};
+
+// Parses one document length per line (blank lines and '#' comments skipped); errors name the
+// file and line.
+std::vector<int64_t> read_lengths_file(const std::string& path);
+
+void add_plan_command(CLI::App& app);
+
+}  // namespace cpattn::cli
