@@ -9,7 +9,8 @@ packages=(
   libcli11-dev nlohmann-json3-dev         # command line and its JSON output
   openmpi-bin libopenmpi-dev              # the distributed engine
   libopenblas-dev                         # GEMM for the training example
-  python3                                 # command-line tests
+  python3 python3-numpy                   # command-line tests
+  clang-14 libclang-rt-14-dev             # libFuzzer targets
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: an optimized build with warnings as errors, then the same tests again
-# under AddressSanitizer + UndefinedBehaviorSanitizer. Usage: scripts/test.sh [--fast]
-# (--fast skips the sanitizer pass).
+# under AddressSanitizer + UndefinedBehaviorSanitizer; between the two, each libFuzzer target
+# runs for a bounded time from its seed corpus. Usage: scripts/test.sh [--fast]
+# (--fast skips the sanitizer and fuzzing passes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -10,6 +11,7 @@ cmake --preset ci >/dev/null
 cmake --build --preset ci -j "$jobs"
 ctest --preset ci -j "$jobs"
 if [ "${1:-}" != "--fast" ]; then
+  scripts/fuzz.sh "${CPATTN_FUZZ_SECONDS:-20}"
   cmake --preset asan >/dev/null
   cmake --build --preset asan -j "$jobs"
   ctest --preset asan -j "$jobs"

@@ -14,6 +14,10 @@ struct ExitCode {
   int code;
 };
 
+// The app's name and global flags, and the parse-and-run frame with cpattn's exit codes.
+void configure_app(CLI::App& app);
+int run_app(CLI::App& app, int argc, const char* const* argv);
+
 // Parses one document length per line (blank lines and '#' comments skipped); errors name the
 // file and line.
 std::vector<int64_t> read_lengths_file(const std::string& path);

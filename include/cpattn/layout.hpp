@@ -19,6 +19,9 @@
 namespace cpattn {
 
 inline constexpr int64_t kUnknownTokens = -1;
+// Limits that keep every count and offset of a plan inside int64: 2^48 tokens, cp <= 65536.
+inline constexpr int64_t kMaxTokens = int64_t{1} << 48;
+inline constexpr int kMaxCp = 65536;
 
 // Throws cpattn::Error naming `name`, the position and the values when `cu_seqlens` breaks
 // a rule: fewer than 2 entries, first entry not 0, a negative entry, an entry not greater
@@ -45,7 +48,7 @@ constexpr int64_t padded_length(int64_t len, int cp) {
   return (len + m - 1) / m * m;
 }
 
-// Checks cp >= 1 (naming `name`).
+// Checks 1 <= cp <= kMaxCp (naming `name`).
 void check_cp_size(int cp, std::string_view name = "cp");
 
 // cu_seqlens with every document padded at its tail to padded_length(L, cp).

@@ -12,6 +12,8 @@ void check_cu_seqlens(std::span<const int64_t> cu_seqlens, int64_t total_tokens,
   CPATTN_CHECK(cu_seqlens[0] == 0, name, "[0] must be 0, got ", cu_seqlens[0]);
   for (std::size_t i = 1; i < cu_seqlens.size(); ++i) {
     CPATTN_CHECK(cu_seqlens[i] >= 0, name, "[", i, "] must not be negative, got ", cu_seqlens[i]);
+    CPATTN_CHECK(cu_seqlens[i] <= kMaxTokens, name, "[", i, "] = ", cu_seqlens[i],
+                 " exceeds the largest supported token count ", kMaxTokens);
     CPATTN_CHECK(cu_seqlens[i] > cu_seqlens[i - 1], name, " must be strictly increasing (no empty ",
                  "document), but ", name, "[", i - 1, "] = ", cu_seqlens[i - 1], " and ", name, "[",
                  i, "] = ", cu_seqlens[i]);
@@ -27,6 +29,8 @@ std::vector<int64_t> cu_seqlens_from_ends(std::span<const int64_t> ends, int64_t
   // Check in the caller's own indexing so that a message points at the entry they wrote.
   for (std::size_t i = 0; i < ends.size(); ++i) {
     CPATTN_CHECK(ends[i] >= 0, name, "[", i, "] must not be negative, got ", ends[i]);
+    CPATTN_CHECK(ends[i] <= kMaxTokens, name, "[", i, "] = ", ends[i],
+                 " exceeds the largest supported token count ", kMaxTokens);
     const int64_t prev = i == 0 ? 0 : ends[i - 1];
     CPATTN_CHECK(ends[i] > prev, name, " must be strictly increasing from 0 (no empty document), ",
                  "but ", name, "[", i, "] = ", ends[i], " follows ", prev);
@@ -51,6 +55,8 @@ std::vector<int64_t> cu_seqlens_from_lengths(std::span<const int64_t> lengths,
   for (std::size_t i = 0; i < lengths.size(); ++i) {
     CPATTN_CHECK(lengths[i] >= 1, name, "[", i, "] must be >= 1 (no empty document), got ",
                  lengths[i]);
+    CPATTN_CHECK(lengths[i] <= kMaxTokens - cu[i], name, " add up to more than the largest supported token count ",
+                 kMaxTokens, " at ", name, "[", i, "]");
     cu[i + 1] = cu[i] + lengths[i];
   }
   return cu;
@@ -58,6 +64,7 @@ std::vector<int64_t> cu_seqlens_from_lengths(std::span<const int64_t> lengths,
 
 void check_cp_size(int cp, std::string_view name) {
   CPATTN_CHECK(cp >= 1, name, " must be >= 1, got ", cp);
+  CPATTN_CHECK(cp <= kMaxCp, name, " must be <= ", kMaxCp, ", got ", cp);
 }
 
 std::vector<int64_t> pad_cu_seqlens(std::span<const int64_t> cu_seqlens, int cp) {

@@ -44,8 +44,8 @@ BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
         const int64_t c = s.chunk;
         // Positions [j*c, (j+1)*c) of the document; those at or past its length are padding.
         rb.padding_tokens += std::clamp<int64_t>((j + 1) * c - std::max(s.len, j * c), 0, c);
-        rb.balanced.rect_work += c * (j + 1) * c;
-        rb.balanced.visible_pairs += detail::visible_pairs_prefix(j * c, c, (j + 1) * c);
+        detail::checked_add(rb.balanced.rect_work, detail::checked_mul(c, detail::checked_mul(j + 1, c)));
+        detail::checked_add(rb.balanced.visible_pairs, detail::checked_visible_pairs(j * c, c, (j + 1) * c));
       }
     }
     // The plain split: real tokens [r*T/cp, (r+1)*T/cp), each query seeing its document's
@@ -58,8 +58,8 @@ BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
       const int64_t a = std::max(lo, cu_seqlens[d]) - cu_seqlens[d];
       const int64_t b = std::min(hi, cu_seqlens[d + 1]) - cu_seqlens[d];
       if (a >= b) break;
-      rb.contiguous.rect_work += (b - a) * b;
-      rb.contiguous.visible_pairs += detail::visible_pairs_prefix(a, b - a, b);
+      detail::checked_add(rb.contiguous.rect_work, detail::checked_mul(b - a, b));
+      detail::checked_add(rb.contiguous.visible_pairs, detail::checked_visible_pairs(a, b - a, b));
     }
   }
   report.imbalance_balanced = max_over_mean(report.ranks, &RankBalance::balanced);

@@ -2,6 +2,7 @@
 #include <cpattn/layout.hpp>
 #include <cpattn/plan.hpp>
 
+#include <algorithm>
 #include <cstring>
 
 #include "plan_math.hpp"
@@ -120,8 +121,8 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
       plan.work_indexed.tasks[t].run_begin = static_cast<int64_t>(t);
       plan.work_indexed.tasks[t].run_end = static_cast<int64_t>(t) + 1;
       plan.work_indexed.runs[t] = KeyRun{.row = plan.cu_seqlens_kv[t], .len = kv_len, .pos = 0};
-      plan.workload.rect_work += c * kv_len;
-      plan.workload.visible_pairs += detail::visible_pairs_prefix(j * c, c, kv_len);
+      detail::checked_add(plan.workload.rect_work, detail::checked_mul(c, kv_len));
+      detail::checked_add(plan.workload.visible_pairs, detail::checked_visible_pairs(j * c, c, kv_len));
     }
   }
   CPATTN_DASSERT(local == t_loc && kv_out == total_kv);
@@ -198,6 +199,34 @@ TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const in
         }
       }
     }
+  }
+  return out;
+}
+
+}  // namespace cpattn
+
+namespace cpattn {
+
+WorkList without_padding(const RankPlan& plan, const WorkList& work) {
+  WorkList out;
+  out.tasks.reserve(work.tasks.size());
+  out.runs.reserve(work.runs.size());
+  for (const AttnTask& t : work.tasks) {
+    CPATTN_CHECK(t.doc >= 0 && t.doc < static_cast<int64_t>(plan.docs.size()), "work task's doc ",
+                 t.doc, " is not a document of the plan (", plan.docs.size(), " documents)");
+    const int64_t len = plan.docs[t.doc].len;
+    const int64_t q_len = std::min(t.q_len, len - t.q_pos);
+    if (q_len <= 0) continue;
+    AttnTask cut = t;
+    cut.q_len = q_len;
+    cut.run_begin = static_cast<int64_t>(out.runs.size());
+    for (int64_t i = t.run_begin; i < t.run_end; ++i) {
+      KeyRun r = work.runs[i];
+      r.len = std::min(r.len, len - r.pos);
+      if (r.len > 0) out.runs.push_back(r);
+    }
+    cut.run_end = static_cast<int64_t>(out.runs.size());
+    out.tasks.push_back(cut);
   }
   return out;
 }

@@ -1,6 +1,8 @@
 // Closed forms for counting causal work, shared by the planner and the balance report.
 #pragma once
 
+#include <cpattn/error.hpp>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -17,5 +19,28 @@ constexpr int64_t visible_pairs_prefix(int64_t q_pos, int64_t q_len, int64_t kv_
 static_assert(visible_pairs_prefix(0, 4, 4) == 10);   // 1+2+3+4
 static_assert(visible_pairs_prefix(4, 4, 8) == 26);   // 5+6+7+8
 static_assert(visible_pairs_prefix(0, 3, 2) == 5);    // 1+2+2 (keys end first)
+
+// Work counts grow as the square of document lengths: a batch with documents of billions of
+// tokens can overflow int64. These fail with a clear error instead.
+inline int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  CPATTN_CHECK(!__builtin_mul_overflow(a, b, &r), "work count overflows int64 (", a, " * ", b,
+               "): documents are too long to count their attention pairs");
+  return r;
+}
+inline void checked_add(int64_t& acc, int64_t v) {
+  CPATTN_CHECK(!__builtin_add_overflow(acc, v, &acc), "work count overflows int64 (", acc, " + ", v,
+               "): the batch's attention pairs cannot be counted");
+}
+// visible_pairs_prefix with overflow checks, for any input the planner accepts.
+inline int64_t checked_visible_pairs(int64_t q_pos, int64_t q_len, int64_t kv_len) {
+  const int64_t full = std::clamp<int64_t>(kv_len - q_pos, 0, q_len);
+  const int64_t a = q_pos + 1, b = q_pos + full;
+  // (a + b) * full / 2 with one factor halved first: a + b and full are not both odd.
+  const int64_t series = full == 0 ? 0 : (full % 2 == 0 ? checked_mul(a + b, full / 2) : checked_mul((a + b) / 2, full));
+  int64_t total = series;
+  checked_add(total, checked_mul(q_len - full, kv_len));
+  return total;
+}
 
 }  // namespace cpattn::detail

@@ -1,5 +1,6 @@
 // The worked examples of DESIGN.md sections 3-4 and the public cases, value by value.
 #include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
 #include <cpattn/plan.hpp>
 
 #include <gmock/gmock.h>
@@ -170,6 +171,18 @@ TEST(Balance, WorkedExampleAgainstTheContiguousSplit) {
   EXPECT_DOUBLE_EQ(b.imbalance_contiguous, 290.0 / 218.0);
   EXPECT_EQ(b.ranks[0].balanced.visible_pairs, b.ranks[1].balanced.visible_pairs);
   EXPECT_EQ(b.ranks[0].tasks, 4);
+}
+
+TEST(Balance, WorkThatOverflowsInt64IsAnErrorNotAWrongNumber) {
+  // Found by fuzz_cli: one document of 4.4e9 tokens has more attention pairs than int64 holds.
+  try {
+    balance_report(V{0, 6, 6 + 4444444448}, 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr("work count overflows int64"));
+  }
+  EXPECT_THROW(get_thd_load_balanced_cp_metadata(V{0, (int64_t{1} << 48) + 1}, 1, 0), Error);
+  EXPECT_THROW(balance_report(V{0, 8}, kMaxCp + 1), Error);
 }
 
 TEST(Balance, PaddingOverhead) {

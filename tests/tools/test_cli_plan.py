@@ -85,6 +85,7 @@ bad = {
     ("plan", "--lengths", "3,0"): "--lengths[1]",
     ("plan", "--lengths-file", "/nonexistent/file"): "cannot open",
     ("nosuchcommand",): "nosuchcommand",
+    ("plan", "--lengths", "6,4444444448", "--cp", "1"): "overflows int64",  # found by fuzz_cli
 }
 for args, needle in bad.items():
     r = run(*args)

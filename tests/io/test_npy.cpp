@@ -1,0 +1,98 @@
+#include <cpattn/error.hpp>
+#include <cpattn/npy.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<std::byte> bytes_of(const std::string& s) {
+  std::vector<std::byte> b(s.size());
+  std::memcpy(b.data(), s.data(), s.size());
+  return b;
+}
+
+// A file as numpy.save writes it for np.array([[1, 2, 3], [4, 5, 6]], dtype='<i8'), built by
+// hand from the format's specification: magic, version 1.0, little-endian header length,
+// the dict padded with spaces to a multiple of 64 bytes, a newline, then the data.
+std::string hand_made_i8() {
+  std::string header = "{'descr': '<i8', 'fortran_order': False, 'shape': (2, 3), }";
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+  header += '\n';
+  std::string file = std::string("\x93NUMPY\x01\x00", 8);
+  file += static_cast<char>(header.size());
+  file += '\0';
+  file += header;
+  for (int64_t v = 1; v <= 6; ++v) file.append(reinterpret_cast<const char*>(&v), 8);
+  return file;
+}
+
+TEST(Npy, ReadsWhatNumpyWrites) {
+  const NpyArray a = parse_npy(bytes_of(hand_made_i8()));
+  EXPECT_EQ(a.type, NpyType::i64);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(a.as_int64(), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(a.as_float(), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  // And writes the same bytes.
+  EXPECT_EQ(format_npy(a), bytes_of(hand_made_i8()));
+}
+
+TEST(Npy, RoundTripsEveryTypeAndShape) {
+  const std::string dir = ::testing::TempDir();
+  const std::vector<float> v{1.5f, -2.0f, 0.25f, 8.0f};
+  write_npy(dir + "/f.npy", v, {2, 2});
+  const NpyArray f = read_npy(dir + "/f.npy");
+  EXPECT_EQ(f.type, NpyType::f32);
+  EXPECT_EQ(f.shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(f.as_float(), v);
+  NpyArray h{.type = NpyType::f16, .shape = {3}, .data = std::vector<std::byte>(6)};
+  const uint16_t halves[3] = {0x3c00, 0xc000, 0x3800};  // 1, -2, 0.5
+  std::memcpy(h.data.data(), halves, 6);
+  EXPECT_EQ(parse_npy(format_npy(h)).as_float(), (std::vector<float>{1.0f, -2.0f, 0.5f}));
+  NpyArray i{.type = NpyType::i32, .shape = {2}, .data = std::vector<std::byte>(8)};
+  const int32_t ints[2] = {0, 40};
+  std::memcpy(i.data.data(), ints, 8);
+  EXPECT_EQ(parse_npy(format_npy(i)).as_int64(), (std::vector<int64_t>{0, 40}));
+  NpyArray scalar{.type = NpyType::f32, .shape = {}, .data = std::vector<std::byte>(4)};
+  EXPECT_EQ(parse_npy(format_npy(scalar)).elements(), 1);
+}
+
+std::string error_of(const std::string& file) {
+  try {
+    parse_npy(bytes_of(file), "x.npy");
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "no error";
+}
+
+TEST(Npy, MalformedFilesAreNamed) {
+  EXPECT_THAT(error_of("hello"), HasSubstr("x.npy: not a .npy file"));
+  std::string f = hand_made_i8();
+  EXPECT_THAT(error_of(f.substr(0, f.size() - 1)), HasSubstr("the shape needs"));
+  EXPECT_THAT(error_of(f + "x"), HasSubstr("the shape needs exactly"));
+  std::string wrong_type = f;
+  wrong_type.replace(wrong_type.find("<i8"), 3, ">f8");
+  EXPECT_THAT(error_of(wrong_type), HasSubstr("unsupported .npy dtype '>f8'"));
+  std::string fortran = f;
+  fortran.replace(fortran.find("False"), 5, "True ");
+  EXPECT_THAT(error_of(fortran), HasSubstr("Fortran-order"));
+  std::string long_header = f;
+  long_header[8] = '\xff';
+  EXPECT_THAT(error_of(long_header), HasSubstr("runs past the end"));
+  std::string version = f;
+  version[6] = '\x07';
+  EXPECT_THAT(error_of(version), HasSubstr("unsupported .npy format version 7"));
+  EXPECT_THAT(error_of(std::string("\x93NUMPY\x01\x00\x04\x00{}  ", 14)), HasSubstr("no 'descr' key"));
+  EXPECT_THROW(read_npy("/nonexistent/x.npy"), Error);
+}
+
+}  // namespace
+}  // namespace cpattn

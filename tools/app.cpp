@@ -1,0 +1,54 @@
+// The command line's frame: parsing, dispatch and exit codes, shared by `cpattn` and the
+// command-line fuzzer. Exit codes: 0 success, 1 a run that failed its own check or an
+// unexpected error, 2 bad flags or values (one line on stderr, no stack trace).
+#include <cpattn/error.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+#include "commands.hpp"
+
+namespace cpattn::cli {
+
+namespace {
+// Under mpirun every rank parses the same flags and meets the same error: only rank 0 says so.
+bool quiet_rank() {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  return rank != nullptr && std::atoi(rank) != 0;
+}
+}  // namespace
+
+void configure_app(CLI::App& app) {
+  app.name("cpattn");
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Print the help of every subcommand");
+}
+
+int run_app(CLI::App& app, int argc, const char* const* argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const ExitCode& e) {
+    return e.code;
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    if (quiet_rank()) return 2;
+    if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
+      std::fprintf(stderr, "cpattn: error: unknown command '%s' (see cpattn --help)\n", argv[1]);
+    else
+      std::fprintf(stderr, "cpattn: error: %s (see cpattn --help)\n", e.what());
+    return 2;
+  } catch (const Error& e) {
+    if (!quiet_rank()) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cpattn: unexpected error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace cpattn::cli
