@@ -23,5 +23,7 @@ int run_app(CLI::App& app, int argc, const char* const* argv);
 std::vector<int64_t> read_lengths_file(const std::string& path);
 
 void add_plan_command(CLI::App& app);
+void add_run_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 
 }  // namespace cpattn::cli

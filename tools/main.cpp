@@ -5,5 +5,7 @@ int main(int argc, char** argv) {
   CLI::App app{"cpattn: context-parallel attention on packed variable-length sequences"};
   cpattn::cli::configure_app(app);
   cpattn::cli::add_plan_command(app);
+  cpattn::cli::add_run_command(app);
+  cpattn::cli::add_bench_command(app);
   return cpattn::cli::run_app(app, argc, argv);
 }

@@ -1,0 +1,174 @@
+// The MPI communicator of cpattn: the collectives the context-parallel algorithms need, each
+// with a deadline, on typed spans.
+//
+// A Communicator borrows an MPI_Comm: it duplicates it (MPI_Comm_dup, so its messages never
+// mix with the caller's), frees only that duplicate, and never calls MPI_Init or MPI_Finalize;
+// the program does. It is the only part of cpattn that includes <mpi.h>.
+//
+//   MPI_Init(&argc, &argv);
+//   {
+//     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 120});
+//     std::vector<float> k_local(n), k_all(n * comm.size());
+//     comm.all_gather<float>(k_local, k_all);          // rank-major: rank r's block at r * n
+//   }                                                  // frees the duplicate
+//   MPI_Finalize();
+//
+// Deadlines. Every collective is issued non-blocking and polled until it completes or its
+// deadline passes. On timeout one line goes to stderr, naming the operation, its call number
+// (a per-communicator count of collectives, from 1), this rank and the deadline; then, by
+// default, MPI_Abort ends the whole job. TimeoutAction::throw_error throws cpattn::Error with
+// the same text instead (for tests and programs that end the job themselves); see poisoned().
+// The deadline is CommOptions::timeout_s when set, else the environment variable
+// CPATTN_COMM_TIMEOUT_S (seconds, > 0), else 300 s.
+//
+// Large payloads. No single MPI call moves more than CommOptions::max_count_per_call elements
+// per rank block (default INT_MAX, MPI's int count limit); larger ones are split into several
+// calls. Counts and offsets are 64-bit throughout.
+//
+// Determinism. reduce_scatter_sum adds in a fixed order that does not depend on timing (see
+// there), so the same inputs give bitwise the same result on every run.
+//
+// Not thread-safe: one thread at a time per Communicator (MPI_THREAD_FUNNELED is enough).
+#pragma once
+
+#include <mpi.h>
+
+#include <climits>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace cpattn {
+
+// What a collective that misses its deadline does.
+enum class TimeoutAction {
+  abort,        // print the line to stderr, then MPI_Abort(comm, abort_code): every rank ends
+  throw_error,  // print the line, then throw cpattn::Error; the Communicator is poisoned
+};
+
+// How an operation moves its data. Both give the same layout; `ring` is hand-written on
+// MPI_Isend/MPI_Irecv, `mpi` is the MPI library's non-blocking collective.
+enum class CommAlgorithm {
+  ring,
+  mpi,
+};
+
+// Element types the collectives accept. std::uint16_t carries fp16 and bf16 storage (moved
+// bit for bit; only gathers and broadcasts accept it).
+template <class T>
+concept CommElement = std::same_as<T, float> || std::same_as<T, double> ||
+                      std::same_as<T, std::int32_t> || std::same_as<T, std::int64_t> ||
+                      std::same_as<T, std::uint16_t> || std::same_as<T, std::byte>;
+
+// Element types all_reduce accepts.
+template <class T>
+concept CommReduceElement =
+    std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::int64_t>;
+
+enum class ReduceOp { sum, max };
+
+struct CommOptions {
+  // Deadline of each collective, seconds (> 0). Unset: CPATTN_COMM_TIMEOUT_S, else 300.
+  std::optional<double> timeout_s = std::nullopt;
+  TimeoutAction on_timeout = TimeoutAction::abort;
+  int abort_code = 3;  // the error code passed to MPI_Abort on timeout
+  // Most elements one MPI call moves per rank block (1..INT_MAX); larger payloads are split.
+  std::int64_t max_count_per_call = INT_MAX;
+  // Chosen from docs/benchmarks.md "Communication" (Open MPI 4.1.4, shared memory).
+  CommAlgorithm reduce_scatter_algorithm = CommAlgorithm::ring;
+  CommAlgorithm all_gather_algorithm = CommAlgorithm::ring;
+};
+
+class Communicator {
+ public:
+  // Duplicates `comm` (collective over `comm`, under the deadline). Throws cpattn::Error when
+  // MPI is not initialized, the options are invalid or CPATTN_COMM_TIMEOUT_S is malformed.
+  explicit Communicator(MPI_Comm comm, CommOptions options = {});
+  ~Communicator();  // frees the duplicate (if MPI is not finalized yet)
+  Communicator(Communicator&&) noexcept;  // a moved-from Communicator may only be destroyed
+  Communicator& operator=(Communicator&&) noexcept;  // or assigned to
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const;
+  int size() const;
+  double timeout_s() const;             // the deadline in effect, seconds
+  std::int64_t calls() const;           // collectives issued so far (the last call number)
+  const CommOptions& options() const;
+  MPI_Comm mpi_comm() const;            // the duplicate, for the comm layer's own tools
+
+  // All ranks pass the same send.size() = n; recv.size() = n * size(), rank-major: rank r's
+  // block lands at recv[r * n, (r + 1) * n). send may be exactly recv's own block (in place).
+  template <CommElement T>
+  void all_gather(std::span<const T> send, std::span<T> recv);
+
+  // Varying counts: counts[r] elements from rank r (zero allowed), the same `counts` on every
+  // rank, send.size() == counts[rank()]; recv.size() == sum(counts), rank-major with rank r at
+  // offset counts[0] + ... + counts[r - 1]. all_gather_counts() finds the counts.
+  template <CommElement T>
+  void all_gather_v(std::span<const T> send, std::span<const std::int64_t> counts,
+                    std::span<T> recv);
+  std::vector<std::int64_t> all_gather_counts(std::int64_t count);
+
+  // send: [size()][n] rank-major blocks, recv: [n]. recv on rank r = sum over ranks q of
+  // q's block r, in fp32. Deterministic: with the ring algorithm block r is summed as
+  // ((x[r+1] + x[r+2]) + ... + x[r+size-1]) + x[r] (ranks mod size) whatever the timing;
+  // the mpi algorithm leaves the order to the MPI library.
+  void reduce_scatter_sum(std::span<const float> send, std::span<float> recv);
+
+  // In place over all ranks; same data.size() everywhere.
+  template <CommReduceElement T>
+  void all_reduce(std::span<T> data, ReduceOp op);
+
+  // root's data is copied to every rank; same data.size() everywhere.
+  template <CommElement T>
+  void broadcast(std::span<T> data, int root);
+
+  void barrier();
+
+  // After a timeout in throw_error mode the Communicator is poisoned: its timed-out requests
+  // are still pending (the buffers of that call must stay valid) and every later collective
+  // throws at once. drain() waits up to `timeout_s` for those requests (they finish when the
+  // late ranks join the same operation) and returns true when none is left pending.
+  bool poisoned() const;
+  bool drain(double timeout_s);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A generic fingerprint for agreement checks: named 64-bit fields, the same names in the same
+// order on every rank (the CP layer fills it with shapes, dtypes, heads, cp, a hash of the
+// boundaries and a call counter).
+struct Fingerprint {
+  std::vector<std::pair<std::string, std::int64_t>> fields;
+  Fingerprint& add(std::string name, std::int64_t value) {
+    fields.emplace_back(std::move(name), value);
+    return *this;
+  }
+};
+
+// Compares all ranks' values (all_values: [nranks][fields.size()] rank-major) and returns
+// nothing when they agree, else a message naming every field that differs and which ranks
+// hold which value, e.g.
+//   "ranks disagree on attention forward: num_heads_q: ranks 0,2,3 have 8, rank 1 has 4"
+// The same inputs give the same text on every rank.
+std::optional<std::string> describe_disagreement(const Fingerprint& mine,
+                                                 std::span<const std::int64_t> all_values,
+                                                 int nranks, std::string_view what);
+
+// All-gathers `fp` (a collective; it first checks that every rank has the same number of
+// fields and the same names, through a hash) and throws cpattn::Error with
+// describe_disagreement's message on every rank when any field differs.
+void agree(Communicator& comm, const Fingerprint& fp, std::string_view what);
+
+}  // namespace cpattn

@@ -1,0 +1,17 @@
+// The plain reference of attention_forward/backward: the same parameters and work list, the
+// obviously correct loops of DESIGN.md section 5, no blocking, no SIMD, no threads
+// (num_threads and path are ignored). Tests compare every fast path against it with
+// RefAccum::f64; RefAccum::f32 is the "naive implementation in the same precision" that
+// grounds the fp16/bf16 tolerances. Outputs are rounded once to the storage dtype.
+#pragma once
+
+#include <cpattn/attention.hpp>
+
+namespace cpattn {
+
+enum class RefAccum { f64, f32 };
+
+void attention_forward_reference(const AttnFwdParams& p, RefAccum accum = RefAccum::f64);
+void attention_backward_reference(const AttnBwdParams& p, RefAccum accum = RefAccum::f64);
+
+}  // namespace cpattn

@@ -1,0 +1,521 @@
+// Communicator: non-blocking MPI collectives polled under a deadline, split into calls of at
+// most max_count_per_call elements, with hand-written ring algorithms beside MPI's own.
+#include "cpattn/comm.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "cpattn/error.hpp"
+
+namespace cpattn {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr double kDefaultTimeoutS = 300.0;
+constexpr const char* kTimeoutEnv = "CPATTN_COMM_TIMEOUT_S";
+
+// Tags of the ring algorithms' point-to-point messages on the private duplicate.
+constexpr int kTagAllGather = 101;
+constexpr int kTagReduceScatter = 102;
+// Ring reduce-scatter message size, elements (1 MiB of fp32): small enough that adding one
+// segment overlaps the transfer of the next, large enough to keep per-message costs low.
+constexpr std::int64_t kReduceScatterSegment = std::int64_t{1} << 18;
+
+template <class T>
+MPI_Datatype mpi_type() {
+  if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
+  else if constexpr (std::is_same_v<T, std::uint16_t>) return MPI_UINT16_T;
+  else return MPI_BYTE;
+}
+
+MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::sum ? MPI_SUM : MPI_MAX; }
+
+double resolve_timeout(const CommOptions& o) {
+  if (o.timeout_s) {
+    CPATTN_CHECK(*o.timeout_s > 0, "CommOptions::timeout_s must be > 0 seconds, got ",
+                 *o.timeout_s);
+    return *o.timeout_s;
+  }
+  const char* env = std::getenv(kTimeoutEnv);
+  if (env == nullptr || *env == '\0') return kDefaultTimeoutS;
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(env, &end);
+  CPATTN_CHECK(errno == 0 && end != env && *end == '\0' && v > 0, kTimeoutEnv,
+               " must be a number of seconds > 0, got '", env, "'");
+  return v;
+}
+
+bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a);
+  const auto pb = reinterpret_cast<std::uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
+}  // namespace
+
+struct Communicator::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;  // the private duplicate
+  int rank = 0;
+  int size = 1;
+  CommOptions opts;
+  double timeout_s = kDefaultTimeoutS;
+  std::int64_t calls = 0;
+  bool poisoned = false;
+  std::string poisoned_by;              // the timed-out operation, for later errors
+  std::vector<MPI_Request> pending;     // requests left by a timeout in throw_error mode
+  std::vector<float> scratch;           // ring reduce-scatter buffers, [2][len]
+  std::vector<float> pack;              // mpi reduce-scatter staging when split, [size][len]
+
+  // One collective in flight: its name, call number and deadline.
+  struct Op {
+    const char* name;
+    std::int64_t call;
+    Clock::time_point deadline;
+  };
+
+  Op begin(const char* name) {
+    if (poisoned) {
+      std::ostringstream os;
+      os << "cpattn comm: " << name << " refused on rank " << rank
+         << ": the communicator is poisoned by an earlier timeout in " << poisoned_by;
+      throw Error(os.str());
+    }
+    ++calls;
+    return Op{name, calls, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(timeout_s))};
+  }
+
+  void check(int rc, const Op& op, const char* fn) const {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    std::ostringstream os;
+    os << "cpattn comm: " << fn << " failed in " << op.name << " (call #" << op.call
+       << ") on rank " << rank << " of " << size << ": " << std::string(text, len);
+    throw Error(os.str());
+  }
+
+  // Polls `reqs` until all complete or op's deadline passes. Spins for the first 1 ms and
+  // yields until 2 ms, so short operations keep their latency, then sleeps 20 us doubling up
+  // to 250 us so that a rank waiting on a late peer leaves the core to others. On a
+  // timeout in throw_error mode the requests in `in_flight` (default: `reqs`) stay pending.
+  void wait(const Op& op, MPI_Request* reqs, int n, MPI_Comm abort_comm,
+            std::span<MPI_Request> in_flight = {}) {
+    if (n == 0) return;
+    const auto start = Clock::now();
+    auto nap = std::chrono::microseconds(20);
+    for (;;) {
+      int done = 0;
+      check(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), op, "MPI_Testall");
+      if (done) return;
+      const auto now = Clock::now();
+      if (now >= op.deadline) break;
+      if (now - start < std::chrono::milliseconds(1)) {
+        continue;  // busy-poll like a blocking MPI call: most operations end here
+      }
+      if (now - start < std::chrono::milliseconds(2)) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(nap);
+        nap = std::min(nap * 2, std::chrono::microseconds(250));
+      }
+    }
+    if (in_flight.empty()) in_flight = std::span<MPI_Request>(reqs, n);
+    timed_out(op, in_flight, abort_comm);
+  }
+
+  [[noreturn]] void timed_out(const Op& op, std::span<MPI_Request> reqs, MPI_Comm abort_comm) {
+    const bool abort = opts.on_timeout == TimeoutAction::abort;
+    std::ostringstream os;
+    os << "cpattn comm: timeout: " << op.name << " (call #" << op.call << ") on rank " << rank
+       << " of " << size << " did not complete within the deadline of " << timeout_s << " s ("
+       << kTimeoutEnv << " or CommOptions::timeout_s); "
+       << (abort ? "aborting the job" : "throwing");
+    const std::string msg = os.str();
+    std::fprintf(stderr, "%s\n", msg.c_str());
+    std::fflush(stderr);
+    if (abort) {
+      MPI_Abort(abort_comm, opts.abort_code);
+      std::abort();  // MPI_Abort does not return; never continue past a timeout
+    }
+    for (MPI_Request req : reqs)
+      if (req != MPI_REQUEST_NULL) pending.push_back(req);
+    poisoned = true;
+    std::ostringstream by;
+    by << op.name << " (call #" << op.call << ")";
+    poisoned_by = by.str();
+    throw Error(msg);
+  }
+
+  void wait(const Op& op, std::vector<MPI_Request>& reqs) {
+    wait(op, reqs.data(), static_cast<int>(reqs.size()), comm);
+    reqs.clear();
+  }
+  void wait(const Op& op, MPI_Request& req) { wait(op, &req, 1, comm); }
+
+  std::int64_t chunk() const { return opts.max_count_per_call; }
+
+  // Posts the messages moving `count` elements at `buf` to or from `peer`, split into calls of
+  // at most `piece` (default chunk()) elements.
+  template <class T>
+  void post_send(const Op& op, const T* buf, std::int64_t count, int peer, int tag,
+                 std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
+    if (piece == 0) piece = chunk();
+    for (std::int64_t off = 0; off < count; off += piece) {
+      const int len = static_cast<int>(std::min(piece, count - off));
+      reqs.emplace_back();
+      check(MPI_Isend(buf + off, len, mpi_type<T>(), peer, tag, comm, &reqs.back()), op,
+            "MPI_Isend");
+    }
+  }
+  template <class T>
+  void post_recv(const Op& op, T* buf, std::int64_t count, int peer, int tag,
+                 std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
+    if (piece == 0) piece = chunk();
+    for (std::int64_t off = 0; off < count; off += piece) {
+      const int len = static_cast<int>(std::min(piece, count - off));
+      reqs.emplace_back();
+      check(MPI_Irecv(buf + off, len, mpi_type<T>(), peer, tag, comm, &reqs.back()), op,
+            "MPI_Irecv");
+    }
+  }
+
+  // Ring all-gather of blocks already in place in `recv` (block q: offset[q], count[q]):
+  // at step s rank r forwards block (r - s) mod p to r + 1 and takes block (r - s - 1) mod p
+  // from r - 1.
+  template <class T>
+  void ring_all_gather(const Op& op, T* recv, const std::vector<std::int64_t>& offset,
+                       const std::vector<std::int64_t>& count) {
+    const int p = size;
+    const int right = (rank + 1) % p;
+    const int left = (rank + p - 1) % p;
+    std::vector<MPI_Request> reqs;
+    for (int s = 0; s < p - 1; ++s) {
+      const int sb = (rank - s + p) % p;
+      const int rb = (rank - s - 1 + 2 * p) % p;
+      post_recv(op, recv + offset[rb], count[rb], left, kTagAllGather, reqs);
+      post_send(op, recv + offset[sb], count[sb], right, kTagAllGather, reqs);
+      wait(op, reqs);
+    }
+  }
+};
+
+Communicator::Communicator(MPI_Comm comm, CommOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  CPATTN_CHECK(initialized && !finalized,
+               "Communicator needs MPI initialized and not finalized: the program calls "
+               "MPI_Init before and MPI_Finalize after (initialized=", initialized,
+               ", finalized=", finalized, ")");
+  CPATTN_CHECK(comm != MPI_COMM_NULL, "Communicator needs a valid MPI_Comm, got MPI_COMM_NULL");
+  CPATTN_CHECK(options.max_count_per_call >= 1 && options.max_count_per_call <= INT_MAX,
+               "CommOptions::max_count_per_call must be in [1, INT_MAX], got ",
+               options.max_count_per_call);
+  Impl& im = *impl_;
+  im.opts = options;
+  im.timeout_s = resolve_timeout(options);
+  MPI_Comm_rank(comm, &im.rank);
+  MPI_Comm_size(comm, &im.size);
+
+  // Duplicate under the deadline too: a rank that never constructs its Communicator is the
+  // first hang a user meets. Call number 0; errors here follow the borrowed comm's handler.
+  const Impl::Op op{"comm_dup", 0,
+                    Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(im.timeout_s))};
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request req = MPI_REQUEST_NULL;
+  im.check(MPI_Comm_idup(comm, &dup, &req), op, "MPI_Comm_idup");
+  im.wait(op, &req, 1, comm);
+  im.comm = dup;
+  im.check(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), op, "MPI_Comm_set_errhandler");
+}
+
+Communicator::~Communicator() {
+  if (!impl_ || impl_->comm == MPI_COMM_NULL) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Comm_free(&impl_->comm);  // pending operations, if any, still complete
+}
+
+Communicator::Communicator(Communicator&&) noexcept = default;
+Communicator& Communicator::operator=(Communicator&& other) noexcept {
+  if (this != &other) {
+    Communicator old(std::move(*this));  // frees our duplicate on scope exit
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::size() const { return impl_->size; }
+double Communicator::timeout_s() const { return impl_->timeout_s; }
+std::int64_t Communicator::calls() const { return impl_->calls; }
+const CommOptions& Communicator::options() const { return impl_->opts; }
+MPI_Comm Communicator::mpi_comm() const { return impl_->comm; }
+bool Communicator::poisoned() const { return impl_->poisoned; }
+
+bool Communicator::drain(double timeout_s) {
+  Impl& im = *impl_;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  auto nap = std::chrono::microseconds(20);
+  while (!im.pending.empty()) {
+    int done = 0;
+    const int rc = MPI_Testall(static_cast<int>(im.pending.size()), im.pending.data(), &done,
+                               MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS || done) {
+      im.pending.clear();
+      return rc == MPI_SUCCESS;
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(nap);
+    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+  }
+  return true;
+}
+
+template <CommElement T>
+void Communicator::all_gather(std::span<const T> send, std::span<T> recv) {
+  Impl& im = *impl_;
+  const auto op = im.begin("all_gather");
+  const auto n = static_cast<std::int64_t>(send.size());
+  const int p = im.size;
+  CPATTN_CHECK(static_cast<std::int64_t>(recv.size()) == n * p, "all_gather: recv.size() must be ",
+               "send.size() * size() = ", n, " * ", p, ", got ", recv.size());
+  T* own = recv.data() + n * im.rank;
+  const bool in_place = send.data() == own;
+  CPATTN_CHECK(in_place || !overlaps(send.data(), send.size_bytes(), recv.data(),
+                                     recv.size_bytes()),
+               "all_gather: send overlaps recv other than exactly at this rank's block");
+  if (n == 0) return;
+  if (!in_place) std::copy(send.begin(), send.end(), own);
+  if (p == 1) return;
+
+  if (im.opts.all_gather_algorithm == CommAlgorithm::ring) {
+    std::vector<std::int64_t> offset(p), count(p, n);
+    for (int q = 0; q < p; ++q) offset[q] = n * q;
+    im.ring_all_gather(op, recv.data(), offset, count);
+    return;
+  }
+  // MPI_Iallgather in place, one call per chunk; a split call's receive type strides over
+  // the rank blocks ([len] elements every n).
+  for (std::int64_t off = 0; off < n; off += im.chunk()) {
+    const std::int64_t len = std::min(im.chunk(), n - off);
+    MPI_Datatype type = mpi_type<T>();
+    bool derived = false;
+    if (len != n) {
+      MPI_Datatype block = MPI_DATATYPE_NULL;
+      im.check(MPI_Type_contiguous(static_cast<int>(len), mpi_type<T>(), &block), op,
+               "MPI_Type_contiguous");
+      im.check(MPI_Type_create_resized(block, 0, static_cast<MPI_Aint>(n * sizeof(T)), &type),
+               op, "MPI_Type_create_resized");
+      MPI_Type_free(&block);
+      im.check(MPI_Type_commit(&type), op, "MPI_Type_commit");
+      derived = true;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    const int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv.data() + off,
+                                  derived ? 1 : static_cast<int>(len), type, im.comm, &req);
+    if (derived) MPI_Type_free(&type);  // pending operations keep it alive
+    im.check(rc, op, "MPI_Iallgather");
+    im.wait(op, req);
+  }
+}
+
+template <CommElement T>
+void Communicator::all_gather_v(std::span<const T> send, std::span<const std::int64_t> counts,
+                                std::span<T> recv) {
+  Impl& im = *impl_;
+  const auto op = im.begin("all_gather_v");
+  const int p = im.size;
+  CPATTN_CHECK(static_cast<int>(counts.size()) == p, "all_gather_v: counts.size() must be size() = ",
+               p, ", got ", counts.size());
+  std::vector<std::int64_t> offset(p), count(counts.begin(), counts.end());
+  std::int64_t total = 0;
+  for (int q = 0; q < p; ++q) {
+    CPATTN_CHECK(count[q] >= 0, "all_gather_v: counts[", q, "] must be >= 0, got ", count[q]);
+    offset[q] = total;
+    total += count[q];
+  }
+  CPATTN_CHECK(static_cast<std::int64_t>(send.size()) == count[im.rank], "all_gather_v: send.size() ",
+               "must be counts[", im.rank, "] = ", count[im.rank], ", got ", send.size());
+  CPATTN_CHECK(static_cast<std::int64_t>(recv.size()) == total, "all_gather_v: recv.size() must ",
+               "be sum(counts) = ", total, ", got ", recv.size());
+  T* own = recv.data() + offset[im.rank];
+  const bool in_place = send.data() == own;
+  CPATTN_CHECK(in_place || !overlaps(send.data(), send.size_bytes(), recv.data(),
+                                     recv.size_bytes()),
+               "all_gather_v: send overlaps recv other than exactly at this rank's block");
+  if (total == 0) return;
+  if (!in_place) std::copy(send.begin(), send.end(), own);
+  if (p == 1) return;
+
+  // MPI_Iallgatherv takes int counts and displacements: use it only when the whole receive
+  // fits one call; otherwise the ring splits each block.
+  if (im.opts.all_gather_algorithm == CommAlgorithm::mpi && total <= im.chunk()) {
+    std::vector<int> icount(p), idispl(p);
+    for (int q = 0; q < p; ++q) {
+      icount[q] = static_cast<int>(count[q]);
+      idispl[q] = static_cast<int>(offset[q]);
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    im.check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv.data(), icount.data(),
+                             idispl.data(), mpi_type<T>(), im.comm, &req),
+             op, "MPI_Iallgatherv");
+    im.wait(op, req);
+    return;
+  }
+  im.ring_all_gather(op, recv.data(), offset, count);
+}
+
+std::vector<std::int64_t> Communicator::all_gather_counts(std::int64_t count) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(impl_->size));
+  all_gather<std::int64_t>(std::span<const std::int64_t>(&count, 1), all);
+  return all;
+}
+
+void Communicator::reduce_scatter_sum(std::span<const float> send, std::span<float> recv) {
+  Impl& im = *impl_;
+  const auto op = im.begin("reduce_scatter_sum");
+  const int p = im.size;
+  const auto n = static_cast<std::int64_t>(recv.size());
+  CPATTN_CHECK(static_cast<std::int64_t>(send.size()) == n * p, "reduce_scatter_sum: send.size() ",
+               "must be recv.size() * size() = ", n, " * ", p, ", got ", send.size());
+  CPATTN_CHECK(!overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()),
+               "reduce_scatter_sum: send and recv must not overlap");
+  if (n == 0) return;
+  if (p == 1) {
+    std::copy(send.begin(), send.end(), recv.begin());
+    return;
+  }
+  const float* x = send.data();
+  const int r = im.rank;
+
+  if (im.opts.reduce_scatter_algorithm == CommAlgorithm::mpi) {
+    for (std::int64_t off = 0; off < n; off += im.chunk()) {
+      const std::int64_t len = std::min(im.chunk(), n - off);
+      const float* src = x;
+      if (len != n) {  // split: stage this chunk of every block contiguously, [p][len]
+        im.pack.resize(static_cast<std::size_t>(len * p));
+        for (int q = 0; q < p; ++q)
+          std::copy_n(x + q * n + off, len, im.pack.data() + q * len);
+        src = im.pack.data();
+      }
+      MPI_Request req = MPI_REQUEST_NULL;
+      im.check(MPI_Ireduce_scatter_block(src, recv.data() + off, static_cast<int>(len),
+                                         MPI_FLOAT, MPI_SUM, im.comm, &req),
+               op, "MPI_Ireduce_scatter_block");
+      im.wait(op, req);
+    }
+    return;
+  }
+
+  // Ring, in passes over [off, off + len) of every block. At step s rank r sends its
+  // partial sum of block (r - 1 - s) mod p to r + 1, receives the partial of block
+  // (r - 2 - s) mod p from r - 1 and adds its own term last. Block b thus starts at rank b + 1
+  // and ends at rank b: ((x[b+1] + x[b+2]) + ...) + x[b], an order fixed by the ranks alone.
+  // A step moves its block in segments and adds each as it arrives, while later ones fly.
+  // Passes of at most 64 segments bound the scratch to 2 x 64 segments (128 MiB).
+  const int right = (r + 1) % p;
+  const int left = (r + p - 1) % p;
+  const std::int64_t seg = std::min(im.chunk(), kReduceScatterSegment);
+  const std::int64_t pass = 64 * seg;
+  std::vector<MPI_Request> reqs;
+  for (std::int64_t off = 0; off < n; off += pass) {
+    const std::int64_t len = std::min(pass, n - off);
+    if (p > 2) im.scratch.resize(static_cast<std::size_t>(2 * len));
+    float* buf[2] = {im.scratch.data(), im.scratch.data() + len};
+    const float* out = x + ((r - 1 + p) % p) * n + off;  // step 0 sends own term
+    for (int s = 0; s < p - 1; ++s) {
+      const int rb = (r - 2 - s + 2 * p) % p;
+      float* in = s == p - 2 ? recv.data() + off : buf[s % 2];
+      const float* own = x + rb * n + off;
+      im.post_recv(op, in, len, left, kTagReduceScatter, reqs, seg);  // reqs[k]: segment k
+      const std::size_t nseg = reqs.size();
+      im.post_send(op, out, len, right, kTagReduceScatter, reqs, seg);
+      for (std::size_t k = 0; k < nseg; ++k) {
+        im.wait(op, &reqs[k], 1, im.comm, reqs);
+        const std::int64_t lo = static_cast<std::int64_t>(k) * seg;
+        const std::int64_t hi = std::min(len, lo + seg);
+        for (std::int64_t i = lo; i < hi; ++i) in[i] += own[i];
+      }
+      im.wait(op, reqs);
+      out = in;
+    }
+  }
+}
+
+template <CommReduceElement T>
+void Communicator::all_reduce(std::span<T> data, ReduceOp rop) {
+  Impl& im = *impl_;
+  const auto op = im.begin(rop == ReduceOp::sum ? "all_reduce(sum)" : "all_reduce(max)");
+  const auto n = static_cast<std::int64_t>(data.size());
+  if (n == 0 || im.size == 1) return;
+  for (std::int64_t off = 0; off < n; off += im.chunk()) {
+    const int len = static_cast<int>(std::min(im.chunk(), n - off));
+    MPI_Request req = MPI_REQUEST_NULL;
+    im.check(MPI_Iallreduce(MPI_IN_PLACE, data.data() + off, len, mpi_type<T>(), mpi_op(rop),
+                            im.comm, &req),
+             op, "MPI_Iallreduce");
+    im.wait(op, req);
+  }
+}
+
+template <CommElement T>
+void Communicator::broadcast(std::span<T> data, int root) {
+  Impl& im = *impl_;
+  const auto op = im.begin("broadcast");
+  CPATTN_CHECK(root >= 0 && root < im.size, "broadcast: root must be in [0, ", im.size,
+               "), got ", root);
+  const auto n = static_cast<std::int64_t>(data.size());
+  if (n == 0 || im.size == 1) return;
+  for (std::int64_t off = 0; off < n; off += im.chunk()) {
+    const int len = static_cast<int>(std::min(im.chunk(), n - off));
+    MPI_Request req = MPI_REQUEST_NULL;
+    im.check(MPI_Ibcast(data.data() + off, len, mpi_type<T>(), root, im.comm, &req), op,
+             "MPI_Ibcast");
+    im.wait(op, req);
+  }
+}
+
+void Communicator::barrier() {
+  Impl& im = *impl_;
+  const auto op = im.begin("barrier");
+  MPI_Request req = MPI_REQUEST_NULL;
+  im.check(MPI_Ibarrier(im.comm, &req), op, "MPI_Ibarrier");
+  im.wait(op, req);
+}
+
+#define CPATTN_COMM_INSTANTIATE(T)                                                          \
+  template void Communicator::all_gather<T>(std::span<const T>, std::span<T>);             \
+  template void Communicator::all_gather_v<T>(std::span<const T>,                          \
+                                              std::span<const std::int64_t>, std::span<T>); \
+  template void Communicator::broadcast<T>(std::span<T>, int);
+CPATTN_COMM_INSTANTIATE(float)
+CPATTN_COMM_INSTANTIATE(double)
+CPATTN_COMM_INSTANTIATE(std::int32_t)
+CPATTN_COMM_INSTANTIATE(std::int64_t)
+CPATTN_COMM_INSTANTIATE(std::uint16_t)
+CPATTN_COMM_INSTANTIATE(std::byte)
+#undef CPATTN_COMM_INSTANTIATE
+template void Communicator::all_reduce<float>(std::span<float>, ReduceOp);
+template void Communicator::all_reduce<double>(std::span<double>, ReduceOp);
+template void Communicator::all_reduce<std::int64_t>(std::span<std::int64_t>, ReduceOp);
+
+
+}  // namespace cpattn

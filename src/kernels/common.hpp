@@ -1,0 +1,112 @@
+// Internal pieces shared by the reference, the fast paths and the dispatcher.
+#pragma once
+
+#include <cpattn/attention.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <exception>
+#include <thread>
+#include <vector>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace cpattn::kernels {
+
+// ---- storage types ----------------------------------------------------------------------
+// The conversions and dtype_size are cpattn's own (cpattn/dtype.hpp).
+
+// Element i of a tensor of storage type t, as fp32.
+inline float load_elem(const void* base, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(base)[i];
+    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+inline void store_elem(void* base, DType t, int64_t i, float x) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(base)[i] = x; return;
+    case DType::f16: static_cast<uint16_t*>(base)[i] = f32_to_f16(x); return;
+    case DType::bf16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(x); return;
+  }
+}
+
+// ---- dropout ----------------------------------------------------------------------------
+// splitmix64's finalizer: a bijective mix with full avalanche. Chaining it over the key's
+// fields gives a counter-based generator (no state, any order of evaluation).
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+// Keep threshold: an entry is kept iff its 32-bit draw is >= p * 2^32.
+inline uint32_t dropout_threshold(float p) {
+  return static_cast<uint32_t>(std::fmin(static_cast<double>(p) * 4294967296.0, 4294967295.0));
+}
+inline uint64_t dropout_row_key(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos) {
+  return mix64(mix64(mix64(seed ^ static_cast<uint64_t>(head)) ^ static_cast<uint64_t>(doc)) ^
+               static_cast<uint64_t>(q_pos));
+}
+inline bool dropout_keep_row(uint64_t row_key, int64_t k_pos, uint32_t threshold) {
+  return static_cast<uint32_t>(mix64(row_key ^ static_cast<uint64_t>(k_pos)) >> 32) >= threshold;
+}
+
+inline float resolve_scale(float s, int head_dim_qk) {
+  return s == 0.0f ? 1.0f / std::sqrt(static_cast<float>(head_dim_qk)) : s;
+}
+
+// ---- validation (validate.cpp) ----------------------------------------------------------
+void validate(const AttnFwdParams& p);
+void validate(const AttnBwdParams& p);
+
+// ---- work splitting ---------------------------------------------------------------------
+// parallel_for(n, threads, fn): calls fn(i, thread) for i in [0, n), item i on thread
+// i % threads (static, so the assignment never depends on timing). std::thread based.
+template <class Fn>
+void parallel_for(int64_t n, int threads, Fn&& fn);
+
+// ---- fast paths (kernel_*.cpp, one source compiled per ISA) -----------------------------
+namespace portable {
+void forward(const AttnFwdParams& p);
+void backward(const AttnBwdParams& p);
+}  // namespace portable
+namespace avx2 {
+void forward(const AttnFwdParams& p);
+void backward(const AttnBwdParams& p);
+}  // namespace avx2
+namespace avx512 {
+void forward(const AttnFwdParams& p);
+void backward(const AttnBwdParams& p);
+}  // namespace avx512
+
+}  // namespace cpattn::kernels
+
+namespace cpattn::kernels {
+template <class Fn>
+void parallel_for(int64_t n, int threads, Fn&& fn) {
+  const int t = static_cast<int>(std::min<int64_t>(std::max(threads, 1), std::max<int64_t>(n, 1)));
+  if (t <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(t);
+  auto body = [&](int id) {
+    try {
+      for (int64_t i = id; i < n; i += t) fn(i, id);
+    } catch (...) {
+      errors[id] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(t - 1);
+  for (int id = 1; id < t; ++id) pool.emplace_back(body, id);
+  body(0);
+  for (auto& th : pool) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+}  // namespace cpattn::kernels

@@ -1,0 +1,562 @@
+// The fast attention kernels, written once and compiled once per ISA by kernel_<isa>.cpp,
+// each of which defines CPATTN_KNS (its namespace) and CPATTN_VW (floats per vector) and
+// switches the target with `#pragma GCC target` *after* including every standard header, so
+// that no out-of-line standard function is compiled for a wider ISA than the baseline.
+// Everything here has internal linkage for the same reason (no ODR merging across ISAs).
+//
+// Algorithm (FlashAttention-2 on a CPU core):
+//  * K and V are packed once per call into fp32 blocks of BK physical rows per kv head, in the
+//    four layouts the products need (K^T, K, V, V^T), zero padded to PAD columns, converting
+//    the storage dtype on the way. A task's key run is cut at block boundaries into "pieces";
+//    a piece is columns [c0, c1) of a block, and only the PAD-aligned columns [a0, a1)
+//    around it are computed.
+//  * Every product is one register-blocked micro-kernel, C[M x N] (+)= A[M x K] B[K x N], with
+//    A read by broadcasts through (row, column) strides (so A can be transposed for free) and
+//    B, C row-major and vectorized along N: 6 x 2 vectors of accumulators.
+//  * Forward: a unit is (task, query head, block of BQ query rows); online softmax in the
+//    log2 domain over the pieces; fully masked pieces are skipped, and the first piece past
+//    the causal limit ends the loop.
+//  * Backward: a unit is one query head (all tasks, in order). For each piece it recomputes
+//    P from lse, and accumulates dV, dK of the piece in a local tile and dQ of the task in a
+//    local fp32 buffer. dK/dV go to a per-query-head fp32 scratch, summed over the heads of
+//    a GQA group in head order at the end. Each gradient element is therefore a fixed-order
+//    sum, whatever num_threads is and however many tasks share key rows: the results are
+//    bitwise reproducible and independent of the thread count. The price is scratch of
+//    Hq * total_k * (Dqk + Dv) floats and parallelism limited to Hq units.
+#ifndef CPATTN_KNS
+#error "define CPATTN_KNS and CPATTN_VW before including kernel_impl.hpp"
+#endif
+
+namespace cpattn::kernels::CPATTN_KNS {
+namespace {
+
+constexpr int W = CPATTN_VW;  // floats per vector
+constexpr int PAD = 16;       // head dims and key columns are padded to this (multiple of W)
+constexpr int BQ = 64;        // query rows per block
+constexpr int BK = 64;        // key rows per block
+constexpr int MR = 6;         // micro-kernel rows
+static_assert(PAD % W == 0 && BK % PAD == 0);
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vset(float x) { return x - vf{}; }  // a broadcast (vf{} + x would add 0.0f first)
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// 2^x for x <= 128, exactly 0 for x < -126 (so masked entries, -inf, give 0).
+// Round-to-nearest split x = n + f, |f| <= 1/2, degree-7 Taylor of 2^f (error < 1e-8).
+inline vf vexp2(vf x) {
+  const vf lo = vset(-126.0f);
+  const vi keep = x >= lo;
+  vf xc = x < lo ? lo : x;
+  xc = xc > vset(127.0f) ? vset(127.0f) : xc;
+  const vf magic = vset(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = xc + magic;
+  const vf n = t - magic;
+  const vf f = xc - n;
+  vf p = vset(1.525273380405984e-05f);
+  p = p * f + vset(1.5403530393381606e-04f);
+  p = p * f + vset(1.3333558146428443e-03f);
+  p = p * f + vset(9.618129107628477e-03f);
+  p = p * f + vset(5.550410866482158e-02f);
+  p = p * f + vset(2.402265069591007e-01f);
+  p = p * f + vset(6.931471805599453e-01f);
+  p = p * f + vset(1.0f);
+  const vi ni = (vi)t - (vi)magic;
+  const vi bits = (vi)p + (ni << 23);
+  return (vf)(bits & keep);
+}
+
+// ---- the micro-kernel -----------------------------------------------------------------
+// C[R x NV*W] (+)= sum_k A(r, k) B[k, :], A(r, k) = A[r * ars + k * acs].
+template <int R, int NV, bool Zero>
+inline void tile(int K, const float* A, int64_t ars, int64_t acs, const float* B0,
+                 const float* B1, int64_t ldb, float* C, int64_t ldc) {
+  const float* Bv[2] = {B0, B1};
+  vf acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = Zero ? vf{} : vload(C + r * ldc + c * W);
+  for (int k = 0; k < K; ++k) {
+    vf b[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) b[c] = vload(Bv[c] + k * ldb);
+    const float* a = A + k * acs;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf av = vset(a[r * ars]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = av * b[c] + acc[r][c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vstore(C + r * ldc + c * W, acc[r][c]);
+}
+
+template <int R, int NV, bool Zero>
+inline void col_panel(int M, int K, const float* A, int64_t ars, int64_t acs, const float* B0,
+                      const float* B1, int64_t ldb, float* C, int64_t ldc) {
+  int m = 0;
+  for (; m + R <= M; m += R) tile<R, NV, Zero>(K, A + m * ars, ars, acs, B0, B1, ldb, C + m * ldc, ldc);
+  const float* a = A + m * ars;
+  float* c = C + m * ldc;
+  switch (M - m) {
+    case 1: tile<1, NV, Zero>(K, a, ars, acs, B0, B1, ldb, c, ldc); break;
+    case 2: tile<2, NV, Zero>(K, a, ars, acs, B0, B1, ldb, c, ldc); break;
+    case 3: tile<3, NV, Zero>(K, a, ars, acs, B0, B1, ldb, c, ldc); break;
+    case 4: tile<4, NV, Zero>(K, a, ars, acs, B0, B1, ldb, c, ldc); break;
+    case 5: tile<5, NV, Zero>(K, a, ars, acs, B0, B1, ldb, c, ldc); break;
+    default: break;
+  }
+}
+
+// C[M x N] (+)= A[M x K] B[K x N]; N a multiple of W. Zero: C = A B instead of C += A B.
+// B is stored in panels of PAD columns: B(k, n) = B[(n / PAD) * bps + k * ldb + n % PAD]; a
+// row-major B is bps = PAD. Packed operands use ldb = PAD, so that a panel is one contiguous
+// block (a strided panel maps to few L1 sets and thrashes). Column panels outside, rows
+// inside: the panel stays in L1 while A streams.
+template <bool Zero>
+void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
+          int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+  auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
+  int n = 0;
+  for (; n + 2 * W <= N; n += 2 * W)
+    col_panel<MR, 2, Zero>(M, K, A, ars, acs, col(n), col(n + W), ldb, C + n, ldc);
+  for (; n < N; n += W) col_panel<MR, 1, Zero>(M, K, A, ars, acs, col(n), col(n), ldb, C + n, ldc);
+}
+
+// ---- storage conversion ------------------------------------------------------------------
+inline float ld(const void* base, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(base)[i];
+    case DType::f16:
+      return static_cast<float>(std::bit_cast<_Float16>(static_cast<const uint16_t*>(base)[i]));
+    case DType::bf16:
+      return std::bit_cast<float>(uint32_t{static_cast<const uint16_t*>(base)[i]} << 16);
+  }
+  return 0.0f;
+}
+// Row of n elements starting at base[i0] to fp32 dst, zero padded to n_pad.
+inline void ld_row(const void* base, DType t, int64_t i0, int n, int n_pad, float* dst) {
+  if (t == DType::f32) {
+    std::memcpy(dst, static_cast<const float*>(base) + i0, sizeof(float) * n);
+  } else {
+    for (int d = 0; d < n; ++d) dst[d] = ld(base, t, i0 + d);
+  }
+  for (int d = n; d < n_pad; ++d) dst[d] = 0.0f;
+}
+inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, float mul) {
+  switch (t) {
+    case DType::f32: {
+      float* o = static_cast<float*>(base) + i0;
+      for (int d = 0; d < n; ++d) o[d] = src[d] * mul;
+      return;
+    }
+    case DType::f16: {
+      uint16_t* o = static_cast<uint16_t*>(base) + i0;
+      for (int d = 0; d < n; ++d)
+        o[d] = std::bit_cast<uint16_t>(static_cast<_Float16>(src[d] * mul));
+      return;
+    }
+    case DType::bf16: {
+      uint16_t* o = static_cast<uint16_t*>(base) + i0;
+      for (int d = 0; d < n; ++d) o[d] = f32_to_bf16(src[d] * mul);
+      return;
+    }
+  }
+}
+
+inline int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
+
+// ---- packed K/V --------------------------------------------------------------------------
+struct Packed {
+  int64_t nblk = 0;  // blocks of BK physical key rows
+  int dp = 0, dvp = 0;
+  // per (kv head, block), in PAD-column panels: kt [BK/PAD][dp][PAD] (K^T), kr [dp/PAD][BK][PAD]
+  // (K), vr [dvp/PAD][BK][PAD] (V), vt [BK/PAD][dvp][PAD] (V^T)
+  std::vector<float> kt, kr, vr, vt;
+  const float* Kt(int hk, int64_t b) const { return kt.data() + (hk * nblk + b) * BK * dp; }
+  const float* Kr(int hk, int64_t b) const { return kr.data() + (hk * nblk + b) * BK * dp; }
+  const float* Vr(int hk, int64_t b) const { return vr.data() + (hk * nblk + b) * BK * dvp; }
+  const float* Vt(int hk, int64_t b) const { return vt.data() + (hk * nblk + b) * BK * dvp; }
+};
+
+template <class P>
+void pack_kv(const P& p, bool transposed_too, Packed& pk) {
+  pk.nblk = (p.total_k + BK - 1) / BK;
+  pk.dp = pad_up(p.head_dim_qk);
+  pk.dvp = pad_up(p.head_dim_v);
+  const size_t nb = static_cast<size_t>(p.num_heads_k) * pk.nblk * BK;
+  pk.kt.assign(nb * pk.dp, 0.0f);
+  pk.vr.assign(nb * pk.dvp, 0.0f);
+  if (transposed_too) {
+    pk.kr.assign(nb * pk.dp, 0.0f);
+    pk.vt.assign(nb * pk.dvp, 0.0f);
+  }
+  parallel_for(p.num_heads_k * pk.nblk, p.num_threads, [&](int64_t u, int) {
+    const int hk = static_cast<int>(u / pk.nblk);
+    const int64_t b = u % pk.nblk;
+    float* kt = pk.kt.data() + u * BK * pk.dp;
+    float* vr = pk.vr.data() + u * BK * pk.dvp;
+    float* kr = transposed_too ? pk.kr.data() + u * BK * pk.dp : nullptr;
+    float* vt = transposed_too ? pk.vt.data() + u * BK * pk.dvp : nullptr;
+    std::vector<float> row(std::max(pk.dp, pk.dvp));
+    for (int c = 0; c < BK; ++c) {
+      const int64_t r = b * BK + c;
+      if (r >= p.total_k) break;
+      const int cp = c / PAD, cr = c % PAD;
+      ld_row(p.k, p.dtype, r * p.k_row_stride + hk * p.k_head_stride, p.head_dim_qk, pk.dp, row.data());
+      for (int d = 0; d < pk.dp; ++d) {
+        kt[(cp * pk.dp + d) * PAD + cr] = row[d];
+        if (kr) kr[((d / PAD) * BK + c) * PAD + d % PAD] = row[d];
+      }
+      ld_row(p.v, p.dtype, r * p.v_row_stride + hk * p.v_head_stride, p.head_dim_v, pk.dvp, row.data());
+      for (int d = 0; d < pk.dvp; ++d) {
+        vr[((d / PAD) * BK + c) * PAD + d % PAD] = row[d];
+        if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
+      }
+    }
+  });
+}
+
+// A piece: key columns [c0, c1) of block b (physical rows b*BK + c), positions p_lo + (c - c0);
+// products run over the PAD-aligned columns [a0, a1).
+struct Piece {
+  int64_t b, p_lo;
+  int c0, c1, a0, a1;
+};
+
+// Calls fn(piece) for the pieces of task t in key order; stops at the first piece no query
+// position <= qp_max can see (causal). fn returns nothing.
+template <class Fn>
+void for_each_piece(const WorkList& w, const AttnTask& t, bool causal, int64_t qp_max, Fn&& fn) {
+  for (int64_t r = t.run_begin; r < t.run_end; ++r) {
+    const KeyRun& run = w.runs[r];
+    const int64_t end = run.row + run.len;
+    for (int64_t b = run.row / BK; b * BK < end; ++b) {
+      const int64_t lo = std::max(run.row, b * BK), hi = std::min(end, (b + 1) * BK);
+      Piece pc;
+      pc.b = b;
+      pc.p_lo = run.pos + (lo - run.row);
+      if (causal && pc.p_lo > qp_max) return;
+      pc.c0 = static_cast<int>(lo - b * BK);
+      pc.c1 = static_cast<int>(hi - b * BK);
+      pc.a0 = pc.c0 / PAD * PAD;
+      pc.a1 = (pc.c1 + PAD - 1) / PAD * PAD;
+      fn(pc);
+    }
+  }
+}
+
+// Visible columns of a piece for query position qp: [c0, end).
+inline int visible_end(const Piece& pc, bool causal, int64_t qp) {
+  if (!causal) return pc.c1;
+  const int64_t e = pc.c0 + (qp - pc.p_lo) + 1;
+  return static_cast<int>(std::clamp<int64_t>(e, pc.c0, pc.c1));
+}
+
+// ---- forward -----------------------------------------------------------------------------
+struct FwdScratch {
+  std::vector<float> q, o, s, m, l;
+};
+
+void forward_impl(const AttnFwdParams& p) {
+  const WorkList& w = *p.work;
+  const int hq = p.num_heads_q, group = p.num_heads_q / p.num_heads_k;
+  const bool causal = p.mask == MaskType::causal;
+  const float cl = resolve_scale(p.softmax_scale, p.head_dim_qk) * kLog2e;
+  const bool dropout = p.dropout_p > 0.0f;
+  const uint32_t thr = dropout_threshold(p.dropout_p);
+  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+
+  Packed pk;
+  pack_kv(p, false, pk);
+  const int dp = pk.dp, dvp = pk.dvp;
+
+  struct Unit {
+    int64_t task, qb;
+  };
+  std::vector<Unit> blocks;
+  for (size_t t = 0; t < w.tasks.size(); ++t)
+    for (int64_t qb = 0; qb * BQ < w.tasks[t].q_len; ++qb) blocks.push_back({static_cast<int64_t>(t), qb});
+
+  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, static_cast<int64_t>(blocks.size()) * hq)));
+  std::vector<FwdScratch> scr(nthr);
+  for (auto& s : scr) {
+    s.q.resize(BQ * dp);
+    s.o.resize(BQ * dvp);
+    s.s.resize(BQ * BK);
+    s.m.resize(BQ);
+    s.l.resize(BQ);
+  }
+
+  parallel_for(static_cast<int64_t>(blocks.size()) * hq, nthr, [&](int64_t u, int th) {
+    FwdScratch& S = scr[th];
+    const Unit un = blocks[u / hq];
+    const int h = static_cast<int>(u % hq), hk = h / group;
+    const AttnTask& t = w.tasks[un.task];
+    const int64_t row0 = t.q_row + un.qb * BQ, qp0 = t.q_pos + un.qb * BQ;
+    const int m = static_cast<int>(std::min<int64_t>(BQ, t.q_len - un.qb * BQ));
+    for (int r = 0; r < m; ++r)
+      ld_row(p.q, p.dtype, (row0 + r) * p.q_row_stride + h * p.q_head_stride, p.head_dim_qk, dp,
+             S.q.data() + r * dp);
+    std::fill(S.o.begin(), S.o.begin() + m * dvp, 0.0f);
+    std::fill(S.m.begin(), S.m.end(), kNegInf);
+    std::fill(S.l.begin(), S.l.end(), 0.0f);
+
+    for_each_piece(w, t, causal, qp0 + m - 1, [&](const Piece& pc) {
+      const int n = pc.a1 - pc.a0;
+      // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
+      gemm<true>(m, n, dp, S.q.data(), dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
+                 dp * PAD, S.s.data() + pc.a0, BK);
+      for (int r = 0; r < m; ++r) {
+        float* s = S.s.data() + r * BK;
+        const int ve = visible_end(pc, causal, qp0 + r);
+        if (ve <= pc.c0) {  // nothing visible in this piece for this row
+          for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
+          continue;
+        }
+        // log2-domain scores, masked outside [c0, ve)
+        vf mx = vset(kNegInf);
+        for (int c = pc.a0; c < pc.a1; c += W) {
+          vf x = vload(s + c) * vset(cl);
+          vstore(s + c, x);
+        }
+        for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
+        for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
+        for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
+        const float m_old = S.m[r];
+        const float m_new = std::fmax(m_old, hmax(mx));
+        const float alpha = m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
+        vf sum = vf{};
+        const vf mv = vset(m_new);
+        for (int c = pc.a0; c < pc.a1; c += W) {
+          const vf e = vexp2(vload(s + c) - mv);
+          sum += e;
+          vstore(s + c, e);
+        }
+        S.l[r] = S.l[r] * alpha + hsum(sum);
+        S.m[r] = m_new;
+        if (alpha != 1.0f) {
+          float* o = S.o.data() + r * dvp;
+          for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
+        }
+        if (dropout) {
+          const uint64_t key = dropout_row_key(p.seed, h, t.doc, qp0 + r);
+          for (int c = pc.c0; c < ve; ++c)
+            s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
+        }
+      }
+      // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
+      gemm<false>(m, dvp, n, S.s.data() + pc.a0, BK, 1, pk.Vr(hk, pc.b) + pc.a0 * PAD, PAD,
+                  BK * PAD, S.o.data(), dvp);
+    });
+
+    for (int r = 0; r < m; ++r) {
+      const float l = S.l[r];
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      st_row(p.out, p.dtype, (row0 + r) * p.out_row_stride + h * p.out_head_stride, p.head_dim_v,
+             S.o.data() + r * dvp, inv);
+      p.lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[r] * kLn2 + std::log(l) : kNegInf;
+    }
+  });
+}
+
+// ---- backward ----------------------------------------------------------------------------
+struct BwdScratch {
+  std::vector<float> q, dout, dq, lse2, delta;  // per task rows, row-major
+  std::vector<float> q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD]
+  std::vector<float> s, pd, dp;                 // [BQ][BK]
+  std::vector<float> dk, dv;                    // piece tiles [BK][dp], [BK][dvp]
+};
+
+void backward_impl(const AttnBwdParams& p) {
+  const WorkList& w = *p.work;
+  const int hq = p.num_heads_q, hkn = p.num_heads_k, group = hq / hkn;
+  const bool causal = p.mask == MaskType::causal;
+  const float scale = resolve_scale(p.softmax_scale, p.head_dim_qk);
+  const float cl = scale * kLog2e;
+  const bool dropout = p.dropout_p > 0.0f;
+  const uint32_t thr = dropout_threshold(p.dropout_p);
+  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+
+  Packed pk;
+  pack_kv(p, true, pk);
+  const int dp = pk.dp, dvp = pk.dvp;
+
+  int64_t max_q = 0;
+  for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
+  // dK, dV of every query head: [hq][total_k][dp], [hq][total_k][dvp] (fp32, unscaled dK)
+  std::vector<float> gk(static_cast<size_t>(hq) * p.total_k * dp, 0.0f);
+  std::vector<float> gv(static_cast<size_t>(hq) * p.total_k * dvp, 0.0f);
+
+  const int nthr = std::max(1, std::min(p.num_threads, hq));
+  std::vector<BwdScratch> scr(nthr);
+  for (auto& s : scr) {
+    s.q.resize(max_q * dp);
+    s.q_pan.resize(max_q * dp);
+    s.dout_pan.resize(max_q * dvp);
+    s.dout.resize(max_q * dvp);
+    s.dq.resize(max_q * dp);
+    s.lse2.resize(max_q);
+    s.delta.resize(max_q);
+    s.s.resize(BQ * BK);
+    s.pd.resize(BQ * BK);
+    s.dp.resize(BQ * BK);
+    s.dk.resize(BK * dp);
+    s.dv.resize(BK * dvp);
+  }
+
+  parallel_for(hq, nthr, [&](int64_t hu, int th) {
+    BwdScratch& S = scr[th];
+    const int h = static_cast<int>(hu), hk = h / group;
+    float* gkh = gk.data() + static_cast<size_t>(h) * p.total_k * dp;
+    float* gvh = gv.data() + static_cast<size_t>(h) * p.total_k * dvp;
+    for (const AttnTask& t : w.tasks) {
+      const int64_t nq = t.q_len;
+      std::vector<float> orow(dvp);
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t row = t.q_row + i;
+        ld_row(p.q, p.dtype, row * p.q_row_stride + h * p.q_head_stride, p.head_dim_qk, dp, S.q.data() + i * dp);
+        float* dor = S.dout.data() + i * dvp;
+        ld_row(p.dout, p.dtype, row * p.dout_row_stride + h * p.dout_head_stride, p.head_dim_v, dvp, dor);
+        ld_row(p.out, p.dtype, row * p.out_row_stride + h * p.out_head_stride, p.head_dim_v, dvp, orow.data());
+        for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
+        for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
+        float delta = 0.0f;  // dout_i . out_i
+        for (int d = 0; d < p.head_dim_v; ++d) delta += dor[d] * orow[d];
+        S.delta[i] = delta;
+        S.lse2[i] = p.lse[row * hq + h] * kLog2e;
+      }
+      std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
+
+      for_each_piece(w, t, causal, t.q_pos + nq - 1, [&](const Piece& pc) {
+        const int n = pc.a1 - pc.a0;
+        std::fill(S.dk.begin(), S.dk.end(), 0.0f);
+        std::fill(S.dv.begin(), S.dv.end(), 0.0f);
+        // first query block that sees the piece
+        int64_t qb0 = 0;
+        if (causal && pc.p_lo > t.q_pos) qb0 = (pc.p_lo - t.q_pos) / BQ;
+        for (int64_t qb = qb0; qb * BQ < nq; ++qb) {
+          const int64_t i0 = qb * BQ, qp0 = t.q_pos + i0;
+          const int m = static_cast<int>(std::min<int64_t>(BQ, nq - i0));
+          const float* qblk = S.q.data() + i0 * dp;
+          const float* doblk = S.dout.data() + i0 * dvp;
+          // S = Q Kt, dP = dO Vt   [m, a0:a1)
+          gemm<true>(m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
+                     dp * PAD, S.s.data() + pc.a0, BK);
+          gemm<true>(m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
+                     dvp * PAD, S.dp.data() + pc.a0, BK);
+          for (int r = 0; r < m; ++r) {
+            float* s = S.s.data() + r * BK;   // -> P, then dS
+            float* dpr = S.dp.data() + r * BK;
+            float* pd = S.pd.data() + r * BK;  // P after dropout
+            const int ve = visible_end(pc, causal, qp0 + r);
+            const float l2 = S.lse2[i0 + r];
+            if (ve <= pc.c0 || l2 == kNegInf) {
+              for (int c = pc.a0; c < pc.a1; ++c) s[c] = pd[c] = 0.0f;
+              continue;
+            }
+            const vf lv = vset(l2), cv = vset(cl), dl = vset(S.delta[i0 + r]);
+            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * cv - lv);
+            for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
+            for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
+            if (!dropout) {
+              for (int c = pc.a0; c < pc.a1; c += W) {
+                const vf pv = vexp2(vload(s + c));
+                vstore(pd + c, pv);
+                vstore(s + c, pv * (vload(dpr + c) - dl));  // dS = P (dP - delta)
+              }
+            } else {
+              const uint64_t key = dropout_row_key(p.seed, h, t.doc, qp0 + r);
+              for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
+              for (int c = pc.a0; c < pc.a1; ++c) {
+                const bool vis = c >= pc.c0 && c < ve;
+                const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? inv_keep : 0.0f;
+                pd[c] = s[c] * kf;
+                s[c] = s[c] * (dpr[c] * kf - S.delta[i0 + r]);
+              }
+            }
+          }
+          // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1)
+          gemm<false>(n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
+                      max_q * PAD, S.dv.data() + pc.a0 * dvp, dvp);
+          gemm<false>(n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
+                      max_q * PAD, S.dk.data() + pc.a0 * dp, dp);
+          gemm<false>(m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
+                      BK * PAD, S.dq.data() + i0 * dp, dp);
+        }
+        // add the piece's rows to this head's dK/dV
+        for (int c = pc.c0; c < pc.c1; ++c) {
+          const int64_t row = pc.b * BK + c;
+          float* gkr = gkh + row * dp;
+          float* gvr = gvh + row * dvp;
+          const float* tk = S.dk.data() + c * dp;
+          const float* tv = S.dv.data() + c * dvp;
+          for (int d = 0; d < dp; d += W) vstore(gkr + d, vload(gkr + d) + vload(tk + d));
+          for (int d = 0; d < dvp; d += W) vstore(gvr + d, vload(gvr + d) + vload(tv + d));
+        }
+      });
+      for (int64_t i = 0; i < nq; ++i)
+        st_row(p.dq, p.dtype, (t.q_row + i) * p.dq_row_stride + h * p.dq_head_stride,
+               p.head_dim_qk, S.dq.data() + i * dp, scale);
+    }
+  });
+
+  // dk[r, hk] = scale * sum over the group's heads (in head order) of gk; dv likewise.
+  const int64_t rows_per = 256;
+  parallel_for((p.total_k + rows_per - 1) / rows_per, p.num_threads, [&](int64_t u, int) {
+    std::vector<float> ak(dp), av(dvp);
+    const int64_t r1 = std::min(p.total_k, (u + 1) * rows_per);
+    for (int64_t r = u * rows_per; r < r1; ++r)
+      for (int hk = 0; hk < hkn; ++hk) {
+        std::fill(ak.begin(), ak.end(), 0.0f);
+        std::fill(av.begin(), av.end(), 0.0f);
+        for (int h = hk * group; h < (hk + 1) * group; ++h) {
+          const float* sk = gk.data() + (static_cast<size_t>(h) * p.total_k + r) * dp;
+          const float* sv = gv.data() + (static_cast<size_t>(h) * p.total_k + r) * dvp;
+          for (int d = 0; d < dp; ++d) ak[d] += sk[d];
+          for (int d = 0; d < dvp; ++d) av[d] += sv[d];
+        }
+        if (p.grad_mode == GradMode::write) {
+          st_row(p.dk, p.dtype, r * p.dk_row_stride + hk * p.dk_head_stride, p.head_dim_qk, ak.data(), scale);
+          st_row(p.dv, p.dtype, r * p.dv_row_stride + hk * p.dv_head_stride, p.head_dim_v, av.data(), 1.0f);
+        } else {
+          float* ok = p.dk_accum + (r * hkn + hk) * p.head_dim_qk;
+          float* ov = p.dv_accum + (r * hkn + hk) * p.head_dim_v;
+          for (int d = 0; d < p.head_dim_qk; ++d) ok[d] += ak[d] * scale;
+          for (int d = 0; d < p.head_dim_v; ++d) ov[d] += av[d];
+        }
+      }
+  });
+}
+
+}  // namespace
+
+void forward(const AttnFwdParams& p) { forward_impl(p); }
+void backward(const AttnBwdParams& p) { backward_impl(p); }
+
+}  // namespace cpattn::kernels::CPATTN_KNS

@@ -1,0 +1,403 @@
+// The communicator's collectives against hand-computed results, at any number of ranks (CTest
+// runs 1, 2, 3 and 4), for both algorithms and with calls split into tiny pieces.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpattn/comm.hpp"
+#include "cpattn/error.hpp"
+
+namespace cpattn {
+namespace {
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int s = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+
+// A test that fails on one rank must not leave the others waiting for the default 300 s.
+constexpr double kTestTimeoutS = 60;
+
+struct Setup {
+  CommAlgorithm algorithm;
+  std::int64_t max_count_per_call;
+};
+
+std::string setup_name(const testing::TestParamInfo<Setup>& info) {
+  return std::string(info.param.algorithm == CommAlgorithm::ring ? "ring" : "mpi") + "_chunk" +
+         (info.param.max_count_per_call == INT_MAX
+              ? std::string("Max")
+              : std::to_string(info.param.max_count_per_call));
+}
+
+class Collectives : public testing::TestWithParam<Setup> {
+ protected:
+  Communicator make() const {
+    return Communicator(MPI_COMM_WORLD,
+                        {.timeout_s = kTestTimeoutS,
+                         .on_timeout = TimeoutAction::throw_error,
+                         .max_count_per_call = GetParam().max_count_per_call,
+                         .reduce_scatter_algorithm = GetParam().algorithm,
+                         .all_gather_algorithm = GetParam().algorithm});
+  }
+};
+
+TEST_P(Collectives, RankSizeAndPrivateDuplicate) {
+  Communicator comm = make();
+  EXPECT_EQ(comm.rank(), world_rank());
+  EXPECT_EQ(comm.size(), world_size());
+  int cmp = MPI_UNEQUAL;
+  MPI_Comm_compare(comm.mpi_comm(), MPI_COMM_WORLD, &cmp);
+  EXPECT_EQ(cmp, MPI_CONGRUENT);  // same group, its own context
+  EXPECT_EQ(comm.calls(), 0);
+  comm.barrier();
+  comm.barrier();
+  EXPECT_EQ(comm.calls(), 2);
+}
+
+// Rank q's block holds q * 100 + i; the gather puts block q at q * n.
+template <class T>
+void check_all_gather(Communicator& comm, std::int64_t n, bool in_place) {
+  const int p = comm.size(), r = comm.rank();
+  std::vector<T> send(n), recv(n * p, T{});
+  for (std::int64_t i = 0; i < n; ++i) send[i] = static_cast<T>(r * 100 + i);
+  const auto before = comm.calls();
+  if (in_place) {
+    std::copy(send.begin(), send.end(), recv.begin() + r * n);
+    comm.all_gather<T>(std::span<const T>(recv.data() + r * n, n), recv);
+  } else {
+    comm.all_gather<T>(send, recv);
+  }
+  EXPECT_EQ(comm.calls(), before + 1);  // one call number however many MPI calls it took
+  for (int q = 0; q < p; ++q)
+    for (std::int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(recv[q * n + i], static_cast<T>(q * 100 + i)) << "block " << q << " elem " << i;
+}
+
+TEST_P(Collectives, AllGatherEveryType) {
+  Communicator comm = make();
+  for (const std::int64_t n : {0, 1, 7, 64}) {
+    check_all_gather<float>(comm, n, false);
+    check_all_gather<double>(comm, n, false);
+    check_all_gather<std::int32_t>(comm, n, false);
+    check_all_gather<std::int64_t>(comm, n, false);
+    check_all_gather<std::uint16_t>(comm, n, false);
+    check_all_gather<float>(comm, n, true);
+  }
+}
+
+TEST_P(Collectives, AllGatherBytesAndFp16Bits) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  // fp16/bf16 storage moves bit for bit: 0x7e00 (a NaN), 0xffff, 0x8000 (-0).
+  std::vector<std::uint16_t> bits{0x7e00, 0xffff, 0x8000, static_cast<std::uint16_t>(r)};
+  std::vector<std::uint16_t> all_bits(4 * p);
+  comm.all_gather<std::uint16_t>(bits, all_bits);
+  std::vector<std::byte> blob{std::byte{0xab}, static_cast<std::byte>(r), std::byte{0}};
+  std::vector<std::byte> blobs(3 * p);
+  comm.all_gather<std::byte>(blob, blobs);
+  for (int q = 0; q < p; ++q) {
+    EXPECT_EQ(all_bits[4 * q + 0], 0x7e00);
+    EXPECT_EQ(all_bits[4 * q + 1], 0xffff);
+    EXPECT_EQ(all_bits[4 * q + 2], 0x8000);
+    EXPECT_EQ(all_bits[4 * q + 3], q);
+    EXPECT_EQ(blobs[3 * q + 0], std::byte{0xab});
+    EXPECT_EQ(blobs[3 * q + 1], static_cast<std::byte>(q));
+    EXPECT_EQ(blobs[3 * q + 2], std::byte{0});
+  }
+}
+
+// counts[q]: rank q sends counts[q] values q * 1000 + i.
+void check_all_gather_v(Communicator& comm, const std::vector<std::int64_t>& counts) {
+  const int p = comm.size(), r = comm.rank();
+  std::vector<float> send(counts[r]);
+  for (std::int64_t i = 0; i < counts[r]; ++i) send[i] = static_cast<float>(r * 1000 + i);
+  std::int64_t total = 0;
+  for (auto c : counts) total += c;
+  std::vector<float> recv(total, -1.0f);
+  comm.all_gather_v<float>(send, counts, recv);
+  std::int64_t at = 0;
+  for (int q = 0; q < p; ++q)
+    for (std::int64_t i = 0; i < counts[q]; ++i, ++at)
+      ASSERT_EQ(recv[at], static_cast<float>(q * 1000 + i)) << "rank " << q << " elem " << i;
+}
+
+TEST_P(Collectives, AllGatherVaryingCountsWithZeros) {
+  Communicator comm = make();
+  const int p = comm.size();
+  std::vector<std::int64_t> counts(p);
+  for (int q = 0; q < p; ++q) counts[q] = q % 2 == 1 ? 0 : 2 * q + 3;  // 3, 0, 7, 0
+  check_all_gather_v(comm, counts);
+  for (int q = 0; q < p; ++q) counts[q] = q == p - 1 ? 11 : 0;  // only the last rank
+  check_all_gather_v(comm, counts);
+  std::fill(counts.begin(), counts.end(), 0);  // nothing at all
+  check_all_gather_v(comm, counts);
+  for (int q = 0; q < p; ++q) counts[q] = 5 + q;  // all different, none zero
+  check_all_gather_v(comm, counts);
+}
+
+TEST_P(Collectives, AllGatherCounts) {
+  Communicator comm = make();
+  const auto counts = comm.all_gather_counts(int64_t{1} << 40 | comm.rank());
+  ASSERT_EQ(static_cast<int>(counts.size()), comm.size());
+  for (int q = 0; q < comm.size(); ++q) EXPECT_EQ(counts[q], int64_t{1} << 40 | q);
+}
+
+// x[q][b][i] = (q + 1) * (b + 1) + (q + 1)^2 * i / 2, so rank b receives
+// (b + 1) * p(p+1)/2 + i/2 * p(p+1)(2p+1)/6: halves and small integers, exact in fp32.
+TEST_P(Collectives, ReduceScatterSumHandComputed) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  for (const std::int64_t n : {1, 7, 100}) {
+    std::vector<float> send(n * p), recv(n, -1.0f);
+    for (int b = 0; b < p; ++b)
+      for (std::int64_t i = 0; i < n; ++i)
+        send[b * n + i] = static_cast<float>((r + 1) * (b + 1) + (r + 1) * (r + 1) * 0.5 * static_cast<double>(i));
+    comm.reduce_scatter_sum(send, recv);
+    const double s1 = p * (p + 1) / 2.0, s2 = p * (p + 1) * (2 * p + 1) / 6.0;
+    for (std::int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(recv[i], static_cast<float>((r + 1) * s1 + 0.5 * static_cast<double>(i) * s2)) << "n " << n << " i " << i;
+  }
+  std::vector<float> none;
+  comm.reduce_scatter_sum(none, none);  // n = 0 is fine
+}
+
+// The ring's documented order: block b is ((x[b+1] + x[b+2]) + ...) + x[b]. With x[b+1] = 1e8,
+// x[b+2] = -1e8 and 1 elsewhere the big terms cancel first and every 1 survives (summing in
+// rank order instead would lose the 1s added to 1e8: fp32's spacing there is 8).
+TEST_P(Collectives, RingReduceScatterOrderIsFixed) {
+  if (GetParam().algorithm != CommAlgorithm::ring) GTEST_SKIP() << "order is MPI's";
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  if (p < 3) GTEST_SKIP() << "needs 3 ranks";
+  const std::int64_t n = 5;
+  std::vector<float> send(n * p);
+  for (int b = 0; b < p; ++b) {
+    const float x = r == (b + 1) % p ? 1e8f : r == (b + 2) % p ? -1e8f : 1.0f;
+    std::fill_n(send.begin() + b * n, n, x);
+  }
+  std::vector<float> first(n), again(n);
+  comm.reduce_scatter_sum(send, first);
+  for (std::int64_t i = 0; i < n; ++i) EXPECT_EQ(first[i], static_cast<float>(p - 2));
+  for (int rep = 0; rep < 10; ++rep) {
+    comm.reduce_scatter_sum(send, again);
+    ASSERT_EQ(std::memcmp(first.data(), again.data(), n * sizeof(float)), 0);
+  }
+}
+
+TEST_P(Collectives, AllReduceSumMax) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  const std::int64_t n = 9;
+  std::vector<float> f(n);
+  std::vector<double> d(n);
+  std::vector<std::int64_t> l(n);
+  auto fill = [&] {
+    for (std::int64_t i = 0; i < n; ++i) {
+      f[i] = static_cast<float>((r + 1) * i);
+      d[i] = static_cast<double>((r + 1) * i) + 0.25;
+      l[i] = (int64_t{1} << 40) * (r + 1) + i;  // past 2^32: 64-bit all the way
+    }
+  };
+  fill();
+  comm.all_reduce<float>(f, ReduceOp::sum);
+  comm.all_reduce<double>(d, ReduceOp::sum);
+  comm.all_reduce<std::int64_t>(l, ReduceOp::sum);
+  const std::int64_t s1 = p * (p + 1) / 2;
+  for (std::int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(f[i], static_cast<float>(s1 * i));
+    EXPECT_EQ(d[i], static_cast<double>(s1 * i) + 0.25 * p);
+    EXPECT_EQ(l[i], (int64_t{1} << 40) * s1 + p * i);
+  }
+  fill();
+  comm.all_reduce<float>(f, ReduceOp::max);
+  comm.all_reduce<double>(d, ReduceOp::max);
+  comm.all_reduce<std::int64_t>(l, ReduceOp::max);
+  for (std::int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(f[i], static_cast<float>(p * i));
+    EXPECT_EQ(d[i], static_cast<double>(p * i) + 0.25);
+    EXPECT_EQ(l[i], (int64_t{1} << 40) * p + i);
+  }
+}
+
+TEST_P(Collectives, BroadcastFromLastRank) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  std::vector<std::int64_t> l(13, r);
+  std::vector<std::uint16_t> h(6, static_cast<std::uint16_t>(r));
+  if (r == p - 1)
+    for (int i = 0; i < 13; ++i) l[i] = 1000 + i;
+  comm.broadcast<std::int64_t>(l, p - 1);
+  comm.broadcast<std::uint16_t>(h, p - 1);
+  for (int i = 0; i < 13; ++i) EXPECT_EQ(l[i], 1000 + i);
+  for (auto v : h) EXPECT_EQ(v, p - 1);
+  EXPECT_THROW(comm.broadcast<std::int64_t>(l, p), Error);
+}
+
+TEST_P(Collectives, BadSizesThrowBeforeCommunicating) {
+  Communicator comm = make();
+  std::vector<float> a(3), b(3 * comm.size() + 1);
+  EXPECT_THROW(comm.all_gather<float>(a, b), Error);
+  EXPECT_THROW(comm.reduce_scatter_sum(b, a), Error);
+  std::vector<std::int64_t> counts(comm.size() + 1, 0);
+  EXPECT_THROW(comm.all_gather_v<float>(a, counts, b), Error);
+  comm.barrier();  // still usable
+}
+
+INSTANTIATE_TEST_SUITE_P(Comm, Collectives,
+                         testing::Values(Setup{CommAlgorithm::ring, INT_MAX},
+                                         Setup{CommAlgorithm::mpi, INT_MAX},
+                                         Setup{CommAlgorithm::ring, 3},
+                                         Setup{CommAlgorithm::mpi, 3},
+                                         Setup{CommAlgorithm::ring, 1},
+                                         Setup{CommAlgorithm::mpi, 1}),
+                         setup_name);
+
+TEST(CommOptionsTest, TimeoutFromEnvironmentAndOptions) {
+  ASSERT_EQ(setenv("CPATTN_COMM_TIMEOUT_S", "7.5", 1), 0);
+  EXPECT_EQ(Communicator(MPI_COMM_WORLD).timeout_s(), 7.5);
+  EXPECT_EQ(Communicator(MPI_COMM_WORLD, {.timeout_s = 2}).timeout_s(), 2);  // explicit wins
+  ASSERT_EQ(setenv("CPATTN_COMM_TIMEOUT_S", "soon", 1), 0);
+  EXPECT_THROW(Communicator{MPI_COMM_WORLD}, Error);
+  ASSERT_EQ(unsetenv("CPATTN_COMM_TIMEOUT_S"), 0);
+  EXPECT_EQ(Communicator(MPI_COMM_WORLD).timeout_s(), 300);
+  EXPECT_THROW(Communicator(MPI_COMM_WORLD, {.timeout_s = 0}), Error);
+  EXPECT_THROW(Communicator(MPI_COMM_WORLD, {.timeout_s = 2, .max_count_per_call = 0}), Error);
+  EXPECT_THROW(Communicator(MPI_COMM_NULL), Error);
+}
+
+TEST(CommOptionsTest, MoveKeepsOneDuplicate) {
+  Communicator a(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  Communicator b(std::move(a));
+  b.barrier();
+  a = std::move(b);
+  a.barrier();
+  EXPECT_EQ(a.calls(), 2);
+}
+
+// ---- agreement ----
+
+TEST(Agree, DescribeDisagreementText) {
+  Fingerprint fp;
+  fp.add("tokens", 0).add("num_heads_q", 0).add("dtype", 0);
+  // 6 ranks; num_heads_q differs on rank 4, dtype on ranks 1 and 5.
+  const std::vector<std::int64_t> all{100, 8, 1, 100, 8, 2, 100, 8, 1,
+                                      100, 8, 1, 100, 4, 1, 100, 8, 2};
+  EXPECT_EQ(describe_disagreement(fp, all, 6, "attention forward").value(),
+            "ranks disagree on attention forward: num_heads_q: ranks 0-3,5 have 8, rank 4 has 4; "
+            "dtype: ranks 0,2-4 have 1, ranks 1,5 have 2");
+  const std::vector<std::int64_t> same{1, 2, 3, 1, 2, 3};
+  EXPECT_FALSE(describe_disagreement(fp, same, 2, "x").has_value());
+  EXPECT_THROW(describe_disagreement(fp, same, 3, "x"), Error);
+}
+
+TEST(Agree, SameFingerprintPasses) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  Fingerprint fp;
+  fp.add("tokens", 4096).add("num_heads_q", 8).add("call", 1);
+  EXPECT_NO_THROW(agree(comm, fp, "attention forward"));
+}
+
+std::string expected_ranks(int p) {  // all but the last rank, as format_ranks writes them
+  if (p == 2) return "rank 0 has";
+  if (p == 3) return "ranks 0,1 have";
+  return "ranks 0-" + std::to_string(p - 2) + " have";
+}
+
+TEST(Agree, OneRankDiffersSameErrorEverywhere) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  const int p = comm.size(), r = comm.rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Fingerprint fp;
+  fp.add("tokens", 4096).add("num_heads_q", r == p - 1 ? 4 : 8).add("call", 1);
+  std::string msg;
+  try {
+    agree(comm, fp, "attention forward");
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg, "ranks disagree on attention forward: num_heads_q: " + expected_ranks(p) +
+                     " 8, rank " + std::to_string(p - 1) + " has 4");
+  // Every rank holds the same text: compare lengths and a checksum across ranks.
+  std::vector<std::int64_t> sig{static_cast<std::int64_t>(msg.size()),
+                                static_cast<std::int64_t>(std::hash<std::string>{}(msg))};
+  std::vector<std::int64_t> mx = sig, mn = sig;
+  comm.all_reduce<std::int64_t>(mx, ReduceOp::max);
+  for (auto& v : mn) v = -v;
+  comm.all_reduce<std::int64_t>(mn, ReduceOp::max);
+  EXPECT_EQ(mx[0], -mn[0]);
+  EXPECT_EQ(mx[1], -mn[1]);
+}
+
+TEST(Agree, OtherFieldListFailsBeforeGatheringValues) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  const int p = comm.size(), r = comm.rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Fingerprint fp;
+  fp.add("tokens", 4096);
+  if (r == p - 1) fp.add("extra", 1);
+  try {
+    agree(comm, fp, "attention forward");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fingerprint field count: " + expected_ranks(p) + " 1"),
+              std::string::npos)
+        << e.what();
+  }
+  comm.barrier();  // nothing left in flight
+}
+
+// ---- deadlines ----
+
+// The last rank arrives 2.5 s late at an all-reduce whose deadline is 1 s: the others get the
+// error naming the operation and its call number, then drain the request the late rank
+// completes, so nothing is left hanging.
+TEST(Deadline, LateRankMakesOthersThrow) {
+  const int p = world_size(), r = world_rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = 1.0, .on_timeout = TimeoutAction::throw_error});
+  comm.barrier();  // call #1
+  std::vector<double> x{1.0};
+  const auto start = std::chrono::steady_clock::now();
+  if (r == p - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    comm.all_reduce<double>(x, ReduceOp::sum);  // others are draining: completes at once
+    EXPECT_FALSE(comm.poisoned());
+    EXPECT_EQ(x[0], p);  // the others' contributions were already in flight
+  } else {
+    try {
+      comm.all_reduce<double>(x, ReduceOp::sum);
+      ADD_FAILURE() << "no timeout";
+    } catch (const Error& e) {
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_GE(waited, 1.0);
+      EXPECT_LT(waited, 2.4);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("timeout: all_reduce(sum) (call #2) on rank " + std::to_string(r)),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("deadline of 1 s"), std::string::npos) << what;
+    }
+    EXPECT_TRUE(comm.poisoned());
+    EXPECT_THROW(comm.barrier(), Error);  // poisoned: refuses at once
+    EXPECT_TRUE(comm.drain(30));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+}  // namespace
+}  // namespace cpattn

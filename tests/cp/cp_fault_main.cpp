@@ -1,0 +1,52 @@
+// Faults in the middle of CP attention, each run by CTest as its own job under an outer
+// timeout (issue: nothing may hang). argv[1] picks the fault, always on the last rank:
+//   sleep        sleeps far past the 2 s collective deadline before forward: the others must
+//                print the timeout line naming the operation and MPI_Abort the whole job;
+//   kill-before  dies by SIGKILL before forward;
+//   kill-during  dies by SIGKILL from a second thread while forward moves a large K/V.
+// CTest passes each on the expected message and bounds its time.
+#include <cpattn/comm.hpp>
+#include <cpattn/cp.hpp>
+#include <cpattn/plan.hpp>
+
+#include <mpi.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  const std::string fault = argc > 1 ? argv[1] : "";
+  {
+    cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 2.0});
+    const bool faulty = comm.rank() == comm.size() - 1;
+    // Large enough that the all-gather of K and V takes a while.
+    const std::vector<int64_t> cu{0, 40000, 65536};
+    const cpattn::RankPlan p = cpattn::get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
+    const int h = 8, d = 64;
+    std::vector<float> q(p.local_tokens * h * d, 0.01f), k(q.size(), 0.02f), v(q.size(), 0.03f), out(q.size());
+    cpattn::CpAttention attn(comm, {.num_heads_q = h, .num_heads_k = h, .head_dim_qk = d, .head_dim_v = d});
+    comm.barrier();
+    if (faulty && fault == "sleep") {
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      std::fprintf(stderr, "rank %d: the late rank was not ended by MPI_Abort\n", comm.rank());
+    }
+    if (faulty && fault == "kill-before") std::raise(SIGKILL);
+    std::thread killer;
+    if (faulty && fault == "kill-during")
+      killer = std::thread([] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        std::raise(SIGKILL);
+      });
+    attn.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = q.data(), .k = k.data(),
+                  .v = v.data(), .out = out.data()});
+    std::fprintf(stderr, "rank %d: forward returned, no fault seen\n", comm.rank());
+    if (killer.joinable()) killer.join();
+  }
+  MPI_Finalize();
+  return 0;
+}

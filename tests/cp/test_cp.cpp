@@ -1,0 +1,429 @@
+// CP attention over MPI against a single-process run of the whole batch (DESIGN.md 7), at
+// the rank count mpiexec gives (CTest runs 1, 2, 3 and 4), and the agreement failures.
+#include <cpattn/comm.hpp>
+#include <cpattn/cp.hpp>
+#include <cpattn/dtype.hpp>
+#include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
+#include <cpattn/plan.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Shape {
+  const char* name;
+  int hq, hkv, dqk, dv;
+};
+constexpr Shape kShapes[] = {{"mha", 8, 8, 64, 64}, {"gqa", 8, 2, 64, 64}, {"mla", 8, 2, 192, 128}};
+
+// Documents whose lengths need padding at every cp in 1..4, and a 1-token document.
+const std::vector<int64_t> kLengths{37, 100, 1, 64, 23, 9};
+
+// A THD tensor in storage type `t`, and its values as float (rounded through the storage).
+struct Tensor {
+  DType t;
+  std::vector<std::byte> bytes;
+  std::vector<float> values() const {
+    std::vector<float> f(bytes.size() / dtype_size(t));
+    to_float(bytes.data(), t, f.size(), f.data());
+    return f;
+  }
+};
+
+Tensor random_tensor(DType t, std::size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> f(n);
+  for (float& x : f) x = dist(rng);
+  Tensor out{t, std::vector<std::byte>(n * dtype_size(t))};
+  from_float(f.data(), n, t, out.bytes.data());
+  return out;
+}
+
+struct Global {  // the whole batch and its single-process results
+  std::vector<int64_t> cu;
+  Tensor q, k, v, dout;
+  Tensor out, dq, dk, dv;
+  std::vector<float> lse;
+};
+
+Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = MaskType::causal) {
+  Global g;
+  g.cu = cu_seqlens_from_lengths(kLengths);
+  const int64_t n = g.cu.back();
+  g.q = random_tensor(t, n * s.hq * s.dqk, 1);
+  g.k = random_tensor(t, n * s.hkv * s.dqk, 2);
+  g.v = random_tensor(t, n * s.hkv * s.dv, 3);
+  g.dout = random_tensor(t, n * s.hq * s.dv, 4);
+  const std::size_t es = dtype_size(t);
+  g.out = {t, std::vector<std::byte>(n * s.hq * s.dv * es)};
+  g.dq = {t, std::vector<std::byte>(n * s.hq * s.dqk * es)};
+  g.dk = {t, std::vector<std::byte>(n * s.hkv * s.dqk * es)};
+  g.dv = {t, std::vector<std::byte>(n * s.hkv * s.dv * es)};
+  g.lse.resize(n * s.hq);
+  const WorkList wl = varlen_worklist(g.cu, g.cu);
+  attention_forward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
+                     .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
+                     .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
+                     .out = g.out.bytes.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
+                     .lse = g.lse.data(), .total_q = n, .total_k = n, .num_heads_q = s.hq,
+                     .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv, .dtype = t,
+                     .mask = mask, .work = &wl, .path = path});
+  attention_backward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
+                      .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
+                      .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
+                      .out = g.out.bytes.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
+                      .lse = g.lse.data(),
+                      .dout = g.dout.bytes.data(), .dout_row_stride = s.hq * s.dv, .dout_head_stride = s.dv,
+                      .dq = g.dq.bytes.data(), .dq_row_stride = s.hq * s.dqk, .dq_head_stride = s.dqk,
+                      .dk = g.dk.bytes.data(), .dk_row_stride = s.hkv * s.dqk, .dk_head_stride = s.dqk,
+                      .dv = g.dv.bytes.data(), .dv_row_stride = s.hkv * s.dv, .dv_head_stride = s.dv,
+                      .total_q = n, .total_k = n, .num_heads_q = s.hq, .num_heads_k = s.hkv,
+                      .head_dim_qk = s.dqk, .head_dim_v = s.dv, .dtype = t, .mask = mask,
+                      .work = &wl, .path = path});
+  return g;
+}
+
+// The reference design's tolerances: fp32 1e-5 relative in norm; fp16 and bf16 elementwise
+// |a - b| <= atol + rtol * |b| with atol = rtol = 5e-3 and 2.5e-2.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, DType t,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double diff2 = 0, ref2 = 0;
+  int64_t bad = 0;
+  const double tol = t == DType::f16 ? 5e-3 : 2.5e-2;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << what << " element " << i;
+    diff2 += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
+    ref2 += double{want[i]} * want[i];
+    if (t != DType::f32 && std::abs(double{got[i]} - want[i]) > tol + tol * std::abs(double{want[i]})) ++bad;
+  }
+  if (t == DType::f32) {
+    EXPECT_LE(std::sqrt(diff2 / std::max(ref2, 1e-30)), 1e-5) << what;
+  } else {
+    EXPECT_EQ(bad, 0) << what << ": elements outside atol = rtol = " << tol;
+  }
+}
+
+// Rows of the global tensor `g` in the rank's local order, padding rows zero.
+Tensor local_rows(const Tensor& g, int64_t row_elems, const RankPlan& p) {
+  Tensor l{g.t, std::vector<std::byte>(p.local_tokens * row_elems * dtype_size(g.t))};
+  take_local_rows(g.bytes.data(), row_elems * static_cast<int64_t>(dtype_size(g.t)), p, l.bytes.data());
+  return l;
+}
+
+// The real rows of a local result, in global order (padding rows checked to be exactly zero).
+std::vector<float> to_global(const Tensor& local, int64_t row_elems, const RankPlan& p,
+                             const std::vector<float>& into, const std::string& what) {
+  std::vector<float> out = into;
+  const std::vector<float> lv = local.values();
+  for (int64_t i = 0; i < p.local_tokens; ++i) {
+    const int64_t g = p.real_token_index[i];
+    for (int64_t e = 0; e < row_elems; ++e) {
+      if (g < 0)
+        EXPECT_EQ(lv[i * row_elems + e], 0.0f) << what << ": padding row " << i << " is not zero";
+      else
+        out[g * row_elems + e] = lv[i * row_elems + e];
+    }
+  }
+  return out;
+}
+
+class CpAttentionTest : public ::testing::Test {
+ protected:
+  Communicator comm{MPI_COMM_WORLD, CommOptions{.timeout_s = 120.0, .on_timeout = TimeoutAction::abort}};
+};
+
+void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode) {
+  SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mode "
+                                    << (mode == KvMode::runs ? "runs" : "index") << " cp " << comm.size());
+  const KernelPath path = best_kernel_path();
+  const Global g = single_process(s, t, path);
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
+                          .head_dim_v = s.dv, .dtype = t, .kv_mode = mode, .path = path});
+  const RankPlan p = get_thd_load_balanced_cp_metadata(g.cu, comm.size(), comm.rank());
+  const int64_t qr = s.hq * s.dqk, kr = s.hkv * s.dqk, vr = s.hkv * s.dv, orow = s.hq * s.dv;
+  const Tensor q = local_rows(g.q, qr, p), k = local_rows(g.k, kr, p), v = local_rows(g.v, vr, p);
+  const Tensor dout = local_rows(g.dout, orow, p);
+  const std::size_t es = dtype_size(t);
+  Tensor out{t, std::vector<std::byte>(p.local_tokens * orow * es)};
+  std::vector<float> lse(p.local_tokens * s.hq);
+  attn.forward({.cu_seqlens = g.cu, .local_tokens = p.local_tokens, .q = q.bytes.data(),
+                .k = k.bytes.data(), .v = v.bytes.data(), .out = out.bytes.data(), .lse = lse.data()});
+  Tensor dq{t, std::vector<std::byte>(q.bytes.size())}, dk{t, std::vector<std::byte>(k.bytes.size())},
+      dv{t, std::vector<std::byte>(v.bytes.size())};
+  attn.backward({.dout = dout.bytes.data(), .dq = dq.bytes.data(), .dk = dk.bytes.data(), .dv = dv.bytes.data()});
+
+  // Every rank's real rows, gathered into the global order on every rank.
+  const auto gather = [&](const Tensor& local, int64_t row, const Tensor& want, const std::string& what) {
+    std::vector<float> mine = to_global(local, row, p, std::vector<float>(want.values().size(), 0.0f), what);
+    comm.all_reduce<float>(mine, ReduceOp::sum);  // disjoint rows: the sum is the union
+    expect_close(mine, want.values(), t, what);
+  };
+  gather(out, orow, g.out, "out");
+  gather(dq, qr, g.dq, "dq");
+  gather(dk, kr, g.dk, "dk");
+  gather(dv, vr, g.dv, "dv");
+  for (int64_t i = 0; i < p.local_tokens; ++i)
+    for (int h = 0; h < s.hq; ++h) {
+      const float want = p.real_token_index[i] < 0 ? -INFINITY : g.lse[p.real_token_index[i] * s.hq + h];
+      if (p.real_token_index[i] < 0)
+        ASSERT_EQ(lse[i * s.hq + h], want);
+      else
+        ASSERT_NEAR(lse[i * s.hq + h], want, t == DType::f32 ? 1e-5 : 1e-2);
+    }
+  EXPECT_GE(attn.stats().comm_s, 0.0);
+  EXPECT_EQ(attn.stats().forward_calls, 1);
+}
+
+TEST_F(CpAttentionTest, MatchesSingleProcessEveryShapeDtypeAndMode) {
+  for (const Shape& s : kShapes)
+    for (const DType t : {DType::f32, DType::f16, DType::bf16})
+      for (const KvMode m : {KvMode::runs, KvMode::index}) {
+        run_and_compare(comm, s, t, m);
+        if (HasFailure()) return;
+      }
+}
+
+// Runs `f` on every rank, expects cpattn::Error on every rank, checks that every rank got the
+// same message, and returns it.
+std::string same_error_everywhere(Communicator& comm, const std::function<void()>& f) {
+  std::string msg;
+  try {
+    f();
+    ADD_FAILURE() << "rank " << comm.rank() << ": no cpattn::Error";
+  } catch (const Error& e) {
+    msg = e.message();
+  }
+  const std::vector<int64_t> lens = comm.all_gather_counts(static_cast<int64_t>(msg.size()));
+  std::vector<std::byte> all(std::accumulate(lens.begin(), lens.end(), std::size_t{0}));
+  comm.all_gather_v<std::byte>(std::as_bytes(std::span(msg)), lens, all);
+  for (std::size_t r = 0, at = 0; r < lens.size(); at += lens[r], ++r)
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(all.data()) + at, lens[r]), msg)
+        << "rank " << r << " got another message";
+  return msg;
+}
+
+struct SmallBatch {
+  Shape s{"gqa", 4, 2, 16, 16};
+  std::vector<int64_t> cu{0, 10, 30};
+  std::vector<float> q, k, v, out, dout, dq, dk, dv;
+  int64_t t_loc;
+  SmallBatch(int cp, int rank) {
+    t_loc = get_thd_load_balanced_cp_metadata(cu, cp, rank).local_tokens;
+    q.assign(t_loc * s.hq * s.dqk, 0.1f);
+    k.assign(t_loc * s.hkv * s.dqk, 0.2f);
+    v.assign(t_loc * s.hkv * s.dv, 0.3f);
+    out.resize(t_loc * s.hq * s.dv);
+    dout.assign(out.size(), 1.0f);
+    dq.resize(q.size());
+    dk.resize(k.size());
+    dv.resize(v.size());
+  }
+  CpAttnConfig config() const {
+    return {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv};
+  }
+  CpForwardArgs fwd() {
+    return {.cu_seqlens = cu, .local_tokens = t_loc, .q = q.data(), .k = k.data(), .v = v.data(), .out = out.data()};
+  }
+  CpBackwardArgs bwd() { return {.dout = dout.data(), .dq = dq.data(), .dk = dk.data(), .dv = dv.data()}; }
+};
+
+TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int last = comm.size() - 1;
+  const std::string last_s = std::to_string(last);
+  {  // other boundaries, same token count
+    SmallBatch b(comm.size(), comm.rank());
+    if (comm.rank() == last) b.cu = {0, 20, 30};
+    CpAttention attn(comm, b.config());
+    const std::string m = same_error_everywhere(comm, [&] { attn.forward(b.fwd()); });
+    EXPECT_THAT(m, HasSubstr("cu_seqlens hash"));
+    EXPECT_THAT(m, HasSubstr("rank " + last_s));
+  }
+  {  // a head count
+    SmallBatch b(comm.size(), comm.rank());
+    CpAttnConfig c = b.config();
+    if (comm.rank() == last) c.num_heads_q = 2;
+    CpAttention attn(comm, c);
+    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("num_heads_q"));
+  }
+  {  // a head dim
+    SmallBatch b(comm.size(), comm.rank());
+    CpAttnConfig c = b.config();
+    if (comm.rank() == last) c.head_dim_v = 8;
+    CpAttention attn(comm, c);
+    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("head_dim_v"));
+  }
+  {  // a dtype (the buffers are large enough for either)
+    SmallBatch b(comm.size(), comm.rank());
+    CpAttnConfig c = b.config();
+    if (comm.rank() == last) c.dtype = DType::bf16;
+    CpAttention attn(comm, c);
+    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("dtype"));
+  }
+  {  // another token count: the plan's local count no longer matches on that rank
+    SmallBatch b(comm.size(), comm.rank());
+    if (comm.rank() == last) b.cu = {0, 10, 40};
+    CpAttention attn(comm, b.config());
+    const std::string m = same_error_everywhere(comm, [&] { attn.forward(b.fwd()); });
+    EXPECT_THAT(m, HasSubstr("[rank " + last_s + "]"));
+    EXPECT_THAT(m, HasSubstr("local_tokens must be"));
+  }
+}
+
+TEST_F(CpAttentionTest, BadArgumentsOnOneRankFailEveryRank) {
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttention attn(comm, b.config());
+  CpForwardArgs f = b.fwd();
+  if (comm.rank() == 0) f.q = nullptr;
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }),
+              HasSubstr("[rank 0] forward: q, k, v and out must not be null"));
+  std::vector<int64_t> bad{0, 10, 10, 30};
+  CpForwardArgs g = b.fwd();
+  g.cu_seqlens = bad;
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(g); }), HasSubstr("strictly increasing"));
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(b.bwd()); }),
+              HasSubstr("backward needs the forward just before it"));
+  EXPECT_THROW(CpAttention(comm, {.num_heads_q = 3, .num_heads_k = 2, .head_dim_qk = 8, .head_dim_v = 8}), Error);
+}
+
+TEST_F(CpAttentionTest, ADifferentCodePathIsCaughtByTheCallCounters) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttention attn(comm, b.config());
+  attn.forward(b.fwd());
+  // Rank 0 skips backward and runs forward again; the others run backward.
+  const std::string m = same_error_everywhere(comm, [&] {
+    if (comm.rank() == 0)
+      attn.forward(b.fwd());
+    else
+      attn.backward(b.bwd());
+  });
+  EXPECT_THAT(m, HasSubstr("phase"));
+  EXPECT_THAT(m, HasSubstr("calls"));
+}
+
+TEST_F(CpAttentionTest, RepeatedBackwardIsBitwiseEqual) {
+  SmallBatch b(comm.size(), comm.rank());
+  std::mt19937 rng(11 + comm.rank());
+  std::normal_distribution<float> d;
+  for (auto* vec : {&b.q, &b.k, &b.v, &b.dout})
+    for (float& x : *vec) x = d(rng);
+  CpAttention attn(comm, b.config());
+  std::vector<float> first_dq, first_dk, first_dv;
+  for (int i = 0; i < 50; ++i) {
+    attn.forward(b.fwd());
+    attn.backward(b.bwd());
+    if (i == 0) {
+      first_dq = b.dq, first_dk = b.dk, first_dv = b.dv;
+    } else {
+      ASSERT_EQ(std::memcmp(first_dq.data(), b.dq.data(), b.dq.size() * 4), 0);
+      ASSERT_EQ(std::memcmp(first_dk.data(), b.dk.data(), b.dk.size() * 4), 0);
+      ASSERT_EQ(std::memcmp(first_dv.data(), b.dv.data(), b.dv.size() * 4), 0);
+    }
+  }
+  EXPECT_EQ(attn.plan_cache().misses(), 1);  // one plan, reused by every call
+  EXPECT_EQ(attn.plan_cache().hits(), 49);
+}
+
+TEST_F(CpAttentionTest, NanInOneDocumentsKeysStaysInsideIt) {
+  // Documents of 10 and 20 tokens; a NaN in a key of document 1 must not touch document 0.
+  const Shape s{"gqa", 4, 2, 16, 16};
+  const std::vector<int64_t> cu{0, 10, 30};
+  Global g;
+  g.cu = cu;
+  const int64_t n = 30;
+  g.q = random_tensor(DType::f32, n * s.hq * s.dqk, 1);
+  g.k = random_tensor(DType::f32, n * s.hkv * s.dqk, 2);
+  g.v = random_tensor(DType::f32, n * s.hkv * s.dv, 3);
+  reinterpret_cast<float*>(g.k.bytes.data())[(15 * s.hkv + 1) * s.dqk + 3] = NAN;  // doc 1, token 15
+  const RankPlan p = get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
+  const Tensor q = local_rows(g.q, s.hq * s.dqk, p), k = local_rows(g.k, s.hkv * s.dqk, p),
+               v = local_rows(g.v, s.hkv * s.dv, p);
+  std::vector<float> out(p.local_tokens * s.hq * s.dv);
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv});
+  attn.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = q.bytes.data(), .k = k.bytes.data(),
+                .v = v.bytes.data(), .out = out.data()});
+  // Document 0 alone, in one process, is the reference for its rows.
+  std::vector<float> ref(10 * s.hq * s.dv), lse(10 * s.hq);
+  const std::vector<int64_t> cu0{0, 10};
+  const WorkList wl = varlen_worklist(cu0, cu0);
+  attention_forward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
+                     .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
+                     .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
+                     .out = ref.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
+                     .lse = lse.data(), .total_q = 10, .total_k = 10, .num_heads_q = s.hq,
+                     .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv, .work = &wl});
+  for (int64_t i = 0; i < p.local_tokens; ++i) {
+    const int64_t gi = p.real_token_index[i];
+    if (gi < 0 || gi >= 10) continue;
+    for (int64_t e = 0; e < s.hq * s.dv; ++e) {  // finite, and equal up to fp32 blocking order
+      const float want = ref[gi * s.hq * s.dv + e];
+      ASSERT_TRUE(std::isfinite(out[i * s.hq * s.dv + e])) << "token " << gi;
+      ASSERT_NEAR(out[i * s.hq * s.dv + e], want, 1e-5f * (1.0f + std::abs(want))) << "token " << gi;
+    }
+  }
+  // The opt-in finite check turns the NaN into an error on every rank (the rank holding it
+  // is named), before any payload moves.
+  CpAttention checked(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
+                             .head_dim_v = s.dv, .check_finite = true});
+  EXPECT_THAT(same_error_everywhere(comm, [&] {
+                checked.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = q.bytes.data(),
+                                 .k = k.bytes.data(), .v = v.bytes.data(), .out = out.data()});
+              }),
+              HasSubstr("k holds a non-finite value"));
+}
+
+TEST_F(CpAttentionTest, LargeScoresInHalfPrecisionStayFiniteAndMatchFp32) {
+  const Shape s{"gqa", 4, 2, 32, 32};
+  const std::vector<int64_t> cu{0, 40, 77};
+  const int64_t n = 77;
+  const RankPlan p = get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
+  const auto run = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+    const DType t = q.t;
+    const Tensor lq = local_rows(q, s.hq * s.dqk, p), lk = local_rows(k, s.hkv * s.dqk, p),
+                 lv = local_rows(v, s.hkv * s.dv, p);
+    Tensor out{t, std::vector<std::byte>(p.local_tokens * s.hq * s.dv * dtype_size(t))};
+    CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
+                            .head_dim_v = s.dv, .dtype = t});
+    attn.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = lq.bytes.data(),
+                  .k = lk.bytes.data(), .v = lv.bytes.data(), .out = out.bytes.data()});
+    return out.values();
+  };
+  const auto as_f32 = [](const Tensor& x) {
+    const std::vector<float> f = x.values();
+    Tensor out{DType::f32, std::vector<std::byte>(f.size() * 4)};
+    std::memcpy(out.bytes.data(), f.data(), out.bytes.size());
+    return out;
+  };
+  for (const DType t : {DType::f16, DType::bf16}) {
+    // Scores of magnitude in the thousands: exp overflows fp32 unless the max is shifted out.
+    const Tensor q = random_tensor(t, n * s.hq * s.dqk, 1, 30.0f), k = random_tensor(t, n * s.hkv * s.dqk, 2, 30.0f),
+                 v = random_tensor(t, n * s.hkv * s.dv, 3);
+    const std::vector<float> half = run(q, k, v);
+    const std::vector<float> full = run(as_f32(q), as_f32(k), as_f32(v));  // the same values in fp32
+    const double tol = t == DType::f16 ? 5e-3 : 2.5e-2;
+    for (std::size_t i = 0; i < half.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(half[i])) << to_string(t) << " element " << i;
+      ASSERT_NEAR(half[i], full[i], tol + tol * std::abs(full[i])) << to_string(t) << " element " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cpattn

@@ -1,0 +1,404 @@
+// Attention kernels against the float64 reference, over the case table, every dtype and
+// every kernel path this CPU runs; plus determinism, dropout, accumulation and bad arguments.
+#include "attention_harness.hpp"
+
+#include <cpattn/attention.hpp>
+#include <cpattn/error.hpp>
+#include <cpattn/reference.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+#include <tuple>
+
+namespace cpattn::testing {
+namespace {
+
+const std::vector<AttnCase>& cases() {
+  static const std::vector<AttnCase> c = attention_cases();
+  return c;
+}
+
+// Ground truth (f64 on the dtype-rounded inputs, computed in f32 storage so nothing is
+// rounded but the fp32 result) and the naive same-precision baseline, cached per case/dtype.
+struct Truth {
+  Results ref;    // float64 reference
+  Results naive;  // float32 accumulation, outputs in the storage dtype
+  Tensor out_d;   // the reference's out rounded to the dtype: every backward's input
+};
+
+const Truth& truth(size_t ci, DType dt) {
+  static std::map<std::pair<size_t, int>, Truth> cache;
+  auto key = std::make_pair(ci, static_cast<int>(dt));
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const Problem pb(cases()[ci], dt, 1234 + ci);
+  Truth t;
+  // the f64 forward alone first, to get the dtype-rounded out every backward differentiates
+  {
+    const Results f = run(pb, DType::f32, true, RefAccum::f64, KernelPath::portable, 1);
+    t.out_d = Tensor::from(dt, f.out);
+  }
+  t.ref = run(pb, DType::f32, true, RefAccum::f64, KernelPath::portable, 1, &t.out_d);
+  t.naive = run(pb, dt, true, RefAccum::f32, KernelPath::portable, 1, &t.out_d, &t.ref.lse);
+  return cache.emplace(key, std::move(t)).first->second;
+}
+
+using TableParam = std::tuple<size_t, DType, KernelPath>;
+
+class kernel_table : public ::testing::TestWithParam<TableParam> {};
+
+void expect_close(const char* what, const std::vector<float>& got, const std::vector<float>& ref,
+                  const std::vector<float>& naive, DType dt) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  EXPECT_TRUE(all_finite(got) || std::string(what) == "lse") << what << " has NaN/Inf";
+  const Tolerance tol = tolerance(dt);
+  const double err = rel_norm_error(got, ref);
+  if (dt == DType::f32 || std::string(what) == "lse") {
+    EXPECT_LE(err, 1e-5) << what << ": ||diff||/||ref|| = " << err;
+    return;
+  }
+  const double excess = allclose_excess(got, ref, tol.atol, tol.rtol);
+  EXPECT_LE(excess, 0.0) << what << ": some element exceeds atol + rtol |ref| by " << excess;
+  const double naive_err = rel_norm_error(naive, ref);
+  EXPECT_LE(err, tol.naive_factor * naive_err + 1e-6)
+      << what << ": error " << err << " vs naive same-precision error " << naive_err;
+}
+
+TEST_P(kernel_table, MatchesReference) {
+  const auto [ci, dt, path] = GetParam();
+  if (!kernel_path_supported(path))
+    GTEST_SKIP() << "kernel path " << to_string(path) << " is not supported by this CPU";
+  const Truth& t = truth(ci, dt);
+  const Problem pb(cases()[ci], dt, 1234 + ci);
+  const Results fwd_only = run(pb, dt, false, RefAccum::f64, path, 2);
+  const Results r = run(pb, dt, false, RefAccum::f64, path, 2, &t.out_d, &t.ref.lse);
+  expect_close("out", fwd_only.out, t.ref.out, t.naive.out, dt);
+  expect_close("lse", fwd_only.lse, t.ref.lse, t.naive.lse, dt);
+  expect_close("dq", r.dq, t.ref.dq, t.naive.dq, dt);
+  expect_close("dk", r.dk, t.ref.dk, t.naive.dk, dt);
+  expect_close("dv", r.dv, t.ref.dv, t.naive.dv, dt);
+}
+
+std::string table_name(const ::testing::TestParamInfo<TableParam>& info) {
+  const auto [ci, dt, path] = info.param;
+  return cases()[ci].name + "_" + std::string(to_string(dt)) + "_" + std::string(to_string(path));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    kernels, kernel_table,
+    ::testing::Combine(::testing::Range<size_t>(0, attention_cases().size()),
+                       ::testing::Values(DType::f32, DType::f16, DType::bf16),
+                       ::testing::Values(KernelPath::portable, KernelPath::avx2,
+                                         KernelPath::avx512)),
+    table_name);
+
+// ---- large scores ---------------------------------------------------------------------------
+TEST(kernel_attention, LargeMagnitudeScoresStayFinite) {
+  const AttnCase c{"large", {97, 40}, {97, 40}, 2, 1, 64, 64, MaskType::causal};
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    const Problem pb(c, dt, 7, 30.0f);  // |q.k| * scale reaches the thousands
+    const Results ref = run(pb, DType::f32, true, RefAccum::f64, KernelPath::portable, 1);
+    const Results got = run(pb, dt, false, RefAccum::f64, KernelPath::automatic, 2, nullptr, &ref.lse);
+    for (const auto* v : {&got.out, &got.lse, &got.dq, &got.dk, &got.dv})
+      EXPECT_TRUE(all_finite(*v)) << to_string(dt);
+    EXPECT_LE(rel_norm_error(got.lse, ref.lse), 1e-5) << to_string(dt);
+    EXPECT_LE(rel_norm_error(got.out, ref.out), dt == DType::f32 ? 1e-3 : 5e-2) << to_string(dt);
+  }
+}
+
+// ---- determinism ----------------------------------------------------------------------------
+TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
+  const AttnCase c{"det", {150, 1, 77, 200}, {150, 1, 77, 200}, 4, 2, 64, 64, MaskType::causal};
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Problem pb(c, dt, 99);
+    const Results first = run(pb, dt, false, RefAccum::f64, KernelPath::automatic, 2);
+    for (int rep = 0; rep < 20; ++rep) {
+      const int threads = rep % 3 + 1;  // 1, 2, 3 threads
+      const Results r = run(pb, dt, false, RefAccum::f64, KernelPath::automatic, threads);
+      ASSERT_EQ(r.out, first.out) << "rep " << rep;
+      ASSERT_EQ(r.lse, first.lse) << "rep " << rep;
+      ASSERT_EQ(r.dq, first.dq) << "rep " << rep << " threads " << threads;
+      ASSERT_EQ(r.dk, first.dk) << "rep " << rep << " threads " << threads;
+      ASSERT_EQ(r.dv, first.dv) << "rep " << rep << " threads " << threads;
+    }
+  }
+}
+
+// ---- CP-style work lists ----------------------------------------------------------------------
+// Each document cut in `chunks` query tasks; task j sees chunks 0..j as separate key runs, read
+// from a rank-major-like permuted key buffer: k_perm row perm[r] holds key row r.
+struct Chunked {
+  WorkList w;
+};
+WorkList chunked_worklist(const AttnCase& c, int chunks) {
+  WorkList w;
+  const auto cq = c.cu_seqlens_q();
+  for (size_t d = 0; d < c.q_lens.size(); ++d) {
+    const int64_t len = c.q_lens[d];
+    const int64_t csz = (len + chunks - 1) / chunks;
+    for (int64_t s = 0; s < len; s += csz) {
+      const int64_t e = std::min(len, s + csz);
+      AttnTask t{.q_row = cq[d] + s, .q_len = e - s, .q_pos = s, .doc = static_cast<int64_t>(d),
+                 .run_begin = static_cast<int64_t>(w.runs.size()), .run_end = 0};
+      for (int64_t ks = 0; ks < e; ks += csz)
+        w.runs.push_back({.row = cq[d] + ks, .len = std::min(e, ks + csz) - ks, .pos = ks});
+      t.run_end = static_cast<int64_t>(w.runs.size());
+      w.tasks.push_back(t);
+    }
+  }
+  return w;
+}
+
+TEST(kernel_attention, DropoutSameForAnyTaskSplitAndMatchesReference) {
+  const AttnCase c{"drop", {97, 64, 130}, {97, 64, 130}, 2, 1, 32, 32, MaskType::causal};
+  const Problem pb(c, DType::f32, 5);
+  const WorkList chunks = chunked_worklist(c, 4);
+  ASSERT_GT(chunks.tasks.size(), pb.work.tasks.size());
+  auto go = [&](const WorkList& w, bool ref, float p) {
+    Tensor out(DType::f32, pb.out_size()), dq(DType::f32, pb.q.size()),
+        dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
+    std::vector<float> lse(pb.lse_size());
+    AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 2, &w);
+    fp.dropout_p = p;
+    fp.seed = 42;
+    ref ? attention_forward_reference(fp) : attention_forward(fp);
+    AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32,
+                              KernelPath::automatic, 2, &w);
+    bp.dropout_p = p;
+    bp.seed = 42;
+    ref ? attention_backward_reference(bp) : attention_backward(bp);
+    return Results{out.f, lse, dq.f, dk.f, dv.f};
+  };
+  const Results ref_docs = go(pb.work, true, 0.3f);
+  const Results ref_chunks = go(chunks, true, 0.3f);
+  const Results fast_docs = go(pb.work, false, 0.3f);
+  const Results fast_chunks = go(chunks, false, 0.3f);
+  const Results no_drop = go(pb.work, false, 0.0f);
+  for (auto m : {&Results::out, &Results::lse, &Results::dq, &Results::dk, &Results::dv}) {
+    EXPECT_LE(rel_norm_error(ref_chunks.*m, ref_docs.*m), 1e-12);
+    EXPECT_LE(rel_norm_error(fast_docs.*m, ref_docs.*m), 1e-5);
+    EXPECT_LE(rel_norm_error(fast_chunks.*m, ref_docs.*m), 1e-5);
+  }
+  EXPECT_GT(rel_norm_error(no_drop.out, fast_docs.out), 1e-2) << "dropout changed nothing";
+}
+
+TEST(kernel_attention, DropoutKeptFractionAndScaling) {
+  // kept fraction over many pairs
+  const float p = 0.25f;
+  int64_t kept = 0, total = 0;
+  for (int64_t qp = 0; qp < 300; ++qp)
+    for (int64_t kp = 0; kp <= qp; ++kp, ++total) kept += dropout_keep(11, 3, 2, qp, kp, p);
+  EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(total), 1.0 - p, 0.01);
+  // scaling: equal scores (k = 0) and v = 1 give out = (#kept / n) / (1 - p) exactly in math
+  const int64_t n = 200;
+  AttnCase c{"scale", {1}, {n}, 1, 1, 16, 16, MaskType::none};
+  Problem pb(c, DType::f32, 3);
+  for (size_t i = 0; i < pb.k.size(); ++i) pb.k.set(i, 0.0f);
+  for (size_t i = 0; i < pb.v.size(); ++i) pb.v.set(i, 1.0f);
+  Tensor out(DType::f32, pb.out_size());
+  std::vector<float> lse(1);
+  AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1);
+  fp.dropout_p = p;
+  fp.seed = 77;
+  attention_forward(fp);
+  int64_t k2 = 0;
+  for (int64_t kp = 0; kp < n; ++kp) k2 += dropout_keep(77, 0, 0, n - 1, kp, p);
+  const double expect = static_cast<double>(k2) / static_cast<double>(n) / (1.0 - p);
+  for (float x : out.f) EXPECT_NEAR(x, expect, 1e-5);
+  EXPECT_NEAR(lse[0], std::log(static_cast<double>(n)), 1e-5);  // lse ignores dropout
+}
+
+// ---- accumulation mode ----------------------------------------------------------------------
+TEST(kernel_attention, AccumulateAddsIntoExistingBuffersAndSharesKeyRows) {
+  const AttnCase c{"acc", {97, 130}, {97, 130}, 4, 2, 48, 32, MaskType::causal};
+  const Problem pb(c, DType::bf16, 8);
+  const WorkList chunks = chunked_worklist(c, 3);  // tasks share key rows
+  Tensor out(DType::bf16, pb.out_size()), dq(DType::bf16, pb.q.size()),
+      dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
+  std::vector<float> lse(pb.lse_size());
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::bf16, KernelPath::automatic, 2, &chunks));
+  std::vector<float> dk_acc(pb.dk_size()), dv_acc(pb.dv_size());
+  for (size_t i = 0; i < dk_acc.size(); ++i) dk_acc[i] = 0.5f * static_cast<float>(i % 7);
+  for (size_t i = 0; i < dv_acc.size(); ++i) dv_acc[i] = -0.25f * static_cast<float>(i % 5);
+  const std::vector<float> dk0 = dk_acc, dv0 = dv_acc;
+  AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::bf16,
+                            KernelPath::automatic, 2, &chunks);
+  bp.grad_mode = GradMode::accumulate;
+  bp.dk = bp.dv = nullptr;
+  bp.dk_accum = dk_acc.data();
+  bp.dv_accum = dv_acc.data();
+  attention_backward(bp);
+  // reference in accumulate mode on the same buffers' initial contents
+  std::vector<float> rk = dk0, rv = dv0;
+  bp.dk_accum = rk.data();
+  bp.dv_accum = rv.data();
+  Tensor dq_ref(DType::bf16, pb.q.size());
+  bp.dq = dq_ref.data();
+  attention_backward_reference(bp);
+  EXPECT_LE(rel_norm_error(dk_acc, rk), 1e-5);
+  EXPECT_LE(rel_norm_error(dv_acc, rv), 1e-5);
+  // and it is "existing + the gradient": subtracting the start gives the one-task-per-doc
+  // gradient of the same function
+  std::vector<float> g(dk_acc.size()), g_ref(dk_acc.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    g[i] = dk_acc[i] - dk0[i];
+    g_ref[i] = rk[i] - dk0[i];
+  }
+  EXPECT_LE(rel_norm_error(g, g_ref), 1e-4);
+  // accumulating twice adds twice, bitwise the same increment
+  std::vector<float> twice = dk_acc;
+  bp.dk_accum = twice.data();
+  std::vector<float> vv = dv_acc;
+  bp.dv_accum = vv.data();
+  bp.dq = dq.data();
+  attention_backward(bp);
+  for (size_t i = 0; i < twice.size(); i += 97) EXPECT_NEAR(twice[i] - dk_acc[i], g[i], 1e-5);
+}
+
+// ---- tasks whose queries see no key --------------------------------------------------------
+TEST(kernel_attention, QueryWithNoVisibleKeyGivesZeroAndMinusInf) {
+  const AttnCase c{"empty", {4}, {4}, 1, 1, 16, 16, MaskType::causal};
+  const Problem pb(c, DType::f32, 2);
+  WorkList w;
+  w.runs.push_back({.row = 0, .len = 4, .pos = 10});  // keys after every query: invisible
+  w.tasks.push_back({.q_row = 0, .q_len = 4, .q_pos = 0, .doc = 0, .run_begin = 0, .run_end = 1});
+  Tensor out(DType::f32, pb.out_size());
+  std::vector<float> lse(pb.lse_size());
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1, &w));
+  for (float x : out.f) EXPECT_EQ(x, 0.0f);
+  for (float x : lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+  Tensor dq(DType::f32, pb.q.size()), dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
+  attention_backward(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32,
+                            KernelPath::automatic, 1, &w));
+  for (const auto* v : {&dq.f, &dk.f, &dv.f})
+    for (float x : *v) EXPECT_EQ(x, 0.0f);
+}
+
+// ---- bad parameters ----------------------------------------------------------------------------
+class kernel_bad_params : public ::testing::Test {
+ protected:
+  AttnCase c{"bad", {8, 8}, {8, 8}, 4, 2, 16, 16, MaskType::causal};
+  Problem pb{c, DType::f32, 1};
+  Tensor out{DType::f32, pb.out_size()};
+  std::vector<float> lse = std::vector<float>(pb.lse_size(), 123.0f);
+
+  AttnFwdParams good() { return pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1); }
+  void expect_error(const AttnFwdParams& p, const std::string& needle) {
+    for (auto& x : out.f) x = 7.0f;
+    try {
+      attention_forward(p);
+      ADD_FAILURE() << "no error, expected one mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    for (float x : out.f) ASSERT_EQ(x, 7.0f) << "output written before the error";
+    for (float x : lse) ASSERT_EQ(x, 123.0f) << "lse written before the error";
+  }
+};
+
+TEST_F(kernel_bad_params, Raise) {
+  EXPECT_NO_THROW(attention_forward(good()));
+  for (float& x : lse) x = 123.0f;
+  auto p = good();
+  p.q = nullptr;
+  expect_error(p, "q must not be null");
+  p = good();
+  p.num_heads_k = 3;
+  expect_error(p, "multiple of num_heads_k");
+  p = good();
+  p.head_dim_qk = 0;
+  expect_error(p, "head_dim_qk must be in [1, 256]");
+  p = good();
+  p.head_dim_v = 257;
+  expect_error(p, "head_dim_v must be in [1, 256]");
+  p = good();
+  p.dropout_p = 1.0f;
+  expect_error(p, "dropout_p must be in [0, 1)");
+  p = good();
+  p.num_threads = 0;
+  expect_error(p, "num_threads");
+  p = good();
+  p.q_row_stride = 10;
+  expect_error(p, "q_row_stride");
+  p = good();
+  p.path = KernelPath::amx;
+  expect_error(p, "amx is not implemented");
+  if (!kernel_path_supported(KernelPath::avx512)) {
+    p = good();
+    p.path = KernelPath::avx512;
+    expect_error(p, "not supported by this CPU");
+  }
+  WorkList w = pb.work;
+  w.tasks[1].q_row = 10;  // 10 + 8 > 16
+  p = good();
+  p.work = &w;
+  expect_error(p, "outside q's rows");
+  w = pb.work;
+  w.tasks[1].q_row = 4;  // overlaps task 0
+  p.work = &w;
+  expect_error(p, "must not overlap");
+  w = pb.work;
+  w.runs[1].row = 12;  // 12 + 8 > 16
+  p.work = &w;
+  expect_error(p, "outside k's rows");
+  w = pb.work;
+  w.runs = {{.row = 0, .len = 4, .pos = 4}, {.row = 4, .len = 4, .pos = 0}, w.runs[1]};
+  w.tasks[0].run_end = 2;
+  w.tasks[1].run_begin = w.tasks[1].run_end = 2;
+  w.tasks[1].run_end = 3;
+  p.work = &w;
+  expect_error(p, "increasing position order");
+  w = pb.work;
+  w.tasks[0].run_end = 5;
+  p.work = &w;
+  expect_error(p, "run_end <= runs.size()");
+  p = good();
+  p.work = nullptr;
+  expect_error(p, "work must not be null");
+}
+
+TEST_F(kernel_bad_params, BackwardRaises) {
+  Tensor dq(DType::f32, pb.q.size()), dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
+  auto b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32, KernelPath::automatic, 1);
+  b.dout = nullptr;
+  EXPECT_THROW(attention_backward(b), Error);
+  b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32, KernelPath::automatic, 1);
+  b.grad_mode = GradMode::accumulate;
+  EXPECT_THROW(attention_backward(b), Error);  // no dk_accum/dv_accum
+  b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32, KernelPath::automatic, 1);
+  b.head_dim_qk = 300;
+  EXPECT_THROW(attention_backward(b), Error);
+}
+
+TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
+  const std::vector<int64_t> cq{0, 2, 5}, ck{0, 4, 7};
+  const WorkList w = varlen_worklist(cq, ck);
+  ASSERT_EQ(w.tasks.size(), 2u);
+  EXPECT_EQ(w.tasks[0].q_pos, 2);
+  EXPECT_EQ(w.tasks[1].q_row, 2);
+  EXPECT_EQ(w.tasks[1].q_pos, 0);
+  EXPECT_EQ(w.runs[1].row, 4);
+  EXPECT_EQ(w.runs[1].len, 3);
+  const std::vector<int64_t> bad0{1, 2}, short1{0}, flat{0, 2, 2}, big_q{0, 5};
+  const std::vector<int64_t> k2{0, 2}, k3{0, 4, 7}, small_k{0, 3};
+  EXPECT_THROW(varlen_worklist(bad0, k2), Error);
+  EXPECT_THROW(varlen_worklist(short1, short1), Error);
+  EXPECT_THROW(varlen_worklist(flat, k3), Error);
+  EXPECT_THROW(varlen_worklist(big_q, small_k), Error);
+  EXPECT_THROW(varlen_worklist(k2, k3), Error);
+}
+
+TEST(kernel_paths, DispatchTable) {
+  EXPECT_TRUE(kernel_path_supported(KernelPath::portable));
+  EXPECT_TRUE(kernel_path_supported(KernelPath::automatic));
+  EXPECT_FALSE(kernel_path_supported(KernelPath::amx));
+  EXPECT_TRUE(kernel_path_supported(best_kernel_path()));
+  EXPECT_NE(best_kernel_path(), KernelPath::automatic);
+}
+
+}  // namespace
+}  // namespace cpattn::testing

@@ -1,0 +1,118 @@
+"""`mpirun -np N cpattn run` end to end: the built-in default, every dtype and mode at
+cp = 2 and 3, --npy-in/--npy-out against an independent float64 NumPy attention, exit codes."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def run(np_, *args, timeout=300):
+    cmd = [MPIEXEC, "-np", str(np_), "--oversubscribe", CPATTN, "run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_json(np_, *args):
+    r = run(np_, *args, "--json")
+    check(r.returncode == 0, f"{args} at np {np_}: exit {r.returncode}\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+
+
+# The default batch, the main job.
+r = run(2)
+check(r.returncode == 0 and "result: PASS" in r.stdout, f"default run: {r.stdout[-1500:]} {r.stderr[-1500:]}")
+
+# Every dtype and both key modes, MHA, GQA and MLA shapes, documents needing padding.
+for np_ in (2, 3):
+    for dtype in ("fp32", "fp16", "bf16"):
+        for mode in ("runs", "index"):
+            j = run_json(np_, "--lengths", "37,100,1,64,23", "--heads", "4", "--kv-heads", "2",
+                         "--head-dim-qk", "48", "--head-dim-v", "32", "--dtype", dtype, "--mode", mode)
+            if j:
+                check(j["passed"] and j["cp"] == np_, f"np {np_} {dtype} {mode}: {j}")
+                for key in ("max_abs_err", "max_rel_err"):
+                    check(set(j[key]) >= {"out", "dq", "dk", "dv"}, f"{key} keys")
+                check(len(j["compute_s"]) == np_ and len(j["comm_s"]) == np_, "per-rank times")
+                check(j["imbalance"]["visible_pairs_balanced"] == 1.0, "balanced")
+
+# --npy-in / --npy-out against NumPy's float64 attention of the same batch.
+rng = np.random.default_rng(5)
+cu = np.array([0, 13, 14, 50, 77], dtype=np.int64)
+T, HQ, HKV, D, DV = int(cu[-1]), 4, 2, 16, 8
+q = rng.standard_normal((T, HQ, D)).astype(np.float32)
+k = rng.standard_normal((T, HKV, D)).astype(np.float32)
+v = rng.standard_normal((T, HKV, DV)).astype(np.float32)
+dout = rng.standard_normal((T, HQ, DV)).astype(np.float32)
+
+
+def reference(q, k, v, dout):
+    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
+    out = np.zeros((T, HQ, DV)); lse = np.zeros((T, HQ))
+    dq = np.zeros_like(q); dk = np.zeros_like(k); dv = np.zeros_like(v)
+    scale = 1 / np.sqrt(D)
+    for a, b in zip(cu[:-1], cu[1:]):
+        n = b - a
+        mask = np.tril(np.ones((n, n), dtype=bool))
+        for h in range(HQ):
+            g = h // (HQ // HKV)
+            s = scale * q[a:b, h] @ k[a:b, g].T
+            s = np.where(mask, s, -np.inf)
+            m = s.max(axis=1, keepdims=True)
+            l = np.log(np.exp(s - m).sum(axis=1, keepdims=True)) + m
+            p = np.exp(s - l)
+            out[a:b, h] = p @ v[a:b, g]
+            lse[a:b, h] = l[:, 0]
+            dp = dout[a:b, h] @ v[a:b, g].T
+            delta = (dout[a:b, h] * out[a:b, h]).sum(axis=1, keepdims=True)
+            ds = p * (dp - delta)
+            dq[a:b, h] = scale * ds @ k[a:b, g]
+            dk[a:b, g] += scale * ds.T @ q[a:b, h]
+            dv[a:b, g] += p.T @ dout[a:b, h]
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+ref = reference(q, k, v, dout)
+with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout_dir:
+    for name, arr in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        np.save(os.path.join(din, name + ".npy"), arr)
+    np.save(os.path.join(din, "cu_seqlens.npy"), cu.astype(np.int32))
+    for np_ in (2, 3):
+        j = run_json(np_, "--npy-in", din, "--npy-out", dout_dir)
+        if not j:
+            continue
+        check(j["tokens"] == T and j["heads"] == HQ and j["kv_heads"] == HKV, "shapes from the files")
+        for name, want in ref.items():
+            got = np.load(os.path.join(dout_dir, name + ".npy"))
+            check(got.dtype == np.float32 and got.shape == want.shape, f"{name}.npy shape {got.shape}")
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            check(err < 2e-6, f"np {np_}: {name} relative error {err:.3g} against NumPy float64")
+    # float16 inputs for a bf16 run are read and rounded; the check still passes.
+    np.save(os.path.join(din, "q.npy"), q.astype(np.float16))
+    j = run_json(2, "--npy-in", din, "--dtype", "bf16")
+    check(j is not None and j["passed"], "fp16 files, bf16 run")
+
+# Bad input: exit code 2 and one line, on the job as a whole.
+for args, needle in ((("--dtype", "fp64"), "--dtype must be fp32, fp16 or bf16"),
+                     (("--lengths", "5,0"), "--lengths[1]"),
+                     (("--heads", "3", "--kv-heads", "2"), "num_heads_q"),
+                     (("--mode", "gather"), "--mode must be runs or index"),
+                     (("--npy-in", "/nonexistent"), "cannot open")):
+    r = run(2, *args)
+    check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2; {r.stderr[-500:]}")
+    check(r.stderr.count(needle) == 1, f"{args}: want one line with {needle!r}, got {r.stderr[-800:]!r}")
+
+if failures:
+    print(f"{len(failures)} checks failed")
+    sys.exit(1)
+print("cli run: all checks passed")
