@@ -239,17 +239,33 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
+void run_distributed(const RunArgs& a);
+
 void run(const RunArgs& a) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) MPI_Init(nullptr, nullptr);
-  struct Finalize {
+  struct Finalize {  // only what this command initialized
+    bool mine;
     ~Finalize() {
       int done = 0;
       MPI_Finalized(&done);
-      if (!done) MPI_Finalize();
+      if (mine && !done) MPI_Finalize();
     }
-  } finalize;
+  } finalize{initialized == 0};
+  int world_rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  // Errors are printed here, before MPI_Finalize: once another rank has exited non-zero the
+  // launcher may end this one before main() could print.
+  try {
+    run_distributed(a);
+  } catch (const Error& e) {
+    if (world_rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+    throw ExitCode{2};
+  }
+}
+
+void run_distributed(const RunArgs& a) {
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
   const int cp = comm.size(), rank = comm.rank();
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
@@ -304,9 +320,12 @@ void run(const RunArgs& a) {
   std::vector<double> per_rank(mine.size() * cp);
   comm.all_gather<double>(mine, per_rank);
 
+  // Rank 0 checks and reports; the others wait for its verdict. Whatever rank 0 meets
+  // (a failed check, an exception) reaches every rank, so that none is left waiting.
   int64_t pass = 1;
+  std::string rank0_error;
   nlohmann::json report;
-  if (rank == 0) {
+  if (rank == 0) try {
     const auto t0 = Clock::now();
     const Results ref = single_process(b, cfg);
     const double ref_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -389,9 +408,19 @@ void run(const RunArgs& a) {
       write_npy(a.npy_out + "/dk.npy", got.dk, {t, b.hkv, b.dqk});
       write_npy(a.npy_out + "/dv.npy", got.dv, {t, b.hkv, b.dv});
     }
+  } catch (const Error& e) {
+    rank0_error = e.message();
+  } catch (const std::exception& e) {
+    rank0_error = e.what();
   }
-  comm.broadcast<int64_t>(std::span(&pass, 1), 0);
-  if (!pass) throw ExitCode{1};
+  int64_t status[2] = {pass, static_cast<int64_t>(rank0_error.size())};
+  comm.broadcast<int64_t>(status, 0);
+  if (status[1] > 0) {
+    rank0_error.resize(static_cast<std::size_t>(status[1]));
+    comm.broadcast<std::byte>(std::as_writable_bytes(std::span(rank0_error)), 0);
+    throw Error("rank 0: " + rank0_error);
+  }
+  if (!status[0]) throw ExitCode{1};
 }
 
 }  // namespace

@@ -89,8 +89,10 @@ struct CommOptions {
 
 class Communicator {
  public:
-  // Duplicates `comm` (collective over `comm`, under the deadline). Throws cpattn::Error when
-  // MPI is not initialized, the options are invalid or CPATTN_COMM_TIMEOUT_S is malformed.
+  // Duplicates `comm` (collective over `comm`, under the deadline; a timeout here always
+  // aborts) and checks that every rank passed the same max_count_per_call and algorithms.
+  // Throws cpattn::Error when MPI is not initialized, the options are invalid or differ
+  // between ranks, or CPATTN_COMM_TIMEOUT_S is malformed.
   explicit Communicator(MPI_Comm comm, CommOptions options = {});
   ~Communicator();  // frees the duplicate (if MPI is not finalized yet)
   Communicator(Communicator&&) noexcept;  // a moved-from Communicator may only be destroyed

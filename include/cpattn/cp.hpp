@@ -43,12 +43,15 @@ struct CpAttnConfig {
   int head_dim_qk = 0;   // Dqk
   int head_dim_v = 0;    // Dv
   DType dtype = DType::f32;
+  // causal: each task reads chunks 0..j of its document; none: every chunk of it (both
+  // exact against a single-process run; attention never crosses a document either way).
   MaskType mask = MaskType::causal;
   float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim_qk)
   float dropout_p = 0.0f;      // in [0, 1); masks keyed by global document and positions
   uint64_t seed = 0;
-  // Deterministic: the reduce-scatter sums in a fixed order (the kernels always are), so
-  // repeated runs are bitwise equal. false lets MPI's own reduce-scatter run.
+  // Deterministic: repeated runs are bitwise equal. The kernels always are; true also
+  // requires the communicator's fixed-order ring reduce-scatter (the default), false permits
+  // a communicator configured with CommAlgorithm::mpi.
   bool deterministic = true;
   KvMode kv_mode = KvMode::runs;
   int num_threads = 1;  // kernel threads per rank
@@ -80,7 +83,9 @@ struct CpStats {
   double comm_s = 0;     // agreement, all-gather, reduce-scatter
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
-  std::size_t peak_buffer_bytes = 0;  // the largest the saved state and scratch have been
+  // The largest the saved state and the layer's own buffers have been (the kernels' internal
+  // scratch, see attention_backward_scratch_bytes, comes on top).
+  std::size_t peak_buffer_bytes = 0;
 };
 
 class CpAttention {

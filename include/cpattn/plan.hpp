@@ -89,10 +89,10 @@ constexpr int chunk_owner(int64_t j, int cp) {
   return static_cast<int>(j < cp ? j : 2 * int64_t{cp} - 1 - j);
 }
 
-// The tasks of `work` (plan.work or plan.work_indexed) without padding: each task's query rows
-// and key runs cut at its document's real length, tasks left with no real query dropped. No
-// padding token then takes part in attention in either direction, so padding rows get no
-// output and exactly zero gradient, with or without a causal mask.
+// The tasks of `work` (plan.work, plan.work_indexed, or any list over the plan's tasks)
+// without padding: each task's query rows and key runs cut at its document's real length,
+// tasks left with no real query dropped. No padding token then takes part in attention in
+// either direction, so padding rows get no output and exactly zero gradient.
 WorkList without_padding(const RankPlan& plan, const WorkList& work);
 
 // ---- Rows of THD tensors between the global batch and a rank -------------------------------

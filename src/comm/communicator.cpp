@@ -41,10 +41,13 @@ MPI_Datatype mpi_type() {
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::sum ? MPI_SUM : MPI_MAX; }
 
+// Deadlines past this (about 116 days) are a mistake, and inf would overflow the clock.
+constexpr double kMaxTimeoutS = 1e7;
+
 double resolve_timeout(const CommOptions& o) {
   if (o.timeout_s) {
-    CPATTN_CHECK(*o.timeout_s > 0, "CommOptions::timeout_s must be > 0 seconds, got ",
-                 *o.timeout_s);
+    CPATTN_CHECK(*o.timeout_s > 0 && *o.timeout_s <= kMaxTimeoutS,
+                 "CommOptions::timeout_s must be in (0, ", kMaxTimeoutS, "] seconds, got ", *o.timeout_s);
     return *o.timeout_s;
   }
   const char* env = std::getenv(kTimeoutEnv);
@@ -52,8 +55,8 @@ double resolve_timeout(const CommOptions& o) {
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(env, &end);
-  CPATTN_CHECK(errno == 0 && end != env && *end == '\0' && v > 0, kTimeoutEnv,
-               " must be a number of seconds > 0, got '", env, "'");
+  CPATTN_CHECK(errno == 0 && end != env && *end == '\0' && v > 0 && v <= kMaxTimeoutS, kTimeoutEnv,
+               " must be a number of seconds in (0, ", kMaxTimeoutS, "], got '", env, "'");
   return v;
 }
 
@@ -228,6 +231,12 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
                options.max_count_per_call);
   Impl& im = *impl_;
   im.opts = options;
+  // While constructing: a timeout always aborts (in throw mode the pending requests would
+  // outlive this constructor's buffers), and the options check below moves its data the same
+  // way on every rank whatever the options say.
+  im.opts.on_timeout = TimeoutAction::abort;
+  im.opts.max_count_per_call = INT_MAX;
+  im.opts.all_gather_algorithm = CommAlgorithm::mpi;
   im.timeout_s = resolve_timeout(options);
   MPI_Comm_rank(comm, &im.rank);
   MPI_Comm_size(comm, &im.size);
@@ -243,6 +252,20 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
   im.wait(op, &req, 1, comm);
   im.comm = dup;
   im.check(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), op, "MPI_Comm_set_errhandler");
+
+  // Ranks must agree on how collectives move data: other chunk sizes or algorithms would
+  // misplace data or hang. Every rank fails with the same message.
+  const std::int64_t mine[3] = {options.max_count_per_call, static_cast<std::int64_t>(options.reduce_scatter_algorithm),
+                                static_cast<std::int64_t>(options.all_gather_algorithm)};
+  std::vector<std::int64_t> all(3 * static_cast<std::size_t>(im.size));
+  all_gather<std::int64_t>(mine, all);
+  for (int r = 0; r < im.size; ++r)
+    for (int f = 0; f < 3; ++f)
+      CPATTN_CHECK(all[3 * r + f] == all[f], "ranks disagree on CommOptions::",
+                   f == 0 ? "max_count_per_call" : f == 1 ? "reduce_scatter_algorithm" : "all_gather_algorithm",
+                   ": rank 0 has ", all[f], ", rank ", r, " has ", all[3 * r + f]);
+  im.opts = options;
+  im.calls = 0;  // the caller's first collective is call #1
 }
 
 Communicator::~Communicator() {
@@ -439,7 +462,7 @@ void Communicator::reduce_scatter_sum(std::span<const float> send, std::span<flo
   for (std::int64_t off = 0; off < n; off += pass) {
     const std::int64_t len = std::min(pass, n - off);
     if (p > 2) im.scratch.resize(static_cast<std::size_t>(2 * len));
-    float* buf[2] = {im.scratch.data(), im.scratch.data() + len};
+    float* buf[2] = {im.scratch.data(), p > 2 ? im.scratch.data() + len : nullptr};  // p == 2: unused
     const float* out = x + ((r - 1 + p) % p) * n + off;  // step 0 sends own term
     for (int s = 0; s < p - 1; ++s) {
       const int rb = (r - 2 - s + 2 * p) % p;

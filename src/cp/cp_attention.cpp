@@ -39,6 +39,55 @@ void all_gather_rows(Communicator& comm, DType t, const void* local, std::size_t
   }
 }
 
+// The keys each task reads, as runs of the rank-major gathered buffer. Causal: chunks 0..j of
+// the document, the plan's runs. No mask: every chunk of the document.
+WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
+  if (mask == MaskType::causal) return plan.work;
+  WorkList w;
+  w.tasks = plan.work.tasks;
+  const int64_t cp = plan.cp;
+  for (AttnTask& t : w.tasks) {
+    const DocSplit& d = plan.docs[t.doc];
+    t.run_begin = static_cast<int64_t>(w.runs.size());
+    for (int64_t m = 0; m < 2 * cp; ++m) {
+      const int64_t row = chunk_owner(m, plan.cp) * plan.local_tokens + d.local_begin + (m < cp ? 0 : d.chunk);
+      if (static_cast<int64_t>(w.runs.size()) > t.run_begin && w.runs.back().row + w.runs.back().len == row)
+        w.runs.back().len += d.chunk;
+      else
+        w.runs.push_back(KeyRun{.row = row, .len = d.chunk, .pos = m * d.chunk});
+    }
+    t.run_end = static_cast<int64_t>(w.runs.size());
+  }
+  return w;
+}
+
+// The reference design's index_select form of `w`: every task's keys copied, in order, into
+// one contiguous run of a new buffer; index[i] is the gathered row that copy row i holds.
+// For causal tasks, index is the plan's kv_gather_index without padding keys.
+void copy_form(const WorkList& w, std::vector<int64_t>& index, WorkList& copy) {
+  index.clear();
+  copy.tasks = w.tasks;
+  copy.runs.clear();
+  for (std::size_t t = 0; t < w.tasks.size(); ++t) {
+    const auto begin = static_cast<int64_t>(index.size());
+    for (int64_t r = w.tasks[t].run_begin; r < w.tasks[t].run_end; ++r)
+      for (int64_t e = 0; e < w.runs[r].len; ++e) index.push_back(w.runs[r].row + e);
+    // The runs of a task hold consecutive positions, so one run with the first position is exact.
+    copy.runs.push_back(KeyRun{.row = begin, .len = static_cast<int64_t>(index.size()) - begin,
+                               .pos = w.runs[w.tasks[t].run_begin].pos});
+    copy.tasks[t].run_begin = static_cast<int64_t>(t);
+    copy.tasks[t].run_end = static_cast<int64_t>(t) + 1;
+  }
+}
+
+// rows[i] = all[index[i]], rows of `row_bytes`.
+void index_select(const std::byte* all, const std::vector<int64_t>& index, std::size_t row_bytes,
+                  std::vector<std::byte>& rows) {
+  rows.resize(index.size() * row_bytes);
+  for (std::size_t i = 0; i < index.size(); ++i)
+    std::memcpy(rows.data() + i * row_bytes, all + index[i] * row_bytes, row_bytes);
+}
+
 bool all_finite(const void* p, DType t, std::size_t n) {
   std::vector<float> buf(std::min<std::size_t>(n, 1 << 16));
   for (std::size_t i = 0; i < n; i += buf.size()) {
@@ -59,11 +108,20 @@ struct CpAttention::State {
   CpStats stats;
 
   std::shared_ptr<const RankPlan> plan;
-  WorkList work;  // plan's tasks for cfg.kv_mode, without padding
+  // What the kernel runs for `plan` (rebuilt only when the plan changes): the tasks without
+  // padding, and in index mode their index_select form.
+  std::shared_ptr<const RankPlan> work_of;  // held, so that its address is never reused
+  WorkList work;
+  std::vector<int64_t> copy_index;  // index mode: gathered row of each copied key row
   bool have_forward = false;
-  // Saved by forward for backward (DESIGN.md 7): local q, out, lse and the gathered K/V.
+  // Saved by forward for backward (DESIGN.md 7): local q, out, lse and the gathered K/V (in
+  // index mode their index_select copy, which is what the kernel reads).
   Bytes q, out, k_all, v_all;
+  std::vector<std::byte> kx, vx;
   std::vector<float> lse;
+  // Backward's buffers, kept across calls: fp32 dK/dV of every gathered (or copied) row, and
+  // this rank's reduce-scattered share.
+  std::vector<float> dk_all, dv_all, dkx, dvx, dk_loc, dv_loc;
 
   State(Communicator& c, const CpAttnConfig& config)
       : comm(c), cfg(config), cache(config.plan_cache_capacity) {}
@@ -74,14 +132,31 @@ struct CpAttention::State {
   std::size_t o_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_q * cfg.head_dim_v; }
   std::size_t k_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_k * cfg.head_dim_qk; }
   std::size_t v_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_k * cfg.head_dim_v; }
+  int64_t k_row() const { return int64_t{cfg.num_heads_k} * cfg.head_dim_qk; }
+  int64_t v_row() const { return int64_t{cfg.num_heads_k} * cfg.head_dim_v; }
+  int64_t q_row() const { return int64_t{cfg.num_heads_q} * cfg.head_dim_qk; }
+  int64_t o_row() const { return int64_t{cfg.num_heads_q} * cfg.head_dim_v; }
+  bool indexed() const { return cfg.kv_mode == KvMode::index; }
+
+  void prepare_work() {
+    if (work_of == plan) return;
+    const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.mask));
+    if (indexed())
+      copy_form(keys, copy_index, work);
+    else
+      work = keys;
+    work_of = plan;
+  }
 
   // Every rank learns every rank's local error, and all throw the same message; then the
   // ranks agree on the fingerprint. Both before any payload moves. A rank with an error
   // still takes part, so that the others fail with its message instead of waiting; the
   // fingerprint (which reads the plan) is reached only when no rank has an error.
-  void agree_or_throw(const std::string& local_error, const char* what, uint64_t boundaries_hash,
-                      int64_t local_tokens, int64_t phase) {
+  void agree_or_throw(const std::string& local_error, uint64_t boundaries_hash, int64_t local_tokens,
+                      int64_t phase) {
+    const char* what = "CP attention";
     const auto t0 = Clock::now();
+    const int64_t calls_before = comm.calls();
     const std::vector<int64_t> lens = comm.all_gather_counts(static_cast<int64_t>(local_error.size()));
     int64_t total = 0;
     for (const int64_t n : lens) total += n;
@@ -103,6 +178,9 @@ struct CpAttention::State {
     fp.add("phase (1 forward, 2 backward)", phase)
         .add("forward calls", stats.forward_calls)
         .add("backward calls", stats.backward_calls)
+        // Collectives this communicator ran before: catches ranks that run different layers
+        // (each with its own CpAttention) over the same communicator.
+        .add("communicator calls", calls_before)
         .add("cp", comm.size())
         .add("num_heads_q", cfg.num_heads_q)
         .add("num_heads_k", cfg.num_heads_k)
@@ -124,8 +202,10 @@ struct CpAttention::State {
   }
 
   void note_peak() {
-    const std::size_t bytes = q.data.capacity() + out.data.capacity() + k_all.data.capacity() +
-                              v_all.data.capacity() + lse.capacity() * sizeof(float);
+    std::size_t bytes = q.data.capacity() + out.data.capacity() + k_all.data.capacity() +
+                        v_all.data.capacity() + kx.capacity() + vx.capacity();
+    for (const std::vector<float>* f : {&lse, &dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc})
+      bytes += f->capacity() * sizeof(float);
     stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, bytes);
   }
 };
@@ -171,10 +251,13 @@ void CpAttention::forward(const CpForwardArgs& a) {
       CPATTN_CHECK(all_finite(a.k, c.dtype, s.k_elems()), "forward: k holds a non-finite value");
       CPATTN_CHECK(all_finite(a.v, c.dtype, s.v_elems()), "forward: v holds a non-finite value");
     }
+    s.prepare_work();
   } catch (const Error& e) {
     err = e.message();
+  } catch (const std::exception& e) {  // bad_alloc and the like: still fail on every rank
+    err = std::string("forward: ") + e.what();
   }
-  s.agree_or_throw(err, "CP attention", hash, a.local_tokens, 1);
+  s.agree_or_throw(err, hash, a.local_tokens, 1);
 
   const RankPlan& plan = *s.plan;
   const int cp = s.comm.size();
@@ -187,35 +270,25 @@ void CpAttention::forward(const CpForwardArgs& a) {
   s.stats.comm_s += seconds_since(t0);
 
   t0 = Clock::now();
-  const int64_t k_row = int64_t{c.num_heads_k} * c.head_dim_qk, v_row = int64_t{c.num_heads_k} * c.head_dim_v;
-  const int64_t q_row = int64_t{c.num_heads_q} * c.head_dim_qk, o_row = int64_t{c.num_heads_q} * c.head_dim_v;
   // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
-  Bytes kx, vx;
   const void* kp = s.k_all.ptr();
   const void* vp = s.v_all.ptr();
   int64_t total_k = cp * plan.local_tokens;
-  if (c.kv_mode == KvMode::index) {
-    const auto n = static_cast<int64_t>(plan.kv_gather_index.size());
-    kx.resize(static_cast<std::size_t>(n * k_row) * es);
-    vx.resize(static_cast<std::size_t>(n * v_row) * es);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t g = plan.kv_gather_index[i];
-      std::memcpy(kx.ptr() + i * k_row * es, s.k_all.ptr() + g * k_row * es, k_row * es);
-      std::memcpy(vx.ptr() + i * v_row * es, s.v_all.ptr() + g * v_row * es, v_row * es);
-    }
-    kp = kx.ptr();
-    vp = vx.ptr();
-    total_k = n;
+  if (s.indexed()) {
+    index_select(s.k_all.ptr(), s.copy_index, s.k_row() * es, s.kx);
+    index_select(s.v_all.ptr(), s.copy_index, s.v_row() * es, s.vx);
+    kp = s.kx.data();
+    vp = s.vx.data();
+    total_k = static_cast<int64_t>(s.copy_index.size());
   }
-  s.work = without_padding(plan, c.kv_mode == KvMode::index ? plan.work_indexed : plan.work);
-
   s.lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
                -std::numeric_limits<float>::infinity());
+  const int64_t o_row = s.o_row();
   for (int64_t i = 0; i < plan.local_tokens; ++i)  // padding rows: the kernel leaves them
     if (plan.real_token_index[i] < 0) std::memset(static_cast<std::byte*>(a.out) + i * o_row * es, 0, o_row * es);
-  attention_forward({.q = a.q, .q_row_stride = q_row, .q_head_stride = c.head_dim_qk,
-                     .k = kp, .k_row_stride = k_row, .k_head_stride = c.head_dim_qk,
-                     .v = vp, .v_row_stride = v_row, .v_head_stride = c.head_dim_v,
+  attention_forward({.q = a.q, .q_row_stride = s.q_row(), .q_head_stride = c.head_dim_qk,
+                     .k = kp, .k_row_stride = s.k_row(), .k_head_stride = c.head_dim_qk,
+                     .v = vp, .v_row_stride = s.v_row(), .v_head_stride = c.head_dim_v,
                      .out = a.out, .out_row_stride = o_row, .out_head_stride = c.head_dim_v,
                      .lse = s.lse.data(),
                      .total_q = plan.local_tokens, .total_k = total_k,
@@ -249,8 +322,10 @@ void CpAttention::backward(const CpBackwardArgs& a) {
       CPATTN_CHECK(all_finite(a.dout, c.dtype, s.o_elems()), "backward: dout holds a non-finite value");
   } catch (const Error& e) {
     err = e.message();
+  } catch (const std::exception& e) {
+    err = std::string("backward: ") + e.what();
   }
-  s.agree_or_throw(err, "CP attention", s.plan ? hash_boundaries(s.plan->cu_seqlens) : 0,
+  s.agree_or_throw(err, s.plan ? hash_boundaries(s.plan->cu_seqlens) : 0,
                    s.plan ? s.plan->local_tokens : 0, 2);
   s.have_forward = false;
 
@@ -258,34 +333,25 @@ void CpAttention::backward(const CpBackwardArgs& a) {
   const int cp = s.comm.size();
   const std::size_t es = s.esize();
   auto t0 = Clock::now();
-  const int64_t k_row = int64_t{c.num_heads_k} * c.head_dim_qk, v_row = int64_t{c.num_heads_k} * c.head_dim_v;
-  const int64_t q_row = int64_t{c.num_heads_q} * c.head_dim_qk, o_row = int64_t{c.num_heads_q} * c.head_dim_v;
+  const int64_t k_row = s.k_row(), v_row = s.v_row(), q_row = s.q_row(), o_row = s.o_row();
   const int64_t t_all = cp * plan.local_tokens;
-  // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums.
-  std::vector<float> dk_all(static_cast<std::size_t>(t_all * k_row), 0.0f);
-  std::vector<float> dv_all(static_cast<std::size_t>(t_all * v_row), 0.0f);
-  Bytes kx, vx;
-  std::vector<float> dkx, dvx;
+  // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums. In index
+  // mode the kernel adds into the copy's rows, and index_add_ moves them here.
+  s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
+  s.dv_all.assign(static_cast<std::size_t>(t_all * v_row), 0.0f);
   const void* kp = s.k_all.ptr();
   const void* vp = s.v_all.ptr();
-  float* dkp = dk_all.data();
-  float* dvp = dv_all.data();
+  float* dkp = s.dk_all.data();
+  float* dvp = s.dv_all.data();
   int64_t total_k = t_all;
-  const auto n_idx = static_cast<int64_t>(plan.kv_gather_index.size());
-  if (c.kv_mode == KvMode::index) {
-    kx.resize(static_cast<std::size_t>(n_idx * k_row) * es);
-    vx.resize(static_cast<std::size_t>(n_idx * v_row) * es);
-    for (int64_t i = 0; i < n_idx; ++i) {
-      const int64_t g = plan.kv_gather_index[i];
-      std::memcpy(kx.ptr() + i * k_row * es, s.k_all.ptr() + g * k_row * es, k_row * es);
-      std::memcpy(vx.ptr() + i * v_row * es, s.v_all.ptr() + g * v_row * es, v_row * es);
-    }
-    dkx.assign(static_cast<std::size_t>(n_idx * k_row), 0.0f);
-    dvx.assign(static_cast<std::size_t>(n_idx * v_row), 0.0f);
-    kp = kx.ptr();
-    vp = vx.ptr();
-    dkp = dkx.data();
-    dvp = dvx.data();
+  const auto n_idx = static_cast<int64_t>(s.copy_index.size());
+  if (s.indexed()) {
+    s.dkx.assign(static_cast<std::size_t>(n_idx * k_row), 0.0f);
+    s.dvx.assign(static_cast<std::size_t>(n_idx * v_row), 0.0f);
+    kp = s.kx.data();
+    vp = s.vx.data();
+    dkp = s.dkx.data();
+    dvp = s.dvx.data();
     total_k = n_idx;
   }
   attention_backward({.q = s.q.ptr(), .q_row_stride = q_row, .q_head_stride = c.head_dim_qk,
@@ -304,33 +370,28 @@ void CpAttention::backward(const CpBackwardArgs& a) {
                       .num_threads = c.num_threads, .path = c.path});
   for (int64_t i = 0; i < plan.local_tokens; ++i)  // padding rows: the kernel leaves them
     if (plan.real_token_index[i] < 0) std::memset(static_cast<std::byte*>(a.dq) + i * q_row * es, 0, q_row * es);
-  if (c.kv_mode == KvMode::index) {
+  if (s.indexed()) {
     // index_add_, in index order: deterministic.
     for (int64_t i = 0; i < n_idx; ++i) {
-      const int64_t g = plan.kv_gather_index[i];
-      for (int64_t e = 0; e < k_row; ++e) dk_all[g * k_row + e] += dkx[i * k_row + e];
-      for (int64_t e = 0; e < v_row; ++e) dv_all[g * v_row + e] += dvx[i * v_row + e];
+      const int64_t g = s.copy_index[i];
+      for (int64_t e = 0; e < k_row; ++e) s.dk_all[g * k_row + e] += s.dkx[i * k_row + e];
+      for (int64_t e = 0; e < v_row; ++e) s.dv_all[g * v_row + e] += s.dvx[i * v_row + e];
     }
   }
   s.stats.compute_s += seconds_since(t0);
 
   t0 = Clock::now();
-  std::vector<float> dk_loc(s.k_elems()), dv_loc(s.v_elems());
-  s.comm.reduce_scatter_sum(dk_all, dk_loc);
-  s.comm.reduce_scatter_sum(dv_all, dv_loc);
+  s.dk_loc.resize(s.k_elems());
+  s.dv_loc.resize(s.v_elems());
+  s.comm.reduce_scatter_sum(s.dk_all, s.dk_loc);
+  s.comm.reduce_scatter_sum(s.dv_all, s.dv_loc);
   s.stats.comm_s += seconds_since(t0);
 
   t0 = Clock::now();
-  from_float(dk_loc.data(), dk_loc.size(), c.dtype, a.dk);
-  from_float(dv_loc.data(), dv_loc.size(), c.dtype, a.dv);
+  from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk);
+  from_float(s.dv_loc.data(), s.dv_loc.size(), c.dtype, a.dv);
   s.stats.compute_s += seconds_since(t0);
-  const std::size_t scratch = (dk_all.capacity() + dv_all.capacity() + dkx.capacity() + dvx.capacity() +
-                               dk_loc.capacity() + dv_loc.capacity()) * sizeof(float) +
-                              kx.data.capacity() + vx.data.capacity();
   s.note_peak();
-  s.stats.peak_buffer_bytes = std::max(s.stats.peak_buffer_bytes,
-                                       scratch + s.q.data.capacity() + s.out.data.capacity() +
-                                           s.k_all.data.capacity() + s.v_all.data.capacity());
 }
 
 const CpAttnConfig& CpAttention::config() const { return s_->cfg; }

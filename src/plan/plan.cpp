@@ -105,7 +105,8 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
         for (int64_t i = 0; i < c; ++i) kvi[kv_out + i] = base + i;
         kv_out += c;
         auto& runs = plan.work.runs;
-        if (static_cast<int64_t>(runs.size()) > run_begin && runs.back().row + runs.back().len == base)
+        if (static_cast<int64_t>(runs.size()) > run_begin && runs.back().row + runs.back().len == base &&
+            runs.back().pos + runs.back().len == m * c)  // adjacent in the buffer and in the document
           runs.back().len += c;
         else
           runs.push_back(KeyRun{.row = base, .len = c, .pos = m * c});

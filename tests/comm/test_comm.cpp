@@ -279,6 +279,27 @@ TEST(CommOptionsTest, TimeoutFromEnvironmentAndOptions) {
   EXPECT_THROW(Communicator(MPI_COMM_NULL), Error);
 }
 
+TEST(CommOptionsTest, RanksThatDisagreeOnOptionsFailTogether) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size < 2) GTEST_SKIP() << "needs two ranks";
+  CommOptions mine{.timeout_s = 30.0};
+  if (rank == size - 1) mine.max_count_per_call = 2;  // would misplace ring segments
+  try {
+    Communicator comm(MPI_COMM_WORLD, mine);
+    ADD_FAILURE() << "no error on rank " << rank;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks disagree on CommOptions::max_count_per_call"), std::string::npos)
+        << e.what();
+  }
+  CommOptions algo{.timeout_s = 30.0};
+  if (rank == 0) algo.reduce_scatter_algorithm = CommAlgorithm::mpi;
+  EXPECT_THROW(Communicator(MPI_COMM_WORLD, algo), Error);
+  EXPECT_THROW(Communicator(MPI_COMM_WORLD, CommOptions{.timeout_s = std::numeric_limits<double>::infinity()}),
+               Error);
+}
+
 TEST(CommOptionsTest, MoveKeepsOneDuplicate) {
   Communicator a(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
   Communicator b(std::move(a));

@@ -61,7 +61,8 @@ struct Global {  // the whole batch and its single-process results
   std::vector<float> lse;
 };
 
-Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = MaskType::causal) {
+Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = MaskType::causal,
+                      float dropout_p = 0.0f) {
   Global g;
   g.cu = cu_seqlens_from_lengths(kLengths);
   const int64_t n = g.cu.back();
@@ -82,7 +83,7 @@ Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = 
                      .out = g.out.bytes.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
                      .lse = g.lse.data(), .total_q = n, .total_k = n, .num_heads_q = s.hq,
                      .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv, .dtype = t,
-                     .mask = mask, .work = &wl, .path = path});
+                     .mask = mask, .dropout_p = dropout_p, .seed = 77, .work = &wl, .path = path});
   attention_backward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
                       .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
                       .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
@@ -94,7 +95,7 @@ Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = 
                       .dv = g.dv.bytes.data(), .dv_row_stride = s.hkv * s.dv, .dv_head_stride = s.dv,
                       .total_q = n, .total_k = n, .num_heads_q = s.hq, .num_heads_k = s.hkv,
                       .head_dim_qk = s.dqk, .head_dim_v = s.dv, .dtype = t, .mask = mask,
-                      .work = &wl, .path = path});
+                      .dropout_p = dropout_p, .seed = 77, .work = &wl, .path = path});
   return g;
 }
 
@@ -148,13 +149,17 @@ class CpAttentionTest : public ::testing::Test {
   Communicator comm{MPI_COMM_WORLD, CommOptions{.timeout_s = 120.0, .on_timeout = TimeoutAction::abort}};
 };
 
-void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode) {
+void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
+                     MaskType mask = MaskType::causal, float dropout_p = 0.0f) {
   SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mode "
-                                    << (mode == KvMode::runs ? "runs" : "index") << " cp " << comm.size());
+                                    << (mode == KvMode::runs ? "runs" : "index") << " mask "
+                                    << (mask == MaskType::causal ? "causal" : "none") << " dropout "
+                                    << dropout_p << " cp " << comm.size());
   const KernelPath path = best_kernel_path();
-  const Global g = single_process(s, t, path);
+  const Global g = single_process(s, t, path, mask, dropout_p);
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
-                          .head_dim_v = s.dv, .dtype = t, .kv_mode = mode, .path = path});
+                          .head_dim_v = s.dv, .dtype = t, .mask = mask, .dropout_p = dropout_p,
+                          .seed = 77, .kv_mode = mode, .path = path});
   const RankPlan p = get_thd_load_balanced_cp_metadata(g.cu, comm.size(), comm.rank());
   const int64_t qr = s.hq * s.dqk, kr = s.hkv * s.dqk, vr = s.hkv * s.dv, orow = s.hq * s.dv;
   const Tensor q = local_rows(g.q, qr, p), k = local_rows(g.k, kr, p), v = local_rows(g.v, vr, p);
@@ -197,6 +202,23 @@ TEST_F(CpAttentionTest, MatchesSingleProcessEveryShapeDtypeAndMode) {
         run_and_compare(comm, s, t, m);
         if (HasFailure()) return;
       }
+}
+
+TEST_F(CpAttentionTest, MatchesSingleProcessWithoutMask) {
+  // Every query sees its whole document: each task reads all 2*cp chunks.
+  for (const DType t : {DType::f32, DType::bf16})
+    for (const KvMode m : {KvMode::runs, KvMode::index}) {
+      run_and_compare(comm, kShapes[1], t, m, MaskType::none);
+      if (HasFailure()) return;
+    }
+}
+
+TEST_F(CpAttentionTest, DropoutDropsTheSameEntriesAsASingleProcess) {
+  // Masks are keyed by the global document and positions, so CP changes nothing.
+  for (const KvMode m : {KvMode::runs, KvMode::index}) {
+    run_and_compare(comm, kShapes[1], DType::f32, m, MaskType::causal, 0.2f);
+    run_and_compare(comm, kShapes[1], DType::f32, m, MaskType::none, 0.2f);
+  }
 }
 
 // Runs `f` on every rank, expects cpattn::Error on every rank, checks that every rank got the

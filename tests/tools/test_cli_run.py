@@ -46,6 +46,11 @@ for np_ in (2, 3):
                 check(len(j["compute_s"]) == np_ and len(j["comm_s"]) == np_, "per-rank times")
                 check(j["imbalance"]["visible_pairs_balanced"] == 1.0, "balanced")
 
+# No mask and dropout: still equal to the single-process run.
+for extra in (("--mask", "none"), ("--dropout", "0.1"), ("--mask", "none", "--dropout", "0.3", "--mode", "index")):
+    j = run_json(3, "--lengths", "37,100,1,64", "--heads", "4", "--kv-heads", "1", "--head-dim", "16", *extra)
+    check(j is not None and j["passed"], f"{extra}: {j}")
+
 # --npy-in / --npy-out against NumPy's float64 attention of the same batch.
 rng = np.random.default_rng(5)
 cu = np.array([0, 13, 14, 50, 77], dtype=np.int64)
