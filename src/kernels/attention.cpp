@@ -125,8 +125,9 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   const size_t packed_kv = static_cast<size_t>(p.num_heads_k) * tk * 2 * (dp + dvp);
   const size_t per_head_grads = static_cast<size_t>(p.num_heads_q) * p.total_k * (dp + dvp);
   // per thread: q, dq and q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta;
-  // S, P, dP blocks [64][64]; the piece's dK, dV tiles [64][dp + dvp]
-  const size_t per_thread = max_q * (3 * dp + 2 * dvp + 2) + 3 * 64 * 64 + 64 * (dp + dvp);
+  // S, P, dP blocks [128][64] (kernel_impl.hpp's BQB x BK); the piece's dK, dV tiles
+  // [64][dp + dvp]
+  const size_t per_thread = max_q * (3 * dp + 2 * dvp + 2) + 3 * 128 * 64 + 64 * (dp + dvp);
   return 4 * (packed_kv + per_head_grads +
               per_thread * static_cast<size_t>(std::max(p.num_threads, 1)));
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <exception>
+#include <new>
 #include <thread>
 #include <vector>
 #include <cmath>

@@ -5,24 +5,26 @@
 // Everything here has internal linkage for the same reason (no ODR merging across ISAs).
 //
 // Algorithm (FlashAttention-2 on a CPU core):
-//  * K and V are packed once per call into fp32 blocks of BK physical rows per kv head, in the
-//    four layouts the products need (K^T, K, V, V^T), zero padded to PAD columns, converting
-//    the storage dtype on the way. A task's key run is cut at block boundaries into "pieces";
-//    a piece is columns [c0, c1) of a block, and only the PAD-aligned columns [a0, a1)
-//    around it are computed.
+//  * K and V are packed once per call into fp32, converting the storage dtype on the way and
+//    zero padding head dims to PAD columns: K^T, K and V^T in blocks of BK physical rows per
+//    kv head, V per kv head over all its rows, all in PAD-column panels (see Packed). A task's
+//    key run is cut at block boundaries into "pieces"; a piece is columns [c0, c1) of a block,
+//    and only the PAD-aligned columns [a0, a1) around it are computed.
 //  * Every product is one register-blocked micro-kernel, C[M x N] (+)= A[M x K] B[K x N], with
 //    A read by broadcasts through (row, column) strides (so A can be transposed for free) and
 //    B, C row-major and vectorized along N: 6 x 2 vectors of accumulators.
 //  * Forward: a unit is (task, query head, block of BQ query rows); online softmax in the
-//    log2 domain over the pieces; fully masked pieces are skipped, and the first piece past
-//    the causal limit ends the loop.
-//  * Backward: a unit is one query head (all tasks, in order). For each piece it recomputes
-//    P from lse, and accumulates dV, dK of the piece in a local tile and dQ of the task in a
-//    local fp32 buffer. dK/dV go to a per-query-head fp32 scratch, summed over the heads of
-//    a GQA group in head order at the end. Each gradient element is therefore a fixed-order
-//    sum, whatever num_threads is and however many tasks share key rows: the results are
-//    bitwise reproducible and independent of the thread count. The price is scratch of
-//    Hq * total_k * (Dqk + Dv) floats and parallelism limited to Hq units.
+//    log2 domain over pieces of up to FBK = 2 BK keys; columns no row of the unit can see are
+//    not computed, and the first piece past the causal limit ends the loop. The next piece's
+//    K^T and V are prefetched while the current one runs.
+//  * Backward: a unit is one query head (all tasks, in order). For each 64-key piece it runs
+//    the task's queries in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the
+//    piece in a local tile and dQ of the task in a local fp32 buffer. dK/dV go to a
+//    per-query-head fp32 scratch, summed over the heads of a GQA group in head order at the
+//    end. Each gradient element is therefore a fixed-order sum, whatever num_threads is and
+//    however many tasks share key rows: the results are bitwise reproducible and independent
+//    of the thread count. The price is scratch of Hq * total_k * (Dqk + Dv) floats and
+//    parallelism limited to Hq units.
 #ifndef CPATTN_KNS
 #error "define CPATTN_KNS and CPATTN_VW before including kernel_impl.hpp"
 #endif
@@ -32,10 +34,30 @@ namespace {
 
 constexpr int W = CPATTN_VW;  // floats per vector
 constexpr int PAD = 16;       // head dims and key columns are padded to this (multiple of W)
-constexpr int BQ = 64;        // query rows per block
-constexpr int BK = 64;        // key rows per block
+constexpr int BQ = 64;        // query rows per forward unit
+constexpr int BQB = 128;      // query rows per backward step: the dK and dV products run
+                              // over 128 queries, halving their accumulator loads and stores
+constexpr int BK = 64;        // key rows per block (packing, backward)
+constexpr int FBK = 128;      // key rows per forward piece: two blocks (K^T and V are
+                              // contiguous across blocks), halving per-row softmax costs
 constexpr int MR = 6;         // micro-kernel rows
-static_assert(PAD % W == 0 && BK % PAD == 0);
+static_assert(PAD % W == 0 && BK % PAD == 0 && FBK % BK == 0);
+
+// Scratch and packed operands start on a cache line (rows are padded to PAD floats, 64
+// bytes), so no vector load of the micro-kernel splits a line: malloc's 16-byte alignment
+// (page + 16 for large blocks) splits every other 32-byte load.
+template <class T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <class U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+using fvec = std::vector<float, LineAligned<float>>;
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -138,8 +160,10 @@ inline void col_panel(int M, int K, const float* A, int64_t ars, int64_t acs, co
 // row-major B is bps = PAD. Packed operands use ldb = PAD, so that a panel is one contiguous
 // block (a strided panel maps to few L1 sets and thrashes). Column panels outside, rows
 // inside: the panel stays in L1 while A streams.
+// Never inlined: inlined into a caller with constant strides, GCC has been seen to spill the
+// accumulators of the micro-kernel to the stack (30% slower forward).
 template <bool Zero>
-void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
+__attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
           int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
   int n = 0;
@@ -195,12 +219,15 @@ inline int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 struct Packed {
   int64_t nblk = 0;  // blocks of BK physical key rows
   int dp = 0, dvp = 0;
-  // per (kv head, block), in PAD-column panels: kt [BK/PAD][dp][PAD] (K^T), kr [dp/PAD][BK][PAD]
-  // (K), vr [dvp/PAD][BK][PAD] (V), vt [BK/PAD][dvp][PAD] (V^T)
-  std::vector<float> kt, kr, vr, vt;
+  // per (kv head, block), in PAD-column panels: kt [BK/PAD][dp][PAD] (K^T; panel j of a kv
+  // head's keys is at Kt(hk, 0) + j * dp * PAD, whatever the block), kr [dp/PAD][BK][PAD] (K),
+  // vt [BK/PAD][dvp][PAD] (V^T). V is per kv head, not per block: vr [dvp/PAD][nblk*BK][PAD],
+  // so that P V can run over any number of consecutive blocks (B panel stride vr_ps()).
+  fvec kt, kr, vr, vt;
   const float* Kt(int hk, int64_t b) const { return kt.data() + (hk * nblk + b) * BK * dp; }
   const float* Kr(int hk, int64_t b) const { return kr.data() + (hk * nblk + b) * BK * dp; }
-  const float* Vr(int hk, int64_t b) const { return vr.data() + (hk * nblk + b) * BK * dvp; }
+  const float* Vr(int hk) const { return vr.data() + hk * nblk * BK * dvp; }
+  int64_t vr_ps() const { return nblk * BK * PAD; }
   const float* Vt(int hk, int64_t b) const { return vt.data() + (hk * nblk + b) * BK * dvp; }
 };
 
@@ -220,7 +247,7 @@ void pack_kv(const P& p, bool transposed_too, Packed& pk) {
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
     float* kt = pk.kt.data() + u * BK * pk.dp;
-    float* vr = pk.vr.data() + u * BK * pk.dvp;
+    float* vr = pk.vr.data() + hk * pk.nblk * BK * pk.dvp;
     float* kr = transposed_too ? pk.kr.data() + u * BK * pk.dp : nullptr;
     float* vt = transposed_too ? pk.vt.data() + u * BK * pk.dvp : nullptr;
     std::vector<float> row(std::max(pk.dp, pk.dvp));
@@ -235,15 +262,15 @@ void pack_kv(const P& p, bool transposed_too, Packed& pk) {
       }
       ld_row(p.v, p.dtype, r * p.v_row_stride + hk * p.v_head_stride, p.head_dim_v, pk.dvp, row.data());
       for (int d = 0; d < pk.dvp; ++d) {
-        vr[((d / PAD) * BK + c) * PAD + d % PAD] = row[d];
+        vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
         if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
       }
     }
   });
 }
 
-// A piece: key columns [c0, c1) of block b (physical rows b*BK + c), positions p_lo + (c - c0);
-// products run over the PAD-aligned columns [a0, a1).
+// A piece: key columns [c0, c1) of block b of B rows (physical rows b*B + c), positions
+// p_lo + (c - c0); products run over the PAD-aligned columns [a0, a1).
 struct Piece {
   int64_t b, p_lo;
   int c0, c1, a0, a1;
@@ -251,19 +278,19 @@ struct Piece {
 
 // Calls fn(piece) for the pieces of task t in key order; stops at the first piece no query
 // position <= qp_max can see (causal). fn returns nothing.
-template <class Fn>
+template <int B, class Fn>
 void for_each_piece(const WorkList& w, const AttnTask& t, bool causal, int64_t qp_max, Fn&& fn) {
   for (int64_t r = t.run_begin; r < t.run_end; ++r) {
     const KeyRun& run = w.runs[r];
     const int64_t end = run.row + run.len;
-    for (int64_t b = run.row / BK; b * BK < end; ++b) {
-      const int64_t lo = std::max(run.row, b * BK), hi = std::min(end, (b + 1) * BK);
+    for (int64_t b = run.row / B; b * B < end; ++b) {
+      const int64_t lo = std::max(run.row, b * B), hi = std::min(end, (b + 1) * B);
       Piece pc;
       pc.b = b;
       pc.p_lo = run.pos + (lo - run.row);
       if (causal && pc.p_lo > qp_max) return;
-      pc.c0 = static_cast<int>(lo - b * BK);
-      pc.c1 = static_cast<int>(hi - b * BK);
+      pc.c0 = static_cast<int>(lo - b * B);
+      pc.c1 = static_cast<int>(hi - b * B);
       pc.a0 = pc.c0 / PAD * PAD;
       pc.a1 = (pc.c1 + PAD - 1) / PAD * PAD;
       fn(pc);
@@ -280,7 +307,7 @@ inline int visible_end(const Piece& pc, bool causal, int64_t qp) {
 
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
-  std::vector<float> q, o, s, m, l;
+  fvec q, o, s, m, l;
 };
 
 void forward_impl(const AttnFwdParams& p) {
@@ -308,7 +335,7 @@ void forward_impl(const AttnFwdParams& p) {
   for (auto& s : scr) {
     s.q.resize(BQ * dp);
     s.o.resize(BQ * dvp);
-    s.s.resize(BQ * BK);
+    s.s.resize(BQ * FBK);
     s.m.resize(BQ);
     s.l.resize(BQ);
   }
@@ -327,34 +354,59 @@ void forward_impl(const AttnFwdParams& p) {
     std::fill(S.m.begin(), S.m.end(), kNegInf);
     std::fill(S.l.begin(), S.l.end(), 0.0f);
 
-    for_each_piece(w, t, causal, qp0 + m - 1, [&](const Piece& pc) {
+    const int64_t qp_last = qp0 + m - 1;
+    for_each_piece<FBK>(w, t, causal, qp_last, [&](Piece pc) {
+      // Columns past the last row's causal limit are masked for every row: not computed.
+      if (causal)
+        pc.a1 = static_cast<int>(std::min<int64_t>(pc.a1, (pc.c0 + (qp_last - pc.p_lo) + PAD) / PAD * PAD));
       const int n = pc.a1 - pc.a0;
+      const int64_t k0 = pc.b * FBK + pc.a0;  // first physical key row computed
       // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
-      gemm<true>(m, n, dp, S.q.data(), dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
-                 dp * PAD, S.s.data() + pc.a0, BK);
+      gemm<true>(m, n, dp, S.q.data(), dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD,
+                 dp * PAD, S.s.data() + pc.a0, FBK);
+      // The next piece's K^T and V (contiguous after this one for a key run) are fetched
+      // from L3 while this piece's softmax and P V run, a few lines per row.
+      const char* next_k = reinterpret_cast<const char*>(pk.Kt(hk, 0) + (pc.b + 1) * FBK * dp);
+      const int64_t k_lines = FBK * dp / 16, v_lines_pp = FBK * PAD / 16;  // 64-byte lines
+      const int64_t v_lines = v_lines_pp * (dvp / PAD);
+      auto next_v = [&](int64_t ln) {
+        return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + (pc.b + 1) * FBK * PAD + (ln % v_lines_pp) * 16;
+      };
+      const bool full = pc.a0 == pc.c0 && pc.a1 == pc.c1;
       for (int r = 0; r < m; ++r) {
-        float* s = S.s.data() + r * BK;
+        for (int64_t ln = r * k_lines / m; ln < (r + 1) * k_lines / m; ++ln)
+          __builtin_prefetch(next_k + ln * 64, 0, 1);
+        for (int64_t ln = r * v_lines / m; ln < (r + 1) * v_lines / m; ++ln)
+          __builtin_prefetch(next_v(ln), 0, 1);
+        float* s = S.s.data() + r * FBK;
         const int ve = visible_end(pc, causal, qp0 + r);
         if (ve <= pc.c0) {  // nothing visible in this piece for this row
           for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
           continue;
         }
-        // log2-domain scores, masked outside [c0, ve)
+        // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
+        // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
+        // a partly masked row is scaled and masked in place first (cl may be negative, so
+        // -inf must be written after the scale).
         vf mx = vset(kNegInf);
-        for (int c = pc.a0; c < pc.a1; c += W) {
-          vf x = vload(s + c) * vset(cl);
-          vstore(s + c, x);
+        float mul = 1.0f;
+        if (full && ve == pc.c1) {
+          mul = cl;
+          const vf cv = vset(cl);
+          for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
+        } else {
+          for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cl));
+          for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
+          for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
+          for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
         }
-        for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
-        for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
-        for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
         const float m_old = S.m[r];
         const float m_new = std::fmax(m_old, hmax(mx));
         const float alpha = m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
         vf sum = vf{};
-        const vf mv = vset(m_new);
+        const vf mv = vset(m_new), mulv = vset(mul);
         for (int c = pc.a0; c < pc.a1; c += W) {
-          const vf e = vexp2(vload(s + c) - mv);
+          const vf e = vexp2(vload(s + c) * mulv - mv);
           sum += e;
           vstore(s + c, e);
         }
@@ -371,8 +423,8 @@ void forward_impl(const AttnFwdParams& p) {
         }
       }
       // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
-      gemm<false>(m, dvp, n, S.s.data() + pc.a0, BK, 1, pk.Vr(hk, pc.b) + pc.a0 * PAD, PAD,
-                  BK * PAD, S.o.data(), dvp);
+      gemm<false>(m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(),
+                  S.o.data(), dvp);
     });
 
     for (int r = 0; r < m; ++r) {
@@ -387,10 +439,10 @@ void forward_impl(const AttnFwdParams& p) {
 
 // ---- backward ----------------------------------------------------------------------------
 struct BwdScratch {
-  std::vector<float> q, dout, dq, lse2, delta;  // per task rows, row-major
-  std::vector<float> q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD]
-  std::vector<float> s, pd, dp;                 // [BQ][BK]
-  std::vector<float> dk, dv;                    // piece tiles [BK][dp], [BK][dvp]
+  fvec q, dout, dq, lse2, delta;  // per task rows, row-major
+  fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD]
+  fvec s, pd, dp;                 // [BQB][BK]
+  fvec dk, dv;                    // piece tiles [BK][dp], [BK][dvp]
 };
 
 void backward_impl(const AttnBwdParams& p) {
@@ -410,8 +462,8 @@ void backward_impl(const AttnBwdParams& p) {
   int64_t max_q = 0;
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
   // dK, dV of every query head: [hq][total_k][dp], [hq][total_k][dvp] (fp32, unscaled dK)
-  std::vector<float> gk(static_cast<size_t>(hq) * p.total_k * dp, 0.0f);
-  std::vector<float> gv(static_cast<size_t>(hq) * p.total_k * dvp, 0.0f);
+  fvec gk(static_cast<size_t>(hq) * p.total_k * dp, 0.0f);
+  fvec gv(static_cast<size_t>(hq) * p.total_k * dvp, 0.0f);
 
   const int nthr = std::max(1, std::min(p.num_threads, hq));
   std::vector<BwdScratch> scr(nthr);
@@ -423,9 +475,9 @@ void backward_impl(const AttnBwdParams& p) {
     s.dq.resize(max_q * dp);
     s.lse2.resize(max_q);
     s.delta.resize(max_q);
-    s.s.resize(BQ * BK);
-    s.pd.resize(BQ * BK);
-    s.dp.resize(BQ * BK);
+    s.s.resize(BQB * BK);
+    s.pd.resize(BQB * BK);
+    s.dp.resize(BQB * BK);
     s.dk.resize(BK * dp);
     s.dv.resize(BK * dvp);
   }
@@ -453,16 +505,16 @@ void backward_impl(const AttnBwdParams& p) {
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
 
-      for_each_piece(w, t, causal, t.q_pos + nq - 1, [&](const Piece& pc) {
+      for_each_piece<BK>(w, t, causal, t.q_pos + nq - 1, [&](const Piece& pc) {
         const int n = pc.a1 - pc.a0;
         std::fill(S.dk.begin(), S.dk.end(), 0.0f);
         std::fill(S.dv.begin(), S.dv.end(), 0.0f);
         // first query block that sees the piece
         int64_t qb0 = 0;
-        if (causal && pc.p_lo > t.q_pos) qb0 = (pc.p_lo - t.q_pos) / BQ;
-        for (int64_t qb = qb0; qb * BQ < nq; ++qb) {
-          const int64_t i0 = qb * BQ, qp0 = t.q_pos + i0;
-          const int m = static_cast<int>(std::min<int64_t>(BQ, nq - i0));
+        if (causal && pc.p_lo > t.q_pos) qb0 = (pc.p_lo - t.q_pos) / BQB;
+        for (int64_t qb = qb0; qb * BQB < nq; ++qb) {
+          const int64_t i0 = qb * BQB, qp0 = t.q_pos + i0;
+          const int m = static_cast<int>(std::min<int64_t>(BQB, nq - i0));
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
@@ -470,6 +522,19 @@ void backward_impl(const AttnBwdParams& p) {
                      dp * PAD, S.s.data() + pc.a0, BK);
           gemm<true>(m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
                      dvp * PAD, S.dp.data() + pc.a0, BK);
+          // The next query block's Q, dO and their panels come from L3 (per-task buffers of
+          // max_q rows): fetch them while this block's softmax and products run.
+          const bool more = i0 + BQB < nq;
+          for (int r = 0; more && r < m; ++r) {
+            const int64_t ni = i0 + BQB + r;
+            if (ni >= nq) break;
+            for (int d = 0; d < dp; d += 16) __builtin_prefetch(S.q.data() + ni * dp + d);
+            for (int d = 0; d < dvp; d += 16) __builtin_prefetch(S.dout.data() + ni * dvp + d);
+            if (r % 4 == 0) {  // a panel row is 16 floats: 4 rows per line
+              for (int d = 0; d < dp; d += PAD) __builtin_prefetch(S.q_pan.data() + ((d / PAD) * max_q + ni) * PAD);
+              for (int d = 0; d < dvp; d += PAD) __builtin_prefetch(S.dout_pan.data() + ((d / PAD) * max_q + ni) * PAD);
+            }
+          }
           for (int r = 0; r < m; ++r) {
             float* s = S.s.data() + r * BK;   // -> P, then dS
             float* dpr = S.dp.data() + r * BK;
