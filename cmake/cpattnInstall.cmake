@@ -5,7 +5,9 @@ install(TARGETS cpattn EXPORT cpattnTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/cpattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# train.hpp belongs to the training example (cpattn_train), which is not installed.
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/cpattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        PATTERN train.hpp EXCLUDE)
 install(EXPORT cpattnTargets NAMESPACE cpattn::
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/cpattnConfig.cmake.in

@@ -25,5 +25,6 @@ std::vector<int64_t> read_lengths_file(const std::string& path);
 void add_plan_command(CLI::App& app);
 void add_run_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_train_command(CLI::App& app);
 
 }  // namespace cpattn::cli

@@ -7,5 +7,6 @@ int main(int argc, char** argv) {
   cpattn::cli::add_plan_command(app);
   cpattn::cli::add_run_command(app);
   cpattn::cli::add_bench_command(app);
+  cpattn::cli::add_train_command(app);
   return cpattn::cli::run_app(app, argc, argv);
 }

@@ -1,0 +1,200 @@
+// A small causal language model trained with context parallelism (DESIGN.md section 8): the
+// end-to-end user of the planner, the CP attention and the communicator. See docs/training.md.
+//
+//   Data   documents (one per file) -> byte tokens + an end-of-document token (vocab 257),
+//          packed into sequences of seq_len tokens, attention and positions reset at every
+//          document segment (DataStream).
+//   Model  token embedding; `layers` pre-norm blocks
+//            x = x + Wo . Attn(RoPE(Wq . rms(x)), RoPE(Wk . rms(x)), Wv . rms(x))   (GQA)
+//            x = x + W2 . (silu(W1 . rms(x)) * (W3 . rms(x)))                       (SwiGLU)
+//          final RMSNorm, LM head, cross-entropy over the real tokens of all ranks.
+//          Token-wise layers run on this rank's local tokens (sequence parallel); attention
+//          goes through cpattn::CpAttention; RoPE uses each token's global position in its
+//          document. Forward and backward are written by hand; matrix products are cblas_sgemm.
+//   Optim  AdamW (decay on matrices only), linear warm-up then a constant rate, clipping by
+//          the global gradient norm; gradients summed over the CP group in a fixed order, so
+//          every rank holds bitwise-identical weights.
+//
+//   cpattn::Communicator comm(MPI_COMM_WORLD);
+//   cpattn::train::Trainer trainer(comm, {.layers = 2, .dim = 128}, {.lr = 1e-3f}, {});
+//   cpattn::train::DataStream data(cpattn::train::load_documents({}));
+//   for (int s = 0; s < 100; ++s) {
+//     const cpattn::train::StepStats st = trainer.step(data.next(1024));
+//   }
+#pragma once
+
+#include <cpattn/comm.hpp>
+#include <cpattn/dtype.hpp>
+#include <cpattn/error.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cpattn::train {
+
+inline constexpr int kVocab = 257;              // bytes 0..255 and the end-of-document token
+inline constexpr int64_t kEndOfDocument = 256;  // ends every document; also the padding token
+inline constexpr const char* kDefaultDataDir = "/usr/share/common-licenses";
+
+// ---- Data ---------------------------------------------------------------------------------------
+
+struct Document {
+  std::string name;            // the file it came from
+  std::vector<uint8_t> bytes;  // its contents
+};
+
+// One document per file. `paths` are files or folders (a folder contributes every regular
+// file below it); all files are read in sorted order of their canonical path, each file once
+// (symlinked duplicates skipped), empty files skipped. No paths: kDefaultDataDir. Throws
+// cpattn::Error for a missing path, an unreadable file or when no non-empty document is left.
+std::vector<Document> load_documents(std::span<const std::string> paths);
+
+// Where the stream stands: the next token is token `offset` of document `doc` in epoch `epoch`.
+struct DataPosition {
+  int64_t doc = 0;
+  int64_t offset = 0;
+  int64_t epoch = 0;
+  bool operator==(const DataPosition&) const = default;
+};
+
+// One packed sequence of the whole batch (global order, real tokens only).
+struct PackedSequence {
+  std::vector<int64_t> tokens;      // [T]
+  std::vector<int64_t> labels;      // [T] next token of the same document, or kIgnoreIndex
+  std::vector<int64_t> positions;   // [T] position in the document segment, from 0
+  std::vector<int64_t> cu_seqlens;  // [segments+1] segment boundaries, leading 0, last T
+};
+
+// The token stream: document d is its bytes followed by kEndOfDocument; documents follow each
+// other in order and the stream wraps around (epoch + 1). next(n) takes the next n tokens.
+// Every document segment starts at position 0: a document cut at the end of a sequence goes
+// on in the next one as a new segment (positions from 0 again, no attention back to the cut
+// part). Labels are the document's next token, also across such a cut; the end-of-document
+// token has no label.
+class DataStream {
+ public:
+  explicit DataStream(std::vector<Document> docs);
+  PackedSequence next(int64_t seq_len);
+  const DataPosition& position() const { return pos_; }
+  void seek(const DataPosition& pos);  // checks the position is inside the data
+  const std::vector<Document>& documents() const { return docs_; }
+  int64_t total_tokens() const;  // tokens of one epoch
+
+ private:
+  std::vector<Document> docs_;
+  DataPosition pos_;
+};
+
+// ---- Model and training -------------------------------------------------------------------------
+
+struct ModelConfig {
+  int vocab = kVocab;
+  int layers = 2;
+  int dim = 128;       // model width D = heads * head_dim
+  int heads = 4;       // query heads
+  int kv_heads = 2;    // key/value heads (GQA), divides heads
+  int ffn = 0;         // SwiGLU hidden width; 0: 8/3 * dim rounded up to a multiple of 32
+  float rope_theta = 10000.0f;
+  float norm_eps = 1e-5f;
+  float init_std = 0.02f;
+  int head_dim() const { return dim / heads; }
+  int ffn_dim() const { return ffn > 0 ? ffn : (8 * dim / 3 + 31) / 32 * 32; }
+};
+
+struct OptimConfig {
+  float lr = 1e-3f;             // peak learning rate
+  int warmup = 10;              // steps of linear warm-up: lr * (step + 1) / warmup
+  float weight_decay = 0.1f;    // AdamW, decoupled, on matrices (not norms)
+  float clip = 1.0f;            // clip the global gradient norm to this (0: off)
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+};
+
+struct RunOptions {
+  DType attn_dtype = DType::f32;  // storage type of q, k, v in attention: f32 or bf16
+  int threads = 1;                // BLAS and attention threads per rank
+  // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
+  // document instead of its global position. Wrong for cp > 1 on purpose.
+  bool rope_local_offsets = false;
+};
+
+struct StepStats {
+  int64_t step = 0;          // the step just taken, from 0
+  double loss = 0;           // mean cross-entropy over the real tokens of all ranks (nats)
+  double grad_norm = 0;      // global gradient norm before clipping
+  double lr = 0;             // learning rate used
+  int64_t tokens = 0;        // real (scored) tokens of all ranks
+  int64_t local_tokens = 0;  // this rank's rows, padding included
+};
+
+// A parameter tensor inside the flat parameter vector.
+struct ParamTensor {
+  std::string name;  // e.g. "layer0.wq"
+  int64_t offset = 0;
+  int64_t size = 0;
+  std::vector<int64_t> shape;
+  bool decay = false;  // weight decay applies
+};
+
+class Trainer {
+ public:
+  // Borrows `comm` (cp = comm.size()); every rank initializes identical weights from `seed`.
+  Trainer(Communicator& comm, const ModelConfig& model, const OptimConfig& optim,
+          const RunOptions& options, uint64_t seed = 1);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Forward, backward, gradient all-reduce, clipping and one AdamW update. Collective.
+  StepStats step(const PackedSequence& seq);
+  // Forward and backward only: returns the global mean loss and leaves the all-reduced
+  // (unclipped) gradients in grads(). Collective.
+  double loss_and_grad(const PackedSequence& seq);
+  // Forward only: the global mean loss. Collective.
+  double loss(const PackedSequence& seq);
+
+  std::span<float> params();
+  std::span<const float> grads() const;
+  const std::vector<ParamTensor>& tensors() const;
+  const ModelConfig& model() const;
+  int64_t steps_done() const;
+  double global_grad_norm() const;  // of grads()
+
+  // Checkpoint: model config, step, data position, weights and AdamW moments (fp32). Written
+  // by rank 0 (weights are replicated), read by every rank; a file saved at one cp resumes at
+  // any other. load() checks the model config and throws the same cpattn::Error on every rank.
+  void save(const std::string& path, const DataPosition& data) const;  // collective
+  DataPosition load(const std::string& path);                         // collective
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Smallest seq_len such that every rank holds a chunk: 2 * cp.
+inline int64_t min_seq_len(int cp) { return 2 * int64_t{cp}; }
+
+// Runs `f` on every rank; when it throws cpattn::Error on any rank, every rank throws the
+// lowest failing rank's message (no rank is left waiting in a later collective). Collective.
+template <class F>
+void on_every_rank(Communicator& comm, F&& f);
+
+void rethrow_agreed(Communicator& comm, const std::string& local_error);  // its collective half
+
+template <class F>
+void on_every_rank(Communicator& comm, F&& f) {
+  std::string err;
+  try {
+    f();
+  } catch (const Error& e) {
+    err = e.message();
+    if (err.empty()) err = "error";
+  }
+  rethrow_agreed(comm, err);
+}
+
+}  // namespace cpattn::train

@@ -1,0 +1,108 @@
+// Documents, the token stream and sequence packing (include/cpattn/train.hpp).
+#include <cpattn/error.hpp>
+#include <cpattn/plan.hpp>
+#include <cpattn/train.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <system_error>
+
+namespace cpattn::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<uint8_t> read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  CPATTN_CHECK(in.good(), "cannot read data file '", p.string(), "'");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CPATTN_CHECK(!in.bad(), "error while reading data file '", p.string(), "'");
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<Document> load_documents(std::span<const std::string> paths) {
+  std::vector<std::string> roots(paths.begin(), paths.end());
+  if (roots.empty()) roots.emplace_back(kDefaultDataDir);
+  std::set<fs::path> files;  // canonical, sorted, each once
+  for (const std::string& root : roots) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(root, ec);
+    CPATTN_CHECK(!ec && fs::exists(st), "--data: no such file or folder '", root, "'");
+    if (fs::is_directory(st)) {
+      for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
+           !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->is_regular_file(ec)) files.insert(fs::canonical(it->path(), ec));
+      }
+      CPATTN_CHECK(!ec, "--data: cannot list folder '", root, "': ", ec.message());
+    } else {
+      CPATTN_CHECK(fs::is_regular_file(st), "--data: '", root, "' is neither a file nor a folder");
+      files.insert(fs::canonical(root, ec));
+    }
+  }
+  std::vector<Document> docs;
+  for (const fs::path& f : files) {
+    Document d{f.string(), read_file(f)};
+    if (!d.bytes.empty()) docs.push_back(std::move(d));
+  }
+  std::string where;
+  for (const std::string& r : roots) where += (where.empty() ? "'" : ", '") + r + "'";
+  CPATTN_CHECK(!docs.empty(), "--data: no non-empty document in ", where, " (", files.size(),
+               " file(s) found, all empty)");
+  return docs;
+}
+
+DataStream::DataStream(std::vector<Document> docs) : docs_(std::move(docs)) {
+  CPATTN_CHECK(!docs_.empty(), "DataStream needs at least one document");
+}
+
+int64_t DataStream::total_tokens() const {
+  int64_t n = 0;
+  for (const Document& d : docs_) n += static_cast<int64_t>(d.bytes.size()) + 1;
+  return n;
+}
+
+void DataStream::seek(const DataPosition& pos) {
+  CPATTN_CHECK(pos.doc >= 0 && pos.doc < static_cast<int64_t>(docs_.size()) && pos.offset >= 0 &&
+                   pos.offset <= static_cast<int64_t>(docs_[pos.doc].bytes.size()) && pos.epoch >= 0,
+               "data position (document ", pos.doc, ", token ", pos.offset,
+               ") lies outside the data (", docs_.size(),
+               " documents): resume with the same --data as the saved run");
+  pos_ = pos;
+}
+
+PackedSequence DataStream::next(int64_t seq_len) {
+  CPATTN_CHECK(seq_len >= 1, "seq_len must be >= 1, got ", seq_len);
+  PackedSequence s;
+  s.tokens.reserve(seq_len);
+  s.labels.reserve(seq_len);
+  s.positions.reserve(seq_len);
+  s.cu_seqlens.push_back(0);
+  while (static_cast<int64_t>(s.tokens.size()) < seq_len) {
+    const std::vector<uint8_t>& b = docs_[pos_.doc].bytes;
+    const auto n = static_cast<int64_t>(b.size());  // document tokens: n bytes, then end-of-document
+    const int64_t take = std::min(seq_len - static_cast<int64_t>(s.tokens.size()), n + 1 - pos_.offset);
+    for (int64_t i = pos_.offset; i < pos_.offset + take; ++i) {
+      s.tokens.push_back(i < n ? int64_t{b[i]} : kEndOfDocument);
+      s.labels.push_back(i + 1 < n ? int64_t{b[i + 1]} : i + 1 == n ? kEndOfDocument : kIgnoreIndex);
+      s.positions.push_back(i - pos_.offset);
+    }
+    s.cu_seqlens.push_back(static_cast<int64_t>(s.tokens.size()));
+    pos_.offset += take;
+    if (pos_.offset == n + 1) {
+      pos_.offset = 0;
+      if (++pos_.doc == static_cast<int64_t>(docs_.size())) {
+        pos_.doc = 0;
+        ++pos_.epoch;
+      }
+    }
+  }
+  return s;
+}
+
+}  // namespace cpattn::train

@@ -1,0 +1,124 @@
+// Documents and packing of the training data (include/cpattn/train.hpp): no MPI.
+#include <cpattn/error.hpp>
+#include <cpattn/plan.hpp>
+#include <cpattn/train.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace cpattn::train {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// "abc" and "de": the stream is a b c EOD d e EOD | a b c EOD ...
+DataStream two_docs() { return DataStream({{"x", bytes("abc")}, {"y", bytes("de")}}); }
+
+TEST(TrainData, PacksDocumentsWithLabelsAndPositions) {
+  DataStream s = two_docs();
+  const int64_t E = kEndOfDocument, I = kIgnoreIndex;
+  const PackedSequence p = s.next(7);
+  EXPECT_THAT(p.tokens, ElementsAreArray(std::vector<int64_t>{'a', 'b', 'c', E, 'd', 'e', E}));
+  EXPECT_THAT(p.labels, ElementsAreArray(std::vector<int64_t>{'b', 'c', E, I, 'e', E, I}));
+  EXPECT_THAT(p.positions, ElementsAreArray(std::vector<int64_t>{0, 1, 2, 3, 0, 1, 2}));
+  EXPECT_THAT(p.cu_seqlens, ElementsAreArray(std::vector<int64_t>{0, 4, 7}));
+  EXPECT_EQ(s.position(), (DataPosition{0, 0, 1}));  // wrapped: epoch 1
+  EXPECT_EQ(s.total_tokens(), 7);
+}
+
+TEST(TrainData, DocumentCutAtTheEndContinuesAsANewSegment) {
+  DataStream s = two_docs();
+  const int64_t E = kEndOfDocument, I = kIgnoreIndex;
+  const PackedSequence p1 = s.next(2);
+  EXPECT_THAT(p1.tokens, ElementsAreArray(std::vector<int64_t>{'a', 'b'}));
+  EXPECT_THAT(p1.labels, ElementsAreArray(std::vector<int64_t>{'b', 'c'}));  // the label crosses the cut
+  EXPECT_THAT(p1.cu_seqlens, ElementsAreArray(std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(s.position(), (DataPosition{0, 2, 0}));
+  const PackedSequence p2 = s.next(6);
+  EXPECT_THAT(p2.tokens, ElementsAreArray(std::vector<int64_t>{'c', E, 'd', 'e', E, 'a'}));
+  EXPECT_THAT(p2.labels, ElementsAreArray(std::vector<int64_t>{E, I, 'e', E, I, 'b'}));
+  EXPECT_THAT(p2.positions, ElementsAreArray(std::vector<int64_t>{0, 1, 0, 1, 2, 0}));  // the continuation restarts at 0
+  EXPECT_THAT(p2.cu_seqlens, ElementsAreArray(std::vector<int64_t>{0, 2, 5, 6}));
+  // Seeking back replays the same sequence.
+  s.seek({0, 2, 0});
+  const PackedSequence again = s.next(6);
+  EXPECT_EQ(again.tokens, p2.tokens);
+  EXPECT_EQ(again.labels, p2.labels);
+  EXPECT_THROW(s.seek({2, 0, 0}), Error);
+  EXPECT_THROW(s.seek({1, 3, 0}), Error);
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "cpattn-train-data-XXXXXX").string();
+    path = mkdtemp(t.data());
+  }
+  ~TempDir() { fs::remove_all(path); }
+  void write(const std::string& name, const std::string& text) const {
+    fs::create_directories((path / name).parent_path());
+    std::ofstream(path / name, std::ios::binary) << text;
+  }
+};
+
+TEST(TrainData, LoadsFoldersInSortedOrderSkippingEmptyFilesAndDuplicates) {
+  TempDir d;
+  d.write("b.txt", "second");
+  d.write("a.txt", "first");
+  d.write("sub/c.txt", "third");
+  d.write("empty.txt", "");
+  fs::create_symlink(d.path / "a.txt", d.path / "z-link.txt");
+  const std::vector<std::string> paths = {d.path.string(), (d.path / "b.txt").string()};
+  const std::vector<Document> docs = load_documents(paths);
+  ASSERT_EQ(docs.size(), 3u);
+  EXPECT_EQ(docs[0].bytes, bytes("first"));
+  EXPECT_EQ(docs[1].bytes, bytes("second"));
+  EXPECT_EQ(docs[2].bytes, bytes("third"));
+}
+
+TEST(TrainData, MissingOrEmptyDataIsAClearError) {
+  TempDir d;
+  const std::vector<std::string> missing = {(d.path / "nope").string()};
+  try {
+    load_documents(missing);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr("no such file or folder"));
+  }
+  d.write("empty.txt", "");
+  const std::vector<std::string> empty = {d.path.string()};
+  try {
+    load_documents(empty);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr("no non-empty document"));
+  }
+}
+
+TEST(TrainData, DefaultDataIsTheLicenseTexts) {
+  if (!fs::exists(kDefaultDataDir)) GTEST_SKIP() << kDefaultDataDir << " is missing";
+  const std::vector<Document> docs = load_documents({});
+  EXPECT_GE(docs.size(), 5u);
+  DataStream s(docs);
+  EXPECT_GT(s.total_tokens(), 100000);
+}
+
+TEST(TrainData, ModelConfigDerivedSizes) {
+  const ModelConfig m{.dim = 128, .heads = 4};
+  EXPECT_EQ(m.head_dim(), 32);
+  EXPECT_EQ(m.ffn_dim(), 352);
+  EXPECT_EQ(min_seq_len(4), 8);
+}
+
+}  // namespace
+}  // namespace cpattn::train

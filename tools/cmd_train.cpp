@@ -1,0 +1,416 @@
+// `cpattn train`: a small causal LM trained on packed real documents with context
+// parallelism (include/cpattn/train.hpp, docs/training.md). Launch as
+//   mpirun -np N cpattn train --cp N [flags]      (plain `cpattn train` for CP=1)
+// `--compare 1,2,4` runs the same training at each CP size as its own MPI job and prints the
+// curves side by side.
+#include <cpattn/comm.hpp>
+#include <cpattn/error.hpp>
+#include <cpattn/train.hpp>
+
+#include <fcntl.h>
+#include <mpi.h>
+#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+
+extern char** environ;
+
+#ifndef CPATTN_MPIEXEC
+#define CPATTN_MPIEXEC "mpirun"
+#endif
+
+namespace cpattn::cli {
+
+namespace {
+
+struct TrainArgs {
+  int cp = 1;
+  train::ModelConfig model;
+  train::OptimConfig optim;
+  int64_t seq_len = 1024;
+  int64_t steps = 200;
+  uint64_t seed = 1;
+  std::string attn_dtype = "fp32";
+  int threads = 1;
+  std::vector<std::string> data;
+  std::string json_log, save, resume;
+  std::vector<int> compare;
+  std::string mpirun = CPATTN_MPIEXEC;
+  double timeout = 300.0;
+  bool rope_local = false;  // hidden: RoPE on local offsets (for tests)
+  int print_every = 1;
+};
+
+using Clock = std::chrono::steady_clock;
+
+double peak_rss_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+DType parse_attn_dtype(const std::string& s) {
+  if (s == "fp32") return DType::f32;
+  if (s == "bf16") return DType::bf16;
+  CPATTN_CHECK(false, "--attn-dtype must be fp32 or bf16, got '", s, "'");
+  return DType::f32;
+}
+
+// Checks that need no MPI, the same on every rank.
+void check_args(const TrainArgs& a) {
+  CPATTN_CHECK(a.cp >= 1, "--cp must be >= 1, got ", a.cp);
+  CPATTN_CHECK(a.steps >= 0, "--steps must be >= 0, got ", a.steps);
+  CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
+  CPATTN_CHECK(a.optim.warmup >= 0, "--warmup must be >= 0, got ", a.optim.warmup);
+  CPATTN_CHECK(a.optim.lr > 0 && std::isfinite(a.optim.lr), "--lr must be > 0, got ", a.optim.lr);
+  CPATTN_CHECK(a.optim.weight_decay >= 0, "--weight-decay must be >= 0, got ", a.optim.weight_decay);
+  CPATTN_CHECK(a.optim.clip >= 0, "--clip must be >= 0 (0: no clipping), got ", a.optim.clip);
+  CPATTN_CHECK(a.print_every >= 1, "--print-every must be >= 1, got ", a.print_every);
+  parse_attn_dtype(a.attn_dtype);
+  CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
+               " cannot hold one padded chunk per rank: with --cp ", a.cp,
+               " every document is cut into 2 * cp = ", train::min_seq_len(a.cp),
+               " chunks, so --seq-len must be at least ", train::min_seq_len(a.cp));
+}
+
+struct StepRow {
+  int64_t step = 0;
+  double loss = 0, grad_norm = 0, lr = 0, step_s = 0, tokens_per_s = 0;
+  std::vector<double> peak_rss_mb;  // per rank
+};
+
+void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
+  if (rows.empty()) return;
+  double sum_s = 0, sum_tps = 0;
+  int n = 0;
+  for (std::size_t i = rows.size() > 1 ? 1 : 0; i < rows.size(); ++i, ++n) {  // the first step warms up
+    sum_s += rows[i].step_s;
+    sum_tps += rows[i].tokens_per_s;
+  }
+  double min_loss = rows[0].loss;
+  for (const StepRow& r : rows) min_loss = std::min(min_loss, r.loss);
+  std::printf("\nrun summary (cp = %d)\n", cp);
+  std::printf("  %-28s %lld\n", "steps", static_cast<long long>(rows.size()));
+  std::printf("  %-28s %.4f -> %.4f (min %.4f, ln 257 = %.4f)\n", "loss", rows.front().loss,
+              rows.back().loss, min_loss, std::log(257.0));
+  std::printf("  %-28s %.4f -> %.4f\n", "grad norm", rows.front().grad_norm, rows.back().grad_norm);
+  std::printf("  %-28s %.4f\n", "time per iteration (s)", sum_s / n);
+  std::printf("  %-28s %.0f\n", "tokens per second", sum_tps / n);
+  std::printf("  %-28s", "peak memory per rank (MB)");
+  for (const double m : rows.back().peak_rss_mb) std::printf(" %.1f", m);
+  std::printf("\n  %-28s %.2f\n", "total time (s)", total_s);
+}
+
+void train_run(const TrainArgs& a) {
+  check_args(a);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) MPI_Init(nullptr, nullptr);
+  struct Finalize {
+    ~Finalize() {
+      int done = 0;
+      MPI_Finalized(&done);
+      if (!done) MPI_Finalize();
+    }
+  } finalize;
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  const int rank = comm.rank();
+  CPATTN_CHECK(a.cp == comm.size(), "--cp ", a.cp, " does not match the MPI world size ", comm.size(),
+               ": launch as mpirun -np ", a.cp, " cpattn train --cp ", a.cp);
+
+  std::unique_ptr<train::DataStream> data;
+  train::on_every_rank(comm, [&] { data = std::make_unique<train::DataStream>(train::load_documents(a.data)); });
+  train::Trainer trainer(comm, a.model, a.optim,
+                         {.attn_dtype = parse_attn_dtype(a.attn_dtype), .threads = a.threads,
+                          .rope_local_offsets = a.rope_local},
+                         a.seed);
+  if (!a.resume.empty()) {
+    const train::DataPosition pos = trainer.load(a.resume);
+    train::on_every_rank(comm, [&] { data->seek(pos); });
+  }
+  std::ofstream log;
+  train::on_every_rank(comm, [&] {
+    if (rank != 0 || a.json_log.empty()) return;
+    log.open(a.json_log, std::ios::trunc);
+    CPATTN_CHECK(log.good(), "--json-log: cannot write '", a.json_log, "'");
+  });
+
+  if (rank == 0) {
+    int64_t params = static_cast<int64_t>(trainer.params().size());
+    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters\n",
+                a.cp, a.model.layers, a.model.dim, a.model.heads, a.model.kv_heads, a.model.ffn_dim(),
+                static_cast<long long>(params));
+    std::printf("  data: %zu documents, %lld tokens per epoch; seq-len %lld; attention %s; %d thread(s) per rank%s\n",
+                data->documents().size(), static_cast<long long>(data->total_tokens()),
+                static_cast<long long>(a.seq_len), a.attn_dtype.c_str(), a.threads,
+                a.resume.empty() ? "" : (", resumed at step " + std::to_string(trainer.steps_done())).c_str());
+    std::fflush(stdout);
+  }
+
+  std::vector<StepRow> rows;
+  const auto t_start = Clock::now();
+  for (int64_t s = trainer.steps_done(); s < a.steps; ++s) {
+    const train::PackedSequence seq = data->next(a.seq_len);
+    const auto t0 = Clock::now();
+    const train::StepStats st = trainer.step(seq);
+    std::array<double, 1> dt{std::chrono::duration<double>(Clock::now() - t0).count()};
+    comm.all_reduce<double>(dt, ReduceOp::max);  // a step takes as long as its slowest rank
+    const double mine = peak_rss_mb();
+    std::vector<double> rss(static_cast<std::size_t>(comm.size()));
+    comm.all_gather<double>(std::span(&mine, 1), rss);
+    StepRow row{st.step, st.loss, st.grad_norm, st.lr, dt[0], static_cast<double>(seq.tokens.size()) / dt[0], rss};
+    if (rank == 0) {
+      const double max_rss = *std::max_element(rss.begin(), rss.end());
+      if (st.step % a.print_every == 0 || s + 1 == a.steps) {
+        std::printf("step %5lld | loss %.4f | grad norm %7.4f | lr %.2e | %8.0f tok/s | %.3f s | peak MB",
+                    static_cast<long long>(st.step), st.loss, st.grad_norm, st.lr, row.tokens_per_s, row.step_s);
+        for (const double m : rss) std::printf(" %.1f", m);
+        std::printf("\n");
+        std::fflush(stdout);
+      }
+      if (log.is_open()) {
+        const nlohmann::json j = {{"step", st.step},          {"loss", st.loss},
+                                  {"grad_norm", st.grad_norm}, {"lr", st.lr},
+                                  {"step_s", row.step_s},      {"tokens_per_s", row.tokens_per_s},
+                                  {"tokens", st.tokens},       {"peak_rss_mb", max_rss},
+                                  {"peak_rss_mb_per_rank", rss}, {"cp", a.cp}};
+        log << j.dump() << '\n';
+        log.flush();
+      }
+    }
+    rows.push_back(std::move(row));
+  }
+  const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (!a.save.empty()) {
+    trainer.save(a.save, data->position());
+    if (rank == 0) std::printf("saved step %lld to %s\n", static_cast<long long>(trainer.steps_done()), a.save.c_str());
+  }
+  if (rank == 0) print_summary(rows, a.cp, total_s);
+}
+
+// ---- --compare: one MPI job per CP size ---------------------------------------------------------
+
+// argv of `train` for one CP size, from the parsed flags.
+std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::string& log) {
+  const auto f = [](double x) {
+    char b[64];
+    std::snprintf(b, sizeof b, "%.9g", x);
+    return std::string(b);
+  };
+  std::vector<std::string> v = {"train", "--cp", std::to_string(cp), "--layers", std::to_string(a.model.layers),
+                                "--dim", std::to_string(a.model.dim), "--heads", std::to_string(a.model.heads),
+                                "--kv-heads", std::to_string(a.model.kv_heads), "--seq-len", std::to_string(a.seq_len),
+                                "--steps", std::to_string(a.steps), "--seed", std::to_string(a.seed),
+                                "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
+                                "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
+                                "--attn-dtype", a.attn_dtype, "--threads", std::to_string(a.threads),
+                                "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
+                                "--json-log", log};
+  if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
+  if (!a.data.empty()) {
+    v.emplace_back("--data");
+    v.insert(v.end(), a.data.begin(), a.data.end());
+  }
+  return v;
+}
+
+// Runs argv with stdout and stderr into `out_path` and an environment without Open MPI's and
+// PMIx's variables (a nested mpirun must not think it runs inside this job). Returns the exit code.
+int spawn(const std::vector<std::string>& argv, const std::string& out_path) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string s = *e;
+    if (s.starts_with("OMPI_") && !s.starts_with("OMPI_ALLOW_RUN_AS_ROOT") && !s.starts_with("OMPI_MCA_"))
+      continue;
+    if (s.starts_with("PMIX_")) continue;
+    env.push_back(s);
+  }
+  std::vector<char*> cargv, cenv;
+  for (const std::string& s : argv) cargv.push_back(const_cast<char*>(s.c_str()));
+  cargv.push_back(nullptr);
+  for (const std::string& s : env) cenv.push_back(const_cast<char*>(s.c_str()));
+  cenv.push_back(nullptr);
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  CPATTN_CHECK(pid >= 0, "--compare: fork failed: ", std::strerror(errno));
+  if (pid == 0) {
+    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execvpe(cargv[0], cargv.data(), cenv.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", cargv[0], std::strerror(errno));
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<StepRow> read_log(const std::string& path) {
+  std::ifstream in(path);
+  CPATTN_CHECK(in.good(), "--compare: cannot read '", path, "'");
+  std::vector<StepRow> rows;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    rows.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
+                    j.at("lr").get<double>(), j.at("step_s").get<double>(), j.at("tokens_per_s").get<double>(),
+                    j.at("peak_rss_mb_per_rank").get<std::vector<double>>()});
+  }
+  return rows;
+}
+
+void compare_run(const TrainArgs& a) {
+  for (const int cp : a.compare) {
+    TrainArgs c = a;
+    c.cp = cp;
+    check_args(c);
+  }
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  CPATTN_CHECK(size == nullptr || std::atoi(size) == 1,
+               "--compare starts its own MPI jobs: run it as plain `cpattn train --compare ...`, not under mpirun");
+  CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
+  char dir_template[] = "/tmp/cpattn-compare-XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  CPATTN_CHECK(dir != nullptr, "--compare: cannot create a folder in /tmp: ", std::strerror(errno));
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  CPATTN_CHECK(n > 0, "--compare: cannot find this program's path");
+  self[n] = '\0';
+
+  std::vector<std::vector<StepRow>> runs;
+  std::vector<double> wall;
+  for (const int cp : a.compare) {
+    const std::string log = std::string(dir) + "/cp" + std::to_string(cp) + ".jsonl";
+    const std::string out = std::string(dir) + "/cp" + std::to_string(cp) + ".out";
+    std::vector<std::string> argv = {a.mpirun, "-np", std::to_string(cp), "--oversubscribe", self};
+    const std::vector<std::string> rest = child_args(a, cp, log);
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    std::printf("running cp = %d: %s ... (output in %s)\n", cp, argv[0].c_str(), out.c_str());
+    const auto t0 = Clock::now();
+    const int rc = spawn(argv, out);
+    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (rc != 0) {
+      std::ifstream in(out);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
+      std::fprintf(stderr, "cpattn: error: the cp = %d run failed with exit code %d:\n%s", cp, rc, text.c_str());
+      throw ExitCode{rc == 2 ? 2 : 1};
+    }
+    runs.push_back(read_log(log));
+  }
+
+  const std::size_t k = a.compare.size();
+  std::size_t steps = runs[0].size();
+  for (const auto& r : runs) steps = std::min(steps, r.size());
+  std::printf("\nper-step loss and grad norm (relative differences against cp = %d)\n", a.compare[0]);
+  std::printf("%6s", "step");
+  for (const int cp : a.compare) std::printf("  %12s", ("loss cp" + std::to_string(cp)).c_str());
+  for (const int cp : a.compare) std::printf("  %12s", ("gnorm cp" + std::to_string(cp)).c_str());
+  std::printf("  %10s  %10s\n", "max dloss", "max dgnorm");
+  std::vector<double> max_dl(k, 0), max_dg(k, 0), max_dl20(k, 0), max_dg20(k, 0);
+  const auto rel = [](double x, double ref) { return std::abs(x - ref) / std::max(std::abs(ref), 1e-30); };
+  for (std::size_t s = 0; s < steps; ++s) {
+    double dl = 0, dg = 0;
+    for (std::size_t c = 1; c < k; ++c) {
+      const double l = rel(runs[c][s].loss, runs[0][s].loss), g = rel(runs[c][s].grad_norm, runs[0][s].grad_norm);
+      dl = std::max(dl, l);
+      dg = std::max(dg, g);
+      max_dl[c] = std::max(max_dl[c], l);
+      max_dg[c] = std::max(max_dg[c], g);
+      if (s < 20) {
+        max_dl20[c] = std::max(max_dl20[c], l);
+        max_dg20[c] = std::max(max_dg20[c], g);
+      }
+    }
+    if (s % static_cast<std::size_t>(a.print_every) != 0 && s + 1 != steps) continue;
+    std::printf("%6lld", static_cast<long long>(runs[0][s].step));
+    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].loss);
+    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].grad_norm);
+    std::printf("  %10.2e  %10.2e\n", dl, dg);
+  }
+  std::printf("\n%-8s %16s %16s %16s %16s %12s %12s %10s  %s\n", "cp", "max dloss", "max dgnorm",
+              "max dloss <20", "max dgnorm <20", "step_s", "tokens/s", "job s", "peak MB per rank");
+  for (std::size_t c = 0; c < k; ++c) {
+    double s_sum = 0, t_sum = 0;
+    int cnt = 0;
+    for (std::size_t s = runs[c].size() > 1 ? 1 : 0; s < runs[c].size(); ++s, ++cnt) {
+      s_sum += runs[c][s].step_s;
+      t_sum += runs[c][s].tokens_per_s;
+    }
+    std::printf("%-8d %16.3e %16.3e %16.3e %16.3e %12.4f %12.0f %10.1f ", a.compare[c], max_dl[c], max_dg[c],
+                max_dl20[c], max_dg20[c], cnt ? s_sum / cnt : 0.0, cnt ? t_sum / cnt : 0.0, wall[c]);
+    if (!runs[c].empty())
+      for (const double m : runs[c].back().peak_rss_mb) std::printf(" %.1f", m);
+    std::printf("\n");
+  }
+  std::printf("\n(differences are relative to cp = %d; logs in %s)\n", a.compare[0], dir);
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto a = std::make_shared<TrainArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "Train a small causal LM on packed documents with context parallelism. Launch as: "
+      "mpirun -np N cpattn train --cp N [flags] (plain `cpattn train` for CP=1). See docs/training.md.");
+  cmd->add_option("--cp", a->cp, "Context-parallel size; must equal the MPI world size")->capture_default_str();
+  cmd->add_option("--layers", a->model.layers, "Transformer blocks")->capture_default_str();
+  cmd->add_option("--dim", a->model.dim, "Model width")->capture_default_str();
+  cmd->add_option("--heads", a->model.heads, "Query heads")->capture_default_str();
+  cmd->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (GQA)")->capture_default_str();
+  cmd->add_option("--seq-len", a->seq_len, "Tokens per packed sequence (one sequence per step)")
+      ->capture_default_str();
+  cmd->add_option("--steps", a->steps, "Total optimizer steps (a resumed run continues up to this step)")
+      ->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Seed of the weight initialization")->capture_default_str();
+  cmd->add_option("--lr", a->optim.lr, "Peak learning rate (constant after the warm-up)")->capture_default_str();
+  cmd->add_option("--warmup", a->optim.warmup, "Steps of linear learning-rate warm-up")->capture_default_str();
+  cmd->add_option("--weight-decay", a->optim.weight_decay, "AdamW weight decay (matrices only)")
+      ->capture_default_str();
+  cmd->add_option("--clip", a->optim.clip, "Clip the global gradient norm to this (0: off)")->capture_default_str();
+  cmd->add_option("--attn-dtype", a->attn_dtype, "Attention storage type: fp32 or bf16")->capture_default_str();
+  cmd->add_option("--threads", a->threads, "BLAS and attention threads per rank")->capture_default_str();
+  cmd->add_option("--data", a->data, "Files or folders, one document per file (default: " +
+                                         std::string(train::kDefaultDataDir) + ")");
+  cmd->add_option("--json-log", a->json_log, "Write one JSON object per step to FILE");
+  cmd->add_option("--save", a->save, "Save a checkpoint to FILE at the end");
+  cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)");
+  cmd->add_option("--compare", a->compare, "Run the same training at each CP size, e.g. 1,2,4, and compare")
+      ->delimiter(',');
+  cmd->add_option("--mpirun", a->mpirun, "mpirun used by --compare")->capture_default_str();
+  cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
+  cmd->add_option("--print-every", a->print_every, "Print every Nth step")->capture_default_str();
+  cmd->add_flag("--rope-local-offsets", a->rope_local,
+                "Testing only: RoPE on each token's local offset instead of its global position (wrong for cp > 1)")
+      ->group("");
+  cmd->callback([a] {
+    if (!a->compare.empty())
+      compare_run(*a);
+    else
+      train_run(*a);
+  });
+}
+
+}  // namespace cpattn::cli
