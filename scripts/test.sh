@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: an optimized build with warnings as errors, then the same tests again
 # under AddressSanitizer + UndefinedBehaviorSanitizer; between the two, each libFuzzer target
-# runs for a bounded time from its seed corpus. Usage: scripts/test.sh [--fast]
+# runs for a bounded time from its seed corpus and the kernel tests run under ThreadSanitizer. Usage: scripts/test.sh [--fast]
 # (--fast skips the sanitizer and fuzzing passes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,9 @@ cmake --build --preset ci -j "$jobs"
 ctest --preset ci -j "$jobs"
 if [ "${1:-}" != "--fast" ]; then
   scripts/fuzz.sh "${CPATTN_FUZZ_SECONDS:-20}"
+  cmake --preset tsan >/dev/null          # the threaded kernels under ThreadSanitizer
+  cmake --build --preset tsan -j "$jobs"
+  ctest --preset tsan -j "$jobs"
   cmake --preset asan >/dev/null
   cmake --build --preset asan -j "$jobs"
   ctest --preset asan -j "$jobs"
