@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -34,6 +35,7 @@ struct RunArgs {
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
   std::string dtype = "fp32", mode = "runs", mask = "causal";
   int threads = 1, repeats = 1;
+  int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
   float dropout = 0.0f;
   double timeout = 300.0;
@@ -239,7 +241,8 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-void run_distributed(const RunArgs& a);
+bool run_distributed(const RunArgs& a);
+bool check_in_groups(Communicator& world, const RunArgs& a);
 
 void run(const RunArgs& a) {
   int initialized = 0;
@@ -253,44 +256,104 @@ void run(const RunArgs& a) {
       if (mine && !done) MPI_Finalize();
     }
   } finalize{initialized == 0};
-  int world_rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-  // Errors are printed here, before MPI_Finalize: once another rank has exited non-zero the
-  // launcher may end this one before main() could print.
-  try {
-    run_distributed(a);
-  } catch (const Error& e) {
-    if (world_rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
-    throw ExitCode{2};
-  }
+  if (!run_distributed(a)) throw ExitCode{1};
 }
 
-void run_distributed(const RunArgs& a) {
-  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
-  const int cp = comm.size(), rank = comm.rank();
+// The CP groups: world/cp groups of cp consecutive ranks, each running the whole check on
+// the same batch (as data-parallel replicas would, each on its own batch).
+struct Groups {
+  Communicator& world;
+  MPI_Comm group = MPI_COMM_NULL;
+  int cp = 1, count = 1, index = 0;
+  Groups(Communicator& w, int cp_flag) : world(w) {
+    cp = cp_flag == 0 ? world.size() : cp_flag;
+    CPATTN_CHECK(cp >= 1 && world.size() % cp == 0, "--cp must divide the MPI world size ", world.size(),
+                 " (the world runs world/cp CP groups side by side), got ", cp_flag);
+    count = world.size() / cp;
+    index = world.rank() / cp;
+    world.barrier();  // every rank is here (under the deadline) before the split, which has none
+    MPI_Comm_split(world.mpi_comm(), index, world.rank(), &group);
+  }
+  ~Groups() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (group != MPI_COMM_NULL && !finalized) MPI_Comm_free(&group);
+  }
+  Groups(const Groups&) = delete;
+  Groups& operator=(const Groups&) = delete;
+};
+
+// What a rank prepares on its own: the batch, its plan and its local rows. Errors here can
+// differ between ranks (a file one node cannot read): they are shared before anything else.
+struct Local {
+  Batch b;
+  CpAttnConfig cfg;
+  RankPlan p;
+  std::vector<std::byte> q, k, v, dout;
+};
+
+Local prepare(const RunArgs& a, int cp, int rank) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
   CPATTN_CHECK(a.mode == "runs" || a.mode == "index", "--mode must be runs or index, got '", a.mode, "'");
   CPATTN_CHECK(a.mask == "causal" || a.mask == "none", "--mask must be causal or none, got '", a.mask, "'");
   CPATTN_CHECK(a.tokens >= 1, "--tokens must be >= 1, got ", a.tokens);
+  Local l;
+  l.b = make_batch(a);
+  const Batch& b = l.b;
+  l.cfg = {.num_heads_q = b.hq, .num_heads_k = b.hkv, .head_dim_qk = b.dqk, .head_dim_v = b.dv, .dtype = b.t,
+           .mask = a.mask == "causal" ? MaskType::causal : MaskType::none, .dropout_p = a.dropout, .seed = a.seed,
+           .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index, .num_threads = a.threads};
+  l.p = get_thd_load_balanced_cp_metadata(b.cu, cp, rank);
+  const std::size_t es = dtype_size(b.t);
+  const auto local = [&](const std::vector<std::byte>& g, int64_t row) {
+    std::vector<std::byte> out(l.p.local_tokens * row * es);
+    take_local_rows(g.data(), row * static_cast<int64_t>(es), l.p, out.data());
+    return out;
+  };
+  l.q = local(b.q, int64_t{b.hq} * b.dqk);
+  l.k = local(b.k, int64_t{b.hkv} * b.dqk);
+  l.v = local(b.v, int64_t{b.hkv} * b.dv);
+  l.dout = local(b.dout, int64_t{b.hq} * b.dv);
+  return l;
+}
 
-  const Batch b = make_batch(a);
-  const CpAttnConfig cfg{.num_heads_q = b.hq, .num_heads_k = b.hkv, .head_dim_qk = b.dqk,
-                         .head_dim_v = b.dv, .dtype = b.t,
-                         .mask = a.mask == "causal" ? MaskType::causal : MaskType::none,
-                         .dropout_p = a.dropout, .seed = a.seed,
-                         .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index,
-                         .num_threads = a.threads};
+// True when every CP group passed its check. Every error reaching here is the same on every
+// rank (agreed, or from the flags alone): rank 0 prints it, and the barrier keeps the
+// launcher from ending rank 0 (once another rank has exited non-zero) before it has printed.
+bool run_distributed(const RunArgs& a) {
+  Communicator world(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  try {
+    return check_in_groups(world, a);
+  } catch (const Error& e) {
+    if (world.rank() == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+    std::fflush(stderr);
+    world.barrier();
+    throw ExitCode{2};
+  }
+}
+
+// Runs the check in this rank's CP group; true when every group passed.
+bool check_in_groups(Communicator& world, const RunArgs& a) {
+  Groups groups(world, a.cp);
+  Communicator comm(groups.group, {.timeout_s = a.timeout});
+  const int cp = comm.size(), rank = comm.rank();
+  std::optional<Local> prepared;
+  std::string local_error;
+  try {
+    prepared = prepare(a, cp, rank);
+  } catch (const Error& e) {
+    local_error = e.message();
+  }
+  agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
+  const Local& l = *prepared;
+  const Batch& b = l.b;
+  const CpAttnConfig& cfg = l.cfg;
+  const RankPlan& p = l.p;
   CpAttention attn(comm, cfg);
-  const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu, cp, rank);
   const std::size_t es = dtype_size(b.t);
   const int64_t qr = b.hq * b.dqk, kr = b.hkv * b.dqk, vr = b.hkv * b.dv, orow = b.hq * b.dv;
-  const auto local = [&](const std::vector<std::byte>& g, int64_t row) {
-    std::vector<std::byte> l(p.local_tokens * row * es);
-    take_local_rows(g.data(), row * static_cast<int64_t>(es), p, l.data());
-    return l;
-  };
-  const std::vector<std::byte> q = local(b.q, qr), k = local(b.k, kr), v = local(b.v, vr), dout = local(b.dout, orow);
+  const std::vector<std::byte>&q = l.q, &k = l.k, &v = l.v, &dout = l.dout;
   std::vector<std::byte> out(p.local_tokens * orow * es), dq(q.size()), dk(k.size()), dv(v.size());
   std::vector<float> lse(p.local_tokens * b.hq);
 
@@ -331,6 +394,7 @@ void run_distributed(const RunArgs& a) {
     const double ref_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const BalanceReport bal = balance_report(b.cu, cp);
     report["cp"] = cp;
+    report["cp_groups"] = groups.count;
     report["dtype"] = a.dtype;
     report["mode"] = a.mode;
     report["mask"] = a.mask;
@@ -373,7 +437,9 @@ void run_distributed(const RunArgs& a) {
     report["imbalance"] = {{"compute", csum > 0 ? cmax / (csum / cp) : 1.0},
                            {"visible_pairs_balanced", bal.imbalance_balanced},
                            {"visible_pairs_contiguous", bal.imbalance_contiguous}};
-    if (a.json) {
+    if (groups.world.rank() != 0) {
+      // Another CP group's rank 0: it checked; world rank 0 reports.
+    } else if (a.json) {
       std::cout << report.dump() << std::endl;
     } else {
       std::printf("cpattn run: cp = %d, %lld tokens in %zu documents (padded to %lld), Hq = %d, Hkv = %d, "
@@ -400,7 +466,7 @@ void run_distributed(const RunArgs& a) {
       std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
                   report["imbalance"]["compute"].get<double>(), bal.imbalance_balanced, bal.imbalance_contiguous);
     }
-    if (!a.npy_out.empty()) {
+    if (!a.npy_out.empty() && groups.world.rank() == 0) {
       const int64_t t = b.tokens();
       write_npy(a.npy_out + "/out.npy", got.out, {t, b.hq, b.dv});
       write_npy(a.npy_out + "/lse.npy", got.lse, {t, b.hq});
@@ -413,14 +479,20 @@ void run_distributed(const RunArgs& a) {
   } catch (const std::exception& e) {
     rank0_error = e.what();
   }
+  // Each group's rank 0 verdict reaches every rank of every group; any error is agreed on.
   int64_t status[2] = {pass, static_cast<int64_t>(rank0_error.size())};
   comm.broadcast<int64_t>(status, 0);
   if (status[1] > 0) {
     rank0_error.resize(static_cast<std::size_t>(status[1]));
     comm.broadcast<std::byte>(std::as_writable_bytes(std::span(rank0_error)), 0);
-    throw Error("rank 0: " + rank0_error);
   }
-  if (!status[0]) throw ExitCode{1};
+  agree(groups.world, {}, "cpattn run",
+        status[1] > 0 ? (groups.count > 1 ? "CP group " + std::to_string(groups.index) + ": " : "") + "rank 0: " +
+                            rank0_error
+                      : std::string());
+  int64_t all_passed = status[0];
+  groups.world.all_reduce<int64_t>(std::span(&all_passed, 1), ReduceOp::sum);
+  return all_passed == groups.world.size();
 }
 
 }  // namespace
@@ -449,6 +521,8 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--mask", a->mask, "causal or none")->capture_default_str();
   cmd->add_option("--dropout", a->dropout, "Attention dropout probability in [0, 1)")->capture_default_str();
   cmd->add_option("--threads", a->threads, "Kernel threads per rank")->capture_default_str();
+  cmd->add_option("--cp", a->cp, "Context-parallel size, dividing the MPI world size: world/cp CP groups "
+                                 "each run the check (default: the world size, one group)");
   cmd->add_option("--mode", a->mode, "How the kernel reads the gathered keys: runs (in place) or index "
                                      "(index_select copy, index_add_ in backward)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")

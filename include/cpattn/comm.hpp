@@ -142,6 +142,11 @@ class Communicator {
   // late ranks join the same operation) and returns true when none is left pending.
   bool poisoned() const;
   bool drain(double timeout_s);
+  // Keeps `owner` alive while timed-out requests are pending, even past this Communicator's
+  // own end (it then lives until the process exits); freed at once when none is pending.
+  // For objects that own buffers a timed-out call used (CpAttention hands its state here).
+  // The scratch buffers of the Communicator itself are kept the same way.
+  void retain_while_pending(std::shared_ptr<void> owner);
 
  private:
   struct Impl;
@@ -168,9 +173,15 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
                                                  std::span<const std::int64_t> all_values,
                                                  int nranks, std::string_view what);
 
-// All-gathers `fp` (a collective; it first checks that every rank has the same number of
-// fields and the same names, through a hash) and throws cpattn::Error with
-// describe_disagreement's message on every rank when any field differs.
-void agree(Communicator& comm, const Fingerprint& fp, std::string_view what);
+// A collective: one all-gather when all is well. When any rank passes a non-empty
+// `local_error` (what it found wrong locally, for example in its arguments), every rank
+// throws cpattn::Error with every rank's message, identical ones grouped:
+//   "CP attention rejected its arguments: [rank 1] forward: q must not be null"
+// Otherwise it checks that every rank has the same number of fields and the same names
+// (through a hash), then the values, and throws describe_disagreement's message on every
+// rank when any differs. A rank with an error takes part all the same, so that the others
+// fail with its message instead of waiting for it.
+void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
+           std::string_view local_error = {});
 
 }  // namespace cpattn

@@ -75,23 +75,68 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
   return "ranks disagree on " + std::string(what) + ": " + os.str();
 }
 
-void agree(Communicator& comm, const Fingerprint& fp, std::string_view what) {
+void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
+           std::string_view local_error) {
   const int p = comm.size();
-  // First the shape of the fingerprint itself, so that ranks with other field lists fail here
-  // rather than in an all-gather of unequal sizes.
-  Fingerprint shape;
-  shape.add("fingerprint field count", static_cast<std::int64_t>(fp.fields.size()))
-      .add("fingerprint field names (hash)", names_hash(fp));
-  std::vector<std::int64_t> mine{shape.fields[0].second, shape.fields[1].second};
-  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(p));
+  // One all-gather in the common case: [error length, field count, names hash, values...]
+  // per rank, the values padded to kInline slots. The field count and names come first, so
+  // that ranks with other field lists fail here rather than in all-gathers of unequal sizes.
+  constexpr std::size_t kInline = 48;
+  constexpr std::size_t kHead = 3;
+  const std::size_t nf = fp.fields.size();
+  std::vector<std::int64_t> mine(kHead + kInline, 0);
+  mine[0] = static_cast<std::int64_t>(local_error.size());
+  mine[1] = static_cast<std::int64_t>(nf);
+  mine[2] = names_hash(fp);
+  for (std::size_t f = 0; f < std::min(nf, kInline); ++f) mine[kHead + f] = fp.fields[f].second;
+  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(p));
   comm.all_gather<std::int64_t>(mine, all);
-  if (auto msg = describe_disagreement(shape, all, p, what)) throw Error(*msg);
+  const auto at = [&](int q, std::size_t i) { return all[static_cast<std::size_t>(q) * mine.size() + i]; };
 
-  mine.clear();
-  for (const auto& [name, value] : fp.fields) mine.push_back(value);
-  all.assign(mine.size() * static_cast<std::size_t>(p), 0);
-  comm.all_gather<std::int64_t>(mine, all);
-  if (auto msg = describe_disagreement(fp, all, p, what)) throw Error(*msg);
+  // Local errors first: a rank with one may hold a meaningless fingerprint.
+  std::vector<std::int64_t> lens(static_cast<std::size_t>(p));
+  std::int64_t total = 0;
+  for (int q = 0; q < p; ++q) total += lens[q] = at(q, 0);
+  if (total > 0) {
+    std::string text(static_cast<std::size_t>(total), '\0');
+    comm.all_gather_v<std::byte>(std::as_bytes(std::span(local_error)), lens,
+                                 std::as_writable_bytes(std::span(text)));
+    // Identical messages once, with the ranks that raised them: "[ranks 0-3] ..."
+    std::vector<std::pair<std::string, std::vector<int>>> groups;
+    std::size_t off = 0;
+    for (int q = 0; q < p; ++q) {
+      const auto n = static_cast<std::size_t>(lens[q]);
+      if (n == 0) continue;
+      std::string m = text.substr(off, n);
+      off += n;
+      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == m; });
+      if (it == groups.end()) groups.push_back({std::move(m), {q}});
+      else it->second.push_back(q);
+    }
+    std::string msg = std::string(what) + " rejected its arguments:";
+    for (const auto& [m, ranks] : groups)
+      msg += (ranks.size() == 1 ? " [rank " : " [ranks ") + format_ranks(ranks) + "] " + m;
+    throw Error(msg);
+  }
+
+  Fingerprint shape;
+  shape.add("fingerprint field count", static_cast<std::int64_t>(nf))
+      .add("fingerprint field names (hash)", mine[2]);
+  std::vector<std::int64_t> shapes;
+  for (int q = 0; q < p; ++q) shapes.insert(shapes.end(), {at(q, 1), at(q, 2)});
+  if (auto msg = describe_disagreement(shape, shapes, p, what)) throw Error(*msg);
+
+  std::vector<std::int64_t> values;
+  if (nf <= kInline) {
+    for (int q = 0; q < p; ++q)
+      for (std::size_t f = 0; f < nf; ++f) values.push_back(at(q, kHead + f));
+  } else {  // every rank has the same long field list: one more all-gather
+    std::vector<std::int64_t> v;
+    for (const auto& [name, value] : fp.fields) v.push_back(value);
+    values.assign(nf * static_cast<std::size_t>(p), 0);
+    comm.all_gather<std::int64_t>(v, values);
+  }
+  if (auto msg = describe_disagreement(fp, values, p, what)) throw Error(*msg);
 }
 
 }  // namespace cpattn

@@ -80,6 +80,20 @@ struct Communicator::Impl {
   std::vector<MPI_Request> pending;     // requests left by a timeout in throw_error mode
   std::vector<float> scratch;           // ring reduce-scatter buffers, [2][len]
   std::vector<float> pack;              // mpi reduce-scatter staging when split, [size][len]
+  // Owners of buffers that `pending` may still read or write (retain_while_pending): freed
+  // with this Impl, which outlives the Communicator while requests are pending.
+  std::vector<std::shared_ptr<void>> retained;
+
+  // Tests the pending requests once; true when none is left.
+  bool settle() {
+    if (pending.empty()) return true;
+    int done = 0;
+    if (MPI_Testall(static_cast<int>(pending.size()), pending.data(), &done, MPI_STATUSES_IGNORE) !=
+            MPI_SUCCESS ||
+        done)
+      pending.clear();
+    return pending.empty();
+  }
 
   // One collective in flight: its name, call number and deadline.
   struct Op {
@@ -272,7 +286,16 @@ Communicator::~Communicator() {
   if (!impl_ || impl_->comm == MPI_COMM_NULL) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Comm_free(&impl_->comm);  // pending operations, if any, still complete
+  if (finalized) return;
+  const bool settled = impl_->settle();
+  MPI_Comm_free(&impl_->comm);  // pending operations, if any, still complete
+  if (!settled) {
+    // Requests of a timed-out call (throw_error mode) still point into the scratch buffers
+    // and the retained owners: they must never be freed while MPI may use them. Kept for
+    // the life of the process, reachable (not a leak to LeakSanitizer).
+    static auto* graveyard = new std::vector<std::unique_ptr<Impl>>;
+    graveyard->push_back(std::move(impl_));
+  }
 }
 
 Communicator::Communicator(Communicator&&) noexcept = default;
@@ -292,23 +315,21 @@ const CommOptions& Communicator::options() const { return impl_->opts; }
 MPI_Comm Communicator::mpi_comm() const { return impl_->comm; }
 bool Communicator::poisoned() const { return impl_->poisoned; }
 
+void Communicator::retain_while_pending(std::shared_ptr<void> owner) {
+  if (!impl_->settle()) impl_->retained.push_back(std::move(owner));
+}
+
 bool Communicator::drain(double timeout_s) {
   Impl& im = *impl_;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
   auto nap = std::chrono::microseconds(20);
-  while (!im.pending.empty()) {
-    int done = 0;
-    const int rc = MPI_Testall(static_cast<int>(im.pending.size()), im.pending.data(), &done,
-                               MPI_STATUSES_IGNORE);
-    if (rc != MPI_SUCCESS || done) {
-      im.pending.clear();
-      return rc == MPI_SUCCESS;
-    }
+  while (!im.settle()) {
     if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(1000));
   }
+  im.retained.clear();  // MPI no longer touches their buffers
   return true;
 }
 

@@ -148,34 +148,19 @@ struct CpAttention::State {
     work_of = plan;
   }
 
-  // Every rank learns every rank's local error, and all throw the same message; then the
-  // ranks agree on the fingerprint. Both before any payload moves. A rank with an error
-  // still takes part, so that the others fail with its message instead of waiting; the
-  // fingerprint (which reads the plan) is reached only when no rank has an error.
+  // Every rank learns every rank's local error, and all throw the same message; else the
+  // ranks agree on the fingerprint. One all-gather, before any payload moves. A rank with an
+  // error still takes part, so that the others fail with its message instead of waiting.
   void agree_or_throw(const std::string& local_error, uint64_t boundaries_hash, int64_t local_tokens,
                       int64_t phase) {
     const char* what = "CP attention";
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
-    const std::vector<int64_t> lens = comm.all_gather_counts(static_cast<int64_t>(local_error.size()));
-    int64_t total = 0;
-    for (const int64_t n : lens) total += n;
-    if (total > 0) {
-      std::vector<std::byte> all(static_cast<std::size_t>(total));
-      comm.all_gather_v<std::byte>(std::as_bytes(std::span(local_error)), lens, all);
-      std::string msg = std::string(what) + " rejected its arguments:";
-      int64_t at = 0;
-      for (std::size_t r = 0; r < lens.size(); ++r) {
-        if (lens[r] > 0)
-          msg += " [rank " + std::to_string(r) + "] " +
-                 std::string(reinterpret_cast<const char*>(all.data()) + at, static_cast<std::size_t>(lens[r]));
-        at += lens[r];
-      }
-      stats.comm_s += seconds_since(t0);
-      throw Error(msg);
-    }
+    // A rank with a local error may have no plan: it sends an empty fingerprint, and the
+    // agreement reports the errors before it compares fingerprints.
     Fingerprint fp;
-    fp.add("phase (1 forward, 2 backward)", phase)
+    if (local_error.empty())
+      fp.add("phase (1 forward, 2 backward)", phase)
         .add("forward calls", stats.forward_calls)
         .add("backward calls", stats.backward_calls)
         // Collectives this communicator ran before: catches ranks that run different layers
@@ -197,7 +182,12 @@ struct CpAttention::State {
         .add("documents", static_cast<int64_t>(plan->docs.size()))
         .add("global tokens", plan->global_tokens)
         .add("cu_seqlens hash", static_cast<int64_t>(boundaries_hash));
-    agree(comm, fp, what);
+    try {
+      agree(comm, fp, what, local_error);  // one all-gather when all agree
+    } catch (...) {
+      stats.comm_s += seconds_since(t0);
+      throw;
+    }
     stats.comm_s += seconds_since(t0);
   }
 
@@ -230,7 +220,11 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
   s_ = std::make_unique<State>(comm, cfg);
 }
 
-CpAttention::~CpAttention() = default;
+CpAttention::~CpAttention() {
+  // After a timeout in throw_error mode, the communicator's pending requests may still read
+  // the gathered K/V or write the dK/dV buffers: the state outlives this object until they end.
+  if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
+}
 
 void CpAttention::forward(const CpForwardArgs& a) {
   State& s = *s_;

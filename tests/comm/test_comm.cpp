@@ -420,5 +420,45 @@ TEST(Deadline, LateRankMakesOthersThrow) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Throw mode, three ranks, ring reduce-scatter: rank 2 arrives 2.5 s late against a 1 s
+// deadline. Rank 0 times out waiting in step 0 with a receive posted into the communicator's
+// scratch, destroys the communicator and allocates a buffer of the scratch's size; rank 2's
+// message, when it lands, must go to the retained scratch, not into that new buffer (under
+// AddressSanitizer, a write into freed memory is reported). Rank 1 times out in step 1 with a
+// receive pending on its own recv buffer, which the caller keeps, as documented.
+TEST(Deadline, LateMessagesLandInRetainedScratchNotInFreedMemory) {
+  if (world_size() < 3) GTEST_SKIP() << "needs 3 ranks";
+  const int wr = world_rank();
+  MPI_Comm trio = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, wr < 3 ? 0 : MPI_UNDEFINED, wr, &trio);
+  if (trio != MPI_COMM_NULL) {
+    constexpr std::size_t n = 512;  // 2 KiB per message: below Open MPI's eager limit
+    static std::vector<std::vector<float>> callers_buffers;  // pending receives may target them
+    std::vector<float> send(3 * n, 1.0f);
+    std::vector<float>& recv = callers_buffers.emplace_back(n, 0.0f);
+    std::vector<float> reused;
+    {
+      Communicator comm(trio, {.timeout_s = 1.0, .on_timeout = TimeoutAction::throw_error,
+                               .reduce_scatter_algorithm = CommAlgorithm::ring});
+      if (wr == 2) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+        try {
+          comm.reduce_scatter_sum(send, recv);  // may complete against the pending requests
+        } catch (const Error&) {
+        }
+      } else {
+        EXPECT_THROW(comm.reduce_scatter_sum(send, recv), Error);
+        EXPECT_TRUE(comm.poisoned());
+        EXPECT_FALSE(comm.drain(0.0));
+      }
+    }  // rank 0 and 1: destroyed with requests pending
+    if (wr == 0) reused.assign(2 * n, 7.0f);  // the scratch's size: the allocator's first pick
+    MPI_Barrier(trio);  // rank 0 makes progress here while rank 2's messages land
+    for (std::size_t i = 0; i < reused.size(); ++i) ASSERT_EQ(reused[i], 7.0f) << "element " << i;
+    MPI_Comm_free(&trio);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 }  // namespace
 }  // namespace cpattn

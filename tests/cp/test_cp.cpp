@@ -1,5 +1,5 @@
 // CP attention over MPI against a single-process run of the whole batch (DESIGN.md 7), at
-// the rank count mpiexec gives (CTest runs 1, 2, 3 and 4), and the agreement failures.
+// the rank count mpiexec gives (CTest runs 1 to 5), and the agreement failures.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
@@ -30,7 +30,8 @@ struct Shape {
 };
 constexpr Shape kShapes[] = {{"mha", 8, 8, 64, 64}, {"gqa", 8, 2, 64, 64}, {"mla", 8, 2, 192, 128}};
 
-// Documents whose lengths need padding at every cp in 1..4, and a 1-token document.
+// Documents of which some need padding at every cp in 2..5, and a 1-token document (whose
+// chunks past the first are all padding).
 const std::vector<int64_t> kLengths{37, 100, 1, 64, 23, 9};
 
 // A THD tensor in storage type `t`, and its values as float (rounded through the storage).
@@ -211,6 +212,26 @@ TEST_F(CpAttentionTest, MatchesSingleProcessWithoutMask) {
       run_and_compare(comm, kShapes[1], t, m, MaskType::none);
       if (HasFailure()) return;
     }
+}
+
+// cp smaller than the world, as in data parallel x context parallel: the world split into
+// CP groups of every size that divides it (at 4 ranks: 1, 2 and 4), each group exact.
+TEST(CpGroups, EveryDivisorOfTheWorldSplitIntoGroupsMatchesSingleProcess) {
+  int wr = 0, ws = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+  MPI_Comm_size(MPI_COMM_WORLD, &ws);
+  for (int cp = 1; cp <= ws; ++cp) {
+    if (ws % cp != 0) continue;
+    MPI_Comm group = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, wr / cp, wr, &group);
+    {
+      Communicator comm(group, CommOptions{.timeout_s = 120.0});
+      ASSERT_EQ(comm.size(), cp);
+      run_and_compare(comm, kShapes[1], DType::f32, KvMode::runs);
+      run_and_compare(comm, kShapes[2], DType::bf16, KvMode::index);
+    }
+    MPI_Comm_free(&group);
+  }
 }
 
 TEST_F(CpAttentionTest, DropoutDropsTheSameEntriesAsASingleProcess) {

@@ -7,10 +7,12 @@
 #include <cpattn/reference.hpp>
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <cmath>
 #include <limits>
 #include <map>
+#include <random>
 #include <string>
 #include <tuple>
 
@@ -276,6 +278,87 @@ TEST(kernel_attention, QueryWithNoVisibleKeyGivesZeroAndMinusInf) {
                             KernelPath::automatic, 1, &w));
   for (const auto* v : {&dq.f, &dk.f, &dv.f})
     for (float x : *v) EXPECT_EQ(x, 0.0f);
+}
+
+// ---- 64-bit offsets ----------------------------------------------------------------------------
+// Rows 2^30 elements apart, so that the last row starts 2^31 elements (8 GiB) in: past what
+// 32-bit arithmetic holds. The tensors are columns of one reserved, mostly untouched mapping
+// (only the pages holding rows are ever touched). Every path, forward and backward, must
+// match the reference run on compact copies of the same values.
+TEST(kernel_attention, OffsetsPast2To31ElementsUse64BitArithmetic) {
+  constexpr int64_t T = 3, D = 24, kCols = 8, stride = int64_t{1} << 30;
+  const std::size_t bytes = static_cast<std::size_t>((T - 1) * stride + kCols * D) * sizeof(float);
+  void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) GTEST_SKIP() << "cannot reserve " << bytes << " bytes of address space";
+  float* base = static_cast<float*>(m);
+  enum Col { cq, ck, cv, cout, cdout, cdq, cdk, cdv };
+  const auto col = [&](Col c) { return base + c * D; };  // row r of column c: col(c) + r * stride
+
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(T * D), k(T * D), v(T * D), dout(T * D);
+  for (auto* t : {&q, &k, &v, &dout})
+    for (float& x : *t) x = nd(rng);
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t e = 0; e < D; ++e) {
+      col(cq)[r * stride + e] = q[r * D + e];
+      col(ck)[r * stride + e] = k[r * D + e];
+      col(cv)[r * stride + e] = v[r * D + e];
+      col(cdout)[r * stride + e] = dout[r * D + e];
+    }
+  const std::vector<int64_t> cu{0, T};
+  const WorkList wl = varlen_worklist(cu, cu);
+
+  // The reference, compact.
+  std::vector<float> out(T * D), lse(T), dq(T * D), dk(T * D), dv(T * D);
+  const AttnFwdParams cf{.q = q.data(), .q_row_stride = D, .q_head_stride = D, .k = k.data(), .k_row_stride = D,
+                         .k_head_stride = D, .v = v.data(), .v_row_stride = D, .v_head_stride = D,
+                         .out = out.data(), .out_row_stride = D, .out_head_stride = D, .lse = lse.data(),
+                         .total_q = T, .total_k = T, .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D,
+                         .head_dim_v = D, .dtype = DType::f32, .mask = MaskType::causal, .work = &wl};
+  attention_forward_reference(cf);
+  attention_backward_reference({.q = q.data(), .q_row_stride = D, .q_head_stride = D, .k = k.data(),
+                                .k_row_stride = D, .k_head_stride = D, .v = v.data(), .v_row_stride = D,
+                                .v_head_stride = D, .out = out.data(), .out_row_stride = D, .out_head_stride = D,
+                                .lse = lse.data(), .dout = dout.data(), .dout_row_stride = D,
+                                .dout_head_stride = D, .dq = dq.data(), .dq_row_stride = D, .dq_head_stride = D,
+                                .dk = dk.data(), .dk_row_stride = D, .dk_head_stride = D, .dv = dv.data(),
+                                .dv_row_stride = D, .dv_head_stride = D, .total_q = T, .total_k = T,
+                                .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
+                                .dtype = DType::f32, .mask = MaskType::causal, .work = &wl});
+
+  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512}) {
+    if (!kernel_path_supported(path)) continue;
+    SCOPED_TRACE(std::string(to_string(path)));
+    std::vector<float> got_lse(T);
+    attention_forward({.q = col(cq), .q_row_stride = stride, .q_head_stride = D, .k = col(ck),
+                       .k_row_stride = stride, .k_head_stride = D, .v = col(cv), .v_row_stride = stride,
+                       .v_head_stride = D, .out = col(cout), .out_row_stride = stride, .out_head_stride = D,
+                       .lse = got_lse.data(), .total_q = T, .total_k = T, .num_heads_q = 1, .num_heads_k = 1,
+                       .head_dim_qk = D, .head_dim_v = D, .dtype = DType::f32, .mask = MaskType::causal,
+                       .work = &wl, .path = path});
+    attention_backward({.q = col(cq), .q_row_stride = stride, .q_head_stride = D, .k = col(ck),
+                        .k_row_stride = stride, .k_head_stride = D, .v = col(cv), .v_row_stride = stride,
+                        .v_head_stride = D, .out = col(cout), .out_row_stride = stride, .out_head_stride = D,
+                        .lse = got_lse.data(), .dout = col(cdout), .dout_row_stride = stride,
+                        .dout_head_stride = D, .dq = col(cdq), .dq_row_stride = stride, .dq_head_stride = D,
+                        .dk = col(cdk), .dk_row_stride = stride, .dk_head_stride = D, .dv = col(cdv),
+                        .dv_row_stride = stride, .dv_head_stride = D, .total_q = T, .total_k = T,
+                        .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
+                        .dtype = DType::f32, .mask = MaskType::causal, .work = &wl, .path = path});
+    const auto rows = [&](Col c) {
+      std::vector<float> f(T * D);
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t e = 0; e < D; ++e) f[r * D + e] = col(c)[r * stride + e];
+      return f;
+    };
+    EXPECT_LE(rel_norm_error(rows(cout), out), 1e-5);
+    EXPECT_LE(rel_norm_error(got_lse, lse), 1e-5);
+    EXPECT_LE(rel_norm_error(rows(cdq), dq), 1e-5);
+    EXPECT_LE(rel_norm_error(rows(cdk), dk), 1e-5);
+    EXPECT_LE(rel_norm_error(rows(cdv), dv), 1e-5);
+  }
+  munmap(m, bytes);
 }
 
 // ---- bad parameters ----------------------------------------------------------------------------

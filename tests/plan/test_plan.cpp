@@ -195,5 +195,51 @@ TEST(Balance, PaddingOverhead) {
   EXPECT_EQ(b.ranks[1].padding_tokens, 3);  // see PaddedDocumentsHoldPaddingAtTheirTails
 }
 
+// Past 2^31 tokens (4.3 billion here, two documents of more than 2^31 each): the split and
+// the balance report from the boundaries alone, against sums worked out in 128-bit integers.
+// Per document of chunk c, rank r's chunks r and 2cp-1-r hold c*(r*c) + c(c+1)/2 and
+// c*((2cp-1-r)*c) + c(c+1)/2 visible pairs: (2cp-1)c^2 + c(c+1), the same on every rank.
+__extension__ typedef __int128 I128;  // GCC and Clang; -Wpedantic accepts it marked so
+
+TEST(Balance, BatchesPast2To31TokensUse64BitArithmetic) {
+  const int64_t big = (int64_t{1} << 31) + 13;
+  const V lengths{big, 1, big + 13, 5};
+  V cu{0};
+  for (const int64_t l : lengths) cu.push_back(cu.back() + l);
+  ASSERT_GT(cu.back(), int64_t{1} << 32);
+  for (const int cp : {3, 4}) {
+    SCOPED_TRACE(cp);
+    const std::vector<DocSplit> docs = split_documents(cu, cp);
+    ASSERT_EQ(docs.size(), lengths.size());
+    I128 padded_total = 0, pairs_per_rank = 0, real_pairs = 0;
+    for (std::size_t d = 0; d < lengths.size(); ++d) {
+      const I128 l = lengths[d];
+      const I128 p = (l + 2 * cp - 1) / (2 * cp) * (2 * cp);
+      const I128 c = p / (2 * cp);
+      EXPECT_EQ(docs[d].begin, cu[d]);
+      EXPECT_EQ(docs[d].padded_begin, static_cast<int64_t>(padded_total));
+      EXPECT_EQ(docs[d].padded_len, static_cast<int64_t>(p));
+      EXPECT_EQ(docs[d].chunk, static_cast<int64_t>(c));
+      EXPECT_EQ(docs[d].local_begin, static_cast<int64_t>(padded_total / cp));
+      padded_total += p;
+      pairs_per_rank += (2 * cp - 1) * c * c + c * (c + 1);
+      real_pairs += l * (l + 1) / 2;
+    }
+    const BalanceReport b = balance_report(cu, cp);
+    EXPECT_EQ(b.real_tokens, cu.back());
+    EXPECT_EQ(b.padded_tokens, static_cast<int64_t>(padded_total));
+    ASSERT_EQ(static_cast<int>(b.ranks.size()), cp);
+    I128 contiguous_pairs = 0;
+    for (const RankBalance& r : b.ranks) {
+      EXPECT_EQ(r.local_tokens, static_cast<int64_t>(padded_total / cp));
+      EXPECT_EQ(r.balanced.visible_pairs, static_cast<int64_t>(pairs_per_rank));
+      contiguous_pairs += r.contiguous.visible_pairs;
+    }
+    EXPECT_TRUE(contiguous_pairs == real_pairs);
+    EXPECT_DOUBLE_EQ(b.imbalance_balanced, 1.0);
+    EXPECT_GT(b.imbalance_contiguous, 1.1);
+  }
+}
+
 }  // namespace
 }  // namespace cpattn

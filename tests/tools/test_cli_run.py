@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -116,6 +117,24 @@ for args, needle in ((("--dtype", "fp64"), "--dtype must be fp32, fp16 or bf16")
     r = run(2, *args)
     check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2; {r.stderr[-500:]}")
     check(r.stderr.count(needle) == 1, f"{args}: want one line with {needle!r}, got {r.stderr[-800:]!r}")
+
+# --cp smaller than the world: world/cp CP groups each run and check the batch.
+j = run_json(4, "--cp", "2", "--lengths", "37,100,1,64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16")
+check(j is not None and j["passed"] and j["cp"] == 2 and j["cp_groups"] == 2, f"--cp 2 at np 4: {j}")
+r = run(3, "--cp", "2", "--tokens", "100")
+check(r.returncode == 2 and r.stderr.count("--cp must divide the MPI world size 3") == 1,
+      f"--cp 2 at np 3: exit {r.returncode}, {r.stderr[-800:]!r}")
+
+# An error on one nonzero rank only (here its own flags, through mpirun's MPMD form): every
+# rank ends at once, and rank 0 prints that rank's message, well before the deadline.
+start = time.monotonic()
+r = subprocess.run([MPIEXEC, "--oversubscribe", "-np", "1", CPATTN, "run", "--tokens", "100", "--timeout", "60", ":",
+                    "-np", "1", CPATTN, "run", "--npy-in", "/nonexistent", "--timeout", "60"],
+                   capture_output=True, text=True, timeout=120)
+elapsed = time.monotonic() - start
+check(r.returncode == 2 and r.stderr.count("[rank 1] /nonexistent/q.npy: cannot open") == 1,
+      f"error on rank 1 only: exit {r.returncode}, {r.stderr[-800:]!r}")
+check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)")
 
 if failures:
     print(f"{len(failures)} checks failed")
