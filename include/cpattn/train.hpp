@@ -16,7 +16,7 @@
 //          every rank holds bitwise-identical weights.
 //
 //   cpattn::Communicator comm(MPI_COMM_WORLD);
-//   cpattn::train::Trainer trainer(comm, {.layers = 2, .dim = 128}, {.lr = 1e-3f}, {});
+//   cpattn::train::Trainer trainer(comm, {.layers = 2, .dim = 128}, {.lr = 5e-4f}, {});
 //   cpattn::train::DataStream data(cpattn::train::load_documents({}));
 //   for (int s = 0; s < 100; ++s) {
 //     const cpattn::train::StepStats st = trainer.step(data.next(1024));
@@ -105,7 +105,7 @@ struct ModelConfig {
 };
 
 struct OptimConfig {
-  float lr = 1e-3f;             // peak learning rate
+  float lr = 5e-4f;             // peak learning rate
   int warmup = 10;              // steps of linear warm-up: lr * (step + 1) / warmup
   float weight_decay = 0.1f;    // AdamW, decoupled, on matrices (not norms)
   float clip = 1.0f;            // clip the global gradient norm to this (0: off)
