@@ -442,9 +442,11 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     } else if (a.json) {
       std::cout << report.dump() << std::endl;
     } else {
-      std::printf("cpattn run: cp = %d, %lld tokens in %zu documents (padded to %lld), Hq = %d, Hkv = %d, "
+      const std::string group_note =
+          groups.count > 1 ? " in each of " + std::to_string(groups.count) + " CP groups (group 0 shown)" : "";
+      std::printf("cpattn run: cp = %d%s, %lld tokens in %zu documents (padded to %lld), Hq = %d, Hkv = %d, "
                   "Dqk = %d, Dv = %d, %s, mode %s, %s mask, %d thread(s) per rank, kernel %s\n",
-                  cp, static_cast<long long>(b.tokens()), b.cu.size() - 1,
+                  cp, group_note.c_str(), static_cast<long long>(b.tokens()), b.cu.size() - 1,
                   static_cast<long long>(bal.padded_tokens), b.hq, b.hkv, b.dqk, b.dv, a.dtype.c_str(),
                   a.mode.c_str(), a.mask.c_str(), a.threads, std::string(to_string(best_kernel_path())).c_str());
       std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", ref_s);

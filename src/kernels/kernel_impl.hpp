@@ -13,10 +13,11 @@
 //  * Every product is one register-blocked micro-kernel, C[M x N] (+)= A[M x K] B[K x N], with
 //    A read by broadcasts through (row, column) strides (so A can be transposed for free) and
 //    B, C row-major and vectorized along N: 6 x 2 vectors of accumulators.
-//  * Forward: a unit is (task, query head, block of BQ query rows); online softmax in the
-//    log2 domain over pieces of up to FBK = 2 BK keys; columns no row of the unit can see are
-//    not computed, and the first piece past the causal limit ends the loop. The next piece's
-//    K^T and V are prefetched while the current one runs.
+//  * Forward: a unit is (task, block of BQ query rows, kv head, up to GH of its query heads)
+//    and runs those heads piece by piece (each K^T/V piece is read from L3 once per unit);
+//    online softmax in the log2 domain over pieces of up to FBK = 2 BK keys; columns no row
+//    of the unit can see are not computed, and the first piece past the causal limit ends the
+//    loop. The next piece's K^T and V are prefetched while the current one runs.
 //  * Backward: a unit is one query head (all tasks, in order). For each 64-key piece it runs
 //    the task's queries in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the
 //    piece in a local tile and dQ of the task in a local fp32 buffer. dK/dV go to a
@@ -40,6 +41,9 @@ constexpr int BQB = 128;      // query rows per backward step: the dK and dV pro
 constexpr int BK = 64;        // key rows per block (packing, backward)
 constexpr int FBK = 128;      // key rows per forward piece: two blocks (K^T and V are
                               // contiguous across blocks), halving per-row softmax costs
+constexpr int GH = 4;         // query heads of one kv head per forward unit (GQA): their
+                              // Q and O blocks (4 x 2 x 32 KiB at D = 128) and a K^T/V piece
+                              // (128 KiB) fit a 512 KiB L2
 constexpr int MR = 6;         // micro-kernel rows
 static_assert(PAD % W == 0 && BK % PAD == 0 && FBK % BK == 0);
 
@@ -330,27 +334,39 @@ void forward_impl(const AttnFwdParams& p) {
   for (size_t t = 0; t < w.tasks.size(); ++t)
     for (int64_t qb = 0; qb * BQ < w.tasks[t].q_len; ++qb) blocks.push_back({static_cast<int64_t>(t), qb});
 
-  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, static_cast<int64_t>(blocks.size()) * hq)));
+  // A unit is (task, block of BQ query rows, kv head, set of up to GH of that kv head's
+  // query heads) and runs its heads piece by piece, so that each K^T/V piece comes from L3
+  // once per set and serves the set's heads from L2 (their Q and O blocks and the piece fit).
+  const int hkn = p.num_heads_k;
+  const int sets = (group + GH - 1) / GH;
+  const int64_t units = static_cast<int64_t>(blocks.size()) * hkn * sets;
+  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, units)));
   std::vector<FwdScratch> scr(nthr);
+  const size_t gh = static_cast<size_t>(std::min(group, GH));
   for (auto& s : scr) {
-    s.q.resize(BQ * dp);
-    s.o.resize(BQ * dvp);
+    s.q.resize(gh * BQ * dp);
+    s.o.resize(gh * BQ * dvp);
     s.s.resize(BQ * FBK);
-    s.m.resize(BQ);
-    s.l.resize(BQ);
+    s.m.resize(gh * BQ);
+    s.l.resize(gh * BQ);
   }
 
-  parallel_for(static_cast<int64_t>(blocks.size()) * hq, nthr, [&](int64_t u, int th) {
+  parallel_for(units, nthr, [&](int64_t u, int th) {
     FwdScratch& S = scr[th];
-    const Unit un = blocks[u / hq];
-    const int h = static_cast<int>(u % hq), hk = h / group;
+    const Unit un = blocks[u / (hkn * sets)];
+    const int hk = static_cast<int>(u % (hkn * sets)) / sets;
+    const int h0 = hk * group + static_cast<int>(u % sets) * GH;  // the set's first query head
+    const int nh = std::min(GH, hk * group + group - h0);         // and its head count
     const AttnTask& t = w.tasks[un.task];
     const int64_t row0 = t.q_row + un.qb * BQ, qp0 = t.q_pos + un.qb * BQ;
     const int m = static_cast<int>(std::min<int64_t>(BQ, t.q_len - un.qb * BQ));
-    for (int r = 0; r < m; ++r)
-      ld_row(p.q, p.dtype, (row0 + r) * p.q_row_stride + h * p.q_head_stride, p.head_dim_qk, dp,
-             S.q.data() + r * dp);
-    std::fill(S.o.begin(), S.o.begin() + m * dvp, 0.0f);
+    for (int g = 0; g < nh; ++g) {
+      const int h = h0 + g;
+      for (int r = 0; r < m; ++r)
+        ld_row(p.q, p.dtype, (row0 + r) * p.q_row_stride + h * p.q_head_stride, p.head_dim_qk, dp,
+               S.q.data() + (g * BQ + r) * dp);
+      std::fill_n(S.o.data() + g * BQ * dvp, m * dvp, 0.0f);
+    }
     std::fill(S.m.begin(), S.m.end(), kNegInf);
     std::fill(S.l.begin(), S.l.end(), 0.0f);
 
@@ -361,11 +377,8 @@ void forward_impl(const AttnFwdParams& p) {
         pc.a1 = static_cast<int>(std::min<int64_t>(pc.a1, (pc.c0 + (qp_last - pc.p_lo) + PAD) / PAD * PAD));
       const int n = pc.a1 - pc.a0;
       const int64_t k0 = pc.b * FBK + pc.a0;  // first physical key row computed
-      // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
-      gemm<true>(m, n, dp, S.q.data(), dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD,
-                 dp * PAD, S.s.data() + pc.a0, FBK);
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
-      // from L3 while this piece's softmax and P V run, a few lines per row.
+      // from L3 while this piece runs, a few lines per row of the group's first head.
       const char* next_k = reinterpret_cast<const char*>(pk.Kt(hk, 0) + (pc.b + 1) * FBK * dp);
       const int64_t k_lines = FBK * dp / 16, v_lines_pp = FBK * PAD / 16;  // 64-byte lines
       const int64_t v_lines = v_lines_pp * (dvp / PAD);
@@ -373,66 +386,80 @@ void forward_impl(const AttnFwdParams& p) {
         return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + (pc.b + 1) * FBK * PAD + (ln % v_lines_pp) * 16;
       };
       const bool full = pc.a0 == pc.c0 && pc.a1 == pc.c1;
-      for (int r = 0; r < m; ++r) {
-        for (int64_t ln = r * k_lines / m; ln < (r + 1) * k_lines / m; ++ln)
-          __builtin_prefetch(next_k + ln * 64, 0, 1);
-        for (int64_t ln = r * v_lines / m; ln < (r + 1) * v_lines / m; ++ln)
-          __builtin_prefetch(next_v(ln), 0, 1);
-        float* s = S.s.data() + r * FBK;
-        const int ve = visible_end(pc, causal, qp0 + r);
-        if (ve <= pc.c0) {  // nothing visible in this piece for this row
-          for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
-          continue;
+      for (int g = 0; g < nh; ++g) {
+        const int h = h0 + g;
+        float* q = S.q.data() + g * BQ * dp;
+        float* o_g = S.o.data() + g * BQ * dvp;
+        float* m_g = S.m.data() + g * BQ;
+        float* l_g = S.l.data() + g * BQ;
+        // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
+        gemm<true>(m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
+                   S.s.data() + pc.a0, FBK);
+        for (int r = 0; r < m; ++r) {
+          if (g == 0) {
+            for (int64_t ln = r * k_lines / m; ln < (r + 1) * k_lines / m; ++ln)
+              __builtin_prefetch(next_k + ln * 64, 0, 1);
+            for (int64_t ln = r * v_lines / m; ln < (r + 1) * v_lines / m; ++ln)
+              __builtin_prefetch(next_v(ln), 0, 1);
+          }
+          float* s = S.s.data() + r * FBK;
+          const int ve = visible_end(pc, causal, qp0 + r);
+          if (ve <= pc.c0) {  // nothing visible in this piece for this row
+            for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
+            continue;
+          }
+          // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
+          // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
+          // a partly masked row is scaled and masked in place first (cl may be negative, so
+          // -inf must be written after the scale).
+          vf mx = vset(kNegInf);
+          float mul = 1.0f;
+          if (full && ve == pc.c1) {
+            mul = cl;
+            const vf cv = vset(cl);
+            for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
+          } else {
+            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cl));
+            for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
+            for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
+            for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
+          }
+          const float m_old = m_g[r];
+          const float m_new = std::fmax(m_old, hmax(mx));
+          const float alpha = m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
+          vf sum = vf{};
+          const vf mv = vset(m_new), mulv = vset(mul);
+          for (int c = pc.a0; c < pc.a1; c += W) {
+            const vf e = vexp2(vload(s + c) * mulv - mv);
+            sum += e;
+            vstore(s + c, e);
+          }
+          l_g[r] = l_g[r] * alpha + hsum(sum);
+          m_g[r] = m_new;
+          if (alpha != 1.0f) {
+            float* o = o_g + r * dvp;
+            for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
+          }
+          if (dropout) {
+            const uint64_t key = dropout_row_key(p.seed, h, t.doc, qp0 + r);
+            for (int c = pc.c0; c < ve; ++c)
+              s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
+          }
         }
-        // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
-        // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
-        // a partly masked row is scaled and masked in place first (cl may be negative, so
-        // -inf must be written after the scale).
-        vf mx = vset(kNegInf);
-        float mul = 1.0f;
-        if (full && ve == pc.c1) {
-          mul = cl;
-          const vf cv = vset(cl);
-          for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
-        } else {
-          for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cl));
-          for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
-          for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
-          for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
-        }
-        const float m_old = S.m[r];
-        const float m_new = std::fmax(m_old, hmax(mx));
-        const float alpha = m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
-        vf sum = vf{};
-        const vf mv = vset(m_new), mulv = vset(mul);
-        for (int c = pc.a0; c < pc.a1; c += W) {
-          const vf e = vexp2(vload(s + c) * mulv - mv);
-          sum += e;
-          vstore(s + c, e);
-        }
-        S.l[r] = S.l[r] * alpha + hsum(sum);
-        S.m[r] = m_new;
-        if (alpha != 1.0f) {
-          float* o = S.o.data() + r * dvp;
-          for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
-        }
-        if (dropout) {
-          const uint64_t key = dropout_row_key(p.seed, h, t.doc, qp0 + r);
-          for (int c = pc.c0; c < ve; ++c)
-            s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
-        }
+        // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
+        gemm<false>(m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
       }
-      // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
-      gemm<false>(m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(),
-                  S.o.data(), dvp);
     });
 
-    for (int r = 0; r < m; ++r) {
-      const float l = S.l[r];
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      st_row(p.out, p.dtype, (row0 + r) * p.out_row_stride + h * p.out_head_stride, p.head_dim_v,
-             S.o.data() + r * dvp, inv);
-      p.lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[r] * kLn2 + std::log(l) : kNegInf;
+    for (int g = 0; g < nh; ++g) {
+      const int h = h0 + g;
+      for (int r = 0; r < m; ++r) {
+        const float l = S.l[g * BQ + r];
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        st_row(p.out, p.dtype, (row0 + r) * p.out_row_stride + h * p.out_head_stride, p.head_dim_v,
+               S.o.data() + (g * BQ + r) * dvp, inv);
+        p.lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[g * BQ + r] * kLn2 + std::log(l) : kNegInf;
+      }
     }
   });
 }

@@ -308,44 +308,42 @@ TEST(kernel_attention, OffsetsPast2To31ElementsUse64BitArithmetic) {
     }
   const std::vector<int64_t> cu{0, T};
   const WorkList wl = varlen_worklist(cu, cu);
+  // One set of tensors: pointers and their row stride (head stride D, one head).
+  struct Set {
+    float *q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv;
+    int64_t rs;
+  };
+  const auto fwd = [&](const Set& t, KernelPath path) {
+    return AttnFwdParams{.q = t.q, .q_row_stride = t.rs, .q_head_stride = D, .k = t.k, .k_row_stride = t.rs,
+                         .k_head_stride = D, .v = t.v, .v_row_stride = t.rs, .v_head_stride = D, .out = t.out,
+                         .out_row_stride = t.rs, .out_head_stride = D, .lse = t.lse, .total_q = T, .total_k = T,
+                         .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
+                         .dtype = DType::f32, .mask = MaskType::causal, .work = &wl, .path = path};
+  };
+  const auto bwd = [&](const Set& t, KernelPath path) {
+    return AttnBwdParams{.q = t.q, .q_row_stride = t.rs, .q_head_stride = D, .k = t.k, .k_row_stride = t.rs,
+                         .k_head_stride = D, .v = t.v, .v_row_stride = t.rs, .v_head_stride = D, .out = t.out,
+                         .out_row_stride = t.rs, .out_head_stride = D, .lse = t.lse, .dout = t.dout,
+                         .dout_row_stride = t.rs, .dout_head_stride = D, .dq = t.dq, .dq_row_stride = t.rs,
+                         .dq_head_stride = D, .dk = t.dk, .dk_row_stride = t.rs, .dk_head_stride = D, .dv = t.dv,
+                         .dv_row_stride = t.rs, .dv_head_stride = D, .total_q = T, .total_k = T,
+                         .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
+                         .dtype = DType::f32, .mask = MaskType::causal, .work = &wl, .path = path};
+  };
 
-  // The reference, compact.
+  // The reference, on compact copies.
   std::vector<float> out(T * D), lse(T), dq(T * D), dk(T * D), dv(T * D);
-  const AttnFwdParams cf{.q = q.data(), .q_row_stride = D, .q_head_stride = D, .k = k.data(), .k_row_stride = D,
-                         .k_head_stride = D, .v = v.data(), .v_row_stride = D, .v_head_stride = D,
-                         .out = out.data(), .out_row_stride = D, .out_head_stride = D, .lse = lse.data(),
-                         .total_q = T, .total_k = T, .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D,
-                         .head_dim_v = D, .dtype = DType::f32, .mask = MaskType::causal, .work = &wl};
-  attention_forward_reference(cf);
-  attention_backward_reference({.q = q.data(), .q_row_stride = D, .q_head_stride = D, .k = k.data(),
-                                .k_row_stride = D, .k_head_stride = D, .v = v.data(), .v_row_stride = D,
-                                .v_head_stride = D, .out = out.data(), .out_row_stride = D, .out_head_stride = D,
-                                .lse = lse.data(), .dout = dout.data(), .dout_row_stride = D,
-                                .dout_head_stride = D, .dq = dq.data(), .dq_row_stride = D, .dq_head_stride = D,
-                                .dk = dk.data(), .dk_row_stride = D, .dk_head_stride = D, .dv = dv.data(),
-                                .dv_row_stride = D, .dv_head_stride = D, .total_q = T, .total_k = T,
-                                .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
-                                .dtype = DType::f32, .mask = MaskType::causal, .work = &wl});
+  const Set compact{q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data(), D};
+  attention_forward_reference(fwd(compact, KernelPath::automatic));
+  attention_backward_reference(bwd(compact, KernelPath::automatic));
 
   for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512}) {
     if (!kernel_path_supported(path)) continue;
     SCOPED_TRACE(std::string(to_string(path)));
     std::vector<float> got_lse(T);
-    attention_forward({.q = col(cq), .q_row_stride = stride, .q_head_stride = D, .k = col(ck),
-                       .k_row_stride = stride, .k_head_stride = D, .v = col(cv), .v_row_stride = stride,
-                       .v_head_stride = D, .out = col(cout), .out_row_stride = stride, .out_head_stride = D,
-                       .lse = got_lse.data(), .total_q = T, .total_k = T, .num_heads_q = 1, .num_heads_k = 1,
-                       .head_dim_qk = D, .head_dim_v = D, .dtype = DType::f32, .mask = MaskType::causal,
-                       .work = &wl, .path = path});
-    attention_backward({.q = col(cq), .q_row_stride = stride, .q_head_stride = D, .k = col(ck),
-                        .k_row_stride = stride, .k_head_stride = D, .v = col(cv), .v_row_stride = stride,
-                        .v_head_stride = D, .out = col(cout), .out_row_stride = stride, .out_head_stride = D,
-                        .lse = got_lse.data(), .dout = col(cdout), .dout_row_stride = stride,
-                        .dout_head_stride = D, .dq = col(cdq), .dq_row_stride = stride, .dq_head_stride = D,
-                        .dk = col(cdk), .dk_row_stride = stride, .dk_head_stride = D, .dv = col(cdv),
-                        .dv_row_stride = stride, .dv_head_stride = D, .total_q = T, .total_k = T,
-                        .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
-                        .dtype = DType::f32, .mask = MaskType::causal, .work = &wl, .path = path});
+    const Set wide{col(cq), col(ck), col(cv), col(cout), got_lse.data(), col(cdout), col(cdq), col(cdk), col(cdv), stride};
+    attention_forward(fwd(wide, path));
+    attention_backward(bwd(wide, path));
     const auto rows = [&](Col c) {
       std::vector<float> f(T * D);
       for (int64_t r = 0; r < T; ++r)
