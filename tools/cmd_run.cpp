@@ -267,11 +267,17 @@ struct Groups {
   int cp = 1, count = 1, index = 0;
   Groups(Communicator& w, int cp_flag) : world(w) {
     cp = cp_flag == 0 ? world.size() : cp_flag;
-    CPATTN_CHECK(cp >= 1 && world.size() % cp == 0, "--cp must divide the MPI world size ", world.size(),
-                 " (the world runs world/cp CP groups side by side), got ", cp_flag);
+    // Agreed before the split (which has no deadline): every rank is there, with the same cp.
+    std::string error;
+    Fingerprint fp;
+    if (cp < 1 || world.size() % cp != 0)
+      error = "--cp must divide the MPI world size " + std::to_string(world.size()) +
+              " (the world runs world/cp CP groups side by side), got " + std::to_string(cp_flag);
+    else
+      fp.add("--cp", cp);
+    agree(world, fp, "cpattn run", error);
     count = world.size() / cp;
     index = world.rank() / cp;
-    world.barrier();  // every rank is here (under the deadline) before the split, which has none
     MPI_Comm_split(world.mpi_comm(), index, world.rank(), &group);
   }
   ~Groups() {
@@ -290,9 +296,11 @@ struct Local {
   CpAttnConfig cfg;
   RankPlan p;
   std::vector<std::byte> q, k, v, dout;
+  std::unique_ptr<CpAttention> attn;  // its constructor checks the configuration locally
 };
 
-Local prepare(const RunArgs& a, int cp, int rank) {
+Local prepare(const RunArgs& a, Communicator& comm) {
+  const int cp = comm.size(), rank = comm.rank();
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
   CPATTN_CHECK(a.mode == "runs" || a.mode == "index", "--mode must be runs or index, got '", a.mode, "'");
@@ -315,6 +323,7 @@ Local prepare(const RunArgs& a, int cp, int rank) {
   l.k = local(b.k, int64_t{b.hkv} * b.dqk);
   l.v = local(b.v, int64_t{b.hkv} * b.dv);
   l.dout = local(b.dout, int64_t{b.hq} * b.dv);
+  l.attn = std::make_unique<CpAttention>(comm, l.cfg);
   return l;
 }
 
@@ -341,16 +350,18 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   std::optional<Local> prepared;
   std::string local_error;
   try {
-    prepared = prepare(a, cp, rank);
+    prepared = prepare(a, comm);
   } catch (const Error& e) {
     local_error = e.message();
+  } catch (const std::exception& e) {
+    local_error = std::string("unexpected error: ") + e.what();
   }
   agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
-  const Local& l = *prepared;
+  Local& l = *prepared;
   const Batch& b = l.b;
   const CpAttnConfig& cfg = l.cfg;
   const RankPlan& p = l.p;
-  CpAttention attn(comm, cfg);
+  CpAttention& attn = *l.attn;
   const std::size_t es = dtype_size(b.t);
   const int64_t qr = b.hq * b.dqk, kr = b.hkv * b.dqk, vr = b.hkv * b.dv, orow = b.hq * b.dv;
   const std::vector<std::byte>&q = l.q, &k = l.k, &v = l.v, &dout = l.dout;
@@ -489,12 +500,20 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     comm.broadcast<std::byte>(std::as_writable_bytes(std::span(rank0_error)), 0);
   }
   agree(groups.world, {}, "cpattn run",
-        status[1] > 0 ? (groups.count > 1 ? "CP group " + std::to_string(groups.index) + ": " : "") + "rank 0: " +
-                            rank0_error
+        status[1] > 0 ? "the check on rank 0 of CP group " + std::to_string(groups.index) + " failed: " + rank0_error
                       : std::string());
-  int64_t all_passed = status[0];
-  groups.world.all_reduce<int64_t>(std::span(&all_passed, 1), ReduceOp::sum);
-  return all_passed == groups.world.size();
+  std::vector<int64_t> passed(static_cast<std::size_t>(groups.world.size()));
+  groups.world.all_gather<int64_t>(std::span<const int64_t>(&status[0], 1), passed);
+  std::vector<int> failed;  // the groups whose check failed
+  for (int g = 0; g < groups.count; ++g)
+    if (passed[static_cast<std::size_t>(g) * groups.cp] == 0) failed.push_back(g);
+  if (!failed.empty() && groups.count > 1 && groups.world.rank() == 0) {
+    std::string list;
+    for (const int g : failed) list += (list.empty() ? "" : ",") + std::to_string(g);
+    std::fprintf(stderr, "cpattn run: the check failed in CP group(s) %s of %d (the report above is group 0's)\n",
+                 list.c_str(), groups.count);
+  }
+  return failed.empty();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Agreement across ranks: all-gather a fingerprint of named fields, and when any differs,
 // the same message on every rank naming the fields and the ranks.
 #include <algorithm>
+#include <memory>
 #include <sstream>
 
 #include "cpattn/comm.hpp"
@@ -84,13 +85,29 @@ void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
   constexpr std::size_t kInline = 48;
   constexpr std::size_t kHead = 3;
   const std::size_t nf = fp.fields.size();
+  // The receive buffers are shared with the communicator when a collective times out in
+  // throw_error mode, so that a late rank's data never lands in freed memory.
+  struct Buffers {
+    std::vector<std::int64_t> all, values;
+    std::string text;
+  };
+  const auto buf = std::make_shared<Buffers>();
+  const auto gather = [&](auto&& collective) {
+    try {
+      collective();
+    } catch (const Error&) {
+      if (comm.poisoned()) comm.retain_while_pending(buf);
+      throw;
+    }
+  };
   std::vector<std::int64_t> mine(kHead + kInline, 0);
   mine[0] = static_cast<std::int64_t>(local_error.size());
   mine[1] = static_cast<std::int64_t>(nf);
   mine[2] = names_hash(fp);
   for (std::size_t f = 0; f < std::min(nf, kInline); ++f) mine[kHead + f] = fp.fields[f].second;
-  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(p));
-  comm.all_gather<std::int64_t>(mine, all);
+  std::vector<std::int64_t>& all = buf->all;
+  all.assign(mine.size() * static_cast<std::size_t>(p), 0);
+  gather([&] { comm.all_gather<std::int64_t>(mine, all); });
   const auto at = [&](int q, std::size_t i) { return all[static_cast<std::size_t>(q) * mine.size() + i]; };
 
   // Local errors first: a rank with one may hold a meaningless fingerprint.
@@ -98,9 +115,12 @@ void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
   std::int64_t total = 0;
   for (int q = 0; q < p; ++q) total += lens[q] = at(q, 0);
   if (total > 0) {
-    std::string text(static_cast<std::size_t>(total), '\0');
-    comm.all_gather_v<std::byte>(std::as_bytes(std::span(local_error)), lens,
-                                 std::as_writable_bytes(std::span(text)));
+    std::string& text = buf->text;
+    text.assign(static_cast<std::size_t>(total), '\0');
+    gather([&] {
+      comm.all_gather_v<std::byte>(std::as_bytes(std::span(local_error)), lens,
+                                   std::as_writable_bytes(std::span(text)));
+    });
     // Identical messages once, with the ranks that raised them: "[ranks 0-3] ..."
     std::vector<std::pair<std::string, std::vector<int>>> groups;
     std::size_t off = 0;
@@ -126,7 +146,7 @@ void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
   for (int q = 0; q < p; ++q) shapes.insert(shapes.end(), {at(q, 1), at(q, 2)});
   if (auto msg = describe_disagreement(shape, shapes, p, what)) throw Error(*msg);
 
-  std::vector<std::int64_t> values;
+  std::vector<std::int64_t>& values = buf->values;
   if (nf <= kInline) {
     for (int q = 0; q < p; ++q)
       for (std::size_t f = 0; f < nf; ++f) values.push_back(at(q, kHead + f));
@@ -134,7 +154,7 @@ void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
     std::vector<std::int64_t> v;
     for (const auto& [name, value] : fp.fields) v.push_back(value);
     values.assign(nf * static_cast<std::size_t>(p), 0);
-    comm.all_gather<std::int64_t>(v, values);
+    gather([&] { comm.all_gather<std::int64_t>(v, values); });
   }
   if (auto msg = describe_disagreement(fp, values, p, what)) throw Error(*msg);
 }

@@ -84,14 +84,25 @@ struct Communicator::Impl {
   // with this Impl, which outlives the Communicator while requests are pending.
   std::vector<std::shared_ptr<void>> retained;
 
-  // Tests the pending requests once; true when none is left.
-  bool settle() {
+  // What MPI reads while a request is pending must outlive it: the int counts and
+  // displacements of MPI_Iallgatherv, and all_gather_counts' receive buffer, live here.
+  std::vector<int> v_count, v_displ;
+  std::vector<std::int64_t> counts;
+
+  // Tests the pending requests once. true: none is left (or MPI is finalized, after which
+  // nothing can touch their buffers); false: some are pending; an MPI error sets *failed and
+  // leaves them (and what they may use) in place.
+  bool settle(bool* failed = nullptr) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) pending.clear();
     if (pending.empty()) return true;
     int done = 0;
-    if (MPI_Testall(static_cast<int>(pending.size()), pending.data(), &done, MPI_STATUSES_IGNORE) !=
-            MPI_SUCCESS ||
-        done)
-      pending.clear();
+    if (MPI_Testall(static_cast<int>(pending.size()), pending.data(), &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+      if (failed) *failed = true;
+      return false;
+    }
+    if (done) pending.clear();
     return pending.empty();
   }
 
@@ -324,8 +335,9 @@ bool Communicator::drain(double timeout_s) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
   auto nap = std::chrono::microseconds(20);
-  while (!im.settle()) {
-    if (Clock::now() >= deadline) return false;
+  bool failed = false;
+  while (!im.settle(&failed)) {
+    if (failed || Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(1000));
   }
@@ -412,14 +424,15 @@ void Communicator::all_gather_v(std::span<const T> send, std::span<const std::in
   // MPI_Iallgatherv takes int counts and displacements: use it only when the whole receive
   // fits one call; otherwise the ring splits each block.
   if (im.opts.all_gather_algorithm == CommAlgorithm::mpi && total <= im.chunk()) {
-    std::vector<int> icount(p), idispl(p);
+    im.v_count.resize(p);
+    im.v_displ.resize(p);
     for (int q = 0; q < p; ++q) {
-      icount[q] = static_cast<int>(count[q]);
-      idispl[q] = static_cast<int>(offset[q]);
+      im.v_count[q] = static_cast<int>(count[q]);
+      im.v_displ[q] = static_cast<int>(offset[q]);
     }
     MPI_Request req = MPI_REQUEST_NULL;
-    im.check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv.data(), icount.data(),
-                             idispl.data(), mpi_type<T>(), im.comm, &req),
+    im.check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv.data(), im.v_count.data(),
+                             im.v_displ.data(), mpi_type<T>(), im.comm, &req),
              op, "MPI_Iallgatherv");
     im.wait(op, req);
     return;
@@ -428,9 +441,9 @@ void Communicator::all_gather_v(std::span<const T> send, std::span<const std::in
 }
 
 std::vector<std::int64_t> Communicator::all_gather_counts(std::int64_t count) {
-  std::vector<std::int64_t> all(static_cast<std::size_t>(impl_->size));
-  all_gather<std::int64_t>(std::span<const std::int64_t>(&count, 1), all);
-  return all;
+  impl_->counts.resize(static_cast<std::size_t>(impl_->size));
+  all_gather<std::int64_t>(std::span<const std::int64_t>(&count, 1), impl_->counts);
+  return impl_->counts;
 }
 
 void Communicator::reduce_scatter_sum(std::span<const float> send, std::span<float> recv) {

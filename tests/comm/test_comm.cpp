@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -420,12 +421,13 @@ TEST(Deadline, LateRankMakesOthersThrow) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// Throw mode, three ranks, ring reduce-scatter: rank 2 arrives 2.5 s late against a 1 s
-// deadline. Rank 0 times out waiting in step 0 with a receive posted into the communicator's
-// scratch, destroys the communicator and allocates a buffer of the scratch's size; rank 2's
-// message, when it lands, must go to the retained scratch, not into that new buffer (under
-// AddressSanitizer, a write into freed memory is reported). Rank 1 times out in step 1 with a
-// receive pending on its own recv buffer, which the caller keeps, as documented.
+// Throw mode, three ranks, ring reduce-scatter. Ranks 0 and 1 start without rank 2 and time
+// out (1 s): rank 0 waiting in step 0 with a receive posted into the communicator's scratch,
+// rank 1 in step 1 with a receive pending on its own recv buffer (which the caller keeps, as
+// documented). Both destroy their communicator, rank 0 allocates a buffer of the scratch's
+// size, and only then (told so by a message) rank 2 joins: its data must land in the
+// retained scratch, not in that new buffer (under AddressSanitizer, a write into freed
+// memory is reported).
 TEST(Deadline, LateMessagesLandInRetainedScratchNotInFreedMemory) {
   if (world_size() < 3) GTEST_SKIP() << "needs 3 ranks";
   const int wr = world_rank();
@@ -437,22 +439,26 @@ TEST(Deadline, LateMessagesLandInRetainedScratchNotInFreedMemory) {
     std::vector<float> send(3 * n, 1.0f);
     std::vector<float>& recv = callers_buffers.emplace_back(n, 0.0f);
     std::vector<float> reused;
-    {
-      Communicator comm(trio, {.timeout_s = 1.0, .on_timeout = TimeoutAction::throw_error,
-                               .reduce_scatter_algorithm = CommAlgorithm::ring});
-      if (wr == 2) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-        try {
-          comm.reduce_scatter_sum(send, recv);  // may complete against the pending requests
-        } catch (const Error&) {
-        }
-      } else {
-        EXPECT_THROW(comm.reduce_scatter_sum(send, recv), Error);
-        EXPECT_TRUE(comm.poisoned());
-        EXPECT_FALSE(comm.drain(0.0));
+    std::optional<Communicator> comm;
+    comm.emplace(trio, CommOptions{.timeout_s = 1.0, .on_timeout = TimeoutAction::throw_error,
+                                   .reduce_scatter_algorithm = CommAlgorithm::ring});
+    int go = 1;
+    if (wr < 2) {
+      EXPECT_THROW(comm->reduce_scatter_sum(send, recv), Error);
+      EXPECT_TRUE(comm->poisoned());
+      EXPECT_FALSE(comm->drain(0.0));  // rank 2 has not started
+      comm.reset();                     // destroyed with requests pending
+      if (wr == 0) reused.assign(2 * n, 7.0f);  // the scratch's size: the allocator's first pick
+      MPI_Send(&go, 1, MPI_INT, 2, 7, trio);
+    } else {
+      MPI_Recv(&go, 1, MPI_INT, 0, 7, trio, MPI_STATUS_IGNORE);
+      MPI_Recv(&go, 1, MPI_INT, 1, 7, trio, MPI_STATUS_IGNORE);
+      try {
+        comm->reduce_scatter_sum(send, recv);  // may complete against the pending requests
+      } catch (const Error&) {
       }
-    }  // rank 0 and 1: destroyed with requests pending
-    if (wr == 0) reused.assign(2 * n, 7.0f);  // the scratch's size: the allocator's first pick
+      comm.reset();
+    }
     MPI_Barrier(trio);  // rank 0 makes progress here while rank 2's messages land
     for (std::size_t i = 0; i < reused.size(); ++i) ASSERT_EQ(reused[i], 7.0f) << "element " << i;
     MPI_Comm_free(&trio);

@@ -84,6 +84,8 @@ inline std::vector<AttnCase> attention_cases() {
       {"no_mask_dim59", {97}, {97}, 2, 2, 59, 59, M::none},
       {"seqlen_1_dim16", {1}, {1}, 1, 1, 16, 16, M::causal},
       {"dim256_gqa2", {70, 3}, {70, 3}, 2, 1, 256, 256, M::causal},
+      // GQA 6: the forward runs a kv head's query heads in sets of 4, here 4 + 2.
+      {"gqa6_head_sets_4_2", {45, 70}, {45, 70}, 6, 1, 48, 48, M::causal},
   };
 }
 

@@ -281,12 +281,12 @@ TEST(kernel_attention, QueryWithNoVisibleKeyGivesZeroAndMinusInf) {
 }
 
 // ---- 64-bit offsets ----------------------------------------------------------------------------
-// Rows 2^30 elements apart, so that the last row starts 2^31 elements (8 GiB) in: past what
-// 32-bit arithmetic holds. The tensors are columns of one reserved, mostly untouched mapping
+// Rows 2^31 elements apart, so that the rows start at 0, 2^31 and 2^32 elements (16 GiB):
+// past what signed and unsigned 32-bit arithmetic hold. The tensors are columns of one reserved, mostly untouched mapping
 // (only the pages holding rows are ever touched). Every path, forward and backward, must
 // match the reference run on compact copies of the same values.
 TEST(kernel_attention, OffsetsPast2To31ElementsUse64BitArithmetic) {
-  constexpr int64_t T = 3, D = 24, kCols = 8, stride = int64_t{1} << 30;
+  constexpr int64_t T = 3, D = 24, kCols = 8, stride = int64_t{1} << 31;
   const std::size_t bytes = static_cast<std::size_t>((T - 1) * stride + kCols * D) * sizeof(float);
   void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) GTEST_SKIP() << "cannot reserve " << bytes << " bytes of address space";

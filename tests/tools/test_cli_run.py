@@ -125,16 +125,31 @@ r = run(3, "--cp", "2", "--tokens", "100")
 check(r.returncode == 2 and r.stderr.count("--cp must divide the MPI world size 3") == 1,
       f"--cp 2 at np 3: exit {r.returncode}, {r.stderr[-800:]!r}")
 
+
+def mpmd(args0, args1):
+    """Rank 0 and rank 1 with their own flags; returns (result, seconds)."""
+    start = time.monotonic()
+    r = subprocess.run([MPIEXEC, "--oversubscribe", "-np", "1", CPATTN, "run", "--timeout", "60", *args0, ":",
+                        "-np", "1", CPATTN, "run", "--timeout", "60", *args1],
+                       capture_output=True, text=True, timeout=120)
+    return r, time.monotonic() - start
+
+
 # An error on one nonzero rank only (here its own flags, through mpirun's MPMD form): every
 # rank ends at once, and rank 0 prints that rank's message, well before the deadline.
-start = time.monotonic()
-r = subprocess.run([MPIEXEC, "--oversubscribe", "-np", "1", CPATTN, "run", "--tokens", "100", "--timeout", "60", ":",
-                    "-np", "1", CPATTN, "run", "--npy-in", "/nonexistent", "--timeout", "60"],
-                   capture_output=True, text=True, timeout=120)
-elapsed = time.monotonic() - start
+r, elapsed = mpmd(["--tokens", "100"], ["--npy-in", "/nonexistent"])
 check(r.returncode == 2 and r.stderr.count("[rank 1] /nonexistent/q.npy: cannot open") == 1,
       f"error on rank 1 only: exit {r.returncode}, {r.stderr[-800:]!r}")
 check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)")
+
+# Other --cp on one rank: agreed before the world is split, so no rank waits in the split.
+r, elapsed = mpmd(["--tokens", "100", "--cp", "2"], ["--tokens", "100", "--cp", "1"])
+check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --cp: rank 0 has 2, rank 1 has 1") == 1
+      and elapsed < 30, f"--cp differing between ranks: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
+# A configuration only one rank's CpAttention rejects (its own --heads).
+r, elapsed = mpmd(["--tokens", "100"], ["--tokens", "100", "--heads", "3", "--kv-heads", "2"])
+check(r.returncode == 2 and r.stderr.count("[rank 1]") == 1 and "num_heads_q (3)" in r.stderr and elapsed < 30,
+      f"--heads on rank 1 only: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
 
 if failures:
     print(f"{len(failures)} checks failed")
