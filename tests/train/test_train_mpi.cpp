@@ -252,13 +252,13 @@ TEST(TrainCp, RopeUsesGlobalPositions) {
 // The default model on the default data: the loss falls from ln 257 = 5.55 well below it.
 TEST(TrainLearning, LossFallsWellBelowLn257) {
   const ModelConfig m = kSanitize ? kSmall : ModelConfig{};
-  const int steps = 40;
+  const int steps = kSanitize ? 100 : 40;  // the small model learns more slowly
   const int64_t seq = kSanitize ? 256 : 1024;
   const Curve c = run(MPI_COMM_WORLD, m, {}, seq, steps);
   EXPECT_NEAR(c.loss.front(), std::log(257.0), 0.1);
   double tail = 0;
   for (int s = steps - 5; s < steps; ++s) tail += c.loss[s] / 5;
-  EXPECT_LT(tail, kSanitize ? 3.8 : 3.2);  // measured 3.35 and 2.72
+  EXPECT_LT(tail, 3.5);  // at the default lr 5e-4: measured 3.02 (small, 100 steps), 3.10 (default, 40)
   if (world_rank() == 0)
     std::printf("[ info ] cp %d: loss %.4f -> mean of the last 5 steps %.4f after %d steps\n", world_size(),
                 c.loss.front(), tail, steps);
