@@ -89,10 +89,10 @@ void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t tota
                  qranges[i - 1].second, ") and [", qranges[i].first, ", ", qranges[i].second, ")");
 }
 
-}  // namespace
-
-void validate(const AttnFwdParams& p) {
-  const char* fn = "attention_forward";
+// What forward and backward share: shapes, scale, q, k, v and out (the fields have the same
+// names in both parameter structs).
+template <class P>
+void check_inputs(const char* fn, const P& p) {
   check_shape(fn, {p.total_q, p.total_k, p.num_heads_q, p.num_heads_k, p.head_dim_qk,
                    p.head_dim_v, p.dropout_p, p.num_threads, p.path});
   CPATTN_CHECK(std::isfinite(p.softmax_scale), fn, ": softmax_scale must be finite, got ",
@@ -102,21 +102,20 @@ void validate(const AttnFwdParams& p) {
   check_tensor(fn, "v", p.v, p.v_row_stride, p.v_head_stride, p.num_heads_k, p.head_dim_v, p.total_k);
   check_tensor(fn, "out", p.out, p.out_row_stride, p.out_head_stride, p.num_heads_q, p.head_dim_v,
                p.total_q);
+}
+
+}  // namespace
+
+void validate(const AttnFwdParams& p) {
+  const char* fn = "attention_forward";
+  check_inputs(fn, p);
   CPATTN_CHECK(p.lse != nullptr, fn, ": lse must not be null");
   check_work(fn, p.work, p.total_q, p.total_k);
 }
 
 void validate(const AttnBwdParams& p) {
   const char* fn = "attention_backward";
-  check_shape(fn, {p.total_q, p.total_k, p.num_heads_q, p.num_heads_k, p.head_dim_qk,
-                   p.head_dim_v, p.dropout_p, p.num_threads, p.path});
-  CPATTN_CHECK(std::isfinite(p.softmax_scale), fn, ": softmax_scale must be finite, got ",
-               p.softmax_scale);
-  check_tensor(fn, "q", p.q, p.q_row_stride, p.q_head_stride, p.num_heads_q, p.head_dim_qk, p.total_q);
-  check_tensor(fn, "k", p.k, p.k_row_stride, p.k_head_stride, p.num_heads_k, p.head_dim_qk, p.total_k);
-  check_tensor(fn, "v", p.v, p.v_row_stride, p.v_head_stride, p.num_heads_k, p.head_dim_v, p.total_k);
-  check_tensor(fn, "out", p.out, p.out_row_stride, p.out_head_stride, p.num_heads_q, p.head_dim_v,
-               p.total_q);
+  check_inputs(fn, p);
   check_tensor(fn, "dout", p.dout, p.dout_row_stride, p.dout_head_stride, p.num_heads_q,
                p.head_dim_v, p.total_q);
   check_tensor(fn, "dq", p.dq, p.dq_row_stride, p.dq_head_stride, p.num_heads_q, p.head_dim_qk,

@@ -12,22 +12,15 @@
 #include <thread>
 #include <vector>
 
+#include "mpi_world.hpp"
 #include "cpattn/comm.hpp"
 #include "cpattn/error.hpp"
 
 namespace cpattn {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using ::cpattn::mpi_test::world_rank;
+using ::cpattn::mpi_test::world_size;
 
 // A test that fails on one rank must not leave the others waiting for the default 300 s.
 constexpr double kTestTimeoutS = 60;

@@ -2,6 +2,7 @@
 // gives (CTest runs 1, 2 and 4): a gradient check of the hand-written backward, CP=N against
 // CP=1 (run on MPI_COMM_SELF by rank 0 in the same job), bf16 attention, RoPE positions,
 // learning, checkpoints and bad input.
+#include "mpi_world.hpp"
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/train.hpp>
@@ -33,16 +34,8 @@ constexpr bool kSanitize = true;  // ASan/UBSan: about 10x slower, so fewer and 
 constexpr bool kSanitize = false;
 #endif
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using ::cpattn::mpi_test::world_rank;
+using ::cpattn::mpi_test::world_size;
 
 const std::vector<Document>& default_docs() {
   static const std::vector<Document> docs = load_documents({});
