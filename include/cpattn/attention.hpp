@@ -3,21 +3,21 @@
 // Math and conventions are DESIGN.md sections 1 and 5. A call gets a WorkList (worklist.hpp):
 // each task is a run of query rows of one document, and its keys are runs of rows of k/v with
 // their positions in the document. varlen_worklist() builds the usual FlashAttention varlen
-// list from cu_seqlens.
+// list from cu_seqlens. Tensors are views (tensor.hpp); the sizes of a call (total_q,
+// num_heads_k, head_dim_qk, ...) are those of its views, checked against each other.
 //
 // Tiny example, two documents of 2 and 3 tokens, MHA with 1 head of dim 4, fp32, causal:
 //
 //   std::vector<int64_t> cu = {0, 2, 5};
 //   cpattn::WorkList wl = cpattn::varlen_worklist(cu, cu);
-//   cpattn::attention_forward({
-//       .q = q, .q_row_stride = 4, .q_head_stride = 4,        // q [5, 1, 4]
-//       .k = k, .k_row_stride = 4, .k_head_stride = 4,        // k [5, 1, 4]
-//       .v = v, .v_row_stride = 4, .v_head_stride = 4,        // v [5, 1, 4]
-//       .out = out, .out_row_stride = 4, .out_head_stride = 4, // out [5, 1, 4]
-//       .lse = lse,                                           // lse [5, 1]
-//       .total_q = 5, .total_k = 5, .num_heads_q = 1, .num_heads_k = 1,
-//       .head_dim_qk = 4, .head_dim_v = 4, .dtype = cpattn::DType::f32,
-//       .mask = cpattn::MaskType::causal, .work = &wl});
+//   const cpattn::AttnInputs in{.q = cpattn::contiguous(q, 5, 1, 4),    // q [5, 1, 4]
+//                               .k = cpattn::contiguous(k, 5, 1, 4),    // k [5, 1, 4]
+//                               .v = cpattn::contiguous(v, 5, 1, 4),    // v [5, 1, 4]
+//                               .work = &wl,
+//                               .options = {.mask = cpattn::MaskType::causal}};
+//   cpattn::attention_forward({.in = in, .out = cpattn::contiguous(out, 5, 1, 4), .lse = lse});
+//   cpattn::attention_backward({.in = in, .out = cpattn::contiguous(out, 5, 1, 4), .lse = lse,
+//                               .dout = ..., .dq = ..., .dk = ..., .dv = ...});
 //
 // Every argument is checked before any work (cpattn::Error names the argument, the rule and
 // the values). Only the query rows of the tasks are written (out, lse, dq); dk/dv are written
@@ -28,10 +28,12 @@
 #pragma once
 
 #include <cpattn/dtype.hpp>
+#include <cpattn/tensor.hpp>
 #include <cpattn/worklist.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -55,93 +57,64 @@ enum class KernelPath {
 
 // How attention_backward delivers dK and dV.
 enum class GradMode {
-  write,       // dk/dv are written in the storage dtype with their strides
-  accumulate,  // dk_accum/dv_accum (fp32, contiguous) get dK/dV added (+=) to their contents
+  write,       // dk/dv are written in the storage dtype
+  accumulate,  // dk/dv are fp32 views that get dK/dV added (+=) to their contents
 };
 
-struct AttnFwdParams {
-  // Inputs, THD. Strides are in elements; head_dim is contiguous.
-  const void* q = nullptr;  // [total_q, num_heads_q, head_dim_qk]
-  int64_t q_row_stride = 0;
-  int64_t q_head_stride = 0;
-  const void* k = nullptr;  // [total_k, num_heads_k, head_dim_qk]
-  int64_t k_row_stride = 0;
-  int64_t k_head_stride = 0;
-  const void* v = nullptr;  // [total_k, num_heads_k, head_dim_v]
-  int64_t v_row_stride = 0;
-  int64_t v_head_stride = 0;
-  // Outputs.
-  void* out = nullptr;  // [total_q, num_heads_q, head_dim_v], storage dtype
-  int64_t out_row_stride = 0;
-  int64_t out_head_stride = 0;
-  float* lse = nullptr;  // [total_q, num_heads_q] fp32, contiguous; natural log; -inf for a
-                         // query that sees no key (its out row is 0)
+// How a call runs, apart from its tensors: what forward and backward must agree on.
+struct AttnOptions {
+  MaskType mask = MaskType::causal;
+  // S = softmax_scale * q.k. Unset: 1/sqrt(head_dim_qk) (FlashAttention's softmax_scale=None).
+  std::optional<float> softmax_scale = std::nullopt;
+  float dropout_p = 0.0f;  // probability of dropping a P entry, in [0, 1)
+  uint64_t seed = 0;       // dropout seed (see dropout_keep)
+  int num_threads = 1;     // >= 1; results do not depend on it
+  KernelPath path = KernelPath::automatic;
+};
 
-  int64_t total_q = 0;  // rows of q/out/lse
-  int64_t total_k = 0;  // rows of k/v
+// The sizes of a call, named as in FlashAttention; derived from its views (AttnInputs::shape).
+struct AttnShape {
+  int64_t total_q = 0;  // rows of q/out/lse/dout/dq
+  int64_t total_k = 0;  // rows of k/v/dk/dv
   int num_heads_q = 0;  // Hq, a multiple of num_heads_k (GQA: head h reads kv head h/(Hq/Hkv))
   int num_heads_k = 0;  // Hkv
   int head_dim_qk = 0;  // Dqk in [1, 256]
   int head_dim_v = 0;   // Dv in [1, 256]
-  DType dtype = DType::f32;
-  MaskType mask = MaskType::causal;
-  float softmax_scale = 0.0f;  // S = softmax_scale * q.k; 0 means 1/sqrt(head_dim_qk)
-  float dropout_p = 0.0f;      // probability of dropping a P entry, in [0, 1)
-  uint64_t seed = 0;           // dropout seed (see dropout_keep)
+};
+
+// What forward and backward share: the inputs, which keys each query sees, and the options.
+// All views have one storage dtype.
+struct AttnInputs {
+  ConstTensorView q;  // [total_q, num_heads_q, head_dim_qk]
+  ConstTensorView k;  // [total_k, num_heads_k, head_dim_qk]
+  ConstTensorView v;  // [total_k, num_heads_k, head_dim_v]
   const WorkList* work = nullptr;  // which keys each query sees
-  int num_threads = 1;             // >= 1; results do not depend on it
-  KernelPath path = KernelPath::automatic;
+  AttnOptions options;
+
+  constexpr AttnShape shape() const { return {q.rows, k.rows, q.heads, k.heads, q.dim, v.dim}; }
+  constexpr DType dtype() const { return q.dtype; }
+  // options.softmax_scale, or 1/sqrt(head_dim_qk) when unset.
+  float softmax_scale() const;
+};
+
+struct AttnFwdParams {
+  AttnInputs in;
+  TensorView out;        // [total_q, num_heads_q, head_dim_v], in.dtype(), written
+  float* lse = nullptr;  // optional [total_q, num_heads_q] fp32, contiguous: natural log;
+                         // -inf for a query that sees no key (its out row is 0)
 };
 
 struct AttnBwdParams {
-  // Forward inputs and results, as in AttnFwdParams.
-  const void* q = nullptr;  // [total_q, num_heads_q, head_dim_qk]
-  int64_t q_row_stride = 0;
-  int64_t q_head_stride = 0;
-  const void* k = nullptr;  // [total_k, num_heads_k, head_dim_qk]
-  int64_t k_row_stride = 0;
-  int64_t k_head_stride = 0;
-  const void* v = nullptr;  // [total_k, num_heads_k, head_dim_v]
-  int64_t v_row_stride = 0;
-  int64_t v_head_stride = 0;
-  const void* out = nullptr;  // [total_q, num_heads_q, head_dim_v], the forward's out
-  int64_t out_row_stride = 0;
-  int64_t out_head_stride = 0;
+  AttnInputs in;               // as in the forward
+  ConstTensorView out;         // [total_q, num_heads_q, head_dim_v], the forward's out
   const float* lse = nullptr;  // [total_q, num_heads_q] fp32 contiguous, the forward's lse
-  const void* dout = nullptr;  // [total_q, num_heads_q, head_dim_v]
-  int64_t dout_row_stride = 0;
-  int64_t dout_head_stride = 0;
-
-  // Gradients.
-  void* dq = nullptr;  // [total_q, num_heads_q, head_dim_qk], storage dtype, written
-  int64_t dq_row_stride = 0;
-  int64_t dq_head_stride = 0;
+  ConstTensorView dout;        // [total_q, num_heads_q, head_dim_v]
+  TensorView dq;               // [total_q, num_heads_q, head_dim_qk], in.dtype(), written
+  // [total_k, num_heads_k, head_dim_qk] and [total_k, num_heads_k, head_dim_v]: grad_mode
+  // write: in.dtype(), written; accumulate: fp32, dK and dV added (+=) to their contents.
+  TensorView dk;
+  TensorView dv;
   GradMode grad_mode = GradMode::write;
-  void* dk = nullptr;  // grad_mode write: [total_k, num_heads_k, head_dim_qk], storage dtype
-  int64_t dk_row_stride = 0;
-  int64_t dk_head_stride = 0;
-  void* dv = nullptr;  // grad_mode write: [total_k, num_heads_k, head_dim_v], storage dtype
-  int64_t dv_row_stride = 0;
-  int64_t dv_head_stride = 0;
-  float* dk_accum = nullptr;  // grad_mode accumulate: [total_k, num_heads_k, head_dim_qk] fp32,
-                              // contiguous, += dK
-  float* dv_accum = nullptr;  // grad_mode accumulate: [total_k, num_heads_k, head_dim_v] fp32,
-                              // contiguous, += dV
-
-  int64_t total_q = 0;
-  int64_t total_k = 0;
-  int num_heads_q = 0;
-  int num_heads_k = 0;
-  int head_dim_qk = 0;
-  int head_dim_v = 0;
-  DType dtype = DType::f32;
-  MaskType mask = MaskType::causal;
-  float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim_qk); must match the forward
-  float dropout_p = 0.0f;      // must match the forward
-  uint64_t seed = 0;           // must match the forward
-  const WorkList* work = nullptr;
-  int num_threads = 1;
-  KernelPath path = KernelPath::automatic;
 };
 
 // out, lse = attention(q, k, v) over the work list.
@@ -156,10 +129,15 @@ void attention_backward(const AttnBwdParams& p);
 // kv_len keys the queries are the last q_len positions, q_pos = kv_len - q_len, so that under
 // a causal mask query row i sees keys 0 .. kv_len - q_len + i. Rules: both lists start at 0,
 // have the same number (>= 2) of entries and are strictly increasing (no empty documents);
-// q_len <= kv_len for every document (needed for causal; also required without a mask so the
-// positions are meaningful). Task d has doc = d.
+// with a causal mask q_len <= kv_len for every document. Without a mask any q_len goes
+// (cross-attention); a document with more queries than keys has q_pos = 0. Task d has doc = d.
+// int32 boundaries (what PyTorch users hold) are accepted as they are.
 WorkList varlen_worklist(std::span<const int64_t> cu_seqlens_q,
-                         std::span<const int64_t> cu_seqlens_k);
+                         std::span<const int64_t> cu_seqlens_k,
+                         MaskType mask = MaskType::causal);
+WorkList varlen_worklist(std::span<const int32_t> cu_seqlens_q,
+                         std::span<const int32_t> cu_seqlens_k,
+                         MaskType mask = MaskType::causal);
 
 // The fastest path this CPU supports (never `automatic`, never `amx`).
 KernelPath best_kernel_path();

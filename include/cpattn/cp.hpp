@@ -2,14 +2,17 @@
 //
 // Every rank holds its local THD tokens of one packed batch, in the symmetric split's order
 // (get_batch_on_this_cp_rank / take_local_rows), and all ranks pass the batch's global real
-// boundaries. CpAttention is driven like an autograd function:
+// boundaries (or the plan made from them). CpAttention is driven like an autograd function:
+// forward returns a CpContext, what backward needs, which the caller keeps (one per layer)
+// and hands back. One CpAttention serves every layer of a model; it copies no caller tensor.
 //
 //   cpattn::Communicator comm(MPI_COMM_WORLD);
 //   cpattn::CpAttention attn(comm, {.num_heads_q = 8, .num_heads_k = 2, .head_dim_qk = 128,
 //                                   .head_dim_v = 128, .dtype = cpattn::DType::bf16});
-//   attn.forward({.cu_seqlens = cu, .local_tokens = t_loc, .q = q, .k = k, .v = v, .out = out});
+//   auto plan = attn.plan(cu_seqlens);          // lay the inputs out with it (plan->local_tokens)
+//   cpattn::CpContext ctx = attn.forward({.plan = plan, .q = q, .k = k, .v = v, .out = out});
 //   ...
-//   attn.backward({.dout = dout, .dq = dq, .dk = dk, .dv = dv});
+//   attn.backward(ctx, {.q = q, .out = out, .dout = dout, .dq = dq, .dk = dk, .dv = dv});
 //
 // Forward: validate locally; agree across ranks on a fingerprint (shapes, dtype, heads, cp,
 // the boundaries' hash, options and the call counters) so that a disagreement fails on every
@@ -23,6 +26,7 @@
 #include <cpattn/attention.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/plan.hpp>
+#include <cpattn/tensor.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -43,38 +47,66 @@ struct CpAttnConfig {
   int head_dim_qk = 0;   // Dqk
   int head_dim_v = 0;    // Dv
   DType dtype = DType::f32;
-  // causal: each task reads chunks 0..j of its document; none: every chunk of it (both
-  // exact against a single-process run; attention never crosses a document either way).
-  MaskType mask = MaskType::causal;
-  float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim_qk)
-  float dropout_p = 0.0f;      // in [0, 1); masks keyed by global document and positions
-  uint64_t seed = 0;
+  // Mask, scale, dropout, threads and kernel path, as for attention_forward. causal: each
+  // task reads chunks 0..j of its document; none: every chunk of it (both exact against a
+  // single-process run; attention never crosses a document either way). Dropout masks are
+  // keyed by global document and positions, so they equal a single process's.
+  AttnOptions options;
   // Deterministic: repeated runs are bitwise equal. The kernels always are; true also
   // requires the communicator's fixed-order ring reduce-scatter (the default), false permits
   // a communicator configured with CommAlgorithm::mpi.
   bool deterministic = true;
   KvMode kv_mode = KvMode::runs;
-  int num_threads = 1;  // kernel threads per rank
-  KernelPath path = KernelPath::automatic;
   bool check_finite = false;      // reject non-finite q/k/v/dout on every rank (costs a pass)
   std::size_t plan_cache_capacity = 8;
 };
 
+// Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout
+// and dq may be strided views (head_dim contiguous); k, v, dk and dv must be contiguous (they
+// travel through the communicator as they are).
 struct CpForwardArgs {
-  std::span<const int64_t> cu_seqlens;  // the batch's global real boundaries, leading 0
-  int64_t local_tokens = 0;             // rows of q/k/v/out on this rank (the plan's T_loc)
-  const void* q = nullptr;              // [local_tokens, Hq, Dqk] contiguous, cfg.dtype
-  const void* k = nullptr;              // [local_tokens, Hkv, Dqk]
-  const void* v = nullptr;              // [local_tokens, Hkv, Dv]
-  void* out = nullptr;                  // [local_tokens, Hq, Dv], written
-  float* lse = nullptr;                 // optional [local_tokens, Hq] fp32; -inf for padding
+  // The batch: its global real boundaries (leading 0; int64) or a plan for this rank made by
+  // CpAttention::plan or get_thd_load_balanced_cp_metadata (then cu_seqlens may be empty).
+  std::span<const int64_t> cu_seqlens;
+  std::shared_ptr<const RankPlan> plan;
+  ConstTensorView q;     // [local_tokens, Hq, Dqk]
+  ConstTensorView k;     // [local_tokens, Hkv, Dqk], contiguous
+  ConstTensorView v;     // [local_tokens, Hkv, Dv], contiguous
+  TensorView out;        // [local_tokens, Hq, Dv], written (padding rows: 0)
+  float* lse = nullptr;  // optional [local_tokens, Hq] fp32; -inf for padding rows
 };
 
 struct CpBackwardArgs {
-  const void* dout = nullptr;  // [local_tokens, Hq, Dv] contiguous, cfg.dtype
-  void* dq = nullptr;          // [local_tokens, Hq, Dqk], written
-  void* dk = nullptr;          // [local_tokens, Hkv, Dqk], written
-  void* dv = nullptr;          // [local_tokens, Hkv, Dv], written
+  ConstTensorView q;     // the forward's q (unchanged since)
+  ConstTensorView out;   // the forward's out (unchanged since)
+  ConstTensorView dout;  // [local_tokens, Hq, Dv]
+  TensorView dq;         // [local_tokens, Hq, Dqk], written
+  TensorView dk;         // [local_tokens, Hkv, Dqk], contiguous, written
+  TensorView dv;         // [local_tokens, Hkv, Dv], contiguous, written
+};
+
+// What a forward hands its backward, like an autograd context: the plan, the gathered K/V
+// (or their index_select copy) and lse. Move-only; the caller keeps one per forward and hands
+// it to backward, which consumes it (releases its buffers). Not tied to the CpAttention's
+// lifetime in memory, but only that CpAttention's backward accepts it.
+class CpContext {
+ public:
+  CpContext();
+  ~CpContext();
+  CpContext(CpContext&&) noexcept;
+  CpContext& operator=(CpContext&&) noexcept;
+  CpContext(const CpContext&) = delete;
+  CpContext& operator=(const CpContext&) = delete;
+
+  bool valid() const;             // holds a forward's state (not yet consumed by backward)
+  const RankPlan& plan() const;   // the forward's plan
+  std::span<const float> lse() const;  // [local_tokens, Hq], the forward's lse
+  std::size_t bytes() const;      // memory held (gathered K/V, lse)
+
+ private:
+  friend class CpAttention;
+  struct State;
+  std::shared_ptr<State> s_;
 };
 
 // Seconds spent, accumulated over calls.
@@ -83,8 +115,9 @@ struct CpStats {
   double comm_s = 0;     // agreement, all-gather, reduce-scatter
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
-  // The largest the saved state and the layer's own buffers have been (the kernels' internal
-  // scratch, see attention_backward_scratch_bytes, comes on top).
+  // The largest the layer's own buffers plus the contexts it handed out and that are still
+  // alive have been (the kernels' internal scratch, see attention_backward_scratch_bytes,
+  // comes on top).
   std::size_t peak_buffer_bytes = 0;
 };
 
@@ -96,13 +129,17 @@ class CpAttention {
   CpAttention(const CpAttention&) = delete;
   CpAttention& operator=(const CpAttention&) = delete;
 
-  void forward(const CpForwardArgs& args);
-  // Needs the forward just before it (one backward per forward).
-  void backward(const CpBackwardArgs& args);
+  // This rank's plan for `cu_seqlens` (from the layer's cache: every layer of a step shares
+  // it). Not collective. Throws cpattn::Error for invalid boundaries.
+  std::shared_ptr<const RankPlan> plan(std::span<const int64_t> cu_seqlens);
+
+  // Collective over the communicator. Forwards and backwards may interleave in any order that
+  // is the same on every rank (e.g. every layer's forward, then the backwards in reverse).
+  CpContext forward(const CpForwardArgs& args);
+  // Consumes `ctx` (made by this object's forward); collective.
+  void backward(CpContext& ctx, const CpBackwardArgs& args);
 
   const CpAttnConfig& config() const;
-  // The plan of the last forward (valid until the next one).
-  const RankPlan& plan() const;
   const CpStats& stats() const;
   const PlanCache& plan_cache() const;
   void reset_stats();
@@ -111,5 +148,11 @@ class CpAttention {
   struct State;
   std::unique_ptr<State> s_;
 };
+
+// Every rank's real rows of a local tensor (this rank's `local` under `plan`), in the batch's
+// global order as fp32: [plan.global_tokens, local.heads, local.dim] on every rank. Collective:
+// the inverse of take_local_rows, for checks and for collecting outputs.
+std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& plan,
+                                      ConstTensorView local);
 
 }  // namespace cpattn
