@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 
@@ -38,15 +39,18 @@ inline DType parse_dtype(std::string_view s, std::span<const DType> allowed = kA
     std::string_view name, torch;
     DType t;
   } names[] = {{"fp32", "float32", DType::f32}, {"fp16", "float16", DType::f16}, {"bf16", "bfloat16", DType::bf16}};
-  std::string ours, torch;
+  std::ostringstream ours, torch;  // (streams: GCC 12 warns on a chain of string +)
   for (const auto& n : names) {
     if (std::find(allowed.begin(), allowed.end(), n.t) == allowed.end()) continue;
     if (s == n.name || s == n.torch) return n.t;
-    ours += (ours.empty() ? "" : ", ") + std::string(n.name);
-    torch += (torch.empty() ? "" : ", ") + std::string(n.torch);
+    ours << (ours.tellp() > 0 ? ", " : "") << n.name;
+    torch << (torch.tellp() > 0 ? ", " : "") << n.torch;
   }
-  const std::string note = who.empty() ? "" : " (" + std::string(who) + " supports only these today)";
-  throw Error("--dtype must be one of " + ours + " (or " + torch + ")" + note + ", got '" + std::string(s) + "'");
+  std::ostringstream msg;
+  msg << "--dtype must be one of " << ours.str() << " (or " << torch.str() << ")";
+  if (!who.empty()) msg << " (" << who << " supports only these today)";
+  msg << ", got '" << s << "'";
+  throw Error(msg.str());
 }
 
 inline MaskType parse_mask(std::string_view s, std::string_view flag = "--mask") {
@@ -89,10 +93,14 @@ CLI::Validator vocab_transformer(F canonical, std::string desc) {
 }  // namespace detail
 
 inline CLI::Validator dtype_transformer(std::span<const DType> allowed = kAllDtypes, std::string who = "") {
-  std::string desc;
-  for (const DType t : allowed) desc += (desc.empty() ? "" : "|") + dtype_name(t);
+  std::string desc = "{";
+  for (const DType t : allowed) {
+    if (desc.size() > 1) desc += '|';
+    desc += dtype_name(t);
+  }
+  desc += '}';
   return detail::vocab_transformer(
-      [allowed, who](const std::string& v) { return dtype_name(parse_dtype(v, allowed, who)); }, "{" + desc + "}");
+      [allowed, who](const std::string& v) { return dtype_name(parse_dtype(v, allowed, who)); }, std::move(desc));
 }
 
 inline CLI::Validator mask_transformer() {
