@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <ostream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,6 +36,13 @@ struct AttnBenchOptions {
   MaskType mask = MaskType::causal;
   int repeats = 3;  // timed runs of each direction (median reported), after one warm-up
   KernelPath path = KernelPath::automatic;
+  bool fail_check_for_testing = false;  // corrupt one lse value before the check (tests exit codes)
+};
+
+// The result does not match the float64 reference (a failed check, not bad input: the
+// command line exits 1 on it, 2 on any other cpattn::Error).
+struct CheckFailed : Error {
+  using Error::Error;
 };
 
 struct AttnBenchResult {
@@ -162,7 +170,8 @@ inline std::vector<float> rows_of(const std::vector<float>& x, const WorkList& w
 }
 }  // namespace detail
 
-// Runs the benchmark. Throws cpattn::Error if the result fails its check.
+// Runs the benchmark. Throws CheckFailed if the result fails its check, cpattn::Error on bad
+// options.
 inline AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostream* log = nullptr) {
   using namespace cpattn::testing;
   CPATTN_CHECK(!o.lengths.empty(), "bench attention: need at least one document length");
@@ -203,9 +212,13 @@ inline AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostre
       const double e = rel_norm_error(got, ref);
       res.check_max_rel_err = std::max(res.check_max_rel_err, e);
       const double limit = dt == DType::f32 ? tol.rel_norm : tol.rtol;
-      CPATTN_CHECK(e <= limit && all_finite(got), "bench attention: ", what,
-                   " does not match the float64 reference: ||diff||/||ref|| = ", e, " > ", limit);
+      if (e <= limit && all_finite(got)) return;
+      std::ostringstream msg;
+      msg << "bench attention: " << what << " does not match the float64 reference: ||diff||/||ref|| = " << e
+          << " > " << limit;
+      throw CheckFailed(msg.str());
     };
+    if (o.fail_check_for_testing) lse[0] += 1.0f;
     check("out", detail::rows_of(out.values(), sample, hq * dv), detail::rows_of(r_out.f, sample, hq * dv));
     check("lse", detail::rows_of(lse, sample, hq), detail::rows_of(r_lse, sample, hq));
     check("dq", detail::rows_of(dq.values(), sample, hq * c.head_dim_qk),

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "commands.hpp"
+#include "vocab.hpp"
 
 namespace cpattn::cli {
 
@@ -31,9 +32,9 @@ namespace {
 
 struct RunArgs {
   std::vector<int64_t> lengths;
-  int64_t tokens = 4096;
+  int64_t seq_len = 4096;
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
-  std::string dtype = "fp32", mode = "runs", mask = "causal";
+  std::string dtype = "fp32", mode = "runs", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
@@ -57,14 +58,6 @@ std::vector<int64_t> document_mix(int64_t tokens, uint64_t seed) {
     left -= len;
   }
   return lengths;
-}
-
-DType parse_dtype(const std::string& s) {
-  if (s == "fp32") return DType::f32;
-  if (s == "fp16") return DType::f16;
-  if (s == "bf16") return DType::bf16;
-  CPATTN_CHECK(false, "--dtype must be fp32, fp16 or bf16, got '", s, "'");
-  return DType::f32;
 }
 
 struct Batch {  // the global batch, as every rank holds it
@@ -121,7 +114,7 @@ Batch make_batch(const RunArgs& a) {
     b.dout = to_storage(dout.as_float(), b.t);
     return b;
   }
-  b.cu = a.lengths.empty() ? cu_seqlens_from_lengths(document_mix(a.tokens, a.seed))
+  b.cu = a.lengths.empty() ? cu_seqlens_from_lengths(document_mix(a.seq_len, a.seed))
                            : cu_seqlens_from_lengths(a.lengths, "--lengths");
   b.hq = a.heads;
   b.hkv = a.kv_heads;
@@ -304,14 +297,20 @@ Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
   CPATTN_CHECK(a.mode == "runs" || a.mode == "index", "--mode must be runs or index, got '", a.mode, "'");
-  CPATTN_CHECK(a.mask == "causal" || a.mask == "none", "--mask must be causal or none, got '", a.mask, "'");
-  CPATTN_CHECK(a.tokens >= 1, "--tokens must be >= 1, got ", a.tokens);
+  const MaskType mask = parse_mask(a.mask);
+  const KernelPath path = parse_kernel_path(a.kernel_path);
+  check_kernel_path_supported(path);
+  CPATTN_CHECK(a.seq_len >= 1, "--seq-len must be >= 1, got ", a.seq_len);
+  CPATTN_CHECK(a.dropout >= 0.0f && a.dropout < 1.0f, "--dropout must be in [0, 1), got ", a.dropout);
+  if (a.npy_in.empty())  // the files' shapes are CpAttention's to check
+    CPATTN_CHECK(a.heads >= 1 && a.kv_heads >= 1 && a.heads % a.kv_heads == 0, "--heads (", a.heads,
+                 ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
   Local l;
   l.b = make_batch(a);
   const Batch& b = l.b;
   l.cfg = {.num_heads_q = b.hq, .num_heads_k = b.hkv, .head_dim_qk = b.dqk, .head_dim_v = b.dv, .dtype = b.t,
-           .mask = a.mask == "causal" ? MaskType::causal : MaskType::none, .dropout_p = a.dropout, .seed = a.seed,
-           .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index, .num_threads = a.threads};
+           .mask = mask, .dropout_p = a.dropout, .seed = a.seed,
+           .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index, .num_threads = a.threads, .path = path};
   l.p = get_thd_load_balanced_cp_metadata(b.cu, cp, rank);
   const std::size_t es = dtype_size(b.t);
   const auto local = [&](const std::vector<std::byte>& g, int64_t row) {
@@ -404,16 +403,20 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     const Results ref = single_process(b, cfg);
     const double ref_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const BalanceReport bal = balance_report(b.cu, cp);
+    const std::string path_ran = kernel_path_name(cfg.path == KernelPath::automatic ? best_kernel_path() : cfg.path);
     report["cp"] = cp;
     report["cp_groups"] = groups.count;
     report["dtype"] = a.dtype;
     report["mode"] = a.mode;
     report["mask"] = a.mask;
-    report["kernel_path"] = std::string(to_string(best_kernel_path()));
-    report["threads_per_rank"] = a.threads;
-    report["tokens"] = b.tokens();
+    report["kernel_path"] = path_ran;
+    report["threads"] = a.threads;  // per rank
+    report["seq_len"] = b.tokens();
     report["padded_tokens"] = bal.padded_tokens;
     report["documents"] = b.cu.size() - 1;
+    std::vector<int64_t> lengths(b.cu.size() - 1);
+    for (std::size_t d = 0; d + 1 < b.cu.size(); ++d) lengths[d] = b.cu[d + 1] - b.cu[d];
+    report["lengths"] = lengths;
     report["heads"] = b.hq;
     report["kv_heads"] = b.hkv;
     report["head_dim_qk"] = b.dqk;
@@ -455,11 +458,11 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     } else {
       const std::string group_note =
           groups.count > 1 ? " in each of " + std::to_string(groups.count) + " CP groups (group 0 shown)" : "";
-      std::printf("cpattn run: cp = %d%s, %lld tokens in %zu documents (padded to %lld), Hq = %d, Hkv = %d, "
-                  "Dqk = %d, Dv = %d, %s, mode %s, %s mask, %d thread(s) per rank, kernel %s\n",
+      std::printf("cpattn run: cp = %d%s, seq len %lld in %zu documents (padded to %lld), heads %d, kv heads %d, "
+                  "head dim qk/v %d/%d, %s, mode %s, mask %s, %d thread(s) per rank, kernel path %s\n",
                   cp, group_note.c_str(), static_cast<long long>(b.tokens()), b.cu.size() - 1,
                   static_cast<long long>(bal.padded_tokens), b.hq, b.hkv, b.dqk, b.dv, a.dtype.c_str(),
-                  a.mode.c_str(), a.mask.c_str(), a.threads, std::string(to_string(best_kernel_path())).c_str());
+                  a.mode.c_str(), a.mask.c_str(), a.threads, path_ran.c_str());
       std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", ref_s);
       std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
       for (const char* name : {"out", "dq", "dk", "dv"})
@@ -526,20 +529,26 @@ void add_run_command(CLI::App& app) {
       "single-process run. Launch as: mpirun -np N cpattn run [flags]. Exits 1 when the check fails.");
   auto* lengths = cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated (default: a "
                                                            "realistic mix drawn from --seed)")->delimiter(',');
-  auto* tokens = cmd->add_option("--tokens", a->tokens, "Tokens of the default document mix")->capture_default_str();
+  auto* seq_len = cmd->add_option("--seq-len", a->seq_len, "Tokens of the default document mix")->capture_default_str();
   auto* npy = cmd->add_option("--npy-in", a->npy_in,
                               "Read the global unpadded batch from DIR: q.npy, k.npy, v.npy, dout.npy (float32 "
                               "or float16, [T, H, D]) and cu_seqlens.npy (int32 or int64, leading 0)");
-  npy->excludes(lengths, tokens);
+  npy->excludes(lengths, seq_len);
   cmd->add_option("--npy-out", a->npy_out, "Write out.npy, lse.npy ([T, Hq]), dq.npy, dk.npy, dv.npy (float32, "
                                            "real tokens in global order) to DIR");
   cmd->add_option("--heads", a->heads, "Query heads")->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")->capture_default_str();
-  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->capture_default_str();
-  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA: e.g. 192), overrides --head-dim");
-  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA: e.g. 128), overrides --head-dim");
-  cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16")->capture_default_str();
-  cmd->add_option("--mask", a->mask, "causal or none")->capture_default_str();
+  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA: e.g. 192), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA: e.g. 128), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")
+      ->transform(dtype_transformer())->capture_default_str();
+  cmd->add_option("--mask", a->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
+  cmd->add_option("--kernel-path", a->kernel_path, "Kernel path (automatic: the fastest this CPU runs)")
+      ->transform(kernel_path_transformer())->capture_default_str();
   cmd->add_option("--dropout", a->dropout, "Attention dropout probability in [0, 1)")->capture_default_str();
   cmd->add_option("--threads", a->threads, "Kernel threads per rank")->capture_default_str();
   cmd->add_option("--cp", a->cp, "Context-parallel size, dividing the MPI world size: world/cp CP groups "
