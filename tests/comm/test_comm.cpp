@@ -1,5 +1,7 @@
 // The communicator's collectives against hand-computed results, at any number of ranks (CTest
 // runs 1, 2, 3 and 4), for both algorithms and with calls split into tiny pieces.
+// Plain MPI calls here are deliberate: checks of the duplicate (MPI_Comm_compare) and fault
+// injection (a raw trio and messages that hold a rank back) outside the Communicator under test.
 #include <gtest/gtest.h>
 
 #include <chrono>
