@@ -1,15 +1,31 @@
-include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-install(TARGETS cpattn EXPORT cpattnTargets
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# Two export sets, so that the core component loads without MPI: cpattnCoreTargets.cmake
+# (MPI-free layers, cpattn::core) and cpattnMpiTargets.cmake (comm, cp, cpattn::mpi and the
+# umbrella cpattn::cpattn), which refers to the core targets.
+set(_cpattn_dirs
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(TARGETS cpattn_common cpattn_layout cpattn_plan cpattn_kernels cpattn_io cpattn_core
+        EXPORT cpattnCoreTargets ${_cpattn_dirs})
+install(EXPORT cpattnCoreTargets NAMESPACE cpattn::
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
+set(_cpattn_mpi_headers)
+if(CPATTN_WITH_MPI)
+  install(TARGETS cpattn_comm cpattn_cp cpattn_mpi cpattn EXPORT cpattnMpiTargets ${_cpattn_dirs})
+  install(EXPORT cpattnMpiTargets NAMESPACE cpattn::
+          DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
+else()
+  set(_cpattn_mpi_headers PATTERN comm.hpp EXCLUDE PATTERN cp.hpp EXCLUDE PATTERN cpattn.hpp EXCLUDE)
+endif()
+
 # train.hpp belongs to the training example (cpattn_train), which is not installed.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/cpattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
-        PATTERN train.hpp EXCLUDE)
-install(EXPORT cpattnTargets NAMESPACE cpattn::
-        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
+        PATTERN train.hpp EXCLUDE PATTERN *.in EXCLUDE ${_cpattn_mpi_headers})
+install(FILES ${PROJECT_BINARY_DIR}/include/cpattn/version.hpp
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/cpattn)
+
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/cpattnConfig.cmake.in
   ${PROJECT_BINARY_DIR}/cpattnConfig.cmake
   INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)

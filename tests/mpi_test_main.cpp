@@ -1,9 +1,9 @@
 // main() of cpattn's MPI GoogleTest binaries (run through mpiexec by cpattn_add_mpi_test):
-// MPI_Init, the tests, MPI_Finalize. Only rank 0 prints GoogleTest's usual output; other
+// an MpiSession around the tests. Only rank 0 prints GoogleTest's usual output; other
 // ranks print just their failures, prefixed with their rank. The exit code is non-zero when a
 // test failed on any rank.
+#include <cpattn/comm.hpp>
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <cstdio>
 
@@ -31,9 +31,11 @@ class RankFailurePrinter : public testing::EmptyTestEventListener {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  const cpattn::MpiSession mpi(argc, argv);
   testing::InitGoogleTest(&argc, argv);
   int rank = 0;
+  // Plain MPI on the world here and in the tests (mpi_world.hpp, fault injection): the
+  // harness must not depend on the Communicator it tests.
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank != 0) {
     auto& listeners = testing::UnitTest::GetInstance()->listeners();
@@ -44,6 +46,5 @@ int main(int argc, char** argv) {
   int any = 0;
   MPI_Allreduce(&local, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && any && !local) std::fprintf(stderr, "tests failed on another rank\n");
-  MPI_Finalize();
   return any;
 }

@@ -1,7 +1,8 @@
-// Rank and size in MPI_COMM_WORLD, for the MPI tests.
+// Rank and size in MPI_COMM_WORLD, for the MPI tests. Plain MPI on purpose (as in the tests'
+// fault injection): the harness must not depend on the Communicator under test.
 #pragma once
 
-#include <mpi.h>
+#include <cpattn/comm.hpp>  // <mpi.h>
 
 namespace cpattn::mpi_test {
 

@@ -9,7 +9,6 @@
 #include <cpattn/npy.hpp>
 #include <cpattn/plan.hpp>
 
-#include <mpi.h>
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
 
@@ -238,17 +237,7 @@ bool run_distributed(const RunArgs& a);
 bool check_in_groups(Communicator& world, const RunArgs& a);
 
 void run(const RunArgs& a) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) MPI_Init(nullptr, nullptr);
-  struct Finalize {  // only what this command initialized
-    bool mine;
-    ~Finalize() {
-      int done = 0;
-      MPI_Finalized(&done);
-      if (mine && !done) MPI_Finalize();
-    }
-  } finalize{initialized == 0};
+  const MpiSession mpi;  // finalizes only what it initialized
   if (!run_distributed(a)) throw ExitCode{1};
 }
 
@@ -256,11 +245,14 @@ void run(const RunArgs& a) {
 // the same batch (as data-parallel replicas would, each on its own batch).
 struct Groups {
   Communicator& world;
-  MPI_Comm group = MPI_COMM_NULL;
-  int cp = 1, count = 1, index = 0;
-  Groups(Communicator& w, int cp_flag) : world(w) {
+  int cp = 1, count = 1, index = 0;  // set by split(), declared before comm: set once
+  Communicator comm;                  // this rank's group
+  Groups(Communicator& w, int cp_flag) : world(w), comm(split(cp_flag)) {}
+
+ private:
+  Communicator split(int cp_flag) {
     cp = cp_flag == 0 ? world.size() : cp_flag;
-    // Agreed before the split (which has no deadline): every rank is there, with the same cp.
+    // Agreed before the split: every rank is there, with the same cp.
     std::string error;
     Fingerprint fp;
     if (cp < 1 || world.size() % cp != 0)
@@ -271,15 +263,8 @@ struct Groups {
     agree(world, fp, "cpattn run", error);
     count = world.size() / cp;
     index = world.rank() / cp;
-    MPI_Comm_split(world.mpi_comm(), index, world.rank(), &group);
+    return world.split(index, world.rank());
   }
-  ~Groups() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (group != MPI_COMM_NULL && !finalized) MPI_Comm_free(&group);
-  }
-  Groups(const Groups&) = delete;
-  Groups& operator=(const Groups&) = delete;
 };
 
 // What a rank prepares on its own: the batch, its plan and its local rows. Errors here can
@@ -344,7 +329,7 @@ bool run_distributed(const RunArgs& a) {
 // Runs the check in this rank's CP group; true when every group passed.
 bool check_in_groups(Communicator& world, const RunArgs& a) {
   Groups groups(world, a.cp);
-  Communicator comm(groups.group, {.timeout_s = a.timeout});
+  Communicator& comm = groups.comm;
   const int cp = comm.size(), rank = comm.rank();
   std::optional<Local> prepared;
   std::string local_error;

@@ -7,7 +7,6 @@
 #include <cpattn/error.hpp>
 #include <cpattn/train.hpp>
 
-#include <mpi.h>
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
 
@@ -127,16 +126,7 @@ void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
 
 void train_run(const TrainArgs& a) {
   check_args(a);
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) MPI_Init(nullptr, nullptr);
-  struct Finalize {
-    ~Finalize() {
-      int done = 0;
-      MPI_Finalized(&done);
-      if (!done) MPI_Finalize();
-    }
-  } finalize;
+  const MpiSession mpi;  // finalizes only what it initialized
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
   const int rank = comm.rank();
   CPATTN_CHECK(a.cp == comm.size(), "--cp ", a.cp, " does not match the MPI world size ", comm.size(),

@@ -3,15 +3,16 @@
 //
 // A Communicator borrows an MPI_Comm: it duplicates it (MPI_Comm_dup, so its messages never
 // mix with the caller's), frees only that duplicate, and never calls MPI_Init or MPI_Finalize;
-// the program does. It is the only part of cpattn that includes <mpi.h>.
+// the program does, through an MpiSession (below) or by hand. This header and src/comm are
+// the only parts of cpattn that include <mpi.h>.
 //
-//   MPI_Init(&argc, &argv);
-//   {
+//   int main(int argc, char** argv) {
+//     cpattn::MpiSession mpi(argc, argv);              // MPI_Init_thread .. MPI_Finalize
 //     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 120});
 //     std::vector<float> k_local(n), k_all(n * comm.size());
 //     comm.all_gather<float>(k_local, k_all);          // rank-major: rank r's block at r * n
-//   }                                                  // frees the duplicate
-//   MPI_Finalize();
+//     cpattn::Communicator half = comm.split(comm.rank() % 2, comm.rank());  // sub-groups
+//   }                      // frees the duplicates, then finalizes (reverse order of creation)
 //
 // Deadlines. Every collective is issued non-blocking and polled until it completes or its
 // deadline passes. On timeout one line goes to stderr, naming the operation, its call number
@@ -107,6 +108,16 @@ class Communicator {
   const CommOptions& options() const;
   MPI_Comm mpi_comm() const;            // the duplicate, for the comm layer's own tools
 
+  // Sub-groups, as MPI_Comm_split: the ranks that pass the same color (>= 0) form one new
+  // Communicator, ordered by key (ties by rank here), with this one's options and deadline.
+  // Collective over every rank of this Communicator (one call number), under the deadline:
+  // the colors are first
+  // all-gathered (a rank that never calls split() times out there, as in any
+  // collective), then MPI_Comm_split runs on ranks known to be present. The split
+  // communicator is freed once the new Communicator has its own duplicate. Throws
+  // cpattn::Error on every rank when any rank passes a negative color.
+  Communicator split(int color, int key) const;
+
   // All ranks pass the same send.size() = n; recv.size() = n * size(), rank-major: rank r's
   // block lands at recv[r * n, (r + 1) * n). send may be exactly recv's own block (in place).
   template <CommElement T>
@@ -151,6 +162,27 @@ class Communicator {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+// MPI for the life of a program, for programs that have no other owner of MPI (the library
+// itself never initializes MPI). The constructor calls MPI_Init_thread with
+// MPI_THREAD_FUNNELED, only if MPI is not initialized yet; the destructor calls MPI_Finalize
+// only if this session initialized MPI and it is not finalized yet. Create it first in main()
+// so that it outlives every Communicator. Throws cpattn::Error when MPI_Init_thread fails or
+// provides less than MPI_THREAD_FUNNELED.
+class MpiSession {
+ public:
+  MpiSession();                        // MPI_Init_thread(nullptr, nullptr, ...)
+  MpiSession(int& argc, char**& argv);  // passes the program's arguments to MPI
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+  bool initialized_here() const { return owner_; }  // this session called MPI_Init_thread
+
+ private:
+  void init(int* argc, char*** argv);
+  bool owner_ = false;
 };
 
 // A generic fingerprint for agreement checks: named 64-bit fields, the same names in the same

@@ -1,14 +1,8 @@
-// Everything public in cpattn.
+// Everything public in cpattn (the target cpattn::cpattn): the MPI-free core and the MPI
+// layers, communicator and context-parallel attention.
 #pragma once
 
-#include <cpattn/attention.hpp>
 #include <cpattn/comm.hpp>
+#include <cpattn/core.hpp>
 #include <cpattn/cp.hpp>
-#include <cpattn/dtype.hpp>
-#include <cpattn/error.hpp>
-#include <cpattn/layout.hpp>
-#include <cpattn/merge.hpp>
-#include <cpattn/npy.hpp>
-#include <cpattn/plan.hpp>
-#include <cpattn/reference.hpp>
-#include <cpattn/worklist.hpp>
+#include <cpattn/version.hpp>

@@ -326,6 +326,35 @@ const CommOptions& Communicator::options() const { return impl_->opts; }
 MPI_Comm Communicator::mpi_comm() const { return impl_->comm; }
 bool Communicator::poisoned() const { return impl_->poisoned; }
 
+Communicator Communicator::split(int color, int key) const {
+  Impl& im = *impl_;
+  const auto op = im.begin("split");
+  // Every rank's color first, under the deadline; in place in a buffer of the Impl, so that a
+  // timed-out request (throw_error mode) never points into this frame.
+  im.counts.assign(static_cast<std::size_t>(im.size), 0);
+  im.counts[static_cast<std::size_t>(im.rank)] = color;
+  MPI_Request req = MPI_REQUEST_NULL;
+  im.check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, im.counts.data(), 1, MPI_INT64_T,
+                          im.comm, &req),
+           op, "MPI_Iallgather");
+  im.wait(op, req);
+  for (int r = 0; r < im.size; ++r)
+    CPATTN_CHECK(im.counts[r] >= 0, "split: every color must be >= 0, rank ", r, " passed ",
+                 im.counts[r]);
+
+  // Every rank is here and every color is valid: MPI_Comm_split (blocking) cannot wait on a
+  // missing rank. The new Communicator duplicates the split communicator, which is then freed.
+  MPI_Comm raw = MPI_COMM_NULL;
+  im.check(MPI_Comm_split(im.comm, color, key, &raw), op, "MPI_Comm_split");
+  struct Free {
+    MPI_Comm* c;
+    ~Free() { MPI_Comm_free(c); }
+  } free_raw{&raw};
+  CommOptions options = im.opts;
+  options.timeout_s = im.timeout_s;  // the deadline in effect here, whatever the environment says later
+  return Communicator(raw, options);
+}
+
 void Communicator::retain_while_pending(std::shared_ptr<void> owner) {
   if (!impl_->settle()) impl_->retained.push_back(std::move(owner));
 }

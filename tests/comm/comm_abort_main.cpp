@@ -2,8 +2,6 @@
 // a 1 s deadline while the others enter an all-gather. They must print the timeout line and
 // MPI_Abort the whole job, the sleeper included, long before its sleep ends. CTest passes the
 // test on the line (PASS_REGULAR_EXPRESSION) and its TIMEOUT bounds the time.
-#include <mpi.h>
-
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -12,7 +10,7 @@
 #include "cpattn/comm.hpp"
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  const cpattn::MpiSession mpi(argc, argv);
   {
     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 1.0});  // abort is the default
     comm.barrier();  // call #1: everyone is here
@@ -24,6 +22,5 @@ int main(int argc, char** argv) {
     comm.all_gather<float>(mine, all);  // call #2
     std::fprintf(stderr, "rank %d: all_gather returned, no timeout\n", comm.rank());
   }
-  MPI_Finalize();
   return 0;
 }

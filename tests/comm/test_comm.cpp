@@ -1,5 +1,7 @@
 // The communicator's collectives against hand-computed results, at any number of ranks (CTest
 // runs 1, 2, 3 and 4), for both algorithms and with calls split into tiny pieces.
+// Plain MPI calls here are deliberate: checks of the duplicate (MPI_Comm_compare) and fault
+// injection (a raw trio and messages that hold a rank back) outside the Communicator under test.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -457,6 +459,46 @@ TEST(Deadline, LateMessagesLandInRetainedScratchNotInFreedMemory) {
     MPI_Comm_free(&trio);
   }
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// split(): the world into even and odd world ranks, ordered within each group by a key that
+// reverses the world order; each group sums over its own ranks only, and the world still
+// works afterwards (at 1 rank the odd group is empty and the even one is the world).
+TEST(Split, EvenAndOddRanksReduceWithinTheirOwnGroup) {
+  Communicator world(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  const int wr = world.rank(), ws = world.size();
+  const int color = wr % 2;
+  Communicator half = world.split(color, -wr);
+  EXPECT_EQ(world.calls(), 1);  // one collective of the world
+  const int group_size = (ws + 1 - color) / 2;  // evens: ceil(ws / 2), odds: floor(ws / 2)
+  EXPECT_EQ(half.size(), group_size);
+  EXPECT_EQ(half.rank(), group_size - 1 - wr / 2);  // by key: the highest world rank first
+  EXPECT_EQ(half.timeout_s(), world.timeout_s());
+  EXPECT_EQ(half.calls(), 0);
+  std::int64_t expected = 0;
+  for (int r = color; r < ws; r += 2) expected += r;
+  std::vector<std::int64_t> v{wr, 1};
+  half.all_reduce<std::int64_t>(v, ReduceOp::sum);
+  EXPECT_EQ(v[0], expected);
+  EXPECT_EQ(v[1], group_size);
+  std::vector<std::int64_t> w{1};
+  world.all_reduce<std::int64_t>(w, ReduceOp::sum);
+  EXPECT_EQ(w[0], ws);
+}
+
+// A negative color on one rank (MPI_UNDEFINED included) fails on every rank, naming it, and
+// leaves the world usable.
+TEST(Split, NegativeColorOnOneRankThrowsOnEveryRank) {
+  Communicator world(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  const int bad = world.size() - 1;
+  std::string what;
+  try {
+    world.split(world.rank() == bad ? MPI_UNDEFINED : 0, 0);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("rank " + std::to_string(bad) + " passed"), std::string::npos) << what;
+  world.barrier();
 }
 
 }  // namespace

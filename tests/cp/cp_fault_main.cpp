@@ -9,8 +9,6 @@
 #include <cpattn/cp.hpp>
 #include <cpattn/plan.hpp>
 
-#include <mpi.h>
-
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -19,7 +17,7 @@
 #include <vector>
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  const cpattn::MpiSession mpi(argc, argv);
   const std::string fault = argc > 1 ? argv[1] : "";
   {
     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 2.0});
@@ -48,6 +46,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rank %d: forward returned, no fault seen\n", comm.rank());
     if (killer.joinable()) killer.join();
   }
-  MPI_Finalize();
   return 0;
 }

@@ -1,7 +1,8 @@
 # Script mode: install cpattn (find_package mode) or point at its sources (add_subdirectory
-# mode), then configure, build and run the consumer project.
+# mode), then configure, build and run the consumer project for PART (core or full; the full
+# consumer is an MPI program, run through MPIEXEC -np 1).
 file(REMOVE_RECURSE ${WORK_DIR})
-set(consumer_args -DCPATTN_CONSUME=${MODE})
+set(consumer_args -DCPATTN_CONSUME=${MODE} -DCPATTN_PART=${PART})
 if(MODE STREQUAL "find_package")
   execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix
                   RESULT_VARIABLE rc OUTPUT_QUIET)
@@ -12,13 +13,17 @@ if(MODE STREQUAL "find_package")
 else()
   list(APPEND consumer_args -DCPATTN_SOURCE_DIR=${SOURCE_DIR})
 endif()
+set(run "${WORK_DIR}/build/consumer")
+if(PART STREQUAL "full")
+  set(run "${MPIEXEC};-np;1;${run}")
+endif()
 foreach(step
     "${CMAKE_COMMAND};-S;${SOURCE_DIR}/tests/package/consumer;-B;${WORK_DIR}/build;-G;${GENERATOR};-DCMAKE_BUILD_TYPE=Release;${consumer_args}"
     "${CMAKE_COMMAND};--build;${WORK_DIR}/build"
-    "${WORK_DIR}/build/consumer")
+    "${run}")
   execute_process(COMMAND ${step} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(rc)
     message(FATAL_ERROR "step failed (${rc}): ${step}\n${out}\n${err}")
   endif()
 endforeach()
-message(STATUS "consumer (${MODE}) ran: ${out}")
+message(STATUS "consumer (${MODE}, ${PART}) ran: ${out}")

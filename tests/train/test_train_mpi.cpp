@@ -1,7 +1,8 @@
 // The training model end to end over MPI (include/cpattn/train.hpp), at the rank count mpiexec
 // gives (CTest runs 1, 2 and 4): a gradient check of the hand-written backward, CP=N against
 // CP=1 (run on MPI_COMM_SELF by rank 0 in the same job), bf16 attention, RoPE positions,
-// learning, checkpoints and bad input.
+// learning, checkpoints and bad input. Rank 0's CP=1 results reach the others by plain
+// MPI_Bcast on the world (<mpi.h> through cpattn/comm.hpp), outside the model under test.
 #include "mpi_world.hpp"
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
@@ -9,7 +10,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <unistd.h>
 
 #include <algorithm>

@@ -1,0 +1,16 @@
+// Everything public in cpattn that needs no MPI (the target cpattn::core): planning, layout,
+// the attention kernels and their reference, merging, .npy files. Include <cpattn/cpattn.hpp>
+// for the MPI layers too. Tensor handles (tensor.hpp, where present) come in through
+// attention.hpp.
+#pragma once
+
+#include <cpattn/attention.hpp>
+#include <cpattn/dtype.hpp>
+#include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
+#include <cpattn/merge.hpp>
+#include <cpattn/npy.hpp>
+#include <cpattn/plan.hpp>
+#include <cpattn/reference.hpp>
+#include <cpattn/version.hpp>
+#include <cpattn/worklist.hpp>
