@@ -2,6 +2,7 @@
 // command-line fuzzer. Exit codes (docs/cli.md): 0 success, 1 a run that failed its own check
 // or an unexpected error, 2 bad flags, values or files (one line on stderr, no stack trace).
 #include <cpattn/error.hpp>
+#include <cpattn/version.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -9,11 +10,6 @@
 
 #include "commands.hpp"
 
-// The project version (tools/CMakeLists.txt); targets that compile this file alone (fuzz_cli)
-// do without it.
-#ifndef CPATTN_VERSION_STRING
-#define CPATTN_VERSION_STRING "unknown"
-#endif
 
 namespace cpattn::cli {
 
