@@ -57,6 +57,17 @@ inline uint16_t f32_to_f16(float f) {
 }
 #endif
 
+// The value x takes after a round trip through storage of type `t` (x itself for f32): what
+// a kernel's result or a test's input becomes once stored.
+inline float round_to_dtype(DType t, float x) {
+  switch (t) {
+    case DType::f32: return x;
+    case DType::f16: return f16_to_f32(f32_to_f16(x));
+    case DType::bf16: return bf16_to_f32(f32_to_bf16(x));
+  }
+  return x;
+}
+
 // n elements of storage type `t` at `src` -> fp32, and back (rounding once).
 void to_float(const void* src, DType t, std::size_t n, float* dst);
 void from_float(const float* src, std::size_t n, DType t, void* dst);
