@@ -1,6 +1,8 @@
 // `cpattn bench attention`: check one attention case against the float64 reference, then time
-// forward and backward against the FMA peak measured in the same run (bench/attention_bench.hpp).
+// forward and backward against the FMA peak measured in the same run (the checking library's
+// cpattn/check/attention_bench.hpp). This file maps flags to it and prints its result.
 #include <cpattn/attention.hpp>
+#include <cpattn/check/attention_bench.hpp>
 #include <cpattn/error.hpp>
 
 #include <nlohmann/json.hpp>
@@ -12,7 +14,6 @@
 #include <numeric>
 #include <string>
 
-#include "../bench/attention_bench.hpp"
 #include "commands.hpp"
 
 namespace cpattn::cli {
@@ -32,7 +33,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
   static const std::map<std::string, KernelPath> paths{
       {"automatic", KernelPath::automatic}, {"portable", KernelPath::portable},
       {"avx2", KernelPath::avx2}, {"avx512", KernelPath::avx512}, {"amx", KernelPath::amx}};
-  bench::AttnBenchOptions o;
+  check::AttnBenchOptions o;
   o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seqlen} : a.lengths;
   for (int64_t l : o.lengths) CPATTN_CHECK(l >= 1, "--lengths: every length must be >= 1, got ", l);
   o.heads = a.heads;
@@ -44,7 +45,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
   o.mask = a.causal ? MaskType::causal : MaskType::none;
   o.repeats = a.repeats;
   o.path = paths.at(a.path);
-  const bench::AttnBenchResult r = bench::run_attention_bench(o, a.json ? nullptr : &std::cerr);
+  const check::AttnBenchResult r = check::run_attention_bench(o, a.json ? nullptr : &std::cerr);
   const double peak = r.fma_peak_gflops;
   if (a.json) {
     nlohmann::json j;
