@@ -85,11 +85,11 @@ struct AttnShape {
 // What forward and backward share: the inputs, which keys each query sees, and the options.
 // All views have one storage dtype.
 struct AttnInputs {
-  ConstTensorView q;  // [total_q, num_heads_q, head_dim_qk]
-  ConstTensorView k;  // [total_k, num_heads_k, head_dim_qk]
-  ConstTensorView v;  // [total_k, num_heads_k, head_dim_v]
+  ConstTensorView q = {};  // [total_q, num_heads_q, head_dim_qk]
+  ConstTensorView k = {};  // [total_k, num_heads_k, head_dim_qk]
+  ConstTensorView v = {};  // [total_k, num_heads_k, head_dim_v]
   const WorkList* work = nullptr;  // which keys each query sees
-  AttnOptions options;
+  AttnOptions options = {};
 
   constexpr AttnShape shape() const { return {q.rows, k.rows, q.heads, k.heads, q.dim, v.dim}; }
   constexpr DType dtype() const { return q.dtype; }
@@ -98,22 +98,22 @@ struct AttnInputs {
 };
 
 struct AttnFwdParams {
-  AttnInputs in;
-  TensorView out;        // [total_q, num_heads_q, head_dim_v], in.dtype(), written
+  AttnInputs in = {};
+  TensorView out = {};        // [total_q, num_heads_q, head_dim_v], in.dtype(), written
   float* lse = nullptr;  // optional [total_q, num_heads_q] fp32, contiguous: natural log;
                          // -inf for a query that sees no key (its out row is 0)
 };
 
 struct AttnBwdParams {
-  AttnInputs in;               // as in the forward
-  ConstTensorView out;         // [total_q, num_heads_q, head_dim_v], the forward's out
+  AttnInputs in = {};               // as in the forward
+  ConstTensorView out = {};         // [total_q, num_heads_q, head_dim_v], the forward's out
   const float* lse = nullptr;  // [total_q, num_heads_q] fp32 contiguous, the forward's lse
-  ConstTensorView dout;        // [total_q, num_heads_q, head_dim_v]
-  TensorView dq;               // [total_q, num_heads_q, head_dim_qk], in.dtype(), written
+  ConstTensorView dout = {};        // [total_q, num_heads_q, head_dim_v]
+  TensorView dq = {};               // [total_q, num_heads_q, head_dim_qk], in.dtype(), written
   // [total_k, num_heads_k, head_dim_qk] and [total_k, num_heads_k, head_dim_v]: grad_mode
   // write: in.dtype(), written; accumulate: fp32, dK and dV added (+=) to their contents.
-  TensorView dk;
-  TensorView dv;
+  TensorView dk = {};
+  TensorView dv = {};
   GradMode grad_mode = GradMode::write;
 };
 

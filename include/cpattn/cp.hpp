@@ -51,7 +51,7 @@ struct CpAttnConfig {
   // task reads chunks 0..j of its document; none: every chunk of it (both exact against a
   // single-process run; attention never crosses a document either way). Dropout masks are
   // keyed by global document and positions, so they equal a single process's.
-  AttnOptions options;
+  AttnOptions options = {};
   // Deterministic: repeated runs are bitwise equal. The kernels always are; true also
   // requires the communicator's fixed-order ring reduce-scatter (the default), false permits
   // a communicator configured with CommAlgorithm::mpi.
@@ -67,22 +67,22 @@ struct CpAttnConfig {
 struct CpForwardArgs {
   // The batch: its global real boundaries (leading 0; int64) or a plan for this rank made by
   // CpAttention::plan or get_thd_load_balanced_cp_metadata (then cu_seqlens may be empty).
-  std::span<const int64_t> cu_seqlens;
-  std::shared_ptr<const RankPlan> plan;
-  ConstTensorView q;     // [local_tokens, Hq, Dqk]
-  ConstTensorView k;     // [local_tokens, Hkv, Dqk], contiguous
-  ConstTensorView v;     // [local_tokens, Hkv, Dv], contiguous
-  TensorView out;        // [local_tokens, Hq, Dv], written (padding rows: 0)
+  std::span<const int64_t> cu_seqlens = {};
+  std::shared_ptr<const RankPlan> plan = nullptr;
+  ConstTensorView q = {};     // [local_tokens, Hq, Dqk]
+  ConstTensorView k = {};     // [local_tokens, Hkv, Dqk], contiguous
+  ConstTensorView v = {};     // [local_tokens, Hkv, Dv], contiguous
+  TensorView out = {};        // [local_tokens, Hq, Dv], written (padding rows: 0)
   float* lse = nullptr;  // optional [local_tokens, Hq] fp32; -inf for padding rows
 };
 
 struct CpBackwardArgs {
-  ConstTensorView q;     // the forward's q (unchanged since)
-  ConstTensorView out;   // the forward's out (unchanged since)
-  ConstTensorView dout;  // [local_tokens, Hq, Dv]
-  TensorView dq;         // [local_tokens, Hq, Dqk], written
-  TensorView dk;         // [local_tokens, Hkv, Dqk], contiguous, written
-  TensorView dv;         // [local_tokens, Hkv, Dv], contiguous, written
+  ConstTensorView q = {};     // the forward's q (unchanged since)
+  ConstTensorView out = {};   // the forward's out (unchanged since)
+  ConstTensorView dout = {};  // [local_tokens, Hq, Dv]
+  TensorView dq = {};         // [local_tokens, Hq, Dqk], written
+  TensorView dk = {};         // [local_tokens, Hkv, Dqk], contiguous, written
+  TensorView dv = {};         // [local_tokens, Hkv, Dv], contiguous, written
 };
 
 // What a forward hands its backward, like an autograd context: the plan, the gathered K/V

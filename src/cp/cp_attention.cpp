@@ -4,6 +4,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -20,14 +21,6 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-
-// Storage bytes as the elements the communicator moves: fp32 as float, fp16/bf16 bit for bit.
-struct Bytes {
-  std::vector<std::byte> data;
-  void resize(std::size_t n) { data.resize(n); }
-  std::byte* ptr() { return data.data(); }
-  const std::byte* ptr() const { return data.data(); }
-};
 
 void all_gather_rows(Communicator& comm, DType t, const void* local, std::size_t elems, void* all) {
   if (t == DType::f32) {
@@ -88,74 +81,136 @@ void index_select(const std::byte* all, const std::vector<int64_t>& index, std::
     std::memcpy(rows.data() + i * row_bytes, all + index[i] * row_bytes, row_bytes);
 }
 
-bool all_finite(const void* p, DType t, std::size_t n) {
-  std::vector<float> buf(std::min<std::size_t>(n, 1 << 16));
-  for (std::size_t i = 0; i < n; i += buf.size()) {
-    const std::size_t m = std::min(buf.size(), n - i);
-    to_float(static_cast<const std::byte*>(p) + i * dtype_size(t), t, m, buf.data());
-    for (std::size_t j = 0; j < m; ++j)
-      if (!std::isfinite(buf[j])) return false;
-  }
+// Whether every element of `t` is finite (one pass, converted in row pieces).
+bool all_finite(ConstTensorView t) {
+  std::vector<float> row(static_cast<std::size_t>(t.dim));
+  const std::size_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < t.rows; ++i)
+    for (int h = 0; h < t.heads; ++h) {
+      to_float(static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, t.dtype, row.size(), row.data());
+      for (const float x : row)
+        if (!std::isfinite(x)) return false;
+    }
   return true;
 }
 
+// One tensor argument of forward/backward: present, this rank's rows, the configured heads,
+// dim and dtype; `contiguous` for the tensors that travel through the communicator as they are.
+void check_view(const char* fn, const char* name, ConstTensorView t, int64_t rows, int heads, int dim,
+                DType dtype, bool contiguous) {
+  CPATTN_CHECK(t.data != nullptr, fn, ": ", name, " must not be null");
+  CPATTN_CHECK(t.rows == rows, fn, ": ", name, " must have the plan's local_tokens = ", rows, " rows, got ", t.rows);
+  CPATTN_CHECK(t.heads == heads && t.dim == dim, fn, ": ", name, " must be [", rows, ", ", heads, ", ", dim,
+               "] (the configuration's heads and head dim), got [", t.rows, ", ", t.heads, ", ", t.dim, "]");
+  CPATTN_CHECK(t.dtype == dtype, fn, ": ", name, " has dtype ", to_string(t.dtype), ", the configuration's is ",
+               to_string(dtype));
+  CPATTN_CHECK(!contiguous || t.is_contiguous(), fn, ": ", name, " must be contiguous (row_stride ",
+               int64_t{heads} * dim, ", head_stride ", dim, "), got row_stride ", t.row_step(), ", head_stride ",
+               t.head_step());
+}
+
+// Zero the rows of `t` that hold padding tokens (the kernel writes only real rows).
+void zero_padding_rows(TensorView t, const RankPlan& plan) {
+  const std::size_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < plan.local_tokens; ++i)
+    if (plan.real_token_index[i] < 0)
+      for (int h = 0; h < t.heads; ++h)
+        std::memset(static_cast<std::byte*>(t.data) + t.offset(i, h) * es, 0, static_cast<std::size_t>(t.dim) * es);
+}
+
+// What the kernel runs for one plan: the tasks without padding, and in index mode their
+// index_select form. Shared by every context made from the same plan.
+struct PreparedWork {
+  std::shared_ptr<const RankPlan> plan;  // held, so that its address is never reused
+  WorkList work;
+  std::vector<int64_t> copy_index;  // index mode: gathered row of each copied key row
+};
+
 }  // namespace
+
+struct CpContext::State {
+  const void* owner = nullptr;  // the CpAttention::State whose forward made it
+  int64_t forward_call = 0;     // which forward (1, 2, ...) made it: part of the agreement
+  std::shared_ptr<const RankPlan> plan;
+  std::shared_ptr<const PreparedWork> work;
+  // What the kernel reads as keys: the rank-major gathered K/V (runs mode) or their
+  // index_select copy (index mode), `total_k` rows; and the forward's lse.
+  std::vector<std::byte> k, v;
+  int64_t total_k = 0;
+  std::vector<float> lse;
+  // The live-context byte count of the CpAttention that made it (for its peak figure).
+  std::shared_ptr<std::size_t> live_bytes;
+
+  std::size_t bytes() const { return k.capacity() + v.capacity() + lse.capacity() * sizeof(float); }
+  ~State() {
+    if (live_bytes) *live_bytes -= std::min(*live_bytes, counted);
+  }
+  std::size_t counted = 0;  // what this context added to *live_bytes
+};
+
+CpContext::CpContext() = default;
+CpContext::~CpContext() = default;
+CpContext::CpContext(CpContext&&) noexcept = default;
+CpContext& CpContext::operator=(CpContext&&) noexcept = default;
+bool CpContext::valid() const { return s_ != nullptr; }
+const RankPlan& CpContext::plan() const {
+  CPATTN_CHECK(s_ != nullptr, "CpContext::plan(): the context holds no forward (consumed or never made)");
+  return *s_->plan;
+}
+std::span<const float> CpContext::lse() const {
+  CPATTN_CHECK(s_ != nullptr, "CpContext::lse(): the context holds no forward (consumed or never made)");
+  return s_->lse;
+}
+std::size_t CpContext::bytes() const { return s_ ? s_->bytes() : 0; }
 
 struct CpAttention::State {
   Communicator& comm;
   CpAttnConfig cfg;
   PlanCache cache;
   CpStats stats;
-
-  std::shared_ptr<const RankPlan> plan;
-  // What the kernel runs for `plan` (rebuilt only when the plan changes): the tasks without
-  // padding, and in index mode their index_select form.
-  std::shared_ptr<const RankPlan> work_of;  // held, so that its address is never reused
-  WorkList work;
-  std::vector<int64_t> copy_index;  // index mode: gathered row of each copied key row
-  bool have_forward = false;
-  // Saved by forward for backward (DESIGN.md 7): local q, out, lse and the gathered K/V (in
-  // index mode their index_select copy, which is what the kernel reads).
-  Bytes q, out, k_all, v_all;
-  std::vector<std::byte> kx, vx;
-  std::vector<float> lse;
-  // Backward's buffers, kept across calls: fp32 dK/dV of every gathered (or copied) row, and
-  // this rank's reduce-scattered share.
+  std::shared_ptr<const PreparedWork> prepared;  // of the last plan seen
+  std::shared_ptr<std::size_t> live_bytes = std::make_shared<std::size_t>(0);
+  // Backward's buffers, kept across calls (one backward runs at a time): fp32 dK/dV of every
+  // key row the kernel reads, the gathered rows' sums in index mode, this rank's share.
   std::vector<float> dk_all, dv_all, dkx, dvx, dk_loc, dv_loc;
 
   State(Communicator& c, const CpAttnConfig& config)
       : comm(c), cfg(config), cache(config.plan_cache_capacity) {}
 
-  int64_t t_loc() const { return plan->local_tokens; }
-  std::size_t esize() const { return dtype_size(cfg.dtype); }
-  std::size_t q_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_q * cfg.head_dim_qk; }
-  std::size_t o_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_q * cfg.head_dim_v; }
-  std::size_t k_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_k * cfg.head_dim_qk; }
-  std::size_t v_elems() const { return static_cast<std::size_t>(t_loc()) * cfg.num_heads_k * cfg.head_dim_v; }
   int64_t k_row() const { return int64_t{cfg.num_heads_k} * cfg.head_dim_qk; }
   int64_t v_row() const { return int64_t{cfg.num_heads_k} * cfg.head_dim_v; }
-  int64_t q_row() const { return int64_t{cfg.num_heads_q} * cfg.head_dim_qk; }
-  int64_t o_row() const { return int64_t{cfg.num_heads_q} * cfg.head_dim_v; }
   bool indexed() const { return cfg.kv_mode == KvMode::index; }
 
-  void prepare_work() {
-    if (work_of == plan) return;
-    const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.mask));
+  std::shared_ptr<const PreparedWork> prepare(const std::shared_ptr<const RankPlan>& plan) {
+    if (prepared && prepared->plan == plan) return prepared;
+    auto w = std::make_shared<PreparedWork>();
+    w->plan = plan;
+    const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
     if (indexed())
-      copy_form(keys, copy_index, work);
+      copy_form(keys, w->copy_index, w->work);
     else
-      work = keys;
-    work_of = plan;
+      w->work = keys;
+    prepared = std::move(w);
+    return prepared;
+  }
+
+  // The kernels' inputs for a context: local q over the keys the context holds.
+  AttnInputs inputs(ConstTensorView q, const CpContext::State& c) const {
+    return {.q = q,
+            .k = contiguous(c.k.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
+            .v = contiguous(c.v.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_v, cfg.dtype),
+            .work = &c.work->work,
+            .options = cfg.options};
   }
 
   // Every rank learns every rank's local error, and all throw the same message; else the
   // ranks agree on the fingerprint. One all-gather, before any payload moves. A rank with an
   // error still takes part, so that the others fail with its message instead of waiting.
-  void agree_or_throw(const std::string& local_error, uint64_t boundaries_hash, int64_t local_tokens,
-                      int64_t phase) {
-    const char* what = "CP attention";
+  void agree_or_throw(const std::string& local_error, const RankPlan* plan, int64_t local_tokens,
+                      int64_t phase, int64_t context_forward_call) {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
+    const AttnOptions& o = cfg.options;
     // A rank with a local error may have no plan: it sends an empty fingerprint, and the
     // agreement reports the errors before it compares fingerprints.
     Fingerprint fp;
@@ -163,6 +218,9 @@ struct CpAttention::State {
       fp.add("phase (1 forward, 2 backward)", phase)
         .add("forward calls", stats.forward_calls)
         .add("backward calls", stats.backward_calls)
+        // Which forward's context a backward consumes (0 in a forward): catches ranks that
+        // run the layers' backwards in different orders.
+        .add("context of forward call", context_forward_call)
         // Collectives this communicator ran before: catches ranks that run different layers
         // (each with its own CpAttention) over the same communicator.
         .add("communicator calls", calls_before)
@@ -172,18 +230,18 @@ struct CpAttention::State {
         .add("head_dim_qk", cfg.head_dim_qk)
         .add("head_dim_v", cfg.head_dim_v)
         .add("dtype", static_cast<int64_t>(cfg.dtype))
-        .add("mask", static_cast<int64_t>(cfg.mask))
+        .add("mask", static_cast<int64_t>(o.mask))
         .add("kv_mode", static_cast<int64_t>(cfg.kv_mode))
-        .add("softmax_scale (bits)", std::bit_cast<int32_t>(cfg.softmax_scale))
-        .add("dropout_p (bits)", std::bit_cast<int32_t>(cfg.dropout_p))
-        .add("seed", static_cast<int64_t>(cfg.seed))
+        .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
+        .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
+        .add("seed", static_cast<int64_t>(o.seed))
         .add("deterministic", cfg.deterministic)
         .add("local_tokens", local_tokens)
         .add("documents", static_cast<int64_t>(plan->docs.size()))
         .add("global tokens", plan->global_tokens)
-        .add("cu_seqlens hash", static_cast<int64_t>(boundaries_hash));
+        .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(plan->cu_seqlens)));
     try {
-      agree(comm, fp, what, local_error);  // one all-gather when all agree
+      agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
     } catch (...) {
       stats.comm_s += seconds_since(t0);
       throw;
@@ -192,15 +250,15 @@ struct CpAttention::State {
   }
 
   void note_peak() {
-    std::size_t bytes = q.data.capacity() + out.data.capacity() + k_all.data.capacity() +
-                        v_all.data.capacity() + kx.capacity() + vx.capacity();
-    for (const std::vector<float>* f : {&lse, &dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc})
+    std::size_t bytes = *live_bytes;
+    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc})
       bytes += f->capacity() * sizeof(float);
     stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, bytes);
   }
 };
 
 CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
+  const AttnOptions& o = cfg.options;
   CPATTN_CHECK(cfg.num_heads_q >= 1 && cfg.num_heads_k >= 1 && cfg.num_heads_q % cfg.num_heads_k == 0,
                "num_heads_q (", cfg.num_heads_q, ") must be a positive multiple of num_heads_k (",
                cfg.num_heads_k, ")");
@@ -208,13 +266,11 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
                cfg.head_dim_qk);
   CPATTN_CHECK(cfg.head_dim_v >= 1 && cfg.head_dim_v <= 256, "head_dim_v must be in [1, 256], got ",
                cfg.head_dim_v);
-  CPATTN_CHECK(cfg.dropout_p >= 0.0f && cfg.dropout_p < 1.0f, "dropout_p must be in [0, 1), got ",
-               cfg.dropout_p);
-  CPATTN_CHECK(cfg.softmax_scale >= 0.0f && std::isfinite(cfg.softmax_scale),
-               "softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim_qk)), got ", cfg.softmax_scale);
-  CPATTN_CHECK(cfg.num_threads >= 1, "num_threads must be >= 1, got ", cfg.num_threads);
-  CPATTN_CHECK(kernel_path_supported(cfg.path), "kernel path ", to_string(cfg.path),
-               " cannot run on this CPU");
+  CPATTN_CHECK(o.dropout_p >= 0.0f && o.dropout_p < 1.0f, "dropout_p must be in [0, 1), got ", o.dropout_p);
+  CPATTN_CHECK(!o.softmax_scale || std::isfinite(*o.softmax_scale),
+               "softmax_scale must be finite when set (unset: 1/sqrt(head_dim_qk)), got ", o.softmax_scale.value_or(0));
+  CPATTN_CHECK(o.num_threads >= 1, "num_threads must be >= 1, got ", o.num_threads);
+  CPATTN_CHECK(kernel_path_supported(o.path), "kernel path ", to_string(o.path), " cannot run on this CPU");
   CPATTN_CHECK(!cfg.deterministic || comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
   s_ = std::make_unique<State>(comm, cfg);
@@ -222,152 +278,158 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
 
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
-  // the gathered K/V or write the dK/dV buffers: the state outlives this object until they end.
+  // or write the dK/dV buffers: the state outlives this object until they end.
   if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
 }
 
-void CpAttention::forward(const CpForwardArgs& a) {
+std::shared_ptr<const RankPlan> CpAttention::plan(std::span<const int64_t> cu_seqlens) {
+  return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank());
+}
+
+CpContext CpAttention::forward(const CpForwardArgs& a) {
   State& s = *s_;
   const CpAttnConfig& c = s.cfg;
-  s.have_forward = false;
+  const char* fn = "CpAttention::forward";
   ++s.stats.forward_calls;
+  auto ctx = std::make_shared<CpContext::State>();
   std::string err;
-  uint64_t hash = 0;
   try {
-    CPATTN_CHECK(a.q && a.k && a.v && a.out, "forward: q, k, v and out must not be null");
-    s.plan = s.cache.get(a.cu_seqlens, s.comm.size(), s.comm.rank());
-    hash = hash_boundaries(a.cu_seqlens);
-    CPATTN_CHECK(a.local_tokens == s.plan->local_tokens, "forward: local_tokens must be ",
-                 s.plan->local_tokens, " (the padded batch's ", s.plan->global_tokens_padded,
-                 " tokens over cp = ", s.comm.size(), "), got ", a.local_tokens);
-    if (c.check_finite) {
-      CPATTN_CHECK(all_finite(a.q, c.dtype, s.q_elems()), "forward: q holds a non-finite value");
-      CPATTN_CHECK(all_finite(a.k, c.dtype, s.k_elems()), "forward: k holds a non-finite value");
-      CPATTN_CHECK(all_finite(a.v, c.dtype, s.v_elems()), "forward: v holds a non-finite value");
+    if (a.plan) {
+      CPATTN_CHECK(a.plan->cp == s.comm.size() && a.plan->rank == s.comm.rank(), fn, ": plan is for rank ",
+                   a.plan->rank, " of cp = ", a.plan->cp, ", this is rank ", s.comm.rank(), " of ", s.comm.size());
+      CPATTN_CHECK(a.cu_seqlens.empty() || std::equal(a.cu_seqlens.begin(), a.cu_seqlens.end(),
+                                                      a.plan->cu_seqlens.begin(), a.plan->cu_seqlens.end()),
+                   fn, ": cu_seqlens and plan were both given and differ (pass one of them)");
+      ctx->plan = a.plan;
+    } else {
+      ctx->plan = s.cache.get(a.cu_seqlens, s.comm.size(), s.comm.rank());
     }
-    s.prepare_work();
+    const int64_t t = ctx->plan->local_tokens;
+    check_view(fn, "q", a.q, t, c.num_heads_q, c.head_dim_qk, c.dtype, false);
+    check_view(fn, "k", a.k, t, c.num_heads_k, c.head_dim_qk, c.dtype, true);
+    check_view(fn, "v", a.v, t, c.num_heads_k, c.head_dim_v, c.dtype, true);
+    check_view(fn, "out", a.out, t, c.num_heads_q, c.head_dim_v, c.dtype, false);
+    if (c.check_finite) {
+      CPATTN_CHECK(all_finite(a.q), fn, ": q holds a non-finite value");
+      CPATTN_CHECK(all_finite(a.k), fn, ": k holds a non-finite value");
+      CPATTN_CHECK(all_finite(a.v), fn, ": v holds a non-finite value");
+    }
+    ctx->work = s.prepare(ctx->plan);
   } catch (const Error& e) {
     err = e.message();
   } catch (const std::exception& e) {  // bad_alloc and the like: still fail on every rank
-    err = std::string("forward: ") + e.what();
+    err = std::string(fn) + ": " + e.what();
   }
-  s.agree_or_throw(err, hash, a.local_tokens, 1);
+  s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0);
 
-  const RankPlan& plan = *s.plan;
+  const RankPlan& plan = *ctx->plan;
   const int cp = s.comm.size();
-  const std::size_t es = s.esize();
+  const std::size_t es = dtype_size(c.dtype);
+  const auto k_elems = static_cast<std::size_t>(plan.local_tokens * s.k_row());
+  const auto v_elems = static_cast<std::size_t>(plan.local_tokens * s.v_row());
   auto t0 = Clock::now();
-  s.k_all.resize(s.k_elems() * cp * es);
-  s.v_all.resize(s.v_elems() * cp * es);
-  all_gather_rows(s.comm, c.dtype, a.k, s.k_elems(), s.k_all.ptr());
-  all_gather_rows(s.comm, c.dtype, a.v, s.v_elems(), s.v_all.ptr());
+  std::vector<std::byte> k_all(k_elems * cp * es), v_all(v_elems * cp * es);
+  try {
+    all_gather_rows(s.comm, c.dtype, a.k.data, k_elems, k_all.data());
+    all_gather_rows(s.comm, c.dtype, a.v.data, v_elems, v_all.data());
+  } catch (...) {
+    // A throw-mode timeout leaves requests that may still write the receive buffers.
+    if (s.comm.poisoned()) {
+      auto keep = std::make_shared<std::pair<std::vector<std::byte>, std::vector<std::byte>>>(std::move(k_all),
+                                                                                               std::move(v_all));
+      s.comm.retain_while_pending(keep);
+    }
+    throw;
+  }
   s.stats.comm_s += seconds_since(t0);
 
   t0 = Clock::now();
   // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
-  const void* kp = s.k_all.ptr();
-  const void* vp = s.v_all.ptr();
-  int64_t total_k = cp * plan.local_tokens;
   if (s.indexed()) {
-    index_select(s.k_all.ptr(), s.copy_index, s.k_row() * es, s.kx);
-    index_select(s.v_all.ptr(), s.copy_index, s.v_row() * es, s.vx);
-    kp = s.kx.data();
-    vp = s.vx.data();
-    total_k = static_cast<int64_t>(s.copy_index.size());
+    index_select(k_all.data(), ctx->work->copy_index, s.k_row() * es, ctx->k);
+    index_select(v_all.data(), ctx->work->copy_index, s.v_row() * es, ctx->v);
+    ctx->total_k = static_cast<int64_t>(ctx->work->copy_index.size());
+  } else {
+    ctx->k = std::move(k_all);
+    ctx->v = std::move(v_all);
+    ctx->total_k = cp * plan.local_tokens;
   }
-  s.lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
-               -std::numeric_limits<float>::infinity());
-  const int64_t o_row = s.o_row();
-  for (int64_t i = 0; i < plan.local_tokens; ++i)  // padding rows: the kernel leaves them
-    if (plan.real_token_index[i] < 0) std::memset(static_cast<std::byte*>(a.out) + i * o_row * es, 0, o_row * es);
-  attention_forward({.q = a.q, .q_row_stride = s.q_row(), .q_head_stride = c.head_dim_qk,
-                     .k = kp, .k_row_stride = s.k_row(), .k_head_stride = c.head_dim_qk,
-                     .v = vp, .v_row_stride = s.v_row(), .v_head_stride = c.head_dim_v,
-                     .out = a.out, .out_row_stride = o_row, .out_head_stride = c.head_dim_v,
-                     .lse = s.lse.data(),
-                     .total_q = plan.local_tokens, .total_k = total_k,
-                     .num_heads_q = c.num_heads_q, .num_heads_k = c.num_heads_k,
-                     .head_dim_qk = c.head_dim_qk, .head_dim_v = c.head_dim_v,
-                     .dtype = c.dtype, .mask = c.mask, .softmax_scale = c.softmax_scale,
-                     .dropout_p = c.dropout_p, .seed = c.seed, .work = &s.work,
-                     .num_threads = c.num_threads, .path = c.path});
-  if (a.lse) std::memcpy(a.lse, s.lse.data(), s.lse.size() * sizeof(float));
-  // Keep what backward needs (the caller may reuse its buffers).
-  s.q.resize(s.q_elems() * es);
-  std::memcpy(s.q.ptr(), a.q, s.q.data.size());
-  s.out.resize(s.o_elems() * es);
-  std::memcpy(s.out.ptr(), a.out, s.out.data.size());
-  s.have_forward = true;
+  ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
+                  -std::numeric_limits<float>::infinity());
+  zero_padding_rows(a.out, plan);
+  attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
+  if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   s.stats.compute_s += seconds_since(t0);
+
+  ctx->owner = &s;
+  ctx->forward_call = s.stats.forward_calls;
+  ctx->live_bytes = s.live_bytes;
+  ctx->counted = ctx->bytes();
+  *s.live_bytes += ctx->counted;
   s.note_peak();
+  CpContext out;
+  out.s_ = std::move(ctx);
+  return out;
 }
 
-void CpAttention::backward(const CpBackwardArgs& a) {
+void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   State& s = *s_;
   const CpAttnConfig& c = s.cfg;
+  const char* fn = "CpAttention::backward";
   ++s.stats.backward_calls;
   std::string err;
   try {
-    CPATTN_CHECK(s.have_forward, "backward needs the forward just before it (one backward per "
-                                 "forward); forward calls ", s.stats.forward_calls,
-                 ", backward calls ", s.stats.backward_calls);
-    CPATTN_CHECK(a.dout && a.dq && a.dk && a.dv, "backward: dout, dq, dk and dv must not be null");
-    if (c.check_finite)
-      CPATTN_CHECK(all_finite(a.dout, c.dtype, s.o_elems()), "backward: dout holds a non-finite value");
+    CPATTN_CHECK(ctx.s_ != nullptr, fn, ": the context holds no forward (each forward's context is consumed by "
+                 "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
+    CPATTN_CHECK(ctx.s_->owner == &s, fn, ": the context was made by another CpAttention's forward");
+    const int64_t t = ctx.s_->plan->local_tokens;
+    check_view(fn, "q", a.q, t, c.num_heads_q, c.head_dim_qk, c.dtype, false);
+    check_view(fn, "out", a.out, t, c.num_heads_q, c.head_dim_v, c.dtype, false);
+    check_view(fn, "dout", a.dout, t, c.num_heads_q, c.head_dim_v, c.dtype, false);
+    check_view(fn, "dq", a.dq, t, c.num_heads_q, c.head_dim_qk, c.dtype, false);
+    check_view(fn, "dk", a.dk, t, c.num_heads_k, c.head_dim_qk, c.dtype, true);
+    check_view(fn, "dv", a.dv, t, c.num_heads_k, c.head_dim_v, c.dtype, true);
+    if (c.check_finite) CPATTN_CHECK(all_finite(a.dout), fn, ": dout holds a non-finite value");
   } catch (const Error& e) {
     err = e.message();
   } catch (const std::exception& e) {
-    err = std::string("backward: ") + e.what();
+    err = std::string(fn) + ": " + e.what();
   }
-  s.agree_or_throw(err, s.plan ? hash_boundaries(s.plan->cu_seqlens) : 0,
-                   s.plan ? s.plan->local_tokens : 0, 2);
-  s.have_forward = false;
+  const CpContext::State* cs = ctx.s_.get();
+  s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0);
 
-  const RankPlan& plan = *s.plan;
+  const RankPlan& plan = *cs->plan;
   const int cp = s.comm.size();
-  const std::size_t es = s.esize();
   auto t0 = Clock::now();
-  const int64_t k_row = s.k_row(), v_row = s.v_row(), q_row = s.q_row(), o_row = s.o_row();
+  const int64_t k_row = s.k_row(), v_row = s.v_row();
   const int64_t t_all = cp * plan.local_tokens;
   // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums. In index
   // mode the kernel adds into the copy's rows, and index_add_ moves them here.
   s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
   s.dv_all.assign(static_cast<std::size_t>(t_all * v_row), 0.0f);
-  const void* kp = s.k_all.ptr();
-  const void* vp = s.v_all.ptr();
   float* dkp = s.dk_all.data();
   float* dvp = s.dv_all.data();
-  int64_t total_k = t_all;
-  const auto n_idx = static_cast<int64_t>(s.copy_index.size());
+  const std::vector<int64_t>& index = cs->work->copy_index;
+  const auto n_idx = static_cast<int64_t>(index.size());
   if (s.indexed()) {
     s.dkx.assign(static_cast<std::size_t>(n_idx * k_row), 0.0f);
     s.dvx.assign(static_cast<std::size_t>(n_idx * v_row), 0.0f);
-    kp = s.kx.data();
-    vp = s.vx.data();
     dkp = s.dkx.data();
     dvp = s.dvx.data();
-    total_k = n_idx;
   }
-  attention_backward({.q = s.q.ptr(), .q_row_stride = q_row, .q_head_stride = c.head_dim_qk,
-                      .k = kp, .k_row_stride = k_row, .k_head_stride = c.head_dim_qk,
-                      .v = vp, .v_row_stride = v_row, .v_head_stride = c.head_dim_v,
-                      .out = s.out.ptr(), .out_row_stride = o_row, .out_head_stride = c.head_dim_v,
-                      .lse = s.lse.data(),
-                      .dout = a.dout, .dout_row_stride = o_row, .dout_head_stride = c.head_dim_v,
-                      .dq = a.dq, .dq_row_stride = q_row, .dq_head_stride = c.head_dim_qk,
-                      .grad_mode = GradMode::accumulate, .dk_accum = dkp, .dv_accum = dvp,
-                      .total_q = plan.local_tokens, .total_k = total_k,
-                      .num_heads_q = c.num_heads_q, .num_heads_k = c.num_heads_k,
-                      .head_dim_qk = c.head_dim_qk, .head_dim_v = c.head_dim_v,
-                      .dtype = c.dtype, .mask = c.mask, .softmax_scale = c.softmax_scale,
-                      .dropout_p = c.dropout_p, .seed = c.seed, .work = &s.work,
-                      .num_threads = c.num_threads, .path = c.path});
-  for (int64_t i = 0; i < plan.local_tokens; ++i)  // padding rows: the kernel leaves them
-    if (plan.real_token_index[i] < 0) std::memset(static_cast<std::byte*>(a.dq) + i * q_row * es, 0, q_row * es);
+  attention_backward({.in = s.inputs(a.q, *cs),
+                      .out = a.out,
+                      .lse = cs->lse.data(),
+                      .dout = a.dout,
+                      .dq = a.dq,
+                      .dk = contiguous(dkp, cs->total_k, c.num_heads_k, c.head_dim_qk),
+                      .dv = contiguous(dvp, cs->total_k, c.num_heads_k, c.head_dim_v),
+                      .grad_mode = GradMode::accumulate});
+  zero_padding_rows(a.dq, plan);
   if (s.indexed()) {
     // index_add_, in index order: deterministic.
     for (int64_t i = 0; i < n_idx; ++i) {
-      const int64_t g = s.copy_index[i];
+      const int64_t g = index[i];
       for (int64_t e = 0; e < k_row; ++e) s.dk_all[g * k_row + e] += s.dkx[i * k_row + e];
       for (int64_t e = 0; e < v_row; ++e) s.dv_all[g * v_row + e] += s.dvx[i * v_row + e];
     }
@@ -375,24 +437,21 @@ void CpAttention::backward(const CpBackwardArgs& a) {
   s.stats.compute_s += seconds_since(t0);
 
   t0 = Clock::now();
-  s.dk_loc.resize(s.k_elems());
-  s.dv_loc.resize(s.v_elems());
+  s.dk_loc.resize(static_cast<std::size_t>(plan.local_tokens * k_row));
+  s.dv_loc.resize(static_cast<std::size_t>(plan.local_tokens * v_row));
   s.comm.reduce_scatter_sum(s.dk_all, s.dk_loc);
   s.comm.reduce_scatter_sum(s.dv_all, s.dv_loc);
   s.stats.comm_s += seconds_since(t0);
 
   t0 = Clock::now();
-  from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk);
-  from_float(s.dv_loc.data(), s.dv_loc.size(), c.dtype, a.dv);
+  from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk.data);
+  from_float(s.dv_loc.data(), s.dv_loc.size(), c.dtype, a.dv.data);
   s.stats.compute_s += seconds_since(t0);
   s.note_peak();
+  ctx.s_.reset();  // consumed: its gathered K/V are released
 }
 
 const CpAttnConfig& CpAttention::config() const { return s_->cfg; }
-const RankPlan& CpAttention::plan() const {
-  CPATTN_CHECK(s_->plan != nullptr, "plan(): no forward has run yet");
-  return *s_->plan;
-}
 const CpStats& CpAttention::stats() const { return s_->stats; }
 const PlanCache& CpAttention::plan_cache() const { return s_->cache; }
 void CpAttention::reset_stats() {
@@ -400,6 +459,34 @@ void CpAttention::reset_stats() {
   s_->stats = CpStats{};
   s_->stats.forward_calls = f;  // the counters are part of the agreement: never reset
   s_->stats.backward_calls = b;
+}
+
+std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, ConstTensorView local) {
+  CPATTN_CHECK(local.data != nullptr && local.rows == p.local_tokens, "gather_global_rows: local must have the "
+               "plan's local_tokens = ", p.local_tokens, " rows, got ", local.rows);
+  const int64_t row = int64_t{local.heads} * local.dim;
+  const std::size_t es = dtype_size(local.dtype);
+  std::vector<float> mine;
+  std::vector<int64_t> idx;
+  mine.reserve(static_cast<std::size_t>((p.local_tokens - p.padding_tokens) * row));
+  std::vector<float> tmp(static_cast<std::size_t>(local.dim));
+  for (int64_t i = 0; i < p.local_tokens; ++i) {
+    if (p.real_token_index[i] < 0) continue;
+    for (int h = 0; h < local.heads; ++h) {
+      to_float(static_cast<const std::byte*>(local.data) + local.offset(i, h) * es, local.dtype, tmp.size(), tmp.data());
+      mine.insert(mine.end(), tmp.begin(), tmp.end());
+    }
+    idx.push_back(p.real_token_index[i]);
+  }
+  const std::vector<int64_t> n_idx = comm.all_gather_counts(static_cast<int64_t>(idx.size()));
+  std::vector<int64_t> n_val(n_idx.size()), all_idx(static_cast<std::size_t>(p.global_tokens));
+  for (std::size_t r = 0; r < n_idx.size(); ++r) n_val[r] = n_idx[r] * row;
+  std::vector<float> all_val(static_cast<std::size_t>(p.global_tokens * row)), out(all_val.size());
+  comm.all_gather_v<int64_t>(idx, n_idx, all_idx);
+  comm.all_gather_v<float>(mine, n_val, all_val);
+  for (int64_t i = 0; i < p.global_tokens; ++i)
+    std::copy_n(all_val.begin() + i * row, row, out.begin() + all_idx[i] * row);
+  return out;
 }
 
 }  // namespace cpattn

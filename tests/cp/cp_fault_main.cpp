@@ -42,8 +42,9 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
         std::raise(SIGKILL);
       });
-    attn.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = q.data(), .k = k.data(),
-                  .v = v.data(), .out = out.data()});
+    const int64_t t = p.local_tokens;
+    attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d), .k = cpattn::contiguous(k.data(), t, h, d),
+                  .v = cpattn::contiguous(v.data(), t, h, d), .out = cpattn::contiguous(out.data(), t, h, d)});
     std::fprintf(stderr, "rank %d: forward returned, no fault seen\n", comm.rank());
     if (killer.joinable()) killer.join();
   }

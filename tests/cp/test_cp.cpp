@@ -43,6 +43,8 @@ struct Tensor {
     to_float(bytes.data(), t, f.size(), f.data());
     return f;
   }
+  TensorView view(int64_t rows, int heads, int dim) { return contiguous(bytes.data(), rows, heads, dim, t); }
+  ConstTensorView view(int64_t rows, int heads, int dim) const { return contiguous(bytes.data(), rows, heads, dim, t); }
 };
 
 Tensor random_tensor(DType t, std::size_t n, uint64_t seed, float scale = 1.0f) {
@@ -63,40 +65,27 @@ struct Global {  // the whole batch and its single-process results
 };
 
 Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = MaskType::causal,
-                      float dropout_p = 0.0f) {
+                      float dropout_p = 0.0f, uint64_t seed = 0) {
   Global g;
   g.cu = cu_seqlens_from_lengths(kLengths);
   const int64_t n = g.cu.back();
-  g.q = random_tensor(t, n * s.hq * s.dqk, 1);
-  g.k = random_tensor(t, n * s.hkv * s.dqk, 2);
-  g.v = random_tensor(t, n * s.hkv * s.dv, 3);
-  g.dout = random_tensor(t, n * s.hq * s.dv, 4);
+  g.q = random_tensor(t, n * s.hq * s.dqk, seed + 1);
+  g.k = random_tensor(t, n * s.hkv * s.dqk, seed + 2);
+  g.v = random_tensor(t, n * s.hkv * s.dv, seed + 3);
+  g.dout = random_tensor(t, n * s.hq * s.dv, seed + 4);
   const std::size_t es = dtype_size(t);
   g.out = {t, std::vector<std::byte>(n * s.hq * s.dv * es)};
   g.dq = {t, std::vector<std::byte>(n * s.hq * s.dqk * es)};
   g.dk = {t, std::vector<std::byte>(n * s.hkv * s.dqk * es)};
   g.dv = {t, std::vector<std::byte>(n * s.hkv * s.dv * es)};
   g.lse.resize(n * s.hq);
-  const WorkList wl = varlen_worklist(g.cu, g.cu);
-  attention_forward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
-                     .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
-                     .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
-                     .out = g.out.bytes.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
-                     .lse = g.lse.data(), .total_q = n, .total_k = n, .num_heads_q = s.hq,
-                     .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv, .dtype = t,
-                     .mask = mask, .dropout_p = dropout_p, .seed = 77, .work = &wl, .path = path});
-  attention_backward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
-                      .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
-                      .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
-                      .out = g.out.bytes.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
-                      .lse = g.lse.data(),
-                      .dout = g.dout.bytes.data(), .dout_row_stride = s.hq * s.dv, .dout_head_stride = s.dv,
-                      .dq = g.dq.bytes.data(), .dq_row_stride = s.hq * s.dqk, .dq_head_stride = s.dqk,
-                      .dk = g.dk.bytes.data(), .dk_row_stride = s.hkv * s.dqk, .dk_head_stride = s.dqk,
-                      .dv = g.dv.bytes.data(), .dv_row_stride = s.hkv * s.dv, .dv_head_stride = s.dv,
-                      .total_q = n, .total_k = n, .num_heads_q = s.hq, .num_heads_k = s.hkv,
-                      .head_dim_qk = s.dqk, .head_dim_v = s.dv, .dtype = t, .mask = mask,
-                      .dropout_p = dropout_p, .seed = 77, .work = &wl, .path = path});
+  const WorkList wl = varlen_worklist(g.cu, g.cu, mask);
+  const AttnInputs in{.q = g.q.view(n, s.hq, s.dqk), .k = g.k.view(n, s.hkv, s.dqk), .v = g.v.view(n, s.hkv, s.dv),
+                      .work = &wl, .options = {.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = path}};
+  attention_forward({.in = in, .out = g.out.view(n, s.hq, s.dv), .lse = g.lse.data()});
+  attention_backward({.in = in, .out = g.out.view(n, s.hq, s.dv), .lse = g.lse.data(),
+                      .dout = g.dout.view(n, s.hq, s.dv), .dq = g.dq.view(n, s.hq, s.dqk),
+                      .dk = g.dk.view(n, s.hkv, s.dqk), .dv = g.dv.view(n, s.hkv, s.dv)});
   return g;
 }
 
@@ -159,8 +148,9 @@ void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
   const KernelPath path = best_kernel_path();
   const Global g = single_process(s, t, path, mask, dropout_p);
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
-                          .head_dim_v = s.dv, .dtype = t, .mask = mask, .dropout_p = dropout_p,
-                          .seed = 77, .kv_mode = mode, .path = path});
+                          .head_dim_v = s.dv, .dtype = t,
+                          .options = {.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = path},
+                          .kv_mode = mode});
   const RankPlan p = get_thd_load_balanced_cp_metadata(g.cu, comm.size(), comm.rank());
   const int64_t qr = s.hq * s.dqk, kr = s.hkv * s.dqk, vr = s.hkv * s.dv, orow = s.hq * s.dv;
   const Tensor q = local_rows(g.q, qr, p), k = local_rows(g.k, kr, p), v = local_rows(g.v, vr, p);
@@ -168,11 +158,15 @@ void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
   const std::size_t es = dtype_size(t);
   Tensor out{t, std::vector<std::byte>(p.local_tokens * orow * es)};
   std::vector<float> lse(p.local_tokens * s.hq);
-  attn.forward({.cu_seqlens = g.cu, .local_tokens = p.local_tokens, .q = q.bytes.data(),
-                .k = k.bytes.data(), .v = v.bytes.data(), .out = out.bytes.data(), .lse = lse.data()});
+  const int64_t tl = p.local_tokens;
+  CpContext ctx = attn.forward({.cu_seqlens = g.cu, .q = q.view(tl, s.hq, s.dqk), .k = k.view(tl, s.hkv, s.dqk),
+                                .v = v.view(tl, s.hkv, s.dv), .out = out.view(tl, s.hq, s.dv), .lse = lse.data()});
   Tensor dq{t, std::vector<std::byte>(q.bytes.size())}, dk{t, std::vector<std::byte>(k.bytes.size())},
       dv{t, std::vector<std::byte>(v.bytes.size())};
-  attn.backward({.dout = dout.bytes.data(), .dq = dq.bytes.data(), .dk = dk.bytes.data(), .dv = dv.bytes.data()});
+  attn.backward(ctx, {.q = q.view(tl, s.hq, s.dqk), .out = out.view(tl, s.hq, s.dv),
+                      .dout = dout.view(tl, s.hq, s.dv), .dq = dq.view(tl, s.hq, s.dqk),
+                      .dk = dk.view(tl, s.hkv, s.dqk), .dv = dv.view(tl, s.hkv, s.dv)});
+  EXPECT_FALSE(ctx.valid());  // consumed
 
   // Every rank's real rows, gathered into the global order on every rank.
   const auto gather = [&](const Tensor& local, int64_t row, const Tensor& want, const std::string& what) {
@@ -234,6 +228,69 @@ TEST(CpGroups, EveryDivisorOfTheWorldSplitIntoGroupsMatchesSingleProcess) {
   }
 }
 
+// One CpAttention serves every layer: two layers' forwards, then their backwards in reverse
+// order (as autograd runs them), each equal to its own single-process run. The contexts hold
+// each layer's gathered K/V; the layer copies no caller tensor.
+TEST_F(CpAttentionTest, OneLayerObjectRunsTwoLayersForwardsThenBackwardsInReverse) {
+  const Shape& s = kShapes[1];
+  const DType t = DType::f32;
+  const KernelPath path = best_kernel_path();
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                          .dtype = t, .options = {.path = path}});
+  struct Layer {
+    Global g;
+    Tensor q, k, v, dout, out, dq, dk, dv;
+    CpContext ctx;
+  };
+  Layer layers[2];
+  const auto plan = attn.plan(cu_seqlens_from_lengths(kLengths));  // lays the inputs out
+  const RankPlan& p = *plan;
+  const int64_t tl = p.local_tokens, qr = s.hq * s.dqk, kr = s.hkv * s.dqk, vr = s.hkv * s.dv, orow = s.hq * s.dv;
+  for (int l = 0; l < 2; ++l) {
+    Layer& L = layers[l];
+    L.g = single_process(s, t, path, MaskType::causal, 0.0f, 100 * (l + 1));
+    L.q = local_rows(L.g.q, qr, p), L.k = local_rows(L.g.k, kr, p), L.v = local_rows(L.g.v, vr, p);
+    L.dout = local_rows(L.g.dout, orow, p);
+    L.out = {t, std::vector<std::byte>(tl * orow * 4)};
+    L.dq = {t, std::vector<std::byte>(L.q.bytes.size())}, L.dk = {t, std::vector<std::byte>(L.k.bytes.size())};
+    L.dv = {t, std::vector<std::byte>(L.v.bytes.size())};
+  }
+  for (Layer& L : layers)
+    L.ctx = attn.forward({.plan = plan, .q = L.q.view(tl, s.hq, s.dqk), .k = L.k.view(tl, s.hkv, s.dqk),
+                          .v = L.v.view(tl, s.hkv, s.dv), .out = L.out.view(tl, s.hq, s.dv)});
+  EXPECT_GT(layers[0].ctx.bytes(), 0u);
+  EXPECT_EQ(&layers[0].ctx.plan(), &p);  // no second plan
+  for (int l = 1; l >= 0; --l) {
+    Layer& L = layers[l];
+    attn.backward(L.ctx, {.q = L.q.view(tl, s.hq, s.dqk), .out = L.out.view(tl, s.hq, s.dv),
+                          .dout = L.dout.view(tl, s.hq, s.dv), .dq = L.dq.view(tl, s.hq, s.dqk),
+                          .dk = L.dk.view(tl, s.hkv, s.dqk), .dv = L.dv.view(tl, s.hkv, s.dv)});
+  }
+  for (int l = 0; l < 2; ++l) {
+    SCOPED_TRACE(::testing::Message() << "layer " << l);
+    const Layer& L = layers[l];
+    const std::pair<const Tensor*, const Tensor*> pairs[] = {
+        {&L.out, &L.g.out}, {&L.dq, &L.g.dq}, {&L.dk, &L.g.dk}, {&L.dv, &L.g.dv}};
+    const char* names[] = {"out", "dq", "dk", "dv"};
+    for (int i = 0; i < 4; ++i) {
+      const Tensor& got = *pairs[i].first;
+      const int heads = i == 0 || i == 1 ? s.hq : s.hkv, dim = i == 1 || i == 2 ? s.dqk : s.dv;
+      expect_close(gather_global_rows(comm, p, got.view(tl, heads, dim)), pairs[i].second->values(), t, names[i]);
+    }
+  }
+  EXPECT_EQ(attn.plan_cache().misses(), 1);  // planned once, for both layers
+  EXPECT_EQ(attn.plan_cache().hits(), 0);    // the forwards took the plan, not the boundaries
+}
+
+// gather_global_rows is the inverse of take_local_rows on the real tokens: exact.
+TEST_F(CpAttentionTest, GatherGlobalRowsRestoresTheGlobalOrder) {
+  const std::vector<int64_t> cu = cu_seqlens_from_lengths(kLengths);
+  const RankPlan p = get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
+  const Tensor g = random_tensor(DType::bf16, cu.back() * 3 * 5, 9);
+  const Tensor l = local_rows(g, 15, p);
+  EXPECT_EQ(gather_global_rows(comm, p, l.view(p.local_tokens, 3, 5)), g.values());
+}
+
 TEST_F(CpAttentionTest, DropoutDropsTheSameEntriesAsASingleProcess) {
   // Masks are keyed by the global document and positions, so CP changes nothing.
   for (const KvMode m : {KvMode::runs, KvMode::index}) {
@@ -281,9 +338,14 @@ struct SmallBatch {
     return {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv};
   }
   CpForwardArgs fwd() {
-    return {.cu_seqlens = cu, .local_tokens = t_loc, .q = q.data(), .k = k.data(), .v = v.data(), .out = out.data()};
+    return {.cu_seqlens = cu, .q = contiguous(q.data(), t_loc, s.hq, s.dqk), .k = contiguous(k.data(), t_loc, s.hkv, s.dqk),
+            .v = contiguous(v.data(), t_loc, s.hkv, s.dv), .out = contiguous(out.data(), t_loc, s.hq, s.dv)};
   }
-  CpBackwardArgs bwd() { return {.dout = dout.data(), .dq = dq.data(), .dk = dk.data(), .dv = dv.data()}; }
+  CpBackwardArgs bwd() {
+    return {.q = contiguous(q.data(), t_loc, s.hq, s.dqk), .out = contiguous(out.data(), t_loc, s.hq, s.dv),
+            .dout = contiguous(dout.data(), t_loc, s.hq, s.dv), .dq = contiguous(dq.data(), t_loc, s.hq, s.dqk),
+            .dk = contiguous(dk.data(), t_loc, s.hkv, s.dqk), .dv = contiguous(dv.data(), t_loc, s.hkv, s.dv)};
+  }
 };
 
 TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
@@ -317,7 +379,10 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
     CpAttnConfig c = b.config();
     if (comm.rank() == last) c.dtype = DType::bf16;
     CpAttention attn(comm, c);
-    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("dtype"));
+    CpForwardArgs f = b.fwd();
+    for (auto* v : {&f.q, &f.k, &f.v}) v->dtype = c.dtype;
+    f.out.dtype = c.dtype;
+    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }), HasSubstr("dtype"));
   }
   {  // another token count: the plan's local count no longer matches on that rank
     SmallBatch b(comm.size(), comm.rank());
@@ -325,7 +390,7 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
     CpAttention attn(comm, b.config());
     const std::string m = same_error_everywhere(comm, [&] { attn.forward(b.fwd()); });
     EXPECT_THAT(m, HasSubstr("[rank " + last_s + "]"));
-    EXPECT_THAT(m, HasSubstr("local_tokens must be"));
+    EXPECT_THAT(m, HasSubstr("must have the plan's local_tokens"));
   }
 }
 
@@ -333,15 +398,16 @@ TEST_F(CpAttentionTest, BadArgumentsOnOneRankFailEveryRank) {
   SmallBatch b(comm.size(), comm.rank());
   CpAttention attn(comm, b.config());
   CpForwardArgs f = b.fwd();
-  if (comm.rank() == 0) f.q = nullptr;
+  if (comm.rank() == 0) f.q.data = nullptr;
   EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }),
-              HasSubstr("[rank 0] forward: q, k, v and out must not be null"));
+              HasSubstr("[rank 0] CpAttention::forward: q must not be null"));
   std::vector<int64_t> bad{0, 10, 10, 30};
   CpForwardArgs g = b.fwd();
   g.cu_seqlens = bad;
   EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(g); }), HasSubstr("strictly increasing"));
-  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(b.bwd()); }),
-              HasSubstr("backward needs the forward just before it"));
+  CpContext none;
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(none, b.bwd()); }),
+              HasSubstr("the context holds no forward"));
   EXPECT_THROW(CpAttention(comm, {.num_heads_q = 3, .num_heads_k = 2, .head_dim_qk = 8, .head_dim_v = 8}), Error);
 }
 
@@ -349,13 +415,13 @@ TEST_F(CpAttentionTest, ADifferentCodePathIsCaughtByTheCallCounters) {
   if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
   SmallBatch b(comm.size(), comm.rank());
   CpAttention attn(comm, b.config());
-  attn.forward(b.fwd());
+  CpContext ctx = attn.forward(b.fwd());
   // Rank 0 skips backward and runs forward again; the others run backward.
   const std::string m = same_error_everywhere(comm, [&] {
     if (comm.rank() == 0)
       attn.forward(b.fwd());
     else
-      attn.backward(b.bwd());
+      attn.backward(ctx, b.bwd());
   });
   EXPECT_THAT(m, HasSubstr("phase"));
   EXPECT_THAT(m, HasSubstr("calls"));
@@ -370,8 +436,8 @@ TEST_F(CpAttentionTest, RepeatedBackwardIsBitwiseEqual) {
   CpAttention attn(comm, b.config());
   std::vector<float> first_dq, first_dk, first_dv;
   for (int i = 0; i < 50; ++i) {
-    attn.forward(b.fwd());
-    attn.backward(b.bwd());
+    CpContext ctx = attn.forward(b.fwd());
+    attn.backward(ctx, b.bwd());
     if (i == 0) {
       first_dq = b.dq, first_dk = b.dk, first_dv = b.dv;
     } else {
@@ -400,18 +466,17 @@ TEST_F(CpAttentionTest, NanInOneDocumentsKeysStaysInsideIt) {
                v = local_rows(g.v, s.hkv * s.dv, p);
   std::vector<float> out(p.local_tokens * s.hq * s.dv);
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv});
-  attn.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = q.bytes.data(), .k = k.bytes.data(),
-                .v = v.bytes.data(), .out = out.data()});
+  const int64_t tl = p.local_tokens;
+  const CpForwardArgs args{.cu_seqlens = cu, .q = q.view(tl, s.hq, s.dqk), .k = k.view(tl, s.hkv, s.dqk),
+                           .v = v.view(tl, s.hkv, s.dv), .out = contiguous(out.data(), tl, s.hq, s.dv)};
+  attn.forward(args);
   // Document 0 alone, in one process, is the reference for its rows.
   std::vector<float> ref(10 * s.hq * s.dv), lse(10 * s.hq);
   const std::vector<int64_t> cu0{0, 10};
   const WorkList wl = varlen_worklist(cu0, cu0);
-  attention_forward({.q = g.q.bytes.data(), .q_row_stride = s.hq * s.dqk, .q_head_stride = s.dqk,
-                     .k = g.k.bytes.data(), .k_row_stride = s.hkv * s.dqk, .k_head_stride = s.dqk,
-                     .v = g.v.bytes.data(), .v_row_stride = s.hkv * s.dv, .v_head_stride = s.dv,
-                     .out = ref.data(), .out_row_stride = s.hq * s.dv, .out_head_stride = s.dv,
-                     .lse = lse.data(), .total_q = 10, .total_k = 10, .num_heads_q = s.hq,
-                     .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv, .work = &wl});
+  attention_forward({.in = {.q = g.q.view(10, s.hq, s.dqk), .k = g.k.view(10, s.hkv, s.dqk),
+                            .v = g.v.view(10, s.hkv, s.dv), .work = &wl},
+                     .out = contiguous(ref.data(), 10, s.hq, s.dv), .lse = lse.data()});
   for (int64_t i = 0; i < p.local_tokens; ++i) {
     const int64_t gi = p.real_token_index[i];
     if (gi < 0 || gi >= 10) continue;
@@ -426,8 +491,7 @@ TEST_F(CpAttentionTest, NanInOneDocumentsKeysStaysInsideIt) {
   CpAttention checked(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
                              .head_dim_v = s.dv, .check_finite = true});
   EXPECT_THAT(same_error_everywhere(comm, [&] {
-                checked.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = q.bytes.data(),
-                                 .k = k.bytes.data(), .v = v.bytes.data(), .out = out.data()});
+                checked.forward(args);
               }),
               HasSubstr("k holds a non-finite value"));
 }
@@ -444,8 +508,9 @@ TEST_F(CpAttentionTest, LargeScoresInHalfPrecisionStayFiniteAndMatchFp32) {
     Tensor out{t, std::vector<std::byte>(p.local_tokens * s.hq * s.dv * dtype_size(t))};
     CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
                             .head_dim_v = s.dv, .dtype = t});
-    attn.forward({.cu_seqlens = cu, .local_tokens = p.local_tokens, .q = lq.bytes.data(),
-                  .k = lk.bytes.data(), .v = lv.bytes.data(), .out = out.bytes.data()});
+    const int64_t tl = p.local_tokens;
+    attn.forward({.cu_seqlens = cu, .q = lq.view(tl, s.hq, s.dqk), .k = lk.view(tl, s.hkv, s.dqk),
+                  .v = lv.view(tl, s.hkv, s.dv), .out = out.view(tl, s.hq, s.dv)});
     return out.values();
   };
   const auto as_f32 = [](const Tensor& x) {
@@ -466,6 +531,32 @@ TEST_F(CpAttentionTest, LargeScoresInHalfPrecisionStayFiniteAndMatchFp32) {
       ASSERT_NEAR(half[i], full[i], tol + tol * std::abs(full[i])) << to_string(t) << " element " << i;
     }
   }
+}
+
+// A context is consumed by its backward, belongs to the CpAttention that made it, and a plan
+// handed in must be this rank's: each misuse fails on every rank with one message.
+TEST_F(CpAttentionTest, ContextAndPlanMisuseFailsOnEveryRank) {
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttention attn(comm, b.config()), other(comm, b.config());
+  CpContext ctx = attn.forward(b.fwd());
+  attn.backward(ctx, b.bwd());
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(ctx, b.bwd()); }),
+              HasSubstr("the context holds no forward"));
+  CpContext mine = other.forward(b.fwd());
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(mine, b.bwd()); }),
+              HasSubstr("made by another CpAttention"));
+  other.backward(mine, b.bwd());
+  CpForwardArgs f = b.fwd();
+  f.plan = std::make_shared<RankPlan>(get_thd_load_balanced_cp_metadata(b.cu, comm.size() + 1, comm.size()));
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }), HasSubstr("plan is for rank"));
+  CpForwardArgs g = b.fwd();
+  g.plan = attn.plan(b.cu);
+  const std::vector<int64_t> other_cu{0, 5, 30};
+  g.cu_seqlens = other_cu;
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(g); }), HasSubstr("differ"));
+  CpForwardArgs strided = b.fwd();
+  strided.k.row_stride = 2 * strided.k.row_step();
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(strided); }), HasSubstr("k must be contiguous"));
 }
 
 }  // namespace
