@@ -132,7 +132,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     attn.reset_stats();
     comm.barrier();
     const auto t0 = Clock::now();
-    CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .plan = {}, .q = q.view(), .k = k.view(), .v = v.view(),
+    CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
                                   .out = out.view(), .lse = lse.data()});
     attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
                         .dk = dk.view(), .dv = dv.view()});
