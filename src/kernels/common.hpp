@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cpattn/attention.hpp>
+#include <cpattn/dtype.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -11,6 +12,7 @@
 #include <vector>
 #include <cmath>
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 
 namespace cpattn::kernels {
@@ -56,10 +58,6 @@ inline bool dropout_keep_row(uint64_t row_key, int64_t k_pos, uint32_t threshold
   return static_cast<uint32_t>(mix64(row_key ^ static_cast<uint64_t>(k_pos)) >> 32) >= threshold;
 }
 
-inline float resolve_scale(float s, int head_dim_qk) {
-  return s == 0.0f ? 1.0f / std::sqrt(static_cast<float>(head_dim_qk)) : s;
-}
-
 // ---- validation (validate.cpp) ----------------------------------------------------------
 void validate(const AttnFwdParams& p);
 void validate(const AttnBwdParams& p);
@@ -71,18 +69,25 @@ template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn);
 
 // ---- fast paths (kernel_*.cpp, one source compiled per ISA) -----------------------------
+// A kernel path's entry points. Each kernel_<path>.cpp defines its `table`; attention.cpp
+// picks one (kernel_table) after validation, so the kernels trust their arguments.
+struct KernelTable {
+  void (*forward)(const AttnFwdParams& p);
+  void (*backward)(const AttnBwdParams& p);
+};
 namespace portable {
-void forward(const AttnFwdParams& p);
-void backward(const AttnBwdParams& p);
+extern const KernelTable table;
 }  // namespace portable
 namespace avx2 {
-void forward(const AttnFwdParams& p);
-void backward(const AttnBwdParams& p);
+extern const KernelTable table;
 }  // namespace avx2
 namespace avx512 {
-void forward(const AttnFwdParams& p);
-void backward(const AttnBwdParams& p);
+extern const KernelTable table;
 }  // namespace avx512
+
+// Throws cpattn::Error (an internal error) unless used <= bound: backward_impl's check that
+// it allocates no more scratch than attention_backward_scratch_bytes reports (blocking.hpp).
+void check_scratch_bound(size_t used_floats, size_t bound_floats);
 
 }  // namespace cpattn::kernels
 

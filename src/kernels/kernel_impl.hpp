@@ -1,8 +1,12 @@
 // The fast attention kernels, written once and compiled once per ISA by kernel_<isa>.cpp,
 // each of which defines CPATTN_KNS (its namespace) and CPATTN_VW (floats per vector) and
-// switches the target with `#pragma GCC target` *after* including every standard header, so
-// that no out-of-line standard function is compiled for a wider ISA than the baseline.
-// Everything here has internal linkage for the same reason (no ODR merging across ISAs).
+// switches the target with `#pragma GCC target` *after* including every header (standard
+// ones, common.hpp, blocking.hpp, cpattn/dtype.hpp), so that no out-of-line function of
+// them is compiled for a wider ISA than the baseline, and restores it with
+// `#pragma GCC pop_options` after this file. Everything here has internal linkage for the
+// same reason (no ODR merging across ISAs); the path's entry points are its KernelTable,
+// defined by kernel_<isa>.cpp. The blocking constants (PAD, BQ, BQB, BK, FBK, GH, MR) are
+// blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and
@@ -34,18 +38,7 @@ namespace cpattn::kernels::CPATTN_KNS {
 namespace {
 
 constexpr int W = CPATTN_VW;  // floats per vector
-constexpr int PAD = 16;       // head dims and key columns are padded to this (multiple of W)
-constexpr int BQ = 64;        // query rows per forward unit
-constexpr int BQB = 128;      // query rows per backward step: the dK and dV products run
-                              // over 128 queries, halving their accumulator loads and stores
-constexpr int BK = 64;        // key rows per block (packing, backward)
-constexpr int FBK = 128;      // key rows per forward piece: two blocks (K^T and V are
-                              // contiguous across blocks), halving per-row softmax costs
-constexpr int GH = 4;         // query heads of one kv head per forward unit (GQA): their
-                              // Q and O blocks (4 x 2 x 32 KiB at D = 128) and a K^T/V piece
-                              // (128 KiB) fit a 512 KiB L2
-constexpr int MR = 6;         // micro-kernel rows
-static_assert(PAD % W == 0 && BK % PAD == 0 && FBK % BK == 0);
+static_assert(PAD % W == 0);
 
 // Scratch and packed operands start on a cache line (rows are padded to PAD floats, 64
 // bytes), so no vector load of the micro-kernel splits a line: malloc's 16-byte alignment
@@ -177,22 +170,13 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
 }
 
 // ---- storage conversion ------------------------------------------------------------------
-inline float ld(const void* base, DType t, int64_t i) {
-  switch (t) {
-    case DType::f32: return static_cast<const float*>(base)[i];
-    case DType::f16:
-      return static_cast<float>(std::bit_cast<_Float16>(static_cast<const uint16_t*>(base)[i]));
-    case DType::bf16:
-      return std::bit_cast<float>(uint32_t{static_cast<const uint16_t*>(base)[i]} << 16);
-  }
-  return 0.0f;
-}
+// Element conversions are cpattn/dtype.hpp's (load_elem: common.hpp).
 // Row of n elements starting at base[i0] to fp32 dst, zero padded to n_pad.
 inline void ld_row(const void* base, DType t, int64_t i0, int n, int n_pad, float* dst) {
   if (t == DType::f32) {
     std::memcpy(dst, static_cast<const float*>(base) + i0, sizeof(float) * n);
   } else {
-    for (int d = 0; d < n; ++d) dst[d] = ld(base, t, i0 + d);
+    for (int d = 0; d < n; ++d) dst[d] = load_elem(base, t, i0 + d);
   }
   for (int d = n; d < n_pad; ++d) dst[d] = 0.0f;
 }
@@ -205,8 +189,7 @@ inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, flo
     }
     case DType::f16: {
       uint16_t* o = static_cast<uint16_t*>(base) + i0;
-      for (int d = 0; d < n; ++d)
-        o[d] = std::bit_cast<uint16_t>(static_cast<_Float16>(src[d] * mul));
+      for (int d = 0; d < n; ++d) o[d] = f32_to_f16(src[d] * mul);
       return;
     }
     case DType::bf16: {
@@ -216,8 +199,6 @@ inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, flo
     }
   }
 }
-
-inline int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 
 // ---- packed K/V --------------------------------------------------------------------------
 struct Packed {
@@ -235,19 +216,24 @@ struct Packed {
   const float* Vt(int hk, int64_t b) const { return vt.data() + (hk * nblk + b) * BK * dvp; }
 };
 
-template <class P>
-void pack_kv(const P& p, bool transposed_too, Packed& pk) {
-  pk.nblk = (p.total_k + BK - 1) / BK;
-  pk.dp = pad_up(p.head_dim_qk);
-  pk.dvp = pad_up(p.head_dim_v);
-  const size_t nb = static_cast<size_t>(p.num_heads_k) * pk.nblk * BK;
+void pack_kv(const AttnInputs& in, bool transposed_too, Packed& pk) {
+  const ConstTensorView& K = in.k;
+  const ConstTensorView& V = in.v;
+  const int64_t total_k = K.rows;
+  const DType dtype = in.dtype();
+  const int64_t k_rs = K.row_step(), k_hs = K.head_step();
+  const int64_t v_rs = V.row_step(), v_hs = V.head_step();
+  pk.nblk = (total_k + BK - 1) / BK;
+  pk.dp = pad_up(K.dim);
+  pk.dvp = pad_up(V.dim);
+  const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
   pk.kt.assign(nb * pk.dp, 0.0f);
   pk.vr.assign(nb * pk.dvp, 0.0f);
   if (transposed_too) {
     pk.kr.assign(nb * pk.dp, 0.0f);
     pk.vt.assign(nb * pk.dvp, 0.0f);
   }
-  parallel_for(p.num_heads_k * pk.nblk, p.num_threads, [&](int64_t u, int) {
+  parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
     float* kt = pk.kt.data() + u * BK * pk.dp;
@@ -257,14 +243,14 @@ void pack_kv(const P& p, bool transposed_too, Packed& pk) {
     std::vector<float> row(std::max(pk.dp, pk.dvp));
     for (int c = 0; c < BK; ++c) {
       const int64_t r = b * BK + c;
-      if (r >= p.total_k) break;
+      if (r >= total_k) break;
       const int cp = c / PAD, cr = c % PAD;
-      ld_row(p.k, p.dtype, r * p.k_row_stride + hk * p.k_head_stride, p.head_dim_qk, pk.dp, row.data());
+      ld_row(K.data, dtype, r * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
       for (int d = 0; d < pk.dp; ++d) {
         kt[(cp * pk.dp + d) * PAD + cr] = row[d];
         if (kr) kr[((d / PAD) * BK + c) * PAD + d % PAD] = row[d];
       }
-      ld_row(p.v, p.dtype, r * p.v_row_stride + hk * p.v_head_stride, p.head_dim_v, pk.dvp, row.data());
+      ld_row(V.data, dtype, r * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
       for (int d = 0; d < pk.dvp; ++d) {
         vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
         if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
@@ -315,16 +301,25 @@ struct FwdScratch {
 };
 
 void forward_impl(const AttnFwdParams& p) {
-  const WorkList& w = *p.work;
-  const int hq = p.num_heads_q, group = p.num_heads_q / p.num_heads_k;
-  const bool causal = p.mask == MaskType::causal;
-  const float cl = resolve_scale(p.softmax_scale, p.head_dim_qk) * kLog2e;
-  const bool dropout = p.dropout_p > 0.0f;
-  const uint32_t thr = dropout_threshold(p.dropout_p);
-  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+  const AttnInputs& in = p.in;
+  const AttnOptions& opt = in.options;
+  const WorkList& w = *in.work;
+  const DType dtype = in.dtype();
+  const int hq = in.q.heads, group = in.q.heads / in.k.heads;
+  const int head_dim_qk = in.q.dim, head_dim_v = in.v.dim;
+  const void* const q_data = in.q.data;
+  const int64_t q_rs = in.q.row_step(), q_hs = in.q.head_step();
+  void* const out_data = p.out.data;
+  const int64_t out_rs = p.out.row_step(), out_hs = p.out.head_step();
+  float* const lse = p.lse;  // optional
+  const bool causal = opt.mask == MaskType::causal;
+  const float cl = in.softmax_scale() * kLog2e;
+  const bool dropout = opt.dropout_p > 0.0f;
+  const uint32_t thr = dropout_threshold(opt.dropout_p);
+  const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
 
   Packed pk;
-  pack_kv(p, false, pk);
+  pack_kv(in, false, pk);
   const int dp = pk.dp, dvp = pk.dvp;
 
   struct Unit {
@@ -337,10 +332,10 @@ void forward_impl(const AttnFwdParams& p) {
   // A unit is (task, block of BQ query rows, kv head, set of up to GH of that kv head's
   // query heads) and runs its heads piece by piece, so that each K^T/V piece comes from L3
   // once per set and serves the set's heads from L2 (their Q and O blocks and the piece fit).
-  const int hkn = p.num_heads_k;
+  const int hkn = in.k.heads;
   const int sets = (group + GH - 1) / GH;
   const int64_t units = static_cast<int64_t>(blocks.size()) * hkn * sets;
-  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, units)));
+  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
   std::vector<FwdScratch> scr(nthr);
   const size_t gh = static_cast<size_t>(std::min(group, GH));
   for (auto& s : scr) {
@@ -363,7 +358,7 @@ void forward_impl(const AttnFwdParams& p) {
     for (int g = 0; g < nh; ++g) {
       const int h = h0 + g;
       for (int r = 0; r < m; ++r)
-        ld_row(p.q, p.dtype, (row0 + r) * p.q_row_stride + h * p.q_head_stride, p.head_dim_qk, dp,
+        ld_row(q_data, dtype, (row0 + r) * q_rs + h * q_hs, head_dim_qk, dp,
                S.q.data() + (g * BQ + r) * dp);
       std::fill_n(S.o.data() + g * BQ * dvp, m * dvp, 0.0f);
     }
@@ -441,7 +436,7 @@ void forward_impl(const AttnFwdParams& p) {
             for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
           }
           if (dropout) {
-            const uint64_t key = dropout_row_key(p.seed, h, t.doc, qp0 + r);
+            const uint64_t key = dropout_row_key(opt.seed, h, t.doc, qp0 + r);
             for (int c = pc.c0; c < ve; ++c)
               s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
           }
@@ -456,9 +451,9 @@ void forward_impl(const AttnFwdParams& p) {
       for (int r = 0; r < m; ++r) {
         const float l = S.l[g * BQ + r];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        st_row(p.out, p.dtype, (row0 + r) * p.out_row_stride + h * p.out_head_stride, p.head_dim_v,
+        st_row(out_data, dtype, (row0 + r) * out_rs + h * out_hs, head_dim_v,
                S.o.data() + (g * BQ + r) * dvp, inv);
-        p.lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[g * BQ + r] * kLn2 + std::log(l) : kNegInf;
+        if (lse) lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[g * BQ + r] * kLn2 + std::log(l) : kNegInf;
       }
     }
   });
@@ -473,26 +468,44 @@ struct BwdScratch {
 };
 
 void backward_impl(const AttnBwdParams& p) {
-  const WorkList& w = *p.work;
-  const int hq = p.num_heads_q, hkn = p.num_heads_k, group = hq / hkn;
-  const bool causal = p.mask == MaskType::causal;
-  const float scale = resolve_scale(p.softmax_scale, p.head_dim_qk);
+  const AttnInputs& in = p.in;
+  const AttnOptions& opt = in.options;
+  const WorkList& w = *in.work;
+  const DType dtype = in.dtype();
+  const int hq = in.q.heads, hkn = in.k.heads, group = hq / hkn;
+  const int head_dim_qk = in.q.dim, head_dim_v = in.v.dim;
+  const int64_t total_k = in.k.rows;
+  const void* const q_data = in.q.data;
+  const int64_t q_rs = in.q.row_step(), q_hs = in.q.head_step();
+  const void* const out_data = p.out.data;
+  const int64_t out_rs = p.out.row_step(), out_hs = p.out.head_step();
+  const void* const dout_data = p.dout.data;
+  const int64_t dout_rs = p.dout.row_step(), dout_hs = p.dout.head_step();
+  void* const dq_data = p.dq.data;
+  const int64_t dq_rs = p.dq.row_step(), dq_hs = p.dq.head_step();
+  void* const dk_data = p.dk.data;
+  const int64_t dk_rs = p.dk.row_step(), dk_hs = p.dk.head_step();
+  void* const dv_data = p.dv.data;
+  const int64_t dv_rs = p.dv.row_step(), dv_hs = p.dv.head_step();
+  const float* const lse = p.lse;
+  const bool causal = opt.mask == MaskType::causal;
+  const float scale = in.softmax_scale();
   const float cl = scale * kLog2e;
-  const bool dropout = p.dropout_p > 0.0f;
-  const uint32_t thr = dropout_threshold(p.dropout_p);
-  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+  const bool dropout = opt.dropout_p > 0.0f;
+  const uint32_t thr = dropout_threshold(opt.dropout_p);
+  const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
 
   Packed pk;
-  pack_kv(p, true, pk);
+  pack_kv(in, true, pk);
   const int dp = pk.dp, dvp = pk.dvp;
 
   int64_t max_q = 0;
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
   // dK, dV of every query head: [hq][total_k][dp], [hq][total_k][dvp] (fp32, unscaled dK)
-  fvec gk(static_cast<size_t>(hq) * p.total_k * dp, 0.0f);
-  fvec gv(static_cast<size_t>(hq) * p.total_k * dvp, 0.0f);
+  fvec gk(static_cast<size_t>(hq) * total_k * dp, 0.0f);
+  fvec gv(static_cast<size_t>(hq) * total_k * dvp, 0.0f);
 
-  const int nthr = std::max(1, std::min(p.num_threads, hq));
+  const int nthr = std::max(1, std::min(opt.num_threads, hq));
   std::vector<BwdScratch> scr(nthr);
   for (auto& s : scr) {
     s.q.resize(max_q * dp);
@@ -508,27 +521,36 @@ void backward_impl(const AttnBwdParams& p) {
     s.dk.resize(BK * dp);
     s.dv.resize(BK * dvp);
   }
+  {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
+    size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size();
+    for (const BwdScratch& s : scr)
+      used += s.q.size() + s.dout.size() + s.dq.size() + s.lse2.size() + s.delta.size() +
+              s.q_pan.size() + s.dout_pan.size() + s.s.size() + s.pd.size() + s.dp.size() +
+              s.dk.size() + s.dv.size() + 2 * (dp + dvp);  // + row buffers (orow, ak, av)
+    check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v,
+                                                      max_q).total(nthr));
+  }
 
   parallel_for(hq, nthr, [&](int64_t hu, int th) {
     BwdScratch& S = scr[th];
     const int h = static_cast<int>(hu), hk = h / group;
-    float* gkh = gk.data() + static_cast<size_t>(h) * p.total_k * dp;
-    float* gvh = gv.data() + static_cast<size_t>(h) * p.total_k * dvp;
+    float* gkh = gk.data() + static_cast<size_t>(h) * total_k * dp;
+    float* gvh = gv.data() + static_cast<size_t>(h) * total_k * dvp;
     for (const AttnTask& t : w.tasks) {
       const int64_t nq = t.q_len;
       std::vector<float> orow(dvp);
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t row = t.q_row + i;
-        ld_row(p.q, p.dtype, row * p.q_row_stride + h * p.q_head_stride, p.head_dim_qk, dp, S.q.data() + i * dp);
+        ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, S.q.data() + i * dp);
         float* dor = S.dout.data() + i * dvp;
-        ld_row(p.dout, p.dtype, row * p.dout_row_stride + h * p.dout_head_stride, p.head_dim_v, dvp, dor);
-        ld_row(p.out, p.dtype, row * p.out_row_stride + h * p.out_head_stride, p.head_dim_v, dvp, orow.data());
+        ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
+        ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow.data());
         for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
         for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
         float delta = 0.0f;  // dout_i . out_i
-        for (int d = 0; d < p.head_dim_v; ++d) delta += dor[d] * orow[d];
+        for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
         S.delta[i] = delta;
-        S.lse2[i] = p.lse[row * hq + h] * kLog2e;
+        S.lse2[i] = lse[row * hq + h] * kLog2e;
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
 
@@ -583,7 +605,7 @@ void backward_impl(const AttnBwdParams& p) {
                 vstore(s + c, pv * (vload(dpr + c) - dl));  // dS = P (dP - delta)
               }
             } else {
-              const uint64_t key = dropout_row_key(p.seed, h, t.doc, qp0 + r);
+              const uint64_t key = dropout_row_key(opt.seed, h, t.doc, qp0 + r);
               for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
               for (int c = pc.a0; c < pc.a1; ++c) {
                 const bool vis = c >= pc.c0 && c < ve;
@@ -613,42 +635,38 @@ void backward_impl(const AttnBwdParams& p) {
         }
       });
       for (int64_t i = 0; i < nq; ++i)
-        st_row(p.dq, p.dtype, (t.q_row + i) * p.dq_row_stride + h * p.dq_head_stride,
-               p.head_dim_qk, S.dq.data() + i * dp, scale);
+        st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk,
+               S.dq.data() + i * dp, scale);
     }
   });
 
   // dk[r, hk] = scale * sum over the group's heads (in head order) of gk; dv likewise.
   const int64_t rows_per = 256;
-  parallel_for((p.total_k + rows_per - 1) / rows_per, p.num_threads, [&](int64_t u, int) {
+  parallel_for((total_k + rows_per - 1) / rows_per, opt.num_threads, [&](int64_t u, int) {
     std::vector<float> ak(dp), av(dvp);
-    const int64_t r1 = std::min(p.total_k, (u + 1) * rows_per);
+    const int64_t r1 = std::min(total_k, (u + 1) * rows_per);
     for (int64_t r = u * rows_per; r < r1; ++r)
       for (int hk = 0; hk < hkn; ++hk) {
         std::fill(ak.begin(), ak.end(), 0.0f);
         std::fill(av.begin(), av.end(), 0.0f);
         for (int h = hk * group; h < (hk + 1) * group; ++h) {
-          const float* sk = gk.data() + (static_cast<size_t>(h) * p.total_k + r) * dp;
-          const float* sv = gv.data() + (static_cast<size_t>(h) * p.total_k + r) * dvp;
+          const float* sk = gk.data() + (static_cast<size_t>(h) * total_k + r) * dp;
+          const float* sv = gv.data() + (static_cast<size_t>(h) * total_k + r) * dvp;
           for (int d = 0; d < dp; ++d) ak[d] += sk[d];
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
         if (p.grad_mode == GradMode::write) {
-          st_row(p.dk, p.dtype, r * p.dk_row_stride + hk * p.dk_head_stride, p.head_dim_qk, ak.data(), scale);
-          st_row(p.dv, p.dtype, r * p.dv_row_stride + hk * p.dv_head_stride, p.head_dim_v, av.data(), 1.0f);
-        } else {
-          float* ok = p.dk_accum + (r * hkn + hk) * p.head_dim_qk;
-          float* ov = p.dv_accum + (r * hkn + hk) * p.head_dim_v;
-          for (int d = 0; d < p.head_dim_qk; ++d) ok[d] += ak[d] * scale;
-          for (int d = 0; d < p.head_dim_v; ++d) ov[d] += av[d];
+          st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, ak.data(), scale);
+          st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, av.data(), 1.0f);
+        } else {  // fp32 views
+          float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
+          float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
+          for (int d = 0; d < head_dim_qk; ++d) ok[d] += ak[d] * scale;
+          for (int d = 0; d < head_dim_v; ++d) ov[d] += av[d];
         }
       }
   });
 }
 
 }  // namespace
-
-void forward(const AttnFwdParams& p) { forward_impl(p); }
-void backward(const AttnBwdParams& p) { backward_impl(p); }
-
 }  // namespace cpattn::kernels::CPATTN_KNS

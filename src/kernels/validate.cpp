@@ -12,43 +12,61 @@
 namespace cpattn::kernels {
 namespace {
 
-struct Shape {
-  int64_t total_q, total_k;
-  int hq, hk, dqk, dv;
-  float dropout_p;
-  int num_threads;
-  KernelPath path;
-};
-
-void check_shape(const char* fn, const Shape& s) {
-  CPATTN_CHECK(s.total_q >= 0 && s.total_k >= 0, fn, ": total_q and total_k must be >= 0, got ",
-               s.total_q, " and ", s.total_k);
-  CPATTN_CHECK(s.hq >= 1 && s.hk >= 1, fn, ": num_heads_q and num_heads_k must be >= 1, got ",
-               s.hq, " and ", s.hk);
-  CPATTN_CHECK(s.hq % s.hk == 0, fn, ": num_heads_q must be a multiple of num_heads_k, got ",
-               s.hq, " and ", s.hk);
-  CPATTN_CHECK(s.dqk >= 1 && s.dqk <= 256, fn, ": head_dim_qk must be in [1, 256], got ", s.dqk);
-  CPATTN_CHECK(s.dv >= 1 && s.dv <= 256, fn, ": head_dim_v must be in [1, 256], got ", s.dv);
-  CPATTN_CHECK(s.dropout_p >= 0.0f && s.dropout_p < 1.0f, fn,
-               ": dropout_p must be in [0, 1), got ", s.dropout_p);
-  CPATTN_CHECK(s.num_threads >= 1, fn, ": num_threads must be >= 1, got ", s.num_threads);
-  CPATTN_CHECK(s.path != KernelPath::amx, fn,
+void check_shape(const char* fn, const AttnShape& s, const AttnOptions& o) {
+  CPATTN_CHECK(s.total_q >= 0 && s.total_k >= 0, fn,
+               ": total_q (q.rows) and total_k (k.rows) must be >= 0, got ", s.total_q, " and ",
+               s.total_k);
+  CPATTN_CHECK(s.num_heads_q >= 1 && s.num_heads_k >= 1, fn,
+               ": num_heads_q (q.heads) and num_heads_k (k.heads) must be >= 1, got ",
+               s.num_heads_q, " and ", s.num_heads_k);
+  CPATTN_CHECK(s.num_heads_q % s.num_heads_k == 0, fn,
+               ": num_heads_q must be a multiple of num_heads_k, got ", s.num_heads_q, " and ",
+               s.num_heads_k);
+  CPATTN_CHECK(s.head_dim_qk >= 1 && s.head_dim_qk <= 256, fn,
+               ": head_dim_qk (q.dim) must be in [1, 256], got ", s.head_dim_qk);
+  CPATTN_CHECK(s.head_dim_v >= 1 && s.head_dim_v <= 256, fn,
+               ": head_dim_v (v.dim) must be in [1, 256], got ", s.head_dim_v);
+  CPATTN_CHECK(o.dropout_p >= 0.0f && o.dropout_p < 1.0f, fn,
+               ": dropout_p must be in [0, 1), got ", o.dropout_p);
+  CPATTN_CHECK(!o.softmax_scale || std::isfinite(*o.softmax_scale), fn,
+               ": softmax_scale must be finite, got ", o.softmax_scale.value_or(0.0f));
+  CPATTN_CHECK(o.num_threads >= 1, fn, ": num_threads must be >= 1, got ", o.num_threads);
+  CPATTN_CHECK(o.path != KernelPath::amx, fn,
                ": kernel path amx is not implemented (no AMX path is built; use automatic, "
                "portable, avx2 or avx512)");
-  CPATTN_CHECK(kernel_path_supported(s.path), fn, ": kernel path ", to_string(s.path),
+  CPATTN_CHECK(kernel_path_supported(o.path), fn, ": kernel path ", to_string(o.path),
                " is not supported by this CPU (best is ", to_string(best_kernel_path()), ")");
 }
 
-// A THD tensor [rows, heads, dim] with head_dim contiguous: strides must keep heads and rows
+// The size a view must have in one of its extents, and the user-facing name of that size.
+struct Want {
+  int64_t value;
+  const char* name;  // e.g. "total_q = q.rows"
+};
+
+// A THD view [rows, heads, dim] with head_dim contiguous: not null, the shape the call's
+// sizes give it, and strides (row_step(), head_step(); 0 = contiguous) that keep heads and rows
 // apart (no two (row, head) pairs share an element).
-void check_tensor(const char* fn, const char* name, const void* ptr, int64_t row_stride,
-                  int64_t head_stride, int heads, int dim, int64_t rows) {
-  CPATTN_CHECK(ptr != nullptr, fn, ": ", name, " must not be null");
-  CPATTN_CHECK(head_stride >= dim, fn, ": ", name, "_head_stride must be >= head dim ", dim,
-               ", got ", head_stride);
-  CPATTN_CHECK(rows <= 1 || row_stride >= head_stride * (heads - 1) + dim, fn, ": ", name,
-               "_row_stride must be >= ", head_stride * (heads - 1) + dim, " (", heads,
-               " heads of stride ", head_stride, ", dim ", dim, "), got ", row_stride);
+void check_view(const char* fn, const char* name, const ConstTensorView& t, Want rows,
+                Want heads, Want dim) {
+  CPATTN_CHECK(t.data != nullptr, fn, ": ", name, " must not be null");
+  CPATTN_CHECK(t.rows == rows.value, fn, ": ", name, ".rows must equal ", rows.name, " = ",
+               rows.value, ", got ", t.rows);
+  CPATTN_CHECK(t.heads == heads.value, fn, ": ", name, ".heads must equal ", heads.name, " = ",
+               heads.value, ", got ", t.heads);
+  CPATTN_CHECK(t.dim == dim.value, fn, ": ", name, ".dim must equal ", dim.name, " = ",
+               dim.value, ", got ", t.dim);
+  const int64_t hs = t.head_step(), rs = t.row_step();
+  CPATTN_CHECK(hs >= t.dim, fn, ": ", name, ".head_stride must be >= head dim ", t.dim,
+               " (or 0: contiguous), got ", hs);
+  CPATTN_CHECK(t.rows <= 1 || rs >= hs * (t.heads - 1) + t.dim, fn, ": ", name,
+               ".row_stride must be >= ", hs * (t.heads - 1) + t.dim, " (", t.heads,
+               " heads of stride ", hs, ", dim ", t.dim, ") or 0 (contiguous), got ", rs);
+}
+
+void check_dtype(const char* fn, const char* name, const ConstTensorView& t, DType want) {
+  CPATTN_CHECK(t.dtype == want, fn, ": ", name, " has dtype ", to_string(t.dtype),
+               " but q has ", to_string(want), " (every tensor has q's storage dtype)");
 }
 
 void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t total_k) {
@@ -89,50 +107,70 @@ void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t tota
                  qranges[i - 1].second, ") and [", qranges[i].first, ", ", qranges[i].second, ")");
 }
 
-// What forward and backward share: shapes, scale, q, k, v and out (the fields have the same
-// names in both parameter structs).
-template <class P>
-void check_inputs(const char* fn, const P& p) {
-  check_shape(fn, {p.total_q, p.total_k, p.num_heads_q, p.num_heads_k, p.head_dim_qk,
-                   p.head_dim_v, p.dropout_p, p.num_threads, p.path});
-  CPATTN_CHECK(std::isfinite(p.softmax_scale), fn, ": softmax_scale must be finite, got ",
-               p.softmax_scale);
-  check_tensor(fn, "q", p.q, p.q_row_stride, p.q_head_stride, p.num_heads_q, p.head_dim_qk, p.total_q);
-  check_tensor(fn, "k", p.k, p.k_row_stride, p.k_head_stride, p.num_heads_k, p.head_dim_qk, p.total_k);
-  check_tensor(fn, "v", p.v, p.v_row_stride, p.v_head_stride, p.num_heads_k, p.head_dim_v, p.total_k);
-  check_tensor(fn, "out", p.out, p.out_row_stride, p.out_head_stride, p.num_heads_q, p.head_dim_v,
-               p.total_q);
+// What forward and backward share: the shape (of q, k, v, checked against each other), the
+// options, the dtype and the views q, k, v.
+void check_inputs(const char* fn, const AttnInputs& in) {
+  CPATTN_CHECK(in.q.data != nullptr, fn, ": q must not be null");
+  CPATTN_CHECK(in.k.data != nullptr, fn, ": k must not be null");
+  CPATTN_CHECK(in.v.data != nullptr, fn, ": v must not be null");
+  const AttnShape s = in.shape();
+  check_shape(fn, s, in.options);
+  const DType dt = in.dtype();
+  check_dtype(fn, "k", in.k, dt);
+  check_dtype(fn, "v", in.v, dt);
+  check_view(fn, "q", in.q, {s.total_q, "total_q = q.rows"},
+             {s.num_heads_q, "num_heads_q = q.heads"}, {s.head_dim_qk, "head_dim_qk = q.dim"});
+  check_view(fn, "k", in.k, {s.total_k, "total_k = k.rows"},
+             {s.num_heads_k, "num_heads_k = k.heads"}, {s.head_dim_qk, "head_dim_qk = q.dim"});
+  check_view(fn, "v", in.v, {s.total_k, "total_k = k.rows"},
+             {s.num_heads_k, "num_heads_k = k.heads"}, {s.head_dim_v, "head_dim_v = v.dim"});
+}
+
+// A view of q's rows and heads (out, dout, dq) of head dim `dim`.
+void check_q_like(const char* fn, const char* name, const AttnShape& s, const ConstTensorView& t,
+                  Want dim) {
+  check_view(fn, name, t, {s.total_q, "total_q = q.rows"},
+             {s.num_heads_q, "num_heads_q = q.heads"}, dim);
 }
 
 }  // namespace
 
 void validate(const AttnFwdParams& p) {
   const char* fn = "attention_forward";
-  check_inputs(fn, p);
-  CPATTN_CHECK(p.lse != nullptr, fn, ": lse must not be null");
-  check_work(fn, p.work, p.total_q, p.total_k);
+  check_inputs(fn, p.in);
+  const AttnShape s = p.in.shape();
+  check_q_like(fn, "out", s, p.out, {s.head_dim_v, "head_dim_v = v.dim"});
+  check_dtype(fn, "out", p.out, p.in.dtype());
+  // lse is optional: null skips it
+  check_work(fn, p.in.work, s.total_q, s.total_k);
 }
 
 void validate(const AttnBwdParams& p) {
   const char* fn = "attention_backward";
-  check_inputs(fn, p);
-  check_tensor(fn, "dout", p.dout, p.dout_row_stride, p.dout_head_stride, p.num_heads_q,
-               p.head_dim_v, p.total_q);
-  check_tensor(fn, "dq", p.dq, p.dq_row_stride, p.dq_head_stride, p.num_heads_q, p.head_dim_qk,
-               p.total_q);
+  check_inputs(fn, p.in);
+  const AttnShape s = p.in.shape();
+  const DType dt = p.in.dtype();
+  const Want dqk{s.head_dim_qk, "head_dim_qk = q.dim"}, dv{s.head_dim_v, "head_dim_v = v.dim"};
+  check_q_like(fn, "out", s, p.out, dv);
+  check_q_like(fn, "dout", s, p.dout, dv);
+  check_q_like(fn, "dq", s, p.dq, dqk);
+  check_view(fn, "dk", p.dk, {s.total_k, "total_k = k.rows"},
+             {s.num_heads_k, "num_heads_k = k.heads"}, dqk);
+  check_view(fn, "dv", p.dv, {s.total_k, "total_k = k.rows"},
+             {s.num_heads_k, "num_heads_k = k.heads"}, dv);
   CPATTN_CHECK(p.lse != nullptr, fn, ": lse must not be null");
+  check_dtype(fn, "out", p.out, dt);
+  check_dtype(fn, "dout", p.dout, dt);
+  check_dtype(fn, "dq", p.dq, dt);
   if (p.grad_mode == GradMode::write) {
-    check_tensor(fn, "dk", p.dk, p.dk_row_stride, p.dk_head_stride, p.num_heads_k, p.head_dim_qk,
-                 p.total_k);
-    check_tensor(fn, "dv", p.dv, p.dv_row_stride, p.dv_head_stride, p.num_heads_k, p.head_dim_v,
-                 p.total_k);
+    check_dtype(fn, "dk", p.dk, dt);
+    check_dtype(fn, "dv", p.dv, dt);
   } else {
-    CPATTN_CHECK(p.dk_accum != nullptr && p.dv_accum != nullptr, fn,
-                 ": grad_mode accumulate needs dk_accum and dv_accum, got dk_accum ",
-                 static_cast<const void*>(p.dk_accum), ", dv_accum ",
-                 static_cast<const void*>(p.dv_accum));
+    CPATTN_CHECK(p.dk.dtype == DType::f32 && p.dv.dtype == DType::f32, fn,
+                 ": grad_mode accumulate needs fp32 dk and dv, got dk ", to_string(p.dk.dtype),
+                 ", dv ", to_string(p.dv.dtype));
   }
-  check_work(fn, p.work, p.total_q, p.total_k);
+  check_work(fn, p.in.work, s.total_q, s.total_k);
 }
 
 }  // namespace cpattn::kernels

@@ -1,0 +1,57 @@
+// The blocking of the fast kernels (kernel_impl.hpp): the constants that do not depend on the
+// vector width, and the scratch they imply. One place, so that attention.cpp's
+// attention_backward_scratch_bytes and the kernels cannot disagree.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace cpattn::kernels {
+
+constexpr int PAD = 16;   // head dims and key columns are padded to this (multiple of W)
+constexpr int BQ = 64;    // query rows per forward unit
+constexpr int BQB = 128;  // query rows per backward step: the dK and dV products run
+                          // over 128 queries, halving their accumulator loads and stores
+constexpr int BK = 64;    // key rows per block (packing, backward)
+constexpr int FBK = 128;  // key rows per forward piece: two blocks (K^T and V are
+                          // contiguous across blocks), halving per-row softmax costs
+constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): their
+                          // Q and O blocks (4 x 2 x 32 KiB at D = 128) and a K^T/V piece
+                          // (128 KiB) fit a 512 KiB L2
+constexpr int MR = 6;     // micro-kernel rows
+static_assert(BK % PAD == 0 && FBK % BK == 0);
+
+constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
+
+// fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
+// longest task. Every buffer backward_impl allocates is counted here (it checks that it
+// stays within this bound).
+struct BwdScratchFloats {
+  size_t packed_kv;       // K^T, K, V, V^T packed per kv head in blocks of BK rows
+  size_t per_head_grads;  // dK, dV per query head
+  size_t per_thread;      // one thread's buffers
+  size_t total(int threads) const {
+    return packed_kv + per_head_grads + per_thread * static_cast<size_t>(std::max(threads, 1));
+  }
+};
+
+constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_heads_q,
+                                                   int num_heads_k, int head_dim_qk,
+                                                   int head_dim_v, int64_t max_q) {
+  const size_t dp = static_cast<size_t>(pad_up(head_dim_qk));
+  const size_t dvp = static_cast<size_t>(pad_up(head_dim_v));
+  const size_t tk = static_cast<size_t>((total_k + BK - 1) / BK * BK);
+  const size_t mq = static_cast<size_t>(max_q);
+  BwdScratchFloats f{};
+  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * 2 * (dp + dvp);
+  f.per_head_grads = static_cast<size_t>(num_heads_q) * static_cast<size_t>(total_k) * (dp + dvp);
+  // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
+  // dP blocks [BQB][BK]; the piece's dK, dV tiles [BK][dp + dvp]; row buffers (a packed row,
+  // an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp)
+  f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * size_t{BQB} * BK + BK * (dp + dvp) +
+                 2 * (dp + dvp);
+  return f;
+}
+
+}  // namespace cpattn::kernels
