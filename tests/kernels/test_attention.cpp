@@ -402,10 +402,10 @@ TEST_F(kernel_bad_params, Raise) {
   expect_error(p, "multiple of num_heads_k");
   p = good();
   p.in.q.dim = p.in.k.dim = 0;  // head_dim_qk
-  expect_error(p, "head_dim_qk must be in [1, 256]");
+  expect_error(p, "head_dim_qk (q.dim) must be in [1, 256]");
   p = good();
   p.in.v.dim = p.out.dim = 257;  // head_dim_v
-  expect_error(p, "head_dim_v must be in [1, 256]");
+  expect_error(p, "head_dim_v (v.dim) must be in [1, 256]");
   p = good();
   p.in.options.dropout_p = 1.0f;
   expect_error(p, "dropout_p must be in [0, 1)");
