@@ -3,7 +3,7 @@
 (issue: load-balanced KV all-gather CP). Every configuration is timed by `cpattn run`
 (medians of --repeats forward+backward steps, after a check against a single-process run).
 
-    bench/cp_bench.py build/release/tools/cpattn [--tokens 8192] [--repeats 5]
+    bench/cp_bench.py build/release/tools/cpattn [--seq-len 8192] [--repeats 5]
 
 Prints a Markdown table for docs/benchmarks.md."""
 import argparse
@@ -13,12 +13,12 @@ import subprocess
 
 ap = argparse.ArgumentParser()
 ap.add_argument("cpattn")
-ap.add_argument("--tokens", type=int, default=8192)
+ap.add_argument("--seq-len", type=int, default=8192)
 ap.add_argument("--repeats", type=int, default=5)
 ap.add_argument("--dtypes", default="fp32,bf16")
 args = ap.parse_args()
 env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-shape = ["--tokens", str(args.tokens), "--heads", "16", "--kv-heads", "4", "--head-dim", "128",
+shape = ["--seq-len", str(args.seq_len), "--heads", "16", "--kv-heads", "4", "--head-dim", "128",
          "--repeats", str(args.repeats), "--json"]
 
 

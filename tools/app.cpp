@@ -1,6 +1,6 @@
 // The command line's frame: parsing, dispatch and exit codes, shared by `cpattn` and the
-// command-line fuzzer. Exit codes: 0 success, 1 a run that failed its own check or an
-// unexpected error, 2 bad flags or values (one line on stderr, no stack trace).
+// command-line fuzzer. Exit codes (docs/cli.md): 0 success, 1 a run that failed its own check
+// or an unexpected error, 2 bad flags, values or files (one line on stderr, no stack trace).
 #include <cpattn/error.hpp>
 
 #include <cstdio>
@@ -8,6 +8,12 @@
 #include <exception>
 
 #include "commands.hpp"
+
+// The project version (tools/CMakeLists.txt); targets that compile this file alone (fuzz_cli)
+// do without it.
+#ifndef CPATTN_VERSION_STRING
+#define CPATTN_VERSION_STRING "unknown"
+#endif
 
 namespace cpattn::cli {
 
@@ -23,6 +29,7 @@ void configure_app(CLI::App& app) {
   app.name("cpattn");
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Print the help of every subcommand");
+  app.set_version_flag("--version", std::string("cpattn ") + CPATTN_VERSION_STRING, "Print cpattn's version");
 }
 
 int run_app(CLI::App& app, int argc, const char* const* argv) {
@@ -33,6 +40,8 @@ int run_app(CLI::App& app, int argc, const char* const* argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     if (quiet_rank()) return 2;

@@ -9,43 +9,50 @@
 
 #include <cstdio>
 #include <iostream>
-#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
 
 #include "commands.hpp"
+#include "vocab.hpp"
 
 namespace cpattn::cli {
 namespace {
 
 struct BenchAttnArgs {
-  int64_t seqlen = 8192;
+  int64_t seq_len = 8192;
   std::vector<int64_t> lengths;
-  int heads = 16, kv_heads = 4, head_dim = 128, head_dim_v = 0, threads = 1, repeats = 3;
-  std::string dtype = "f32", path = "automatic";
-  bool causal = true, json = false;
+  int heads = 16, kv_heads = 4, head_dim = 128, head_dim_qk = 0, head_dim_v = 0, threads = 1, repeats = 3;
+  std::string dtype = "fp32", kernel_path = "automatic", mask = "causal";  // canonical (vocab.hpp)
+  bool json = false;
+  bool fail_check = false;  // hidden, for tests: corrupt the result so that its check fails
 };
 
 void run_bench_attention(const BenchAttnArgs& a) {
-  static const std::map<std::string, DType> dtypes{
-      {"f32", DType::f32}, {"f16", DType::f16}, {"bf16", DType::bf16}};
-  static const std::map<std::string, KernelPath> paths{
-      {"automatic", KernelPath::automatic}, {"portable", KernelPath::portable},
-      {"avx2", KernelPath::avx2}, {"avx512", KernelPath::avx512}, {"amx", KernelPath::amx}};
   check::AttnBenchOptions o;
-  o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seqlen} : a.lengths;
+  o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
   for (int64_t l : o.lengths) CPATTN_CHECK(l >= 1, "--lengths: every length must be >= 1, got ", l);
+  CPATTN_CHECK(a.heads % a.kv_heads == 0, "--heads (", a.heads, ") must be a positive multiple of --kv-heads (",
+               a.kv_heads, ")");
   o.heads = a.heads;
   o.kv_heads = a.kv_heads;
-  o.head_dim = a.head_dim;
-  o.head_dim_v = a.head_dim_v;
-  o.dtype = dtypes.at(a.dtype);
+  o.head_dim = a.head_dim_qk > 0 ? a.head_dim_qk : a.head_dim;
+  o.head_dim_v = a.head_dim_v > 0 ? a.head_dim_v : a.head_dim;
+  o.dtype = parse_dtype(a.dtype);
   o.threads = a.threads;
-  o.mask = a.causal ? MaskType::causal : MaskType::none;
+  o.mask = parse_mask(a.mask);
   o.repeats = a.repeats;
-  o.path = paths.at(a.path);
-  const check::AttnBenchResult r = check::run_attention_bench(o, a.json ? nullptr : &std::cerr);
+  o.path = parse_kernel_path(a.kernel_path);
+  check_kernel_path_supported(o.path);
+  o.fail_check_for_testing = a.fail_check;
+  check::AttnBenchResult r;
+  try {
+    r = check::run_attention_bench(o, a.json ? nullptr : &std::cerr);
+  } catch (const check::CheckFailed& e) {  // a failed check is exit code 1, not bad input
+    std::fprintf(stderr, "cpattn: check failed: %s\n", e.message().c_str());
+    throw ExitCode{1};
+  }
+  const int64_t seq_len = std::accumulate(o.lengths.begin(), o.lengths.end(), int64_t{0});
   const double peak = r.fma_peak_gflops;
   if (a.json) {
     nlohmann::json j;
@@ -64,26 +71,27 @@ void run_bench_attention(const BenchAttnArgs& a) {
     j["fwd_flops"] = r.fwd_flops;
     j["bwd_flops"] = r.bwd_flops;
     j["threads"] = o.threads;
-    j["dtype"] = a.dtype;
-    j["path"] = r.path;
+    j["dtype"] = dtype_name(o.dtype);
+    j["kernel_path"] = r.path;
+    j["seq_len"] = seq_len;
+    j["documents"] = o.lengths.size();
     j["lengths"] = o.lengths;
     j["heads"] = o.heads;
     j["kv_heads"] = o.kv_heads;
-    j["head_dim"] = o.head_dim;
-    j["head_dim_v"] = o.head_dim_v > 0 ? o.head_dim_v : o.head_dim;
-    j["causal"] = o.mask == MaskType::causal;
+    j["head_dim_qk"] = o.head_dim;
+    j["head_dim_v"] = o.head_dim_v;
+    j["mask"] = mask_name(o.mask);
     j["repeats"] = o.repeats;
     j["check_max_rel_err"] = r.check_max_rel_err;
     j["check_scope"] = r.check_scope;
     std::cout << j.dump() << "\n";
     return;
   }
-  std::printf("attention %s, path %s, %d thread(s), %zu document(s), %lld tokens, Hq %d, Hkv %d, "
-              "D %d/%d, %s\n",
-              a.dtype.c_str(), r.path.c_str(), o.threads, o.lengths.size(),
-              static_cast<long long>(std::accumulate(o.lengths.begin(), o.lengths.end(), int64_t{0})),
-              o.heads, o.kv_heads, o.head_dim, o.head_dim_v > 0 ? o.head_dim_v : o.head_dim,
-              o.mask == MaskType::causal ? "causal" : "no mask");
+  std::printf("attention %s, kernel path %s, %d thread(s), %zu document(s), seq len %lld, heads %d, kv heads %d, "
+              "head dim qk/v %d/%d, mask %s\n",
+              dtype_name(o.dtype).c_str(), r.path.c_str(), o.threads, o.lengths.size(),
+              static_cast<long long>(seq_len), o.heads, o.kv_heads, o.head_dim, o.head_dim_v,
+              mask_name(o.mask).c_str());
   std::printf("  forward   %8.1f GFLOP/s  %6.1f%% of FMA peak  (%.3f s median of %d)\n",
               r.fwd_gflops, 100 * r.fwd_gflops / peak, r.fwd_seconds, o.repeats);
   std::printf("  backward  %8.1f GFLOP/s  %6.1f%% of FMA peak  (%.3f s median of %d)\n",
@@ -103,24 +111,31 @@ void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchAttnArgs>();
   CLI::App* at = bench->add_subcommand(
       "attention", "Fused attention forward/backward GFLOP/s against this core's FMA peak");
-  at->add_option("--seqlen", args->seqlen, "One document of this many tokens")
-      ->check(CLI::PositiveNumber);
-  at->add_option("--lengths", args->lengths, "Document lengths of a packed batch (overrides --seqlen)")
+  at->add_option("--seq-len", args->seq_len, "One document of this many tokens")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  at->add_option("--lengths", args->lengths, "Document lengths of a packed batch (overrides --seq-len)")
       ->delimiter(',');
-  at->add_option("--heads", args->heads, "Query heads")->check(CLI::PositiveNumber);
-  at->add_option("--kv-heads", args->kv_heads, "Key/value heads")->check(CLI::PositiveNumber);
-  at->add_option("--head-dim", args->head_dim, "Head dim of q and k")->check(CLI::Range(1, 256));
-  at->add_option("--head-dim-v", args->head_dim_v, "Head dim of v (default: --head-dim)")
+  at->add_option("--heads", args->heads, "Query heads")->check(CLI::PositiveNumber)->capture_default_str();
+  at->add_option("--kv-heads", args->kv_heads, "Key/value heads (GQA when fewer than --heads)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  at->add_option("--head-dim", args->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  at->add_option("--head-dim-qk", args->head_dim_qk, "Head dimension of q and k (MLA), overrides --head-dim")
       ->check(CLI::Range(1, 256));
-  at->add_option("--dtype", args->dtype, "Storage type")
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
-  at->add_option("--path", args->path, "Kernel path")
-      ->check(CLI::IsMember({"automatic", "portable", "avx2", "avx512", "amx"}));
-  at->add_option("--threads", args->threads, "Threads")->check(CLI::PositiveNumber);
-  at->add_flag("--causal,!--no-causal", args->causal, "Causal mask (default) or none");
+  at->add_option("--head-dim-v", args->head_dim_v, "Head dimension of v (MLA), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
+  at->add_option("--dtype", args->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")
+      ->transform(dtype_transformer())->capture_default_str();
+  at->add_option("--kernel-path", args->kernel_path, "Kernel path (automatic: the fastest this CPU runs)")
+      ->transform(kernel_path_transformer())->capture_default_str();
+  at->add_option("--threads", args->threads, "Threads")->check(CLI::PositiveNumber)->capture_default_str();
+  at->add_option("--mask", args->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
   at->add_option("--repeats", args->repeats, "Timed runs per direction (median)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::PositiveNumber)->capture_default_str();
   at->add_flag("--json", args->json, "Print one JSON object");
+  at->add_flag("--testing-fail-check", args->fail_check,
+               "Testing only: corrupt the result before its check, which then fails (exit code 1)")
+      ->group("");
   at->callback([args] { run_bench_attention(*args); });
 }
 

@@ -68,6 +68,7 @@ void print_table(const BalanceReport& b, const std::vector<int64_t>& cu) {
   std::printf("padding: %lld tokens (%.2f%% of the real tokens), padded batch %lld tokens\n\n",
               static_cast<long long>(b.padding_tokens()), b.padding_percent(),
               static_cast<long long>(b.padded_tokens));
+  // Work columns count real (query, key) pairs only, padding excluded (docs/planner.md).
   std::printf("%-5s %12s %9s %7s %16s %16s   %12s %16s\n", "rank", "local_tokens", "padding",
               "tasks", "rect_work", "visible_pairs", "contig_tok", "contig_visible");
   for (const RankBalance& r : b.ranks)
@@ -77,7 +78,7 @@ void print_table(const BalanceReport& b, const std::vector<int64_t>& cu) {
                 static_cast<long long>(r.balanced.visible_pairs),
                 static_cast<long long>(r.contiguous_tokens),
                 static_cast<long long>(r.contiguous.visible_pairs));
-  std::printf("\nimbalance (max/mean visible pairs): balanced %.4f, contiguous %.4f\n",
+  std::printf("\nimbalance (max/mean real visible pairs): balanced %.4f, contiguous %.4f\n",
               b.imbalance_balanced, b.imbalance_contiguous);
 }
 

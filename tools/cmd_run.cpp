@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "run/run.hpp"
+#include "vocab.hpp"
 
 namespace cpattn::cli {
 
@@ -40,20 +41,26 @@ void add_run_command(CLI::App& app) {
       "single-process run. Launch as: mpirun -np N cpattn run [flags]. Exits 1 when the check fails.");
   auto* lengths = cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated (default: a "
                                                            "realistic mix drawn from --seed)")->delimiter(',');
-  auto* tokens = cmd->add_option("--tokens", a->tokens, "Tokens of the default document mix")->capture_default_str();
+  auto* seq_len = cmd->add_option("--seq-len", a->seq_len, "Tokens of the default document mix")->capture_default_str();
   auto* npy = cmd->add_option("--npy-in", a->npy_in,
                               "Read the global unpadded batch from DIR: q.npy, k.npy, v.npy, dout.npy (float32 "
                               "or float16, [T, H, D]) and cu_seqlens.npy (int32 or int64, leading 0)");
-  npy->excludes(lengths, tokens);
+  npy->excludes(lengths, seq_len);
   cmd->add_option("--npy-out", a->npy_out, "Write out.npy, lse.npy ([T, Hq]), dq.npy, dk.npy, dv.npy (float32, "
                                            "real tokens in global order) to DIR");
   cmd->add_option("--heads", a->heads, "Query heads")->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")->capture_default_str();
-  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->capture_default_str();
-  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA: e.g. 192), overrides --head-dim");
-  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA: e.g. 128), overrides --head-dim");
-  cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16")->capture_default_str();
-  cmd->add_option("--mask", a->mask, "causal or none")->capture_default_str();
+  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA: e.g. 192), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA: e.g. 128), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")
+      ->transform(dtype_transformer())->capture_default_str();
+  cmd->add_option("--mask", a->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
+  cmd->add_option("--kernel-path", a->kernel_path, "Kernel path (automatic: the fastest this CPU runs)")
+      ->transform(kernel_path_transformer())->capture_default_str();
   cmd->add_option("--dropout", a->dropout, "Attention dropout probability in [0, 1)")->capture_default_str();
   cmd->add_option("--threads", a->threads, "Kernel threads per rank")->capture_default_str();
   cmd->add_option("--cp", a->cp, "Context-parallel size, dividing the MPI world size: world/cp CP groups "

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "vocab.hpp"
 
 extern char** environ;
 
@@ -46,7 +47,7 @@ struct TrainArgs {
   int64_t seq_len = 1024;
   int64_t steps = 200;
   uint64_t seed = 1;
-  std::string attn_dtype = "fp32";
+  std::string dtype = "fp32";  // attention storage, canonical (vocab.hpp)
   int threads = 1;
   std::vector<std::string> data;
   std::string json_log, save, resume;
@@ -65,12 +66,7 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-DType parse_attn_dtype(const std::string& s) {
-  if (s == "fp32") return DType::f32;
-  if (s == "bf16") return DType::bf16;
-  CPATTN_CHECK(false, "--attn-dtype must be fp32 or bf16, got '", s, "'");
-  return DType::f32;
-}
+DType parse_train_dtype(const std::string& s) { return parse_dtype(s, kTrainDtypes, "cpattn train"); }
 
 // Checks that need no MPI, the same on every rank.
 void check_args(const TrainArgs& a) {
@@ -82,7 +78,7 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.optim.weight_decay >= 0, "--weight-decay must be >= 0, got ", a.optim.weight_decay);
   CPATTN_CHECK(a.optim.clip >= 0, "--clip must be >= 0 (0: no clipping), got ", a.optim.clip);
   CPATTN_CHECK(a.print_every >= 1, "--print-every must be >= 1, got ", a.print_every);
-  parse_attn_dtype(a.attn_dtype);
+  parse_train_dtype(a.dtype);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into 2 * cp = ", train::min_seq_len(a.cp),
@@ -137,7 +133,7 @@ void train_run(const TrainArgs& a) {
   std::unique_ptr<train::DataStream> data;
   train::on_every_rank(comm, [&] { data = std::make_unique<train::DataStream>(train::load_documents(a.data)); });
   train::Trainer trainer(comm, a.model, a.optim,
-                         {.attn_dtype = parse_attn_dtype(a.attn_dtype), .threads = a.threads,
+                         {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
                           .rope_local_offsets = a.rope_local},
                          a.seed);
   if (!a.resume.empty()) {
@@ -158,7 +154,7 @@ void train_run(const TrainArgs& a) {
                 static_cast<long long>(params));
     std::printf("  data: %zu documents, %lld tokens per epoch; seq-len %lld; attention %s; %d thread(s) per rank%s\n",
                 data->documents().size(), static_cast<long long>(data->total_tokens()),
-                static_cast<long long>(a.seq_len), a.attn_dtype.c_str(), a.threads,
+                static_cast<long long>(a.seq_len), a.dtype.c_str(), a.threads,
                 a.resume.empty() ? "" : (", resumed at step " + std::to_string(trainer.steps_done())).c_str());
     std::fflush(stdout);
   }
@@ -219,7 +215,7 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--steps", std::to_string(a.steps), "--seed", std::to_string(a.seed),
                                 "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
-                                "--attn-dtype", a.attn_dtype, "--threads", std::to_string(a.threads),
+                                "--dtype", a.dtype, "--threads", std::to_string(a.threads),
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
                                 "--json-log", log};
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
@@ -390,7 +386,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--weight-decay", a->optim.weight_decay, "AdamW weight decay (matrices only)")
       ->capture_default_str();
   cmd->add_option("--clip", a->optim.clip, "Clip the global gradient norm to this (0: off)")->capture_default_str();
-  cmd->add_option("--attn-dtype", a->attn_dtype, "Attention storage type: fp32 or bf16")->capture_default_str();
+  cmd->add_option("--dtype", a->dtype, "Attention storage type: fp32 or bf16 (or float32, bfloat16)")
+      ->transform(dtype_transformer(kTrainDtypes, "cpattn train"))->capture_default_str();
   cmd->add_option("--threads", a->threads, "BLAS and attention threads per rank")->capture_default_str();
   cmd->add_option("--data", a->data, "Files or folders, one document per file (default: " +
                                          std::string(train::kDefaultDataDir) + ")");

@@ -6,9 +6,11 @@
 // Inside cpattn everything is cu_seqlens. Valid boundaries hold at least one document, are
 // strictly increasing (no empty document) and end at the token count T when T is given.
 //
-// Padding: for context parallelism of size cp every document of length L is padded at its
+// Padding: for context parallelism of size cp > 1 every document of length L is padded at its
 // tail to P = ceil(L / (2*cp)) * 2*cp tokens, so that it splits into 2*cp equal chunks.
 //   cu_seqlens = [0, 5, 16], cp = 2  ->  cu_seqlens_padded = [0, 8, 20]
+// At cp = 1 there is one rank and one chunk per document (chunks_per_document(1) == 1): no
+// padding, cu_seqlens_padded == cu_seqlens, as in a single-process FlashAttention varlen call.
 #pragma once
 
 #include <cstdint>
@@ -29,11 +31,21 @@ inline constexpr int kMaxCp = 65536;
 // (unless total_tokens is kUnknownTokens).
 void check_cu_seqlens(std::span<const int64_t> cu_seqlens, int64_t total_tokens = kUnknownTokens,
                       std::string_view name = "cu_seqlens");
+// The same for int32 boundaries (what PyTorch and FlashAttention hand over): widened once to
+// int64, then checked by the function above, with the same messages.
+void check_cu_seqlens(std::span<const int32_t> cu_seqlens, int64_t total_tokens = kUnknownTokens,
+                      std::string_view name = "cu_seqlens");
 
 // Ends form -> cu_seqlens, validated as above (errors name `name` and its positions).
 std::vector<int64_t> cu_seqlens_from_ends(std::span<const int64_t> ends,
                                           int64_t total_tokens = kUnknownTokens,
                                           std::string_view name = "ends");
+std::vector<int64_t> cu_seqlens_from_ends(std::span<const int32_t> ends,
+                                          int64_t total_tokens = kUnknownTokens,
+                                          std::string_view name = "ends");
+
+// int32 boundaries widened to int64 (no checks): the one conversion at the API's edge.
+std::vector<int64_t> widen_boundaries(std::span<const int32_t> values);
 
 // cu_seqlens -> ends form (drops the leading 0). Expects valid cu_seqlens.
 std::vector<int64_t> ends_from_cu_seqlens(std::span<const int64_t> cu_seqlens);
@@ -42,11 +54,19 @@ std::vector<int64_t> ends_from_cu_seqlens(std::span<const int64_t> cu_seqlens);
 std::vector<int64_t> cu_seqlens_from_lengths(std::span<const int64_t> lengths,
                                              std::string_view name = "lengths");
 
-// Smallest multiple of 2*cp that is >= len.
+// How many chunks the split cuts every document into: 2*cp, except 1 at cp = 1 (one rank
+// holds the whole document; nothing to balance, nothing to pad). Every part of the planner
+// whose structure depends on the chunk count goes through this (and tasks_per_document in
+// plan.hpp).
+constexpr int64_t chunks_per_document(int cp) { return cp == 1 ? 1 : 2 * int64_t{cp}; }
+
+// Smallest multiple of chunks_per_document(cp) that is >= len: 2*cp for cp > 1; len itself
+// at cp = 1.
 constexpr int64_t padded_length(int64_t len, int cp) {
-  const int64_t m = 2 * int64_t{cp};
+  const int64_t m = chunks_per_document(cp);
   return (len + m - 1) / m * m;
 }
+static_assert(padded_length(3, 1) == 3 && padded_length(5, 2) == 8 && padded_length(7, 3) == 12);
 
 // Checks 1 <= cp <= kMaxCp (naming `name`).
 void check_cp_size(int cp, std::string_view name = "cp");

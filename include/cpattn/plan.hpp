@@ -1,17 +1,27 @@
 // The load-balancing planner (DESIGN.md sections 3 and 4): pure functions of the document
 // boundaries, cp and rank that return plain data. No MPI.
 //
-// Every document, padded to P = padded_length(L, cp), is cut into 2*cp chunks of c = P/(2*cp)
-// tokens; rank r keeps chunk r (front) and chunk 2*cp-1-r (back) of every document, in
-// document order, front before back. Worked example, cu_seqlens = [0, 16, 40], cp = 2:
+// Every document, padded to P = padded_length(L, cp), is cut into chunks_per_document(cp)
+// chunks of c = P / chunks_per_document(cp) tokens: 2*cp chunks for cp > 1; rank r keeps
+// chunk r (front) and chunk 2*cp-1-r (back) of every document, in document order, front
+// before back. Worked example, cu_seqlens = [0, 16, 40], cp = 2:
 //   rank 0 holds global tokens 0-3, 12-15, 16-21, 34-39; rank 1 holds 4-7, 8-11, 22-27, 28-33.
 // After the K/V all-gather, rank s's local tokens sit at [s*T_loc, (s+1)*T_loc) of the
-// rank-major gathered buffer. Rank r runs two attention tasks per document: the front chunk's
-// queries over chunks 0..r, the back chunk's over chunks 0..2*cp-1-r, each bottom-right aligned.
+// rank-major gathered buffer. Rank r runs tasks_per_document(cp) attention tasks per
+// document: for cp > 1 two, the front chunk's queries over chunks 0..r, the back chunk's over
+// chunks 0..2*cp-1-r, each bottom-right aligned.
 // For the example, in ends form: actual_seq_qlen = [4, 8, 14, 20] on both ranks,
 // actual_seq_kvlen = [4, 20, 26, 50] on rank 0 and [8, 20, 32, 50] on rank 1.
+//
+// cp = 1 is the single-process varlen call: one chunk per document (c = L, no padding), ONE
+// task per document (the whole document's queries over the whole document's keys), T_loc = T,
+// the gather index the identity. For [0, 16, 40]: actual_seq_qlen = actual_seq_kvlen = [16, 40].
+//
+// Work (Workload, BalanceReport) counts real (query, key) pairs only: the CP layer runs every
+// task with padding cut out (without_padding), so padding queries and padding keys do no work.
 #pragma once
 
+#include <cpattn/layout.hpp>
 #include <cpattn/worklist.hpp>
 
 #include <cstddef>
@@ -30,12 +40,24 @@ struct DocSplit {
   int64_t len = 0;           // real tokens
   int64_t padded_begin = 0;  // first token in the padded batch
   int64_t padded_len = 0;    // padded_length(len, cp)
-  int64_t chunk = 0;         // padded_len / (2*cp)
+  int64_t chunk = 0;         // padded_len / chunks_per_document(cp)
   int64_t local_begin = 0;   // padded_begin / cp: where the front chunk starts on every rank
 };
 
-// Work of one rank's attention: sum(q_len * kv_len) over its tasks, and the exact number of
-// (query, key) pairs the causal mask leaves visible.
+// Tasks per document on every rank: 2 (front and back chunk) for cp > 1, 1 at cp = 1.
+constexpr int tasks_per_document(int cp) { return cp == 1 ? 1 : 2; }
+
+// The chunk of a document that task `half` (0 = front, 1 = back; 0 only at cp = 1) of rank
+// `rank` queries: r, or chunks_per_document(cp) - 1 - r.
+constexpr int64_t task_chunk(int half, int cp, int rank) {
+  return half == 0 ? int64_t{rank} : chunks_per_document(cp) - 1 - rank;
+}
+
+// Real work of one rank's attention, padding excluded (what the CP layer runs after
+// without_padding): per task, with q_real = its queries at positions below the document's
+// real length and kv_real = its keys below it, rect_work = sum(q_real * kv_real) and
+// visible_pairs = the exact number of real (query, key) pairs the causal mask leaves visible.
+// Summed over ranks, visible_pairs is sum(L * (L + 1) / 2) over documents.
 struct Workload {
   int64_t rect_work = 0;
   int64_t visible_pairs = 0;
@@ -56,10 +78,11 @@ struct RankPlan {
   std::vector<int64_t> global_token_index;
   // ... and in the real batch, or -1 for a padding token.
   std::vector<int64_t> real_token_index;
-  // Per task (2 per document: front, back), cumulative with a leading 0: [2*docs+1].
+  // Per task (tasks_per_document(cp) per document: front, back; one at cp = 1), cumulative
+  // with a leading 0: [tasks + 1].
   std::vector<int64_t> cu_seqlens_q;
   std::vector<int64_t> cu_seqlens_kv;
-  // The same in the ends form (Ascend's actual_seq_qlen / actual_seq_kvlen): [2*docs].
+  // The same in the ends form (Ascend's actual_seq_qlen / actual_seq_kvlen): [tasks].
   std::vector<int64_t> actual_seq_qlen;
   std::vector<int64_t> actual_seq_kvlen;
   // [cu_seqlens_kv.back()] for each task, in task order, the rank-major gathered-buffer
@@ -76,6 +99,9 @@ struct RankPlan {
 // The reference design's metadata function, for real (unpadded) cu_seqlens, cp >= 1 and
 // 0 <= rank < cp. Throws cpattn::Error naming the argument on invalid input.
 RankPlan get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank);
+// The same for int32 boundaries (PyTorch's and FlashAttention's cu_seqlens dtype): widened to
+// int64 once, then planned as above; the plan is the one the int64 spelling gives.
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int32_t> cu_seqlens, int cp, int rank);
 // The same into an existing plan, reusing its storage: a planner called for every batch then
 // touches no fresh memory (first-touch page faults are most of a fresh plan's cost).
 void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
@@ -84,9 +110,9 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
 // The per-document split alone (no per-token arrays): cheap, the same for every rank.
 std::vector<DocSplit> split_documents(std::span<const int64_t> cu_seqlens, int cp);
 
-// Which rank holds chunk j of a document, and whether it is that rank's back chunk.
+// Which rank holds chunk j of a document (a front chunk when j < cp, else a back chunk).
 constexpr int chunk_owner(int64_t j, int cp) {
-  return static_cast<int>(j < cp ? j : 2 * int64_t{cp} - 1 - j);
+  return static_cast<int>(j < cp ? j : chunks_per_document(cp) - 1 - j);
 }
 
 // The tasks of `work` (plan.work, plan.work_indexed, or any list over the plan's tasks)
@@ -128,7 +154,7 @@ struct RankBalance {
   int64_t local_tokens = 0;
   int64_t padding_tokens = 0;
   int64_t tasks = 0;
-  Workload balanced;              // the symmetric split
+  Workload balanced;              // the symmetric split, real pairs only (as RankPlan::workload)
   int64_t contiguous_tokens = 0;  // the plain split: tokens [r*T/cp, (r+1)*T/cp) of the real batch
   Workload contiguous;
 };
@@ -140,12 +166,15 @@ struct BalanceReport {
   int64_t padding_tokens() const { return padded_tokens - real_tokens; }
   double padding_percent() const;  // of the real tokens
   std::vector<RankBalance> ranks;
-  // max / mean of visible pairs over ranks (1.0 is perfect balance)
+  // max / mean of real visible pairs over ranks (1.0 is perfect balance). The balanced split
+  // is exactly 1.0 when no document needs padding; with padding (which the last chunks, rank
+  // 0's first, hold) it is at most sum(P*(P+1)) / sum(L*(L+1)) over documents.
   double imbalance_balanced = 1.0;
   double imbalance_contiguous = 1.0;
 };
 
 BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp);
+BalanceReport balance_report(std::span<const int32_t> cu_seqlens, int cp);  // widened once
 
 // ---- The metadata cache ----------------------------------------------------------------------
 
@@ -158,6 +187,9 @@ class PlanCache {
   explicit PlanCache(std::size_t capacity = 8);
 
   std::shared_ptr<const RankPlan> get(std::span<const int64_t> cu_seqlens, int cp, int rank);
+  // int32 boundaries, widened once and keyed by the widened values: the int32 and int64
+  // spellings of the same boundaries share one entry.
+  std::shared_ptr<const RankPlan> get(std::span<const int32_t> cu_seqlens, int cp, int rank);
 
   std::size_t capacity() const { return capacity_; }
   std::size_t size() const;

@@ -42,7 +42,7 @@ WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
   for (AttnTask& t : w.tasks) {
     const DocSplit& d = plan.docs[t.doc];
     t.run_begin = static_cast<int64_t>(w.runs.size());
-    for (int64_t m = 0; m < 2 * cp; ++m) {
+    for (int64_t m = 0; m < chunks_per_document(plan.cp); ++m) {
       const int64_t row = chunk_owner(m, plan.cp) * plan.local_tokens + d.local_begin + (m < cp ? 0 : d.chunk);
       if (static_cast<int64_t>(w.runs.size()) > t.run_begin && w.runs.back().row + w.runs.back().len == row)
         w.runs.back().len += d.chunk;

@@ -23,6 +23,20 @@ void check_cu_seqlens(std::span<const int64_t> cu_seqlens, int64_t total_tokens,
                cu_seqlens.size() - 1, "] is ", cu_seqlens.back());
 }
 
+std::vector<int64_t> widen_boundaries(std::span<const int32_t> values) {
+  return {values.begin(), values.end()};
+}
+
+void check_cu_seqlens(std::span<const int32_t> cu_seqlens, int64_t total_tokens,
+                      std::string_view name) {
+  check_cu_seqlens(std::span<const int64_t>(widen_boundaries(cu_seqlens)), total_tokens, name);
+}
+
+std::vector<int64_t> cu_seqlens_from_ends(std::span<const int32_t> ends, int64_t total_tokens,
+                                          std::string_view name) {
+  return cu_seqlens_from_ends(std::span<const int64_t>(widen_boundaries(ends)), total_tokens, name);
+}
+
 std::vector<int64_t> cu_seqlens_from_ends(std::span<const int64_t> ends, int64_t total_tokens,
                                           std::string_view name) {
   CPATTN_CHECK(!ends.empty(), name, " must hold at least one document end, got none");

@@ -38,14 +38,17 @@ BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
     RankBalance& rb = report.ranks[r];
     rb.rank = r;
     rb.local_tokens = report.padded_tokens / cp;
-    rb.tasks = 2 * static_cast<int64_t>(docs.size());
+    rb.tasks = tasks_per_document(cp) * static_cast<int64_t>(docs.size());
     for (const DocSplit& s : docs) {
-      for (const int64_t j : {int64_t{r}, 2 * int64_t{cp} - 1 - r}) {
+      for (int half = 0; half < tasks_per_document(cp); ++half) {
+        const int64_t j = task_chunk(half, cp, r);
         const int64_t c = s.chunk;
         // Positions [j*c, (j+1)*c) of the document; those at or past its length are padding.
         rb.padding_tokens += std::clamp<int64_t>((j + 1) * c - std::max(s.len, j * c), 0, c);
-        detail::checked_add(rb.balanced.rect_work, detail::checked_mul(c, detail::checked_mul(j + 1, c)));
-        detail::checked_add(rb.balanced.visible_pairs, detail::checked_visible_pairs(j * c, c, (j + 1) * c));
+        // Queries [j*c, (j+1)*c) over keys [0, (j+1)*c), padding cut out of both.
+        const Workload real = detail::real_task_work(j * c, c, detail::checked_mul(j + 1, c), s.len);
+        detail::checked_add(rb.balanced.rect_work, real.rect_work);
+        detail::checked_add(rb.balanced.visible_pairs, real.visible_pairs);
       }
     }
     // The plain split: real tokens [r*T/cp, (r+1)*T/cp), each query seeing its document's
@@ -65,6 +68,11 @@ BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
   report.imbalance_balanced = max_over_mean(report.ranks, &RankBalance::balanced);
   report.imbalance_contiguous = max_over_mean(report.ranks, &RankBalance::contiguous);
   return report;
+}
+
+BalanceReport balance_report(std::span<const int32_t> cu_seqlens, int cp) {
+  const std::vector<int64_t> wide = widen_boundaries(cu_seqlens);
+  return balance_report(std::span<const int64_t>(wide), cp);
 }
 
 }  // namespace cpattn

@@ -44,6 +44,12 @@ std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int64_t> cu_seqle
   return plan;
 }
 
+std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int32_t> cu_seqlens, int cp, int rank) {
+  // Keyed by the widened values: the same hash and content as the int64 spelling.
+  const std::vector<int64_t> wide = widen_boundaries(cu_seqlens);
+  return get(std::span<const int64_t>(wide), cp, rank);
+}
+
 std::size_t PlanCache::size() const {
   std::lock_guard lock(mutex_);
   return entries_.size();

@@ -21,7 +21,7 @@ void split_documents_into(std::span<const int64_t> cu_seqlens, int cp, std::vect
     s.len = cu_seqlens[d + 1] - cu_seqlens[d];
     s.padded_begin = padded_begin;
     s.padded_len = padded_length(s.len, cp);
-    s.chunk = s.padded_len / (2 * int64_t{cp});
+    s.chunk = s.padded_len / chunks_per_document(cp);
     s.local_begin = padded_begin / cp;
     padded_begin += s.padded_len;
   }
@@ -38,6 +38,11 @@ RankPlan get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, 
   RankPlan plan;
   get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, plan);
   return plan;
+}
+
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int32_t> cu_seqlens, int cp, int rank) {
+  const std::vector<int64_t> wide = widen_boundaries(cu_seqlens);
+  return get_thd_load_balanced_cp_metadata(std::span<const int64_t>(wide), cp, rank);
 }
 
 void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
@@ -59,9 +64,13 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
   plan.padding_tokens = 0;
   plan.workload = Workload{};
 
-  const std::size_t num_tasks = 2 * plan.docs.size();
+  const int halves = tasks_per_document(cp);
+  const std::size_t num_tasks = static_cast<std::size_t>(halves) * plan.docs.size();
+  // Task `half` reads chunks 0..task_chunk(half): (j + 1) * c keys.
+  int64_t keys_per_chunk = 0;
+  for (int half = 0; half < halves; ++half) keys_per_chunk += task_chunk(half, cp, rank) + 1;
   int64_t total_kv = 0;
-  for (const DocSplit& s : plan.docs) total_kv += (2 * int64_t{cp} + 1) * s.chunk;
+  for (const DocSplit& s : plan.docs) total_kv += keys_per_chunk * s.chunk;
 
   plan.global_token_index.resize(t_loc);
   plan.real_token_index.resize(t_loc);
@@ -83,8 +92,8 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
   for (std::size_t d = 0; d < plan.docs.size(); ++d) {
     const DocSplit& s = plan.docs[d];
     const int64_t c = s.chunk;
-    for (int half = 0; half < 2; ++half, ++t) {
-      const int64_t j = half == 0 ? rank : 2 * int64_t{cp} - 1 - rank;  // this task's chunk
+    for (int half = 0; half < halves; ++half, ++t) {
+      const int64_t j = task_chunk(half, cp, rank);  // this task's chunk
       // The query rows: chunk j of the document, at its slot on this rank.
       const int64_t q_row = s.local_begin + half * c;
       CPATTN_DASSERT(q_row == local);
@@ -122,8 +131,9 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
       plan.work_indexed.tasks[t].run_begin = static_cast<int64_t>(t);
       plan.work_indexed.tasks[t].run_end = static_cast<int64_t>(t) + 1;
       plan.work_indexed.runs[t] = KeyRun{.row = plan.cu_seqlens_kv[t], .len = kv_len, .pos = 0};
-      detail::checked_add(plan.workload.rect_work, detail::checked_mul(c, kv_len));
-      detail::checked_add(plan.workload.visible_pairs, detail::checked_visible_pairs(j * c, c, kv_len));
+      const Workload real = detail::real_task_work(j * c, c, kv_len, s.len);
+      detail::checked_add(plan.workload.rect_work, real.rect_work);
+      detail::checked_add(plan.workload.visible_pairs, real.visible_pairs);
     }
   }
   CPATTN_DASSERT(local == t_loc && kv_out == total_kv);
@@ -184,7 +194,8 @@ TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const in
   out.position_ids.reserve(t_loc);
   out.loss_mask.reserve(t_loc);
   for (const DocSplit& s : docs) {
-    for (const int64_t j : {int64_t{rank}, 2 * int64_t{cp} - 1 - rank}) {
+    for (int half = 0; half < tasks_per_document(cp); ++half) {
+      const int64_t j = task_chunk(half, cp, rank);
       for (int64_t pos = j * s.chunk; pos < (j + 1) * s.chunk; ++pos) {
         if (pos < s.len) {
           const auto g = static_cast<std::size_t>(s.begin + pos);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cpattn/error.hpp>
+#include <cpattn/plan.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -41,6 +42,19 @@ inline int64_t checked_visible_pairs(int64_t q_pos, int64_t q_len, int64_t kv_le
   int64_t total = series;
   checked_add(total, checked_mul(q_len - full, kv_len));
   return total;
+}
+
+// Real work of one task of a document with `len` real tokens: its queries at positions
+// q_pos .. q_pos+q_len-1 over its keys at positions 0 .. kv_len-1, with the positions at or
+// past `len` (padding) cut out of both, as without_padding cuts them. rect_work = real
+// queries * real keys; visible_pairs = the causal pairs among real positions (a real query at
+// p sees keys 0..p, all real, so clipping kv_len to len changes nothing for it).
+inline Workload real_task_work(int64_t q_pos, int64_t q_len, int64_t kv_len, int64_t len) {
+  const int64_t q_real = std::clamp<int64_t>(len - q_pos, 0, q_len);
+  const int64_t kv_real = std::min(kv_len, len);
+  if (q_real == 0) return {};
+  return {.rect_work = checked_mul(q_real, kv_real),
+          .visible_pairs = checked_visible_pairs(q_pos, q_real, kv_real)};
 }
 
 }  // namespace cpattn::detail

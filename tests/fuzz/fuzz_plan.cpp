@@ -30,10 +30,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_ASSERT(p.local_tokens * cp == p.global_tokens_padded);
     FUZZ_ASSERT(p.cu_seqlens_kv.back() == static_cast<int64_t>(p.kv_gather_index.size()));
     for (const int64_t g : p.kv_gather_index) FUZZ_ASSERT(g >= 0 && g < cp * p.local_tokens);
+    FUZZ_ASSERT(p.work.tasks.size() == cpattn::tasks_per_document(cp) * p.docs.size());
+    FUZZ_ASSERT(cp > 1 || (p.padding_tokens == 0 && p.local_tokens == p.global_tokens));
     const cpattn::WorkList w = cpattn::without_padding(p, p.work);
-    for (const cpattn::AttnTask& t : w.tasks) FUZZ_ASSERT(t.q_len >= 1 && t.run_end > t.run_begin);
+    // The workload counts real pairs only: the rectangle of the work with padding cut out.
+    int64_t rect = 0;
+    for (const cpattn::AttnTask& t : w.tasks) {
+      FUZZ_ASSERT(t.q_len >= 1 && t.run_end > t.run_begin);
+      for (int64_t i = t.run_begin; i < t.run_end; ++i) rect += t.q_len * w.runs[i].len;
+    }
+    FUZZ_ASSERT(rect == p.workload.rect_work);
     const cpattn::BalanceReport b = cpattn::balance_report(cu, cp);
     FUZZ_ASSERT(b.ranks[rank].balanced.visible_pairs == p.workload.visible_pairs);
+    FUZZ_ASSERT(b.ranks[rank].balanced.rect_work == p.workload.rect_work);
+    FUZZ_ASSERT(b.imbalance_balanced >= 1.0);
   } catch (const cpattn::Error&) {
   }
   return 0;

@@ -34,7 +34,13 @@ TEST(Layout, BothSpellingsGiveTheSameBoundaries) {
 }
 
 TEST(Layout, PaddingToMultiplesOfTwoCp) {
-  EXPECT_EQ(padded_length(1, 1), 2);
+  // cp = 1: one chunk per document, no padding.
+  EXPECT_EQ(chunks_per_document(1), 1);
+  EXPECT_EQ(chunks_per_document(3), 6);
+  EXPECT_EQ(padded_length(1, 1), 1);
+  EXPECT_EQ(padded_length(17, 1), 17);
+  EXPECT_EQ(pad_cu_seqlens(V{0, 1, 4, 17}, 1), (V{0, 1, 4, 17}));
+  EXPECT_EQ(padded_length(1, 2), 4);
   EXPECT_EQ(padded_length(16, 2), 16);
   EXPECT_EQ(padded_length(17, 2), 20);
   EXPECT_EQ(padded_length(5, 3), 6);
@@ -71,6 +77,24 @@ TEST(Layout, EndsFormErrorsPointAtTheCallersEntries) {
   EXPECT_THAT(error_of([] { cu_seqlens_from_lengths(V{3, 0}); }),
               HasSubstr("lengths[1] must be >= 1 (no empty document), got 0"));
   EXPECT_THAT(error_of([] { pad_cu_seqlens(V{0, 4}, 0); }), HasSubstr("cp must be >= 1, got 0"));
+}
+
+// int32 boundaries (PyTorch's and FlashAttention's dtype) behave exactly as int64 ones.
+TEST(Layout, Int32BoundariesAreAcceptedAndCheckedTheSame) {
+  using V32 = std::vector<int32_t>;
+  EXPECT_NO_THROW(check_cu_seqlens(V32{0, 16, 40}, 40));
+  EXPECT_EQ(cu_seqlens_from_ends(V32{16, 40}), (V{0, 16, 40}));
+  EXPECT_EQ(cu_seqlens_from_ends(V32{16, 40}, 40, "actual_seq_qlen"), (V{0, 16, 40}));
+  EXPECT_EQ(widen_boundaries(V32{0, 2147483647}), (V{0, 2147483647}));
+  // The same messages, naming the caller's argument and entries.
+  EXPECT_EQ(error_of([] { check_cu_seqlens(V32{0, 4, 4, 8}); }),
+            error_of([] { check_cu_seqlens(V{0, 4, 4, 8}); }));
+  EXPECT_THAT(error_of([] { check_cu_seqlens(V32{0, 4, 8}, 9, "cu_seqlens_k"); }),
+              HasSubstr("cu_seqlens_k must end at the token count 9, but its last entry cu_seqlens_k[2] is 8"));
+  EXPECT_THAT(error_of([] { check_cu_seqlens(V32{0, -3}); }),
+              HasSubstr("cu_seqlens[1] must not be negative, got -3"));
+  EXPECT_THAT(error_of([] { cu_seqlens_from_ends(V32{8, 8}); }), HasSubstr("ends[1] = 8 follows 8"));
+  EXPECT_THAT(error_of([] { cu_seqlens_from_ends(V32{}); }), HasSubstr("ends must hold at least one"));
 }
 
 TEST(Layout, ErrorCarriesItsLocation) {

@@ -45,6 +45,18 @@ TEST(Batch, HandWorkedPaddedExample) {
   EXPECT_EQ(r1.loss_mask, (std::vector<float>{1, 1, 0, 0, 0, 0}));
 }
 
+TEST(Batch, CpOneReturnsTheBatchAsItIs) {
+  // No padding at cp = 1: every array comes back unchanged (lengths 5, 1, 6 would be padded
+  // to 8, 4, 8 at cp = 2).
+  const V cu{0, 5, 6, 12};
+  const TokenBatch g = make_batch(cu);
+  const TokenBatch l = get_batch_on_this_cp_rank(g, cu, 1, 0, /*pad_token_id=*/7);
+  EXPECT_EQ(l.tokens, g.tokens);
+  EXPECT_EQ(l.labels, g.labels);
+  EXPECT_EQ(l.position_ids, g.position_ids);
+  EXPECT_EQ(l.loss_mask, g.loss_mask);
+}
+
 TEST(Batch, RealTokensKeepEverythingPaddingIsIgnored) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 200; ++trial) {

@@ -75,6 +75,27 @@ TEST(PlanCache, InvalidInputIsNotCached) {
   EXPECT_EQ(cache.size(), 0u);
 }
 
+TEST(PlanCache, Int32AndInt64SpellingsShareAnEntry) {
+  PlanCache cache;
+  const std::vector<int32_t> cu32{0, 5, 16, 40};
+  const V cu64{0, 5, 16, 40};
+  const auto a = cache.get(cu32, 2, 1);
+  EXPECT_EQ(cache.misses(), 1);
+  const auto b = cache.get(cu64, 2, 1);  // the same boundaries in int64: a hit
+  EXPECT_EQ(a.get(), b.get());
+  EXPECT_EQ(cache.hits(), 1);
+  EXPECT_EQ(cache.get(cu32, 2, 1).get(), a.get());
+  EXPECT_EQ(cache.hits(), 2);
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_EQ(a->cu_seqlens, cu64);
+  EXPECT_EQ(a->kv_gather_index, get_thd_load_balanced_cp_metadata(cu64, 2, 1).kv_gather_index);
+  const std::vector<int32_t> other{0, 5, 17, 40};
+  EXPECT_NE(cache.get(other, 2, 1).get(), a.get());
+  EXPECT_EQ(cache.misses(), 2);
+  EXPECT_THROW(cache.get(std::vector<int32_t>{0, 8, 8}, 2, 0), Error);
+  EXPECT_EQ(cache.size(), 2u);
+}
+
 TEST(PlanCache, HashSeesEveryEntry) {
   EXPECT_NE(hash_boundaries(V{0, 16, 40}), hash_boundaries(V{0, 17, 40}));
   EXPECT_NE(hash_boundaries(V{0, 16, 40}), hash_boundaries(V{0, 16, 41}));

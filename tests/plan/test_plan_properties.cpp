@@ -30,14 +30,24 @@ std::vector<int64_t> random_boundaries(std::mt19937_64& rng) {
 
 void check_batch(const std::vector<int64_t>& cu, int cp) {
   // The brute-force padded batch.
+  // The model's own rules, not the planner's helpers: 2*cp chunks and 2 tasks per document,
+  // except one chunk and one task (no padding) at cp = 1.
+  const int64_t chunks = cp == 1 ? 1 : 2 * cp;
+  const std::size_t tasks_per_doc = cp == 1 ? 1 : 2;
   std::vector<Token> padded;
+  // Real pairs of the batch, and an upper bound on any rank's: the padded batch's per-rank
+  // count, P(P+1)/(2cp) per document (c(2cp*c + 1) with P = 2cp*c; real pairs are a subset).
+  int64_t real_pairs = 0, padded_pairs_per_rank = 0;
   for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
     const int64_t len = cu[d + 1] - cu[d];
-    const int64_t m = 2 * cp;
+    const int64_t m = chunks;
     const int64_t plen = (len + m - 1) / m * m;
     for (int64_t p = 0; p < plen; ++p)
       padded.push_back({static_cast<int64_t>(d), p, p < len ? cu[d] + p : -1});
+    real_pairs += len * (len + 1) / 2;
+    padded_pairs_per_rank += cp == 1 ? plen * (plen + 1) / 2 : plen * (plen + 1) / (2 * cp);
   }
+  const bool needs_padding = static_cast<int64_t>(padded.size()) != cu.back();
   const auto t_pad = static_cast<int64_t>(padded.size());
   ASSERT_EQ(t_pad % cp, 0);
 
@@ -67,7 +77,7 @@ void check_batch(const std::vector<int64_t>& cu, int cp) {
 
   for (const RankPlan& p : plans) {
     int64_t visible = 0, rect = 0;
-    ASSERT_EQ(p.work.tasks.size(), 2 * (cu.size() - 1));
+    ASSERT_EQ(p.work.tasks.size(), tasks_per_doc * (cu.size() - 1));
     for (std::size_t t = 0; t < p.work.tasks.size(); ++t) {
       const AttnTask& task = p.work.tasks[t];
       const int64_t q_len = p.cu_seqlens_q[t + 1] - p.cu_seqlens_q[t];
@@ -104,21 +114,50 @@ void check_batch(const std::vector<int64_t>& cu, int cp) {
       const KeyRun& ir = p.work_indexed.runs[p.work_indexed.tasks[t].run_begin];
       ASSERT_EQ(ir.row, p.cu_seqlens_kv[t]);
       ASSERT_EQ(ir.len, kv_len);
-      rect += q_len * kv_len;
-      for (int64_t i = 0; i < q_len; ++i) visible += task.q_pos + i + 1;  // keys 0..pos
+      // Real work only: the task's real queries times its real keys, and each real query at
+      // position pos sees keys 0..pos, all of them real.
+      int64_t real_q = 0, real_kv = 0;
+      for (int64_t i = 0; i < q_len; ++i) {
+        if (padded[p.global_token_index[task.q_row + i]].real < 0) continue;
+        ++real_q;
+        visible += task.q_pos + i + 1;
+      }
+      for (int64_t k = 0; k < kv_len; ++k)
+        real_kv += padded[gathered[p.kv_gather_index[p.cu_seqlens_kv[t] + k]]].real >= 0;
+      rect += real_q * real_kv;
     }
     EXPECT_EQ(p.workload.rect_work, rect);
     EXPECT_EQ(p.workload.visible_pairs, visible);
-    EXPECT_EQ(p.workload.rect_work, plans[0].workload.rect_work) << "rect work differs";
-    EXPECT_EQ(p.workload.visible_pairs, plans[0].workload.visible_pairs) << "pairs differ";
+    // ... which is the rectangle of the work the CP layer runs, padding cut out.
+    const WorkList cut = without_padding(p, p.work);
+    int64_t cut_rect = 0;
+    for (const AttnTask& task : cut.tasks)
+      for (int64_t ri = task.run_begin; ri < task.run_end; ++ri) cut_rect += task.q_len * cut.runs[ri].len;
+    EXPECT_EQ(cut_rect, rect);
+    EXPECT_LE(p.workload.visible_pairs, padded_pairs_per_rank);
+    if (!needs_padding) {  // then the split is exact
+      EXPECT_EQ(p.workload.rect_work, plans[0].workload.rect_work) << "rect work differs";
+      EXPECT_EQ(p.workload.visible_pairs, plans[0].workload.visible_pairs) << "pairs differ";
+    }
   }
   const BalanceReport b = balance_report(cu, cp);
+  int64_t pairs = 0;
   for (int r = 0; r < cp; ++r) {
     EXPECT_EQ(b.ranks[r].balanced.visible_pairs, plans[r].workload.visible_pairs);
     EXPECT_EQ(b.ranks[r].balanced.rect_work, plans[r].workload.rect_work);
     EXPECT_EQ(b.ranks[r].padding_tokens, plans[r].padding_tokens);
+    EXPECT_EQ(b.ranks[r].tasks, static_cast<int64_t>(plans[r].work.tasks.size()));
+    pairs += plans[r].workload.visible_pairs;
   }
-  EXPECT_DOUBLE_EQ(b.imbalance_balanced, 1.0);
+  EXPECT_EQ(pairs, real_pairs);  // every real causal pair on exactly one rank
+  // max/mean <= padded_pairs_per_rank / (real_pairs / cp) = sum P(P+1) / sum L(L+1).
+  if (!needs_padding) {
+    EXPECT_DOUBLE_EQ(b.imbalance_balanced, 1.0);
+  } else {
+    EXPECT_GE(b.imbalance_balanced, 1.0);
+    EXPECT_LE(b.imbalance_balanced, static_cast<double>(padded_pairs_per_rank) * cp /
+                                        static_cast<double>(real_pairs) * (1 + 1e-12));
+  }
 }
 
 TEST(PlanProperties, RandomBatchesEveryCp) {

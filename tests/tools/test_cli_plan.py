@@ -37,6 +37,8 @@ check(r1["actual_seq_kvlen"] == [8, 20, 32, 50], "rank 1 actual_seq_kvlen")
 check(r0["kv_gather_index"] == [*range(0, 4), *range(0, 4), *range(20, 28), *range(4, 8),
                                 *range(8, 14), *range(8, 14), *range(28, 40), *range(14, 20)],
       "rank 0 kv_gather_index")
+# No padding here, so the real-only counts are the whole chunks' (per document c = 4, 6):
+# rect (2cp+1)c^2 = 5*16 + 5*36 = 260, pairs (2cp-1)c^2 + c(c+1) = 68 + 150 = 218.
 for rank in (r0, r1):
     check(rank["local_tokens"] == 20 and rank["padding_tokens"] == 0, "tokens")
     check(rank["rect_work"] == 5 * 16 + 5 * 36, "rect_work")
@@ -59,12 +61,54 @@ with tempfile.TemporaryDirectory() as d:
     bad_file = run("plan", "--lengths-file", path)
     check(bad_file.returncode == 2 and ":2:" in bad_file.stderr, f"bad file: {bad_file.stderr}")
 
-# The default: the built-in example, as a table.
+# The default: the built-in example (lengths 3000,120,900,1,2047,64,1500,361), as a table.
+# Work counts real pairs only. Per rank, a document of chunk c without padding gives
+# 4c^2 + c pairs at cp = 2 (3000, 120, 900, 64, 1500: 2250750 + 3630 + 202725 + 1040 +
+# 562875 = 3021020 on both ranks); the padding (1 -> 4, 2047 -> 2048, 361 -> 364) sits at the
+# tail, and each padding query at position p would have seen p + 1 keys:
+#   1:    W = 5,       rank 0 loses 4 (pos 3)           -> 1, rank 1 loses 2+3 (pos 1,2) -> 0
+#   2047: W = 1049088, rank 0 loses 2048                -> 1047040, rank 1 1049088
+#   361:  W = 33215,   rank 0 loses 362+363+364 = 1089  -> 32126,   rank 1 33215
+# rank 0: 4100187, rank 1: 4103323 pairs; imbalance 4103323 / 4101755 = 1.000382...
 r = run("plan")
-check(r.returncode == 0 and "imbalance" in r.stdout and "balanced 1.0000" in r.stdout,
+check(r.returncode == 0 and "imbalance" in r.stdout and "balanced 1.0004" in r.stdout,
       f"default table: {r.stdout} {r.stderr}")
+j = json.loads(run("plan", "--json").stdout)
+check([x["visible_pairs"] for x in j["ranks"]] == [4100187, 4103323], "default visible_pairs")
+check(abs(j["imbalance"]["balanced"] - 4103323 / 4101755) < 1e-12, "default balanced imbalance")
+
+# A padded batch: lengths 5 and 1 at cp = 2, padded to 8 and 4 (chunks 2 and 1). Real work:
+#   rank 0: doc 0 chunk 0 (pos 0,1 over keys 0,1) rect 2*2, pairs 1+2; chunk 3 all padding;
+#           doc 1 chunk 0 (pos 0) rect 1, pairs 1; chunk 3 padding    -> rect 5, pairs 4
+#   rank 1: doc 0 chunk 1 (pos 2,3 over keys 0-3) rect 2*4, pairs 3+4; chunk 2 (pos 4 real)
+#           rect 1*5, pairs 5; doc 1 chunks 1, 2 padding              -> rect 13, pairs 12
+# imbalance 12 / 8 = 1.5 (rank 0 holds the padding).
 r = run("plan", "--cu-seqlens", "0,5,6", "--cp", "2", "--json")
-check(json.loads(r.stdout)["cu_seqlens_padded"] == [0, 8, 12], "padding in json")
+j = json.loads(r.stdout)
+check(j["cu_seqlens_padded"] == [0, 8, 12], "padding in json")
+check(j["padding_tokens"] == 6 and [x["padding_tokens"] for x in j["ranks"]] == [3, 3], "padding tokens")
+check([x["rect_work"] for x in j["ranks"]] == [5, 13], f"padded rect_work: {j['ranks']}")
+check([x["visible_pairs"] for x in j["ranks"]] == [4, 12], "padded visible_pairs")
+check(j["imbalance"]["balanced"] == 1.5, "padded balanced imbalance")
+
+# cp = 1: no padding, one task per document (the single-process varlen call), the gather
+# index the identity; rect 16^2 + 24^2 = 832, pairs 16*17/2 + 24*25/2 = 136 + 300 = 436.
+r = run("plan", "--cu-seqlens", "0,16,40", "--cp", "1", "--json")
+check(r.returncode == 0, f"cp 1: {r.stderr}")
+j = json.loads(r.stdout)
+(only,) = j["ranks"]
+check(j["cu_seqlens_padded"] == [0, 16, 40] and j["padding_tokens"] == 0, "cp 1 padding")
+check(only["local_tokens"] == 40 and only["padding_tokens"] == 0 and only["tasks"] == 2, "cp 1 counts")
+check(only["actual_seq_qlen"] == [16, 40] and only["actual_seq_kvlen"] == [16, 40], "cp 1 seqlens")
+check(only["global_token_index"] == list(range(40)) and only["kv_gather_index"] == list(range(40)),
+      "cp 1 identity")
+check(only["kv_runs"] == [[{"row": 0, "len": 16, "pos": 0}], [{"row": 16, "len": 24, "pos": 0}]],
+      "cp 1 runs")
+check(only["rect_work"] == 832 and only["visible_pairs"] == 436, "cp 1 work")
+check(only["contiguous_rect_work"] == 832 and only["contiguous_visible_pairs"] == 436, "cp 1 contiguous")
+check(j["imbalance"] == {"balanced": 1.0, "contiguous": 1.0}, "cp 1 imbalance")
+r = run("plan", "--lengths", "3", "--cp", "1", "--json")
+check(json.loads(r.stdout)["cu_seqlens_padded"] == [0, 3], "cp 1 pads nothing")
 
 # Help explains every flag.
 h = run("plan", "--help")

@@ -1,5 +1,6 @@
 """`mpirun -np N cpattn run` end to end: the built-in default, every dtype and mode at
-cp = 2 and 3, --npy-in/--npy-out against an independent float64 NumPy attention, exit codes."""
+cp = 2 and 3, --npy-in/--npy-out against an independent float64 NumPy attention, every
+documented spelling of --dtype, --mask and --kernel-path (docs/cli.md), exit codes."""
 import json
 import os
 import subprocess
@@ -45,7 +46,31 @@ for np_ in (2, 3):
                 for key in ("max_abs_err", "max_rel_err"):
                     check(set(j[key]) >= {"out", "dq", "dk", "dv"}, f"{key} keys")
                 check(len(j["compute_s"]) == np_ and len(j["comm_s"]) == np_, "per-rank times")
-                check(j["imbalance"]["visible_pairs_balanced"] == 1.0, "balanced")
+                # Real pairs only; the padding (37 -> 40|42, 1 -> 4|6, 23 -> 24, and at np 3
+                # 100 -> 102, 64 -> 66) sits in the last chunk, rank 0's. np 2: rank 0 3985,
+                # rank 1 4125 pairs; np 3: 2332, 2889, 2889 (see docs/planner.md, Balance).
+                want = {2: 4125 / 4055, 3: 2889 * 3 / 8110}[np_]
+                check(abs(j["imbalance"]["visible_pairs_balanced"] - want) < 1e-12, "balanced")
+
+# Every documented spelling (docs/cli.md), reported under its canonical name.
+TINY = ["--lengths", "37,1,20", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]
+for spelling, canonical in (("float32", "fp32"), ("float16", "fp16"), ("bfloat16", "bf16")):
+    j = run_json(2, *TINY, "--dtype", spelling)
+    check(j is not None and j["passed"] and j["dtype"] == canonical, f"--dtype {spelling}: {j}")
+for mask in ("causal", "none"):
+    j = run_json(2, *TINY, "--mask", mask)
+    check(j is not None and j["passed"] and j["mask"] == mask, f"--mask {mask}: {j}")
+for path in ("automatic", "portable"):
+    j = run_json(2, *TINY, "--kernel-path", path)
+    want = {"portable", "avx2", "avx512"} if path == "automatic" else {"portable"}
+    check(j is not None and j["passed"] and j["kernel_path"] in want, f"--kernel-path {path}: {j}")
+j = run_json(2, *TINY, "--threads", "2", "--repeats", "2")
+if j:
+    check(j["seq_len"] == 58 and j["documents"] == 3 and j["lengths"] == [37, 1, 20], f"seq_len, lengths: {j}")
+    check(j["threads"] == 2 and j["repeats"] == 2 and j["heads"] == 2 and j["kv_heads"] == 1, f"shape: {j}")
+    check(j["head_dim_qk"] == 8 and j["head_dim_v"] == 8, f"head dims: {j}")
+j = run_json(2, "--seq-len", "100", "--heads", "2", "--kv-heads", "1", "--head-dim", "8")
+check(j is not None and j["passed"] and j["seq_len"] == 100, f"--seq-len 100: {j}")
 
 # No mask and dropout: still equal to the single-process run.
 for extra in (("--mask", "none"), ("--dropout", "0.1"), ("--mask", "none", "--dropout", "0.3", "--mode", "index")):
@@ -97,7 +122,8 @@ with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout
         j = run_json(np_, "--npy-in", din, "--npy-out", dout_dir)
         if not j:
             continue
-        check(j["tokens"] == T and j["heads"] == HQ and j["kv_heads"] == HKV, "shapes from the files")
+        check(j["seq_len"] == T and j["heads"] == HQ and j["kv_heads"] == HKV, "shapes from the files")
+        check(j["lengths"] == np.diff(cu).tolist() and j["documents"] == len(cu) - 1, "lengths from the files")
         for name, want in ref.items():
             got = np.load(os.path.join(dout_dir, name + ".npy"))
             check(got.dtype == np.float32 and got.shape == want.shape, f"{name}.npy shape {got.shape}")
@@ -108,10 +134,20 @@ with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout
     j = run_json(2, "--npy-in", din, "--dtype", "bf16")
     check(j is not None and j["passed"], "fp16 files, bf16 run")
 
-# Bad input: exit code 2 and one line, on the job as a whole.
-for args, needle in ((("--dtype", "fp64"), "--dtype must be fp32, fp16 or bf16"),
+# Bad input: exit code 2 and one line, on the job as a whole; bad values name the flag and
+# list the valid ones; the old flag names (--tokens) are gone.
+for args, needle in ((("--dtype", "fp64"),
+                      "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16), got 'fp64'"),
+                     (("--dtype", "f32"), "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16)"),
+                     (("--mask", "full"), "--mask must be one of causal, none, got 'full'"),
+                     (("--kernel-path", "fast"), "--kernel-path must be one of automatic, portable, avx2, avx512, "
+                                                 "amx, got 'fast'"),
+                     (("--kernel-path", "amx"), "--kernel-path amx cannot run on this CPU"),
+                     (("--tokens", "100"), "--tokens"),
                      (("--lengths", "5,0"), "--lengths[1]"),
-                     (("--heads", "3", "--kv-heads", "2"), "num_heads_q"),
+                     (("--heads", "3", "--kv-heads", "2"), "--heads (3) must be a positive multiple of --kv-heads (2)"),
+                     (("--dropout", "1"), "--dropout must be in [0, 1)"),
+                     (("--head-dim", "300"), "--head-dim"),
                      (("--mode", "gather"), "--mode must be runs or index"),
                      (("--npy-in", "/nonexistent"), "cannot open")):
     r = run(2, *args)
@@ -121,7 +157,7 @@ for args, needle in ((("--dtype", "fp64"), "--dtype must be fp32, fp16 or bf16")
 # --cp smaller than the world: world/cp CP groups each run and check the batch.
 j = run_json(4, "--cp", "2", "--lengths", "37,100,1,64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16")
 check(j is not None and j["passed"] and j["cp"] == 2 and j["cp_groups"] == 2, f"--cp 2 at np 4: {j}")
-r = run(3, "--cp", "2", "--tokens", "100")
+r = run(3, "--cp", "2", "--seq-len", "100")
 check(r.returncode == 2 and r.stderr.count("--cp must divide the MPI world size 3") == 1,
       f"--cp 2 at np 3: exit {r.returncode}, {r.stderr[-800:]!r}")
 
@@ -137,19 +173,29 @@ def mpmd(args0, args1):
 
 # An error on one nonzero rank only (here its own flags, through mpirun's MPMD form): every
 # rank ends at once, and rank 0 prints that rank's message, well before the deadline.
-r, elapsed = mpmd(["--tokens", "100"], ["--npy-in", "/nonexistent"])
+r, elapsed = mpmd(["--seq-len", "100"], ["--npy-in", "/nonexistent"])
 check(r.returncode == 2 and r.stderr.count("[rank 1] /nonexistent/q.npy: cannot open") == 1,
       f"error on rank 1 only: exit {r.returncode}, {r.stderr[-800:]!r}")
 check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)")
 
 # Other --cp on one rank: agreed before the world is split, so no rank waits in the split.
-r, elapsed = mpmd(["--tokens", "100", "--cp", "2"], ["--tokens", "100", "--cp", "1"])
+r, elapsed = mpmd(["--seq-len", "100", "--cp", "2"], ["--seq-len", "100", "--cp", "1"])
 check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --cp: rank 0 has 2, rank 1 has 1") == 1
       and elapsed < 30, f"--cp differing between ranks: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
-# A configuration only one rank's CpAttention rejects (its own --heads).
-r, elapsed = mpmd(["--tokens", "100"], ["--tokens", "100", "--heads", "3", "--kv-heads", "2"])
-check(r.returncode == 2 and r.stderr.count("[rank 1]") == 1 and "num_heads_q (3)" in r.stderr and elapsed < 30,
+# Flags only one rank rejects (its own --heads): the CLI's check, named by the flag.
+r, elapsed = mpmd(["--seq-len", "100"], ["--seq-len", "100", "--heads", "3", "--kv-heads", "2"])
+check(r.returncode == 2 and r.stderr.count("[rank 1]") == 1 and elapsed < 30
+      and "--heads (3) must be a positive multiple of --kv-heads (2)" in r.stderr,
       f"--heads on rank 1 only: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
+# A configuration only one rank's CpAttention rejects (3 query heads over 2 kv heads, from
+# that rank's files: the CLI leaves the files' shapes to CpAttention).
+with tempfile.TemporaryDirectory() as din3:
+    for name, shape in (("q", (T, 3, D)), ("k", (T, 2, D)), ("v", (T, 2, DV)), ("dout", (T, 3, DV))):
+        np.save(os.path.join(din3, name + ".npy"), rng.standard_normal(shape).astype(np.float32))
+    np.save(os.path.join(din3, "cu_seqlens.npy"), cu)
+    r, elapsed = mpmd(["--seq-len", "100"], ["--npy-in", din3])
+check(r.returncode == 2 and r.stderr.count("[rank 1]") == 1 and "num_heads_q (3)" in r.stderr and elapsed < 30,
+      f"CpAttention's check on rank 1 only: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
 
 if failures:
     print(f"{len(failures)} checks failed")

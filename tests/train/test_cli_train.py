@@ -1,7 +1,7 @@
 """`cpattn train` end to end: a small run at cp = 1 and 2 with its JSON log, --compare,
 checkpoints through the command line (bitwise resume at cp = 1, cp 2 -> cp 1), and bad input:
 missing or empty data, a too short --seq-len, --cp different from the MPI world size (exit 2,
-one clear line, no hang)."""
+one clear line, no hang); every documented spelling of --dtype (docs/cli.md)."""
 import json
 import os
 import subprocess
@@ -71,6 +71,12 @@ with tempfile.TemporaryDirectory() as tmp:
         for x, y in zip(log(p("cp1.jsonl"))[3:], log(p("down.jsonl"))):
             check(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], f"cp 2 -> 1 step {x['step']}")
 
+    # Every --dtype spelling train supports, printed under its canonical name.
+    for spelling, canonical in (("fp32", "fp32"), ("bf16", "bf16"), ("float32", "fp32"), ("bfloat16", "bf16")):
+        r = train(0, *SMALL, "--steps", "1", "--dtype", spelling)
+        check(r.returncode == 0 and f"attention {canonical};" in r.stdout,
+              f"--dtype {spelling}: exit {r.returncode}\n{r.stdout[-800:]}\n{r.stderr[-800:]}")
+
     # Bad input: exit 2 with one clear line (rank 0 only), on every rank, no hang.
     os.mkdir(p("empty"))
     open(p("empty/nothing.txt"), "w").close()
@@ -80,7 +86,12 @@ with tempfile.TemporaryDirectory() as tmp:
         (2, ["--cp", "2", "--seq-len", "3"], "--seq-len 3 cannot hold one padded chunk per rank"),
         (2, ["--cp", "4"], "does not match the MPI world size 2"),
         (0, ["--cp", "2"], "does not match the MPI world size 1"),
-        (0, ["--attn-dtype", "fp16"], "--attn-dtype must be fp32 or bf16"),
+        (0, ["--dtype", "fp16"], "--dtype must be one of fp32, bf16 (or float32, bfloat16) "
+                                 "(cpattn train supports only these today), got 'fp16'"),
+        (0, ["--dtype", "float16"], "cpattn train supports only these today), got 'float16'"),
+        (0, ["--dtype", "f32"], "--dtype must be one of fp32, bf16 (or float32, bfloat16)"),
+        (2, ["--cp", "2", "--dtype", "fp64"], "--dtype must be one of fp32, bf16 (or float32, bfloat16)"),
+        (0, ["--attn-dtype", "bf16"], "--attn-dtype"),  # the old name is gone
         (2, ["--cp", "2", "--resume", p("missing.ckpt")], "cannot read"),
     ]
     for np_, args, msg in bad:

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "../commands.hpp"
+#include "../vocab.hpp"
 
 namespace cpattn::cli::run_cmd {
 namespace {
@@ -84,15 +85,21 @@ Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
   CPATTN_CHECK(a.mode == "runs" || a.mode == "index", "--mode must be runs or index, got '", a.mode, "'");
-  CPATTN_CHECK(a.mask == "causal" || a.mask == "none", "--mask must be causal or none, got '", a.mask, "'");
-  CPATTN_CHECK(a.tokens >= 1, "--tokens must be >= 1, got ", a.tokens);
+  const MaskType mask = parse_mask(a.mask);
+  const KernelPath path = parse_kernel_path(a.kernel_path);
+  check_kernel_path_supported(path);
+  CPATTN_CHECK(a.seq_len >= 1, "--seq-len must be >= 1, got ", a.seq_len);
+  CPATTN_CHECK(a.dropout >= 0.0f && a.dropout < 1.0f, "--dropout must be in [0, 1), got ", a.dropout);
+  if (a.npy_in.empty())  // the files' shapes are CpAttention's to check
+    CPATTN_CHECK(a.heads >= 1 && a.kv_heads >= 1 && a.heads % a.kv_heads == 0, "--heads (", a.heads,
+                 ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;
   l.cfg = {.num_heads_q = b.shape.heads_q, .num_heads_k = b.shape.heads_k, .head_dim_qk = b.shape.head_dim_qk,
            .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
-           .options = {.mask = a.mask == "causal" ? MaskType::causal : MaskType::none, .dropout_p = a.dropout,
-                       .seed = a.seed, .num_threads = a.threads},
+           .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
+                       .path = path},
            .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index};
   l.p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, cp, rank);
   l.q = check::local_rows(b.q, l.p);
@@ -157,7 +164,9 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   if (rank == 0) try {
     const RunCheck result = check_against_single_process(b, l.cfg.options, got);
     if (!result.pass) pass = 0;
-    RunReport report{.args = a, .cp = cp, .cp_groups = groups.count, .batch = b,
+    const KernelPath path = l.cfg.options.path;
+    RunReport report{.args = a, .kernel_path = kernel_path_name(path == KernelPath::automatic ? best_kernel_path() : path),
+                     .cp = cp, .cp_groups = groups.count, .batch = b,
                      .balance = balance_report(b.cu_seqlens, cp), .check = result, .ranks = {}};
     for (int r = 0; r < cp; ++r) {
       const double* f = &per_rank[r * mine.size()];

@@ -31,11 +31,14 @@ nlohmann::json report_json(const RunReport& r) {
   report["dtype"] = a.dtype;
   report["mode"] = a.mode;
   report["mask"] = a.mask;
-  report["kernel_path"] = std::string(to_string(best_kernel_path()));
-  report["threads_per_rank"] = a.threads;
-  report["tokens"] = b.tokens();
+  report["kernel_path"] = r.kernel_path;
+  report["threads"] = a.threads;  // per rank
+  report["seq_len"] = b.tokens();
   report["padded_tokens"] = r.balance.padded_tokens;
   report["documents"] = b.cu_seqlens.size() - 1;
+  std::vector<int64_t> lengths(b.cu_seqlens.size() - 1);
+  for (std::size_t d = 0; d + 1 < b.cu_seqlens.size(); ++d) lengths[d] = b.cu_seqlens[d + 1] - b.cu_seqlens[d];
+  report["lengths"] = lengths;
   report["heads"] = b.shape.heads_q;
   report["kv_heads"] = b.shape.heads_k;
   report["head_dim_qk"] = b.shape.head_dim_qk;
@@ -67,12 +70,12 @@ void print_report(const RunReport& r) {
   const check::Batch& b = r.batch;
   const std::string group_note =
       r.cp_groups > 1 ? " in each of " + std::to_string(r.cp_groups) + " CP groups (group 0 shown)" : "";
-  std::printf("cpattn run: cp = %d%s, %lld tokens in %zu documents (padded to %lld), Hq = %d, Hkv = %d, "
-              "Dqk = %d, Dv = %d, %s, mode %s, %s mask, %d thread(s) per rank, kernel %s\n",
+  std::printf("cpattn run: cp = %d%s, seq len %lld in %zu documents (padded to %lld), heads %d, kv heads %d, "
+              "head dim qk/v %d/%d, %s, mode %s, mask %s, %d thread(s) per rank, kernel path %s\n",
               r.cp, group_note.c_str(), static_cast<long long>(b.tokens()), b.cu_seqlens.size() - 1,
               static_cast<long long>(r.balance.padded_tokens), b.shape.heads_q, b.shape.heads_k,
               b.shape.head_dim_qk, b.shape.head_dim_v, a.dtype.c_str(), a.mode.c_str(), a.mask.c_str(),
-              a.threads, std::string(to_string(best_kernel_path())).c_str());
+              a.threads, r.kernel_path.c_str());
   std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.check.single_process_s);
   std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
   for (const check::TensorReport& t : r.check.tensors)

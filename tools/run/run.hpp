@@ -20,9 +20,9 @@ namespace cpattn::cli::run_cmd {
 
 struct RunArgs {
   std::vector<int64_t> lengths;
-  int64_t tokens = 4096;
+  int64_t seq_len = 4096;
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
-  std::string dtype = "fp32", mode = "runs", mask = "causal";
+  std::string dtype = "fp32", mode = "runs", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
@@ -33,8 +33,7 @@ struct RunArgs {
 };
 
 // ---- batch.cpp ----
-DType parse_dtype(const std::string& s);  // fp32, fp16, bf16
-// The global batch of the flags: --npy-in, else --lengths, else the mix of --tokens from --seed;
+// The global batch of the flags: --npy-in, else --lengths, else the mix of --seq-len from --seed;
 // tensors from --seed.
 check::Batch make_batch(const RunArgs& a);
 
@@ -55,6 +54,7 @@ struct RankFigures {  // medians over the timed steps, and memory
 };
 struct RunReport {
   const RunArgs& args;
+  std::string kernel_path;  // the path that ran
   int cp = 1, cp_groups = 1;
   const check::Batch& batch;
   BalanceReport balance;

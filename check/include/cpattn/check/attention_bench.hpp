@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cpattn/attention.hpp>
+#include <cpattn/error.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -25,6 +26,13 @@ struct AttnBenchOptions {
   MaskType mask = MaskType::causal;
   int repeats = 3;  // timed runs of each direction (median reported), after one warm-up
   KernelPath path = KernelPath::automatic;
+  bool fail_check_for_testing = false;  // corrupt one lse value before the check (tests exit codes)
+};
+
+// The result does not match the float64 reference (a failed check, not bad input: the
+// command line exits 1 on it, 2 on any other cpattn::Error).
+struct CheckFailed : Error {
+  using Error::Error;
 };
 
 struct AttnBenchResult {
@@ -48,8 +56,8 @@ struct AttnBenchResult {
 // `per_cpu_s` gets the same per second of CPU time.
 double measure_fma_peak_gflops(double* per_cpu_s = nullptr);
 
-// Runs the benchmark; `log` gets a line about the check. Throws cpattn::Error if the result
-// fails its check.
+// Runs the benchmark; `log` gets a line about the check. Throws CheckFailed if the result
+// fails its check, cpattn::Error on bad options.
 AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostream* log = nullptr);
 
 }  // namespace cpattn::check

@@ -1,0 +1,93 @@
+"""`cpattn bench attention` end to end on tiny shapes: every documented spelling of --dtype,
+--mask and --kernel-path (docs/cli.md) and the JSON fields of the shared vocabulary; bad values
+and the old flag names exit 2 with one line listing the valid values; a failed check exits 1;
+`cpattn --version`."""
+import json
+import re
+import subprocess
+import sys
+
+CPATTN = sys.argv[1]
+failures = []
+TINY = ["--seq-len", "48", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--repeats", "1"]
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def bench(*args):
+    return subprocess.run([CPATTN, "bench", "attention", *args], capture_output=True, text=True, timeout=120)
+
+
+def bench_json(*args):
+    r = bench(*TINY, *args, "--json")
+    check(r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stderr[-1500:]}")
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+# --version: the project's version.
+r = subprocess.run([CPATTN, "--version"], capture_output=True, text=True, timeout=30)
+check(r.returncode == 0 and re.fullmatch(r"cpattn \d+\.\d+\.\d+\n", r.stdout), f"--version: {r.stdout!r} {r.stderr!r}")
+
+# Every dtype spelling, reported as fp32/fp16/bf16.
+for spelling, canonical in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"),
+                            ("float32", "fp32"), ("float16", "fp16"), ("bfloat16", "bf16")):
+    j = bench_json("--dtype", spelling)
+    check(j is not None and j["dtype"] == canonical, f"--dtype {spelling}: {j}")
+
+# Both masks, and the shared JSON fields.
+for mask in ("causal", "none"):
+    j = bench_json("--mask", mask)
+    check(j is not None and j["mask"] == mask, f"--mask {mask}: {j}")
+j = bench_json("--kernel-path", "automatic", "--threads", "2")
+if j:
+    check(j["kernel_path"] in ("portable", "avx2", "avx512"), f"kernel_path is the path that ran: {j}")
+    check(j["seq_len"] == 48 and j["documents"] == 1 and j["lengths"] == [48], f"seq_len: {j}")
+    check(j["heads"] == 2 and j["kv_heads"] == 1 and j["head_dim_qk"] == 8 and j["head_dim_v"] == 8, f"shape: {j}")
+    check(j["threads"] == 2 and j["repeats"] == 1 and j["dtype"] == "fp32" and j["mask"] == "causal", f"{j}")
+    for old in ("path", "causal", "head_dim"):
+        check(old not in j, f"old JSON field {old!r} still there")
+j = bench_json("--kernel-path", "portable", "--head-dim-qk", "12", "--head-dim-v", "4")
+check(j is not None and j["kernel_path"] == "portable" and j["head_dim_qk"] == 12 and j["head_dim_v"] == 4,
+      f"--kernel-path portable, MLA head dims: {j}")
+j = bench_json("--lengths", "20,7,21")
+check(j is not None and j["seq_len"] == 48 and j["documents"] == 3 and j["lengths"] == [20, 7, 21], f"--lengths: {j}")
+
+# The text report passes its check and names the same values.
+r = bench(*TINY, "--dtype", "bfloat16", "--mask", "none")
+check(r.returncode == 0 and "attention bf16," in r.stdout and "mask none" in r.stdout
+      and "check passed" in r.stderr, f"text report: {r.stdout} {r.stderr}")
+
+# Bad values and old flags: exit 2, one line naming the flag and listing the valid values.
+DTYPES = "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16)"
+bad = [
+    (["--dtype", "f64"], DTYPES + ", got 'f64'"),
+    (["--dtype", "f32"], DTYPES + ", got 'f32'"),  # the old spelling
+    (["--mask", "full"], "--mask must be one of causal, none, got 'full'"),
+    (["--kernel-path", "fast"], "--kernel-path must be one of automatic, portable, avx2, avx512, amx, got 'fast'"),
+    (["--kernel-path", "amx"], "--kernel-path amx cannot run on this CPU"),
+    (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a positive multiple of --kv-heads (2)"),
+    (["--seqlen", "48"], "--seqlen"),
+    (["--causal"], "--causal"),
+    (["--no-causal"], "--no-causal"),
+    (["--path", "portable"], "--path"),
+    (["--head-dim", "300"], "--head-dim"),
+]
+for args, needle in bad:
+    r = bench("--repeats", "1", *args)  # each fails before any kernel runs
+    lines = r.stderr.strip().splitlines()
+    check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2; {r.stderr[-500:]!r}")
+    check(len(lines) == 1 and needle in lines[0], f"{args}: stderr {r.stderr!r} lacks {needle!r}")
+
+# A failed check (the hidden testing flag corrupts one lse value before it): exit 1, its message.
+r = bench(*TINY, "--testing-fail-check")
+check(r.returncode == 1 and "cpattn: check failed: bench attention: lse does not match the float64 reference"
+      in r.stderr, f"failed check: exit {r.returncode}, {r.stderr[-800:]!r}")
+
+if failures:
+    print(f"{len(failures)} check(s) failed")
+    sys.exit(1)
+print("cli bench: all checks passed")

@@ -1,0 +1,116 @@
+// The command line's shared vocabulary (docs/cli.md): the spellings of the storage type, the
+// mask and the kernel path, written once for `cpattn run`, `bench attention` and `train`.
+// parse_* throw cpattn::Error with a one-line message that names the flag and lists the valid
+// values; the *_transformer()s run them at parse time and rewrite the value to its canonical
+// name (float32 -> fp32), so that reports and JSON print one spelling.
+#pragma once
+
+#include <cpattn/attention.hpp>
+#include <cpattn/dtype.hpp>
+#include <cpattn/error.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+namespace cpattn::cli {
+
+// "fp32", "fp16", "bf16".
+inline std::string dtype_name(DType t) {
+  return t == DType::f32 ? "fp32" : t == DType::f16 ? "fp16" : "bf16";
+}
+
+inline std::string mask_name(MaskType m) { return m == MaskType::causal ? "causal" : "none"; }
+
+inline std::string kernel_path_name(KernelPath p) { return std::string(to_string(p)); }
+
+inline constexpr DType kAllDtypes[] = {DType::f32, DType::f16, DType::bf16};
+inline constexpr DType kTrainDtypes[] = {DType::f32, DType::bf16};  // what cpattn train supports
+
+// --dtype: fp32|fp16|bf16, or PyTorch's float32|float16|bfloat16. `allowed` is what the
+// command supports; `who` names a command that supports fewer than all.
+inline DType parse_dtype(std::string_view s, std::span<const DType> allowed = kAllDtypes,
+                         std::string_view who = "") {
+  static constexpr struct {
+    std::string_view name, torch;
+    DType t;
+  } names[] = {{"fp32", "float32", DType::f32}, {"fp16", "float16", DType::f16}, {"bf16", "bfloat16", DType::bf16}};
+  std::ostringstream ours, torch;  // (streams: GCC 12 warns on a chain of string +)
+  for (const auto& n : names) {
+    if (std::find(allowed.begin(), allowed.end(), n.t) == allowed.end()) continue;
+    if (s == n.name || s == n.torch) return n.t;
+    ours << (ours.tellp() > 0 ? ", " : "") << n.name;
+    torch << (torch.tellp() > 0 ? ", " : "") << n.torch;
+  }
+  std::ostringstream msg;
+  msg << "--dtype must be one of " << ours.str() << " (or " << torch.str() << ")";
+  if (!who.empty()) msg << " (" << who << " supports only these today)";
+  msg << ", got '" << s << "'";
+  throw Error(msg.str());
+}
+
+inline MaskType parse_mask(std::string_view s, std::string_view flag = "--mask") {
+  if (s == "causal") return MaskType::causal;
+  if (s == "none") return MaskType::none;
+  throw Error(std::string(flag) + " must be one of causal, none, got '" + std::string(s) + "'");
+}
+
+inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
+  for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
+                             KernelPath::amx})
+    if (s == to_string(p)) return p;
+  throw Error(std::string(flag) + " must be one of automatic, portable, avx2, avx512, amx, got '" +
+              std::string(s) + "'");
+}
+
+// A forced path this CPU cannot run is bad input too (exit 2), caught before any kernel runs.
+inline void check_kernel_path_supported(KernelPath p, std::string_view flag = "--kernel-path") {
+  CPATTN_CHECK(kernel_path_supported(p), flag, " ", to_string(p), " cannot run on this CPU (",
+               p == KernelPath::amx ? "no AMX path is built" : "the CPU lacks its instructions",
+               "; automatic picks ", to_string(best_kernel_path()), ")");
+}
+
+namespace detail {
+// Runs `canonical` on the value at parse time: rewrites it, or rejects it as a parse error
+// (exit 2, one line, the message as written above).
+template <class F>
+CLI::Validator vocab_transformer(F canonical, std::string desc) {
+  return CLI::Validator(
+      [canonical](std::string& value) -> std::string {
+        try {
+          value = canonical(value);
+        } catch (const Error& e) {
+          throw CLI::ConversionError(e.message());
+        }
+        return {};
+      },
+      std::move(desc));
+}
+}  // namespace detail
+
+inline CLI::Validator dtype_transformer(std::span<const DType> allowed = kAllDtypes, std::string who = "") {
+  std::string desc = "{";
+  for (const DType t : allowed) {
+    if (desc.size() > 1) desc += '|';
+    desc += dtype_name(t);
+  }
+  desc += '}';
+  return detail::vocab_transformer(
+      [allowed, who](const std::string& v) { return dtype_name(parse_dtype(v, allowed, who)); }, std::move(desc));
+}
+
+inline CLI::Validator mask_transformer() {
+  return detail::vocab_transformer([](const std::string& v) { return mask_name(parse_mask(v)); },
+                                   "{causal|none}");
+}
+
+inline CLI::Validator kernel_path_transformer() {
+  return detail::vocab_transformer([](const std::string& v) { return kernel_path_name(parse_kernel_path(v)); },
+                                   "{automatic|portable|avx2|avx512|amx}");
+}
+
+}  // namespace cpattn::cli
