@@ -2,17 +2,14 @@
 // parallelism (include/cpattn/train.hpp, docs/training.md). Launch as
 //   mpirun -np N cpattn train --cp N [flags]      (plain `cpattn train` for CP=1)
 // `--compare 1,2,4` runs the same training at each CP size as its own MPI job and prints the
-// curves side by side.
+// curves side by side (train_compare.cpp).
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/train.hpp>
 
-#include <fcntl.h>
 #include <mpi.h>
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -20,17 +17,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "commands.hpp"
+#include "train_compare.hpp"
 #include "vocab.hpp"
-
-extern char** environ;
 
 #ifndef CPATTN_MPIEXEC
 #define CPATTN_MPIEXEC "mpirun"
@@ -78,11 +72,29 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.optim.weight_decay >= 0, "--weight-decay must be >= 0, got ", a.optim.weight_decay);
   CPATTN_CHECK(a.optim.clip >= 0, "--clip must be >= 0 (0: no clipping), got ", a.optim.clip);
   CPATTN_CHECK(a.print_every >= 1, "--print-every must be >= 1, got ", a.print_every);
+  const train::ModelConfig& m = a.model;
+  CPATTN_CHECK(m.layers >= 1, "--layers must be >= 1, got ", m.layers);
+  CPATTN_CHECK(m.heads >= 1 && m.kv_heads >= 1 && m.heads % m.kv_heads == 0, "--heads (", m.heads,
+               ") must be a positive multiple of --kv-heads (", m.kv_heads, ")");
+  CPATTN_CHECK(m.dim >= 2 && m.dim % m.heads == 0, "--dim (", m.dim, ") must be a multiple of --heads (", m.heads, ")");
+  CPATTN_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= 256,
+               "the head dimension --dim / --heads must be even and <= 256, got ", m.head_dim());
   parse_train_dtype(a.dtype);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into 2 * cp = ", train::min_seq_len(a.cp),
                " chunks, so --seq-len must be at least ", train::min_seq_len(a.cp));
+}
+
+// Runs `f`; a cpattn::Error from the library (which names its own arguments) gets the flag
+// that gave them in front.
+template <class F>
+void with_flag(const char* flag, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    throw Error(std::string(flag) + ": " + e.message());
+  }
 }
 
 struct StepRow {
@@ -131,14 +143,17 @@ void train_run(const TrainArgs& a) {
                ": launch as mpirun -np ", a.cp, " cpattn train --cp ", a.cp);
 
   std::unique_ptr<train::DataStream> data;
-  train::on_every_rank(comm, [&] { data = std::make_unique<train::DataStream>(train::load_documents(a.data)); });
+  train::on_every_rank(comm, [&] {
+    with_flag("--data", [&] { data = std::make_unique<train::DataStream>(train::load_documents(a.data)); });
+  });
   train::Trainer trainer(comm, a.model, a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
                           .rope_local_offsets = a.rope_local},
                          a.seed);
   if (!a.resume.empty()) {
-    const train::DataPosition pos = trainer.load(a.resume);
-    train::on_every_rank(comm, [&] { data->seek(pos); });
+    train::DataPosition pos;
+    with_flag("--resume", [&] { pos = trainer.load(a.resume); });
+    train::on_every_rank(comm, [&] { with_flag("--resume", [&] { data->seek(pos); }); });
   }
   std::ofstream log;
   train::on_every_rank(comm, [&] {
@@ -194,7 +209,7 @@ void train_run(const TrainArgs& a) {
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   if (!a.save.empty()) {
-    trainer.save(a.save, data->position());
+    with_flag("--save", [&] { trainer.save(a.save, data->position()); });
     if (rank == 0) std::printf("saved step %lld to %s\n", static_cast<long long>(trainer.steps_done()), a.save.c_str());
   }
   if (rank == 0) print_summary(rows, a.cp, total_s);
@@ -226,141 +241,17 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
   return v;
 }
 
-// Runs argv with stdout and stderr into `out_path` and an environment without Open MPI's and
-// PMIx's variables (a nested mpirun must not think it runs inside this job). Returns the exit code.
-int spawn(const std::vector<std::string>& argv, const std::string& out_path) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string s = *e;
-    if (s.starts_with("OMPI_") && !s.starts_with("OMPI_ALLOW_RUN_AS_ROOT") && !s.starts_with("OMPI_MCA_"))
-      continue;
-    if (s.starts_with("PMIX_")) continue;
-    env.push_back(s);
-  }
-  std::vector<char*> cargv, cenv;
-  for (const std::string& s : argv) cargv.push_back(const_cast<char*>(s.c_str()));
-  cargv.push_back(nullptr);
-  for (const std::string& s : env) cenv.push_back(const_cast<char*>(s.c_str()));
-  cenv.push_back(nullptr);
-  std::fflush(stdout);
-  const pid_t pid = fork();
-  CPATTN_CHECK(pid >= 0, "--compare: fork failed: ", std::strerror(errno));
-  if (pid == 0) {
-    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      close(fd);
-    }
-    execvpe(cargv[0], cargv.data(), cenv.data());
-    std::fprintf(stderr, "cannot run %s: %s\n", cargv[0], std::strerror(errno));
-    _exit(127);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-std::vector<StepRow> read_log(const std::string& path) {
-  std::ifstream in(path);
-  CPATTN_CHECK(in.good(), "--compare: cannot read '", path, "'");
-  std::vector<StepRow> rows;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    const nlohmann::json j = nlohmann::json::parse(line);
-    rows.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
-                    j.at("lr").get<double>(), j.at("step_s").get<double>(), j.at("tokens_per_s").get<double>(),
-                    j.at("peak_rss_mb_per_rank").get<std::vector<double>>()});
-  }
-  return rows;
-}
-
 void compare_run(const TrainArgs& a) {
   for (const int cp : a.compare) {
     TrainArgs c = a;
     c.cp = cp;
     check_args(c);
   }
-  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-  CPATTN_CHECK(size == nullptr || std::atoi(size) == 1,
-               "--compare starts its own MPI jobs: run it as plain `cpattn train --compare ...`, not under mpirun");
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
-  char dir_template[] = "/tmp/cpattn-compare-XXXXXX";
-  const char* dir = mkdtemp(dir_template);
-  CPATTN_CHECK(dir != nullptr, "--compare: cannot create a folder in /tmp: ", std::strerror(errno));
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  CPATTN_CHECK(n > 0, "--compare: cannot find this program's path");
-  self[n] = '\0';
-
-  std::vector<std::vector<StepRow>> runs;
-  std::vector<double> wall;
-  for (const int cp : a.compare) {
-    const std::string log = std::string(dir) + "/cp" + std::to_string(cp) + ".jsonl";
-    const std::string out = std::string(dir) + "/cp" + std::to_string(cp) + ".out";
-    std::vector<std::string> argv = {a.mpirun, "-np", std::to_string(cp), "--oversubscribe", self};
-    const std::vector<std::string> rest = child_args(a, cp, log);
-    argv.insert(argv.end(), rest.begin(), rest.end());
-    std::printf("running cp = %d: %s ... (output in %s)\n", cp, argv[0].c_str(), out.c_str());
-    const auto t0 = Clock::now();
-    const int rc = spawn(argv, out);
-    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    if (rc != 0) {
-      std::ifstream in(out);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
-      std::fprintf(stderr, "cpattn: error: the cp = %d run failed with exit code %d:\n%s", cp, rc, text.c_str());
-      throw ExitCode{rc == 2 ? 2 : 1};
-    }
-    runs.push_back(read_log(log));
-  }
-
-  const std::size_t k = a.compare.size();
-  std::size_t steps = runs[0].size();
-  for (const auto& r : runs) steps = std::min(steps, r.size());
-  std::printf("\nper-step loss and grad norm (relative differences against cp = %d)\n", a.compare[0]);
-  std::printf("%6s", "step");
-  for (const int cp : a.compare) std::printf("  %12s", ("loss cp" + std::to_string(cp)).c_str());
-  for (const int cp : a.compare) std::printf("  %12s", ("gnorm cp" + std::to_string(cp)).c_str());
-  std::printf("  %10s  %10s\n", "max dloss", "max dgnorm");
-  std::vector<double> max_dl(k, 0), max_dg(k, 0), max_dl20(k, 0), max_dg20(k, 0);
-  const auto rel = [](double x, double ref) { return std::abs(x - ref) / std::max(std::abs(ref), 1e-30); };
-  for (std::size_t s = 0; s < steps; ++s) {
-    double dl = 0, dg = 0;
-    for (std::size_t c = 1; c < k; ++c) {
-      const double l = rel(runs[c][s].loss, runs[0][s].loss), g = rel(runs[c][s].grad_norm, runs[0][s].grad_norm);
-      dl = std::max(dl, l);
-      dg = std::max(dg, g);
-      max_dl[c] = std::max(max_dl[c], l);
-      max_dg[c] = std::max(max_dg[c], g);
-      if (s < 20) {
-        max_dl20[c] = std::max(max_dl20[c], l);
-        max_dg20[c] = std::max(max_dg20[c], g);
-      }
-    }
-    if (s % static_cast<std::size_t>(a.print_every) != 0 && s + 1 != steps) continue;
-    std::printf("%6lld", static_cast<long long>(runs[0][s].step));
-    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].loss);
-    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].grad_norm);
-    std::printf("  %10.2e  %10.2e\n", dl, dg);
-  }
-  std::printf("\n%-8s %16s %16s %16s %16s %12s %12s %10s  %s\n", "cp", "max dloss", "max dgnorm",
-              "max dloss <20", "max dgnorm <20", "step_s", "tokens/s", "job s", "peak MB per rank");
-  for (std::size_t c = 0; c < k; ++c) {
-    double s_sum = 0, t_sum = 0;
-    int cnt = 0;
-    for (std::size_t s = runs[c].size() > 1 ? 1 : 0; s < runs[c].size(); ++s, ++cnt) {
-      s_sum += runs[c][s].step_s;
-      t_sum += runs[c][s].tokens_per_s;
-    }
-    std::printf("%-8d %16.3e %16.3e %16.3e %16.3e %12.4f %12.0f %10.1f ", a.compare[c], max_dl[c], max_dg[c],
-                max_dl20[c], max_dg20[c], cnt ? s_sum / cnt : 0.0, cnt ? t_sum / cnt : 0.0, wall[c]);
-    if (!runs[c].empty())
-      for (const double m : runs[c].back().peak_rss_mb) std::printf(" %.1f", m);
-    std::printf("\n");
-  }
-  std::printf("\n(differences are relative to cp = %d; logs in %s)\n", a.compare[0], dir);
+  compare_runs({.cps = a.compare,
+                .mpirun = a.mpirun,
+                .print_every = a.print_every,
+                .train_args = [&a](int cp, const std::string& log) { return child_args(a, cp, log); }});
 }
 
 }  // namespace

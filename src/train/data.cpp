@@ -33,15 +33,15 @@ std::vector<Document> load_documents(std::span<const std::string> paths) {
   for (const std::string& root : roots) {
     std::error_code ec;
     const fs::file_status st = fs::status(root, ec);
-    CPATTN_CHECK(!ec && fs::exists(st), "--data: no such file or folder '", root, "'");
+    CPATTN_CHECK(!ec && fs::exists(st), "load_documents: paths: no such file or folder '", root, "'");
     if (fs::is_directory(st)) {
       for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
         if (it->is_regular_file(ec)) files.insert(fs::canonical(it->path(), ec));
       }
-      CPATTN_CHECK(!ec, "--data: cannot list folder '", root, "': ", ec.message());
+      CPATTN_CHECK(!ec, "load_documents: paths: cannot list folder '", root, "': ", ec.message());
     } else {
-      CPATTN_CHECK(fs::is_regular_file(st), "--data: '", root, "' is neither a file nor a folder");
+      CPATTN_CHECK(fs::is_regular_file(st), "load_documents: paths: '", root, "' is neither a file nor a folder");
       files.insert(fs::canonical(root, ec));
     }
   }
@@ -52,7 +52,7 @@ std::vector<Document> load_documents(std::span<const std::string> paths) {
   }
   std::string where;
   for (const std::string& r : roots) where += (where.empty() ? "'" : ", '") + r + "'";
-  CPATTN_CHECK(!docs.empty(), "--data: no non-empty document in ", where, " (", files.size(),
+  CPATTN_CHECK(!docs.empty(), "load_documents: paths: no non-empty document in ", where, " (", files.size(),
                " file(s) found, all empty)");
   return docs;
 }
@@ -71,13 +71,13 @@ void DataStream::seek(const DataPosition& pos) {
   CPATTN_CHECK(pos.doc >= 0 && pos.doc < static_cast<int64_t>(docs_.size()) && pos.offset >= 0 &&
                    pos.offset <= static_cast<int64_t>(docs_[pos.doc].bytes.size()) && pos.epoch >= 0,
                "data position (document ", pos.doc, ", token ", pos.offset,
-               ") lies outside the data (", docs_.size(),
-               " documents): resume with the same --data as the saved run");
+               ") lies outside these documents (", docs_.size(),
+               "): the position comes from a run over other data");
   pos_ = pos;
 }
 
 PackedSequence DataStream::next(int64_t seq_len) {
-  CPATTN_CHECK(seq_len >= 1, "seq_len must be >= 1, got ", seq_len);
+  CPATTN_CHECK(seq_len >= 1, "DataStream::next: seq_len must be >= 1, got ", seq_len);
   PackedSequence s;
   s.tokens.reserve(seq_len);
   s.labels.reserve(seq_len);

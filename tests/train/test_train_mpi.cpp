@@ -319,7 +319,7 @@ TEST(TrainErrors, SequenceTooShortForTheRanks) {
     t.step(data.next(std::max<int64_t>(n, 1)));
     if (n >= 1) FAIL() << "no error";
   } catch (const Error& e) {
-    EXPECT_THAT(e.message(), HasSubstr("--seq-len"));
+    EXPECT_THAT(e.message(), HasSubstr("min_seq_len(cp)"));
   }
 }
 

@@ -1,0 +1,375 @@
+// The model's forward and backward (model.hpp), block by block over the layers of layers.hpp.
+#include "model.hpp"
+
+#include "layers.hpp"
+
+#include <cpattn/error.hpp>
+
+#include <algorithm>
+#include <cmath>
+
+namespace cpattn::train {
+
+namespace {
+
+// Deterministic normals (splitmix64 + Box-Muller), the same on every platform and rank.
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }
+  double normal() {
+    const double u1 = uniform(), u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+};
+
+CpAttnConfig attention_config(const Dims& d, const RunOptions& ro) {
+  CPATTN_CHECK(ro.attn_dtype == DType::f32 || ro.attn_dtype == DType::bf16,
+               "RunOptions::attn_dtype must be fp32 or bf16, got ", to_string(ro.attn_dtype));
+  CPATTN_CHECK(ro.threads >= 1, "RunOptions::threads must be >= 1, got ", ro.threads);
+  return {.num_heads_q = d.H, .num_heads_k = d.KV, .head_dim_qk = d.hd, .head_dim_v = d.hd,
+          .dtype = ro.attn_dtype,
+          .options = {.mask = MaskType::causal, .num_threads = ro.threads}};
+}
+
+// Rank `plan.rank`'s arrays of the batch in the split's order, from the plan's document split
+// (get_batch_on_this_cp_rank without planning again): padding tokens get kEndOfDocument, label
+// kIgnoreIndex, loss mask 0 and positions continuing their document's.
+TokenBatch local_batch(const PackedSequence& seq, const RankPlan& plan) {
+  TokenBatch out;
+  const auto n = static_cast<std::size_t>(plan.local_tokens);
+  out.tokens.reserve(n);
+  out.labels.reserve(n);
+  out.position_ids.reserve(n);
+  out.loss_mask.reserve(n);
+  const int64_t cp = plan.cp, rank = plan.rank;
+  for (const DocSplit& s : plan.docs)
+    for (const int64_t j : {rank, 2 * cp - 1 - rank})
+      for (int64_t pos = j * s.chunk; pos < (j + 1) * s.chunk; ++pos) {
+        if (pos < s.len) {
+          const auto g = static_cast<std::size_t>(s.begin + pos);
+          out.tokens.push_back(seq.tokens[g]);
+          out.labels.push_back(seq.labels[g]);
+          out.position_ids.push_back(seq.positions[g]);
+          out.loss_mask.push_back(seq.labels[g] == kIgnoreIndex ? 0.0f : 1.0f);
+        } else {
+          out.tokens.push_back(kEndOfDocument);
+          out.labels.push_back(kIgnoreIndex);
+          out.position_ids.push_back(pos);
+          out.loss_mask.push_back(0.0f);
+        }
+      }
+  CPATTN_DASSERT(out.tokens.size() == n);
+  return out;
+}
+
+}  // namespace
+
+Dims model_dims(const ModelConfig& mc) {
+  Dims d;
+  d.D = mc.dim;
+  d.H = mc.heads;
+  d.KV = mc.kv_heads;
+  d.L = mc.layers;
+  d.V = mc.vocab;
+  d.eps = mc.norm_eps;
+  CPATTN_CHECK(d.L >= 1, "ModelConfig::layers must be >= 1, got ", d.L);
+  CPATTN_CHECK(d.H >= 1 && d.KV >= 1 && d.H % d.KV == 0, "ModelConfig::heads (", d.H,
+               ") must be a positive multiple of ModelConfig::kv_heads (", d.KV, ")");
+  CPATTN_CHECK(d.D >= 2 && d.D % d.H == 0, "ModelConfig::dim (", d.D, ") must be a multiple of ModelConfig::heads (",
+               d.H, ")");
+  d.hd = d.D / d.H;
+  CPATTN_CHECK(d.hd % 2 == 0 && d.hd <= 256,
+               "the head dimension ModelConfig::dim / ModelConfig::heads must be even and <= 256, got ", d.hd);
+  CPATTN_CHECK(d.V == kVocab, "ModelConfig::vocab must be ", kVocab, ", got ", d.V);
+  d.F = mc.ffn_dim();
+  CPATTN_CHECK(d.F >= 1, "ModelConfig::ffn must be >= 1 (0: the default width), got ", d.F);
+  return d;
+}
+
+ParamLayout param_layout(const Dims& d) {
+  ParamLayout p;
+  const auto add = [&p](const std::string& name, std::vector<int64_t> shape, bool decay) {
+    int64_t size = 1;
+    for (const int64_t s : shape) size *= s;
+    p.tensors.push_back({name, p.count, size, std::move(shape), decay});
+    p.count += size;
+    return p.tensors.back().offset;
+  };
+  const int D = d.D, q = d.H * d.hd, kv = d.KV * d.hd, F = d.F;
+  p.wte = add("wte", {d.V, D}, true);
+  for (int l = 0; l < d.L; ++l) {
+    const std::string n = "layer" + std::to_string(l) + ".";
+    ParamLayout::Block b{};
+    b.ln1 = add(n + "ln1", {D}, false);
+    b.wq = add(n + "wq", {D, q}, true);
+    b.wk = add(n + "wk", {D, kv}, true);
+    b.wv = add(n + "wv", {D, kv}, true);
+    b.wo = add(n + "wo", {q, D}, true);
+    b.ln2 = add(n + "ln2", {D}, false);
+    b.w1 = add(n + "w1", {D, F}, true);
+    b.w3 = add(n + "w3", {D, F}, true);
+    b.w2 = add(n + "w2", {F, D}, true);
+    p.blocks.push_back(b);
+  }
+  p.lnf = add("lnf", {D}, false);
+  p.lm_head = add("lm_head", {D, d.V}, true);
+  return p;
+}
+
+void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed, std::span<float> params) {
+  Rng rng{seed};
+  const double out_std = mc.init_std / std::sqrt(2.0 * mc.layers);  // residual projections (GPT-2)
+  for (const ParamTensor& t : layout.tensors) {
+    const bool norm = t.shape.size() == 1;
+    const bool resid_out = t.name.ends_with(".wo") || t.name.ends_with(".w2");
+    const double sd = resid_out ? out_std : mc.init_std;
+    for (int64_t i = 0; i < t.size; ++i)
+      params[t.offset + i] = norm ? 1.0f : static_cast<float>(sd * rng.normal());
+  }
+}
+
+Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed)
+    : config(mc), run(ro), dims(model_dims(mc)), layout(param_layout(dims)),
+      cp(comm.size()), attn(comm, attention_config(dims, ro)) {
+  params.assign(layout.count, 0.0f);
+  grads.assign((layout.count + cp - 1) / cp * cp, 0.0f);
+  init_params(layout, config, seed, params);
+  set_blas_threads(run.threads);
+  acts.resid.resize(dims.L + 1);
+  acts.blocks.resize(dims.L);
+}
+
+// ---- Batch setup --------------------------------------------------------------------------------
+
+void prepare_batch(Model& m, const PackedSequence& seq) {
+  const Dims& d = m.dims;
+  const auto n = static_cast<int64_t>(seq.tokens.size());
+  CPATTN_CHECK(n >= 1 && seq.labels.size() == seq.tokens.size() && seq.positions.size() == seq.tokens.size(),
+               "PackedSequence: tokens, labels and positions must have the same non-zero length, got ",
+               seq.tokens.size(), ", ", seq.labels.size(), " and ", seq.positions.size());
+  CPATTN_CHECK(seq.cu_seqlens.size() >= 2 && seq.cu_seqlens.back() == n,
+               "PackedSequence::cu_seqlens must end at the token count ", n);
+  CPATTN_CHECK(n >= min_seq_len(m.cp), "PackedSequence: ", n, " tokens cannot give each of the ", m.cp,
+               " ranks a chunk: a sequence needs at least min_seq_len(cp) = 2 * cp = ", min_seq_len(m.cp),
+               " tokens");
+  Batch& b = m.batch;
+  b.plan = m.attn.plan(seq.cu_seqlens);
+  const RankPlan& plan = *b.plan;
+  b.local = local_batch(seq, plan);
+  b.T = plan.local_tokens;
+  const int64_t T = b.T;
+  for (std::size_t i = 0; i < b.local.tokens.size(); ++i) {
+    CPATTN_CHECK(b.local.tokens[i] >= 0 && b.local.tokens[i] < d.V, "PackedSequence::tokens: token id ",
+                 b.local.tokens[i], " outside the vocabulary [0, ", d.V, ")");
+    CPATTN_CHECK(b.local.labels[i] == kIgnoreIndex || (b.local.labels[i] >= 0 && b.local.labels[i] < d.V),
+                 "PackedSequence::labels: label ", b.local.labels[i], " outside the vocabulary [0, ", d.V, ")");
+  }
+
+  // Positions for RoPE: the global position in the document (the planner's position_ids), or,
+  // for the test of that choice, the offset in this rank's local part of the document.
+  std::vector<int64_t> pos = b.local.position_ids;
+  if (m.run.rope_local_offsets)
+    for (const DocSplit& s : plan.docs)
+      for (int64_t i = 0; i < 2 * s.chunk; ++i) pos[s.local_begin + i] = i;
+  rope_tables(b.rope_cos, b.rope_sin, pos, d.hd, m.config.rope_theta);
+
+  Activations& a = m.acts;
+  for (auto& r : a.resid) r.resize(T * d.D);
+  for (BlockActs& k : a.blocks) {
+    k.xn1.resize(T * d.D);
+    k.rstd1.resize(T);
+    k.q.resize(T * d.H * d.hd);
+    k.k.resize(T * d.KV * d.hd);
+    k.v.resize(T * d.KV * d.hd);
+    k.att.resize(T * d.H * d.hd);
+    k.x_mid.resize(T * d.D);
+    k.xn2.resize(T * d.D);
+    k.rstd2.resize(T);
+    k.a.resize(T * d.F);
+    k.b.resize(T * d.F);
+    k.h.resize(T * d.F);
+  }
+  a.xf.resize(T * d.D);
+  a.rstdf.resize(T);
+  a.logits.resize(T * d.V);
+}
+
+// ---- Forward ------------------------------------------------------------------------------------
+
+namespace {
+
+// att = Attn(q, k, v) through the CP attention, in the run's attention dtype; the context and
+// (bf16) the bf16 q and out stay in `a` for the backward.
+void attention_forward(Model& m, BlockActs& a) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  const DType t = m.run.attn_dtype;
+  if (t == DType::f32) {
+    a.attn = m.attn.forward({.plan = m.batch.plan,
+                             .q = contiguous(a.q.data(), T, d.H, d.hd),
+                             .k = contiguous(a.k.data(), T, d.KV, d.hd),
+                             .v = contiguous(a.v.data(), T, d.KV, d.hd),
+                             .out = contiguous(a.att.data(), T, d.H, d.hd)});
+    return;
+  }
+  Scratch& s = m.scratch;
+  a.q16.resize(a.q.size());
+  a.o16.resize(a.att.size());
+  s.k16.resize(a.k.size());
+  s.v16.resize(a.v.size());
+  from_float(a.q.data(), a.q.size(), t, a.q16.data());
+  from_float(a.k.data(), a.k.size(), t, s.k16.data());
+  from_float(a.v.data(), a.v.size(), t, s.v16.data());
+  a.attn = m.attn.forward({.plan = m.batch.plan,
+                           .q = contiguous(a.q16.data(), T, d.H, d.hd, t),
+                           .k = contiguous(s.k16.data(), T, d.KV, d.hd, t),
+                           .v = contiguous(s.v16.data(), T, d.KV, d.hd, t),
+                           .out = contiguous(a.o16.data(), T, d.H, d.hd, t)});
+  to_float(a.o16.data(), t, a.o16.size(), a.att.data());
+}
+
+// dq, dk, dv (scratch) from datt through the CP attention backward; consumes the context.
+void attention_backward(Model& m, BlockActs& a) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  const DType t = m.run.attn_dtype;
+  Scratch& s = m.scratch;
+  if (t == DType::f32) {
+    m.attn.backward(a.attn, {.q = contiguous(a.q.data(), T, d.H, d.hd),
+                             .out = contiguous(a.att.data(), T, d.H, d.hd),
+                             .dout = contiguous(s.datt.data(), T, d.H, d.hd),
+                             .dq = contiguous(s.dq.data(), T, d.H, d.hd),
+                             .dk = contiguous(s.dk.data(), T, d.KV, d.hd),
+                             .dv = contiguous(s.dv.data(), T, d.KV, d.hd)});
+    return;
+  }
+  // dout -> bf16; dq/dk/dv come back in bf16.
+  s.dout16.resize(s.datt.size());
+  s.dq16.resize(s.dq.size());
+  s.dk16.resize(s.dk.size());
+  s.dv16.resize(s.dv.size());
+  from_float(s.datt.data(), s.datt.size(), t, s.dout16.data());
+  m.attn.backward(a.attn, {.q = contiguous(a.q16.data(), T, d.H, d.hd, t),
+                           .out = contiguous(a.o16.data(), T, d.H, d.hd, t),
+                           .dout = contiguous(s.dout16.data(), T, d.H, d.hd, t),
+                           .dq = contiguous(s.dq16.data(), T, d.H, d.hd, t),
+                           .dk = contiguous(s.dk16.data(), T, d.KV, d.hd, t),
+                           .dv = contiguous(s.dv16.data(), T, d.KV, d.hd, t)});
+  to_float(s.dq16.data(), t, s.dq.size(), s.dq.data());
+  to_float(s.dk16.data(), t, s.dk.size(), s.dk.data());
+  to_float(s.dv16.data(), t, s.dv.size(), s.dv.data());
+}
+
+}  // namespace
+
+void block_forward(Model& m, int l, const float* x, float* y) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
+  const BlockTensors<const float> p = m.layout.block<const float>(m.params.data(), l);
+  BlockActs& a = m.acts.blocks[l];
+  const float* cos_t = m.batch.rope_cos.data();
+  const float* sin_t = m.batch.rope_sin.data();
+  // Attention block.
+  rmsnorm_forward(a.xn1.data(), a.rstd1.data(), x, p.ln1, T, D, d.eps);
+  matmul(a.xn1.data(), p.wq, a.q.data(), T, Q, D, false, false, 0.0f);   // q [T, H*hd]
+  matmul(a.xn1.data(), p.wk, a.k.data(), T, KV, D, false, false, 0.0f);  // k [T, KV*hd]
+  matmul(a.xn1.data(), p.wv, a.v.data(), T, KV, D, false, false, 0.0f);  // v [T, KV*hd]
+  rope(a.q.data(), cos_t, sin_t, T, d.H, d.hd, false);
+  rope(a.k.data(), cos_t, sin_t, T, d.KV, d.hd, false);
+  attention_forward(m, a);  // att [T, H*hd]
+  std::copy(x, x + T * D, a.x_mid.begin());
+  matmul(a.att.data(), p.wo, a.x_mid.data(), T, D, Q, false, false, 1.0f);  // x_mid += att @ wo
+  // MLP block.
+  rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), p.ln2, T, D, d.eps);
+  matmul(a.xn2.data(), p.w1, a.a.data(), T, F, D, false, false, 0.0f);  // gate [T, F]
+  matmul(a.xn2.data(), p.w3, a.b.data(), T, F, D, false, false, 0.0f);  // up [T, F]
+  swiglu_forward(a.h.data(), a.a.data(), a.b.data(), T * F);           // h [T, F]
+  std::copy(a.x_mid.begin(), a.x_mid.end(), y);
+  matmul(a.h.data(), p.w2, y, T, D, F, false, false, 1.0f);  // y = x_mid + h @ w2
+}
+
+double model_forward(Model& m, int64_t& scored) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  Activations& a = m.acts;
+  const float* P = m.params.data();
+  embedding_forward(a.resid[0].data(), P + m.layout.wte, m.batch.local.tokens, d.D);  // [T, D]
+  for (int l = 0; l < d.L; ++l) block_forward(m, l, a.resid[l].data(), a.resid[l + 1].data());
+  rmsnorm_forward(a.xf.data(), a.rstdf.data(), a.resid[d.L].data(), P + m.layout.lnf, T, d.D, d.eps);
+  matmul(a.xf.data(), P + m.layout.lm_head, a.logits.data(), T, d.V, d.D, false, false, 0.0f);  // [T, V]
+  return cross_entropy_forward(a.logits.data(), m.batch.local.labels, d.V, scored);
+}
+
+// ---- Backward -----------------------------------------------------------------------------------
+
+void block_backward(Model& m, int l, const float* x) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
+  const BlockTensors<const float> p = m.layout.block<const float>(m.params.data(), l);
+  const BlockTensors<float> g = m.layout.block<float>(m.grads.data(), l);
+  BlockActs& a = m.acts.blocks[l];
+  Scratch& s = m.scratch;
+  const float* cos_t = m.batch.rope_cos.data();
+  const float* sin_t = m.batch.rope_sin.data();
+  // MLP block: y = x_mid + h @ w2, dres is dy.
+  matmul(a.h.data(), s.dres.data(), g.w2, F, D, T, true, false, 1.0f);   // dw2 += h^T dy
+  matmul(s.dres.data(), p.w2, s.dh.data(), T, F, D, false, true, 0.0f);  // dh = dy w2^T
+  swiglu_backward(s.da.data(), s.db.data(), s.dh.data(), a.a.data(), a.b.data(), T * F);
+  matmul(a.xn2.data(), s.da.data(), g.w1, D, F, T, true, false, 1.0f);   // dw1 += xn2^T da
+  matmul(a.xn2.data(), s.db.data(), g.w3, D, F, T, true, false, 1.0f);   // dw3 += xn2^T db
+  matmul(s.da.data(), p.w1, s.dxn.data(), T, D, F, false, true, 0.0f);   // dxn2 = da w1^T
+  matmul(s.db.data(), p.w3, s.dxn.data(), T, D, F, false, true, 1.0f);   //      + db w3^T
+  rmsnorm_backward(s.dres.data(), g.ln2, s.dxn.data(), a.x_mid.data(), a.rstd2.data(), p.ln2, T, D);
+  // Attention block: x_mid = x + att @ wo, dres is d(x_mid).
+  matmul(a.att.data(), s.dres.data(), g.wo, Q, D, T, true, false, 1.0f);   // dwo += att^T dx_mid
+  matmul(s.dres.data(), p.wo, s.datt.data(), T, Q, D, false, true, 0.0f);  // datt = dx_mid wo^T
+  attention_backward(m, a);                                                // dq, dk, dv
+  rope(s.dq.data(), cos_t, sin_t, T, d.H, d.hd, true);
+  rope(s.dk.data(), cos_t, sin_t, T, d.KV, d.hd, true);
+  matmul(a.xn1.data(), s.dq.data(), g.wq, D, Q, T, true, false, 1.0f);
+  matmul(a.xn1.data(), s.dk.data(), g.wk, D, KV, T, true, false, 1.0f);
+  matmul(a.xn1.data(), s.dv.data(), g.wv, D, KV, T, true, false, 1.0f);
+  matmul(s.dq.data(), p.wq, s.dxn.data(), T, D, Q, false, true, 0.0f);  // dxn1 = dq wq^T
+  matmul(s.dk.data(), p.wk, s.dxn.data(), T, D, KV, false, true, 1.0f);  //      + dk wk^T
+  matmul(s.dv.data(), p.wv, s.dxn.data(), T, D, KV, false, true, 1.0f);  //      + dv wv^T
+  rmsnorm_backward(s.dres.data(), g.ln1, s.dxn.data(), x, a.rstd1.data(), p.ln1, T, D);
+}
+
+void model_backward(Model& m, int64_t total) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
+  Activations& a = m.acts;
+  Scratch& s = m.scratch;
+  const float* P = m.params.data();
+  float* G = m.grads.data();
+  std::fill(m.grads.begin(), m.grads.end(), 0.0f);
+  s.dres.assign(T * D, 0.0f);
+  s.dxn.resize(T * D);
+  s.dh.resize(T * F);
+  s.da.resize(T * F);
+  s.db.resize(T * F);
+  s.datt.resize(T * Q);
+  s.dq.resize(T * Q);
+  s.dk.resize(T * KV);
+  s.dv.resize(T * KV);
+
+  cross_entropy_backward(a.logits.data(), m.batch.local.labels, d.V, total);  // dlogits [T, V]
+  matmul(a.xf.data(), a.logits.data(), G + m.layout.lm_head, D, d.V, T, true, false, 1.0f);  // dW = xf^T dlogits
+  matmul(a.logits.data(), P + m.layout.lm_head, s.dxn.data(), T, D, d.V, false, true, 0.0f);  // dxf = dlogits W^T
+  rmsnorm_backward(s.dres.data(), G + m.layout.lnf, s.dxn.data(), a.resid[d.L].data(), a.rstdf.data(),
+                   P + m.layout.lnf, T, D);
+  for (int l = d.L - 1; l >= 0; --l) block_backward(m, l, a.resid[l].data());
+  // Embedding: scatter-add (padding rows add exact zeros).
+  embedding_backward(G + m.layout.wte, s.dres.data(), m.batch.local.tokens, D);
+}
+
+}  // namespace cpattn::train

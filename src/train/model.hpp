@@ -1,0 +1,147 @@
+// The model of include/cpattn/train.hpp: parameters and activations by name, the batch this
+// rank holds, and the forward and backward of a block and of the whole model (llm.c style:
+// plain structs, one free function per pass, the layers of layers.hpp). Internal to
+// cpattn_train (not installed).
+//
+// Shapes: T = this rank's local tokens (padding included), D = dim, H = heads, KV = kv_heads,
+// hd = head_dim, F = ffn_dim, V = vocab, L = layers.
+//
+// Padding rows (the planner's end-of-document padding) run through the token-wise layers like
+// any row, but they take no part in attention (CpAttention gives them zero output and zero
+// gradient) and have no label, so every gradient they produce is exactly zero: the result is
+// that of the unpadded batch.
+#pragma once
+
+#include <cpattn/cp.hpp>
+#include <cpattn/plan.hpp>
+#include <cpattn/train.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace cpattn::train {
+
+// The sizes of the model, checked (ModelConfig's fields name the errors).
+struct Dims {
+  int D = 0, H = 0, KV = 0, hd = 0, F = 0, V = 0, L = 0;
+  float eps = 0;
+};
+Dims model_dims(const ModelConfig& mc);
+
+// One block's parameter tensors, as pointers into a flat vector (the weights or their
+// gradients, same layout).
+template <class Float>
+struct BlockTensors {
+  Float* ln1;  // [D]
+  Float* wq;   // [D, H*hd]
+  Float* wk;   // [D, KV*hd]
+  Float* wv;   // [D, KV*hd]
+  Float* wo;   // [H*hd, D]
+  Float* ln2;  // [D]
+  Float* w1;   // [D, F] gate
+  Float* w3;   // [D, F] up
+  Float* w2;   // [F, D]
+};
+
+// Where every tensor lies in the flat parameter vector, in the order of `tensors`:
+// wte, then per block ln1 wq wk wv wo ln2 w1 w3 w2, then lnf, lm_head.
+struct ParamLayout {
+  struct Block {
+    int64_t ln1, wq, wk, wv, wo, ln2, w1, w3, w2;
+  };
+  std::vector<ParamTensor> tensors;
+  int64_t count = 0;  // floats
+  int64_t wte = 0;    // [V, D]
+  std::vector<Block> blocks;
+  int64_t lnf = 0;      // [D]
+  int64_t lm_head = 0;  // [D, V]
+
+  template <class Float>
+  BlockTensors<Float> block(Float* base, int l) const {
+    const Block& b = blocks[l];
+    return {base + b.ln1, base + b.wq, base + b.wk, base + b.wv, base + b.wo,
+            base + b.ln2, base + b.w1, base + b.w3, base + b.w2};
+  }
+};
+ParamLayout param_layout(const Dims& d);
+
+// Deterministic initial weights (the same on every platform and rank): norms 1, matrices
+// normal(0, init_std), the residual projections wo and w2 normal(0, init_std / sqrt(2 L)).
+void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed, std::span<float> params);
+
+// This rank's part of one packed sequence: the plan (made once per batch, shared by every
+// layer's attention), the local token arrays in the plan's order, and RoPE's tables.
+struct Batch {
+  std::shared_ptr<const RankPlan> plan;
+  TokenBatch local;  // [T] tokens, labels, positions, loss mask
+  int64_t T = 0;
+  std::vector<float> rope_cos, rope_sin;  // [T, hd/2]
+};
+
+// What one block's forward keeps for its backward. Sizes in elements.
+struct BlockActs {
+  std::vector<float> xn1, rstd1;  // [T, D], [T]
+  std::vector<float> q, k, v;     // [T, H*hd] (after RoPE), [T, KV*hd] (after RoPE), [T, KV*hd]
+  std::vector<float> att;         // [T, H*hd] attention output
+  std::vector<float> x_mid;       // [T, D] residual after attention
+  std::vector<float> xn2, rstd2;  // [T, D], [T]
+  std::vector<float> a, b, h;     // [T, F] gate, up, silu(gate) * up
+  // bf16 attention: the forward's q and out in bf16, which the attention backward reads again.
+  std::vector<uint16_t> q16, o16;  // [T, H*hd]
+  CpContext attn;                  // the attention forward's context (gathered K/V, lse)
+};
+
+struct Activations {
+  std::vector<std::vector<float>> resid;  // [L+1][T, D]: input of block l; resid[L] the last output
+  std::vector<BlockActs> blocks;          // [L]
+  std::vector<float> xf, rstdf;           // [T, D], [T] final norm
+  std::vector<float> logits;              // [T, V]; after forward, probabilities of labeled rows
+};
+
+// Backward's buffers, shared by the blocks.
+struct Scratch {
+  std::vector<float> dres;               // [T, D] gradient of the residual stream
+  std::vector<float> dxn;                // [T, D] gradient of a norm's output
+  std::vector<float> dh, da, db;         // [T, F]
+  std::vector<float> datt, dq, dk, dv;   // [T, H*hd], [T, H*hd], [T, KV*hd], [T, KV*hd]
+  std::vector<uint16_t> k16, v16;        // bf16 attention: forward's k, v
+  std::vector<uint16_t> dout16, dq16, dk16, dv16;  // bf16 attention: backward's tensors
+};
+
+struct Model {
+  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed);
+
+  ModelConfig config;
+  RunOptions run;
+  Dims dims;
+  ParamLayout layout;
+  std::vector<float> params;  // [layout.count]
+  int cp = 1;                 // ranks of the CP group
+  std::vector<float> grads;   // [layout.count padded to a multiple of cp] (the all-reduce's chunks)
+  CpAttention attn;           // one for every block: the contexts in acts hold each block's state
+  Batch batch;
+  Activations acts;
+  Scratch scratch;
+};
+
+// Plans `seq` for this rank (once: every block's attention gets that plan), takes the local
+// arrays and RoPE tables, sizes the activations. Checks the sequence (PackedSequence's fields
+// and min_seq_len name the errors).
+void prepare_batch(Model& m, const PackedSequence& seq);
+
+// x [T, D] -> y [T, D]:  x_mid = x + Wo . Attn(RoPE(Wq . rms(x)), RoPE(Wk . rms(x)), Wv . rms(x))
+//                        y = x_mid + W2 . (silu(W1 . rms(x_mid)) * (W3 . rms(x_mid)))
+void block_forward(Model& m, int l, const float* x, float* y);
+// The block's backward: m.scratch.dres holds dy [T, D] on entry and dx on return; adds the
+// block's weight gradients into m.grads. x: the block's input. Consumes its attention context.
+void block_backward(Model& m, int l, const float* x);
+
+// Embedding, blocks, final norm, LM head, cross-entropy of this rank's labeled rows: returns
+// their loss sum (nats) and counts them in `scored`.
+double model_forward(Model& m, int64_t& scored);
+// Gradients of (sum of this rank's row losses) / total into m.grads (overwritten); total: the
+// labeled rows of all ranks. Consumes the forward's attention contexts.
+void model_backward(Model& m, int64_t total);
+
+}  // namespace cpattn::train

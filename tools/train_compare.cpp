@@ -1,0 +1,170 @@
+// `cpattn train --compare` (train_compare.hpp): one MPI job per CP size, then the curves.
+#include "train_compare.hpp"
+
+#include <cpattn/error.hpp>
+
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "commands.hpp"
+
+extern char** environ;
+
+namespace cpattn::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One line of a run's JSON log.
+struct LogRow {
+  int64_t step = 0;
+  double loss = 0, grad_norm = 0, lr = 0, step_s = 0, tokens_per_s = 0;
+  std::vector<double> peak_rss_mb;  // per rank
+};
+
+// Runs argv with stdout and stderr into `out_path` and an environment without Open MPI's and
+// PMIx's variables (a nested mpirun must not think it runs inside this job). Returns the exit code.
+int spawn(const std::vector<std::string>& argv, const std::string& out_path) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string s = *e;
+    if (s.starts_with("OMPI_") && !s.starts_with("OMPI_ALLOW_RUN_AS_ROOT") && !s.starts_with("OMPI_MCA_"))
+      continue;
+    if (s.starts_with("PMIX_")) continue;
+    env.push_back(s);
+  }
+  std::vector<char*> cargv, cenv;
+  for (const std::string& s : argv) cargv.push_back(const_cast<char*>(s.c_str()));
+  cargv.push_back(nullptr);
+  for (const std::string& s : env) cenv.push_back(const_cast<char*>(s.c_str()));
+  cenv.push_back(nullptr);
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  CPATTN_CHECK(pid >= 0, "--compare: fork failed: ", std::strerror(errno));
+  if (pid == 0) {
+    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execvpe(cargv[0], cargv.data(), cenv.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", cargv[0], std::strerror(errno));
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<LogRow> read_log(const std::string& path) {
+  std::ifstream in(path);
+  CPATTN_CHECK(in.good(), "--compare: cannot read '", path, "'");
+  std::vector<LogRow> rows;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    rows.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
+                    j.at("lr").get<double>(), j.at("step_s").get<double>(), j.at("tokens_per_s").get<double>(),
+                    j.at("peak_rss_mb_per_rank").get<std::vector<double>>()});
+  }
+  return rows;
+}
+}  // namespace
+
+void compare_runs(const CompareOptions& o) {
+  CPATTN_CHECK(!o.cps.empty(), "--compare needs at least one CP size");
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  CPATTN_CHECK(size == nullptr || std::atoi(size) == 1,
+               "--compare starts its own MPI jobs: run it as plain `cpattn train --compare ...`, not under mpirun");
+  char dir_template[] = "/tmp/cpattn-compare-XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  CPATTN_CHECK(dir != nullptr, "--compare: cannot create a folder in /tmp: ", std::strerror(errno));
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  CPATTN_CHECK(n > 0, "--compare: cannot find this program's path");
+  self[n] = '\0';
+
+  std::vector<std::vector<LogRow>> runs;
+  std::vector<double> wall;
+  for (const int cp : o.cps) {
+    const std::string log = std::string(dir) + "/cp" + std::to_string(cp) + ".jsonl";
+    const std::string out = std::string(dir) + "/cp" + std::to_string(cp) + ".out";
+    std::vector<std::string> argv = {o.mpirun, "-np", std::to_string(cp), "--oversubscribe", self};
+    const std::vector<std::string> rest = o.train_args(cp, log);
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    std::printf("running cp = %d: %s ... (output in %s)\n", cp, argv[0].c_str(), out.c_str());
+    const auto t0 = Clock::now();
+    const int rc = spawn(argv, out);
+    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (rc != 0) {
+      std::ifstream in(out);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
+      std::fprintf(stderr, "cpattn: error: the cp = %d run failed with exit code %d:\n%s", cp, rc, text.c_str());
+      throw ExitCode{rc == 2 ? 2 : 1};
+    }
+    runs.push_back(read_log(log));
+  }
+
+  const std::size_t k = o.cps.size();
+  std::size_t steps = runs[0].size();
+  for (const auto& r : runs) steps = std::min(steps, r.size());
+  std::printf("\nper-step loss and grad norm (relative differences against cp = %d)\n", o.cps[0]);
+  std::printf("%6s", "step");
+  for (const int cp : o.cps) std::printf("  %12s", ("loss cp" + std::to_string(cp)).c_str());
+  for (const int cp : o.cps) std::printf("  %12s", ("gnorm cp" + std::to_string(cp)).c_str());
+  std::printf("  %10s  %10s\n", "max dloss", "max dgnorm");
+  std::vector<double> max_dl(k, 0), max_dg(k, 0), max_dl20(k, 0), max_dg20(k, 0);
+  const auto rel = [](double x, double ref) { return std::abs(x - ref) / std::max(std::abs(ref), 1e-30); };
+  for (std::size_t s = 0; s < steps; ++s) {
+    double dl = 0, dg = 0;
+    for (std::size_t c = 1; c < k; ++c) {
+      const double l = rel(runs[c][s].loss, runs[0][s].loss), g = rel(runs[c][s].grad_norm, runs[0][s].grad_norm);
+      dl = std::max(dl, l);
+      dg = std::max(dg, g);
+      max_dl[c] = std::max(max_dl[c], l);
+      max_dg[c] = std::max(max_dg[c], g);
+      if (s < 20) {
+        max_dl20[c] = std::max(max_dl20[c], l);
+        max_dg20[c] = std::max(max_dg20[c], g);
+      }
+    }
+    if (s % static_cast<std::size_t>(o.print_every) != 0 && s + 1 != steps) continue;
+    std::printf("%6lld", static_cast<long long>(runs[0][s].step));
+    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].loss);
+    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].grad_norm);
+    std::printf("  %10.2e  %10.2e\n", dl, dg);
+  }
+  std::printf("\n%-8s %16s %16s %16s %16s %12s %12s %10s  %s\n", "cp", "max dloss", "max dgnorm",
+              "max dloss <20", "max dgnorm <20", "step_s", "tokens/s", "job s", "peak MB per rank");
+  for (std::size_t c = 0; c < k; ++c) {
+    double s_sum = 0, t_sum = 0;
+    int cnt = 0;
+    for (std::size_t s = runs[c].size() > 1 ? 1 : 0; s < runs[c].size(); ++s, ++cnt) {
+      s_sum += runs[c][s].step_s;
+      t_sum += runs[c][s].tokens_per_s;
+    }
+    std::printf("%-8d %16.3e %16.3e %16.3e %16.3e %12.4f %12.0f %10.1f ", o.cps[c], max_dl[c], max_dg[c],
+                max_dl20[c], max_dg20[c], cnt ? s_sum / cnt : 0.0, cnt ? t_sum / cnt : 0.0, wall[c]);
+    if (!runs[c].empty())
+      for (const double m : runs[c].back().peak_rss_mb) std::printf(" %.1f", m);
+    std::printf("\n");
+  }
+  std::printf("\n(differences are relative to cp = %d; logs in %s)\n", o.cps[0], dir);
+}
+}  // namespace cpattn::cli
