@@ -1,6 +1,8 @@
 // `cpattn bench attention`: check one attention case against the float64 reference, then time
-// forward and backward against the FMA peak measured in the same run (bench/attention_bench.hpp).
+// forward and backward against the FMA peak measured in the same run (the checking library's
+// cpattn/check/attention_bench.hpp). This file maps flags to it and prints its result.
 #include <cpattn/attention.hpp>
+#include <cpattn/check/attention_bench.hpp>
 #include <cpattn/error.hpp>
 
 #include <nlohmann/json.hpp>
@@ -11,7 +13,6 @@
 #include <numeric>
 #include <string>
 
-#include "../bench/attention_bench.hpp"
 #include "commands.hpp"
 #include "vocab.hpp"
 
@@ -28,7 +29,7 @@ struct BenchAttnArgs {
 };
 
 void run_bench_attention(const BenchAttnArgs& a) {
-  bench::AttnBenchOptions o;
+  check::AttnBenchOptions o;
   o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
   for (int64_t l : o.lengths) CPATTN_CHECK(l >= 1, "--lengths: every length must be >= 1, got ", l);
   CPATTN_CHECK(a.heads % a.kv_heads == 0, "--heads (", a.heads, ") must be a positive multiple of --kv-heads (",
@@ -44,10 +45,10 @@ void run_bench_attention(const BenchAttnArgs& a) {
   o.path = parse_kernel_path(a.kernel_path);
   check_kernel_path_supported(o.path);
   o.fail_check_for_testing = a.fail_check;
-  bench::AttnBenchResult r;
+  check::AttnBenchResult r;
   try {
-    r = bench::run_attention_bench(o, a.json ? nullptr : &std::cerr);
-  } catch (const bench::CheckFailed& e) {  // a failed check is exit code 1, not bad input
+    r = check::run_attention_bench(o, a.json ? nullptr : &std::cerr);
+  } catch (const check::CheckFailed& e) {  // a failed check is exit code 1, not bad input
     std::fprintf(stderr, "cpattn: check failed: %s\n", e.message().c_str());
     throw ExitCode{1};
   }

@@ -38,7 +38,7 @@ struct PathInfo {
   bool (*supported)();
   const kernels::KernelTable* table;
 };
-const PathInfo kPaths[] = {
+constexpr PathInfo kPaths[] = {
     {KernelPath::automatic, "automatic", always, nullptr},
     {KernelPath::portable, "portable", always, &kernels::portable::table},
     {KernelPath::avx2, "avx2", cpu_has_avx2_fma_f16c, &kernels::avx2::table},
@@ -46,9 +46,16 @@ const PathInfo kPaths[] = {
     {KernelPath::amx, "amx", never, nullptr},
 };
 
+constexpr bool in_enum_order() {
+  for (size_t i = 0; i < std::size(kPaths); ++i)
+    if (kPaths[i].path != static_cast<KernelPath>(i)) return false;
+  return true;
+}
+static_assert(in_enum_order() && std::size(kPaths) == static_cast<size_t>(KernelPath::amx) + 1);
+
 const PathInfo* find_path(KernelPath path) {
   const auto i = static_cast<size_t>(path);
-  return i < std::size(kPaths) && kPaths[i].path == path ? &kPaths[i] : nullptr;
+  return i < std::size(kPaths) ? &kPaths[i] : nullptr;
 }
 
 // The one place a path is picked: the table of `path` (automatic: best_kernel_path()), which

@@ -1,6 +1,8 @@
 // Attention kernels against the float64 reference, over the case table, every dtype and
 // every kernel path this CPU runs; plus determinism, dropout, accumulation and bad arguments.
-#include "attention_harness.hpp"
+#include <cpattn/check/compare.hpp>
+#include <cpattn/check/problem.hpp>
+#include <cpattn/check/tolerance.hpp>
 
 #include <cpattn/attention.hpp>
 #include <cpattn/error.hpp>
@@ -18,6 +20,8 @@
 
 namespace cpattn::testing {
 namespace {
+
+using namespace cpattn::check;
 
 const std::vector<AttnCase>& cases() {
   static const std::vector<AttnCase> c = attention_cases();
@@ -41,11 +45,11 @@ const Truth& truth(size_t ci, DType dt) {
   Truth t;
   // the f64 forward alone first, to get the dtype-rounded out every backward differentiates
   {
-    const Results f = run(pb, DType::f32, true, RefAccum::f64, KernelPath::portable, 1);
-    t.out_d = Tensor::from(dt, f.out);
+    const Results f = run_reference(pb, DType::f32, RefAccum::f64);
+    t.out_d = Tensor::from(dt, pb.out_shape(), f.out);
   }
-  t.ref = run(pb, DType::f32, true, RefAccum::f64, KernelPath::portable, 1, &t.out_d);
-  t.naive = run(pb, dt, true, RefAccum::f32, KernelPath::portable, 1, &t.out_d, &t.ref.lse);
+  t.ref = run_reference(pb, DType::f32, RefAccum::f64, &t.out_d);
+  t.naive = run_reference(pb, dt, RefAccum::f32, &t.out_d, &t.ref.lse);
   return cache.emplace(key, std::move(t)).first->second;
 }
 
@@ -60,7 +64,7 @@ void expect_close(const char* what, const std::vector<float>& got, const std::ve
   const Tolerance tol = tolerance(dt);
   const double err = rel_norm_error(got, ref);
   if (dt == DType::f32 || std::string(what) == "lse") {
-    EXPECT_LE(err, 1e-5) << what << ": ||diff||/||ref|| = " << err;
+    EXPECT_LE(err, dt == DType::f32 ? tol.rel_norm : kLseRelNorm) << what << ": ||diff||/||ref|| = " << err;
     return;
   }
   const double excess = allclose_excess(got, ref, tol.atol, tol.rtol);
@@ -76,8 +80,8 @@ TEST_P(kernel_table, MatchesReference) {
     GTEST_SKIP() << "kernel path " << to_string(path) << " is not supported by this CPU";
   const Truth& t = truth(ci, dt);
   const Problem pb(cases()[ci], dt, 1234 + ci);
-  const Results fwd_only = run(pb, dt, false, RefAccum::f64, path, 2);
-  const Results r = run(pb, dt, false, RefAccum::f64, path, 2, &t.out_d, &t.ref.lse);
+  const Results fwd_only = run_kernels(pb, dt, path, 2);
+  const Results r = run_kernels(pb, dt, path, 2, &t.out_d, &t.ref.lse);
   expect_close("out", fwd_only.out, t.ref.out, t.naive.out, dt);
   expect_close("lse", fwd_only.lse, t.ref.lse, t.naive.lse, dt);
   expect_close("dq", r.dq, t.ref.dq, t.naive.dq, dt);
@@ -103,11 +107,11 @@ TEST(kernel_attention, LargeMagnitudeScoresStayFinite) {
   const AttnCase c{"large", {97, 40}, {97, 40}, 2, 1, 64, 64, MaskType::causal};
   for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
     const Problem pb(c, dt, 7, 30.0f);  // |q.k| * scale reaches the thousands
-    const Results ref = run(pb, DType::f32, true, RefAccum::f64, KernelPath::portable, 1);
-    const Results got = run(pb, dt, false, RefAccum::f64, KernelPath::automatic, 2, nullptr, &ref.lse);
+    const Results ref = run_reference(pb, DType::f32, RefAccum::f64);
+    const Results got = run_kernels(pb, dt, KernelPath::automatic, 2, nullptr, &ref.lse);
     for (const auto* v : {&got.out, &got.lse, &got.dq, &got.dk, &got.dv})
       EXPECT_TRUE(all_finite(*v)) << to_string(dt);
-    EXPECT_LE(rel_norm_error(got.lse, ref.lse), 1e-5) << to_string(dt);
+    EXPECT_LE(rel_norm_error(got.lse, ref.lse), kLseRelNorm) << to_string(dt);
     EXPECT_LE(rel_norm_error(got.out, ref.out), dt == DType::f32 ? 1e-3 : 5e-2) << to_string(dt);
   }
 }
@@ -117,10 +121,10 @@ TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   const AttnCase c{"det", {150, 1, 77, 200}, {150, 1, 77, 200}, 4, 2, 64, 64, MaskType::causal};
   for (DType dt : {DType::f32, DType::bf16}) {
     const Problem pb(c, dt, 99);
-    const Results first = run(pb, dt, false, RefAccum::f64, KernelPath::automatic, 2);
+    const Results first = run_kernels(pb, dt, KernelPath::automatic, 2);
     for (int rep = 0; rep < 20; ++rep) {
       const int threads = rep % 3 + 1;  // 1, 2, 3 threads
-      const Results r = run(pb, dt, false, RefAccum::f64, KernelPath::automatic, threads);
+      const Results r = run_kernels(pb, dt, KernelPath::automatic, threads);
       ASSERT_EQ(r.out, first.out) << "rep " << rep;
       ASSERT_EQ(r.lse, first.lse) << "rep " << rep;
       ASSERT_EQ(r.dq, first.dq) << "rep " << rep << " threads " << threads;
@@ -161,17 +165,17 @@ TEST(kernel_attention, DropoutSameForAnyTaskSplitAndMatchesReference) {
   const WorkList chunks = chunked_worklist(c, 4);
   ASSERT_GT(chunks.tasks.size(), pb.work.tasks.size());
   auto go = [&](const WorkList& w, bool ref, float p) {
-    Tensor out(DType::f32, pb.out_size()), dq(DType::f32, pb.q.size()),
-        dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
+    Tensor out(DType::f32, pb.out_shape()), dq(DType::f32, pb.q_shape()),
+        dk(DType::f32, pb.k_shape()), dv(DType::f32, pb.v_shape());
     std::vector<float> lse(pb.lse_size());
-    AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 2, &w);
-    fp.dropout_p = p;
-    fp.seed = 42;
+    AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 2, &w);
+    fp.in.options.dropout_p = p;
+    fp.in.options.seed = 42;
     ref ? attention_forward_reference(fp) : attention_forward(fp);
-    AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32,
+    AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv,
                               KernelPath::automatic, 2, &w);
-    bp.dropout_p = p;
-    bp.seed = 42;
+    bp.in.options.dropout_p = p;
+    bp.in.options.seed = 42;
     ref ? attention_backward_reference(bp) : attention_backward(bp);
     return Results{out.f, lse, dq.f, dk.f, dv.f};
   };
@@ -182,8 +186,8 @@ TEST(kernel_attention, DropoutSameForAnyTaskSplitAndMatchesReference) {
   const Results no_drop = go(pb.work, false, 0.0f);
   for (auto m : {&Results::out, &Results::lse, &Results::dq, &Results::dk, &Results::dv}) {
     EXPECT_LE(rel_norm_error(ref_chunks.*m, ref_docs.*m), 1e-12);
-    EXPECT_LE(rel_norm_error(fast_docs.*m, ref_docs.*m), 1e-5);
-    EXPECT_LE(rel_norm_error(fast_chunks.*m, ref_docs.*m), 1e-5);
+    EXPECT_LE(rel_norm_error(fast_docs.*m, ref_docs.*m), tolerance(DType::f32).rel_norm);
+    EXPECT_LE(rel_norm_error(fast_chunks.*m, ref_docs.*m), tolerance(DType::f32).rel_norm);
   }
   EXPECT_GT(rel_norm_error(no_drop.out, fast_docs.out), 1e-2) << "dropout changed nothing";
 }
@@ -201,11 +205,11 @@ TEST(kernel_attention, DropoutKeptFractionAndScaling) {
   Problem pb(c, DType::f32, 3);
   for (size_t i = 0; i < pb.k.size(); ++i) pb.k.set(i, 0.0f);
   for (size_t i = 0; i < pb.v.size(); ++i) pb.v.set(i, 1.0f);
-  Tensor out(DType::f32, pb.out_size());
+  Tensor out(DType::f32, pb.out_shape());
   std::vector<float> lse(1);
-  AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1);
-  fp.dropout_p = p;
-  fp.seed = 77;
+  AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1);
+  fp.in.options.dropout_p = p;
+  fp.in.options.seed = 77;
   attention_forward(fp);
   int64_t k2 = 0;
   for (int64_t kp = 0; kp < n; ++kp) k2 += dropout_keep(77, 0, 0, n - 1, kp, p);
@@ -219,30 +223,36 @@ TEST(kernel_attention, AccumulateAddsIntoExistingBuffersAndSharesKeyRows) {
   const AttnCase c{"acc", {97, 130}, {97, 130}, 4, 2, 48, 32, MaskType::causal};
   const Problem pb(c, DType::bf16, 8);
   const WorkList chunks = chunked_worklist(c, 3);  // tasks share key rows
-  Tensor out(DType::bf16, pb.out_size()), dq(DType::bf16, pb.q.size()),
-      dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
+  Tensor out(DType::bf16, pb.out_shape()), dq(DType::bf16, pb.q_shape()),
+      dk(DType::f32, pb.k_shape()), dv(DType::f32, pb.v_shape());
   std::vector<float> lse(pb.lse_size());
-  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::bf16, KernelPath::automatic, 2, &chunks));
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 2, &chunks));
+  // fp32 accumulation views of [total_k, Hkv, Dqk] and [total_k, Hkv, Dv] buffers
+  const auto dk_view = [&](std::vector<float>& x) {
+    return contiguous(x.data(), c.total_k(), c.num_heads_k, c.head_dim_qk);
+  };
+  const auto dv_view = [&](std::vector<float>& x) {
+    return contiguous(x.data(), c.total_k(), c.num_heads_k, c.head_dim_v);
+  };
   std::vector<float> dk_acc(pb.dk_size()), dv_acc(pb.dv_size());
   for (size_t i = 0; i < dk_acc.size(); ++i) dk_acc[i] = 0.5f * static_cast<float>(i % 7);
   for (size_t i = 0; i < dv_acc.size(); ++i) dv_acc[i] = -0.25f * static_cast<float>(i % 5);
   const std::vector<float> dk0 = dk_acc, dv0 = dv_acc;
-  AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::bf16,
+  AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv,
                             KernelPath::automatic, 2, &chunks);
   bp.grad_mode = GradMode::accumulate;
-  bp.dk = bp.dv = nullptr;
-  bp.dk_accum = dk_acc.data();
-  bp.dv_accum = dv_acc.data();
+  bp.dk = dk_view(dk_acc);
+  bp.dv = dv_view(dv_acc);
   attention_backward(bp);
   // reference in accumulate mode on the same buffers' initial contents
   std::vector<float> rk = dk0, rv = dv0;
-  bp.dk_accum = rk.data();
-  bp.dv_accum = rv.data();
-  Tensor dq_ref(DType::bf16, pb.q.size());
-  bp.dq = dq_ref.data();
+  bp.dk = dk_view(rk);
+  bp.dv = dv_view(rv);
+  Tensor dq_ref(DType::bf16, pb.q_shape());
+  bp.dq = dq_ref.view();
   attention_backward_reference(bp);
-  EXPECT_LE(rel_norm_error(dk_acc, rk), 1e-5);
-  EXPECT_LE(rel_norm_error(dv_acc, rv), 1e-5);
+  EXPECT_LE(rel_norm_error(dk_acc, rk), tolerance(DType::f32).rel_norm);
+  EXPECT_LE(rel_norm_error(dv_acc, rv), tolerance(DType::f32).rel_norm);
   // and it is "existing + the gradient": subtracting the start gives the one-task-per-doc
   // gradient of the same function
   std::vector<float> g(dk_acc.size()), g_ref(dk_acc.size());
@@ -253,10 +263,10 @@ TEST(kernel_attention, AccumulateAddsIntoExistingBuffersAndSharesKeyRows) {
   EXPECT_LE(rel_norm_error(g, g_ref), 1e-4);
   // accumulating twice adds twice, bitwise the same increment
   std::vector<float> twice = dk_acc;
-  bp.dk_accum = twice.data();
+  bp.dk = dk_view(twice);
   std::vector<float> vv = dv_acc;
-  bp.dv_accum = vv.data();
-  bp.dq = dq.data();
+  bp.dv = dv_view(vv);
+  bp.dq = dq.view();
   attention_backward(bp);
   for (size_t i = 0; i < twice.size(); i += 97) EXPECT_NEAR(twice[i] - dk_acc[i], g[i], 1e-5);
 }
@@ -268,13 +278,13 @@ TEST(kernel_attention, QueryWithNoVisibleKeyGivesZeroAndMinusInf) {
   WorkList w;
   w.runs.push_back({.row = 0, .len = 4, .pos = 10});  // keys after every query: invisible
   w.tasks.push_back({.q_row = 0, .q_len = 4, .q_pos = 0, .doc = 0, .run_begin = 0, .run_end = 1});
-  Tensor out(DType::f32, pb.out_size());
+  Tensor out(DType::f32, pb.out_shape());
   std::vector<float> lse(pb.lse_size());
-  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1, &w));
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1, &w));
   for (float x : out.f) EXPECT_EQ(x, 0.0f);
   for (float x : lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
-  Tensor dq(DType::f32, pb.q.size()), dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
-  attention_backward(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32,
+  Tensor dq(DType::f32, pb.q_shape()), dk(DType::f32, pb.k_shape()), dv(DType::f32, pb.v_shape());
+  attention_backward(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv,
                             KernelPath::automatic, 1, &w));
   for (const auto* v : {&dq.f, &dk.f, &dv.f})
     for (float x : *v) EXPECT_EQ(x, 0.0f);
@@ -313,22 +323,21 @@ TEST(kernel_attention, OffsetsPast2To31ElementsUse64BitArithmetic) {
     float *q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv;
     int64_t rs;
   };
+  // [T, 1, D] fp32 views, rows `rs` elements apart.
+  const auto view = [&](float* p, int64_t rs) {
+    return TensorView{.data = p, .rows = T, .heads = 1, .dim = D, .dtype = DType::f32, .row_stride = rs};
+  };
+  const auto inputs = [&](const Set& t, KernelPath path) {
+    return AttnInputs{.q = view(t.q, t.rs), .k = view(t.k, t.rs), .v = view(t.v, t.rs), .work = &wl,
+                      .options = {.mask = MaskType::causal, .path = path}};
+  };
   const auto fwd = [&](const Set& t, KernelPath path) {
-    return AttnFwdParams{.q = t.q, .q_row_stride = t.rs, .q_head_stride = D, .k = t.k, .k_row_stride = t.rs,
-                         .k_head_stride = D, .v = t.v, .v_row_stride = t.rs, .v_head_stride = D, .out = t.out,
-                         .out_row_stride = t.rs, .out_head_stride = D, .lse = t.lse, .total_q = T, .total_k = T,
-                         .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
-                         .dtype = DType::f32, .mask = MaskType::causal, .work = &wl, .path = path};
+    return AttnFwdParams{.in = inputs(t, path), .out = view(t.out, t.rs), .lse = t.lse};
   };
   const auto bwd = [&](const Set& t, KernelPath path) {
-    return AttnBwdParams{.q = t.q, .q_row_stride = t.rs, .q_head_stride = D, .k = t.k, .k_row_stride = t.rs,
-                         .k_head_stride = D, .v = t.v, .v_row_stride = t.rs, .v_head_stride = D, .out = t.out,
-                         .out_row_stride = t.rs, .out_head_stride = D, .lse = t.lse, .dout = t.dout,
-                         .dout_row_stride = t.rs, .dout_head_stride = D, .dq = t.dq, .dq_row_stride = t.rs,
-                         .dq_head_stride = D, .dk = t.dk, .dk_row_stride = t.rs, .dk_head_stride = D, .dv = t.dv,
-                         .dv_row_stride = t.rs, .dv_head_stride = D, .total_q = T, .total_k = T,
-                         .num_heads_q = 1, .num_heads_k = 1, .head_dim_qk = D, .head_dim_v = D,
-                         .dtype = DType::f32, .mask = MaskType::causal, .work = &wl, .path = path};
+    return AttnBwdParams{.in = inputs(t, path), .out = view(t.out, t.rs), .lse = t.lse,
+                         .dout = view(t.dout, t.rs), .dq = view(t.dq, t.rs), .dk = view(t.dk, t.rs),
+                         .dv = view(t.dv, t.rs)};
   };
 
   // The reference, on compact copies.
@@ -350,11 +359,12 @@ TEST(kernel_attention, OffsetsPast2To31ElementsUse64BitArithmetic) {
         for (int64_t e = 0; e < D; ++e) f[r * D + e] = col(c)[r * stride + e];
       return f;
     };
-    EXPECT_LE(rel_norm_error(rows(cout), out), 1e-5);
-    EXPECT_LE(rel_norm_error(got_lse, lse), 1e-5);
-    EXPECT_LE(rel_norm_error(rows(cdq), dq), 1e-5);
-    EXPECT_LE(rel_norm_error(rows(cdk), dk), 1e-5);
-    EXPECT_LE(rel_norm_error(rows(cdv), dv), 1e-5);
+    const double tol = tolerance(DType::f32).rel_norm;
+    EXPECT_LE(rel_norm_error(rows(cout), out), tol);
+    EXPECT_LE(rel_norm_error(got_lse, lse), kLseRelNorm);
+    EXPECT_LE(rel_norm_error(rows(cdq), dq), tol);
+    EXPECT_LE(rel_norm_error(rows(cdk), dk), tol);
+    EXPECT_LE(rel_norm_error(rows(cdv), dv), tol);
   }
   munmap(m, bytes);
 }
@@ -364,10 +374,10 @@ class kernel_bad_params : public ::testing::Test {
  protected:
   AttnCase c{"bad", {8, 8}, {8, 8}, 4, 2, 16, 16, MaskType::causal};
   Problem pb{c, DType::f32, 1};
-  Tensor out{DType::f32, pb.out_size()};
+  Tensor out{DType::f32, pb.out_shape()};
   std::vector<float> lse = std::vector<float>(pb.lse_size(), 123.0f);
 
-  AttnFwdParams good() { return pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1); }
+  AttnFwdParams good() { return pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1); }
   void expect_error(const AttnFwdParams& p, const std::string& needle) {
     for (auto& x : out.f) x = 7.0f;
     try {
@@ -385,73 +395,74 @@ TEST_F(kernel_bad_params, Raise) {
   EXPECT_NO_THROW(attention_forward(good()));
   for (float& x : lse) x = 123.0f;
   auto p = good();
-  p.q = nullptr;
+  p.in.q.data = nullptr;
   expect_error(p, "q must not be null");
   p = good();
-  p.num_heads_k = 3;
+  p.in.k.heads = p.in.v.heads = 3;  // num_heads_k
   expect_error(p, "multiple of num_heads_k");
   p = good();
-  p.head_dim_qk = 0;
-  expect_error(p, "head_dim_qk must be in [1, 256]");
+  p.in.q.dim = p.in.k.dim = 0;  // head_dim_qk
+  expect_error(p, "head_dim_qk (q.dim) must be in [1, 256]");
   p = good();
-  p.head_dim_v = 257;
-  expect_error(p, "head_dim_v must be in [1, 256]");
+  p.in.v.dim = p.out.dim = 257;  // head_dim_v
+  expect_error(p, "head_dim_v (v.dim) must be in [1, 256]");
   p = good();
-  p.dropout_p = 1.0f;
+  p.in.options.dropout_p = 1.0f;
   expect_error(p, "dropout_p must be in [0, 1)");
   p = good();
-  p.num_threads = 0;
+  p.in.options.num_threads = 0;
   expect_error(p, "num_threads");
   p = good();
-  p.q_row_stride = 10;
-  expect_error(p, "q_row_stride");
+  p.in.q.row_stride = 10;
+  expect_error(p, "q.row_stride");
   p = good();
-  p.path = KernelPath::amx;
+  p.in.options.path = KernelPath::amx;
   expect_error(p, "amx is not implemented");
   if (!kernel_path_supported(KernelPath::avx512)) {
     p = good();
-    p.path = KernelPath::avx512;
+    p.in.options.path = KernelPath::avx512;
     expect_error(p, "not supported by this CPU");
   }
   WorkList w = pb.work;
   w.tasks[1].q_row = 10;  // 10 + 8 > 16
   p = good();
-  p.work = &w;
+  p.in.work = &w;
   expect_error(p, "outside q's rows");
   w = pb.work;
   w.tasks[1].q_row = 4;  // overlaps task 0
-  p.work = &w;
+  p.in.work = &w;
   expect_error(p, "must not overlap");
   w = pb.work;
   w.runs[1].row = 12;  // 12 + 8 > 16
-  p.work = &w;
+  p.in.work = &w;
   expect_error(p, "outside k's rows");
   w = pb.work;
   w.runs = {{.row = 0, .len = 4, .pos = 4}, {.row = 4, .len = 4, .pos = 0}, w.runs[1]};
   w.tasks[0].run_end = 2;
   w.tasks[1].run_begin = w.tasks[1].run_end = 2;
   w.tasks[1].run_end = 3;
-  p.work = &w;
+  p.in.work = &w;
   expect_error(p, "increasing position order");
   w = pb.work;
   w.tasks[0].run_end = 5;
-  p.work = &w;
+  p.in.work = &w;
   expect_error(p, "run_end <= runs.size()");
   p = good();
-  p.work = nullptr;
+  p.in.work = nullptr;
   expect_error(p, "work must not be null");
 }
 
 TEST_F(kernel_bad_params, BackwardRaises) {
-  Tensor dq(DType::f32, pb.q.size()), dk(DType::f32, pb.dk_size()), dv(DType::f32, pb.dv_size());
-  auto b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32, KernelPath::automatic, 1);
-  b.dout = nullptr;
+  Tensor dq(DType::f32, pb.q_shape()), dk(DType::f32, pb.k_shape()), dv(DType::f32, pb.v_shape());
+  auto b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
+  b.dout.data = nullptr;
   EXPECT_THROW(attention_backward(b), Error);
-  b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32, KernelPath::automatic, 1);
+  b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
   b.grad_mode = GradMode::accumulate;
-  EXPECT_THROW(attention_backward(b), Error);  // no dk_accum/dv_accum
-  b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, DType::f32, KernelPath::automatic, 1);
-  b.head_dim_qk = 300;
+  b.dk.data = b.dv.data = nullptr;
+  EXPECT_THROW(attention_backward(b), Error);  // no fp32 buffers to accumulate into
+  b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
+  b.in.q.dim = b.in.k.dim = 300;  // head_dim_qk
   EXPECT_THROW(attention_backward(b), Error);
 }
 

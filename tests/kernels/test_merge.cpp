@@ -1,6 +1,9 @@
 // Partial softmax merge (DESIGN.md 6): merging attention over key parts equals attention over
 // all keys; empty parts (-inf) carry no weight and never make NaN.
-#include "attention_harness.hpp"
+#include <cpattn/check/compare.hpp>
+#include <cpattn/check/problem.hpp>
+
+#include <cpattn/attention.hpp>
 
 #include <cpattn/error.hpp>
 #include <cpattn/merge.hpp>
@@ -12,6 +15,8 @@
 
 namespace cpattn::testing {
 namespace {
+
+using namespace cpattn::check;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -41,9 +46,9 @@ TEST(kernel_merge, KeyPartsMergeToFullAttention) {
     w.runs = std::move(runs);
     w.tasks.push_back({.q_row = 0, .q_len = 40, .q_pos = 50, .doc = 0, .run_begin = 0,
                        .run_end = static_cast<int64_t>(w.runs.size())});
-    Tensor out(DType::f32, pb.out_size());
+    Tensor out(DType::f32, pb.out_shape());
     std::vector<float> lse(pb.lse_size());
-    attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), DType::f32, KernelPath::automatic, 1, &w));
+    attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1, &w));
     return std::make_pair(out.f, lse);
   };
   const auto full = part({{.row = 0, .len = 90, .pos = 0}});

@@ -1,0 +1,224 @@
+// `cpattn run`'s distributed run: the CP groups, each rank's batch, plan and local rows, the
+// timed CP forward+backward steps, the results gathered into global order, and the verdict
+// agreed by every rank. The check and the report are check.cpp and report.cpp.
+#include "run.hpp"
+
+#include <cpattn/check/gather.hpp>
+#include <cpattn/comm.hpp>
+#include <cpattn/cp.hpp>
+#include <cpattn/error.hpp>
+#include <cpattn/plan.hpp>
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "../commands.hpp"
+#include "../vocab.hpp"
+
+namespace cpattn::cli::run_cmd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+double peak_rss_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+// The CP groups: world/cp groups of cp consecutive ranks, each running the whole check on
+// the same batch (as data-parallel replicas would, each on its own batch).
+struct Groups {
+  Communicator& world;
+  int cp = 1, count = 1, index = 0;  // set by split(), declared before comm: set once
+  Communicator comm;                  // this rank's group
+  Groups(Communicator& w, int cp_flag) : world(w), comm(split(cp_flag)) {}  // the world's deadline
+
+ private:
+  Communicator split(int cp_flag) {
+    cp = cp_flag == 0 ? world.size() : cp_flag;
+    // Agreed before the split: every rank is there, with the same cp.
+    std::string error;
+    Fingerprint fp;
+    if (cp < 1 || world.size() % cp != 0)
+      error = "--cp must divide the MPI world size " + std::to_string(world.size()) +
+              " (the world runs world/cp CP groups side by side), got " + std::to_string(cp_flag);
+    else
+      fp.add("--cp", cp);
+    agree(world, fp, "cpattn run", error);
+    count = world.size() / cp;
+    index = world.rank() / cp;
+    return world.split(index, world.rank());
+  }
+};
+
+// What a rank prepares on its own: the batch, its plan and its local rows. Errors here can
+// differ between ranks (a file one node cannot read): they are shared before anything else.
+struct Local {
+  check::Batch b;
+  CpAttnConfig cfg;
+  RankPlan p;
+  check::Tensor q, k, v, dout;
+  std::unique_ptr<CpAttention> attn;  // its constructor checks the configuration locally
+};
+
+Local prepare(const RunArgs& a, Communicator& comm) {
+  const int cp = comm.size(), rank = comm.rank();
+  CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
+  CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
+  CPATTN_CHECK(a.mode == "runs" || a.mode == "index", "--mode must be runs or index, got '", a.mode, "'");
+  const MaskType mask = parse_mask(a.mask);
+  const KernelPath path = parse_kernel_path(a.kernel_path);
+  check_kernel_path_supported(path);
+  CPATTN_CHECK(a.seq_len >= 1, "--seq-len must be >= 1, got ", a.seq_len);
+  CPATTN_CHECK(a.dropout >= 0.0f && a.dropout < 1.0f, "--dropout must be in [0, 1), got ", a.dropout);
+  if (a.npy_in.empty())  // the files' shapes are CpAttention's to check
+    CPATTN_CHECK(a.heads >= 1 && a.kv_heads >= 1 && a.heads % a.kv_heads == 0, "--heads (", a.heads,
+                 ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
+  Local l;
+  l.b = make_batch(a);
+  const check::Batch& b = l.b;
+  l.cfg = {.num_heads_q = b.shape.heads_q, .num_heads_k = b.shape.heads_k, .head_dim_qk = b.shape.head_dim_qk,
+           .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
+           .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
+                       .path = path},
+           .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index};
+  l.p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, cp, rank);
+  l.q = check::local_rows(b.q, l.p);
+  l.k = check::local_rows(b.k, l.p);
+  l.v = check::local_rows(b.v, l.p);
+  l.dout = check::local_rows(b.dout, l.p);
+  l.attn = std::make_unique<CpAttention>(comm, l.cfg);
+  return l;
+}
+
+// Runs the check in this rank's CP group; true when every group passed.
+bool check_in_groups(Communicator& world, const RunArgs& a) {
+  Groups groups(world, a.cp);
+  Communicator& comm = groups.comm;
+  const int cp = comm.size(), rank = comm.rank();
+  std::optional<Local> prepared;
+  std::string local_error;
+  try {
+    prepared = prepare(a, comm);
+  } catch (const Error& e) {
+    local_error = e.message();
+  } catch (const std::exception& e) {
+    local_error = std::string("unexpected error: ") + e.what();
+  }
+  agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
+  Local& l = *prepared;
+  const check::Batch& b = l.b;
+  const RankPlan& p = l.p;
+  CpAttention& attn = *l.attn;
+  const check::Tensor &q = l.q, &k = l.k, &v = l.v, &dout = l.dout;
+  check::Tensor out(b.dtype, {p.local_tokens, b.shape.heads_q, b.shape.head_dim_v}), dq(b.dtype, q.shape),
+      dk(b.dtype, k.shape), dv(b.dtype, v.shape);
+  std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * b.shape.heads_q));
+
+  std::vector<double> compute, communication, wall;
+  for (int i = 0; i < a.repeats; ++i) {
+    attn.reset_stats();
+    comm.barrier();
+    const auto t0 = Clock::now();
+    CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                                  .out = out.view(), .lse = lse.data()});
+    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
+                        .dk = dk.view(), .dv = dv.view()});
+    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    compute.push_back(attn.stats().compute_s);
+    communication.push_back(attn.stats().comm_s);
+  }
+
+  const check::Results got = check::gather_results(
+      comm, p, {.out = out.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .lse = lse.data()});
+
+  // Per-rank figures, to every rank.
+  std::vector<double> mine{median(compute), median(communication), median(wall), peak_rss_mb(),
+                           static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20)};
+  std::vector<double> per_rank(mine.size() * cp);
+  comm.all_gather<double>(mine, per_rank);
+
+  // Rank 0 checks and reports; the others wait for its verdict. Whatever rank 0 meets
+  // (a failed check, an exception) reaches every rank, so that none is left waiting.
+  int64_t pass = 1;
+  std::string rank0_error;
+  if (rank == 0) try {
+    const RunCheck result = check_against_single_process(b, l.cfg.options, got);
+    if (!result.pass) pass = 0;
+    const KernelPath path = l.cfg.options.path;
+    RunReport report{.args = a, .kernel_path = kernel_path_name(path == KernelPath::automatic ? best_kernel_path() : path),
+                     .cp = cp, .cp_groups = groups.count, .batch = b,
+                     .balance = balance_report(b.cu_seqlens, cp), .check = result, .ranks = {}};
+    for (int r = 0; r < cp; ++r) {
+      const double* f = &per_rank[r * mine.size()];
+      report.ranks.push_back({f[0], f[1], f[2], f[3], f[4]});
+    }
+    if (groups.world.rank() != 0) {
+      // Another CP group's rank 0: it checked; world rank 0 reports.
+    } else if (a.json) {
+      std::cout << report_json(report).dump() << std::endl;
+    } else {
+      print_report(report);
+    }
+    if (!a.npy_out.empty() && groups.world.rank() == 0) write_results(a.npy_out, b, got);
+  } catch (const Error& e) {
+    rank0_error = e.message();
+  } catch (const std::exception& e) {
+    rank0_error = e.what();
+  }
+  // Each group's rank 0 verdict reaches every rank of every group; any error is agreed on.
+  int64_t status[2] = {pass, static_cast<int64_t>(rank0_error.size())};
+  comm.broadcast<int64_t>(status, 0);
+  if (status[1] > 0) {
+    rank0_error.resize(static_cast<std::size_t>(status[1]));
+    comm.broadcast<std::byte>(std::as_writable_bytes(std::span(rank0_error)), 0);
+  }
+  agree(groups.world, {}, "cpattn run",
+        status[1] > 0 ? "the check on rank 0 of CP group " + std::to_string(groups.index) + " failed: " + rank0_error
+                      : std::string());
+  std::vector<int64_t> passed(static_cast<std::size_t>(groups.world.size()));
+  groups.world.all_gather<int64_t>(std::span<const int64_t>(&status[0], 1), passed);
+  std::vector<int> failed;  // the groups whose check failed
+  for (int g = 0; g < groups.count; ++g)
+    if (passed[static_cast<std::size_t>(g) * groups.cp] == 0) failed.push_back(g);
+  if (!failed.empty() && groups.count > 1 && groups.world.rank() == 0) {
+    std::string list;
+    for (const int g : failed) list += (list.empty() ? "" : ",") + std::to_string(g);
+    std::fprintf(stderr, "cpattn run: the check failed in CP group(s) %s of %d (the report above is group 0's)\n",
+                 list.c_str(), groups.count);
+  }
+  return failed.empty();
+}
+
+}  // namespace
+
+// Every error reaching here is the same on every rank (agreed, or from the flags alone):
+// rank 0 prints it, and the barrier keeps the launcher from ending rank 0 (once another rank
+// has exited non-zero) before it has printed.
+bool run_distributed(const RunArgs& a) {
+  Communicator world(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  try {
+    return check_in_groups(world, a);
+  } catch (const Error& e) {
+    if (world.rank() == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+    std::fflush(stderr);
+    world.barrier();
+    throw ExitCode{2};
+  }
+}
+
+}  // namespace cpattn::cli::run_cmd

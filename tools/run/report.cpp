@@ -1,0 +1,107 @@
+// `cpattn run`'s report: one JSON object (--json) or the table, and --npy-out.
+#include "run.hpp"
+
+#include <cpattn/check/tolerance.hpp>
+#include <cpattn/npy.hpp>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace cpattn::cli::run_cmd {
+namespace {
+
+// max/mean of the ranks' compute times.
+double compute_imbalance(const std::vector<RankFigures>& ranks) {
+  double cmax = 0, csum = 0;
+  for (const RankFigures& f : ranks) {
+    cmax = std::max(cmax, f.compute_s);
+    csum += f.compute_s;
+  }
+  return csum > 0 ? cmax / (csum / static_cast<double>(ranks.size())) : 1.0;
+}
+
+}  // namespace
+
+nlohmann::json report_json(const RunReport& r) {
+  const RunArgs& a = r.args;
+  const check::Batch& b = r.batch;
+  nlohmann::json report;
+  report["cp"] = r.cp;
+  report["cp_groups"] = r.cp_groups;
+  report["dtype"] = a.dtype;
+  report["mode"] = a.mode;
+  report["mask"] = a.mask;
+  report["kernel_path"] = r.kernel_path;
+  report["threads"] = a.threads;  // per rank
+  report["seq_len"] = b.tokens();
+  report["padded_tokens"] = r.balance.padded_tokens;
+  report["documents"] = b.cu_seqlens.size() - 1;
+  std::vector<int64_t> lengths(b.cu_seqlens.size() - 1);
+  for (std::size_t d = 0; d + 1 < b.cu_seqlens.size(); ++d) lengths[d] = b.cu_seqlens[d + 1] - b.cu_seqlens[d];
+  report["lengths"] = lengths;
+  report["heads"] = b.shape.heads_q;
+  report["kv_heads"] = b.shape.heads_k;
+  report["head_dim_qk"] = b.shape.head_dim_qk;
+  report["head_dim_v"] = b.shape.head_dim_v;
+  report["repeats"] = a.repeats;
+  report["single_process_s"] = r.check.single_process_s;
+  for (const check::TensorReport& t : r.check.tensors) {
+    report["max_abs_err"][t.name] = t.max_abs;
+    report["max_rel_err"][t.name] = t.max_rel;
+    report["rel_l2_err"][t.name] = t.rel_l2;
+  }
+  report["max_abs_err"]["lse"] = r.check.lse_max_abs;
+  report["passed"] = r.check.pass;
+  for (const RankFigures& f : r.ranks) {
+    report["compute_s"].push_back(f.compute_s);
+    report["comm_s"].push_back(f.comm_s);
+    report["step_s"].push_back(f.step_s);
+    report["peak_rss_mb"].push_back(f.peak_rss_mb);
+    report["peak_buffer_mb"].push_back(f.peak_buffer_mb);
+  }
+  report["imbalance"] = {{"compute", compute_imbalance(r.ranks)},
+                         {"visible_pairs_balanced", r.balance.imbalance_balanced},
+                         {"visible_pairs_contiguous", r.balance.imbalance_contiguous}};
+  return report;
+}
+
+void print_report(const RunReport& r) {
+  const RunArgs& a = r.args;
+  const check::Batch& b = r.batch;
+  const std::string group_note =
+      r.cp_groups > 1 ? " in each of " + std::to_string(r.cp_groups) + " CP groups (group 0 shown)" : "";
+  std::printf("cpattn run: cp = %d%s, seq len %lld in %zu documents (padded to %lld), heads %d, kv heads %d, "
+              "head dim qk/v %d/%d, %s, mode %s, mask %s, %d thread(s) per rank, kernel path %s\n",
+              r.cp, group_note.c_str(), static_cast<long long>(b.tokens()), b.cu_seqlens.size() - 1,
+              static_cast<long long>(r.balance.padded_tokens), b.shape.heads_q, b.shape.heads_k,
+              b.shape.head_dim_qk, b.shape.head_dim_v, a.dtype.c_str(), a.mode.c_str(), a.mask.c_str(),
+              a.threads, r.kernel_path.c_str());
+  std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.check.single_process_s);
+  std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
+  for (const check::TensorReport& t : r.check.tensors)
+    std::printf("  %-6s %14.3e %14.3e %14.3e\n", t.name.c_str(), t.max_abs, t.max_rel, t.rel_l2);
+  std::printf("  result: %s (%s)\n", r.check.pass ? "PASS" : "FAIL",
+              std::string(check::tolerance(b.dtype).rule).c_str());
+  std::printf("\nper rank (medians of %d forward+backward steps):\n", a.repeats);
+  std::printf("  %-5s %11s %11s %11s %12s %14s\n", "rank", "compute_s", "comm_s", "step_s", "peak_rss_mb",
+              "peak_buffer_mb");
+  for (std::size_t i = 0; i < r.ranks.size(); ++i) {
+    const RankFigures& f = r.ranks[i];
+    std::printf("  %-5d %11.4f %11.4f %11.4f %12.1f %14.1f\n", static_cast<int>(i), f.compute_s, f.comm_s,
+                f.step_s, f.peak_rss_mb, f.peak_buffer_mb);
+  }
+  std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
+              compute_imbalance(r.ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);
+}
+
+void write_results(const std::string& dir, const check::Batch& b, const check::Results& got) {
+  const int64_t t = b.tokens();
+  const check::BatchShape& s = b.shape;
+  write_npy(dir + "/out.npy", got.out, {t, s.heads_q, s.head_dim_v});
+  write_npy(dir + "/lse.npy", got.lse, {t, s.heads_q});
+  write_npy(dir + "/dq.npy", got.dq, {t, s.heads_q, s.head_dim_qk});
+  write_npy(dir + "/dk.npy", got.dk, {t, s.heads_k, s.head_dim_qk});
+  write_npy(dir + "/dv.npy", got.dv, {t, s.heads_k, s.head_dim_v});
+}
+
+}  // namespace cpattn::cli::run_cmd

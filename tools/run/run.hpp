@@ -1,0 +1,74 @@
+// The parts of `cpattn run` (tools/cmd_run.cpp wires its flags to them):
+//   batch.cpp    the batch source: a random document mix, --lengths or --npy-in -> check::Batch
+//   check.cpp    the check: the single-process run of the whole batch and the comparison
+//   report.cpp   the report: the JSON object and the table
+//   cp_run.cpp   the distributed run: CP groups, the timed CP steps, gathering, the verdict
+#pragma once
+
+#include <cpattn/attention.hpp>
+#include <cpattn/check/batch.hpp>
+#include <cpattn/check/compare.hpp>
+#include <cpattn/plan.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cpattn::cli::run_cmd {
+
+struct RunArgs {
+  std::vector<int64_t> lengths;
+  int64_t seq_len = 4096;
+  int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
+  std::string dtype = "fp32", mode = "runs", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
+  int threads = 1, repeats = 1;
+  int cp = 0;  // 0: the MPI world size
+  uint64_t seed = 1;
+  float dropout = 0.0f;
+  double timeout = 300.0;
+  std::string npy_in, npy_out;
+  bool json = false;
+};
+
+// ---- batch.cpp ----
+// The global batch of the flags: --npy-in, else --lengths, else the mix of --seq-len from --seed;
+// tensors from --seed.
+check::Batch make_batch(const RunArgs& a);
+
+// ---- check.cpp ----
+struct RunCheck {
+  double single_process_s = 0;              // the reference run's wall time
+  std::vector<check::TensorReport> tensors;  // out, dq, dk, dv
+  double lse_max_abs = 0;                   // max |lse - ref| (lse is reported, not judged)
+  bool pass = true;                         // every tensor passes its dtype's rule
+};
+// The CP results `got` (fp32, global order) against a single-process run of the whole batch.
+RunCheck check_against_single_process(const check::Batch& b, const AttnOptions& options,
+                                      const check::Results& got);
+
+// ---- report.cpp ----
+struct RankFigures {  // medians over the timed steps, and memory
+  double compute_s = 0, comm_s = 0, step_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
+};
+struct RunReport {
+  const RunArgs& args;
+  std::string kernel_path;  // the path that ran
+  int cp = 1, cp_groups = 1;
+  const check::Batch& batch;
+  BalanceReport balance;
+  const RunCheck& check;
+  std::vector<RankFigures> ranks;
+};
+nlohmann::json report_json(const RunReport& r);
+void print_report(const RunReport& r);  // the table, to stdout
+// --npy-out: out, lse, dq, dk, dv (fp32, real tokens in global order) to `dir`.
+void write_results(const std::string& dir, const check::Batch& b, const check::Results& got);
+
+// ---- cp_run.cpp ----
+// The whole command inside MPI: true when every CP group passed its check. Errors that every
+// rank shares end the program with exit code 2 (ExitCode).
+bool run_distributed(const RunArgs& a);
+
+}  // namespace cpattn::cli::run_cmd
