@@ -122,8 +122,8 @@ void check_batch(const std::vector<int64_t>& cu, int cp) {
         ++real_q;
         visible += task.q_pos + i + 1;
       }
-      for (int64_t k = 0; k < kv_len; ++k)
-        real_kv += padded[gathered[p.kv_gather_index[p.cu_seqlens_kv[t] + k]]].real >= 0;
+      for (int64_t j = 0; j < kv_len; ++j)
+        real_kv += padded[gathered[p.kv_gather_index[p.cu_seqlens_kv[t] + j]]].real >= 0;
       rect += real_q * real_kv;
     }
     EXPECT_EQ(p.workload.rect_work, rect);
