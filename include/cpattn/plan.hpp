@@ -147,6 +147,10 @@ struct TokenBatch {
 TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const int64_t> cu_seqlens,
                                      int cp, int rank, int64_t pad_token_id = 0);
 
+// The same from a plan made for this rank (no second plan): the local rows of `plan`'s tasks,
+// for a batch of plan.global_tokens tokens.
+TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, const RankPlan& plan, int64_t pad_token_id = 0);
+
 // ---- Balance report ----------------------------------------------------------------------------
 
 struct RankBalance {

@@ -94,19 +94,28 @@ bool all_finite(ConstTensorView t) {
   return true;
 }
 
-// One tensor argument of forward/backward: present, this rank's rows, the configured heads,
-// dim and dtype; `contiguous` for the tensors that travel through the communicator as they are.
-void check_view(const char* fn, const char* name, ConstTensorView t, int64_t rows, int heads, int dim,
-                DType dtype, bool contiguous) {
+// One tensor argument of forward/backward: present, [local_tokens, heads, dim] with the
+// configured heads and head dim, the configured dtype; `contiguous` for the tensors that travel
+// through the communicator as they are. `heads_name`/`dim_name` name the configuration's fields.
+struct Expected {
+  int64_t rows;
+  int heads;
+  const char* heads_name;
+  int dim;
+  const char* dim_name;
+  DType dtype;
+};
+void check_view(const char* fn, const char* name, ConstTensorView t, const Expected& e, bool contiguous) {
   CPATTN_CHECK(t.data != nullptr, fn, ": ", name, " must not be null");
-  CPATTN_CHECK(t.rows == rows, fn, ": ", name, " must have the plan's local_tokens = ", rows, " rows, got ", t.rows);
-  CPATTN_CHECK(t.heads == heads && t.dim == dim, fn, ": ", name, " must be [", rows, ", ", heads, ", ", dim,
-               "] (the configuration's heads and head dim), got [", t.rows, ", ", t.heads, ", ", t.dim, "]");
-  CPATTN_CHECK(t.dtype == dtype, fn, ": ", name, " has dtype ", to_string(t.dtype), ", the configuration's is ",
-               to_string(dtype));
+  CPATTN_CHECK(t.rows == e.rows && t.heads == e.heads && t.dim == e.dim, fn, ": ", name,
+               " must be [local_tokens = ", e.rows, ", ", e.heads_name, " = ", e.heads, ", ", e.dim_name, " = ",
+               e.dim, "] (the plan's local tokens, the configuration's heads and head dim), got [", t.rows, ", ",
+               t.heads, ", ", t.dim, "]");
+  CPATTN_CHECK(t.dtype == e.dtype, fn, ": ", name, " has dtype ", to_string(t.dtype), ", the configuration's is ",
+               to_string(e.dtype));
   CPATTN_CHECK(!contiguous || t.is_contiguous(), fn, ": ", name, " must be contiguous (row_stride ",
-               int64_t{heads} * dim, ", head_stride ", dim, "), got row_stride ", t.row_step(), ", head_stride ",
-               t.head_step());
+               int64_t{e.heads} * e.dim, ", head_stride ", e.dim, "), got row_stride ", t.row_step(),
+               ", head_stride ", t.head_step());
 }
 
 // Zero the rows of `t` that hold padding tokens (the kernel writes only real rows).
@@ -177,6 +186,11 @@ struct CpAttention::State {
   State(Communicator& c, const CpAttnConfig& config)
       : comm(c), cfg(config), cache(config.plan_cache_capacity) {}
 
+  // The shapes of this rank's tensors for a plan of t local tokens.
+  Expected q_like(int64_t t) const { return {t, cfg.num_heads_q, "num_heads_q", cfg.head_dim_qk, "head_dim_qk", cfg.dtype}; }
+  Expected o_like(int64_t t) const { return {t, cfg.num_heads_q, "num_heads_q", cfg.head_dim_v, "head_dim_v", cfg.dtype}; }
+  Expected k_like(int64_t t) const { return {t, cfg.num_heads_k, "num_heads_k", cfg.head_dim_qk, "head_dim_qk", cfg.dtype}; }
+  Expected v_like(int64_t t) const { return {t, cfg.num_heads_k, "num_heads_k", cfg.head_dim_v, "head_dim_v", cfg.dtype}; }
   int64_t k_row() const { return int64_t{cfg.num_heads_k} * cfg.head_dim_qk; }
   int64_t v_row() const { return int64_t{cfg.num_heads_k} * cfg.head_dim_v; }
   bool indexed() const { return cfg.kv_mode == KvMode::index; }
@@ -305,10 +319,10 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       ctx->plan = s.cache.get(a.cu_seqlens, s.comm.size(), s.comm.rank());
     }
     const int64_t t = ctx->plan->local_tokens;
-    check_view(fn, "q", a.q, t, c.num_heads_q, c.head_dim_qk, c.dtype, false);
-    check_view(fn, "k", a.k, t, c.num_heads_k, c.head_dim_qk, c.dtype, true);
-    check_view(fn, "v", a.v, t, c.num_heads_k, c.head_dim_v, c.dtype, true);
-    check_view(fn, "out", a.out, t, c.num_heads_q, c.head_dim_v, c.dtype, false);
+    check_view(fn, "q", a.q, s.q_like(t), false);
+    check_view(fn, "k", a.k, s.k_like(t), true);
+    check_view(fn, "v", a.v, s.v_like(t), true);
+    check_view(fn, "out", a.out, s.o_like(t), false);
     if (c.check_finite) {
       CPATTN_CHECK(all_finite(a.q), fn, ": q holds a non-finite value");
       CPATTN_CHECK(all_finite(a.k), fn, ": k holds a non-finite value");
@@ -383,12 +397,12 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
                  "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
     CPATTN_CHECK(ctx.s_->owner == &s, fn, ": the context was made by another CpAttention's forward");
     const int64_t t = ctx.s_->plan->local_tokens;
-    check_view(fn, "q", a.q, t, c.num_heads_q, c.head_dim_qk, c.dtype, false);
-    check_view(fn, "out", a.out, t, c.num_heads_q, c.head_dim_v, c.dtype, false);
-    check_view(fn, "dout", a.dout, t, c.num_heads_q, c.head_dim_v, c.dtype, false);
-    check_view(fn, "dq", a.dq, t, c.num_heads_q, c.head_dim_qk, c.dtype, false);
-    check_view(fn, "dk", a.dk, t, c.num_heads_k, c.head_dim_qk, c.dtype, true);
-    check_view(fn, "dv", a.dv, t, c.num_heads_k, c.head_dim_v, c.dtype, true);
+    check_view(fn, "q", a.q, s.q_like(t), false);
+    check_view(fn, "out", a.out, s.o_like(t), false);
+    check_view(fn, "dout", a.dout, s.o_like(t), false);
+    check_view(fn, "dq", a.dq, s.q_like(t), false);
+    check_view(fn, "dk", a.dk, s.k_like(t), true);
+    check_view(fn, "dv", a.dv, s.v_like(t), true);
     if (c.check_finite) CPATTN_CHECK(all_finite(a.dout), fn, ": dout holds a non-finite value");
   } catch (const Error& e) {
     err = e.message();

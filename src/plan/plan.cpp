@@ -215,6 +215,38 @@ TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const in
   return out;
 }
 
+TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, const RankPlan& plan, int64_t pad_token_id) {
+  const auto t = static_cast<std::size_t>(plan.global_tokens);
+  CPATTN_CHECK(batch.tokens.size() == t && batch.labels.size() == t && batch.position_ids.size() == t &&
+                   batch.loss_mask.size() == t,
+               "batch's tokens, labels, position_ids and loss_mask must each hold the plan's global_tokens = ", t,
+               " entries, got ", batch.tokens.size(), ", ", batch.labels.size(), ", ", batch.position_ids.size(),
+               " and ", batch.loss_mask.size());
+  const auto n = static_cast<std::size_t>(plan.local_tokens);
+  TokenBatch out{std::vector<int64_t>(n), std::vector<int64_t>(n), std::vector<int64_t>(n), std::vector<float>(n)};
+  // The tasks' query rows tile this rank's rows; row q_row + i holds position q_pos + i.
+  for (const AttnTask& task : plan.work.tasks) {
+    const DocSplit& s = plan.docs[task.doc];
+    for (int64_t i = 0; i < task.q_len; ++i) {
+      const auto row = static_cast<std::size_t>(task.q_row + i);
+      const int64_t pos = task.q_pos + i;
+      if (pos < s.len) {
+        const auto g = static_cast<std::size_t>(s.begin + pos);
+        out.tokens[row] = batch.tokens[g];
+        out.labels[row] = batch.labels[g];
+        out.position_ids[row] = batch.position_ids[g];
+        out.loss_mask[row] = batch.loss_mask[g];
+      } else {
+        out.tokens[row] = pad_token_id;
+        out.labels[row] = kIgnoreIndex;
+        out.position_ids[row] = pos;
+        out.loss_mask[row] = 0.0f;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace cpattn
 
 namespace cpattn {

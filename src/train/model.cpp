@@ -37,35 +37,13 @@ CpAttnConfig attention_config(const Dims& d, const RunOptions& ro) {
           .options = {.mask = MaskType::causal, .num_threads = ro.threads}};
 }
 
-// Rank `plan.rank`'s arrays of the batch in the split's order, from the plan's document split
-// (get_batch_on_this_cp_rank without planning again): padding tokens get kEndOfDocument, label
-// kIgnoreIndex, loss mask 0 and positions continuing their document's.
+// Rank `plan.rank`'s arrays of the batch in the split's order, from the plan (no second plan):
+// padding tokens get kEndOfDocument, label kIgnoreIndex, loss mask 0 and positions continuing
+// their document's.
 TokenBatch local_batch(const PackedSequence& seq, const RankPlan& plan) {
-  TokenBatch out;
-  const auto n = static_cast<std::size_t>(plan.local_tokens);
-  out.tokens.reserve(n);
-  out.labels.reserve(n);
-  out.position_ids.reserve(n);
-  out.loss_mask.reserve(n);
-  const int64_t cp = plan.cp, rank = plan.rank;
-  for (const DocSplit& s : plan.docs)
-    for (const int64_t j : {rank, 2 * cp - 1 - rank})
-      for (int64_t pos = j * s.chunk; pos < (j + 1) * s.chunk; ++pos) {
-        if (pos < s.len) {
-          const auto g = static_cast<std::size_t>(s.begin + pos);
-          out.tokens.push_back(seq.tokens[g]);
-          out.labels.push_back(seq.labels[g]);
-          out.position_ids.push_back(seq.positions[g]);
-          out.loss_mask.push_back(seq.labels[g] == kIgnoreIndex ? 0.0f : 1.0f);
-        } else {
-          out.tokens.push_back(kEndOfDocument);
-          out.labels.push_back(kIgnoreIndex);
-          out.position_ids.push_back(pos);
-          out.loss_mask.push_back(0.0f);
-        }
-      }
-  CPATTN_DASSERT(out.tokens.size() == n);
-  return out;
+  TokenBatch global{seq.tokens, seq.labels, seq.positions, std::vector<float>(seq.labels.size())};
+  for (std::size_t i = 0; i < seq.labels.size(); ++i) global.loss_mask[i] = seq.labels[i] == kIgnoreIndex ? 0.0f : 1.0f;
+  return get_batch_on_this_cp_rank(global, plan, kEndOfDocument);
 }
 
 }  // namespace
@@ -175,8 +153,8 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
   // for the test of that choice, the offset in this rank's local part of the document.
   std::vector<int64_t> pos = b.local.position_ids;
   if (m.run.rope_local_offsets)
-    for (const DocSplit& s : plan.docs)
-      for (int64_t i = 0; i < 2 * s.chunk; ++i) pos[s.local_begin + i] = i;
+    for (const AttnTask& t : plan.work.tasks)  // rows of a document are consecutive on a rank
+      for (int64_t i = 0; i < t.q_len; ++i) pos[t.q_row + i] = t.q_row + i - plan.docs[t.doc].local_begin;
   rope_tables(b.rope_cos, b.rope_sin, pos, d.hd, m.config.rope_theta);
 
   Activations& a = m.acts;

@@ -355,14 +355,14 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
   {  // a head count
     SmallBatch b(comm.size(), comm.rank());
     CpAttnConfig c = b.config();
-    if (comm.rank() == last) c.num_heads_q = 2;
+    if (comm.rank() == last) c.num_heads_q = b.s.hq = 2;  // its views agree with its configuration
     CpAttention attn(comm, c);
     EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("num_heads_q"));
   }
   {  // a head dim
     SmallBatch b(comm.size(), comm.rank());
     CpAttnConfig c = b.config();
-    if (comm.rank() == last) c.head_dim_v = 8;
+    if (comm.rank() == last) c.head_dim_v = b.s.dv = 8;
     CpAttention attn(comm, c);
     EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("head_dim_v"));
   }
@@ -382,7 +382,7 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
     CpAttention attn(comm, b.config());
     const std::string m = same_error_everywhere(comm, [&] { attn.forward(b.fwd()); });
     EXPECT_THAT(m, HasSubstr("[rank " + last_s + "]"));
-    EXPECT_THAT(m, HasSubstr("must have the plan's local_tokens"));
+    EXPECT_THAT(m, HasSubstr("must be [local_tokens = "));
   }
 }
 

@@ -70,6 +70,12 @@ TEST(Batch, RealTokensKeepEverythingPaddingIsIgnored) {
       const RankPlan p = get_thd_load_balanced_cp_metadata(cu, cp, r);
       const TokenBatch l = get_batch_on_this_cp_rank(g, cu, cp, r);
       ASSERT_EQ(static_cast<int64_t>(l.tokens.size()), p.local_tokens);
+      // From the plan (no second plan): the same arrays.
+      const TokenBatch from_plan = get_batch_on_this_cp_rank(g, p);
+      ASSERT_EQ(from_plan.tokens, l.tokens);
+      ASSERT_EQ(from_plan.labels, l.labels);
+      ASSERT_EQ(from_plan.position_ids, l.position_ids);
+      ASSERT_EQ(from_plan.loss_mask, l.loss_mask);
       for (int64_t i = 0; i < p.local_tokens; ++i) {
         const int64_t gi = p.real_token_index[i];
         // Positions continue through padding: the position is the padded index's offset
