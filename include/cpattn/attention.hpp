@@ -1,6 +1,6 @@
 // Fused varlen attention over packed (THD) batches on the CPU: forward and backward.
 //
-// Math and conventions are DESIGN.md sections 1 and 5. A call gets a WorkList (worklist.hpp):
+// Math and conventions are docs/design.md sections 1 and 5. A call gets a WorkList (worklist.hpp):
 // each task is a run of query rows of one document, and its keys are runs of rows of k/v with
 // their positions in the document. varlen_worklist() builds the usual FlashAttention varlen
 // list from cu_seqlens. Tensors are views (tensor.hpp); the sizes of a call (total_q,
@@ -120,7 +120,7 @@ struct AttnBwdParams {
 // out, lse = attention(q, k, v) over the work list.
 void attention_forward(const AttnFwdParams& p);
 
-// dq, dk, dv from dout (DESIGN.md 5). Needs the forward's out and lse.
+// dq, dk, dv from dout (docs/design.md 5). Needs the forward's out and lse.
 void attention_backward(const AttnBwdParams& p);
 
 // The FlashAttention varlen work list: document d's queries are rows

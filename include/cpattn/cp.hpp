@@ -1,4 +1,4 @@
-// Load-balanced KV all-gather context parallelism (DESIGN.md sections 4 and 7).
+// Load-balanced KV all-gather context parallelism (docs/design.md sections 4 and 7).
 //
 // Every rank holds its local THD tokens of one packed batch, in the symmetric split's order
 // (get_batch_on_this_cp_rank / take_local_rows), and all ranks pass the batch's global real

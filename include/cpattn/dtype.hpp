@@ -1,5 +1,5 @@
 // Storage types of cpattn's tensors and conversions to and from fp32. fp16 and bf16 are
-// storage only (DESIGN.md 5): arithmetic is fp32 and results are rounded once, to nearest even.
+// storage only (docs/design.md 5): arithmetic is fp32 and results are rounded once, to nearest even.
 #pragma once
 
 #include <bit>

@@ -1,4 +1,4 @@
-// Document boundaries of a packed (THD) batch and end-of-document padding (DESIGN.md 1-2).
+// Document boundaries of a packed (THD) batch and end-of-document padding (docs/design.md 1-2).
 //
 // Boundaries come in two spellings, both accepted at the API's edge:
 //   cu_seqlens, offsets with a leading 0:  [0, e1, ..., T]   (FlashAttention, TransformerEngine)

@@ -1,4 +1,4 @@
-// Exact merge of partial softmax results (DESIGN.md section 6).
+// Exact merge of partial softmax results (docs/design.md section 6).
 //
 // Attention over a key set split into parts a = 0..n-1 gives per part and per (row, head)
 // an lse_a and an out_a. The full result is

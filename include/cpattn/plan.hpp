@@ -1,4 +1,4 @@
-// The load-balancing planner (DESIGN.md sections 3 and 4): pure functions of the document
+// The load-balancing planner (docs/design.md sections 3 and 4): pure functions of the document
 // boundaries, cp and rank that return plain data. No MPI.
 //
 // Every document, padded to P = padded_length(L, cp), is cut into chunks_per_document(cp)

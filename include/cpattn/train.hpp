@@ -1,4 +1,4 @@
-// A small causal language model trained with context parallelism (DESIGN.md section 8): the
+// A small causal language model trained with context parallelism (docs/design.md section 8): the
 // end-to-end user of the planner, the CP attention and the communicator. See docs/training.md.
 //
 //   Data   documents (one per file) -> byte tokens + an end-of-document token (vocab 257),

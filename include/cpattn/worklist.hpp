@@ -11,7 +11,7 @@
 //   tasks = {q_row 0, q_len 2, q_pos 2, doc 0, runs [0,1)},
 //           {q_row 2, q_len 3, q_pos 0, doc 1, runs [1,2)}
 //   runs  = {row 0, len 4, pos 0}, {row 4, len 3, pos 0}
-// and CP rank 0 of DESIGN.md section 4 has, for its back chunk of document 0, one task whose
+// and CP rank 0 of docs/design.md section 4 has, for its back chunk of document 0, one task whose
 // runs are chunks 0, 1, 2 and 3 read in place from the rank-major gathered buffer.
 //
 // The kernels are given no other notion of documents or ranks: a task's query rows must not

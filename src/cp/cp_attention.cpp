@@ -1,4 +1,4 @@
-// CpAttention: DESIGN.md section 7, KV all-gather with the symmetric split.
+// CpAttention: docs/design.md section 7, KV all-gather with the symmetric split.
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>

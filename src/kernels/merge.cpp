@@ -1,4 +1,4 @@
-// Partial softmax merge (DESIGN.md section 6).
+// Partial softmax merge (docs/design.md section 6).
 #include <cpattn/error.hpp>
 #include <cpattn/merge.hpp>
 

@@ -1,4 +1,4 @@
-// CP attention over MPI against a single-process run of the whole batch (DESIGN.md 7), at
+// CP attention over MPI against a single-process run of the whole batch (docs/design.md 7), at
 // the rank count mpiexec gives (CTest runs 1 to 5), and the agreement failures.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>

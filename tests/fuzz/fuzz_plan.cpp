@@ -1,5 +1,5 @@
 // Fuzzes boundary validation and the planner: any input either raises cpattn::Error or gives
-// a plan that keeps DESIGN.md's invariants. Input: 2 bytes (cp, rank), then int64 boundaries
+// a plan that keeps docs/design.md's invariants. Input: 2 bytes (cp, rank), then int64 boundaries
 // (ends form when the first byte is odd).
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>

@@ -1,4 +1,4 @@
-// Partial softmax merge (DESIGN.md 6): merging attention over key parts equals attention over
+// Partial softmax merge (docs/design.md 6): merging attention over key parts equals attention over
 // all keys; empty parts (-inf) carry no weight and never make NaN.
 #include <cpattn/check/compare.hpp>
 #include <cpattn/check/problem.hpp>

@@ -1,4 +1,4 @@
-// The worked examples of DESIGN.md sections 3-4 and the public cases, value by value.
+// The worked examples of docs/design.md sections 3-4 and the public cases, value by value.
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/plan.hpp>

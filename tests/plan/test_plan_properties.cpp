@@ -1,4 +1,4 @@
-// Property tests over random batches: the invariants of DESIGN.md sections 3-4, checked
+// Property tests over random batches: the invariants of docs/design.md sections 3-4, checked
 // against a brute-force model of the padded global batch, for every rank of every cp.
 #include <cpattn/plan.hpp>
 
@@ -90,7 +90,7 @@ void check_batch(const std::vector<int64_t>& cu, int cp) {
         ASSERT_EQ(q.doc, task.doc);
         ASSERT_EQ(q.pos, task.q_pos + i);
       }
-      // DESIGN section 1: the gather index selects exactly the keys of the document visible
+      // docs/design.md section 1: the gather index selects exactly the keys of the document visible
       // to its last query, in sequence order, and bottom-right alignment lets query i see
       // keys 0 .. kv_len - q_len + i, which is its own position.
       ASSERT_EQ(kv_len - q_len, task.q_pos);

@@ -1,4 +1,4 @@
-"""`cpattn plan` end to end: the table, the JSON against DESIGN.md's worked example, every
+"""`cpattn plan` end to end: the table, the JSON against docs/design.md's worked example, every
 input spelling, and exit code 2 with one line for bad flags and values."""
 import json
 import os
