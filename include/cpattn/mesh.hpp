@@ -65,7 +65,7 @@ std::string_view mesh_axis_name(MeshAxis axis);
 
 // What the user asks for. Unset optional sizes are derived.
 struct MeshShape {
-  int world = 1;               // ranks in all
+  int world = 1;               // ranks in all, 1 .. 2^20
   int tp = 1;                  // >= 1
   int cp = 1;                  // >= 1
   std::optional<int> dp = {};  // >= 1; unset: world / (tp * cp * pp)

@@ -60,8 +60,9 @@ struct Schedule {
 };
 
 // The schedule of `spec`. Throws cpattn::Error on zero stages or micro-batches, V < 1, V > 1
-// outside interleaved, or interleaved with M not a multiple of S (Megatron's rule: its
-// interleaved schedule sends micro-batches through the chunks in groups of S).
+// outside interleaved, interleaved with M not a multiple of S (Megatron's rule: its
+// interleaved schedule sends micro-batches through the chunks in groups of S), or a size
+// beyond S <= 1024 and S * M * V <= 10^6 (the tick table must fit in memory).
 Schedule make_schedule(const PipelineSpec& spec);
 
 // The cost model. Each stage runs its actions one at a time in its schedule's order; an action

@@ -11,6 +11,8 @@ namespace cpattn {
 
 namespace {
 
+constexpr int kMaxMeshWorld = 1 << 20;
+
 constexpr std::size_t idx(MeshAxis a) { return static_cast<std::size_t>(a); }
 
 // a * b, saturating at int64's maximum (products of user sizes are only compared and printed).
@@ -113,6 +115,8 @@ MeshSizes resolve_mesh(const MeshShape& shape) {
   if (shape.edp) check_size(*shape.edp, "edp");
   if (shape.ranks_per_node) check_size(*shape.ranks_per_node, "ranks_per_node");
   const int world = shape.world;
+  // The mesh lists every rank on every axis: keep it to what a table can hold.
+  CPATTN_CHECK(world <= kMaxMeshWorld, "world must be <= ", kMaxMeshWorld, " ranks, got ", world);
 
   int dp = 0;
   if (shape.dp) {

@@ -192,6 +192,7 @@ TEST(Mesh, ErrorsSayWhichProductIsOff) {
   EXPECT_NE(error_of({.world = 8, .cp = -2}).find("cp must be >= 1, got -2"), std::string::npos);
   EXPECT_NE(error_of({.world = 8, .dp = 0}).find("dp must be >= 1, got 0"), std::string::npos);
   EXPECT_NE(error_of({.world = 0}).find("world must be >= 1"), std::string::npos);
+  EXPECT_NE(error_of({.world = (1 << 20) + 1}).find("world must be <= 1048576"), std::string::npos);
   EXPECT_NE(error_of({.world = 8, .ep = 0}).find("ep must be >= 1"), std::string::npos);
   EXPECT_NE(error_of({.world = 8, .ranks_per_node = 0}).find("ranks_per_node must be >= 1"),
             std::string::npos);

@@ -296,6 +296,8 @@ TEST(Pipeline, Errors) {
                       .virtual_stages = 2})
                 .find("multiple of stages (Megatron's rule"),
             std::string::npos);
+  EXPECT_NE(error_of({.stages = 2000, .micro = 1}).find("stages must be <= 1024"), std::string::npos);
+  EXPECT_NE(error_of({.stages = 1000, .micro = 1001}).find("<= 10^6"), std::string::npos);
   const Schedule s = make(PipelineSchedule::one_f_one_b, 3, 4);
   PipelineCosts c = uniform_costs(3);
   c.forward.pop_back();
