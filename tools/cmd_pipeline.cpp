@@ -280,7 +280,8 @@ void write_svg(const std::string& path, const Simulation& sim, const PipelineCos
   };
   const std::string h = kHues[0];
   swatch(tint(h, 0.6), h, 1, "", "F forward");
-  swatch(h, h, 1, "", spec.schedule == PipelineSchedule::zb_h1 ? "B input gradient" : "B backward");
+  if (spec.schedule != PipelineSchedule::fill_drain)
+    swatch(h, h, 1, "", spec.schedule == PipelineSchedule::zb_h1 ? "B input gradient" : "B backward");
   if (spec.schedule == PipelineSchedule::zb_h1)
     swatch("white", h, 2.5, " stroke-dasharray=\"4 2\"", "W weight gradient");
   swatch("url(#idle)", "#bbb", 1, "", "idle");
