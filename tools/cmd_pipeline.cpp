@@ -78,7 +78,10 @@ std::string fmt(double v) {
 
 std::string peaks_text(const std::vector<int>& p) {
   std::string s;
-  for (std::size_t i = 0; i < p.size(); ++i) s += (i ? " " : "") + std::to_string(p[i]);
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (i) s += ' ';
+    s += std::to_string(p[i]);
+  }
   return s;
 }
 
@@ -104,7 +107,11 @@ void print_table(const Simulation& sim, const TickTable& ticks, const PipelineCo
   for (const auto& row : ticks)
     for (const auto& c : row) width = std::max(width, cell(c, chunks).size());
   std::printf("%-6s", "tick");
-  for (int s = 0; s < spec.stages; ++s) std::printf(" %-*s", static_cast<int>(width), ("s" + std::to_string(s)).c_str());
+  for (int s = 0; s < spec.stages; ++s) {
+    std::string name(1, 's');
+    name += std::to_string(s);
+    std::printf(" %-*s", static_cast<int>(width), name.c_str());
+  }
   std::printf("\n");
   for (std::size_t t = 0; t < ticks.size(); ++t) {
     std::printf("%-6zu", t);
@@ -203,16 +210,18 @@ void write_svg(const std::string& path, const Simulation& sim, const PipelineCos
        "</defs>\n"
     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   char title[256];
-  std::snprintf(title, sizeof title, "%s: %d stages, %d micro-batches%s",
+  std::snprintf(title, sizeof title, "%s: %d stages, %d micro-batches",
                 std::string(pipeline_schedule_name(spec.schedule)).c_str(), spec.stages,
-                spec.micro,
-                chunks ? (", " + std::to_string(spec.virtual_stages) + " chunks per stage").c_str() : "");
+                spec.micro);
+  char chunk_note[64] = "";
+  if (chunks)
+    std::snprintf(chunk_note, sizeof chunk_note, ", %d chunks per stage", spec.virtual_stages);
   char figures[512];
   std::snprintf(figures, sizeof figures,
                 "makespan %s  ·  bubble %.1f%%  ·  utilization %.1f%%  ·  peak activations per stage: %s",
                 fmt(sim.makespan).c_str(), 100 * sim.bubble_fraction, 100 * sim.utilization,
                 peaks_text(sim.peak_activations).c_str());
-  o << "<text x=\"" << left << "\" y=\"26\" font-size=\"18\" font-weight=\"bold\">" << title
+  o << "<text x=\"" << left << "\" y=\"26\" font-size=\"18\" font-weight=\"bold\">" << title << chunk_note
     << "</text>\n<text x=\"" << left << "\" y=\"48\" font-size=\"13\" fill=\"#333\">" << figures
     << "</text>\n";
   for (int s = 0; s < spec.stages; ++s) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 
 namespace cpattn {
 
@@ -30,13 +31,19 @@ Product product(std::initializer_list<std::pair<const char*, int>> factors) {
   std::string names, values;
   int64_t p = 1;
   for (const auto& [name, v] : factors) {
-    names += (names.empty() ? "" : " * ") + std::string(name);
-    values += (values.empty() ? "" : "*") + std::to_string(v);
+    if (!names.empty()) {
+      names += " * ";
+      values += '*';
+    }
+    names += name;
+    values += std::to_string(v);
     p = mul_sat(p, v);
   }
   const std::string shown =
       p == std::numeric_limits<int64_t>::max() ? std::string("more than 2^63") : std::to_string(p);
-  return {.text = names + " = " + values + " = " + shown, .value = p};
+  std::string text = names;
+  text.append(" = ").append(values).append(" = ").append(shown);
+  return {.text = std::move(text), .value = p};
 }
 
 void check_size(int value, const char* name) {

@@ -100,8 +100,12 @@ std::string action_label(const Action& action, bool with_chunk) {
   const char kind = action.kind == ActionKind::forward    ? 'F'
                     : action.kind == ActionKind::backward ? 'B'
                                                           : 'W';
-  std::string s = kind + std::to_string(action.micro);
-  if (with_chunk) s += "." + std::to_string(action.chunk);
+  std::string s(1, kind);
+  s += std::to_string(action.micro);
+  if (with_chunk) {
+    s += '.';
+    s += std::to_string(action.chunk);
+  }
   return s;
 }
 

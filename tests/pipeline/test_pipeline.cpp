@@ -26,10 +26,15 @@ std::vector<std::string> rows(const Schedule& s) {
   const TickTable t = tick_table(s);
   const bool chunks = s.spec.virtual_stages > 1;
   for (std::size_t i = 0; i < t.size(); ++i) {
-    std::string row = "tick " + std::to_string(i) + ": [";
-    for (std::size_t st = 0; st < t[i].size(); ++st)
-      row += (st ? ", " : "") + (t[i][st] ? action_label(*t[i][st], chunks) : std::string("idle"));
-    out.push_back(row + "]");
+    std::string row = "tick ";
+    row += std::to_string(i);
+    row += ": [";
+    for (std::size_t st = 0; st < t[i].size(); ++st) {
+      if (st) row += ", ";
+      row += t[i][st] ? action_label(*t[i][st], chunks) : std::string("idle");
+    }
+    row += ']';
+    out.push_back(row);
   }
   return out;
 }
@@ -232,8 +237,8 @@ TEST(Pipeline, SimulatorInvariants) {
       for (const PipelineSchedule kind : kAll)
         for (int V = 1; V <= (kind == PipelineSchedule::interleaved ? 3 : 1); ++V) {
           if (kind == PipelineSchedule::interleaved && M % S != 0) continue;
-          SCOPED_TRACE(std::string(pipeline_schedule_name(kind)) + " S=" + std::to_string(S) +
-                       " M=" + std::to_string(M) + " V=" + std::to_string(V));
+          SCOPED_TRACE(::testing::Message() << pipeline_schedule_name(kind) << " S=" << S
+                                            << " M=" << M << " V=" << V);
           const Schedule s = make(kind, S, M, V);
           check_simulation(s, uniform_costs(S));
           check_simulation(s, random_costs(S, rng));
