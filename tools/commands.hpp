@@ -26,5 +26,7 @@ void add_plan_command(CLI::App& app);
 void add_run_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_train_command(CLI::App& app);
+void add_mesh_command(CLI::App& app);
+void add_pipeline_command(CLI::App& app);
 
 }  // namespace cpattn::cli

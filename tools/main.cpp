@@ -8,5 +8,7 @@ int main(int argc, char** argv) {
   cpattn::cli::add_run_command(app);
   cpattn::cli::add_bench_command(app);
   cpattn::cli::add_train_command(app);
+  cpattn::cli::add_mesh_command(app);
+  cpattn::cli::add_pipeline_command(app);
   return cpattn::cli::run_app(app, argc, argv);
 }

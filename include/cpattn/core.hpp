@@ -1,7 +1,7 @@
 // Everything public in cpattn that needs no MPI (the target cpattn::core): planning, layout,
-// the attention kernels and their reference, merging, .npy files. Include <cpattn/cpattn.hpp>
-// for the MPI layers too. Tensor handles (tensor.hpp, where present) come in through
-// attention.hpp.
+// the attention kernels and their reference, merging, .npy files, the device mesh and the
+// pipeline schedules. Include <cpattn/cpattn.hpp> for the MPI layers too. Tensor views
+// (tensor.hpp) come in through attention.hpp.
 #pragma once
 
 #include <cpattn/attention.hpp>
@@ -9,7 +9,9 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/merge.hpp>
+#include <cpattn/mesh.hpp>
 #include <cpattn/npy.hpp>
+#include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/reference.hpp>
 #include <cpattn/version.hpp>
