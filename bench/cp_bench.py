@@ -48,6 +48,6 @@ for dtype in args.dtypes.split(","):
     spread = max(cp2["compute_s"]) / min(cp2["compute_s"]) - 1
     print(f"| {dtype} | CP=2 compute spread (max/min - 1) | {spread:.2%} | | | | | |")
     print(f"| {dtype} | visible-pair imbalance: balanced / contiguous split | "
-          f"{cp2['imbalance']['visible_pairs_balanced']:.3f} / {cp2['imbalance']['visible_pairs_contiguous']:.3f} | | | | | |")
+          f"{cp2['imbalance']['balanced']:.3f} / {cp2['imbalance']['contiguous']:.3f} | | | | | |")
     print(f"| {dtype} | peak buffers MB, runs / index | "
           f"{max(cp2['peak_buffer_mb']):.1f} / {max(cp2i['peak_buffer_mb']):.1f} | | | | | |")

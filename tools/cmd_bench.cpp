@@ -71,7 +71,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
     j["fwd_flops"] = r.fwd_flops;
     j["bwd_flops"] = r.bwd_flops;
     j["threads"] = o.threads;
-    j["dtype"] = dtype_name(o.dtype);
+    j["dtype"] = to_string(o.dtype);
     j["kernel_path"] = r.path;
     j["seq_len"] = seq_len;
     j["documents"] = o.lengths.size();
@@ -89,7 +89,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
   }
   std::printf("attention %s, kernel path %s, %d thread(s), %zu document(s), seq len %lld, heads %d, kv heads %d, "
               "head dim qk/v %d/%d, mask %s\n",
-              dtype_name(o.dtype).c_str(), r.path.c_str(), o.threads, o.lengths.size(),
+              std::string(to_string(o.dtype)).c_str(), r.path.c_str(), o.threads, o.lengths.size(),
               static_cast<long long>(seq_len), o.heads, o.kv_heads, o.head_dim, o.head_dim_v,
               mask_name(o.mask).c_str());
   std::printf("  forward   %8.1f GFLOP/s  %6.1f%% of FMA peak  (%.3f s median of %d)\n",

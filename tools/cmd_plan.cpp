@@ -87,7 +87,7 @@ void print_json(const BalanceReport& b, const std::vector<int64_t>& cu) {
   j["cp"] = b.cp;
   j["cu_seqlens"] = cu;
   j["cu_seqlens_padded"] = pad_cu_seqlens(cu, b.cp);
-  j["real_tokens"] = b.real_tokens;
+  j["seq_len"] = b.real_tokens;
   j["padded_tokens"] = b.padded_tokens;
   j["padding_tokens"] = b.padding_tokens();
   j["padding_percent"] = b.padding_percent();

@@ -56,7 +56,9 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--cp", a->cp, "Context-parallel size, dividing the MPI world size: world/cp CP groups "
                                  "each run the check (default: the world size, one group)");
   cmd->add_option("--mode", a->mode, "How the kernel reads the gathered keys: runs (in place) or index "
-                                     "(index_select copy, index_add_ in backward)")->capture_default_str();
+                                     "(index_select copy, index_add_ in backward)")
+      ->capture_default_str()
+      ->transform(kv_mode_transformer());
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")

@@ -81,8 +81,8 @@ void check_args(const TrainArgs& a) {
   parse_train_dtype(a.dtype);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
-               " every document is cut into 2 * cp = ", train::min_seq_len(a.cp),
-               " chunks, so --seq-len must be at least ", train::min_seq_len(a.cp));
+               " every document is cut into ", train::min_seq_len(a.cp),
+               " chunks (2 * cp; 1 at cp = 1), so --seq-len must be at least ", train::min_seq_len(a.cp));
 }
 
 // Runs `f`; a cpattn::Error from the library (which names its own arguments) gets the flag

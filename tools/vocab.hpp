@@ -20,9 +20,6 @@
 namespace cpattn::cli {
 
 // "fp32", "fp16", "bf16".
-inline std::string dtype_name(DType t) {
-  return t == DType::f32 ? "fp32" : t == DType::f16 ? "fp16" : "bf16";
-}
 
 inline std::string mask_name(MaskType m) { return m == MaskType::causal ? "causal" : "none"; }
 
@@ -57,6 +54,12 @@ inline MaskType parse_mask(std::string_view s, std::string_view flag = "--mask")
   if (s == "causal") return MaskType::causal;
   if (s == "none") return MaskType::none;
   throw Error(std::string(flag) + " must be one of causal, none, got '" + std::string(s) + "'");
+}
+
+// CpAttnConfig::kv_mode's names (the enum is the MPI layer's, which this header does not need).
+inline std::string parse_kv_mode(std::string_view s, std::string_view flag = "--mode") {
+  if (s == "runs" || s == "index") return std::string(s);
+  throw Error(std::string(flag) + " must be one of runs, index, got '" + std::string(s) + "'");
 }
 
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
@@ -96,16 +99,22 @@ inline CLI::Validator dtype_transformer(std::span<const DType> allowed = kAllDty
   std::string desc = "{";
   for (const DType t : allowed) {
     if (desc.size() > 1) desc += '|';
-    desc += dtype_name(t);
+    desc += to_string(t);
   }
   desc += '}';
   return detail::vocab_transformer(
-      [allowed, who](const std::string& v) { return dtype_name(parse_dtype(v, allowed, who)); }, std::move(desc));
+      [allowed, who](const std::string& v) { return std::string(to_string(parse_dtype(v, allowed, who))); }, std::move(desc));
 }
 
 inline CLI::Validator mask_transformer() {
   return detail::vocab_transformer([](const std::string& v) { return mask_name(parse_mask(v)); },
                                    "{causal|none}");
+}
+
+inline CLI::Validator kv_mode_transformer() {
+  return detail::vocab_transformer(
+      [](const std::string& v) { return parse_kv_mode(v); },
+      "{runs|index}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

@@ -125,7 +125,7 @@ double measure_fma_peak_gflops(double* per_cpu_s) {
 
 AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostream* log) {
   CPATTN_CHECK(!o.lengths.empty(), "bench attention: need at least one document length");
-  CPATTN_CHECK(o.repeats >= 1, "bench attention: --repeats must be >= 1, got ", o.repeats);
+  CPATTN_CHECK(o.repeats >= 1, "run_attention_bench: AttnBenchOptions::repeats must be >= 1, got ", o.repeats);
   AttnBenchResult res;
   res.opt = o;
   const int dv = o.head_dim_v > 0 ? o.head_dim_v : o.head_dim;

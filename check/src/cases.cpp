@@ -40,6 +40,8 @@ std::vector<AttnCase> attention_cases() {
       {"seqlen_1025", {1025}, {1025}, 2, 1, 64, 64, M::causal},
       {"no_mask_fewer_queries", {7, 50}, {30, 97}, 4, 2, 128, 128, M::none},
       {"no_mask_dim59", {97}, {97}, 2, 2, 59, 59, M::none},
+      // Cross-attention: more queries than keys (and fewer) without a mask.
+      {"no_mask_more_queries", {50, 7, 1}, {30, 3, 9}, 4, 2, 64, 32, M::none},
       {"seqlen_1_dim16", {1}, {1}, 1, 1, 16, 16, M::causal},
       {"dim256_gqa2", {70, 3}, {70, 3}, 2, 1, 256, 256, M::causal},
       // GQA 6: the forward runs a kv head's query heads in sets of 4, here 4 + 2.

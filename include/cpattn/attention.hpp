@@ -100,8 +100,10 @@ struct AttnInputs {
 struct AttnFwdParams {
   AttnInputs in = {};
   TensorView out = {};        // [total_q, num_heads_q, head_dim_v], in.dtype(), written
-  float* lse = nullptr;  // optional [total_q, num_heads_q] fp32, contiguous: natural log;
-                         // -inf for a query that sees no key (its out row is 0)
+  // Optional [total_q, num_heads_q] fp32, contiguous, token-major (NOT FlashAttention's
+  // [num_heads, total_q] softmax_lse): natural log; -inf for a query that sees no key (its out
+  // row is 0).
+  float* lse = nullptr;
 };
 
 struct AttnBwdParams {
@@ -144,7 +146,6 @@ KernelPath best_kernel_path();
 // Whether `path` can run here (automatic and portable: always; amx: never, not implemented).
 bool kernel_path_supported(KernelPath path);
 std::string_view to_string(KernelPath path);
-std::string_view to_string(DType dtype);
 
 // The dropout decision for one (query, key) pair: a counter-based hash of (seed, query head,
 // document, query position, key position) compared with p, so that any split of a batch into

@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -73,7 +74,11 @@ struct CpForwardArgs {
   ConstTensorView k = {};     // [local_tokens, Hkv, Dqk], contiguous
   ConstTensorView v = {};     // [local_tokens, Hkv, Dv], contiguous
   TensorView out = {};        // [local_tokens, Hq, Dv], written (padding rows: 0)
-  float* lse = nullptr;  // optional [local_tokens, Hq] fp32; -inf for padding rows
+  float* lse = nullptr;  // optional [local_tokens, Hq] fp32 (token-major, unlike FlashAttention's
+                         // [Hq, total] softmax_lse); -inf for padding rows
+  // This call's dropout seed (e.g. one per layer and step); unset: cfg.options.seed. Kept in
+  // the context, so that backward drops the same entries.
+  std::optional<uint64_t> dropout_seed = std::nullopt;
 };
 
 struct CpBackwardArgs {
@@ -132,10 +137,13 @@ class CpAttention {
   // This rank's plan for `cu_seqlens` (from the layer's cache: every layer of a step shares
   // it). Not collective. Throws cpattn::Error for invalid boundaries.
   std::shared_ptr<const RankPlan> plan(std::span<const int64_t> cu_seqlens);
+  std::shared_ptr<const RankPlan> plan(std::span<const int32_t> cu_seqlens);  // PyTorch's int32
 
   // Collective over the communicator. Forwards and backwards may interleave in any order that
   // is the same on every rank (e.g. every layer's forward, then the backwards in reverse).
-  CpContext forward(const CpForwardArgs& args);
+  // In throw_error timeout mode, a timed-out forward may leave requests that still read the
+  // caller's k and v: keep them alive until Communicator::drain() succeeds or the job ends.
+  [[nodiscard]] CpContext forward(const CpForwardArgs& args);
   // Consumes `ctx` (made by this object's forward); collective.
   void backward(CpContext& ctx, const CpBackwardArgs& args);
 
@@ -151,7 +159,8 @@ class CpAttention {
 
 // Every rank's real rows of a local tensor (this rank's `local` under `plan`), in the batch's
 // global order as fp32: [plan.global_tokens, local.heads, local.dim] on every rank. Collective:
-// the inverse of take_local_rows, for checks and for collecting outputs.
+// the inverse of take_local_rows, for checks and for collecting outputs. The ranks first agree
+// on the shape (a rank that differs fails every rank with one message).
 std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& plan,
                                       ConstTensorView local);
 

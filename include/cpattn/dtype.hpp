@@ -14,6 +14,11 @@ enum class DType { f32, f16, bf16 };
 
 constexpr std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 
+// The one spelling of a dtype in messages, reports and on the command line: fp32, fp16, bf16.
+constexpr std::string_view to_string(DType t) {
+  return t == DType::f32 ? "fp32" : t == DType::f16 ? "fp16" : "bf16";
+}
+
 inline float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(uint32_t{h} << 16); }
 inline uint16_t f32_to_bf16(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);

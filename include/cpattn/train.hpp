@@ -26,6 +26,7 @@
 #include <cpattn/comm.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -175,8 +176,8 @@ class Trainer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Smallest seq_len such that every rank holds a chunk: 2 * cp.
-inline int64_t min_seq_len(int cp) { return 2 * int64_t{cp}; }
+// Smallest seq_len such that every rank holds a chunk: chunks_per_document(cp), 2 * cp (1 at cp = 1).
+inline int64_t min_seq_len(int cp) { return chunks_per_document(cp); }
 
 // Runs `f` on every rank; when it throws cpattn::Error on any rank, every rank throws the
 // lowest failing rank's message (no rank is left waiting in a later collective). Collective.

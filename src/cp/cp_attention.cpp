@@ -5,6 +5,7 @@
 #include <cpattn/layout.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -113,6 +114,10 @@ void check_view(const char* fn, const char* name, ConstTensorView t, const Expec
                t.heads, ", ", t.dim, "]");
   CPATTN_CHECK(t.dtype == e.dtype, fn, ": ", name, " has dtype ", to_string(t.dtype), ", the configuration's is ",
                to_string(e.dtype));
+  CPATTN_CHECK(t.head_step() >= t.dim && (t.rows <= 1 || t.row_step() >= t.head_step() * (t.heads - 1) + t.dim),
+               fn, ": ", name, "'s strides overlap its heads or rows: head_stride ", t.head_step(),
+               " must be >= dim ", t.dim, " and row_stride ", t.row_step(), " >= head_stride * (heads - 1) + dim = ",
+               t.head_step() * (t.heads - 1) + t.dim);
   CPATTN_CHECK(!contiguous || t.is_contiguous(), fn, ": ", name, " must be contiguous (row_stride ",
                int64_t{e.heads} * e.dim, ", head_stride ", e.dim, "), got row_stride ", t.row_step(),
                ", head_stride ", t.head_step());
@@ -138,7 +143,8 @@ struct PreparedWork {
 }  // namespace
 
 struct CpContext::State {
-  const void* owner = nullptr;  // the CpAttention::State whose forward made it
+  uint64_t owner = 0;           // the id of the CpAttention whose forward made it
+  uint64_t seed = 0;            // the dropout seed of its forward
   int64_t forward_call = 0;     // which forward (1, 2, ...) made it: part of the agreement
   std::shared_ptr<const RankPlan> plan;
   std::shared_ptr<const PreparedWork> work;
@@ -172,7 +178,11 @@ std::span<const float> CpContext::lse() const {
 }
 std::size_t CpContext::bytes() const { return s_ ? s_->bytes() : 0; }
 
+// Ids of CpAttention objects (never reused, unlike addresses): a context names its maker.
+std::atomic<uint64_t> next_attention_id{1};
+
 struct CpAttention::State {
+  const uint64_t id = next_attention_id.fetch_add(1);
   Communicator& comm;
   CpAttnConfig cfg;
   PlanCache cache;
@@ -210,18 +220,20 @@ struct CpAttention::State {
 
   // The kernels' inputs for a context: local q over the keys the context holds.
   AttnInputs inputs(ConstTensorView q, const CpContext::State& c) const {
+    AttnOptions o = cfg.options;
+    o.seed = c.seed;
     return {.q = q,
             .k = contiguous(c.k.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
             .v = contiguous(c.v.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_v, cfg.dtype),
             .work = &c.work->work,
-            .options = cfg.options};
+            .options = o};
   }
 
   // Every rank learns every rank's local error, and all throw the same message; else the
   // ranks agree on the fingerprint. One all-gather, before any payload moves. A rank with an
   // error still takes part, so that the others fail with its message instead of waiting.
   void agree_or_throw(const std::string& local_error, const RankPlan* plan, int64_t local_tokens,
-                      int64_t phase, int64_t context_forward_call) {
+                      int64_t phase, int64_t context_forward_call, uint64_t seed) {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
     const AttnOptions& o = cfg.options;
@@ -246,9 +258,10 @@ struct CpAttention::State {
         .add("dtype", static_cast<int64_t>(cfg.dtype))
         .add("mask", static_cast<int64_t>(o.mask))
         .add("kv_mode", static_cast<int64_t>(cfg.kv_mode))
+        .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
-        .add("seed", static_cast<int64_t>(o.seed))
+        .add("seed", static_cast<int64_t>(seed))
         .add("deterministic", cfg.deterministic)
         .add("local_tokens", local_tokens)
         .add("documents", static_cast<int64_t>(plan->docs.size()))
@@ -299,6 +312,9 @@ CpAttention::~CpAttention() {
 std::shared_ptr<const RankPlan> CpAttention::plan(std::span<const int64_t> cu_seqlens) {
   return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank());
 }
+std::shared_ptr<const RankPlan> CpAttention::plan(std::span<const int32_t> cu_seqlens) {
+  return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank());
+}
 
 CpContext CpAttention::forward(const CpForwardArgs& a) {
   State& s = *s_;
@@ -334,7 +350,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   } catch (const std::exception& e) {  // bad_alloc and the like: still fail on every rank
     err = std::string(fn) + ": " + e.what();
   }
-  s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0);
+  ctx->seed = a.dropout_seed.value_or(c.options.seed);
+  s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
 
   const RankPlan& plan = *ctx->plan;
   const int cp = s.comm.size();
@@ -375,7 +392,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   s.stats.compute_s += seconds_since(t0);
 
-  ctx->owner = &s;
+  ctx->owner = s.id;
   ctx->forward_call = s.stats.forward_calls;
   ctx->live_bytes = s.live_bytes;
   ctx->counted = ctx->bytes();
@@ -395,7 +412,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   try {
     CPATTN_CHECK(ctx.s_ != nullptr, fn, ": the context holds no forward (each forward's context is consumed by "
                  "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
-    CPATTN_CHECK(ctx.s_->owner == &s, fn, ": the context was made by another CpAttention's forward");
+    CPATTN_CHECK(ctx.s_->owner == s.id, fn, ": the context was made by another CpAttention's forward");
     const int64_t t = ctx.s_->plan->local_tokens;
     check_view(fn, "q", a.q, s.q_like(t), false);
     check_view(fn, "out", a.out, s.o_like(t), false);
@@ -410,7 +427,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   const CpContext::State* cs = ctx.s_.get();
-  s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0);
+  s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
 
   const RankPlan& plan = *cs->plan;
   const int cp = s.comm.size();
@@ -476,8 +493,14 @@ void CpAttention::reset_stats() {
 }
 
 std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, ConstTensorView local) {
-  CPATTN_CHECK(local.data != nullptr && local.rows == p.local_tokens, "gather_global_rows: local must have the "
-               "plan's local_tokens = ", p.local_tokens, " rows, got ", local.rows);
+  std::string err;
+  if (local.data == nullptr || local.rows != p.local_tokens)
+    err = "gather_global_rows: local must have the plan's local_tokens = " + std::to_string(p.local_tokens) +
+          " rows, got " + std::to_string(local.rows);
+  Fingerprint fp;
+  if (err.empty())
+    fp.add("heads", local.heads).add("dim", local.dim).add("global tokens", p.global_tokens).add("cp", p.cp);
+  agree(comm, fp, "gather_global_rows", err);
   const int64_t row = int64_t{local.heads} * local.dim;
   const std::size_t es = dtype_size(local.dtype);
   std::vector<float> mine;

@@ -130,15 +130,6 @@ std::string_view to_string(KernelPath path) {
   return info != nullptr ? info->name : "?";
 }
 
-std::string_view to_string(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-  }
-  return "?";
-}
-
 bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64_t k_pos,
                   float p) {
   return kernels::dropout_keep_row(kernels::dropout_row_key(seed, head, doc, q_pos), k_pos,

@@ -176,43 +176,10 @@ void put_local_rows(const void* local, int64_t row_bytes, const RankPlan& plan, 
 TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const int64_t> cu_seqlens,
                                      int cp, int rank, int64_t pad_token_id) {
   check_cu_seqlens(cu_seqlens);
-  const auto t = static_cast<std::size_t>(cu_seqlens.back());
-  CPATTN_CHECK(batch.tokens.size() == t, "batch.tokens must hold cu_seqlens' last entry ", t,
-               " tokens, got ", batch.tokens.size());
-  CPATTN_CHECK(batch.labels.size() == t, "batch.labels must hold ", t, " entries, got ",
-               batch.labels.size());
-  CPATTN_CHECK(batch.position_ids.size() == t, "batch.position_ids must hold ", t,
-               " entries, got ", batch.position_ids.size());
-  CPATTN_CHECK(batch.loss_mask.size() == t, "batch.loss_mask must hold ", t, " entries, got ",
-               batch.loss_mask.size());
-  CPATTN_CHECK(rank >= 0 && rank < cp, "rank must be in [0, cp) = [0, ", cp, "), got ", rank);
-  const std::vector<DocSplit> docs = split_documents(cu_seqlens, cp);
-  TokenBatch out;
-  const int64_t t_loc = (docs.back().padded_begin + docs.back().padded_len) / cp;
-  out.tokens.reserve(t_loc);
-  out.labels.reserve(t_loc);
-  out.position_ids.reserve(t_loc);
-  out.loss_mask.reserve(t_loc);
-  for (const DocSplit& s : docs) {
-    for (int half = 0; half < tasks_per_document(cp); ++half) {
-      const int64_t j = task_chunk(half, cp, rank);
-      for (int64_t pos = j * s.chunk; pos < (j + 1) * s.chunk; ++pos) {
-        if (pos < s.len) {
-          const auto g = static_cast<std::size_t>(s.begin + pos);
-          out.tokens.push_back(batch.tokens[g]);
-          out.labels.push_back(batch.labels[g]);
-          out.position_ids.push_back(batch.position_ids[g]);
-          out.loss_mask.push_back(batch.loss_mask[g]);
-        } else {
-          out.tokens.push_back(pad_token_id);
-          out.labels.push_back(kIgnoreIndex);
-          out.position_ids.push_back(pos);
-          out.loss_mask.push_back(0.0f);
-        }
-      }
-    }
-  }
-  return out;
+  CPATTN_CHECK(batch.tokens.size() == static_cast<std::size_t>(cu_seqlens.back()),
+               "batch.tokens must hold cu_seqlens' last entry ", cu_seqlens.back(), " tokens, got ",
+               batch.tokens.size());
+  return get_batch_on_this_cp_rank(batch, get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank), pad_token_id);
 }
 
 TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, const RankPlan& plan, int64_t pad_token_id) {

@@ -134,7 +134,7 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
   CPATTN_CHECK(seq.cu_seqlens.size() >= 2 && seq.cu_seqlens.back() == n,
                "PackedSequence::cu_seqlens must end at the token count ", n);
   CPATTN_CHECK(n >= min_seq_len(m.cp), "PackedSequence: ", n, " tokens cannot give each of the ", m.cp,
-               " ranks a chunk: a sequence needs at least min_seq_len(cp) = 2 * cp = ", min_seq_len(m.cp),
+               " ranks a chunk: a sequence needs at least min_seq_len(cp) = chunks_per_document(cp) = ", min_seq_len(m.cp),
                " tokens");
   Batch& b = m.batch;
   b.plan = m.attn.plan(seq.cu_seqlens);

@@ -482,6 +482,22 @@ TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
   EXPECT_THROW(varlen_worklist(flat, k3), Error);
   EXPECT_THROW(varlen_worklist(big_q, small_k), Error);
   EXPECT_THROW(varlen_worklist(k2, k3), Error);
+  // Without a mask any lengths go (cross-attention): more queries than keys start at 0.
+  const WorkList x = varlen_worklist(big_q, small_k, MaskType::none);
+  ASSERT_EQ(x.tasks.size(), 1u);
+  EXPECT_EQ(x.tasks[0].q_len, 5);
+  EXPECT_EQ(x.tasks[0].q_pos, 0);
+  EXPECT_EQ(x.runs[0].len, 3);
+  // int32 boundaries (what PyTorch users hold) give the same list.
+  const std::vector<int32_t> cq32{0, 2, 5}, ck32{0, 4, 7};
+  const WorkList w32 = varlen_worklist(cq32, ck32);
+  ASSERT_EQ(w32.tasks.size(), w.tasks.size());
+  for (std::size_t t = 0; t < w.tasks.size(); ++t) {
+    EXPECT_EQ(w32.tasks[t].q_row, w.tasks[t].q_row);
+    EXPECT_EQ(w32.tasks[t].q_pos, w.tasks[t].q_pos);
+    EXPECT_EQ(w32.runs[t].row, w.runs[t].row);
+    EXPECT_EQ(w32.runs[t].len, w.runs[t].len);
+  }
 }
 
 TEST(kernel_paths, DispatchTable) {

@@ -50,7 +50,7 @@ for np_ in (2, 3):
                 # 100 -> 102, 64 -> 66) sits in the last chunk, rank 0's. np 2: rank 0 3985,
                 # rank 1 4125 pairs; np 3: 2332, 2889, 2889 (see docs/planner.md, Balance).
                 want = {2: 4125 / 4055, 3: 2889 * 3 / 8110}[np_]
-                check(abs(j["imbalance"]["visible_pairs_balanced"] - want) < 1e-12, "balanced")
+                check(abs(j["imbalance"]["balanced"] - want) < 1e-12, "balanced")
 
 # Every documented spelling (docs/cli.md), reported under its canonical name.
 TINY = ["--lengths", "37,1,20", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]

@@ -70,16 +70,14 @@ struct Groups {
 struct Local {
   check::Batch b;
   CpAttnConfig cfg;
-  RankPlan p;
+  std::shared_ptr<const RankPlan> plan;  // from the layer's cache: lays out the inputs, then runs
   check::Tensor q, k, v, dout;
   std::unique_ptr<CpAttention> attn;  // its constructor checks the configuration locally
 };
 
 Local prepare(const RunArgs& a, Communicator& comm) {
-  const int cp = comm.size(), rank = comm.rank();
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
-  CPATTN_CHECK(a.mode == "runs" || a.mode == "index", "--mode must be runs or index, got '", a.mode, "'");
   const MaskType mask = parse_mask(a.mask);
   const KernelPath path = parse_kernel_path(a.kernel_path);
   check_kernel_path_supported(path);
@@ -95,13 +93,13 @@ Local prepare(const RunArgs& a, Communicator& comm) {
            .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
            .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
                        .path = path},
-           .kv_mode = a.mode == "runs" ? KvMode::runs : KvMode::index};
-  l.p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, cp, rank);
-  l.q = check::local_rows(b.q, l.p);
-  l.k = check::local_rows(b.k, l.p);
-  l.v = check::local_rows(b.v, l.p);
-  l.dout = check::local_rows(b.dout, l.p);
+           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index};
   l.attn = std::make_unique<CpAttention>(comm, l.cfg);
+  l.plan = l.attn->plan(b.cu_seqlens);
+  l.q = check::local_rows(b.q, *l.plan);
+  l.k = check::local_rows(b.k, *l.plan);
+  l.v = check::local_rows(b.v, *l.plan);
+  l.dout = check::local_rows(b.dout, *l.plan);
   return l;
 }
 
@@ -122,7 +120,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
   Local& l = *prepared;
   const check::Batch& b = l.b;
-  const RankPlan& p = l.p;
+  const RankPlan& p = *l.plan;
   CpAttention& attn = *l.attn;
   const check::Tensor &q = l.q, &k = l.k, &v = l.v, &dout = l.dout;
   check::Tensor out(b.dtype, {p.local_tokens, b.shape.heads_q, b.shape.head_dim_v}), dq(b.dtype, q.shape),
@@ -134,7 +132,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     attn.reset_stats();
     comm.barrier();
     const auto t0 = Clock::now();
-    CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+    CpContext ctx = attn.forward({.plan = l.plan, .q = q.view(), .k = k.view(), .v = v.view(),
                                   .out = out.view(), .lse = lse.data()});
     attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
                         .dk = dk.view(), .dv = dv.view()});

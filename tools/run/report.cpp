@@ -60,8 +60,8 @@ nlohmann::json report_json(const RunReport& r) {
     report["peak_buffer_mb"].push_back(f.peak_buffer_mb);
   }
   report["imbalance"] = {{"compute", compute_imbalance(r.ranks)},
-                         {"visible_pairs_balanced", r.balance.imbalance_balanced},
-                         {"visible_pairs_contiguous", r.balance.imbalance_contiguous}};
+                         {"balanced", r.balance.imbalance_balanced},
+                         {"contiguous", r.balance.imbalance_contiguous}};
   return report;
 }
 
