@@ -113,20 +113,24 @@ Tensor local_rows(const Tensor& global, const RankPlan& plan) {
 }
 
 int64_t nonzero_padding_rows(ConstTensorView local, const RankPlan& plan) {
-  CPATTN_CHECK(local.rows == plan.local_tokens, "check::nonzero_padding_rows: the view has ", local.rows,
+  return padding_rows_not_equal(local, plan, 0.0f);
+}
+
+int64_t padding_rows_not_equal(ConstTensorView local, const RankPlan& plan, float value) {
+  CPATTN_CHECK(local.rows == plan.local_tokens, "check::padding_rows_not_equal: the view has ", local.rows,
                " rows, the plan ", plan.local_tokens, " local tokens");
   const std::size_t es = dtype_size(local.dtype);
   std::vector<float> row(static_cast<std::size_t>(local.dim));
   int64_t n = 0;
   for (int64_t i = 0; i < plan.local_tokens; ++i) {
     if (plan.real_token_index[i] >= 0) continue;
-    bool zero = true;
-    for (int h = 0; h < local.heads && zero; ++h) {
+    bool equal = true;
+    for (int h = 0; h < local.heads && equal; ++h) {
       to_float(static_cast<const std::byte*>(local.data) + local.offset(i, h) * static_cast<int64_t>(es),
                local.dtype, row.size(), row.data());
-      zero = std::all_of(row.begin(), row.end(), [](float x) { return x == 0.0f; });
+      equal = std::all_of(row.begin(), row.end(), [value](float x) { return x == value; });
     }
-    n += zero ? 0 : 1;
+    n += equal ? 0 : 1;
   }
   return n;
 }

@@ -40,12 +40,13 @@ bool all_finite(std::span<const float> a) {
   return std::all_of(a.begin(), a.end(), [](float x) { return std::isfinite(x); });
 }
 
-TensorReport compare(std::string_view name, std::span<const float> got,
-                     std::span<const float> ref, DType dtype, int64_t row_elements) {
+namespace {
+// The statistics of a report, allclose_excess under atol + rtol |ref|; pass is the caller's.
+TensorReport measure(std::string_view name, std::span<const float> got, std::span<const float> ref,
+                     DType dtype, int64_t row_elements, double atol, double rtol) {
   CPATTN_CHECK(got.size() == ref.size(), "check::compare: ", name, " has ", got.size(),
                " elements, its reference ", ref.size());
   CPATTN_CHECK(row_elements >= 1, "check::compare: row_elements must be >= 1, got ", row_elements);
-  const Tolerance tol = tolerance(dtype);
   TensorReport r;
   r.name = std::string(name);
   r.dtype = dtype;
@@ -60,7 +61,7 @@ TensorReport compare(std::string_view name, std::span<const float> got,
     ref_max = std::max(ref_max, std::abs(double{ref[i]}));
     d2 += d * d;
     r2 += double{ref[i]} * ref[i];
-    const double e = d - (tol.atol + tol.rtol * std::abs(double{ref[i]}));
+    const double e = d - (atol + rtol * std::abs(double{ref[i]}));
     const int64_t row = static_cast<int64_t>(i) / row_elements;
     if (std::isnan(e)) {
       if (nan_row < 0) nan_row = row;
@@ -73,7 +74,24 @@ TensorReport compare(std::string_view name, std::span<const float> got,
   if (r.allclose_excess == -1e300) r.allclose_excess = 0;  // nothing compared
   r.max_rel = ref_max > 0 ? r.max_abs / ref_max : r.max_abs;
   r.rel_l2 = r2 > 0 ? std::sqrt(d2 / r2) : std::sqrt(d2);
+  return r;
+}
+}  // namespace
+
+TensorReport compare(std::string_view name, std::span<const float> got,
+                     std::span<const float> ref, DType dtype, int64_t row_elements) {
+  const Tolerance tol = tolerance(dtype);
+  TensorReport r = measure(name, got, ref, dtype, row_elements, tol.atol, tol.rtol);
   r.pass = r.finite && (dtype == DType::f32 ? r.rel_l2 <= tol.rel_norm : r.allclose_excess <= 0);
+  r.rule = std::string(tol.rule);
+  return r;
+}
+
+TensorReport compare_lse(std::span<const float> got, std::span<const float> ref, DType storage,
+                         int heads) {
+  TensorReport r = measure("lse", got, ref, storage, heads, lse_atol(storage), 0.0);
+  r.pass = r.finite && r.allclose_excess <= 0;
+  r.rule = std::string(lse_rule(storage));
   return r;
 }
 
@@ -81,8 +99,7 @@ std::string TensorReport::describe() const {
   std::ostringstream s;
   s << name << " (" << to_string(dtype) << "): " << (pass ? "pass" : "FAIL") << ", rel_l2 " << rel_l2
     << ", max_abs " << max_abs << ", max_rel " << max_rel << ", allclose excess " << allclose_excess
-    << " (worst row " << worst_row << ")" << (finite ? "" : ", has NaN/Inf") << "; rule "
-    << tolerance(dtype).rule;
+    << " (worst row " << worst_row << ")" << (finite ? "" : ", has NaN/Inf") << "; rule " << rule;
   return s.str();
 }
 

@@ -1,5 +1,10 @@
 // CP attention over MPI against a single-process run of the whole batch (docs/design.md 7), at
 // the rank count mpiexec gives (CTest runs 1 to 5), and the agreement failures.
+#include <cpattn/check/batch.hpp>
+#include <cpattn/check/compare.hpp>
+#include <cpattn/check/gather.hpp>
+#include <cpattn/check/tensor.hpp>
+
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
@@ -15,7 +20,9 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cpattn {
@@ -26,6 +33,7 @@ using ::testing::HasSubstr;
 struct Shape {
   const char* name;
   int hq, hkv, dqk, dv;
+  check::BatchShape batch() const { return {.heads_q = hq, .heads_k = hkv, .head_dim_qk = dqk, .head_dim_v = dv}; }
 };
 constexpr Shape kShapes[] = {{"mha", 8, 8, 64, 64}, {"gqa", 8, 2, 64, 64}, {"mla", 8, 2, 192, 128}};
 
@@ -33,104 +41,19 @@ constexpr Shape kShapes[] = {{"mha", 8, 8, 64, 64}, {"gqa", 8, 2, 64, 64}, {"mla
 // chunks past the first are all padding).
 const std::vector<int64_t> kLengths{37, 100, 1, 64, 23, 9};
 
-// A THD tensor in storage type `t`, and its values as float (rounded through the storage).
-struct Tensor {
-  DType t;
-  std::vector<std::byte> bytes;
-  std::vector<float> values() const {
-    std::vector<float> f(bytes.size() / dtype_size(t));
-    to_float(bytes.data(), t, f.size(), f.data());
-    return f;
-  }
-  TensorView view(int64_t rows, int heads, int dim) { return contiguous(bytes.data(), rows, heads, dim, t); }
-  ConstTensorView view(int64_t rows, int heads, int dim) const { return contiguous(bytes.data(), rows, heads, dim, t); }
-};
+constexpr uint64_t kSeed = 1;  // the batch of every single-process comparison
 
-Tensor random_tensor(DType t, std::size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> f(n);
-  for (float& x : f) x = dist(rng);
-  Tensor out{t, std::vector<std::byte>(n * dtype_size(t))};
-  from_float(f.data(), n, t, out.bytes.data());
-  return out;
-}
+// Asserts the pass rule of check/tolerance.hpp; the message names the tensor and its worst row.
+void expect_pass(const check::TensorReport& r) { EXPECT_TRUE(r.pass) << r.describe(); }
 
-struct Global {  // the whole batch and its single-process results
-  std::vector<int64_t> cu;
-  Tensor q, k, v, dout;
-  Tensor out, dq, dk, dv;
-  std::vector<float> lse;
-};
-
-Global single_process(const Shape& s, DType t, KernelPath path, MaskType mask = MaskType::causal,
-                      float dropout_p = 0.0f, uint64_t seed = 0) {
-  Global g;
-  g.cu = cu_seqlens_from_lengths(kLengths);
-  const int64_t n = g.cu.back();
-  g.q = random_tensor(t, n * s.hq * s.dqk, seed + 1);
-  g.k = random_tensor(t, n * s.hkv * s.dqk, seed + 2);
-  g.v = random_tensor(t, n * s.hkv * s.dv, seed + 3);
-  g.dout = random_tensor(t, n * s.hq * s.dv, seed + 4);
-  const std::size_t es = dtype_size(t);
-  g.out = {t, std::vector<std::byte>(n * s.hq * s.dv * es)};
-  g.dq = {t, std::vector<std::byte>(n * s.hq * s.dqk * es)};
-  g.dk = {t, std::vector<std::byte>(n * s.hkv * s.dqk * es)};
-  g.dv = {t, std::vector<std::byte>(n * s.hkv * s.dv * es)};
-  g.lse.resize(n * s.hq);
-  const WorkList wl = varlen_worklist(g.cu, g.cu, mask);
-  const AttnInputs in{.q = g.q.view(n, s.hq, s.dqk), .k = g.k.view(n, s.hkv, s.dqk), .v = g.v.view(n, s.hkv, s.dv),
-                      .work = &wl, .options = {.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = path}};
-  attention_forward({.in = in, .out = g.out.view(n, s.hq, s.dv), .lse = g.lse.data()});
-  attention_backward({.in = in, .out = g.out.view(n, s.hq, s.dv), .lse = g.lse.data(),
-                      .dout = g.dout.view(n, s.hq, s.dv), .dq = g.dq.view(n, s.hq, s.dqk),
-                      .dk = g.dk.view(n, s.hkv, s.dqk), .dv = g.dv.view(n, s.hkv, s.dv)});
-  return g;
-}
-
-// The reference design's tolerances: fp32 1e-5 relative in norm; fp16 and bf16 elementwise
-// |a - b| <= atol + rtol * |b| with atol = rtol = 5e-3 and 2.5e-2.
-void expect_close(const std::vector<float>& got, const std::vector<float>& want, DType t,
-                  const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double diff2 = 0, ref2 = 0;
-  int64_t bad = 0;
-  const double tol = t == DType::f16 ? 5e-3 : 2.5e-2;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << what << " element " << i;
-    diff2 += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
-    ref2 += double{want[i]} * want[i];
-    if (t != DType::f32 && std::abs(double{got[i]} - want[i]) > tol + tol * std::abs(double{want[i]})) ++bad;
-  }
-  if (t == DType::f32) {
-    EXPECT_LE(std::sqrt(diff2 / std::max(ref2, 1e-30)), 1e-5) << what;
-  } else {
-    EXPECT_EQ(bad, 0) << what << ": elements outside atol = rtol = " << tol;
-  }
-}
-
-// Rows of the global tensor `g` in the rank's local order, padding rows zero.
-Tensor local_rows(const Tensor& g, int64_t row_elems, const RankPlan& p) {
-  Tensor l{g.t, std::vector<std::byte>(p.local_tokens * row_elems * dtype_size(g.t))};
-  take_local_rows(g.bytes.data(), row_elems * static_cast<int64_t>(dtype_size(g.t)), p, l.bytes.data());
-  return l;
-}
-
-// The real rows of a local result, in global order (padding rows checked to be exactly zero).
-std::vector<float> to_global(const Tensor& local, int64_t row_elems, const RankPlan& p,
-                             const std::vector<float>& into, const std::string& what) {
-  std::vector<float> out = into;
-  const std::vector<float> lv = local.values();
-  for (int64_t i = 0; i < p.local_tokens; ++i) {
-    const int64_t g = p.real_token_index[i];
-    for (int64_t e = 0; e < row_elems; ++e) {
-      if (g < 0)
-        EXPECT_EQ(lv[i * row_elems + e], 0.0f) << what << ": padding row " << i << " is not zero";
-      else
-        out[g * row_elems + e] = lv[i * row_elems + e];
-    }
-  }
-  return out;
+// Every padding row of a rank's output exactly zero, of its lse exactly -inf.
+void expect_padding_rows_zero(const RankPlan& p, const check::Tensor& out, const check::Tensor& dq,
+                              const check::Tensor& dk, const check::Tensor& dv, const float* lse) {
+  const std::pair<const char*, const check::Tensor*> tensors[] = {{"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  for (const auto& [name, x] : tensors)
+    EXPECT_EQ(check::nonzero_padding_rows(x->view(), p), 0) << name << ": padding rows that are not zero";
+  EXPECT_EQ(check::padding_rows_not_equal(contiguous(lse, p.local_tokens, out.shape.heads, 1), p, -INFINITY), 0)
+      << "lse: padding rows that are not -inf";
 }
 
 class CpAttentionTest : public ::testing::Test {
@@ -144,47 +67,31 @@ void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
                                     << (mode == KvMode::runs ? "runs" : "index") << " mask "
                                     << (mask == MaskType::causal ? "causal" : "none") << " dropout "
                                     << dropout_p << " cp " << comm.size());
-  const KernelPath path = best_kernel_path();
-  const Global g = single_process(s, t, path, mask, dropout_p);
+  const AttnOptions options{.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = best_kernel_path()};
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kLengths), s.batch(), t, kSeed);
+  const check::Results want = check::single_process(b, options);
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
-                          .head_dim_v = s.dv, .dtype = t,
-                          .options = {.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = path},
-                          .kv_mode = mode});
-  const RankPlan p = get_thd_load_balanced_cp_metadata(g.cu, comm.size(), comm.rank());
-  const int64_t qr = s.hq * s.dqk, kr = s.hkv * s.dqk, vr = s.hkv * s.dv, orow = s.hq * s.dv;
-  const Tensor q = local_rows(g.q, qr, p), k = local_rows(g.k, kr, p), v = local_rows(g.v, vr, p);
-  const Tensor dout = local_rows(g.dout, orow, p);
-  const std::size_t es = dtype_size(t);
-  Tensor out{t, std::vector<std::byte>(p.local_tokens * orow * es)};
-  std::vector<float> lse(p.local_tokens * s.hq);
-  const int64_t tl = p.local_tokens;
-  CpContext ctx = attn.forward({.cu_seqlens = g.cu, .q = q.view(tl, s.hq, s.dqk), .k = k.view(tl, s.hkv, s.dqk),
-                                .v = v.view(tl, s.hkv, s.dv), .out = out.view(tl, s.hq, s.dv), .lse = lse.data()});
-  Tensor dq{t, std::vector<std::byte>(q.bytes.size())}, dk{t, std::vector<std::byte>(k.bytes.size())},
-      dv{t, std::vector<std::byte>(v.bytes.size())};
-  attn.backward(ctx, {.q = q.view(tl, s.hq, s.dqk), .out = out.view(tl, s.hq, s.dv),
-                      .dout = dout.view(tl, s.hq, s.dv), .dq = dq.view(tl, s.hq, s.dqk),
-                      .dk = dk.view(tl, s.hkv, s.dqk), .dv = dv.view(tl, s.hkv, s.dv)});
+                          .head_dim_v = s.dv, .dtype = t, .options = options, .kv_mode = mode});
+  const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+  const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
+                      dout = check::local_rows(b.dout, p);
+  check::Tensor out(t, {p.local_tokens, s.hq, s.dv}), dq(t, q.shape), dk(t, k.shape), dv(t, v.shape);
+  std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * s.hq));
+  CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                                .out = out.view(), .lse = lse.data()});
+  attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
+                      .dv = dv.view()});
   EXPECT_FALSE(ctx.valid());  // consumed
 
+  expect_padding_rows_zero(p, out, dq, dk, dv, lse.data());
   // Every rank's real rows, gathered into the global order on every rank.
-  const auto gather = [&](const Tensor& local, int64_t row, const Tensor& want, const std::string& what) {
-    std::vector<float> mine = to_global(local, row, p, std::vector<float>(want.values().size(), 0.0f), what);
-    comm.all_reduce<float>(mine, ReduceOp::sum);  // disjoint rows: the sum is the union
-    expect_close(mine, want.values(), t, what);
-  };
-  gather(out, orow, g.out, "out");
-  gather(dq, qr, g.dq, "dq");
-  gather(dk, kr, g.dk, "dk");
-  gather(dv, vr, g.dv, "dv");
-  for (int64_t i = 0; i < p.local_tokens; ++i)
-    for (int h = 0; h < s.hq; ++h) {
-      const float want = p.real_token_index[i] < 0 ? -INFINITY : g.lse[p.real_token_index[i] * s.hq + h];
-      if (p.real_token_index[i] < 0)
-        ASSERT_EQ(lse[i * s.hq + h], want);
-      else
-        ASSERT_NEAR(lse[i * s.hq + h], want, t == DType::f32 ? 1e-5 : 1e-2);
-    }
+  const check::Results got = check::gather_results(
+      comm, p, {.out = out.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .lse = lse.data()});
+  expect_pass(check::compare("out", got.out, want.out, t, b.out_shape().row_elements()));
+  expect_pass(check::compare("dq", got.dq, want.dq, t, b.q_shape().row_elements()));
+  expect_pass(check::compare("dk", got.dk, want.dk, t, b.k_shape().row_elements()));
+  expect_pass(check::compare("dv", got.dv, want.dv, t, b.v_shape().row_elements()));
+  expect_pass(check::compare_lse(got.lse, want.lse, t, s.hq));
   EXPECT_GE(attn.stats().comm_s, 0.0);
   EXPECT_EQ(attn.stats().forward_calls, 1);
 }
@@ -226,49 +133,48 @@ TEST(CpGroups, EveryDivisorOfTheWorldSplitIntoGroupsMatchesSingleProcess) {
 TEST_F(CpAttentionTest, OneLayerObjectRunsTwoLayersForwardsThenBackwardsInReverse) {
   const Shape& s = kShapes[1];
   const DType t = DType::f32;
-  const KernelPath path = best_kernel_path();
+  const AttnOptions options{.path = best_kernel_path()};
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
-                          .dtype = t, .options = {.path = path}});
+                          .dtype = t, .options = options});
   struct Layer {
-    Global g;
-    Tensor q, k, v, dout, out, dq, dk, dv;
+    check::Batch b;
+    check::Results want;
+    check::Tensor q, k, v, dout, out, dq, dk, dv;
     CpContext ctx;
   };
   Layer layers[2];
   const auto plan = attn.plan(cu_seqlens_from_lengths(kLengths));  // lays the inputs out
   const RankPlan& p = *plan;
-  const int64_t tl = p.local_tokens, qr = s.hq * s.dqk, kr = s.hkv * s.dqk, vr = s.hkv * s.dv, orow = s.hq * s.dv;
   for (int l = 0; l < 2; ++l) {
     Layer& L = layers[l];
-    L.g = single_process(s, t, path, MaskType::causal, 0.0f, 100 * (l + 1));
-    L.q = local_rows(L.g.q, qr, p), L.k = local_rows(L.g.k, kr, p), L.v = local_rows(L.g.v, vr, p);
-    L.dout = local_rows(L.g.dout, orow, p);
-    L.out = {t, std::vector<std::byte>(tl * orow * 4)};
-    L.dq = {t, std::vector<std::byte>(L.q.bytes.size())}, L.dk = {t, std::vector<std::byte>(L.k.bytes.size())};
-    L.dv = {t, std::vector<std::byte>(L.v.bytes.size())};
+    L.b = check::random_batch(cu_seqlens_from_lengths(kLengths), s.batch(), t, 100 * (l + 1));
+    L.want = check::single_process(L.b, options);
+    L.q = check::local_rows(L.b.q, p), L.k = check::local_rows(L.b.k, p), L.v = check::local_rows(L.b.v, p);
+    L.dout = check::local_rows(L.b.dout, p);
+    L.out = check::Tensor(t, {p.local_tokens, s.hq, s.dv});
+    L.dq = check::Tensor(t, L.q.shape), L.dk = check::Tensor(t, L.k.shape), L.dv = check::Tensor(t, L.v.shape);
   }
   for (Layer& L : layers)
-    L.ctx = attn.forward({.plan = plan, .q = L.q.view(tl, s.hq, s.dqk), .k = L.k.view(tl, s.hkv, s.dqk),
-                          .v = L.v.view(tl, s.hkv, s.dv), .out = L.out.view(tl, s.hq, s.dv)});
+    L.ctx = attn.forward({.plan = plan, .q = L.q.view(), .k = L.k.view(), .v = L.v.view(), .out = L.out.view()});
   EXPECT_GT(layers[0].ctx.bytes(), 0u);
   EXPECT_EQ(&layers[0].ctx.plan(), &p);  // no second plan
   for (int l = 1; l >= 0; --l) {
     Layer& L = layers[l];
-    attn.backward(L.ctx, {.q = L.q.view(tl, s.hq, s.dqk), .out = L.out.view(tl, s.hq, s.dv),
-                          .dout = L.dout.view(tl, s.hq, s.dv), .dq = L.dq.view(tl, s.hq, s.dqk),
-                          .dk = L.dk.view(tl, s.hkv, s.dqk), .dv = L.dv.view(tl, s.hkv, s.dv)});
+    attn.backward(L.ctx, {.q = L.q.view(), .out = L.out.view(), .dout = L.dout.view(), .dq = L.dq.view(),
+                          .dk = L.dk.view(), .dv = L.dv.view()});
   }
   for (int l = 0; l < 2; ++l) {
     SCOPED_TRACE(::testing::Message() << "layer " << l);
     const Layer& L = layers[l];
-    const std::pair<const Tensor*, const Tensor*> pairs[] = {
-        {&L.out, &L.g.out}, {&L.dq, &L.g.dq}, {&L.dk, &L.g.dk}, {&L.dv, &L.g.dv}};
-    const char* names[] = {"out", "dq", "dk", "dv"};
-    for (int i = 0; i < 4; ++i) {
-      const Tensor& got = *pairs[i].first;
-      const int heads = i == 0 || i == 1 ? s.hq : s.hkv, dim = i == 1 || i == 2 ? s.dqk : s.dv;
-      expect_close(gather_global_rows(comm, p, got.view(tl, heads, dim)), pairs[i].second->values(), t, names[i]);
-    }
+    const struct {
+      const char* name;
+      const check::Tensor* got;
+      const std::vector<float>* want;
+    } tensors[] = {{"out", &L.out, &L.want.out}, {"dq", &L.dq, &L.want.dq}, {"dk", &L.dk, &L.want.dk},
+                   {"dv", &L.dv, &L.want.dv}};
+    for (const auto& x : tensors)
+      expect_pass(check::compare(x.name, gather_global_rows(comm, p, x.got->view()), *x.want, t,
+                                 x.got->shape.row_elements()));
   }
   EXPECT_EQ(attn.plan_cache().misses(), 1);  // planned once, for both layers
   EXPECT_EQ(attn.plan_cache().hits(), 0);    // the forwards took the plan, not the boundaries
@@ -278,9 +184,9 @@ TEST_F(CpAttentionTest, OneLayerObjectRunsTwoLayersForwardsThenBackwardsInRevers
 TEST_F(CpAttentionTest, GatherGlobalRowsRestoresTheGlobalOrder) {
   const std::vector<int64_t> cu = cu_seqlens_from_lengths(kLengths);
   const RankPlan p = get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
-  const Tensor g = random_tensor(DType::bf16, cu.back() * 3 * 5, 9);
-  const Tensor l = local_rows(g, 15, p);
-  EXPECT_EQ(gather_global_rows(comm, p, l.view(p.local_tokens, 3, 5)), g.values());
+  const check::Tensor g = check::random_tensor(DType::bf16, {cu.back(), 3, 5}, 9);
+  const check::Tensor l = check::local_rows(g, p);
+  EXPECT_EQ(gather_global_rows(comm, p, l.view()), g.values());
 }
 
 TEST_F(CpAttentionTest, DropoutDropsTheSameEntriesAsASingleProcess) {
@@ -445,39 +351,28 @@ TEST_F(CpAttentionTest, RepeatedBackwardIsBitwiseEqual) {
 TEST_F(CpAttentionTest, NanInOneDocumentsKeysStaysInsideIt) {
   // Documents of 10 and 20 tokens; a NaN in a key of document 1 must not touch document 0.
   const Shape s{"gqa", 4, 2, 16, 16};
-  const std::vector<int64_t> cu{0, 10, 30};
-  Global g;
-  g.cu = cu;
-  const int64_t n = 30;
-  g.q = random_tensor(DType::f32, n * s.hq * s.dqk, 1);
-  g.k = random_tensor(DType::f32, n * s.hkv * s.dqk, 2);
-  g.v = random_tensor(DType::f32, n * s.hkv * s.dv, 3);
-  reinterpret_cast<float*>(g.k.bytes.data())[(15 * s.hkv + 1) * s.dqk + 3] = NAN;  // doc 1, token 15
-  const RankPlan p = get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
-  const Tensor q = local_rows(g.q, s.hq * s.dqk, p), k = local_rows(g.k, s.hkv * s.dqk, p),
-               v = local_rows(g.v, s.hkv * s.dv, p);
-  std::vector<float> out(p.local_tokens * s.hq * s.dv);
+  check::Batch g = check::random_batch({0, 10, 30}, s.batch(), DType::f32, kSeed);
+  g.k.set(static_cast<std::size_t>((15 * s.hkv + 1) * s.dqk + 3), NAN);  // doc 1, token 15
+  const RankPlan p = get_thd_load_balanced_cp_metadata(g.cu_seqlens, comm.size(), comm.rank());
+  const check::Tensor q = check::local_rows(g.q, p), k = check::local_rows(g.k, p), v = check::local_rows(g.v, p);
+  check::Tensor out(DType::f32, {p.local_tokens, s.hq, s.dv});
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv});
-  const int64_t tl = p.local_tokens;
-  const CpForwardArgs args{.cu_seqlens = cu, .q = q.view(tl, s.hq, s.dqk), .k = k.view(tl, s.hkv, s.dqk),
-                           .v = v.view(tl, s.hkv, s.dv), .out = contiguous(out.data(), tl, s.hq, s.dv)};
+  const CpForwardArgs args{.cu_seqlens = g.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                           .out = out.view()};
   attn.forward(args);
-  // Document 0 alone, in one process, is the reference for its rows.
-  std::vector<float> ref(10 * s.hq * s.dv), lse(10 * s.hq);
-  const std::vector<int64_t> cu0{0, 10};
-  const WorkList wl = varlen_worklist(cu0, cu0);
-  attention_forward({.in = {.q = g.q.view(10, s.hq, s.dqk), .k = g.k.view(10, s.hkv, s.dqk),
-                            .v = g.v.view(10, s.hkv, s.dv), .work = &wl},
-                     .out = contiguous(ref.data(), 10, s.hq, s.dv), .lse = lse.data()});
-  for (int64_t i = 0; i < p.local_tokens; ++i) {
-    const int64_t gi = p.real_token_index[i];
-    if (gi < 0 || gi >= 10) continue;
-    for (int64_t e = 0; e < s.hq * s.dv; ++e) {  // finite, and equal up to fp32 blocking order
-      const float want = ref[gi * s.hq * s.dv + e];
-      ASSERT_TRUE(std::isfinite(out[i * s.hq * s.dv + e])) << "token " << gi;
-      ASSERT_NEAR(out[i * s.hq * s.dv + e], want, 1e-5f * (1.0f + std::abs(want))) << "token " << gi;
-    }
-  }
+  // Document 0 alone, in one process, is the reference for its rows: finite, and equal up to
+  // fp32 blocking order.
+  const auto first_rows = [](const check::Tensor& x, int64_t rows) {
+    const std::span<const float> f = std::span(x.f).first(static_cast<std::size_t>(rows * x.shape.row_elements()));
+    return check::Tensor::from(x.dtype, {rows, x.shape.heads, x.shape.dim}, f);
+  };
+  const check::Batch doc0{.cu_seqlens = {0, 10}, .shape = g.shape, .dtype = g.dtype, .q = first_rows(g.q, 10),
+                          .k = first_rows(g.k, 10), .v = first_rows(g.v, 10), .dout = first_rows(g.dout, 10)};
+  const check::Results ref = check::single_process(doc0, {});
+  const std::vector<float> got = gather_global_rows(comm, p, out.view());
+  const int64_t row = doc0.out_shape().row_elements();
+  const std::span<const float> got0 = std::span(got).first(static_cast<std::size_t>(10 * row));
+  expect_pass(check::compare("out (document 0)", got0, ref.out, DType::f32, row));
   // The opt-in finite check turns the NaN into an error on every rank (the rank holding it
   // is named), before any payload moves.
   CpAttention checked(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
@@ -493,35 +388,28 @@ TEST_F(CpAttentionTest, LargeScoresInHalfPrecisionStayFiniteAndMatchFp32) {
   const std::vector<int64_t> cu{0, 40, 77};
   const int64_t n = 77;
   const RankPlan p = get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
-  const auto run = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
-    const DType t = q.t;
-    const Tensor lq = local_rows(q, s.hq * s.dqk, p), lk = local_rows(k, s.hkv * s.dqk, p),
-                 lv = local_rows(v, s.hkv * s.dv, p);
-    Tensor out{t, std::vector<std::byte>(p.local_tokens * s.hq * s.dv * dtype_size(t))};
+  // The global out of a CP forward of q, k, v (in their dtype).
+  const auto run = [&](const check::Tensor& q, const check::Tensor& k, const check::Tensor& v) {
+    const DType t = q.dtype;
+    const check::Tensor lq = check::local_rows(q, p), lk = check::local_rows(k, p), lv = check::local_rows(v, p);
+    check::Tensor out(t, {p.local_tokens, s.hq, s.dv});
     CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
                             .head_dim_v = s.dv, .dtype = t});
-    const int64_t tl = p.local_tokens;
-    attn.forward({.cu_seqlens = cu, .q = lq.view(tl, s.hq, s.dqk), .k = lk.view(tl, s.hkv, s.dqk),
-                  .v = lv.view(tl, s.hkv, s.dv), .out = out.view(tl, s.hq, s.dv)});
-    return out.values();
+    attn.forward({.cu_seqlens = cu, .q = lq.view(), .k = lk.view(), .v = lv.view(), .out = out.view()});
+    EXPECT_EQ(check::nonzero_padding_rows(out.view(), p), 0) << to_string(t) << " out: padding rows that are not zero";
+    return gather_global_rows(comm, p, out.view());
   };
-  const auto as_f32 = [](const Tensor& x) {
-    const std::vector<float> f = x.values();
-    Tensor out{DType::f32, std::vector<std::byte>(f.size() * 4)};
-    std::memcpy(out.bytes.data(), f.data(), out.bytes.size());
-    return out;
-  };
+  const check::BatchShape b = s.batch();
   for (const DType t : {DType::f16, DType::bf16}) {
+    SCOPED_TRACE(to_string(t));
     // Scores of magnitude in the thousands: exp overflows fp32 unless the max is shifted out.
-    const Tensor q = random_tensor(t, n * s.hq * s.dqk, 1, 30.0f), k = random_tensor(t, n * s.hkv * s.dqk, 2, 30.0f),
-                 v = random_tensor(t, n * s.hkv * s.dv, 3);
+    const check::Tensor q = check::random_tensor(t, {n, b.heads_q, b.head_dim_qk}, 1, 30.0f),
+                        k = check::random_tensor(t, {n, b.heads_k, b.head_dim_qk}, 2, 30.0f),
+                        v = check::random_tensor(t, {n, b.heads_k, b.head_dim_v}, 3);
     const std::vector<float> half = run(q, k, v);
-    const std::vector<float> full = run(as_f32(q), as_f32(k), as_f32(v));  // the same values in fp32
-    const double tol = t == DType::f16 ? 5e-3 : 2.5e-2;
-    for (std::size_t i = 0; i < half.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(half[i])) << to_string(t) << " element " << i;
-      ASSERT_NEAR(half[i], full[i], tol + tol * std::abs(full[i])) << to_string(t) << " element " << i;
-    }
+    const std::vector<float> full = run(q.as(DType::f32), k.as(DType::f32), v.as(DType::f32));  // the same values
+    // Finite, and elementwise within the half dtype's tolerance of the fp32 run.
+    expect_pass(check::compare("out", half, full, t, int64_t{s.hq} * s.dv));
   }
 }
 

@@ -64,5 +64,8 @@ Results single_process(const Batch& b, const AttnOptions& options);
 Tensor local_rows(const Tensor& global, const RankPlan& plan);
 // How many padding rows of a local tensor are not exactly zero (CP must leave them zero).
 int64_t nonzero_padding_rows(ConstTensorView local, const RankPlan& plan);
+// How many padding rows hold any value other than `value`: CP's lse is -inf at padding rows
+// (view it as contiguous(lse, local_tokens, Hq, 1)).
+int64_t padding_rows_not_equal(ConstTensorView local, const RankPlan& plan, float value);
 
 }  // namespace cpattn::check

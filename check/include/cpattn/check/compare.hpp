@@ -30,11 +30,19 @@ struct TensorReport {
   int64_t worst_row = -1;     // the row (of row_elements) holding that worst element
   bool finite = true;         // no NaN/Inf in the result (but for exact infinite matches)
   bool pass = true;           // finite, and f32: rel_l2 <= rel_norm; else allclose_excess <= 0
+  std::string rule;           // the pass rule in words (tolerance(dtype).rule, or lse_rule)
   std::string describe() const;  // one line, for messages
 };
 
 // Sizes must agree (cpattn::Error otherwise). `row_elements` locates the worst row.
 TensorReport compare(std::string_view name, std::span<const float> got,
                      std::span<const float> ref, DType dtype, int64_t row_elements = 1);
+
+// lse (fp32 in every storage dtype) against a run of the same inputs, e.g. CP against a single
+// process: pass = finite and every |diff| <= lse_atol(storage) (allclose_excess is under that
+// bound, rtol 0). Equal infinities are exact matches, as above. `heads` (Hq) locates the
+// worst row (token).
+TensorReport compare_lse(std::span<const float> got, std::span<const float> ref, DType storage,
+                         int heads);
 
 }  // namespace cpattn::check

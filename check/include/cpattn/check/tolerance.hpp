@@ -31,4 +31,11 @@ constexpr Tolerance tolerance(DType t) {
 // lse is fp32 in every storage dtype: the fp32 rule applies to it.
 inline constexpr double kLseRelNorm = tolerance(DType::f32).rel_norm;
 
+// lse of a CP run against a single-process run of the same inputs (compare_lse): elementwise
+// |diff| <= lse_atol(storage dtype), the bounds tests/cp has always held CP to.
+constexpr double lse_atol(DType storage) { return storage == DType::f32 ? 1e-5 : 1e-2; }
+constexpr std::string_view lse_rule(DType storage) {
+  return storage == DType::f32 ? "lse: |diff| <= 1e-5" : "lse: |diff| <= 1e-2";
+}
+
 }  // namespace cpattn::check
