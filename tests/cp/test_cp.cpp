@@ -254,7 +254,7 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
     SmallBatch b(comm.size(), comm.rank());
     if (comm.rank() == last) b.cu = {0, 20, 30};
     CpAttention attn(comm, b.config());
-    const std::string m = same_error_everywhere(comm, [&] { attn.forward(b.fwd()); });
+    const std::string m = same_error_everywhere(comm, [&] { (void)attn.forward(b.fwd()); });
     EXPECT_THAT(m, HasSubstr("cu_seqlens hash"));
     EXPECT_THAT(m, HasSubstr("rank " + last_s));
   }
@@ -263,14 +263,14 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
     CpAttnConfig c = b.config();
     if (comm.rank() == last) c.num_heads_q = b.s.hq = 2;  // its views agree with its configuration
     CpAttention attn(comm, c);
-    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("num_heads_q"));
+    EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(b.fwd()); }), HasSubstr("num_heads_q"));
   }
   {  // a head dim
     SmallBatch b(comm.size(), comm.rank());
     CpAttnConfig c = b.config();
     if (comm.rank() == last) c.head_dim_v = b.s.dv = 8;
     CpAttention attn(comm, c);
-    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(b.fwd()); }), HasSubstr("head_dim_v"));
+    EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(b.fwd()); }), HasSubstr("head_dim_v"));
   }
   {  // a dtype (the buffers are large enough for either)
     SmallBatch b(comm.size(), comm.rank());
@@ -280,13 +280,13 @@ TEST_F(CpAttentionTest, DisagreementFailsOnEveryRankNamingFieldAndRanks) {
     CpForwardArgs f = b.fwd();
     for (auto* v : {&f.q, &f.k, &f.v}) v->dtype = c.dtype;
     f.out.dtype = c.dtype;
-    EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }), HasSubstr("dtype"));
+    EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(f); }), HasSubstr("dtype"));
   }
   {  // another token count: the plan's local count no longer matches on that rank
     SmallBatch b(comm.size(), comm.rank());
     if (comm.rank() == last) b.cu = {0, 10, 40};
     CpAttention attn(comm, b.config());
-    const std::string m = same_error_everywhere(comm, [&] { attn.forward(b.fwd()); });
+    const std::string m = same_error_everywhere(comm, [&] { (void)attn.forward(b.fwd()); });
     EXPECT_THAT(m, HasSubstr("[rank " + last_s + "]"));
     EXPECT_THAT(m, HasSubstr("must be [local_tokens = "));
   }
@@ -297,12 +297,12 @@ TEST_F(CpAttentionTest, BadArgumentsOnOneRankFailEveryRank) {
   CpAttention attn(comm, b.config());
   CpForwardArgs f = b.fwd();
   if (comm.rank() == 0) f.q.data = nullptr;
-  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }),
+  EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(f); }),
               HasSubstr("[rank 0] CpAttention::forward: q must not be null"));
   std::vector<int64_t> bad{0, 10, 10, 30};
   CpForwardArgs g = b.fwd();
   g.cu_seqlens = bad;
-  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(g); }), HasSubstr("strictly increasing"));
+  EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(g); }), HasSubstr("strictly increasing"));
   CpContext none;
   EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(none, b.bwd()); }),
               HasSubstr("the context holds no forward"));
@@ -317,7 +317,7 @@ TEST_F(CpAttentionTest, ADifferentCodePathIsCaughtByTheCallCounters) {
   // Rank 0 skips backward and runs forward again; the others run backward.
   const std::string m = same_error_everywhere(comm, [&] {
     if (comm.rank() == 0)
-      attn.forward(b.fwd());
+      (void)attn.forward(b.fwd());
     else
       attn.backward(ctx, b.bwd());
   });
@@ -359,7 +359,7 @@ TEST_F(CpAttentionTest, NanInOneDocumentsKeysStaysInsideIt) {
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv});
   const CpForwardArgs args{.cu_seqlens = g.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
                            .out = out.view()};
-  attn.forward(args);
+  (void)attn.forward(args);
   // Document 0 alone, in one process, is the reference for its rows: finite, and equal up to
   // fp32 blocking order.
   const auto first_rows = [](const check::Tensor& x, int64_t rows) {
@@ -378,7 +378,7 @@ TEST_F(CpAttentionTest, NanInOneDocumentsKeysStaysInsideIt) {
   CpAttention checked(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
                              .head_dim_v = s.dv, .check_finite = true});
   EXPECT_THAT(same_error_everywhere(comm, [&] {
-                checked.forward(args);
+                (void)checked.forward(args);
               }),
               HasSubstr("k holds a non-finite value"));
 }
@@ -395,7 +395,7 @@ TEST_F(CpAttentionTest, LargeScoresInHalfPrecisionStayFiniteAndMatchFp32) {
     check::Tensor out(t, {p.local_tokens, s.hq, s.dv});
     CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
                             .head_dim_v = s.dv, .dtype = t});
-    attn.forward({.cu_seqlens = cu, .q = lq.view(), .k = lk.view(), .v = lv.view(), .out = out.view()});
+    (void)attn.forward({.cu_seqlens = cu, .q = lq.view(), .k = lk.view(), .v = lv.view(), .out = out.view()});
     EXPECT_EQ(check::nonzero_padding_rows(out.view(), p), 0) << to_string(t) << " out: padding rows that are not zero";
     return gather_global_rows(comm, p, out.view());
   };
@@ -428,15 +428,15 @@ TEST_F(CpAttentionTest, ContextAndPlanMisuseFailsOnEveryRank) {
   other.backward(mine, b.bwd());
   CpForwardArgs f = b.fwd();
   f.plan = std::make_shared<RankPlan>(get_thd_load_balanced_cp_metadata(b.cu, comm.size() + 1, comm.size()));
-  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(f); }), HasSubstr("plan is for rank"));
+  EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(f); }), HasSubstr("plan is for rank"));
   CpForwardArgs g = b.fwd();
   g.plan = attn.plan(b.cu);
   const std::vector<int64_t> other_cu{0, 5, 30};
   g.cu_seqlens = other_cu;
-  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(g); }), HasSubstr("differ"));
+  EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(g); }), HasSubstr("differ"));
   CpForwardArgs strided = b.fwd();
   strided.k.row_stride = 2 * strided.k.row_step();
-  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.forward(strided); }), HasSubstr("k must be contiguous"));
+  EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(strided); }), HasSubstr("k must be contiguous"));
 }
 
 }  // namespace

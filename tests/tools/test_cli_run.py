@@ -148,7 +148,7 @@ for args, needle in ((("--dtype", "fp64"),
                      (("--heads", "3", "--kv-heads", "2"), "--heads (3) must be a positive multiple of --kv-heads (2)"),
                      (("--dropout", "1"), "--dropout must be in [0, 1)"),
                      (("--head-dim", "300"), "--head-dim"),
-                     (("--mode", "gather"), "--mode must be runs or index"),
+                     (("--mode", "gather"), "--mode must be one of runs, index"),
                      (("--npy-in", "/nonexistent"), "cannot open")):
     r = run(2, *args)
     check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2; {r.stderr[-500:]}")
