@@ -53,8 +53,9 @@ constexpr int64_t task_chunk(int half, int cp, int rank) {
   return half == 0 ? int64_t{rank} : chunks_per_document(cp) - 1 - rank;
 }
 
-// Real work of one rank's attention, padding excluded (what the CP layer runs after
-// without_padding): per task, with q_real = its queries at positions below the document's
+// Real work of one rank's attention under a causal mask, padding excluded (what the CP layer
+// runs after without_padding; without a mask every task reads all its document's keys, which
+// this does not count): per task, with q_real = its queries at positions below the document's
 // real length and kv_real = its keys below it, rect_work = sum(q_real * kv_real) and
 // visible_pairs = the exact number of real (query, key) pairs the causal mask leaves visible.
 // Summed over ranks, visible_pairs is sum(L * (L + 1) / 2) over documents.
