@@ -1,12 +1,10 @@
 #include <cpattn/check/cases.hpp>
 
+#include <cpattn/layout.hpp>
+
 namespace cpattn::check {
 
-std::vector<int64_t> AttnCase::cu(const std::vector<int64_t>& lens) {
-  std::vector<int64_t> c{0};
-  for (int64_t l : lens) c.push_back(c.back() + l);
-  return c;
-}
+std::vector<int64_t> AttnCase::cu(const std::vector<int64_t>& lens) { return cu_seqlens_from_lengths(lens); }
 
 int64_t AttnCase::visible_pairs() const {
   int64_t n = 0;

@@ -119,6 +119,12 @@ struct AttnBwdParams {
   GradMode grad_mode = GradMode::write;
 };
 
+// The checks of a call's sizes and options alone (heads, head dims, dropout, scale, threads,
+// kernel path), as attention_forward/backward make them: for layers that hold a configuration
+// before any tensor exists (CpAttention). Rows (total_q, total_k) are not checked when 0.
+// Throws cpattn::Error whose message starts with `fn`.
+void check_attention_config(const AttnShape& shape, const AttnOptions& options, std::string_view fn);
+
 // out, lse = attention(q, k, v) over the work list.
 void attention_forward(const AttnFwdParams& p);
 

@@ -285,19 +285,10 @@ struct CpAttention::State {
 };
 
 CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
-  const AttnOptions& o = cfg.options;
-  CPATTN_CHECK(cfg.num_heads_q >= 1 && cfg.num_heads_k >= 1 && cfg.num_heads_q % cfg.num_heads_k == 0,
-               "num_heads_q (", cfg.num_heads_q, ") must be a positive multiple of num_heads_k (",
-               cfg.num_heads_k, ")");
-  CPATTN_CHECK(cfg.head_dim_qk >= 1 && cfg.head_dim_qk <= 256, "head_dim_qk must be in [1, 256], got ",
-               cfg.head_dim_qk);
-  CPATTN_CHECK(cfg.head_dim_v >= 1 && cfg.head_dim_v <= 256, "head_dim_v must be in [1, 256], got ",
-               cfg.head_dim_v);
-  CPATTN_CHECK(o.dropout_p >= 0.0f && o.dropout_p < 1.0f, "dropout_p must be in [0, 1), got ", o.dropout_p);
-  CPATTN_CHECK(!o.softmax_scale || std::isfinite(*o.softmax_scale),
-               "softmax_scale must be finite when set (unset: 1/sqrt(head_dim_qk)), got ", o.softmax_scale.value_or(0));
-  CPATTN_CHECK(o.num_threads >= 1, "num_threads must be >= 1, got ", o.num_threads);
-  CPATTN_CHECK(kernel_path_supported(o.path), "kernel path ", to_string(o.path), " cannot run on this CPU");
+  // The kernels' own checks of sizes and options, before any tensor exists.
+  check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
+                          .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},
+                         cfg.options, "CpAttention");
   CPATTN_CHECK(!cfg.deterministic || comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
   s_ = std::make_unique<State>(comm, cfg);

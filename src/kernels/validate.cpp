@@ -6,13 +6,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 namespace cpattn::kernels {
 namespace {
 
-void check_shape(const char* fn, const AttnShape& s, const AttnOptions& o) {
+void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) {
   CPATTN_CHECK(s.total_q >= 0 && s.total_k >= 0, fn,
                ": total_q (q.rows) and total_k (k.rows) must be >= 0, got ", s.total_q, " and ",
                s.total_k);
@@ -174,3 +175,9 @@ void validate(const AttnBwdParams& p) {
 }
 
 }  // namespace cpattn::kernels
+
+namespace cpattn {
+void check_attention_config(const AttnShape& shape, const AttnOptions& options, std::string_view fn) {
+  kernels::check_shape(fn, shape, options);
+}
+}  // namespace cpattn
