@@ -62,6 +62,11 @@ inline std::string parse_kv_mode(std::string_view s, std::string_view flag = "--
   throw Error(std::string(flag) + " must be one of runs, index, got '" + std::string(s) + "'");
 }
 
+inline std::string parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
+  if (s == "allgather" || s == "ring") return std::string(s);
+  throw Error(std::string(flag) + " must be one of allgather, ring, got '" + std::string(s) + "'");
+}
+
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
   for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
                              KernelPath::amx})
@@ -115,6 +120,10 @@ inline CLI::Validator kv_mode_transformer() {
   return detail::vocab_transformer(
       [](const std::string& v) { return parse_kv_mode(v); },
       "{runs|index}");
+}
+
+inline CLI::Validator scheme_transformer() {
+  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

@@ -76,6 +76,31 @@ concept CommReduceElement =
 
 enum class ReduceOp { sum, max };
 
+class Communicator;
+
+// A point-to-point exchange in flight (Communicator::start_shift): wait() completes it under
+// the deadline its start set. Move-only; must not outlive its Communicator. Destroyed while
+// still in flight (an exception between start and wait), its MPI requests are handed to the
+// communicator's pending list, which is then poisoned, as after a timeout.
+class CommRequest {
+ public:
+  CommRequest() = default;
+  ~CommRequest();
+  CommRequest(CommRequest&& o) noexcept;
+  CommRequest& operator=(CommRequest&& o) noexcept;
+  CommRequest(const CommRequest&) = delete;
+  CommRequest& operator=(const CommRequest&) = delete;
+  bool active() const { return !reqs_.empty(); }
+
+ private:
+  friend class Communicator;
+  void* impl_ = nullptr;  // the Communicator's Impl
+  const char* name_ = nullptr;
+  std::int64_t call_ = 0;
+  std::int64_t deadline_ns_ = 0;  // steady_clock, since its epoch
+  std::vector<MPI_Request> reqs_;
+};
+
 struct CommOptions {
   // Deadline of each collective, seconds (> 0). Unset: CPATTN_COMM_TIMEOUT_S, else 300.
   std::optional<double> timeout_s = std::nullopt;
@@ -147,6 +172,27 @@ class Communicator {
 
   void barrier();
 
+  // Point to point, for ring algorithms: sends `send` to rank `dest` and receives
+  // recv.size() elements from rank `source` (which sends the same count), non-blocking. One
+  // call number; its deadline starts here and wait() polls under it (the same timeout line
+  // and action as the collectives). Ranks must start their shifts in the same order (messages
+  // of one source match in order). send and recv must not overlap and stay valid until
+  // wait() returns. shift() is start and wait together. dest == source == rank() copies.
+  template <CommElement T>
+  [[nodiscard]] CommRequest start_shift(std::span<const T> send, int dest, std::span<T> recv, int source);
+  void wait(CommRequest& req);
+  template <CommElement T>
+  void shift(std::span<const T> send, int dest, std::span<T> recv, int source) {
+    CommRequest r = start_shift<T>(send, dest, recv, source);
+    wait(r);
+  }
+
+  // Payload bytes this rank has sent to and received from other ranks, over every call
+  // (point to point, the ring algorithms; for the MPI library's collectives, the bytes a ring
+  // moves for the same result). Its own block is not counted.
+  std::int64_t bytes_sent() const;
+  std::int64_t bytes_received() const;
+
   // After a timeout in throw_error mode the Communicator is poisoned: its timed-out requests
   // are still pending (the buffers of that call must stay valid) and every later collective
   // throws at once. drain() waits up to `timeout_s` for those requests (they finish when the
@@ -160,6 +206,7 @@ class Communicator {
   void retain_while_pending(std::shared_ptr<void> owner);
 
  private:
+  friend class CommRequest;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -32,9 +32,20 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace cpattn {
+
+// How K/V reach the queries (docs/cp.md). allgather: every rank gathers every rank's K/V
+// once, one kernel call; backward reduce-scatters dK/dV. ring (pass-KV): each rank's K/V block
+// travels around the ring of CP ranks by point-to-point shifts (the next block in flight while
+// the current one is computed); at step s rank r holds rank (r - s) mod cp's block and computes
+// only the pairs the plan makes visible (steps with none are skipped), merging each step's
+// partial (out, lse) in the fixed order 0..cp-1; backward sends dK/dV around the ring with
+// the blocks back to their owners. Both are exact and deterministic; the ring holds two
+// blocks instead of cp and computes in fp32 (inputs converted once per block).
+enum class CpScheme { allgather, ring };
 
 // How the kernel reads the gathered keys.
 enum class KvMode {
@@ -57,10 +68,14 @@ struct CpAttnConfig {
   // requires the communicator's fixed-order ring reduce-scatter (the default), false permits
   // a communicator configured with CommAlgorithm::mpi.
   bool deterministic = true;
-  KvMode kv_mode = KvMode::runs;
+  KvMode kv_mode = KvMode::runs;  // allgather only (the ring reads its blocks in place)
   bool check_finite = false;      // reject non-finite q/k/v/dout on every rank (costs a pass)
   std::size_t plan_cache_capacity = 8;
+  CpScheme scheme = CpScheme::allgather;  // part of the ranks' agreement
 };
+
+std::string_view to_string(CpScheme s);  // "allgather", "ring"
+
 
 // Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout
 // and dq may be strided views (head_dim contiguous); k, v, dk and dv must be contiguous (they
@@ -91,7 +106,7 @@ struct CpBackwardArgs {
 };
 
 // What a forward hands its backward, like an autograd context: the plan, the gathered K/V
-// (or their index_select copy) and lse. Move-only; the caller keeps one per forward and hands
+// (or their index_select copy; the ring scheme: a copy of the local K/V only) and lse. Move-only; the caller keeps one per forward and hands
 // it to backward, which consumes it (releases its buffers). Not tied to the CpAttention's
 // lifetime in memory, but only that CpAttention's backward accepts it.
 class CpContext {

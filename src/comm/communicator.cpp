@@ -25,6 +25,7 @@ constexpr const char* kTimeoutEnv = "CPATTN_COMM_TIMEOUT_S";
 // Tags of the ring algorithms' point-to-point messages on the private duplicate.
 constexpr int kTagAllGather = 101;
 constexpr int kTagReduceScatter = 102;
+constexpr int kTagShift = 103;
 // Ring reduce-scatter message size, elements (1 MiB of fp32): small enough that adding one
 // segment overlaps the transfer of the next, large enough to keep per-message costs low.
 constexpr std::int64_t kReduceScatterSegment = std::int64_t{1} << 18;
@@ -75,6 +76,7 @@ struct Communicator::Impl {
   CommOptions opts;
   double timeout_s = kDefaultTimeoutS;
   std::int64_t calls = 0;
+  std::int64_t bytes_sent = 0, bytes_received = 0;
   bool poisoned = false;
   std::string poisoned_by;              // the timed-out operation, for later errors
   std::vector<MPI_Request> pending;     // requests left by a timeout in throw_error mode
@@ -202,6 +204,7 @@ struct Communicator::Impl {
   void post_send(const Op& op, const T* buf, std::int64_t count, int peer, int tag,
                  std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
     if (piece == 0) piece = chunk();
+    bytes_sent += count * static_cast<std::int64_t>(sizeof(T));
     for (std::int64_t off = 0; off < count; off += piece) {
       const int len = static_cast<int>(std::min(piece, count - off));
       reqs.emplace_back();
@@ -213,6 +216,7 @@ struct Communicator::Impl {
   void post_recv(const Op& op, T* buf, std::int64_t count, int peer, int tag,
                  std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
     if (piece == 0) piece = chunk();
+    bytes_received += count * static_cast<std::int64_t>(sizeof(T));
     for (std::int64_t off = 0; off < count; off += piece) {
       const int len = static_cast<int>(std::min(piece, count - off));
       reqs.emplace_back();
@@ -397,6 +401,8 @@ void Communicator::all_gather(std::span<const T> send, std::span<T> recv) {
     im.ring_all_gather(op, recv.data(), offset, count);
     return;
   }
+  im.bytes_sent += (p - 1) * n * static_cast<std::int64_t>(sizeof(T));
+  im.bytes_received += (p - 1) * n * static_cast<std::int64_t>(sizeof(T));
   // MPI_Iallgather in place, one call per chunk; a split call's receive type strides over
   // the rank blocks ([len] elements every n).
   for (std::int64_t off = 0; off < n; off += im.chunk()) {
@@ -453,6 +459,8 @@ void Communicator::all_gather_v(std::span<const T> send, std::span<const std::in
   // MPI_Iallgatherv takes int counts and displacements: use it only when the whole receive
   // fits one call; otherwise the ring splits each block.
   if (im.opts.all_gather_algorithm == CommAlgorithm::mpi && total <= im.chunk()) {
+    im.bytes_sent += (p - 1) * count[im.rank] * static_cast<std::int64_t>(sizeof(T));
+    im.bytes_received += (total - count[im.rank]) * static_cast<std::int64_t>(sizeof(T));
     im.v_count.resize(p);
     im.v_displ.resize(p);
     for (int q = 0; q < p; ++q) {
@@ -493,6 +501,8 @@ void Communicator::reduce_scatter_sum(std::span<const float> send, std::span<flo
   const int r = im.rank;
 
   if (im.opts.reduce_scatter_algorithm == CommAlgorithm::mpi) {
+    im.bytes_sent += (p - 1) * n * static_cast<std::int64_t>(sizeof(float));
+    im.bytes_received += (p - 1) * n * static_cast<std::int64_t>(sizeof(float));
     for (std::int64_t off = 0; off < n; off += im.chunk()) {
       const std::int64_t len = std::min(im.chunk(), n - off);
       const float* src = x;
@@ -587,7 +597,75 @@ void Communicator::barrier() {
   im.wait(op, req);
 }
 
+std::int64_t Communicator::bytes_sent() const { return impl_->bytes_sent; }
+std::int64_t Communicator::bytes_received() const { return impl_->bytes_received; }
+
+template <CommElement T>
+CommRequest Communicator::start_shift(std::span<const T> send, int dest, std::span<T> recv, int source) {
+  Impl& im = *impl_;
+  const auto op = im.begin("shift");
+  CPATTN_CHECK(dest >= 0 && dest < im.size && source >= 0 && source < im.size, "shift: dest (", dest,
+               ") and source (", source, ") must be ranks in [0, ", im.size, ")");
+  CPATTN_CHECK(!overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()),
+               "shift: send and recv must not overlap");
+  CommRequest r;
+  r.impl_ = &im;
+  r.name_ = op.name;
+  r.call_ = op.call;
+  r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+  if (dest == im.rank && source == im.rank) {
+    CPATTN_CHECK(send.size() == recv.size(), "shift: to itself, send.size() (", send.size(),
+                 ") must equal recv.size() (", recv.size(), ")");
+    std::copy(send.begin(), send.end(), recv.begin());
+    return r;
+  }
+  im.post_recv(op, recv.data(), static_cast<std::int64_t>(recv.size()), source, kTagShift, r.reqs_);
+  im.post_send(op, send.data(), static_cast<std::int64_t>(send.size()), dest, kTagShift, r.reqs_);
+  return r;
+}
+
+void Communicator::wait(CommRequest& r) {
+  if (r.reqs_.empty()) return;
+  Impl& im = *impl_;
+  CPATTN_CHECK(r.impl_ == &im, "wait: the request was started on another Communicator");
+  const Impl::Op op{r.name_, r.call_,
+                    Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+                        std::chrono::nanoseconds(r.deadline_ns_)))};
+  std::vector<MPI_Request> reqs = std::move(r.reqs_);
+  r.reqs_.clear();
+  // On a timeout in throw mode, wait() hands the requests to `pending` (poisoned).
+  im.wait(op, reqs);
+}
+
+CommRequest::~CommRequest() {
+  if (reqs_.empty() || impl_ == nullptr) return;
+  auto* im = static_cast<Communicator::Impl*>(impl_);
+  for (MPI_Request q : reqs_)
+    if (q != MPI_REQUEST_NULL) im->pending.push_back(q);
+  if (!im->poisoned) {
+    im->poisoned = true;
+    im->poisoned_by = std::string(name_) + " (call #" + std::to_string(call_) + ", dropped before wait)";
+  }
+}
+CommRequest::CommRequest(CommRequest&& o) noexcept
+    : impl_(o.impl_), name_(o.name_), call_(o.call_), deadline_ns_(o.deadline_ns_), reqs_(std::move(o.reqs_)) {
+  o.reqs_.clear();
+}
+CommRequest& CommRequest::operator=(CommRequest&& o) noexcept {
+  if (this != &o) {
+    CommRequest old(std::move(*this));
+    impl_ = o.impl_;
+    name_ = o.name_;
+    call_ = o.call_;
+    deadline_ns_ = o.deadline_ns_;
+    reqs_ = std::move(o.reqs_);
+    o.reqs_.clear();
+  }
+  return *this;
+}
+
 #define CPATTN_COMM_INSTANTIATE(T)                                                          \
+  template CommRequest Communicator::start_shift<T>(std::span<const T>, int, std::span<T>, int); \
   template void Communicator::all_gather<T>(std::span<const T>, std::span<T>);             \
   template void Communicator::all_gather_v<T>(std::span<const T>,                          \
                                               std::span<const std::int64_t>, std::span<T>); \

@@ -3,6 +3,7 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/merge.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -138,7 +139,72 @@ struct PreparedWork {
   std::shared_ptr<const RankPlan> plan;  // held, so that its address is never reused
   WorkList work;
   std::vector<int64_t> copy_index;  // index mode: gathered row of each copied key row
+  // Ring: per step s, the tasks over the visiting block of rank (rank - s) mod cp, key rows
+  // local to that block; a step with no task is skipped.
+  std::vector<WorkList> steps;
 };
+
+// The ring's per-step work lists from `keys` (the tasks over the rank-major gathered buffer,
+// without padding, restricted to the mask): step s keeps, for each task, the parts of its key
+// runs that lie in rank (rank - s) mod cp's block [src * T_loc, (src + 1) * T_loc), as rows of
+// that block, and under a causal mask only runs with a key at or before the task's last query.
+std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, MaskType mask) {
+  const int cp = plan.cp;
+  const int64_t t_loc = plan.local_tokens;
+  std::vector<WorkList> steps(static_cast<std::size_t>(cp));
+  for (int st = 0; st < cp; ++st) {
+    const int src = (plan.rank - st + cp) % cp;
+    const int64_t lo = src * t_loc, hi = lo + t_loc;
+    WorkList& w = steps[static_cast<std::size_t>(st)];
+    for (const AttnTask& t : keys.tasks) {
+      AttnTask nt = t;
+      nt.run_begin = static_cast<int64_t>(w.runs.size());
+      for (int64_t r = t.run_begin; r < t.run_end; ++r) {
+        const KeyRun& k = keys.runs[r];
+        const int64_t a = std::max(k.row, lo), b = std::min(k.row + k.len, hi);
+        if (a >= b) continue;
+        const KeyRun part{.row = a - lo, .len = b - a, .pos = k.pos + (a - k.row)};
+        if (mask == MaskType::causal && part.pos > t.q_pos + t.q_len - 1) continue;  // none visible
+        w.runs.push_back(part);
+      }
+      nt.run_end = static_cast<int64_t>(w.runs.size());
+      if (nt.run_end > nt.run_begin) w.tasks.push_back(nt);
+    }
+  }
+  return steps;
+}
+
+// `rows` x `row` values of a view of t.dtype into fp32 (contiguous), or, when the view is
+// already fp32 and contiguous, nothing (returns its data).
+const float* as_f32(ConstTensorView t, std::vector<float>& buf) {
+  if (t.dtype == DType::f32 && t.is_contiguous()) return static_cast<const float*>(t.data);
+  buf.resize(static_cast<std::size_t>(t.rows) * t.heads * t.dim);
+  const std::size_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < t.rows; ++i)
+    for (int h = 0; h < t.heads; ++h)
+      to_float(static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, t.dtype, static_cast<std::size_t>(t.dim),
+               buf.data() + (i * t.heads + h) * t.dim);
+  return buf.data();
+}
+
+// fp32 contiguous [rows, heads, dim] into a (possibly strided) view.
+void store_f32(const float* src, TensorView t) {
+  const std::size_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < t.rows; ++i)
+    for (int h = 0; h < t.heads; ++h)
+      from_float(src + (i * t.heads + h) * t.dim, static_cast<std::size_t>(t.dim), t.dtype,
+                 static_cast<std::byte*>(t.data) + t.offset(i, h) * es);
+}
+
+// A visiting block of K or V in storage dtype travels as bits.
+CommRequest start_block_shift(Communicator& comm, DType t, const std::vector<std::byte>& send, int dest,
+                              std::vector<std::byte>& recv, int source) {
+  if (t == DType::f32)
+    return comm.start_shift<float>({reinterpret_cast<const float*>(send.data()), send.size() / 4}, dest,
+                                   {reinterpret_cast<float*>(recv.data()), recv.size() / 4}, source);
+  return comm.start_shift<uint16_t>({reinterpret_cast<const uint16_t*>(send.data()), send.size() / 2}, dest,
+                                    {reinterpret_cast<uint16_t*>(recv.data()), recv.size() / 2}, source);
+}
 
 }  // namespace
 
@@ -192,6 +258,11 @@ struct CpAttention::State {
   // Backward's buffers, kept across calls (one backward runs at a time): fp32 dK/dV of every
   // key row the kernel reads, the gathered rows' sums in index mode, this rank's share.
   std::vector<float> dk_all, dv_all, dkx, dvx, dk_loc, dv_loc;
+  // The ring's buffers: the visiting K/V blocks (storage dtype, double buffered), their dK/dV
+  // accumulators (fp32, double buffered), fp32 conversions and the running merge.
+  std::vector<std::byte> kb[2], vb[2];
+  std::vector<float> dkb[2], dvb[2];
+  std::vector<float> qf, kf, vf, of, dof, acc_out, acc_lse, part_out, part_lse, dq_acc, dq_part;
 
   State(Communicator& c, const CpAttnConfig& config)
       : comm(c), cfg(config), cache(config.plan_cache_capacity) {}
@@ -210,7 +281,9 @@ struct CpAttention::State {
     auto w = std::make_shared<PreparedWork>();
     w->plan = plan;
     const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
-    if (indexed())
+    if (cfg.scheme == CpScheme::ring)
+      w->steps = ring_steps(*plan, keys, cfg.options.mask);
+    else if (indexed())
       copy_form(keys, w->copy_index, w->work);
     else
       w->work = keys;
@@ -258,6 +331,7 @@ struct CpAttention::State {
         .add("dtype", static_cast<int64_t>(cfg.dtype))
         .add("mask", static_cast<int64_t>(o.mask))
         .add("kv_mode", static_cast<int64_t>(cfg.kv_mode))
+        .add("scheme (0 allgather, 1 ring)", static_cast<int64_t>(cfg.scheme))
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -278,9 +352,177 @@ struct CpAttention::State {
 
   void note_peak() {
     std::size_t bytes = *live_bytes;
-    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc})
+    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &dkb[0], &dkb[1], &dvb[0],
+                                        &dvb[1], &qf, &kf, &vf, &of, &dof, &acc_out, &acc_lse, &part_out,
+                                        &part_lse, &dq_acc, &dq_part})
       bytes += f->capacity() * sizeof(float);
+    for (const std::vector<std::byte>* b : {&kb[0], &kb[1], &vb[0], &vb[1]}) bytes += b->capacity();
     stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, bytes);
+  }
+
+  // The kernels' fp32 inputs for one ring step: q (fp32) over the visiting block `b` (storage
+  // dtype, converted into kf/vf unless fp32).
+  AttnInputs ring_inputs(const float* q, int64_t t, const std::vector<std::byte>& k, const std::vector<std::byte>& v,
+                         const WorkList& w, uint64_t seed) {
+    AttnOptions o = cfg.options;
+    o.seed = seed;
+    const float* kp = reinterpret_cast<const float*>(k.data());
+    const float* vp = reinterpret_cast<const float*>(v.data());
+    if (cfg.dtype != DType::f32) {
+      kf.resize(static_cast<std::size_t>(t * k_row()));
+      vf.resize(static_cast<std::size_t>(t * v_row()));
+      to_float(k.data(), cfg.dtype, kf.size(), kf.data());
+      to_float(v.data(), cfg.dtype, vf.size(), vf.data());
+      kp = kf.data();
+      vp = vf.data();
+    }
+    return {.q = contiguous(q, t, cfg.num_heads_q, cfg.head_dim_qk),
+            .k = contiguous(kp, t, cfg.num_heads_k, cfg.head_dim_qk),
+            .v = contiguous(vp, t, cfg.num_heads_k, cfg.head_dim_v),
+            .work = &w,
+            .options = o};
+  }
+
+  // Waits for `r`, counting the time as communication.
+  void ring_wait(CommRequest& r) {
+    const auto t0 = Clock::now();
+    comm.wait(r);
+    stats.comm_s += seconds_since(t0);
+  }
+
+  // Ring forward: step s computes this rank's queries over rank (rank - s) mod cp's block
+  // while the next block travels, and merges the partial (out, lse) into the running result.
+  void ring_forward(const CpForwardArgs& a, CpContext::State& ctx) {
+    const RankPlan& plan = *ctx.plan;
+    const int cp = comm.size(), r = comm.rank();
+    const int right = (r + 1) % cp, left = (r + cp - 1) % cp;
+    const int64_t t = plan.local_tokens;
+    const std::size_t es = dtype_size(cfg.dtype);
+    const auto k_bytes = static_cast<std::size_t>(t * k_row()) * es;
+    const auto v_bytes = static_cast<std::size_t>(t * v_row()) * es;
+    auto t0 = Clock::now();
+    // The context keeps the local K/V for backward; the ring sends from its own buffers.
+    ctx.k.assign(static_cast<const std::byte*>(a.k.data), static_cast<const std::byte*>(a.k.data) + k_bytes);
+    ctx.v.assign(static_cast<const std::byte*>(a.v.data), static_cast<const std::byte*>(a.v.data) + v_bytes);
+    ctx.total_k = t;
+    for (int i = 0; i < 2; ++i) {
+      kb[i].resize(k_bytes);
+      vb[i].resize(v_bytes);
+    }
+    std::memcpy(kb[0].data(), ctx.k.data(), k_bytes);
+    std::memcpy(vb[0].data(), ctx.v.data(), v_bytes);
+    const float* q = as_f32(a.q, qf);
+    const std::size_t n_lse = static_cast<std::size_t>(t) * cfg.num_heads_q;
+    const std::size_t n_out = n_lse * cfg.head_dim_v;
+    acc_out.assign(n_out, 0.0f);
+    acc_lse.assign(n_lse, -std::numeric_limits<float>::infinity());
+    part_out.resize(n_out);
+    part_lse.resize(n_lse);
+    stats.compute_s += seconds_since(t0);
+    for (int st = 0; st < cp; ++st) {
+      const int cur = st % 2, nxt = 1 - cur;
+      CommRequest rk, rv;
+      if (st + 1 < cp) {  // the next block in flight while this one is computed
+        t0 = Clock::now();
+        rk = start_block_shift(comm, cfg.dtype, kb[cur], right, kb[nxt], left);
+        rv = start_block_shift(comm, cfg.dtype, vb[cur], right, vb[nxt], left);
+        stats.comm_s += seconds_since(t0);
+      }
+      const WorkList& w = ctx.work->steps[static_cast<std::size_t>(st)];
+      if (!w.tasks.empty()) {  // skipped when no pair of this block is visible
+        t0 = Clock::now();
+        std::fill(part_lse.begin(), part_lse.end(), -std::numeric_limits<float>::infinity());
+        std::fill(part_out.begin(), part_out.end(), 0.0f);
+        attention_forward({.in = ring_inputs(q, t, kb[cur], vb[cur], w, ctx.seed),
+                           .out = contiguous(part_out.data(), t, cfg.num_heads_q, cfg.head_dim_v),
+                           .lse = part_lse.data()});
+        const float* lse_parts[2] = {acc_lse.data(), part_lse.data()};
+        const float* out_parts[2] = {acc_out.data(), part_out.data()};
+        merge_partial_softmax({.num_parts = 2, .rows = t, .num_heads = cfg.num_heads_q, .head_dim = cfg.head_dim_v,
+                               .lse_parts = lse_parts, .out_parts = out_parts, .lse = acc_lse.data(),
+                               .out = acc_out.data()});
+        stats.compute_s += seconds_since(t0);
+      }
+      ring_wait(rk);
+      ring_wait(rv);
+    }
+    t0 = Clock::now();
+    store_f32(acc_out.data(), a.out);  // padding rows: 0 (no task writes them)
+    ctx.lse = acc_lse;
+    if (a.lse) std::memcpy(a.lse, ctx.lse.data(), ctx.lse.size() * sizeof(float));
+    stats.compute_s += seconds_since(t0);
+  }
+
+  // Ring backward: the blocks travel as in forward, each with its fp32 dK/dV accumulator;
+  // step s adds this rank's part to the visiting block's accumulator and passes it on, so
+  // that after cp steps it is home, summed in the ranks' fixed order b, b+1, ..., b+cp-1.
+  void ring_backward(const CpBackwardArgs& a, const CpContext::State& ctx) {
+    const RankPlan& plan = *ctx.plan;
+    const int cp = comm.size(), r = comm.rank();
+    const int right = (r + 1) % cp, left = (r + cp - 1) % cp;
+    const int64_t t = plan.local_tokens;
+    auto t0 = Clock::now();
+    for (int i = 0; i < 2; ++i) {
+      kb[i].resize(ctx.k.size());
+      vb[i].resize(ctx.v.size());
+      dkb[i].resize(static_cast<std::size_t>(t * k_row()));
+      dvb[i].resize(static_cast<std::size_t>(t * v_row()));
+    }
+    std::memcpy(kb[0].data(), ctx.k.data(), ctx.k.size());
+    std::memcpy(vb[0].data(), ctx.v.data(), ctx.v.size());
+    std::fill(dkb[0].begin(), dkb[0].end(), 0.0f);
+    std::fill(dvb[0].begin(), dvb[0].end(), 0.0f);
+    const float* q = as_f32(a.q, qf);
+    const float* o = as_f32(a.out, of);
+    const float* dout = as_f32(a.dout, dof);
+    const std::size_t n_dq = static_cast<std::size_t>(t) * cfg.num_heads_q * cfg.head_dim_qk;
+    dq_acc.assign(n_dq, 0.0f);
+    dq_part.resize(n_dq);
+    stats.compute_s += seconds_since(t0);
+    CommRequest rdk, rdv;  // the accumulators of this step's block, arriving from the left
+    for (int st = 0; st < cp; ++st) {
+      const int cur = st % 2, nxt = 1 - cur;
+      ring_wait(rdk);
+      ring_wait(rdv);
+      CommRequest rk, rv;
+      if (st + 1 < cp) {
+        t0 = Clock::now();
+        rk = start_block_shift(comm, cfg.dtype, kb[cur], right, kb[nxt], left);
+        rv = start_block_shift(comm, cfg.dtype, vb[cur], right, vb[nxt], left);
+        stats.comm_s += seconds_since(t0);
+      }
+      const WorkList& w = ctx.work->steps[static_cast<std::size_t>(st)];
+      if (!w.tasks.empty()) {
+        t0 = Clock::now();
+        std::fill(dq_part.begin(), dq_part.end(), 0.0f);
+        attention_backward({.in = ring_inputs(q, t, kb[cur], vb[cur], w, ctx.seed),
+                            .out = contiguous(o, t, cfg.num_heads_q, cfg.head_dim_v),
+                            .lse = ctx.lse.data(),
+                            .dout = contiguous(dout, t, cfg.num_heads_q, cfg.head_dim_v),
+                            .dq = contiguous(dq_part.data(), t, cfg.num_heads_q, cfg.head_dim_qk),
+                            .dk = contiguous(dkb[cur].data(), t, cfg.num_heads_k, cfg.head_dim_qk),
+                            .dv = contiguous(dvb[cur].data(), t, cfg.num_heads_k, cfg.head_dim_v),
+                            .grad_mode = GradMode::accumulate});
+        for (std::size_t i = 0; i < n_dq; ++i) dq_acc[i] += dq_part[i];  // steps in order 0..cp-1
+        stats.compute_s += seconds_since(t0);
+      }
+      if (cp > 1) {  // the accumulator moves on: after step cp-1 it reaches its owner
+        t0 = Clock::now();
+        rdk = comm.start_shift<float>(dkb[cur], right, dkb[nxt], left);
+        rdv = comm.start_shift<float>(dvb[cur], right, dvb[nxt], left);
+        stats.comm_s += seconds_since(t0);
+      }
+      ring_wait(rk);
+      ring_wait(rv);
+    }
+    ring_wait(rdk);
+    ring_wait(rdv);
+    t0 = Clock::now();
+    const int home = cp == 1 ? 0 : cp % 2;  // where the last shift (or, at cp = 1, step 0) left this rank's own accumulator
+    store_f32(dq_acc.data(), a.dq);
+    from_float(dkb[home].data(), dkb[home].size(), cfg.dtype, a.dk.data);
+    from_float(dvb[home].data(), dvb[home].size(), cfg.dtype, a.dv.data);
+    stats.compute_s += seconds_since(t0);
   }
 };
 
@@ -291,8 +533,14 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
                          cfg.options, "CpAttention");
   CPATTN_CHECK(!cfg.deterministic || comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
+  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.scheme == CpScheme::ring, "scheme must be allgather or ring, got ",
+               static_cast<int>(cfg.scheme));
+  CPATTN_CHECK(cfg.scheme != CpScheme::ring || cfg.kv_mode == KvMode::runs,
+               "kv_mode index is the all-gather scheme's; the ring reads its blocks in place (kv_mode runs)");
   s_ = std::make_unique<State>(comm, cfg);
 }
+
+std::string_view to_string(CpScheme s) { return s == CpScheme::ring ? "ring" : "allgather"; }
 
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
@@ -344,45 +592,48 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
 
-  const RankPlan& plan = *ctx->plan;
-  const int cp = s.comm.size();
-  const std::size_t es = dtype_size(c.dtype);
-  const auto k_elems = static_cast<std::size_t>(plan.local_tokens * s.k_row());
-  const auto v_elems = static_cast<std::size_t>(plan.local_tokens * s.v_row());
-  auto t0 = Clock::now();
-  std::vector<std::byte> k_all(k_elems * cp * es), v_all(v_elems * cp * es);
-  try {
-    all_gather_rows(s.comm, c.dtype, a.k.data, k_elems, k_all.data());
-    all_gather_rows(s.comm, c.dtype, a.v.data, v_elems, v_all.data());
-  } catch (...) {
-    // A throw-mode timeout leaves requests that may still write the receive buffers.
-    if (s.comm.poisoned()) {
-      auto keep = std::make_shared<std::pair<std::vector<std::byte>, std::vector<std::byte>>>(std::move(k_all),
-                                                                                               std::move(v_all));
-      s.comm.retain_while_pending(keep);
-    }
-    throw;
-  }
-  s.stats.comm_s += seconds_since(t0);
-
-  t0 = Clock::now();
-  // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
-  if (s.indexed()) {
-    index_select(k_all.data(), ctx->work->copy_index, s.k_row() * es, ctx->k);
-    index_select(v_all.data(), ctx->work->copy_index, s.v_row() * es, ctx->v);
-    ctx->total_k = static_cast<int64_t>(ctx->work->copy_index.size());
+  if (c.scheme == CpScheme::ring) {
+    s.ring_forward(a, *ctx);
   } else {
-    ctx->k = std::move(k_all);
-    ctx->v = std::move(v_all);
-    ctx->total_k = cp * plan.local_tokens;
-  }
-  ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
-                  -std::numeric_limits<float>::infinity());
-  zero_padding_rows(a.out, plan);
-  attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
-  if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
-  s.stats.compute_s += seconds_since(t0);
+    const RankPlan& plan = *ctx->plan;
+    const int cp = s.comm.size();
+    const std::size_t es = dtype_size(c.dtype);
+    const auto k_elems = static_cast<std::size_t>(plan.local_tokens * s.k_row());
+    const auto v_elems = static_cast<std::size_t>(plan.local_tokens * s.v_row());
+    auto t0 = Clock::now();
+    std::vector<std::byte> k_all(k_elems * cp * es), v_all(v_elems * cp * es);
+    try {
+      all_gather_rows(s.comm, c.dtype, a.k.data, k_elems, k_all.data());
+      all_gather_rows(s.comm, c.dtype, a.v.data, v_elems, v_all.data());
+    } catch (...) {
+      // A throw-mode timeout leaves requests that may still write the receive buffers.
+      if (s.comm.poisoned()) {
+        auto keep = std::make_shared<std::pair<std::vector<std::byte>, std::vector<std::byte>>>(std::move(k_all),
+                                                                                                 std::move(v_all));
+        s.comm.retain_while_pending(keep);
+      }
+      throw;
+    }
+    s.stats.comm_s += seconds_since(t0);
 
+    t0 = Clock::now();
+    // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
+    if (s.indexed()) {
+      index_select(k_all.data(), ctx->work->copy_index, s.k_row() * es, ctx->k);
+      index_select(v_all.data(), ctx->work->copy_index, s.v_row() * es, ctx->v);
+      ctx->total_k = static_cast<int64_t>(ctx->work->copy_index.size());
+    } else {
+      ctx->k = std::move(k_all);
+      ctx->v = std::move(v_all);
+      ctx->total_k = cp * plan.local_tokens;
+    }
+    ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
+                    -std::numeric_limits<float>::infinity());
+    zero_padding_rows(a.out, plan);
+    attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
+    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
+    s.stats.compute_s += seconds_since(t0);
+  }
   ctx->owner = s.id;
   ctx->forward_call = s.stats.forward_calls;
   ctx->live_bytes = s.live_bytes;
@@ -420,6 +671,12 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const CpContext::State* cs = ctx.s_.get();
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
 
+  if (c.scheme == CpScheme::ring) {
+    s.ring_backward(a, *cs);
+    s.note_peak();
+    ctx.s_.reset();
+    return;
+  }
   const RankPlan& plan = *cs->plan;
   const int cp = s.comm.size();
   auto t0 = Clock::now();

@@ -243,6 +243,33 @@ TEST_P(Collectives, BroadcastFromLastRank) {
   EXPECT_THROW(comm.broadcast<std::int64_t>(l, p), Error);
 }
 
+TEST_P(Collectives, ShiftAroundTheRingWithTwoInFlightAndCountsBytes) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  const int right = (r + 1) % p, left = (r + p - 1) % p;
+  for (const std::int64_t n : {0, 1, 7, 300}) {
+    std::vector<float> a(n), ra(n, -1.0f);
+    std::vector<std::uint16_t> b(2 * n), rb(2 * n, 0);
+    for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<float>(r * 1000 + i);
+    for (std::int64_t i = 0; i < 2 * n; ++i) b[i] = static_cast<std::uint16_t>(r * 7 + i);
+    const auto calls = comm.calls();
+    const auto sent = comm.bytes_sent(), recvd = comm.bytes_received();
+    CommRequest qa = comm.start_shift<float>(a, right, ra, left);
+    CommRequest qb = comm.start_shift<std::uint16_t>(b, right, rb, left);
+    comm.wait(qb);  // any order of waits
+    comm.wait(qa);
+    EXPECT_FALSE(qa.active());
+    EXPECT_EQ(comm.calls(), calls + 2);
+    for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(ra[i], static_cast<float>(left * 1000 + i));
+    for (std::int64_t i = 0; i < 2 * n; ++i) ASSERT_EQ(rb[i], static_cast<std::uint16_t>(left * 7 + i));
+    const std::int64_t bytes = p == 1 ? 0 : n * 4 + 2 * n * 2;  // to itself: a copy, not counted
+    EXPECT_EQ(comm.bytes_sent() - sent, bytes);
+    EXPECT_EQ(comm.bytes_received() - recvd, bytes);
+  }
+  std::vector<float> x(4), y(4);
+  EXPECT_THROW(comm.shift<float>(x, p, y, 0), Error);  // no such rank
+}
+
 TEST_P(Collectives, BadSizesThrowBeforeCommunicating) {
   Communicator comm = make();
   std::vector<float> a(3), b(3 * comm.size() + 1);
@@ -382,6 +409,33 @@ TEST(Agree, OtherFieldListFailsBeforeGatheringValues) {
 // The last rank arrives 2.5 s late at an all-reduce whose deadline is 1 s: the others get the
 // error naming the operation and its call number, then drain the request the late rank
 // completes, so nothing is left hanging.
+// A shift under the deadline: the late rank's neighbours time out with the usual line.
+TEST(Deadline, LateShiftMakesOthersThrow) {
+  const int p = world_size(), r = world_rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = 1.0, .on_timeout = TimeoutAction::throw_error});
+  comm.barrier();  // call #1
+  std::vector<double> send{static_cast<double>(r)}, recv{-1.0};
+  if (r == p - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    comm.shift<double>(send, (r + 1) % p, recv, (r + p - 1) % p);  // the others' messages are pending
+    EXPECT_EQ(recv[0], r - 1);
+  } else {
+    try {
+      comm.shift<double>(send, (r + 1) % p, recv, (r + p - 1) % p);
+      // only rank 0 (receiving from the late rank) must wait for it; small sends are eager
+      EXPECT_NE(r, 0) << "no timeout";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("timeout: shift (call #2) on rank " + std::to_string(r)), std::string::npos) << what;
+      EXPECT_TRUE(comm.poisoned());
+      EXPECT_THROW(comm.barrier(), Error);
+      EXPECT_TRUE(comm.drain(30));
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST(Deadline, LateRankMakesOthersThrow) {
   const int p = world_size(), r = world_rank();
   if (p < 2) GTEST_SKIP() << "needs 2 ranks";

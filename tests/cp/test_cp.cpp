@@ -62,16 +62,19 @@ class CpAttentionTest : public ::testing::Test {
 };
 
 void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
-                     MaskType mask = MaskType::causal, float dropout_p = 0.0f) {
+                     MaskType mask = MaskType::causal, float dropout_p = 0.0f,
+                     CpScheme scheme = CpScheme::allgather, const std::vector<int64_t>& lengths = kLengths) {
   SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mode "
                                     << (mode == KvMode::runs ? "runs" : "index") << " mask "
                                     << (mask == MaskType::causal ? "causal" : "none") << " dropout "
-                                    << dropout_p << " cp " << comm.size());
+                                    << dropout_p << " scheme " << to_string(scheme) << " documents "
+                                    << lengths.size() << " cp " << comm.size());
   const AttnOptions options{.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = best_kernel_path()};
-  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kLengths), s.batch(), t, kSeed);
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(lengths), s.batch(), t, kSeed);
   const check::Results want = check::single_process(b, options);
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
-                          .head_dim_v = s.dv, .dtype = t, .options = options, .kv_mode = mode});
+                          .head_dim_v = s.dv, .dtype = t, .options = options, .kv_mode = mode,
+                          .scheme = scheme});
   const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
   const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
                       dout = check::local_rows(b.dout, p);
@@ -437,6 +440,136 @@ TEST_F(CpAttentionTest, ContextAndPlanMisuseFailsOnEveryRank) {
   CpForwardArgs strided = b.fwd();
   strided.k.row_stride = 2 * strided.k.row_step();
   EXPECT_THAT(same_error_everywhere(comm, [&] { (void)attn.forward(strided); }), HasSubstr("k must be contiguous"));
+}
+
+// ---- The ring scheme (pass-KV) ----------------------------------------------------------------
+
+TEST_F(CpAttentionTest, RingMatchesSingleProcessEveryShapeDtypeAndMask) {
+  for (const Shape& s : kShapes)
+    for (const DType t : {DType::f32, DType::f16, DType::bf16})
+      for (const MaskType m : {MaskType::causal, MaskType::none}) {
+        run_and_compare(comm, s, t, KvMode::runs, m, 0.0f, CpScheme::ring);
+        if (HasFailure()) return;
+      }
+}
+
+TEST_F(CpAttentionTest, RingMatchesSingleProcessOnTinyAndShortDocuments) {
+  // 1-token documents, documents shorter than 2 * cp (3, 5: every cp >= 3), many tiny ones
+  // (whose blocks leave most steps without a visible pair) and one long one.
+  std::vector<int64_t> tiny(40, 1);
+  for (std::size_t i = 0; i < tiny.size(); i += 3) tiny[i] = 2;
+  const std::vector<int64_t> mixed{1, 3, 1, 5, 130, 1, 2, 7};
+  const std::vector<int64_t>* lists[] = {&tiny, &mixed};
+  for (const std::vector<int64_t>* lengths : lists)
+    for (const MaskType m : {MaskType::causal, MaskType::none}) {
+      run_and_compare(comm, kShapes[1], DType::f32, KvMode::runs, m, 0.0f, CpScheme::ring, *lengths);
+      run_and_compare(comm, kShapes[2], DType::bf16, KvMode::runs, m, 0.0f, CpScheme::ring, *lengths);
+      if (HasFailure()) return;
+    }
+}
+
+TEST_F(CpAttentionTest, RingDropoutDropsTheSameEntriesAsASingleProcess) {
+  run_and_compare(comm, kShapes[1], DType::f32, KvMode::runs, MaskType::causal, 0.2f, CpScheme::ring);
+  run_and_compare(comm, kShapes[1], DType::f32, KvMode::runs, MaskType::none, 0.2f, CpScheme::ring);
+  run_and_compare(comm, kShapes[2], DType::bf16, KvMode::runs, MaskType::causal, 0.2f, CpScheme::ring);
+}
+
+// Random values for a SmallBatch (the same on every call for a rank).
+void randomize(SmallBatch& b, int rank) {
+  std::mt19937 rng(31 + rank);
+  std::normal_distribution<float> d;
+  for (auto* vec : {&b.q, &b.k, &b.v, &b.dout})
+    for (float& x : *vec) x = d(rng);
+}
+
+TEST_F(CpAttentionTest, RingRepeatedRunsAreBitwiseEqual) {
+  SmallBatch b(comm.size(), comm.rank());
+  randomize(b, comm.rank());
+  CpAttnConfig c = b.config();
+  c.scheme = CpScheme::ring;
+  c.options.dropout_p = 0.1f;
+  CpAttention attn(comm, c);
+  std::vector<float> out0, dq0, dk0, dv0, lse0, lse(static_cast<std::size_t>(b.t_loc * b.s.hq));
+  for (int i = 0; i < 20; ++i) {
+    CpForwardArgs f = b.fwd();
+    f.lse = lse.data();
+    CpContext ctx = attn.forward(f);
+    attn.backward(ctx, b.bwd());
+    if (i == 0) {
+      out0 = b.out, dq0 = b.dq, dk0 = b.dk, dv0 = b.dv, lse0 = lse;
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(out0.data(), b.out.data(), b.out.size() * 4), 0);
+    ASSERT_EQ(std::memcmp(lse0.data(), lse.data(), lse.size() * 4), 0);
+    ASSERT_EQ(std::memcmp(dq0.data(), b.dq.data(), b.dq.size() * 4), 0);
+    ASSERT_EQ(std::memcmp(dk0.data(), b.dk.data(), b.dk.size() * 4), 0);
+    ASSERT_EQ(std::memcmp(dv0.data(), b.dv.data(), b.dv.size() * 4), 0);
+  }
+}
+
+TEST_F(CpAttentionTest, RingAndAllGatherAgree) {
+  for (const MaskType m : {MaskType::causal, MaskType::none}) {
+    SCOPED_TRACE(m == MaskType::causal ? "causal" : "none");
+    std::vector<float> res[2][4];
+    for (const CpScheme scheme : {CpScheme::allgather, CpScheme::ring}) {
+      SmallBatch b(comm.size(), comm.rank());
+      randomize(b, comm.rank());
+      CpAttnConfig c = b.config();
+      c.scheme = scheme;
+      c.options.mask = m;
+      CpAttention attn(comm, c);
+      CpContext ctx = attn.forward(b.fwd());
+      attn.backward(ctx, b.bwd());
+      const int i = scheme == CpScheme::ring;
+      res[i][0] = b.out, res[i][1] = b.dq, res[i][2] = b.dk, res[i][3] = b.dv;
+    }
+    for (int j = 0; j < 4; ++j) {
+      ASSERT_EQ(res[0][j].size(), res[1][j].size());
+      for (std::size_t e = 0; e < res[0][j].size(); ++e)
+        ASSERT_NEAR(res[0][j][e], res[1][j][e], 1e-4f * (1.0f + std::fabs(res[0][j][e])))
+            << "tensor " << j << " element " << e;
+    }
+  }
+}
+
+TEST_F(CpAttentionTest, SchemeDisagreementFailsOnEveryRank) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttnConfig c = b.config();
+  if (comm.rank() == comm.size() - 1) c.scheme = CpScheme::ring;
+  CpAttention attn(comm, c);
+  const std::string m = same_error_everywhere(comm, [&] { (void)attn.forward(b.fwd()); });
+  EXPECT_THAT(m, HasSubstr("scheme"));
+  EXPECT_THAT(m, HasSubstr("rank " + std::to_string(comm.size() - 1)));
+}
+
+TEST_F(CpAttentionTest, RingRejectsIndexMode) {
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttnConfig c = b.config();
+  c.scheme = CpScheme::ring;
+  c.kv_mode = KvMode::index;
+  EXPECT_THROW(CpAttention(comm, c), Error);
+  EXPECT_EQ(to_string(CpScheme::ring), "ring");
+  EXPECT_EQ(to_string(CpScheme::allgather), "allgather");
+}
+
+TEST_F(CpAttentionTest, RingMovesOnlyNeighbourBlocks) {
+  // Forward: cp - 1 shifts of the K/V blocks; backward: the same plus cp shifts of the fp32
+  // dK/dV accumulators; counted by the communicator (the agreement's all-gathers on top).
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttnConfig c = b.config();
+  c.scheme = CpScheme::ring;
+  CpAttention attn(comm, c);
+  const int cp = comm.size();
+  const int64_t kv = b.t_loc * b.s.hkv * (b.s.dqk + b.s.dv) * 4;
+  const int64_t s0 = comm.bytes_sent(), r0 = comm.bytes_received();
+  CpContext ctx = attn.forward(b.fwd());
+  attn.backward(ctx, b.bwd());
+  const int64_t sent = comm.bytes_sent() - s0, recv = comm.bytes_received() - r0;
+  const int64_t payload = cp == 1 ? 0 : 2 * (cp - 1) * kv + cp * kv;
+  EXPECT_GE(sent, payload);
+  EXPECT_LT(sent, payload + 4096 * cp);  // agreement fingerprints are small
+  EXPECT_EQ(sent, recv);
 }
 
 }  // namespace

@@ -35,6 +35,21 @@ def run_json(np_, *args):
 r = run(2)
 check(r.returncode == 0 and "result: PASS" in r.stdout, f"default run: {r.stdout[-1500:]} {r.stderr[-1500:]}")
 
+# --scheme ring: exact against the single process, the scheme and per-rank byte counts in
+# the JSON; a bad value exits 2 naming the flag.
+for np_ in (2, 3):
+    for mask in ("causal", "none"):
+        j = run_json(np_, "--scheme", "ring", "--lengths", "37,1,100,3", "--heads", "4", "--kv-heads", "2",
+                     "--head-dim-qk", "48", "--head-dim-v", "32", "--dtype", "bf16", "--mask", mask)
+        if j:
+            check(j["passed"] and j["scheme"] == "ring", f"ring np {np_} {mask}: {j}")
+            check(len(j["bytes_sent"]) == np_ and all(b > 0 for b in j["bytes_sent"]), f"ring bytes: {j}")
+            check(j["bytes_sent"] == j["bytes_received"], f"ring bytes balance: {j}")
+j = run_json(2, "--lengths", "37,1,100")
+check(j is not None and j["scheme"] == "allgather", f"default scheme: {j}")
+r = run(2, "--scheme", "zigzag")
+check(r.returncode == 2 and "--scheme" in r.stderr, f"bad --scheme: exit {r.returncode} {r.stderr[-500:]}")
+
 # Every dtype and both key modes, MHA, GQA and MLA shapes, documents needing padding.
 for np_ in (2, 3):
     for dtype in ("fp32", "fp16", "bf16"):

@@ -93,7 +93,8 @@ Local prepare(const RunArgs& a, Communicator& comm) {
            .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
            .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
                        .path = path},
-           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index};
+           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
+           .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather};
   l.attn = std::make_unique<CpAttention>(comm, l.cfg);
   l.plan = l.attn->plan(b.cu_seqlens);
   l.q = check::local_rows(b.q, *l.plan);
@@ -128,15 +129,19 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * b.shape.heads_q));
 
   std::vector<double> compute, communication, wall;
+  int64_t sent = 0, received = 0;  // by the last step (every step moves the same)
   for (int i = 0; i < a.repeats; ++i) {
     attn.reset_stats();
     comm.barrier();
+    const int64_t sent0 = comm.bytes_sent(), received0 = comm.bytes_received();
     const auto t0 = Clock::now();
     CpContext ctx = attn.forward({.plan = l.plan, .q = q.view(), .k = k.view(), .v = v.view(),
                                   .out = out.view(), .lse = lse.data()});
     attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
                         .dk = dk.view(), .dv = dv.view()});
     wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    sent = comm.bytes_sent() - sent0;
+    received = comm.bytes_received() - received0;
     compute.push_back(attn.stats().compute_s);
     communication.push_back(attn.stats().comm_s);
   }
@@ -146,7 +151,8 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
 
   // Per-rank figures, to every rank.
   std::vector<double> mine{median(compute), median(communication), median(wall), peak_rss_mb(),
-                           static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20)};
+                           static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20),
+                           static_cast<double>(sent), static_cast<double>(received)};
   std::vector<double> per_rank(mine.size() * cp);
   comm.all_gather<double>(mine, per_rank);
 
@@ -163,7 +169,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
                      .balance = balance_report(b.cu_seqlens, cp), .check = result, .ranks = {}};
     for (int r = 0; r < cp; ++r) {
       const double* f = &per_rank[r * mine.size()];
-      report.ranks.push_back({f[0], f[1], f[2], f[3], f[4]});
+      report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6]});
     }
     if (groups.world.rank() != 0) {
       // Another CP group's rank 0: it checked; world rank 0 reports.

@@ -30,6 +30,7 @@ nlohmann::json report_json(const RunReport& r) {
   report["cp_groups"] = r.cp_groups;
   report["dtype"] = a.dtype;
   report["mode"] = a.mode;
+  report["scheme"] = a.scheme;
   report["mask"] = a.mask;
   report["kernel_path"] = r.kernel_path;
   report["threads"] = a.threads;  // per rank
@@ -58,6 +59,8 @@ nlohmann::json report_json(const RunReport& r) {
     report["step_s"].push_back(f.step_s);
     report["peak_rss_mb"].push_back(f.peak_rss_mb);
     report["peak_buffer_mb"].push_back(f.peak_buffer_mb);
+    report["bytes_sent"].push_back(static_cast<int64_t>(f.bytes_sent));
+    report["bytes_received"].push_back(static_cast<int64_t>(f.bytes_received));
   }
   report["imbalance"] = {{"compute", compute_imbalance(r.ranks)},
                          {"balanced", r.balance.imbalance_balanced},
@@ -83,12 +86,12 @@ void print_report(const RunReport& r) {
   std::printf("  result: %s (%s)\n", r.check.pass ? "PASS" : "FAIL",
               std::string(check::tolerance(b.dtype).rule).c_str());
   std::printf("\nper rank (medians of %d forward+backward steps):\n", a.repeats);
-  std::printf("  %-5s %11s %11s %11s %12s %14s\n", "rank", "compute_s", "comm_s", "step_s", "peak_rss_mb",
-              "peak_buffer_mb");
+  std::printf("  %-5s %11s %11s %11s %12s %14s %12s %12s\n", "rank", "compute_s", "comm_s", "step_s",
+              "peak_rss_mb", "peak_buffer_mb", "bytes_sent", "bytes_recv");
   for (std::size_t i = 0; i < r.ranks.size(); ++i) {
     const RankFigures& f = r.ranks[i];
-    std::printf("  %-5d %11.4f %11.4f %11.4f %12.1f %14.1f\n", static_cast<int>(i), f.compute_s, f.comm_s,
-                f.step_s, f.peak_rss_mb, f.peak_buffer_mb);
+    std::printf("  %-5d %11.4f %11.4f %11.4f %12.1f %14.1f %12.0f %12.0f\n", static_cast<int>(i), f.compute_s,
+                f.comm_s, f.step_s, f.peak_rss_mb, f.peak_buffer_mb, f.bytes_sent, f.bytes_received);
   }
   std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
               compute_imbalance(r.ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);

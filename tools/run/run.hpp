@@ -22,7 +22,7 @@ struct RunArgs {
   std::vector<int64_t> lengths;
   int64_t seq_len = 4096;
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
-  std::string dtype = "fp32", mode = "runs", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
+  std::string dtype = "fp32", mode = "runs", scheme = "allgather", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
@@ -51,6 +51,7 @@ RunCheck check_against_single_process(const check::Batch& b, const AttnOptions& 
 // ---- report.cpp ----
 struct RankFigures {  // medians over the timed steps, and memory
   double compute_s = 0, comm_s = 0, step_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
+  double bytes_sent = 0, bytes_received = 0;  // by the communicator, over one forward+backward step
 };
 struct RunReport {
   const RunArgs& args;
