@@ -24,6 +24,9 @@ struct BenchAttnArgs {
   std::vector<int64_t> lengths;
   int heads = 16, kv_heads = 4, head_dim = 128, head_dim_qk = 0, head_dim_v = 0, threads = 1, repeats = 3;
   std::string dtype = "fp32", kernel_path = "automatic", mask = "causal";  // canonical (vocab.hpp)
+  std::string window;    // --window LEFT,RIGHT (empty: unbounded)
+  float softcap = 0.0f;  // --softcap
+  bool alibi = false;    // --alibi
   bool json = false;
   bool fail_check = false;  // hidden, for tests: corrupt the result so that its check fails
 };
@@ -41,6 +44,11 @@ void run_bench_attention(const BenchAttnArgs& a) {
   o.dtype = parse_dtype(a.dtype);
   o.threads = a.threads;
   o.mask = parse_mask(a.mask);
+  const Window w = parse_window(a.window);
+  o.window_left = w.left;
+  o.window_right = w.right;
+  o.softcap = check_softcap(a.softcap);
+  o.alibi = a.alibi;
   o.repeats = a.repeats;
   o.path = parse_kernel_path(a.kernel_path);
   check_kernel_path_supported(o.path);
@@ -81,6 +89,9 @@ void run_bench_attention(const BenchAttnArgs& a) {
     j["head_dim_qk"] = o.head_dim;
     j["head_dim_v"] = o.head_dim_v;
     j["mask"] = mask_name(o.mask);
+    j["window"] = {o.window_left, o.window_right};
+    j["softcap"] = o.softcap;
+    j["alibi"] = o.alibi;
     j["repeats"] = o.repeats;
     j["check_max_rel_err"] = r.check_max_rel_err;
     j["check_scope"] = r.check_scope;
@@ -92,6 +103,9 @@ void run_bench_attention(const BenchAttnArgs& a) {
               std::string(to_string(o.dtype)).c_str(), r.path.c_str(), o.threads, o.lengths.size(),
               static_cast<long long>(seq_len), o.heads, o.kv_heads, o.head_dim, o.head_dim_v,
               mask_name(o.mask).c_str());
+  if (o.window_left >= 0 || o.window_right >= 0 || o.softcap > 0.0f || o.alibi)
+    std::printf("  masks: window %lld,%lld, softcap %g, alibi %s\n", static_cast<long long>(o.window_left),
+                static_cast<long long>(o.window_right), static_cast<double>(o.softcap), o.alibi ? "on" : "off");
   std::printf("  forward   %8.1f GFLOP/s  %6.1f%% of FMA peak  (%.3f s median of %d)\n",
               r.fwd_gflops, 100 * r.fwd_gflops / peak, r.fwd_seconds, o.repeats);
   std::printf("  backward  %8.1f GFLOP/s  %6.1f%% of FMA peak  (%.3f s median of %d)\n",
@@ -130,6 +144,11 @@ void add_bench_command(CLI::App& app) {
       ->transform(kernel_path_transformer())->capture_default_str();
   at->add_option("--threads", args->threads, "Threads")->check(CLI::PositiveNumber)->capture_default_str();
   at->add_option("--mask", args->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
+  at->add_option("--window", args->window, "Sliding window LEFT,RIGHT (FlashAttention's window_size; -1 = "
+                                           "unbounded on that side)");
+  at->add_option("--softcap", args->softcap, "Logit soft cap (0 = off): scores become X * tanh(s / X)")
+      ->capture_default_str();
+  at->add_flag("--alibi", args->alibi, "ALiBi biases with the standard slopes 2^(-8 (h + 1) / heads)");
   at->add_option("--repeats", args->repeats, "Timed runs per direction (median)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   at->add_flag("--json", args->json, "Print one JSON object");

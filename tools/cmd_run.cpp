@@ -52,6 +52,11 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--kernel-path", a->kernel_path, "Kernel path (automatic: the fastest this CPU runs)")
       ->transform(kernel_path_transformer())->capture_default_str();
   cmd->add_option("--dropout", a->dropout, "Attention dropout probability in [0, 1)")->capture_default_str();
+  cmd->add_option("--window", a->window, "Sliding window LEFT,RIGHT (FlashAttention's window_size; -1 = "
+                                         "unbounded on that side)");
+  cmd->add_option("--softcap", a->softcap, "Logit soft cap (0 = off): scores become X * tanh(s / X)")
+      ->capture_default_str();
+  cmd->add_flag("--alibi", a->alibi, "ALiBi biases with the standard slopes 2^(-8 (h + 1) / heads)");
   cmd->add_option("--threads", a->threads, "Kernel threads per rank")->capture_default_str();
   cmd->add_option("--cp", a->cp, "Context-parallel size, dividing the MPI world size: world/cp CP groups "
                                  "each run the check (default: the world size, one group)");

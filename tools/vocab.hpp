@@ -12,6 +12,8 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <span>
 #include <sstream>
 #include <string>
@@ -54,6 +56,38 @@ inline MaskType parse_mask(std::string_view s, std::string_view flag = "--mask")
   if (s == "causal") return MaskType::causal;
   if (s == "none") return MaskType::none;
   throw Error(std::string(flag) + " must be one of causal, none, got '" + std::string(s) + "'");
+}
+
+// --window LEFT,RIGHT (AttnOptions::window_size_left/right, -1 = unbounded): two integers >= -1.
+struct Window {
+  int64_t left = -1, right = -1;
+};
+inline Window parse_window(std::string_view s, std::string_view flag = "--window") {
+  const std::string bad = std::string(flag) + " must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '" +
+                          std::string(s) + "'";
+  const size_t comma = s.find(',');
+  if (s.empty()) return {};
+  if (comma == std::string_view::npos) throw Error(bad);
+  auto num = [&](std::string_view x) {
+    if (x.empty() || x.size() > 18) throw Error(bad);
+    size_t i = x[0] == '-' ? 1 : 0;
+    if (i == x.size()) throw Error(bad);
+    for (size_t j = i; j < x.size(); ++j)
+      if (x[j] < '0' || x[j] > '9') throw Error(bad);
+    const int64_t v = std::stoll(std::string(x));
+    if (v < -1) throw Error(bad);
+    return v;
+  };
+  return {num(s.substr(0, comma)), num(s.substr(comma + 1))};
+}
+// --softcap X: finite and >= 0 (0 = off).
+inline float check_softcap(float x, std::string_view flag = "--softcap") {
+  if (!(x >= 0.0f) || x == std::numeric_limits<float>::infinity()) {
+    std::ostringstream msg;
+    msg << flag << " must be finite and >= 0 (0 = off), got " << x;
+    throw Error(msg.str());
+  }
+  return x;
 }
 
 // CpAttnConfig::kv_mode's names (the enum is the MPI layer's, which this header does not need).

@@ -129,7 +129,11 @@ AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostream* log
   AttnBenchResult res;
   res.opt = o;
   const int dv = o.head_dim_v > 0 ? o.head_dim_v : o.head_dim;
-  const AttnCase c = bench_case(o.lengths, o.heads, o.kv_heads, o.head_dim, dv, o.mask);
+  AttnCase c = bench_case(o.lengths, o.heads, o.kv_heads, o.head_dim, dv, o.mask);
+  c.window_left = o.window_left;
+  c.window_right = o.window_right;
+  c.softcap = o.softcap;
+  c.alibi = o.alibi;
   const KernelPath path = o.path == KernelPath::automatic ? best_kernel_path() : o.path;
   res.path = std::string(to_string(path));
   res.fwd_flops = c.fwd_flops();

@@ -2,6 +2,9 @@
 
 #include <cpattn/layout.hpp>
 
+#include <algorithm>
+#include <cmath>
+
 namespace cpattn::check {
 
 std::vector<int64_t> AttnCase::cu(const std::vector<int64_t>& lens) { return cu_seqlens_from_lengths(lens); }
@@ -10,10 +13,14 @@ int64_t AttnCase::visible_pairs() const {
   int64_t n = 0;
   for (std::size_t d = 0; d < q_lens.size(); ++d) {
     const int64_t ql = q_lens[d], kl = k_lens[d];
-    if (mask == MaskType::none) {
-      n += ql * kl;
-    } else {
-      for (int64_t i = 0; i < ql; ++i) n += kl - ql + i + 1;
+    const int64_t q_pos = std::max<int64_t>(kl - ql, 0);  // bottom-right alignment
+    for (int64_t i = 0; i < ql; ++i) {
+      const int64_t qp = q_pos + i;
+      int64_t lo = 0, hi = kl - 1;
+      if (window_left >= 0) lo = std::max(lo, qp - window_left);
+      if (mask == MaskType::causal) hi = std::min(hi, qp);
+      else if (window_right >= 0) hi = std::min(hi, qp + window_right);
+      n += std::max<int64_t>(hi - lo + 1, 0);
     }
   }
   return n;
@@ -29,7 +36,7 @@ double AttnCase::bwd_flops() const {
 
 std::vector<AttnCase> attention_cases() {
   using M = MaskType;
-  return {
+  std::vector<AttnCase> cases = {
       {"single_doc_97", {97}, {97}, 4, 2, 64, 64, M::causal},
       {"many_docs", {1, 97, 3, 64, 1, 130}, {1, 97, 3, 64, 1, 130}, 4, 4, 128, 128, M::causal},
       {"one_token_docs", {1, 1, 1, 1, 1}, {1, 1, 1, 1, 1}, 2, 1, 59, 59, M::causal},
@@ -45,6 +52,62 @@ std::vector<AttnCase> attention_cases() {
       // GQA 6: the forward runs a kv head's query heads in sets of 4, here 4 + 2.
       {"gqa6_head_sets_4_2", {45, 70}, {45, 70}, 6, 1, 48, 48, M::causal},
   };
+  // The masks and options of FlashAttention's varlen API. Documents of 1..300 tokens, so
+  // that the windows are smaller than, equal to and larger than documents, and span several
+  // key blocks (64 / 128 keys) of the long ones.
+  auto with = [](AttnCase c, int64_t left, int64_t right, float softcap, bool alibi,
+                 float dropout_p) {
+    c.window_left = left;
+    c.window_right = right;
+    c.softcap = softcap;
+    c.alibi = alibi;
+    c.dropout_p = dropout_p;
+    return c;
+  };
+  const std::vector<int64_t> docs = {300, 5, 70, 1, 130};
+  const AttnCase causal{"", docs, docs, 4, 2, 64, 64, M::causal};
+  const AttnCase none{"", docs, docs, 4, 2, 64, 64, M::none};
+  std::vector<AttnCase> m = {
+      with(causal, 70, -1, 0, false, 0),    // left window: < 300 and 130, = 70, > 5 and 1
+      with(causal, 0, -1, 0, false, 0),     // each query sees itself only
+      with(causal, 1000, -1, 0, false, 0),  // larger than every document: plain causal
+      with(causal, 40, 10, 0, false, 0),    // right has no effect under causal
+      with(none, 70, -1, 0, false, 0),      // left-only without a mask: keys up to the end
+      with(none, 33, 17, 0, false, 0),      // two-sided sliding window
+      with(none, -1, 5, 0, false, 0),       // right-only
+      with(none, 0, 0, 0, false, 0),        // the diagonal only
+      with(none, 500, 500, 0, false, 0),    // larger than every document: no mask
+      with(causal, -1, -1, 5.0f, false, 0),   // softcap, causal
+      with(none, -1, -1, 0.5f, false, 0),     // softcap, small cap (scores mostly capped)
+      with(causal, -1, -1, 0, true, 0),       // ALiBi, causal
+      with(none, 50, 50, 0, true, 0),         // ALiBi in a two-sided window
+      with(causal, 64, -1, 2.0f, true, 0.2f), // everything with dropout
+      with(none, 20, 40, 1.5f, false, 0.1f),  // window, softcap and dropout, no mask
+  };
+  const char* names[] = {"win_causal_70",   "win_causal_0",      "win_causal_1000",
+                         "win_causal_40_10", "win_none_left_70",  "win_none_33_17",
+                         "win_none_right_5", "win_none_diagonal", "win_none_500",
+                         "softcap_causal",   "softcap_none_0_5",  "alibi_causal",
+                         "alibi_win_none",   "all_causal_dropout", "win_softcap_none_dropout"};
+  for (std::size_t i = 0; i < m.size(); ++i) m[i].name = names[i];
+  // With GQA and MLA (Dqk != Dv), and more queries than keys (cross-attention, no mask).
+  m.push_back(with({"win_gqa8_fewer_queries", {5, 40, 1}, {17, 97, 1}, 8, 1, 111, 111, M::causal},
+                   20, -1, 0, false, 0));
+  m.push_back(with({"win_softcap_alibi_mla", {97, 33, 200}, {97, 33, 200}, 4, 2, 192, 128, M::causal},
+                   50, -1, 3.0f, true, 0));
+  m.push_back(with({"win_none_mla_gqa_dropout", {150, 7}, {150, 7}, 6, 2, 96, 40, M::none},
+                   25, 25, 0, true, 0.15f));
+  m.push_back(with({"win_none_more_queries", {50, 7}, {30, 9}, 4, 2, 64, 32, M::none},
+                   60, 60, 4.0f, false, 0));
+  cases.insert(cases.end(), m.begin(), m.end());
+  return cases;
+}
+
+std::vector<float> alibi_slopes(int num_heads) {
+  std::vector<float> s(static_cast<std::size_t>(num_heads));
+  for (int h = 0; h < num_heads; ++h)
+    s[static_cast<std::size_t>(h)] = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(num_heads));
+  return s;
 }
 
 AttnCase bench_case(std::vector<int64_t> lens, int hq, int hk, int dqk, int dv, MaskType m) {

@@ -16,6 +16,7 @@ Problem::Problem(const AttnCase& cs, DType t, uint64_t seed, float magnitude) : 
   fill(k, k_shape(), magnitude);
   fill(v, v_shape(), 1.0f);
   fill(dout, out_shape(), 1.0f);
+  if (c.alibi) slopes = alibi_slopes(c.num_heads_q);
 }
 
 AttnFwdParams Problem::fwd(const Tensor& Q, const Tensor& K, const Tensor& V, Tensor& out,

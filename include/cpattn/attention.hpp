@@ -70,6 +70,22 @@ struct AttnOptions {
   uint64_t seed = 0;       // dropout seed (see dropout_keep)
   int num_threads = 1;     // >= 1; results do not depend on it
   KernelPath path = KernelPath::automatic;
+  // FlashAttention's sliding window, on positions (bottom-right aligned, as the work list's):
+  // query position qp sees key position kp iff qp - left <= kp <= qp + right; -1 = unbounded
+  // on that side. Intersected with the mask: under causal kp <= qp as well (so right has no
+  // effect); with MaskType::none, (left, right) is a two-sided window. A query that sees no
+  // key gets out 0, lse -inf and zero gradients. Each >= -1.
+  int64_t window_size_left = -1;
+  int64_t window_size_right = -1;
+  // Logit soft-capping (FlashAttention / Gemma 2): S = softcap * tanh(S / softcap) before the
+  // softmax (after the scale). 0 = off; finite and >= 0.
+  float softcap = 0.0f;
+  // Optional ALiBi slopes, [num_heads_q] fp32 (finite), read during the call: query head h
+  // adds -alibi_slopes[h] * |qp - kp| to its scores (after the soft cap), with the
+  // bottom-right-aligned positions qp, kp, i.e. FlashAttention's non-causal form
+  // -slope * |i + seqlen_k - seqlen_q - j|; under causal it equals FlashAttention's causal bias
+  // up to a per-row constant, which the softmax cancels. nullptr = off.
+  const float* alibi_slopes = nullptr;
 };
 
 // The sizes of a call, named as in FlashAttention; derived from its views (AttnInputs::shape).

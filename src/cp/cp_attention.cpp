@@ -34,8 +34,20 @@ void all_gather_rows(Communicator& comm, DType t, const void* local, std::size_t
   }
 }
 
+// ALiBi slopes as one number for the fingerprint (0 without ALiBi): FNV-1a over their bits.
+uint64_t hash_slopes(const float* slopes, int n) {
+  if (!slopes) return 0;
+  uint64_t h = 1469598103934665603ull;
+  for (int i = 0; i < n; ++i) {
+    h ^= std::bit_cast<uint32_t>(slopes[i]);
+    h *= 1099511628211ull;
+  }
+  return h | 1;
+}
+
 // The keys each task reads, as runs of the rank-major gathered buffer. Causal: chunks 0..j of
-// the document, the plan's runs. No mask: every chunk of the document.
+// the document, the plan's runs. No mask: every chunk of the document. A sliding window
+// (AttnOptions) reads the same runs: the kernels skip the key blocks outside the window.
 WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
   if (mask == MaskType::causal) return plan.work;
   WorkList w;
@@ -335,6 +347,10 @@ struct CpAttention::State {
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
+        .add("window_size_left", o.window_size_left)
+        .add("window_size_right", o.window_size_right)
+        .add("softcap (bits)", std::bit_cast<int32_t>(o.softcap))
+        .add("alibi slopes hash", static_cast<int64_t>(hash_slopes(o.alibi_slopes, cfg.num_heads_q)))
         .add("seed", static_cast<int64_t>(seed))
         .add("deterministic", cfg.deterministic)
         .add("local_tokens", local_tokens)

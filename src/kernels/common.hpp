@@ -58,6 +58,34 @@ inline bool dropout_keep_row(uint64_t row_key, int64_t k_pos, uint32_t threshold
   return static_cast<uint32_t>(mix64(row_key ^ static_cast<uint64_t>(k_pos)) >> 32) >= threshold;
 }
 
+// ---- masks (AttnOptions' window, softcap, alibi) ---------------------------------------
+// Which key positions a query position sees: qp - lo <= kp <= qp + hi, a side unbounded when
+// its flag is false. Causal is hi = 0 (FlashAttention: causal intersects the window).
+struct Visibility {
+  bool lo_bounded = false, hi_bounded = false;
+  int64_t lo = 0, hi = 0;
+  bool softcap = false, alibi = false;  // per-element score transforms
+  bool extra() const { return lo_bounded || softcap || alibi || (hi_bounded && hi != 0); }
+  bool sees(int64_t qp, int64_t kp) const {
+    return (!lo_bounded || kp >= qp - lo) && (!hi_bounded || kp <= qp + hi);
+  }
+};
+inline Visibility visibility(const AttnOptions& o) {
+  Visibility v;
+  v.lo_bounded = o.window_size_left >= 0;
+  v.lo = o.window_size_left;
+  if (o.mask == MaskType::causal) {
+    v.hi_bounded = true;
+    v.hi = 0;
+  } else if (o.window_size_right >= 0) {
+    v.hi_bounded = true;
+    v.hi = o.window_size_right;
+  }
+  v.softcap = o.softcap > 0.0f;
+  v.alibi = o.alibi_slopes != nullptr;
+  return v;
+}
+
 // ---- validation (validate.cpp) ----------------------------------------------------------
 void validate(const AttnFwdParams& p);
 void validate(const AttnBwdParams& p);

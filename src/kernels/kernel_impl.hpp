@@ -20,8 +20,10 @@
 //  * Forward: a unit is (task, block of BQ query rows, kv head, up to GH of its query heads)
 //    and runs those heads piece by piece (each K^T/V piece is read from L3 once per unit);
 //    online softmax in the log2 domain over pieces of up to FBK = 2 BK keys; columns no row
-//    of the unit can see are not computed, and the first piece past the causal limit ends the
-//    loop. The next piece's K^T and V are prefetched while the current one runs.
+//    of the unit can see are not computed, pieces wholly left of the sliding window are
+//    skipped, and the first piece past the right limit (causal or window) ends the loop.
+//    Soft cap and ALiBi (AttnOptions) transform the scores of a row element by element in a
+//    branch taken once per call; without them the rows run the vector code as before. The next piece's K^T and V are prefetched while the current one runs.
 //  * Backward: a unit is one query head (all tasks, in order). For each 64-key piece it runs
 //    the task's queries in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the
 //    piece in a local tile and dQ of the task in a local fp32 buffer. dK/dV go to a
@@ -266,10 +268,12 @@ struct Piece {
   int c0, c1, a0, a1;
 };
 
-// Calls fn(piece) for the pieces of task t in key order; stops at the first piece no query
-// position <= qp_max can see (causal). fn returns nothing.
+// Calls fn(piece) for the pieces of task t in key order that some query position in
+// [qp_min, qp_max] can see: pieces wholly left of the window are skipped, and the first piece
+// past the right limit (causal or window) ends the loop. fn returns nothing.
 template <int B, class Fn>
-void for_each_piece(const WorkList& w, const AttnTask& t, bool causal, int64_t qp_max, Fn&& fn) {
+void for_each_piece(const WorkList& w, const AttnTask& t, const Visibility& vz, int64_t qp_min,
+                    int64_t qp_max, Fn&& fn) {
   for (int64_t r = t.run_begin; r < t.run_end; ++r) {
     const KeyRun& run = w.runs[r];
     const int64_t end = run.row + run.len;
@@ -278,7 +282,8 @@ void for_each_piece(const WorkList& w, const AttnTask& t, bool causal, int64_t q
       Piece pc;
       pc.b = b;
       pc.p_lo = run.pos + (lo - run.row);
-      if (causal && pc.p_lo > qp_max) return;
+      if (vz.hi_bounded && pc.p_lo > qp_max + vz.hi) return;
+      if (vz.lo_bounded && pc.p_lo + (hi - lo) - 1 < qp_min - vz.lo) continue;
       pc.c0 = static_cast<int>(lo - b * B);
       pc.c1 = static_cast<int>(hi - b * B);
       pc.a0 = pc.c0 / PAD * PAD;
@@ -288,11 +293,29 @@ void for_each_piece(const WorkList& w, const AttnTask& t, bool causal, int64_t q
   }
 }
 
-// Visible columns of a piece for query position qp: [c0, end).
-inline int visible_end(const Piece& pc, bool causal, int64_t qp) {
-  if (!causal) return pc.c1;
-  const int64_t e = pc.c0 + (qp - pc.p_lo) + 1;
+// Visible columns of a piece for query position qp: [vb, ve) (empty when vb >= ve).
+inline int visible_end(const Piece& pc, const Visibility& vz, int64_t qp) {
+  if (!vz.hi_bounded) return pc.c1;
+  const int64_t e = pc.c0 + (qp + vz.hi - pc.p_lo) + 1;
   return static_cast<int>(std::clamp<int64_t>(e, pc.c0, pc.c1));
+}
+inline int visible_begin(const Piece& pc, const Visibility& vz, int64_t qp) {
+  if (!vz.lo_bounded) return pc.c0;
+  const int64_t b = pc.c0 + (qp - vz.lo - pc.p_lo);
+  return static_cast<int>(std::clamp<int64_t>(b, pc.c0, pc.c1));
+}
+
+// The soft cap and ALiBi of one score x = scale * q.k at key position kp; dcap gets
+// d(result)/dx. Only on the paths with a soft cap or ALiBi (Visibility::extra).
+inline float transform_score(float x, float cap, float slope, int64_t qp, int64_t kp, float& dcap) {
+  dcap = 1.0f;
+  if (cap > 0.0f) {
+    const float th = std::tanh(x / cap);
+    x = cap * th;
+    dcap = 1.0f - th * th;
+  }
+  const int64_t dist = qp > kp ? qp - kp : kp - qp;
+  return x - slope * static_cast<float>(dist);
 }
 
 // ---- forward -----------------------------------------------------------------------------
@@ -312,8 +335,10 @@ void forward_impl(const AttnFwdParams& p) {
   void* const out_data = p.out.data;
   const int64_t out_rs = p.out.row_step(), out_hs = p.out.head_step();
   float* const lse = p.lse;  // optional
-  const bool causal = opt.mask == MaskType::causal;
-  const float cl = in.softmax_scale() * kLog2e;
+  const Visibility vz = visibility(opt);
+  const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
+  const float scale = in.softmax_scale();
+  const float cl = scale * kLog2e;
   const bool dropout = opt.dropout_p > 0.0f;
   const uint32_t thr = dropout_threshold(opt.dropout_p);
   const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
@@ -366,10 +391,12 @@ void forward_impl(const AttnFwdParams& p) {
     std::fill(S.l.begin(), S.l.end(), 0.0f);
 
     const int64_t qp_last = qp0 + m - 1;
-    for_each_piece<FBK>(w, t, causal, qp_last, [&](Piece pc) {
-      // Columns past the last row's causal limit are masked for every row: not computed.
-      if (causal)
-        pc.a1 = static_cast<int>(std::min<int64_t>(pc.a1, (pc.c0 + (qp_last - pc.p_lo) + PAD) / PAD * PAD));
+    for_each_piece<FBK>(w, t, vz, qp0, qp_last, [&](Piece pc) {
+      // Columns past the last row's right limit (causal or window) are masked for every row:
+      // not computed.
+      if (vz.hi_bounded)
+        pc.a1 = static_cast<int>(
+            std::min<int64_t>(pc.a1, (pc.c0 + (qp_last + vz.hi - pc.p_lo) + PAD) / PAD * PAD));
       const int n = pc.a1 - pc.a0;
       const int64_t k0 = pc.b * FBK + pc.a0;  // first physical key row computed
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
@@ -398,24 +425,34 @@ void forward_impl(const AttnFwdParams& p) {
               __builtin_prefetch(next_v(ln), 0, 1);
           }
           float* s = S.s.data() + r * FBK;
-          const int ve = visible_end(pc, causal, qp0 + r);
-          if (ve <= pc.c0) {  // nothing visible in this piece for this row
+          const int ve = visible_end(pc, vz, qp0 + r);
+          const int vb = visible_begin(pc, vz, qp0 + r);
+          if (ve <= vb) {  // nothing visible in this piece for this row
             for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
             continue;
           }
           // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
           // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
           // a partly masked row is scaled and masked in place first (cl may be negative, so
-          // -inf must be written after the scale).
+          // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
           vf mx = vset(kNegInf);
           float mul = 1.0f;
-          if (full && ve == pc.c1) {
+          if (scored) {
+            const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+            float dcap;
+            for (int c = pc.a0; c < pc.a1; ++c)
+              s[c] = c >= vb && c < ve
+                         ? transform_score(s[c] * scale, opt.softcap, slope, qp0 + r,
+                                           pc.p_lo + (c - pc.c0), dcap) * kLog2e
+                         : kNegInf;
+            for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
+          } else if (full && vb == pc.c0 && ve == pc.c1) {
             mul = cl;
             const vf cv = vset(cl);
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
           } else {
             for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cl));
-            for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
+            for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
             for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
           }
@@ -437,7 +474,7 @@ void forward_impl(const AttnFwdParams& p) {
           }
           if (dropout) {
             const uint64_t key = dropout_row_key(opt.seed, h, t.doc, qp0 + r);
-            for (int c = pc.c0; c < ve; ++c)
+            for (int c = vb; c < ve; ++c)
               s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
           }
         }
@@ -488,7 +525,8 @@ void backward_impl(const AttnBwdParams& p) {
   void* const dv_data = p.dv.data;
   const int64_t dv_rs = p.dv.row_step(), dv_hs = p.dv.head_step();
   const float* const lse = p.lse;
-  const bool causal = opt.mask == MaskType::causal;
+  const Visibility vz = visibility(opt);
+  const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
   const float scale = in.softmax_scale();
   const float cl = scale * kLog2e;
   const bool dropout = opt.dropout_p > 0.0f;
@@ -554,15 +592,18 @@ void backward_impl(const AttnBwdParams& p) {
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
 
-      for_each_piece<BK>(w, t, causal, t.q_pos + nq - 1, [&](const Piece& pc) {
+      for_each_piece<BK>(w, t, vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
         const int n = pc.a1 - pc.a0;
         std::fill(S.dk.begin(), S.dk.end(), 0.0f);
         std::fill(S.dv.begin(), S.dv.end(), 0.0f);
         // first query block that sees the piece
         int64_t qb0 = 0;
-        if (causal && pc.p_lo > t.q_pos) qb0 = (pc.p_lo - t.q_pos) / BQB;
+        if (vz.hi_bounded && pc.p_lo - vz.hi > t.q_pos) qb0 = (pc.p_lo - vz.hi - t.q_pos) / BQB;
+        // the last key position of the piece: query blocks past its left window end the loop
+        const int64_t p_hi = pc.p_lo + (pc.c1 - pc.c0) - 1;
         for (int64_t qb = qb0; qb * BQB < nq; ++qb) {
           const int64_t i0 = qb * BQB, qp0 = t.q_pos + i0;
+          if (vz.lo_bounded && qp0 - vz.lo > p_hi) break;
           const int m = static_cast<int>(std::min<int64_t>(BQB, nq - i0));
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
@@ -588,15 +629,35 @@ void backward_impl(const AttnBwdParams& p) {
             float* s = S.s.data() + r * BK;   // -> P, then dS
             float* dpr = S.dp.data() + r * BK;
             float* pd = S.pd.data() + r * BK;  // P after dropout
-            const int ve = visible_end(pc, causal, qp0 + r);
+            const int ve = visible_end(pc, vz, qp0 + r);
+            const int vb = visible_begin(pc, vz, qp0 + r);
             const float l2 = S.lse2[i0 + r];
-            if (ve <= pc.c0 || l2 == kNegInf) {
+            if (ve <= vb || l2 == kNegInf) {
               for (int c = pc.a0; c < pc.a1; ++c) s[c] = pd[c] = 0.0f;
+              continue;
+            }
+            if (scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
+              const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+              const float dl = S.delta[i0 + r];
+              const uint64_t key = dropout ? dropout_row_key(opt.seed, h, t.doc, qp0 + r) : 0;
+              for (int c = pc.a0; c < pc.a1; ++c) {
+                if (c < vb || c >= ve) {
+                  s[c] = pd[c] = 0.0f;
+                  continue;
+                }
+                const int64_t kp = pc.p_lo + (c - pc.c0);
+                float dcap;
+                const float x = transform_score(s[c] * scale, opt.softcap, slope, qp0 + r, kp, dcap);
+                const float pv = std::exp2(x * kLog2e - l2);
+                const float kf = !dropout ? 1.0f : dropout_keep_row(key, kp, thr) ? inv_keep : 0.0f;
+                pd[c] = pv * kf;
+                s[c] = pv * (dpr[c] * kf - dl) * dcap;
+              }
               continue;
             }
             const vf lv = vset(l2), cv = vset(cl), dl = vset(S.delta[i0 + r]);
             for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * cv - lv);
-            for (int c = pc.a0; c < pc.c0; ++c) s[c] = kNegInf;
+            for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
             for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
             if (!dropout) {
               for (int c = pc.a0; c < pc.a1; c += W) {
@@ -608,7 +669,7 @@ void backward_impl(const AttnBwdParams& p) {
               const uint64_t key = dropout_row_key(opt.seed, h, t.doc, qp0 + r);
               for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
               for (int c = pc.a0; c < pc.a1; ++c) {
-                const bool vis = c >= pc.c0 && c < ve;
+                const bool vis = c >= vb && c < ve;
                 const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? inv_keep : 0.0f;
                 pd[c] = s[c] * kf;
                 s[c] = s[c] * (dpr[c] * kf - S.delta[i0 + r]);

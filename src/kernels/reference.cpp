@@ -18,8 +18,9 @@ using kernels::store_elem;
 template <class Acc>
 struct Visible {
   int64_t row;
-  Acc s;     // scale * q.k, then P
+  Acc s;     // the score (scale * q.k, soft-capped, ALiBi-biased), then P
   Acc keep;  // 1 / (1 - p) if kept, 0 if dropped (1 without dropout)
+  Acc dcap;  // d(soft-capped score) / d(scale * q.k): 1 - tanh^2 (1 without softcap)
 };
 
 // Element (row, head, d) of a view, as Acc.
@@ -39,18 +40,28 @@ Acc scores(const AttnInputs& in, const AttnTask& t, int h, int64_t qrow, int64_t
   const uint32_t thr = kernels::dropout_threshold(o.dropout_p);
   const uint64_t rkey = kernels::dropout_row_key(o.seed, h, t.doc, qp);
   const Acc inv_keep = Acc(1) / (Acc(1) - static_cast<Acc>(o.dropout_p));
+  const kernels::Visibility sees = kernels::visibility(o);  // causal and window
+  const Acc cap = static_cast<Acc>(o.softcap);
+  const Acc slope = o.alibi_slopes ? static_cast<Acc>(o.alibi_slopes[h]) : Acc(0);
   vis.clear();
   for (int64_t r = t.run_begin; r < t.run_end; ++r) {
     const KeyRun& run = in.work->runs[r];
     for (int64_t j = 0; j < run.len; ++j) {
       const int64_t kp = run.pos + j, krow = run.row + j;
-      if (o.mask == MaskType::causal && kp > qp) break;
+      if (!sees.sees(qp, kp)) continue;
       Acc dot = 0;  // q_i . k_j over head_dim_qk
       for (int d = 0; d < in.q.dim; ++d)
         dot += at<Acc>(in.q, qrow, h, d) * at<Acc>(in.k, krow, hk, d);
+      Acc s = scale * dot, dcap = 1;
+      if (cap > 0) {  // s = cap * tanh(s / cap)
+        const Acc th = std::tanh(s / cap);
+        s = cap * th;
+        dcap = 1 - th * th;
+      }
+      s -= slope * static_cast<Acc>(std::abs(qp - kp));  // ALiBi
       Acc keep = 1;
       if (o.dropout_p > 0.0f) keep = kernels::dropout_keep_row(rkey, kp, thr) ? inv_keep : Acc(0);
-      vis.push_back({krow, scale * dot, keep});
+      vis.push_back({krow, s, keep, dcap});
     }
   }
   if (vis.empty()) return -std::numeric_limits<Acc>::infinity();
@@ -118,7 +129,7 @@ void backward_impl(const AttnBwdParams& p) {
             dvv[(x.row * hk_n + hk) * dv + d] += x.keep * pij * dout[d];
             dp += dout[d] * at<Acc>(in.v, x.row, hk, d);
           }
-          const Acc ds = pij * (x.keep * dp - delta);
+          const Acc ds = pij * (x.keep * dp - delta) * x.dcap;
           // dq_i += s dS_ij k_j;  dk_j += s dS_ij q_i
           for (int d = 0; d < dqk; ++d) {
             dq[d] += scale * ds * at<Acc>(in.k, x.row, hk, d);

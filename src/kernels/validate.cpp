@@ -31,6 +31,15 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
                ": dropout_p must be in [0, 1), got ", o.dropout_p);
   CPATTN_CHECK(!o.softmax_scale || std::isfinite(*o.softmax_scale), fn,
                ": softmax_scale must be finite, got ", o.softmax_scale.value_or(0.0f));
+  CPATTN_CHECK(o.window_size_left >= -1 && o.window_size_right >= -1, fn,
+               ": window_size_left and window_size_right must be >= -1 (-1 = unbounded), got ",
+               o.window_size_left, " and ", o.window_size_right);
+  CPATTN_CHECK(std::isfinite(o.softcap) && o.softcap >= 0.0f, fn,
+               ": softcap must be finite and >= 0 (0 = off), got ", o.softcap);
+  if (o.alibi_slopes)
+    for (int h = 0; h < s.num_heads_q; ++h)
+      CPATTN_CHECK(std::isfinite(o.alibi_slopes[h]), fn, ": alibi_slopes[", h,
+                   "] must be finite, got ", o.alibi_slopes[h]);
   CPATTN_CHECK(o.num_threads >= 1, fn, ": num_threads must be >= 1, got ", o.num_threads);
   CPATTN_CHECK(o.path != KernelPath::amx, fn,
                ": kernel path amx is not implemented (no AMX path is built; use automatic, "

@@ -1,6 +1,7 @@
 // CP attention over MPI against a single-process run of the whole batch (docs/design.md 7), at
 // the rank count mpiexec gives (CTest runs 1 to 5), and the agreement failures.
 #include <cpattn/check/batch.hpp>
+#include <cpattn/check/cases.hpp>
 #include <cpattn/check/compare.hpp>
 #include <cpattn/check/gather.hpp>
 #include <cpattn/check/tensor.hpp>
@@ -61,15 +62,27 @@ class CpAttentionTest : public ::testing::Test {
   Communicator comm{MPI_COMM_WORLD, CommOptions{.timeout_s = 120.0, .on_timeout = TimeoutAction::abort}};
 };
 
+// AttnOptions' window, soft cap and ALiBi for run_and_compare.
+struct Masks {
+  int64_t left = -1, right = -1;
+  float softcap = 0.0f;
+  bool alibi = false;
+};
+
 void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
                      MaskType mask = MaskType::causal, float dropout_p = 0.0f,
-                     CpScheme scheme = CpScheme::allgather, const std::vector<int64_t>& lengths = kLengths) {
+                     CpScheme scheme = CpScheme::allgather, const std::vector<int64_t>& lengths = kLengths,
+                     Masks mk = {}) {
   SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mode "
                                     << (mode == KvMode::runs ? "runs" : "index") << " mask "
                                     << (mask == MaskType::causal ? "causal" : "none") << " dropout "
                                     << dropout_p << " scheme " << to_string(scheme) << " documents "
-                                    << lengths.size() << " cp " << comm.size());
-  const AttnOptions options{.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = best_kernel_path()};
+                                    << lengths.size() << " window " << mk.left << "," << mk.right
+                                    << " softcap " << mk.softcap << " alibi " << mk.alibi << " cp " << comm.size());
+  const std::vector<float> slopes = check::alibi_slopes(s.hq);
+  const AttnOptions options{.mask = mask, .dropout_p = dropout_p, .seed = 77, .path = best_kernel_path(),
+                            .window_size_left = mk.left, .window_size_right = mk.right,
+                            .softcap = mk.softcap, .alibi_slopes = mk.alibi ? slopes.data() : nullptr};
   const check::Batch b = check::random_batch(cu_seqlens_from_lengths(lengths), s.batch(), t, kSeed);
   const check::Results want = check::single_process(b, options);
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
@@ -115,6 +128,33 @@ TEST_F(CpAttentionTest, MatchesSingleProcessWithoutMask) {
       run_and_compare(comm, kShapes[1], t, m, MaskType::none);
       if (HasFailure()) return;
     }
+}
+
+// FlashAttention's masks through CP (documents of 1..100 tokens over 2*cp chunks): windows
+// smaller and larger than chunks and documents, with and without causal; soft cap; ALiBi.
+TEST_F(CpAttentionTest, MatchesSingleProcessWithWindowSoftcapAlibi) {
+  const Masks all[] = {{.left = 10}, {.left = 40}, {.left = 0}, {.left = 200},
+                       {.softcap = 2.0f}, {.alibi = true}, {.left = 30, .softcap = 5.0f, .alibi = true}};
+  for (const KvMode m : {KvMode::runs, KvMode::index})
+    for (const Masks& mk : all) {
+      run_and_compare(comm, kShapes[1], DType::f32, m, MaskType::causal, 0.0f, CpScheme::allgather, kLengths, mk);
+      if (HasFailure()) return;
+    }
+  // The ring computes each visiting block's pairs with the same options and merges them.
+  for (const Masks& mk : all) {
+    run_and_compare(comm, kShapes[1], DType::f32, KvMode::runs, MaskType::causal, 0.0f, CpScheme::ring, kLengths, mk);
+    if (HasFailure()) return;
+  }
+  const Masks none[] = {{.left = 15, .right = 15}, {.left = 30, .right = -1}, {.left = -1, .right = 3},
+                        {.left = 20, .right = 5, .softcap = 3.0f, .alibi = true}};
+  for (const Masks& mk : none) {
+    run_and_compare(comm, kShapes[2], DType::f32, KvMode::runs, MaskType::none, 0.0f, CpScheme::allgather, kLengths, mk);
+    run_and_compare(comm, kShapes[1], DType::bf16, KvMode::index, MaskType::none, 0.0f, CpScheme::allgather, kLengths, mk);
+    run_and_compare(comm, kShapes[2], DType::bf16, KvMode::runs, MaskType::none, 0.0f, CpScheme::ring, kLengths, mk);
+    if (HasFailure()) return;
+  }
+  run_and_compare(comm, kShapes[1], DType::f32, KvMode::runs, MaskType::causal, 0.2f, CpScheme::allgather, kLengths,
+                  {.left = 25, .softcap = 4.0f});
 }
 
 // cp smaller than the world, as in data parallel x context parallel: the world split into

@@ -410,6 +410,16 @@ TEST_F(kernel_bad_params, Raise) {
   p.in.options.dropout_p = 1.0f;
   expect_error(p, "dropout_p must be in [0, 1)");
   p = good();
+  p.in.options.window_size_left = -2;
+  expect_error(p, "window_size_left and window_size_right must be >= -1");
+  p = good();
+  p.in.options.softcap = -1.0f;
+  expect_error(p, "softcap must be finite and >= 0");
+  p = good();
+  const float bad_slopes[4] = {0.5f, std::numeric_limits<float>::quiet_NaN(), 0.1f, 0.1f};
+  p.in.options.alibi_slopes = bad_slopes;
+  expect_error(p, "alibi_slopes[1] must be finite");
+  p = good();
   p.in.options.num_threads = 0;
   expect_error(p, "num_threads");
   p = good();

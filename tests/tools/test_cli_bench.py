@@ -61,6 +61,11 @@ r = bench(*TINY, "--dtype", "bfloat16", "--mask", "none")
 check(r.returncode == 0 and "attention bf16," in r.stdout and "mask none" in r.stdout
       and "check passed" in r.stderr, f"text report: {r.stdout} {r.stderr}")
 
+# The masks: reported in the JSON, checked against the float64 reference like any run.
+j = bench_json("--window", "40,0", "--softcap", "5", "--alibi")
+check(j is not None and j["window"] == [40, 0] and j["softcap"] == 5.0 and j["alibi"] is True,
+      f"masks JSON: {j}")
+
 # Bad values and old flags: exit 2, one line naming the flag and listing the valid values.
 DTYPES = "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16)"
 bad = [
@@ -75,6 +80,9 @@ bad = [
     (["--no-causal"], "--no-causal"),
     (["--path", "portable"], "--path"),
     (["--head-dim", "300"], "--head-dim"),
+    (["--window", "5"], "--window must be LEFT,RIGHT"),
+    (["--window", "-2,3"], "--window must be LEFT,RIGHT"),
+    (["--softcap", "-1"], "--softcap must be finite and >= 0"),
 ]
 for args, needle in bad:
     r = bench("--repeats", "1", *args)  # each fails before any kernel runs

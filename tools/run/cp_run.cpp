@@ -3,6 +3,7 @@
 // agreed by every rank. The check and the report are check.cpp and report.cpp.
 #include "run.hpp"
 
+#include <cpattn/check/cases.hpp>
 #include <cpattn/check/gather.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -69,6 +70,7 @@ struct Groups {
 // differ between ranks (a file one node cannot read): they are shared before anything else.
 struct Local {
   check::Batch b;
+  std::vector<float> slopes;  // --alibi: cfg.options.alibi_slopes points here
   CpAttnConfig cfg;
   std::shared_ptr<const RankPlan> plan;  // from the layer's cache: lays out the inputs, then runs
   check::Tensor q, k, v, dout;
@@ -83,16 +85,20 @@ Local prepare(const RunArgs& a, Communicator& comm) {
   check_kernel_path_supported(path);
   CPATTN_CHECK(a.seq_len >= 1, "--seq-len must be >= 1, got ", a.seq_len);
   CPATTN_CHECK(a.dropout >= 0.0f && a.dropout < 1.0f, "--dropout must be in [0, 1), got ", a.dropout);
+  const Window window = parse_window(a.window);
+  check_softcap(a.softcap);
   if (a.npy_in.empty())  // the files' shapes are CpAttention's to check
     CPATTN_CHECK(a.heads >= 1 && a.kv_heads >= 1 && a.heads % a.kv_heads == 0, "--heads (", a.heads,
                  ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;
+  if (a.alibi) l.slopes = check::alibi_slopes(b.shape.heads_q);
   l.cfg = {.num_heads_q = b.shape.heads_q, .num_heads_k = b.shape.heads_k, .head_dim_qk = b.shape.head_dim_qk,
            .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
            .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
-                       .path = path},
+                       .path = path, .window_size_left = window.left, .window_size_right = window.right,
+                       .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
            .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
            .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather};
   l.attn = std::make_unique<CpAttention>(comm, l.cfg);

@@ -1,6 +1,8 @@
 // `cpattn run`'s report: one JSON object (--json) or the table, and --npy-out.
 #include "run.hpp"
 
+#include "../vocab.hpp"
+
 #include <cpattn/check/tolerance.hpp>
 #include <cpattn/npy.hpp>
 
@@ -32,6 +34,12 @@ nlohmann::json report_json(const RunReport& r) {
   report["mode"] = a.mode;
   report["scheme"] = a.scheme;
   report["mask"] = a.mask;
+  {
+    const Window w = parse_window(a.window);
+    report["window"] = {w.left, w.right};
+  }
+  report["softcap"] = a.softcap;
+  report["alibi"] = a.alibi;
   report["kernel_path"] = r.kernel_path;
   report["threads"] = a.threads;  // per rank
   report["seq_len"] = b.tokens();
@@ -79,6 +87,11 @@ void print_report(const RunReport& r) {
               static_cast<long long>(r.balance.padded_tokens), b.shape.heads_q, b.shape.heads_k,
               b.shape.head_dim_qk, b.shape.head_dim_v, a.dtype.c_str(), a.mode.c_str(), a.mask.c_str(),
               a.threads, r.kernel_path.c_str());
+  if (!a.window.empty() || a.softcap > 0.0f || a.alibi) {
+    const Window w = parse_window(a.window);
+    std::printf("masks: window %lld,%lld, softcap %g, alibi %s\n", static_cast<long long>(w.left),
+                static_cast<long long>(w.right), static_cast<double>(a.softcap), a.alibi ? "on" : "off");
+  }
   std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.check.single_process_s);
   std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
   for (const check::TensorReport& t : r.check.tensors)

@@ -27,6 +27,9 @@ struct RunArgs {
   int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
   float dropout = 0.0f;
+  std::string window;   // --window LEFT,RIGHT (empty: unbounded)
+  float softcap = 0.0f;  // --softcap (0: off)
+  bool alibi = false;    // --alibi: slopes check::alibi_slopes(heads)
   double timeout = 300.0;
   std::string npy_in, npy_out;
   bool json = false;

@@ -24,6 +24,9 @@ struct AttnBenchOptions {
   DType dtype = DType::f32;
   int threads = 1;
   MaskType mask = MaskType::causal;
+  int64_t window_left = -1, window_right = -1;  // AttnOptions' window (-1 = unbounded)
+  float softcap = 0.0f;                         // 0 = off
+  bool alibi = false;                           // slopes alibi_slopes(heads)
   int repeats = 3;  // timed runs of each direction (median reported), after one warm-up
   KernelPath path = KernelPath::automatic;
   bool fail_check_for_testing = false;  // corrupt one lse value before the check (tests exit codes)

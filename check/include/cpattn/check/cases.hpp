@@ -20,6 +20,13 @@ struct AttnCase {
   int head_dim_qk = 64;
   int head_dim_v = 64;
   MaskType mask = MaskType::causal;
+  // AttnOptions' masks and options (attention.hpp): window, soft cap, ALiBi (slopes from
+  // alibi_slopes(num_heads_q)), dropout.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  float softcap = 0.0f;
+  bool alibi = false;
+  float dropout_p = 0.0f;
 
   int64_t total_q() const { return std::accumulate(q_lens.begin(), q_lens.end(), int64_t{0}); }
   int64_t total_k() const { return std::accumulate(k_lens.begin(), k_lens.end(), int64_t{0}); }
@@ -35,6 +42,10 @@ struct AttnCase {
 };
 
 std::vector<AttnCase> attention_cases();
+
+// The standard ALiBi slopes for n heads (the geometric sequence of the ALiBi paper for a power
+// of two: slope_h = 2^(-8 (h + 1) / n)).
+std::vector<float> alibi_slopes(int num_heads);
 
 // A case of equal query and key lengths (the benchmark's: T = 8192, Hq = 16, Hkv = 4, D = 128,
 // causal by default on the command line).

@@ -21,6 +21,7 @@ struct Problem {
   DType dtype;
   WorkList work;  // varlen_worklist of the case
   Tensor q, k, v, dout;
+  std::vector<float> slopes;  // ALiBi slopes when c.alibi (alibi_slopes(num_heads_q))
 
   // Uniform values in [-magnitude, magnitude] for q and k, [-1, 1] for v and dout, from one
   // mt19937_64 stream seeded with `seed`, rounded to `t`.
@@ -36,7 +37,15 @@ struct Problem {
   std::size_t dv_size() const { return static_cast<std::size_t>(v_shape().elements()); }
 
   AttnOptions options(KernelPath path, int threads) const {
-    return {.mask = c.mask, .num_threads = threads, .path = path};
+    return {.mask = c.mask,
+            .dropout_p = c.dropout_p,
+            .seed = 77,
+            .num_threads = threads,
+            .path = path,
+            .window_size_left = c.window_left,
+            .window_size_right = c.window_right,
+            .softcap = c.softcap,
+            .alibi_slopes = c.alibi ? slopes.data() : nullptr};
   }
   // Parameters over the tensors given (which may be copies in another dtype), on `w` (default:
   // the case's work list), grad_mode write.
