@@ -3,6 +3,7 @@
 // agreed by every rank. The check and the report are check.cpp and report.cpp.
 #include "run.hpp"
 
+#include <cpattn/file.hpp>
 #include <cpattn/check/gather.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -112,6 +113,9 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   std::string local_error;
   try {
     prepared = prepare(a, comm);
+    if (!a.npy_out.empty() && world.rank() == 0)  // the writer: its outputs checked before the run
+      for (const char* name : {"out", "lse", "dq", "dk", "dv"})
+        check_output_path(a.npy_out + "/" + name + ".npy", "--npy-out");
   } catch (const Error& e) {
     local_error = e.message();
   } catch (const std::exception& e) {
