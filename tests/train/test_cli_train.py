@@ -189,7 +189,7 @@ with tempfile.TemporaryDirectory() as tmp:
         return r, time.monotonic() - start
     for args1, msg in ((["--lr", "0.001"], "ranks disagree on cpattn train: --lr (float bits): rank 0 has"),
                        (["--seed", "2"], "ranks disagree on cpattn train: --seed: rank 0 has 1, rank 1 has 2"),
-                       (["--steps", "3"], "--steps: rank 0 has 2, rank 1 has 3"),
+                       (["--print-every", "2"], "--print-every: rank 0 has 1, rank 1 has 2"),
                        (["--resume", p("a.ckpt")], "--resume (hash)")):
         r, elapsed = mpmd([], args1)
         check(r.returncode == 2 and r.stderr.count(msg) == 1 and elapsed < 30,
