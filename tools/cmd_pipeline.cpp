@@ -1,6 +1,7 @@
 // `cpattn pipeline`: a pipeline schedule's tick table, its simulated figures, JSON, and an SVG
 // timeline.
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/pipeline.hpp>
 
 #include <nlohmann/json.hpp>
@@ -297,10 +298,12 @@ void write_svg(const std::string& path, const Simulation& sim, const PipelineCos
   o << "<text x=\"" << lx << "\" y=\"" << ly + 12.5
     << "\" font-size=\"12\" fill=\"#333\">colour = micro-batch" << (chunks ? "; label F&lt;mb&gt;.&lt;chunk&gt;" : "")
     << "</text>\n</svg>\n";
-  std::ofstream out(path);
-  CPATTN_CHECK(out.good(), "--svg: cannot open '", path, "' for writing");
-  out << o.str();
-  CPATTN_CHECK(out.good(), "--svg: cannot write '", path, "'");
+  const std::string text = o.str();
+  try {
+    write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size())));
+  } catch (const Error& e) {
+    throw Error("--svg: " + e.message());
+  }
 }
 
 void run_pipeline(const PipelineArgs& a) {
@@ -319,6 +322,7 @@ void run_pipeline(const PipelineArgs& a) {
                "rule), got --micro ", a.micro, " and --stages ", a.stages);
   CPATTN_CHECK(std::isfinite(a.transfer) && a.transfer >= 0, "--transfer must be >= 0, got ",
                a.transfer);
+  if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
   const PipelineCosts costs = parse_costs(a.costs, a.stages, a.transfer);
   const Schedule schedule = make_schedule({.stages = a.stages,
                                            .micro = a.micro,

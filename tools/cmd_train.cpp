@@ -5,15 +5,21 @@
 // curves side by side (train_compare.cpp).
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/train.hpp>
 
 #include <nlohmann/json.hpp>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <bit>
+#include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -49,6 +55,74 @@ struct TrainArgs {
   double timeout = 300.0;
   bool rope_local = false;  // hidden: RoPE on local offsets (for tests)
   int print_every = 1;
+  int64_t save_every = 0;       // also save every N steps (0: only at the end)
+  bool skip_nonfinite = false;  // skip a non-finite step instead of stopping
+  int64_t testing_nan_at_step = -1;  // hidden: NaN loss at this step (for tests)
+};
+
+// SIGTERM or SIGINT received (the signal's number); the loop checks it between steps.
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+uint64_t hash_of(const std::string& s) {
+  uint64_t h = 14695981039346656037ull;
+  for (const char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+// Every setting that must be the same on every rank, for cpattn::agree.
+Fingerprint settings_fingerprint(const TrainArgs& a) {
+  std::string data;
+  for (const std::string& d : a.data) data += d + '\n';
+  const auto fbits = [](float x) { return static_cast<int64_t>(std::bit_cast<uint32_t>(x)); };
+  Fingerprint fp;
+  fp.add("--cp", a.cp).add("--layers", a.model.layers).add("--dim", a.model.dim).add("--heads", a.model.heads);
+  fp.add("--kv-heads", a.model.kv_heads).add("--seq-len", a.seq_len).add("--steps", a.steps);
+  fp.add("--seed", static_cast<int64_t>(a.seed)).add("--lr (float bits)", fbits(a.optim.lr));
+  fp.add("--warmup", a.optim.warmup).add("--weight-decay (float bits)", fbits(a.optim.weight_decay));
+  fp.add("--clip (float bits)", fbits(a.optim.clip)).add("--dtype (hash)", static_cast<int64_t>(hash_of(a.dtype)));
+  fp.add("--data (hash)", static_cast<int64_t>(hash_of(data)));
+  fp.add("--resume (hash)", static_cast<int64_t>(hash_of(a.resume)));
+  fp.add("--save (hash)", static_cast<int64_t>(hash_of(a.save))).add("--save-every", a.save_every);
+  fp.add("--json-log (hash)", static_cast<int64_t>(hash_of(a.json_log)));
+  fp.add("--skip-nonfinite", a.skip_nonfinite ? 1 : 0).add("--print-every", a.print_every);
+  fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout));
+  fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
+  return fp;
+}
+
+// The JSON log: opened once (truncated, or appended to on --resume), every write checked,
+// fsynced at each checkpoint and at the end. Rank 0 only.
+struct JsonLog {
+  int fd = -1;
+  std::string path;
+  ~JsonLog() {
+    if (fd >= 0) ::close(fd);
+  }
+  void open(const std::string& p, bool append) {
+    path = p;
+    check_output_path(p, "--json-log");
+    fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0666);
+    CPATTN_CHECK(fd >= 0, "--json-log: cannot open '", p, "': ", std::strerror(errno));
+  }
+  void write(const std::string& line) {
+    try {
+      write_all(fd, std::as_bytes(std::span(line.data(), line.size())), path);
+    } catch (const Error& e) {
+      throw Error("--json-log: " + e.message());
+    }
+  }
+  void sync() {
+    CPATTN_CHECK(fd < 0 || ::fsync(fd) == 0, "--json-log: fsync of '", path, "' failed: ", std::strerror(errno));
+  }
 };
 
 using Clock = std::chrono::steady_clock;
@@ -71,6 +145,8 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.optim.weight_decay >= 0, "--weight-decay must be >= 0, got ", a.optim.weight_decay);
   CPATTN_CHECK(a.optim.clip >= 0, "--clip must be >= 0 (0: no clipping), got ", a.optim.clip);
   CPATTN_CHECK(a.print_every >= 1, "--print-every must be >= 1, got ", a.print_every);
+  CPATTN_CHECK(a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
+  CPATTN_CHECK(a.save_every == 0 || !a.save.empty(), "--save-every needs --save FILE (where to write)");
   const train::ModelConfig& m = a.model;
   CPATTN_CHECK(m.layers >= 1, "--layers must be >= 1, got ", m.layers);
   CPATTN_CHECK(m.heads >= 1 && m.kv_heads >= 1 && m.heads % m.kv_heads == 0, "--heads (", m.heads,
@@ -131,6 +207,14 @@ void train_run(const TrainArgs& a) {
   const int rank = comm.rank();
   CPATTN_CHECK(a.cp == comm.size(), "--cp ", a.cp, " does not match the MPI world size ", comm.size(),
                ": launch as mpirun -np ", a.cp, " cpattn train --cp ", a.cp);
+  // Every rank runs the same settings, or every rank fails at once naming the field.
+  agree(comm, settings_fingerprint(a), "cpattn train");
+  // Output paths before any work: a FIFO, a device, a folder or an unwritable folder is exit 2.
+  train::on_every_rank(comm, [&] {
+    if (rank != 0) return;
+    if (!a.save.empty()) check_output_path(a.save, "--save");
+    if (!a.json_log.empty()) check_output_path(a.json_log, "--json-log");
+  });
 
   std::unique_ptr<train::DataStream> data;
   train::on_every_rank(comm, [&] {
@@ -138,19 +222,26 @@ void train_run(const TrainArgs& a) {
   });
   train::Trainer trainer(comm, a.model, a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
-                          .rope_local_offsets = a.rope_local},
+                          .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
+                          .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed);
+  const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = train::data_identity(data->documents())};
   if (!a.resume.empty()) {
     train::DataPosition pos;
-    with_flag("--resume", [&] { pos = trainer.load(a.resume); });
+    with_flag("--resume", [&] { pos = trainer.load(a.resume, identity); });
     train::on_every_rank(comm, [&] { with_flag("--resume", [&] { data->seek(pos); }); });
   }
-  std::ofstream log;
+  JsonLog log;  // a resumed run appends to its log
   train::on_every_rank(comm, [&] {
-    if (rank != 0 || a.json_log.empty()) return;
-    log.open(a.json_log, std::ios::trunc);
-    CPATTN_CHECK(log.good(), "--json-log: cannot write '", a.json_log, "'");
+    if (rank == 0 && !a.json_log.empty()) log.open(a.json_log, !a.resume.empty());
   });
+  const auto save = [&] {
+    train::on_every_rank(comm, [&] {
+      if (rank == 0) log.sync();
+    });
+    with_flag("--save", [&] { trainer.save(a.save, data->position(), identity); });
+  };
+  install_stop_handlers();
 
   if (rank == 0) {
     int64_t params = static_cast<int64_t>(trainer.params().size());
@@ -166,17 +257,39 @@ void train_run(const TrainArgs& a) {
 
   std::vector<StepRow> rows;
   const auto t_start = Clock::now();
+  int stop_signal = 0;
   for (int64_t s = trainer.steps_done(); s < a.steps; ++s) {
     const train::PackedSequence seq = data->next(a.seq_len);
     const auto t0 = Clock::now();
-    const train::StepStats st = trainer.step(seq);
+    train::StepStats st;
+    try {
+      st = trainer.step(seq);
+    } catch (const Error& e) {  // a non-finite step: the same on every rank; not an input error
+      if (rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+      throw ExitCode{1};
+    }
     std::array<double, 1> dt{std::chrono::duration<double>(Clock::now() - t0).count()};
     comm.all_reduce<double>(dt, ReduceOp::max);  // a step takes as long as its slowest rank
     const double mine = peak_rss_mb();
     std::vector<double> rss(static_cast<std::size_t>(comm.size()));
     comm.all_gather<double>(std::span(&mine, 1), rss);
     StepRow row{st.step, st.loss, st.grad_norm, st.lr, dt[0], static_cast<double>(seq.tokens.size()) / dt[0], rss};
-    if (rank == 0) {
+    std::string log_error;
+    if (rank == 0 && st.skipped) {
+      std::printf("step %5lld | skipped: loss %g, grad norm %g (non-finite; %lld skipped so far)\n",
+                  static_cast<long long>(st.step), st.loss, st.grad_norm,
+                  static_cast<long long>(trainer.skipped_steps()));
+      std::fflush(stdout);
+      if (log.fd >= 0) {
+        const nlohmann::json j = {{"step", st.step}, {"skipped", true}, {"loss", st.loss},
+                                  {"grad_norm", st.grad_norm}, {"lr", st.lr}, {"cp", a.cp}};
+        try {
+          log.write(j.dump() + "\n");
+        } catch (const Error& e) {
+          log_error = e.message();
+        }
+      }
+    } else if (rank == 0) {
       const double max_rss = *std::max_element(rss.begin(), rss.end());
       if (st.step % a.print_every == 0 || s + 1 == a.steps) {
         std::printf("step %5lld | loss %.4f | grad norm %7.4f | lr %.2e | %8.0f tok/s | %.3f s | peak MB",
@@ -185,24 +298,58 @@ void train_run(const TrainArgs& a) {
         std::printf("\n");
         std::fflush(stdout);
       }
-      if (log.is_open()) {
+      if (log.fd >= 0) {
         const nlohmann::json j = {{"step", st.step},          {"loss", st.loss},
                                   {"grad_norm", st.grad_norm}, {"lr", st.lr},
                                   {"step_s", row.step_s},      {"tokens_per_s", row.tokens_per_s},
                                   {"tokens", st.tokens},       {"peak_rss_mb", max_rss},
                                   {"peak_rss_mb_per_rank", rss}, {"cp", a.cp}};
-        log << j.dump() << '\n';
-        log.flush();
+        try {
+          log.write(j.dump() + "\n");
+        } catch (const Error& e) {
+          log_error = e.message();
+        }
       }
     }
-    rows.push_back(std::move(row));
+    train::on_every_rank(comm, [&] { CPATTN_CHECK(log_error.empty(), log_error); });
+    if (!st.skipped) rows.push_back(std::move(row));
+    // A signal on any rank stops every rank after the same step.
+    int64_t sig = g_stop_signal;
+    comm.all_reduce<int64_t>(std::span(&sig, 1), ReduceOp::max);
+    if (sig != 0) {
+      stop_signal = static_cast<int>(sig);
+      break;
+    }
+    if (a.save_every > 0 && trainer.steps_done() % a.save_every == 0 && s + 1 < a.steps) {
+      save();
+      if (rank == 0) {
+        std::printf("saved step %lld to %s\n", static_cast<long long>(trainer.steps_done()), a.save.c_str());
+        std::fflush(stdout);
+      }
+    }
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  train::on_every_rank(comm, [&] {
+    if (rank == 0) log.sync();
+  });
   if (!a.save.empty()) {
-    with_flag("--save", [&] { trainer.save(a.save, data->position()); });
+    save();
     if (rank == 0) std::printf("saved step %lld to %s\n", static_cast<long long>(trainer.steps_done()), a.save.c_str());
   }
-  if (rank == 0) print_summary(rows, a.cp, total_s);
+  if (stop_signal != 0) {
+    if (rank == 0) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "cpattn: stopped by %s after step %lld%s\n", stop_signal == SIGINT ? "SIGINT" : "SIGTERM",
+                   static_cast<long long>(trainer.steps_done()),
+                   a.save.empty() ? " (no --save: nothing saved)" : (": checkpoint in " + a.save).c_str());
+    }
+    throw ExitCode{128 + stop_signal};
+  }
+  if (rank == 0) {
+    print_summary(rows, a.cp, total_s);
+    if (trainer.skipped_steps() > 0)
+      std::printf("  %-28s %lld\n", "skipped steps (non-finite)", static_cast<long long>(trainer.skipped_steps()));
+  }
 }
 
 // ---- --compare: one MPI job per CP size ---------------------------------------------------------
@@ -224,6 +371,7 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
                                 "--json-log", log};
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
+  if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.data.empty()) {
     v.emplace_back("--data");
     v.insert(v.end(), a.data.begin(), a.data.end());
@@ -273,7 +421,14 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--data", a->data, "Files or folders, one document per file (default: " +
                                          std::string(train::kDefaultDataDir) + ")");
   cmd->add_option("--json-log", a->json_log, "Write one JSON object per step to FILE");
-  cmd->add_option("--save", a->save, "Save a checkpoint to FILE at the end");
+  cmd->add_option("--save", a->save, "Save a checkpoint to FILE at the end (and on SIGTERM/SIGINT)");
+  cmd->add_option("--save-every", a->save_every, "Also save the checkpoint every N steps (needs --save)")
+      ->capture_default_str();
+  cmd->add_flag("--skip-nonfinite", a->skip_nonfinite,
+                "Skip the update of a step whose loss or gradient norm is not finite (and count it) "
+                "instead of stopping with an error");
+  cmd->add_option("--testing-nan-at-step", a->testing_nan_at_step, "Testing only: a NaN loss at this step")
+      ->group("");
   cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)");
   cmd->add_option("--compare", a->compare, "Run the same training at each CP size, e.g. 1,2,4, and compare")
       ->delimiter(',');

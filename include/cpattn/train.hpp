@@ -121,6 +121,15 @@ struct RunOptions {
   // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
   // document instead of its global position. Wrong for cp > 1 on purpose.
   bool rope_local_offsets = false;
+  // A step whose loss or gradient norm is not finite: false (default) stops training with
+  // cpattn::Error "step N: loss is nan, gradient norm nan: ..." on every rank alike (both are
+  // all-reduced, so every rank sees the same values) and leaves the weights as they were;
+  // true skips that step's update (the step still counts, its data is consumed, the AdamW
+  // moments are untouched) and counts it in Trainer::skipped_steps().
+  bool skip_nonfinite = false;
+  // Internal, for tests: rank 0's loss of this step (counting from 0) becomes NaN before the
+  // all-reduce, so every rank sees a NaN loss. -1: off.
+  int64_t testing_nan_at_step = -1;
 };
 
 struct StepStats {
@@ -130,7 +139,18 @@ struct StepStats {
   double lr = 0;             // learning rate used
   int64_t tokens = 0;        // real (scored) tokens of all ranks
   int64_t local_tokens = 0;  // this rank's rows, padding included
+  bool skipped = false;      // non-finite loss or gradient norm, update skipped (skip_nonfinite)
 };
+
+// What a checkpoint records of the run besides the model and the optimizer (Trainer::save,
+// Trainer::load): both must match on resume. 0: not recorded (library use without them).
+struct RunIdentity {
+  int64_t seq_len = 0;
+  uint64_t data_hash = 0;  // data_identity() of the documents
+};
+
+// A 64-bit hash (FNV-1a) of every document's name and bytes, in order: the data's identity.
+uint64_t data_identity(std::span<const Document> docs);
 
 // A parameter tensor inside the flat parameter vector.
 struct ParamTensor {
@@ -164,12 +184,18 @@ class Trainer {
   const ModelConfig& model() const;
   int64_t steps_done() const;
   double global_grad_norm() const;  // of grads()
+  int64_t skipped_steps() const;    // steps skipped as non-finite (RunOptions::skip_nonfinite)
 
-  // Checkpoint: model config, step, data position, weights and AdamW moments (fp32). Written
-  // by rank 0 (weights are replicated), read by every rank; a file saved at one cp resumes at
-  // any other. load() checks the model config and throws the same cpattn::Error on every rank.
-  void save(const std::string& path, const DataPosition& data) const;  // collective
-  DataPosition load(const std::string& path);                         // collective
+  // Checkpoint: the full configuration (model config, optimizer settings, seed, attention
+  // dtype, `id`'s seq_len and data hash), step, data position, weights and AdamW moments
+  // (fp32), under an FNV-1a 64 checksum (src/train/checkpoint.hpp). Written by rank 0
+  // (weights are replicated) through write_file_atomically, read by every rank; a file saved
+  // at one cp resumes at any other. load() refuses, with the same cpattn::Error on every rank,
+  // a file that is truncated, has trailing bytes, fails its checksum, holds a negative step or
+  // data position or a non-finite weight or moment, or whose configuration differs from this
+  // run's (the message names the field: "checkpoint 'c' has lr 0.001, this run 0.0005").
+  void save(const std::string& path, const DataPosition& data, const RunIdentity& id = {}) const;  // collective
+  DataPosition load(const std::string& path, const RunIdentity& id = {});                         // collective
 
  private:
   struct Impl;

@@ -1,6 +1,7 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/npy.hpp>
+#include <cpattn/file.hpp>
 
 #include <cstring>
 #include <fstream>
@@ -178,10 +179,7 @@ std::vector<std::byte> format_npy(const NpyArray& a) {
 
 void write_npy(const std::string& path, const NpyArray& a) {
   const std::vector<std::byte> bytes = format_npy(a);
-  std::ofstream out(path, std::ios::binary);
-  CPATTN_CHECK(out.good(), path, ": cannot open for writing");
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  CPATTN_CHECK(out.good(), path, ": write failed");
+  write_file_atomically(path, bytes);  // checked, fsynced, renamed: never half a file
 }
 
 void write_npy(const std::string& path, std::span<const float> values, std::vector<int64_t> shape) {

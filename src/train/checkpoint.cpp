@@ -2,71 +2,173 @@
 #include "checkpoint.hpp"
 
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 
 #include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
+#include <iterator>
 
 namespace cpattn::train {
 
 namespace {
 
 constexpr char kMagic[8] = {'C', 'P', 'A', 'T', 'T', 'N', 'T', 'R'};
-constexpr int64_t kVersion = 1;
-constexpr std::size_t kHeaderFields = 13;
+constexpr int64_t kVersion = 2;
 
-// The header's int64 fields after the magic.
-std::vector<int64_t> header_fields(const ModelConfig& mc, int64_t n_params, int64_t step, const DataPosition& d) {
-  return {kVersion,     mc.vocab, mc.layers, mc.dim,  mc.heads, mc.kv_heads, mc.ffn_dim(),
-          std::bit_cast<int32_t>(mc.rope_theta), n_params, step, d.doc, d.offset, d.epoch};
+enum class Kind { model, integer, real, hash, dtype, state };
+struct FieldName {
+  const char* name;
+  Kind kind;
+};
+// The fields after the version and count, in file order. Model fields keep version 1's
+// message ("holds a model with layers = 1, this run has 2").
+constexpr FieldName kFields[] = {
+    {"vocab", Kind::model},         {"layers", Kind::model},       {"dim", Kind::model},
+    {"heads", Kind::model},         {"kv_heads", Kind::model},     {"ffn", Kind::model},
+    {"rope_theta", Kind::model},    {"norm_eps", Kind::model},     {"parameters", Kind::model},
+    {"lr", Kind::real},             {"warmup", Kind::integer},     {"weight_decay", Kind::real},
+    {"clip", Kind::real},           {"beta1", Kind::real},         {"beta2", Kind::real},
+    {"eps", Kind::real},            {"seed", Kind::integer},       {"attention dtype", Kind::dtype},
+    {"seq_len", Kind::integer},     {"data", Kind::hash},          {"step", Kind::state},
+    {"data doc", Kind::state},      {"data offset", Kind::state},  {"data epoch", Kind::state}};
+constexpr int64_t kFieldCount = std::size(kFields);
+constexpr int64_t kConfigFields = 20;  // before the state
+constexpr int64_t kParamsField = 8;
+
+int64_t bits(float x) { return std::bit_cast<int32_t>(x); }
+
+std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const DataPosition& d) {
+  const ModelConfig& m = c.model;
+  const OptimConfig& o = c.optim;
+  return {m.vocab,         m.layers,   m.dim,           m.heads,          m.kv_heads,
+          m.ffn_dim(),     bits(m.rope_theta), bits(m.norm_eps), c.n_params,
+          bits(o.lr),      o.warmup,   bits(o.weight_decay), bits(o.clip), bits(o.beta1),
+          bits(o.beta2),   bits(o.eps), static_cast<int64_t>(c.seed), static_cast<int64_t>(c.attn_dtype),
+          c.id.seq_len,    static_cast<int64_t>(c.id.data_hash),
+          step,            d.doc,      d.offset,        d.epoch};
+}
+
+std::string shown(Kind k, int64_t v) {
+  char b[64];
+  if (k == Kind::real) {  // the shortest text that reads back as the same float
+    const float x = std::bit_cast<float>(static_cast<int32_t>(v));
+    for (int digits = 6; digits <= 9; ++digits) {
+      std::snprintf(b, sizeof b, "%.*g", digits, x);
+      if (std::strtof(b, nullptr) == x) break;
+    }
+  } else if (k == Kind::hash) {
+    std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  } else if (k == Kind::dtype) {
+    return std::string(to_string(static_cast<DType>(v)));
+  } else {
+    std::snprintf(b, sizeof b, "%lld", static_cast<long long>(v));
+  }
+  return b;
 }
 
 }  // namespace
 
-void save_checkpoint(const std::string& path, const ModelConfig& mc, int64_t step, const DataPosition& data,
-                     std::span<const float> params, std::span<const float> m, std::span<const float> v) {
-  const std::string tmp = path + ".tmp";
-  const auto n = static_cast<int64_t>(params.size());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    CPATTN_CHECK(out.good(), "checkpoint '", path, "': cannot write '", tmp, "'");
-    const std::vector<int64_t> h = header_fields(mc, n, step, data);
-    out.write(kMagic, sizeof kMagic);
-    out.write(reinterpret_cast<const char*>(h.data()), static_cast<std::streamsize>(h.size() * sizeof(int64_t)));
-    for (const std::span<const float> a : {params, m, v})
-      out.write(reinterpret_cast<const char*>(a.data()), static_cast<std::streamsize>(n * sizeof(float)));
-    CPATTN_CHECK(out.good(), "checkpoint '", path, "': error while writing '", tmp, "'");
+uint64_t fnv1a64(std::span<const std::byte> bytes, uint64_t h) {
+  for (const std::byte b : bytes) {
+    h ^= static_cast<uint8_t>(b);
+    h *= 1099511628211ull;
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  CPATTN_CHECK(!ec, "checkpoint '", path, "': cannot rename '", tmp, "' to it: ", ec.message());
+  return h;
 }
 
-CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mc, int64_t n_params) {
+void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
+                     std::span<const float> params, std::span<const float> m, std::span<const float> v) {
+  const std::vector<int64_t> f = fields_of(cfg, step, data);
+  std::vector<int64_t> head = {kVersion, kFieldCount};
+  head.insert(head.end(), f.begin(), f.end());
+  const std::size_t n = params.size();
+  CPATTN_CHECK(m.size() == n && v.size() == n, "checkpoint '", path, "': moments of another size");
+  std::vector<std::byte> out(sizeof kMagic + head.size() * 8 + 8 + 3 * n * sizeof(float));
+  std::byte* p = out.data();
+  std::memcpy(p, kMagic, sizeof kMagic);
+  std::memcpy(p + 8, head.data(), head.size() * 8);
+  std::byte* payload = p + 8 + head.size() * 8 + 8;
+  for (std::size_t i = 0; const std::span<const float> a : {params, m, v})
+    std::memcpy(payload + (i++) * n * sizeof(float), a.data(), n * sizeof(float));
+  uint64_t h = fnv1a64(std::span(p + 8, head.size() * 8));
+  h = fnv1a64(std::span(payload, 3 * n * sizeof(float)), h);
+  std::memcpy(p + 8 + head.size() * 8, &h, 8);
+  try {
+    write_file_atomically(path, out);
+  } catch (const Error& e) {
+    throw Error("checkpoint " + e.message());
+  }
+}
+
+CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig& cfg) {
   std::ifstream in(path, std::ios::binary);
   CPATTN_CHECK(in.good(), "checkpoint '", path, "': cannot read it");
-  char magic[8] = {};
-  std::vector<int64_t> h(kHeaderFields);
-  in.read(magic, sizeof magic);
-  CPATTN_CHECK(in.good() && std::memcmp(magic, kMagic, sizeof kMagic) == 0, "checkpoint '", path,
+  const std::vector<char> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CPATTN_CHECK(!in.bad(), "checkpoint '", path, "': read error");
+  const std::size_t size = file.size();
+  CPATTN_CHECK(size >= 8 && std::memcmp(file.data(), kMagic, sizeof kMagic) == 0, "checkpoint '", path,
                "' is not a cpattn training checkpoint");
-  in.read(reinterpret_cast<char*>(h.data()), static_cast<std::streamsize>(h.size() * sizeof(int64_t)));
-  CPATTN_CHECK(in.good() && h[0] == kVersion, "checkpoint '", path, "' has an unknown version");
-  const std::vector<int64_t> want = header_fields(mc, n_params, 0, {});
-  const char* names[] = {"version", "vocab", "layers", "dim", "heads", "kv_heads", "ffn", "rope_theta", "parameters"};
-  for (std::size_t i = 1; i < 9; ++i)
-    CPATTN_CHECK(h[i] == want[i], "checkpoint '", path, "' holds a model with ", names[i], " = ", h[i],
-                 ", this run has ", want[i]);
+  const auto at = [&](std::size_t i) {
+    int64_t x = 0;
+    std::memcpy(&x, file.data() + 8 + 8 * i, 8);
+    return x;
+  };
+  CPATTN_CHECK(size >= 24, "checkpoint '", path, "' is truncated (", size, " bytes)");
+  const int64_t version = at(0);
+  CPATTN_CHECK(version == kVersion, "checkpoint '", path, "' has version ", version, ", this cpattn reads version ",
+               kVersion, version == 1 ? " (version 1 has no checksum and no configuration: train again)" : "");
+  CPATTN_CHECK(at(1) == kFieldCount, "checkpoint '", path, "' has ", at(1), " header fields, want ", kFieldCount);
+  const std::size_t header = 8 + 8 * (2 + kFieldCount) + 8;
+  CPATTN_CHECK(size >= header, "checkpoint '", path, "' is truncated (", size, " bytes, its header alone is ", header,
+               ")");
+  std::vector<int64_t> got(kFieldCount);
+  for (int64_t i = 0; i < kFieldCount; ++i) got[i] = at(2 + i);
+  const int64_t n_file = got[kParamsField];
+  CPATTN_CHECK(n_file >= 0 && n_file < (int64_t{1} << 40), "checkpoint '", path, "' has a parameter count of ",
+               n_file);
+  const std::size_t want_size = header + 3 * static_cast<std::size_t>(n_file) * sizeof(float);
+  CPATTN_CHECK(size >= want_size, "checkpoint '", path, "' is truncated: ", size, " bytes, its header says ",
+               want_size);
+  CPATTN_CHECK(size == want_size, "checkpoint '", path, "' has ", size - want_size,
+               " trailing bytes after its data (", want_size, " bytes expected)");
+  const auto* bytes = reinterpret_cast<const std::byte*>(file.data());
+  uint64_t h = fnv1a64(std::span(bytes + 8, header - 16));
+  h = fnv1a64(std::span(bytes + header, size - header), h);
+  uint64_t stored = 0;
+  std::memcpy(&stored, bytes + header - 8, 8);
+  CPATTN_CHECK(h == stored, "checkpoint '", path, "' fails its checksum (the file is corrupt)");
+
+  const std::vector<int64_t> want = fields_of(cfg, 0, {});
+  for (int64_t i = 0; i < kConfigFields; ++i) {
+    const FieldName& f = kFields[i];
+    if (got[i] == want[i]) continue;
+    if (f.kind == Kind::model)
+      CPATTN_CHECK(false, "checkpoint '", path, "' holds a model with ", f.name, " = ", shown(f.kind, got[i]),
+                   ", this run has ", shown(f.kind, want[i]));
+    CPATTN_CHECK(false, "checkpoint '", path, "' has ", f.name, " ", shown(f.kind, got[i]), ", this run ",
+                 shown(f.kind, want[i]));
+  }
+  for (int64_t i = kConfigFields; i < kFieldCount; ++i)
+    CPATTN_CHECK(got[i] >= 0, "checkpoint '", path, "' has a negative ", kFields[i].name, " (", got[i], ")");
   CheckpointState s;
-  s.params.resize(n_params);
-  s.m.resize(n_params);
-  s.v.resize(n_params);
-  for (std::vector<float>* a : {&s.params, &s.m, &s.v})
-    in.read(reinterpret_cast<char*>(a->data()), static_cast<std::streamsize>(n_params * sizeof(float)));
-  CPATTN_CHECK(in.good(), "checkpoint '", path, "' is truncated");
-  s.step = h[9];
-  s.data = {h[10], h[11], h[12]};
+  s.step = got[kConfigFields];
+  s.data = {got[kConfigFields + 1], got[kConfigFields + 2], got[kConfigFields + 3]};
+  const std::size_t n = static_cast<std::size_t>(n_file);
+  const char* names[] = {"weight", "first moment", "second moment"};
+  int which = 0;
+  for (std::vector<float>* a : {&s.params, &s.m, &s.v}) {
+    a->resize(n);
+    std::memcpy(a->data(), bytes + header + which * n * sizeof(float), n * sizeof(float));
+    for (std::size_t i = 0; i < n; ++i)
+      CPATTN_CHECK(std::isfinite((*a)[i]) && (which < 2 || (*a)[i] >= 0), "checkpoint '", path, "' has a ",
+                   std::isfinite((*a)[i]) ? "negative" : "non-finite", " ", names[which], " at parameter ", i, " (",
+                   (*a)[i], ")");
+    ++which;
+  }
   return s;
 }
 

@@ -1,11 +1,19 @@
-// Training checkpoints (include/cpattn/train.hpp, Trainer::save/load): one file with the model
-// config, the step, the data position, the weights and AdamW's moments (fp32). No MPI here:
-// the Trainer decides which rank writes and makes every rank agree on errors. Internal to
-// cpattn_train (not installed).
+// Training checkpoints (include/cpattn/train.hpp, Trainer::save/load): one file with the full
+// configuration, the step, the data position, the weights and AdamW's moments (fp32). No MPI
+// here: the Trainer decides which rank writes and makes every rank agree on errors. Internal
+// to cpattn_train (not installed).
 //
-// Format: the magic "CPATTNTR", 13 int64 fields (version, vocab, layers, dim, heads, kv_heads,
-// ffn, rope theta's bits, parameter count, step, data doc, offset, epoch), then params, m, v
-// (fp32, parameter count each), native byte order.
+// Format (version 2), native byte order:
+//   "CPATTNTR"                     8 bytes, the magic
+//   version = 2, field count F     int64 each
+//   F int64 fields                 checkpoint_field_names() order: the configuration, which
+//                                  must match on resume (model, optimizer, seed, attention
+//                                  dtype, seq_len, data hash; floats as their bits), then the
+//                                  state (step, data doc, offset, epoch)
+//   checksum                       uint64 FNV-1a 64 over the version, count, fields and payload
+//   payload                        params, m, v (fp32, the parameter count each)
+// The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
+// both are refused, as is a version 1 file (no checksum, no configuration).
 #pragma once
 
 #include <cpattn/train.hpp>
@@ -17,19 +25,30 @@
 
 namespace cpattn::train {
 
+// What must match between a checkpoint and the run that resumes it.
+struct CheckpointConfig {
+  ModelConfig model;
+  int64_t n_params = 0;
+  OptimConfig optim;
+  uint64_t seed = 0;
+  DType attn_dtype = DType::f32;
+  RunIdentity id;
+};
+
 struct CheckpointState {
   int64_t step = 0;
   DataPosition data;
   std::vector<float> params, m, v;
 };
 
-// Writes `path` atomically: into `path`.tmp, then renamed over `path`. Throws cpattn::Error
-// naming the file.
-void save_checkpoint(const std::string& path, const ModelConfig& mc, int64_t step, const DataPosition& data,
+uint64_t fnv1a64(std::span<const std::byte> bytes, uint64_t h = 14695981039346656037ull);
+
+// Writes `path` through write_file_atomically. Throws cpattn::Error naming the file.
+void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
                      std::span<const float> params, std::span<const float> m, std::span<const float> v);
 
-// Reads `path`, checking that it holds a model of config `mc` with `n_params` parameters
-// (cpattn::Error names the file and the first field that differs).
-CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mc, int64_t n_params);
+// Reads and verifies `path` against `cfg` (cpattn::Error names the file and the first problem
+// or the first field that differs).
+CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig& cfg);
 
 }  // namespace cpattn::train

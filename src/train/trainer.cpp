@@ -9,6 +9,9 @@
 #include "optimizer.hpp"
 
 #include <array>
+#include <cmath>
+#include <cstdio>
+#include <limits>
 
 namespace cpattn::train {
 
@@ -27,6 +30,14 @@ void rethrow_agreed(Communicator& comm, const std::string& local_error) {
 }
 
 namespace {
+std::string number(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char b[32];
+  std::snprintf(b, sizeof b, "%.6g", x);
+  return b;
+}
+
 const OptimConfig& checked(const OptimConfig& oc) {
   check_optim_config(oc);
   return oc;
@@ -39,9 +50,11 @@ struct Trainer::Impl {
   Model model;
   AdamW adam;
   double norm = 0;  // global gradient norm of the last backward
+  uint64_t seed = 0;
+  int64_t skipped = 0;
 
-  Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t seed)
-      : comm(c), oc(checked(optim)), model(c, mc, ro, seed) {
+  Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t sd)
+      : comm(c), oc(checked(optim)), model(c, mc, ro, sd), seed(sd) {
     adam.m.assign(model.layout.count, 0.0f);
     adam.v.assign(model.layout.count, 0.0f);
   }
@@ -54,7 +67,9 @@ struct Trainer::Impl {
   double forward(const PackedSequence& seq, int64_t& total) {
     prepare_batch(model, seq);
     int64_t scored = 0;
-    const double loss_sum = model_forward(model, scored);
+    double loss_sum = model_forward(model, scored);
+    if (model.run.testing_nan_at_step == adam.step && comm.rank() == 0)
+      loss_sum = std::numeric_limits<double>::quiet_NaN();
     std::array<double, 2> s{loss_sum, static_cast<double>(scored)};
     comm.all_reduce<double>(s, ReduceOp::sum);
     total = static_cast<int64_t>(s[1]);
@@ -85,6 +100,16 @@ StepStats Trainer::step(const PackedSequence& seq) {
   st.loss = s.loss_and_grad(seq, st.tokens);
   st.grad_norm = s.norm;
   st.local_tokens = s.model.batch.T;
+  if (!std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {  // the same values on every rank
+    if (!s.model.run.skip_nonfinite)
+      throw Error("step " + std::to_string(st.step) + ": loss is " + number(st.loss) + ", gradient norm " +
+                  number(st.grad_norm) + ": training stopped before this step's update (skip such steps with "
+                  "RunOptions::skip_nonfinite, --skip-nonfinite in cpattn train)");
+    st.skipped = true;
+    ++s.skipped;
+    ++s.adam.step;  // the step is spent (its data consumed, the schedule moves on), the weights unchanged
+    return st;
+  }
   adamw_update(s.oc, s.model.layout.tensors, s.model.params, s.grads(), s.norm, s.adam);
   return st;
 }
@@ -107,20 +132,39 @@ const std::vector<ParamTensor>& Trainer::tensors() const { return impl_->model.l
 const ModelConfig& Trainer::model() const { return impl_->model.config; }
 int64_t Trainer::steps_done() const { return impl_->adam.step; }
 double Trainer::global_grad_norm() const { return impl_->norm; }
+int64_t Trainer::skipped_steps() const { return impl_->skipped; }
 
-void Trainer::save(const std::string& path, const DataPosition& data) const {
+uint64_t data_identity(std::span<const Document> docs) {
+  uint64_t h = fnv1a64({});
+  for (const Document& d : docs) {
+    const int64_t sizes[2] = {static_cast<int64_t>(d.name.size()), static_cast<int64_t>(d.bytes.size())};
+    h = fnv1a64(std::as_bytes(std::span(sizes)), h);
+    h = fnv1a64(std::as_bytes(std::span(d.name.data(), d.name.size())), h);
+    h = fnv1a64(std::as_bytes(std::span(d.bytes)), h);
+  }
+  return h;
+}
+
+namespace {
+CheckpointConfig checkpoint_config(const Model& m, const OptimConfig& oc, uint64_t seed, const RunIdentity& id) {
+  return {.model = m.config, .n_params = m.layout.count, .optim = oc, .seed = seed, .attn_dtype = m.run.attn_dtype,
+          .id = id};
+}
+}  // namespace
+
+void Trainer::save(const std::string& path, const DataPosition& data, const RunIdentity& id) const {
   const Impl& s = *impl_;
   on_every_rank(s.comm, [&] {
     if (s.comm.rank() == 0)
-      save_checkpoint(path, s.model.config, s.adam.step, data, s.model.params, s.adam.m, s.adam.v);
+      save_checkpoint(path, checkpoint_config(s.model, s.oc, s.seed, id), s.adam.step, data, s.model.params, s.adam.m, s.adam.v);
   });
 }
 
-DataPosition Trainer::load(const std::string& path) {
+DataPosition Trainer::load(const std::string& path, const RunIdentity& id) {
   Impl& s = *impl_;
   DataPosition d;
   on_every_rank(s.comm, [&] {
-    CheckpointState c = load_checkpoint(path, s.model.config, s.model.layout.count);
+    CheckpointState c = load_checkpoint(path, checkpoint_config(s.model, s.oc, s.seed, id));
     s.model.params = std::move(c.params);
     s.adam.m = std::move(c.m);
     s.adam.v = std::move(c.v);

@@ -4,7 +4,9 @@ missing or empty data, a too short --seq-len, --cp different from the MPI world 
 one clear line, no hang); every documented spelling of --dtype (docs/cli.md)."""
 import json
 import os
+import signal
 import subprocess
+import time
 import sys
 import tempfile
 
@@ -99,6 +101,99 @@ with tempfile.TemporaryDirectory() as tmp:
         check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2\n{r.stderr[-1500:]}")
         check(msg in r.stderr and r.stderr.count("cpattn: error:") == 1,
               f"{args}: stderr should say '{msg}' once:\n{r.stderr[-1500:]}")
+
+    # Non-finite steps: an error naming the step, exit 1, one line, on every rank alike; or,
+    # with --skip-nonfinite, the step skipped and counted.
+    for np_, extra in ((0, []), (2, ["--cp", "2"])):
+        r = train(np_, *SMALL, *extra, "--steps", "5", "--testing-nan-at-step", "2", "--save", p("nan.ckpt"))
+        check(r.returncode == 1 and r.stderr.count("cpattn: error: step 2: loss is nan") == 1
+              and r.stderr.count("cpattn: error:") == 1 and not os.path.exists(p("nan.ckpt")),
+              f"NaN loss at np {np_}: exit {r.returncode}\n{r.stderr[-1500:]}")
+    r = train(0, *SMALL[:-2], "--warmup", "0", "--lr", "1e30", "--steps", "10")
+    check(r.returncode == 1 and "loss is" in r.stderr and "cpattn: error: step " in r.stderr,
+          f"diverging --lr: exit {r.returncode}\n{r.stderr[-1500:]}")
+    r = train(0, *SMALL, "--steps", "5", "--testing-nan-at-step", "2", "--skip-nonfinite", "--json-log", p("skip.jsonl"))
+    check(r.returncode == 0 and "step     2 | skipped" in r.stdout and "skipped steps (non-finite)   1" in r.stdout,
+          f"--skip-nonfinite: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-800:]}")
+    if r.returncode == 0:
+        sk = log(p("skip.jsonl"))
+        check([x["step"] for x in sk] == [0, 1, 2, 3, 4] and sk[2].get("skipped") is True and sk[2]["loss"] is None,
+              f"--skip-nonfinite log: {sk}")
+
+    # Output paths checked before the run: a FIFO, a missing folder; --save-every needs --save.
+    os.mkfifo(p("fifo"))
+    for args, msg in ((["--save", p("fifo")], "--save: '" + p("fifo") + "' is a FIFO"),
+                      (["--json-log", p("nowhere/log.jsonl")], "--json-log: the folder"),
+                      (["--save", "/dev/null"], "--save: '/dev/null' is a character device"),
+                      (["--save-every", "2"], "--save-every needs --save")):
+        r = train(0, *SMALL, "--steps", "2", *args, timeout=120)
+        check(r.returncode == 2 and msg in r.stderr and "step " not in r.stdout,
+              f"{args}: exit {r.returncode}, want 2 before training\n{r.stdout[-500:]}\n{r.stderr[-800:]}")
+    check(os.path.exists(p("fifo")) and not os.path.isfile(p("fifo")), "the FIFO is left alone")
+
+    # --save through a symlink replaces its target and keeps the link.
+    open(p("real.ckpt"), "w").close()
+    os.symlink(p("real.ckpt"), p("link.ckpt"))
+    r = train(0, *SMALL, "--steps", "2", "--save", p("link.ckpt"))
+    check(r.returncode == 0 and os.path.islink(p("link.ckpt")) and os.path.getsize(p("real.ckpt")) > 1000,
+          f"--save through a symlink: exit {r.returncode}\n{r.stderr[-800:]}")
+
+    # Periodic checkpoints.
+    r = train(0, *SMALL, "--steps", "5", "--save-every", "2", "--save", p("every.ckpt"))
+    check(r.returncode == 0 and all(f"saved step {n} to" in r.stdout for n in (2, 4, 5)),
+          f"--save-every 2: exit {r.returncode}\n{r.stdout[-1500:]}")
+
+    # A resume with other settings is refused naming the field; steps may grow.
+    r = train(0, *SMALL, "--steps", "6", "--lr", "0.001", "--resume", p("a.ckpt"))
+    check(r.returncode == 2 and "--resume: checkpoint '" + p("a.ckpt") + "' has lr 0.0005, this run 0.001" in r.stderr,
+          f"--resume with another --lr: exit {r.returncode}\n{r.stderr[-800:]}")
+    r = train(0, *SMALL[:-6], "--seq-len", "64", "--warmup", "2", "--steps", "6", "--resume", p("a.ckpt"))
+    check(r.returncode == 2 and "has seq_len 128, this run 64" in r.stderr, f"--resume with another --seq-len: {r.stderr[-800:]}")
+    with open(p("a.ckpt"), "rb") as f:
+        good = f.read()
+    for name, bad_bytes, msg in (("trunc.ckpt", good[:-7], "is truncated"), ("trail.ckpt", good + b"\0", "1 trailing bytes"),
+                                 ("flip.ckpt", good[:-9] + bytes([good[-9] ^ 1]) + good[-8:], "fails its checksum")):
+        with open(p(name), "wb") as f:
+            f.write(bad_bytes)
+        r = train(0, *SMALL, "--steps", "6", "--resume", p(name))
+        check(r.returncode == 2 and msg in r.stderr, f"--resume {name}: exit {r.returncode}\n{r.stderr[-800:]}")
+
+    # SIGTERM: every rank stops after the same step, saves, exits 128 + 15; resuming from that
+    # checkpoint appends to the log and gives the uninterrupted run's losses bitwise.
+    proc = subprocess.Popen([CPATTN, "train", *SMALL, "--steps", "100000", "--save", p("sig.ckpt"),
+                             "--json-log", p("sig.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    check(proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM after step" in err
+          and os.path.exists(p("sig.ckpt")), f"SIGTERM: exit {proc.returncode}\n{err[-1500:]}")
+    if proc.returncode == 128 + signal.SIGTERM:
+        k = int(err.split("stopped by SIGTERM after step ")[1].split(":")[0])
+        check(len(log(p("sig.jsonl"))) == k, f"SIGTERM log holds {k} steps")
+        r = train(0, *SMALL, "--steps", str(k + 3), "--resume", p("sig.ckpt"), "--json-log", p("sig.jsonl"))
+        s = train(0, *SMALL, "--steps", str(k + 3), "--json-log", p("straight.jsonl"))
+        check(r.returncode == 0 and s.returncode == 0, f"resume after SIGTERM: {r.stderr[-800:]} {s.stderr[-800:]}")
+        if r.returncode == 0 and s.returncode == 0:
+            a, b = log(p("sig.jsonl")), log(p("straight.jsonl"))
+            check([x["step"] for x in a] == list(range(k + 3)), "the resumed run appended to its log")
+            check([x["loss"] for x in a] == [x["loss"] for x in b], "SIGTERM + resume is bitwise the straight run")
+
+    # Ranks with other settings (mpirun's MPMD form): every rank fails at once naming the field.
+    def mpmd(args0, args1):
+        start = time.monotonic()
+        r = subprocess.run([MPIEXEC, "--oversubscribe", "-np", "1", CPATTN, "train", "--timeout", "60", *SMALL,
+                            "--cp", "2", "--steps", "2", *args0, ":", "-np", "1", CPATTN, "train", "--timeout", "60",
+                            *SMALL, "--cp", "2", "--steps", "2", *args1], capture_output=True, text=True, timeout=120)
+        return r, time.monotonic() - start
+    for args1, msg in ((["--lr", "0.001"], "ranks disagree on cpattn train: --lr (float bits): rank 0 has"),
+                       (["--seed", "2"], "ranks disagree on cpattn train: --seed: rank 0 has 1, rank 1 has 2"),
+                       (["--print-every", "2"], "--print-every: rank 0 has 1, rank 1 has 2"),
+                       (["--resume", p("a.ckpt")], "--resume (hash)")):
+        r, elapsed = mpmd([], args1)
+        check(r.returncode == 2 and r.stderr.count(msg) == 1 and elapsed < 30,
+              f"{args1} on rank 1 only: exit {r.returncode} in {elapsed:.1f} s\n{r.stderr[-800:]}")
 
 if failures:
     print(f"{len(failures)} check(s) failed")

@@ -358,5 +358,141 @@ TEST(TrainErrors, AnErrorOnOneRankReachesEveryRank) {
   EXPECT_NO_THROW(on_every_rank(comm, [] {}));
 }
 
+// ---- Non-finite steps -----------------------------------------------------------------------------
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "no error";
+}
+
+TEST(TrainNonFinite, ANanLossStopsEveryRankNamingTheStepAndKeepsTheWeights) {
+  Communicator comm(MPI_COMM_WORLD);
+  Trainer t(comm, kSmall, {}, {.testing_nan_at_step = 2}, 7);
+  DataStream data(default_docs());
+  t.step(data.next(kSmallSeq));
+  t.step(data.next(kSmallSeq));
+  const std::vector<float> before(t.params().begin(), t.params().end());
+  const std::string msg = error_of([&] { t.step(data.next(kSmallSeq)); });
+  EXPECT_THAT(msg, HasSubstr("step 2: loss is nan, gradient norm"));  // on every rank alike
+  EXPECT_EQ(std::memcmp(before.data(), t.params().data(), before.size() * sizeof(float)), 0);
+  EXPECT_EQ(t.steps_done(), 2);
+}
+
+TEST(TrainNonFinite, SkipNonfiniteSkipsTheUpdateAndCountsIt) {
+  Communicator comm(MPI_COMM_WORLD);
+  Trainer t(comm, kSmall, {}, {.skip_nonfinite = true, .testing_nan_at_step = 1}, 7);
+  DataStream data(default_docs());
+  EXPECT_FALSE(t.step(data.next(kSmallSeq)).skipped);
+  const std::vector<float> before(t.params().begin(), t.params().end());
+  const StepStats st = t.step(data.next(kSmallSeq));
+  EXPECT_TRUE(st.skipped);
+  EXPECT_TRUE(std::isnan(st.loss));
+  EXPECT_EQ(std::memcmp(before.data(), t.params().data(), before.size() * sizeof(float)), 0);
+  EXPECT_EQ(t.skipped_steps(), 1);
+  EXPECT_EQ(t.steps_done(), 2);
+  const StepStats next = t.step(data.next(kSmallSeq));
+  EXPECT_FALSE(next.skipped);
+  EXPECT_TRUE(std::isfinite(next.loss));
+}
+
+TEST(TrainNonFinite, AHugeLearningRateDivergesIntoAnErrorNotANanRun) {
+  Communicator comm(MPI_COMM_WORLD);
+  Trainer t(comm, kSmall, {.lr = 1e30f, .warmup = 0}, {}, 7);
+  DataStream data(default_docs());
+  const std::string msg = error_of([&] {
+    for (int s = 0; s < 10; ++s) t.step(data.next(kSmallSeq));
+  });
+  EXPECT_THAT(msg, ::testing::MatchesRegex("step [0-9]+: loss is .*, gradient norm .*"));
+}
+
+// ---- Checkpoint verification ----------------------------------------------------------------------
+
+// The format's checksum (FNV-1a 64), rewritten into a corrupted copy so that the field checks
+// behind it are reached. Offsets: magic 8, version and count 16, 24 fields, checksum, payload.
+constexpr std::size_t kStepAt = 8 + 16 + 20 * 8, kChecksumAt = 8 + 16 + 24 * 8, kPayloadAt = kChecksumAt + 8;
+
+uint64_t fnv(const std::string& b, std::size_t from, std::size_t to, uint64_t h = 14695981039346656037ull) {
+  for (std::size_t i = from; i < to; ++i) h = (h ^ static_cast<uint8_t>(b[i])) * 1099511628211ull;
+  return h;
+}
+
+std::string read_all(const std::string& p) {
+  std::FILE* f = std::fopen(p.c_str(), "rb");
+  std::string s;
+  char buf[65536];
+  for (std::size_t n; f && (n = std::fread(buf, 1, sizeof buf, f)) > 0;) s.append(buf, n);
+  if (f) std::fclose(f);
+  return s;
+}
+
+void write_all_to(const std::string& p, const std::string& b, bool fix_checksum = false) {
+  std::string c = b;
+  if (fix_checksum) {
+    const uint64_t h = fnv(c, kPayloadAt, c.size(), fnv(c, 8, kChecksumAt));
+    c.replace(kChecksumAt, 8, reinterpret_cast<const char*>(&h), 8);
+  }
+  std::FILE* f = std::fopen(p.c_str(), "wb");
+  std::fwrite(c.data(), 1, c.size(), f);
+  std::fclose(f);
+}
+
+std::string flip(std::string b, std::size_t at) {
+  const char c = static_cast<char>(b.at(at) ^ 1);
+  return b.replace(at, 1, 1, c);
+}
+
+TEST(TrainCheckpoint, CorruptOrForeignCheckpointsAreRefusedNamingTheProblem) {
+  const SharedPath good("good.ckpt"), bad("bad.ckpt");
+  const RunIdentity id{.seq_len = kSmallSeq, .data_hash = data_identity(default_docs())};
+  {
+    Communicator comm(MPI_COMM_WORLD);
+    Trainer t(comm, kSmall, {.warmup = 3}, {}, 7);
+    DataStream data(default_docs());
+    t.step(data.next(kSmallSeq));
+    t.save(good.path, data.position(), id);
+  }
+  const auto refused = [&](const std::function<std::string(std::string)>& corrupt, bool fix, const char* want,
+                           const OptimConfig& oc = {.warmup = 3}, uint64_t seed = 7, RunIdentity rid = {}) {
+    if (rid.seq_len == 0) rid = id;
+    if (world_rank() == 0) write_all_to(bad.path, corrupt(read_all(good.path)), fix);
+    MPI_Barrier(MPI_COMM_WORLD);
+    Communicator comm(MPI_COMM_WORLD);
+    Trainer t(comm, kSmall, oc, {}, seed);
+    EXPECT_THAT(error_of([&] { t.load(bad.path, rid); }), HasSubstr(want)) << want;
+    MPI_Barrier(MPI_COMM_WORLD);
+  };
+  const auto same = [](std::string b) { return b; };
+  refused(same, false, "no error");  // the good copy loads
+  refused([](std::string b) { return b.substr(0, b.size() - 5); }, false, "is truncated");
+  refused([](std::string b) { return b.substr(0, 100); }, false, "is truncated");
+  refused([](std::string b) { return b + "xyz"; }, false, "has 3 trailing bytes");
+  refused([](std::string b) { return flip(b, kPayloadAt + 17); }, false, "fails its checksum");
+  refused([](std::string b) { return flip(b, kStepAt - 40); }, false, "fails its checksum");
+  refused([](std::string b) {
+    const float nan = std::nanf("");
+    b.replace(kPayloadAt + 4 * 5, 4, reinterpret_cast<const char*>(&nan), 4);
+    return b;
+  }, true, "has a non-finite weight at parameter 5");
+  refused([](std::string b) {
+    const int64_t step = -1;
+    b.replace(kStepAt, 8, reinterpret_cast<const char*>(&step), 8);
+    return b;
+  }, true, "has a negative step (-1)");
+  refused([](std::string b) {
+    const int64_t v1 = 1;
+    b.replace(8, 8, reinterpret_cast<const char*>(&v1), 8);
+    return b;
+  }, false, "has version 1, this cpattn reads version 2");
+  refused(same, false, "has lr 0.0005, this run 0.001", {.lr = 1e-3f, .warmup = 3});
+  refused(same, false, "has warmup 3, this run 10", {});
+  refused(same, false, "has seed 7, this run 8", {.warmup = 3}, 8);
+  refused(same, false, "has seq_len 256, this run 128", {.warmup = 3}, 7, {.seq_len = 128, .data_hash = id.data_hash});
+  refused(same, false, "has data ", {.warmup = 3}, 7, {.seq_len = kSmallSeq, .data_hash = id.data_hash + 1});
+}
+
 }  // namespace
 }  // namespace cpattn::train

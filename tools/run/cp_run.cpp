@@ -4,6 +4,7 @@
 #include "run.hpp"
 
 #include <cpattn/check/cases.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/check/gather.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -119,6 +120,9 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   std::string local_error;
   try {
     prepared = prepare(a, comm);
+    if (!a.npy_out.empty() && world.rank() == 0)  // the writer: its outputs checked before the run
+      for (const char* name : {"out", "lse", "dq", "dk", "dv"})
+        check_output_path(a.npy_out + "/" + name + ".npy", "--npy-out");
   } catch (const Error& e) {
     local_error = e.message();
   } catch (const std::exception& e) {

@@ -1,0 +1,35 @@
+// Output files written safely (docs/reliability.md): every file cpattn writes (checkpoints,
+// .npy, SVGs) goes through write_file_atomically, and the CLI checks its output paths with
+// check_output_path before any work.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace cpattn {
+
+// The file a write to `path` replaces: `path` itself, or, when it is a symbolic link, the
+// file it points to (followed through every link, relative links from the link's folder).
+std::string resolve_output_path(const std::string& path);
+
+// Throws cpattn::Error ("<what>: '<path>' is not a regular file (a FIFO)", "... folder '<dir>'
+// is not writable") when `path` (after its links) exists but is not a regular file, or its
+// folder is missing or not writable. `what` names the flag or the role, e.g. "--save".
+void check_output_path(const std::string& path, std::string_view what);
+
+// Writes `bytes` to `path` so that `path` is either its old file or the whole new one: into a
+// unique temporary file in the target's folder (mkstemp), every write checked (a short write,
+// ENOSPC, EFBIG: an error naming the path), fsync, then renamed over the target (and the folder
+// fsynced). A symbolic link is followed and its target replaced; the link stays. A target that
+// exists but is not a regular file is refused before any work. On any error the temporary
+// file is removed, the previous file is intact, and cpattn::Error names `path`. The new file
+// keeps the old one's permission bits (new files: 0666 less the umask).
+void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
+
+// Writes all of `bytes` to the open descriptor `fd`, retrying short writes and EINTR; throws
+// cpattn::Error naming `path` on any error.
+void write_all(int fd, std::span<const std::byte> bytes, const std::string& path);
+
+}  // namespace cpattn

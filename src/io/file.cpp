@@ -1,0 +1,117 @@
+// Output files written safely (include/cpattn/file.hpp).
+#include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+namespace cpattn {
+
+namespace {
+
+const char* kind_of(mode_t m) {
+  if (S_ISDIR(m)) return "a folder";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+std::string folder_of(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string d = p.parent_path().string();
+  return d.empty() ? "." : d;
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+}  // namespace
+
+std::string resolve_output_path(const std::string& path) {
+  std::string p = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    struct stat st {};
+    if (::lstat(p.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return p;
+    std::string target(PATH_MAX, '\0');
+    const ssize_t n = ::readlink(p.c_str(), target.data(), target.size());
+    CPATTN_CHECK(n >= 0, "'", path, "': cannot read the symbolic link '", p, "': ", errno_text());
+    target.resize(static_cast<std::size_t>(n));
+    p = target.starts_with('/') ? target : (std::filesystem::path(folder_of(p)) / target).string();
+  }
+  CPATTN_CHECK(false, "'", path, "': too many levels of symbolic links");
+  return p;
+}
+
+void check_output_path(const std::string& path, std::string_view what) {
+  const std::string pre = what.empty() ? std::string() : std::string(what) + ": ";
+  CPATTN_CHECK(!path.empty(), pre, "the output path is empty");
+  const std::string target = resolve_output_path(path);
+  struct stat st {};
+  if (::stat(target.c_str(), &st) == 0)
+    CPATTN_CHECK(S_ISREG(st.st_mode), pre, "'", path, "' is ", kind_of(st.st_mode),
+                 ", not a regular file: refusing to replace it");
+  const std::string dir = folder_of(target);
+  struct stat ds {};
+  CPATTN_CHECK(::stat(dir.c_str(), &ds) == 0 && S_ISDIR(ds.st_mode), pre, "the folder '", dir, "' of '", path,
+               "' does not exist");
+  CPATTN_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, pre, "the folder '", dir, "' of '", path,
+               "' is not writable: ", errno_text());
+}
+
+void write_all(int fd, std::span<const std::byte> bytes, const std::string& path) {
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    CPATTN_CHECK(n > 0, "'", path, "': write failed after ", done, " of ", bytes.size(), " bytes: ",
+                 n < 0 ? errno_text() : std::string("no progress"));
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+void write_file_atomically(const std::string& path, std::span<const std::byte> bytes) {
+  check_output_path(path, {});
+  const std::string target = resolve_output_path(path);
+  const std::string dir = folder_of(target);
+  std::string tmp = dir;
+  tmp.append("/.").append(std::filesystem::path(target).filename().string()).append(".tmp.XXXXXX");
+  const int fd = ::mkstemp(tmp.data());
+  CPATTN_CHECK(fd >= 0, "'", path, "': cannot create a temporary file in '", dir, "': ", errno_text());
+  try {
+    struct stat old {};
+    mode_t mode = 0;
+    if (::stat(target.c_str(), &old) == 0) {
+      mode = old.st_mode & 07777;
+    } else {
+      const mode_t mask = ::umask(0);
+      ::umask(mask);
+      mode = 0666 & ~mask;
+    }
+    CPATTN_CHECK(::fchmod(fd, mode) == 0, "'", path, "': cannot set the permissions: ", errno_text());
+    write_all(fd, bytes, path);
+    CPATTN_CHECK(::fsync(fd) == 0, "'", path, "': fsync failed: ", errno_text());
+    const int rc = ::close(fd);
+    CPATTN_CHECK(rc == 0, "'", path, "': close failed: ", errno_text());
+    CPATTN_CHECK(::rename(tmp.c_str(), target.c_str()) == 0, "'", path, "': cannot rename the temporary file over it: ",
+                 errno_text());
+  } catch (...) {
+    ::close(fd);  // may already be closed: harmless EBADF
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {  // the rename itself durable; best effort (some file systems refuse)
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+}  // namespace cpattn

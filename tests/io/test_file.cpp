@@ -1,0 +1,136 @@
+// write_file_atomically and check_output_path (include/cpattn/file.hpp): refused targets, a
+// followed symlink, a failing write that leaves the old file and no temporary behind.
+#include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
+#include <cpattn/npy.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+struct TempDir {
+  fs::path dir;
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "cpattn-file-test-XXXXXX").string();
+    dir = ::mkdtemp(t.data());
+  }
+  ~TempDir() { fs::remove_all(dir); }
+  std::string operator/(const std::string& n) const { return (dir / n).string(); }
+};
+
+std::span<const std::byte> bytes(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+std::string slurp(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "no error";
+}
+
+// Only the target itself in the folder: no temporary file left behind.
+std::size_t entries(const fs::path& d) { return static_cast<std::size_t>(std::distance(fs::directory_iterator(d), {})); }
+
+TEST(SafeFile, WritesAndReplacesARegularFile) {
+  TempDir t;
+  write_file_atomically(t / "a", bytes("first"));
+  EXPECT_EQ(slurp(t / "a"), "first");
+  ::chmod((t / "a").c_str(), 0640);
+  write_file_atomically(t / "a", bytes("second, longer"));
+  EXPECT_EQ(slurp(t / "a"), "second, longer");
+  EXPECT_EQ(fs::status(t / "a").permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);  // kept
+  EXPECT_EQ(entries(t.dir), 1u);
+}
+
+TEST(SafeFile, RefusesAFifoADirectoryAndADeviceBeforeAnyWork) {
+  TempDir t;
+  ASSERT_EQ(::mkfifo((t / "fifo").c_str(), 0600), 0);
+  EXPECT_THAT(message_of([&] { write_file_atomically(t / "fifo", bytes("x")); }), HasSubstr("is a FIFO"));
+  EXPECT_TRUE(fs::is_fifo(t / "fifo"));
+  fs::create_directory(t / "sub");
+  EXPECT_THAT(message_of([&] { write_file_atomically(t / "sub", bytes("x")); }), HasSubstr("is a folder"));
+  EXPECT_TRUE(fs::is_directory(t / "sub"));
+  EXPECT_THAT(message_of([&] { check_output_path("/dev/full", "--save"); }),
+              HasSubstr("--save: '/dev/full' is a character device, not a regular file"));
+  EXPECT_THAT(message_of([&] { write_npy("/dev/null", std::vector<float>{1.0f}, {1}); }),
+              HasSubstr("character device"));
+  EXPECT_THAT(message_of([&] { check_output_path(t / "missing/x", "--json-log"); }),
+              HasSubstr("--json-log: the folder"));
+  EXPECT_EQ(entries(t.dir), 2u);  // no temporary file
+}
+
+TEST(SafeFile, FollowsASymlinkAndKeepsIt) {
+  TempDir t;
+  fs::create_directory(t / "real");
+  write_file_atomically(t / "real/target", bytes("old"));
+  fs::create_symlink("real/target", t / "link");  // relative, from the link's folder
+  write_file_atomically(t / "link", bytes("new"));
+  EXPECT_TRUE(fs::is_symlink(t / "link"));
+  EXPECT_EQ(slurp(t / "real/target"), "new");
+  EXPECT_EQ(entries(t.dir / "real"), 1u);
+  fs::create_symlink(t / "real/fresh", t / "dangling");  // a link to a file not there yet
+  write_file_atomically(t / "dangling", bytes("made"));
+  EXPECT_TRUE(fs::is_symlink(t / "dangling"));
+  EXPECT_EQ(slurp(t / "real/fresh"), "made");
+  ASSERT_EQ(::mkfifo((t / "real/fifo").c_str(), 0600), 0);
+  fs::create_symlink(t / "real/fifo", t / "to-fifo");
+  EXPECT_THAT(message_of([&] { write_file_atomically(t / "to-fifo", bytes("x")); }), HasSubstr("is a FIFO"));
+}
+
+// A write that fails midway (the file-size limit, as a full disk would: EFBIG like ENOSPC):
+// an error naming the path, the old file intact, no temporary file left.
+TEST(SafeFile, AFailingWriteLeavesTheOldFileAndNoTemporary) {
+  TempDir t;
+  write_file_atomically(t / "keep", bytes("precious"));
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string big(100000, 'x');
+  const std::string msg = message_of([&] { write_file_atomically(t / "keep", bytes(big)); });
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_THAT(msg, HasSubstr(t / "keep"));
+  EXPECT_THAT(msg, HasSubstr("write failed after 4096 of 100000 bytes"));
+  EXPECT_EQ(slurp(t / "keep"), "precious");
+  EXPECT_EQ(entries(t.dir), 1u);
+}
+
+TEST(SafeFile, AnUnwritableFolderIsFoundUpFront) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root writes into any folder";
+  TempDir t;
+  fs::create_directory(t / "ro");
+  fs::permissions(t / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+  EXPECT_THAT(message_of([&] { check_output_path(t / "ro/x", "--save"); }), HasSubstr("is not writable"));
+  fs::permissions(t / "ro", fs::perms::owner_all);
+}
+
+}  // namespace
+}  // namespace cpattn
