@@ -628,9 +628,13 @@ void Communicator::wait(CommRequest& r) {
   if (r.reqs_.empty()) return;
   Impl& im = *impl_;
   CPATTN_CHECK(r.impl_ == &im, "wait: the request was started on another Communicator");
+  // The deadline runs from the later of the post and this wait: the rank's own work between
+  // them (a ring step's compute) is not the peer's delay.
+  const Clock::time_point posted_deadline(
+      std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(r.deadline_ns_)));
   const Impl::Op op{r.name_, r.call_,
-                    Clock::time_point(std::chrono::duration_cast<Clock::duration>(
-                        std::chrono::nanoseconds(r.deadline_ns_)))};
+                    std::max(posted_deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                                std::chrono::duration<double>(im.timeout_s)))};
   std::vector<MPI_Request> reqs = std::move(r.reqs_);
   r.reqs_.clear();
   // On a timeout in throw mode, wait() hands the requests to `pending` (poisoned).

@@ -276,8 +276,15 @@ struct CpAttention::State {
   std::vector<float> dkb[2], dvb[2];
   std::vector<float> qf, kf, vf, of, dof, acc_out, acc_lse, part_out, part_lse, dq_acc, dq_part;
 
+  std::vector<float> slopes;  // the configuration's ALiBi slopes, owned (cfg points here)
+
   State(Communicator& c, const CpAttnConfig& config)
-      : comm(c), cfg(config), cache(config.plan_cache_capacity) {}
+      : comm(c), cfg(config), cache(config.plan_cache_capacity) {
+    if (cfg.options.alibi_slopes != nullptr) {
+      slopes.assign(cfg.options.alibi_slopes, cfg.options.alibi_slopes + cfg.num_heads_q);
+      cfg.options.alibi_slopes = slopes.data();
+    }
+  }
 
   // The shapes of this rank's tensors for a plan of t local tokens.
   Expected q_like(int64_t t) const { return {t, cfg.num_heads_q, "num_heads_q", cfg.head_dim_qk, "head_dim_qk", cfg.dtype}; }
@@ -547,7 +554,8 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
   check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
                           .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},
                          cfg.options, "CpAttention");
-  CPATTN_CHECK(!cfg.deterministic || comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
+  CPATTN_CHECK(!cfg.deterministic || cfg.scheme == CpScheme::ring ||
+                   comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
   CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.scheme == CpScheme::ring, "scheme must be allgather or ring, got ",
                static_cast<int>(cfg.scheme));

@@ -83,7 +83,7 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
   const std::string dir = folder_of(target);
   std::string tmp = dir;
   tmp.append("/.").append(std::filesystem::path(target).filename().string()).append(".tmp.XXXXXX");
-  const int fd = ::mkstemp(tmp.data());
+  int fd = ::mkstemp(tmp.data());
   CPATTN_CHECK(fd >= 0, "'", path, "': cannot create a temporary file in '", dir, "': ", errno_text());
   try {
     struct stat old {};
@@ -99,11 +99,12 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
     write_all(fd, bytes, path);
     CPATTN_CHECK(::fsync(fd) == 0, "'", path, "': fsync failed: ", errno_text());
     const int rc = ::close(fd);
+    fd = -1;
     CPATTN_CHECK(rc == 0, "'", path, "': close failed: ", errno_text());
     CPATTN_CHECK(::rename(tmp.c_str(), target.c_str()) == 0, "'", path, "': cannot rename the temporary file over it: ",
                  errno_text());
   } catch (...) {
-    ::close(fd);  // may already be closed: harmless EBADF
+    if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }

@@ -3,6 +3,7 @@
 #include "common.hpp"
 
 #include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +34,9 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
                ": softmax_scale must be finite, got ", o.softmax_scale.value_or(0.0f));
   CPATTN_CHECK(o.window_size_left >= -1 && o.window_size_right >= -1, fn,
                ": window_size_left and window_size_right must be >= -1 (-1 = unbounded), got ",
+               o.window_size_left, " and ", o.window_size_right);
+  CPATTN_CHECK(o.window_size_left <= kMaxTokens && o.window_size_right <= kMaxTokens, fn,
+               ": window_size_left and window_size_right must be <= 2^48 (kMaxTokens; use -1 for unbounded), got ",
                o.window_size_left, " and ", o.window_size_right);
   CPATTN_CHECK(std::isfinite(o.softcap) && o.softcap >= 0.0f, fn,
                ": softcap must be finite and >= 0 (0 = off), got ", o.softcap);
