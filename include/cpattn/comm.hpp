@@ -187,6 +187,29 @@ class Communicator {
     wait(r);
   }
 
+  // One direction of a point-to-point exchange, for pipelines and other asymmetric patterns:
+  // start_send posts `send` to `dest`, start_recv posts a receive of recv.size() elements from
+  // `source` (which sends exactly that count). Each is one call number with its own deadline,
+  // waited on by wait(); messages from one source to one destination match in the order they
+  // were started. `tag` (>= 0, < 1000) separates independent streams (activations, gradients).
+  // The buffer stays valid until wait() returns. dest/source must differ from rank().
+  template <CommElement T>
+  [[nodiscard]] CommRequest start_send(std::span<const T> send, int dest, int tag = 0);
+  template <CommElement T>
+  [[nodiscard]] CommRequest start_recv(std::span<T> recv, int source, int tag = 0);
+
+  // Personalized exchange with varying counts (MPI_Alltoallv's meaning, 64-bit counts):
+  // send holds [sum(send_counts)] elements, rank-major (the block for rank q at offset
+  // send_counts[0] + ... + send_counts[q - 1]); recv receives recv_counts[q] elements from
+  // rank q, rank-major the same way. Rank q's send_counts[r] must equal rank r's
+  // recv_counts[q] (all_to_all_counts() finds recv_counts). The own block is copied.
+  // send and recv must not overlap. Pairwise non-blocking messages under the deadline.
+  template <CommElement T>
+  void all_to_all_v(std::span<const T> send, std::span<const std::int64_t> send_counts,
+                    std::span<T> recv, std::span<const std::int64_t> recv_counts);
+  // recv_counts[q] = rank q's send_counts[rank()]: one all-to-all of size() int64 values.
+  std::vector<std::int64_t> all_to_all_counts(std::span<const std::int64_t> send_counts);
+
   // Payload bytes this rank has sent to and received from other ranks, over every call
   // (point to point, the ring algorithms; for the MPI library's collectives, the bytes a ring
   // moves for the same result). Its own block is not counted.

@@ -26,6 +26,8 @@ constexpr const char* kTimeoutEnv = "CPATTN_COMM_TIMEOUT_S";
 constexpr int kTagAllGather = 101;
 constexpr int kTagReduceScatter = 102;
 constexpr int kTagShift = 103;
+constexpr int kTagAllToAll = 104;
+constexpr int kTagUser = 1000;  // start_send/start_recv: kTagUser + tag
 // Ring reduce-scatter message size, elements (1 MiB of fp32): small enough that adding one
 // segment overlaps the transfer of the next, large enough to keep per-message costs low.
 constexpr std::int64_t kReduceScatterSegment = std::int64_t{1} << 18;
@@ -624,6 +626,92 @@ CommRequest Communicator::start_shift(std::span<const T> send, int dest, std::sp
   return r;
 }
 
+template <CommElement T>
+CommRequest Communicator::start_send(std::span<const T> send, int dest, int tag) {
+  Impl& im = *impl_;
+  const auto op = im.begin("send");
+  CPATTN_CHECK(dest >= 0 && dest < im.size && dest != im.rank, "send: dest (", dest,
+               ") must be another rank in [0, ", im.size, "), this is rank ", im.rank);
+  CPATTN_CHECK(tag >= 0 && tag < 1000, "send: tag must be in [0, 1000), got ", tag);
+  CommRequest r;
+  r.impl_ = &im;
+  r.name_ = op.name;
+  r.call_ = op.call;
+  r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+  im.post_send(op, send.data(), static_cast<std::int64_t>(send.size()), dest, kTagUser + tag, r.reqs_);
+  return r;
+}
+
+template <CommElement T>
+CommRequest Communicator::start_recv(std::span<T> recv, int source, int tag) {
+  Impl& im = *impl_;
+  const auto op = im.begin("recv");
+  CPATTN_CHECK(source >= 0 && source < im.size && source != im.rank, "recv: source (", source,
+               ") must be another rank in [0, ", im.size, "), this is rank ", im.rank);
+  CPATTN_CHECK(tag >= 0 && tag < 1000, "recv: tag must be in [0, 1000), got ", tag);
+  CommRequest r;
+  r.impl_ = &im;
+  r.name_ = op.name;
+  r.call_ = op.call;
+  r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+  im.post_recv(op, recv.data(), static_cast<std::int64_t>(recv.size()), source, kTagUser + tag, r.reqs_);
+  return r;
+}
+
+template <CommElement T>
+void Communicator::all_to_all_v(std::span<const T> send, std::span<const std::int64_t> send_counts,
+                                std::span<T> recv, std::span<const std::int64_t> recv_counts) {
+  Impl& im = *impl_;
+  const auto op = im.begin("all_to_all_v");
+  const int p = im.size;
+  CPATTN_CHECK(static_cast<int>(send_counts.size()) == p && static_cast<int>(recv_counts.size()) == p,
+               "all_to_all_v: send_counts.size() and recv_counts.size() must be size() = ", p,
+               ", got ", send_counts.size(), " and ", recv_counts.size());
+  std::vector<std::int64_t> soff(p), roff(p);
+  std::int64_t stotal = 0, rtotal = 0;
+  for (int q = 0; q < p; ++q) {
+    CPATTN_CHECK(send_counts[q] >= 0 && recv_counts[q] >= 0, "all_to_all_v: counts for rank ", q,
+                 " must be >= 0, got send ", send_counts[q], ", recv ", recv_counts[q]);
+    soff[q] = stotal;
+    roff[q] = rtotal;
+    stotal += send_counts[q];
+    rtotal += recv_counts[q];
+  }
+  CPATTN_CHECK(static_cast<std::int64_t>(send.size()) == stotal, "all_to_all_v: send.size() must be ",
+               "sum(send_counts) = ", stotal, ", got ", send.size());
+  CPATTN_CHECK(static_cast<std::int64_t>(recv.size()) == rtotal, "all_to_all_v: recv.size() must be ",
+               "sum(recv_counts) = ", rtotal, ", got ", recv.size());
+  CPATTN_CHECK(send_counts[im.rank] == recv_counts[im.rank], "all_to_all_v: this rank's own block: ",
+               "send_counts[", im.rank, "] = ", send_counts[im.rank], " but recv_counts[", im.rank,
+               "] = ", recv_counts[im.rank]);
+  CPATTN_CHECK(!overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()),
+               "all_to_all_v: send and recv must not overlap");
+  std::copy_n(send.data() + soff[im.rank], send_counts[im.rank], recv.data() + roff[im.rank]);
+  if (p == 1) return;
+  std::vector<MPI_Request> reqs;
+  // Receives first, then sends in the order rank+1, rank+2, ...: every pair posts its
+  // messages early and no rank waits on one peer before it has posted to the others.
+  for (int s = 1; s < p; ++s) {
+    const int q = (im.rank - s + p) % p;
+    if (recv_counts[q] > 0) im.post_recv(op, recv.data() + roff[q], recv_counts[q], q, kTagAllToAll, reqs);
+  }
+  for (int s = 1; s < p; ++s) {
+    const int q = (im.rank + s) % p;
+    if (send_counts[q] > 0) im.post_send(op, send.data() + soff[q], send_counts[q], q, kTagAllToAll, reqs);
+  }
+  im.wait(op, reqs);
+}
+
+std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::int64_t> send_counts) {
+  const int p = impl_->size;
+  CPATTN_CHECK(static_cast<int>(send_counts.size()) == p, "all_to_all_counts: send_counts.size() ",
+               "must be size() = ", p, ", got ", send_counts.size());
+  const std::vector<std::int64_t> ones(static_cast<std::size_t>(p), 1);
+  std::vector<std::int64_t> recv(static_cast<std::size_t>(p));
+  all_to_all_v<std::int64_t>(send_counts, ones, recv, ones);
+  return recv;
+}
+
 void Communicator::wait(CommRequest& r) {
   if (r.reqs_.empty()) return;
   Impl& im = *impl_;
@@ -673,7 +761,11 @@ CommRequest& CommRequest::operator=(CommRequest&& o) noexcept {
   template void Communicator::all_gather<T>(std::span<const T>, std::span<T>);             \
   template void Communicator::all_gather_v<T>(std::span<const T>,                          \
                                               std::span<const std::int64_t>, std::span<T>); \
-  template void Communicator::broadcast<T>(std::span<T>, int);
+  template void Communicator::broadcast<T>(std::span<T>, int);                               \
+  template CommRequest Communicator::start_send<T>(std::span<const T>, int, int);          \
+  template CommRequest Communicator::start_recv<T>(std::span<T>, int, int);                \
+  template void Communicator::all_to_all_v<T>(std::span<const T>, std::span<const std::int64_t>, \
+                                              std::span<T>, std::span<const std::int64_t>);
 CPATTN_COMM_INSTANTIATE(float)
 CPATTN_COMM_INSTANTIATE(double)
 CPATTN_COMM_INSTANTIATE(std::int32_t)

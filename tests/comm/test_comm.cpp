@@ -270,6 +270,67 @@ TEST_P(Collectives, ShiftAroundTheRingWithTwoInFlightAndCountsBytes) {
   EXPECT_THROW(comm.shift<float>(x, p, y, 0), Error);  // no such rank
 }
 
+// Rank r sends (q + r) % 3 elements to rank q (zeros included): element i of the block from
+// rank r to q is r * 10000 + q * 100 + i, so every receiver checks the sender and its place.
+TEST_P(Collectives, AllToAllVaryingCountsWithZeros) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  std::vector<std::int64_t> sc(p);
+  for (int q = 0; q < p; ++q) sc[q] = (q + r) % 3;
+  const auto rc = comm.all_to_all_counts(sc);
+  ASSERT_EQ(static_cast<int>(rc.size()), p);
+  for (int q = 0; q < p; ++q) EXPECT_EQ(rc[q], (r + q) % 3) << "from rank " << q;
+  std::vector<std::int32_t> send, recv;
+  for (int q = 0; q < p; ++q)
+    for (std::int64_t i = 0; i < sc[q]; ++i) send.push_back(r * 10000 + q * 100 + static_cast<int>(i));
+  std::int64_t total = 0;
+  for (const auto c : rc) total += c;
+  recv.assign(static_cast<std::size_t>(total), -1);
+  const auto sent = comm.bytes_sent();
+  comm.all_to_all_v<std::int32_t>(send, sc, recv, rc);
+  std::size_t at = 0;
+  for (int q = 0; q < p; ++q)
+    for (std::int64_t i = 0; i < rc[q]; ++i, ++at)
+      ASSERT_EQ(recv[at], q * 10000 + r * 100 + static_cast<int>(i)) << "from rank " << q;
+  std::int64_t others = 0;
+  for (int q = 0; q < p; ++q) others += q == r ? 0 : sc[q];
+  EXPECT_EQ(comm.bytes_sent() - sent, others * 4);  // its own block is a copy
+  std::vector<std::int64_t> wrong(rc);
+  wrong[r] += 1;  // own block's counts disagree: refused before any message
+  std::vector<std::int32_t> big(recv.size() + 1);
+  EXPECT_THROW(comm.all_to_all_v<std::int32_t>(send, sc, big, wrong), Error);
+  comm.barrier();  // still usable
+}
+
+// One-directional messages: rank r sends to r + 1 on two tags, started in one order and
+// received in the other; the tags keep the streams apart.
+TEST_P(Collectives, SendRecvOnTagsAlongTheLine) {
+  Communicator comm = make();
+  const int p = comm.size(), r = comm.rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::vector<double> a(5), b(3), ra(5, -1), rb(3, -1);
+  for (int i = 0; i < 5; ++i) a[i] = r + 0.25 * i;
+  for (int i = 0; i < 3; ++i) b[i] = -r - 0.5 * i;
+  std::vector<CommRequest> reqs;
+  if (r + 1 < p) {
+    reqs.push_back(comm.start_send<double>(a, r + 1, 1));
+    reqs.push_back(comm.start_send<double>(b, r + 1, 2));
+  }
+  if (r > 0) {
+    reqs.push_back(comm.start_recv<double>(rb, r - 1, 2));
+    reqs.push_back(comm.start_recv<double>(ra, r - 1, 1));
+  }
+  for (auto& q : reqs) comm.wait(q);
+  if (r > 0) {
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(ra[i], (r - 1) + 0.25 * i);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(rb[i], -(r - 1) - 0.5 * i);
+  }
+  EXPECT_THROW(comm.start_send<double>(a, r, 0), Error);      // not to itself
+  EXPECT_THROW(comm.start_recv<double>(ra, p, 0), Error);     // no such rank
+  EXPECT_THROW(comm.start_send<double>(a, (r + 1) % p, 1000), Error);  // tag out of range
+  comm.barrier();
+}
+
 TEST_P(Collectives, BadSizesThrowBeforeCommunicating) {
   Communicator comm = make();
   std::vector<float> a(3), b(3 * comm.size() + 1);
