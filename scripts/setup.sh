@@ -11,6 +11,7 @@ packages=(
   libopenblas-dev                         # GEMM for the training example
   python3 python3-numpy                   # command-line tests
   clang-14 libclang-rt-14-dev             # libFuzzer targets
+  iproute2 iptables                       # the multi-host tests (network namespaces)
 )
 missing=()
 for p in "${packages[@]}"; do
