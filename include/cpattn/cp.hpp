@@ -50,6 +50,8 @@ namespace cpattn {
 // dK/dV locally and partial dQ that go back to the owner. All are exact and deterministic; the
 // ring and pass-q hold two blocks instead of cp and compute in fp32.
 enum class CpScheme { allgather, ring, pass_q };
+// Every scheme, one line each: what `cpattn run --scheme all` runs, in this order.
+inline constexpr CpScheme kCpSchemes[] = {CpScheme::allgather, CpScheme::ring, CpScheme::pass_q};
 
 // How the kernel reads the gathered keys.
 enum class KvMode {
