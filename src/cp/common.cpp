@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace cpattn::cp_detail {
 
@@ -35,19 +36,41 @@ WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
   return w;
 }
 
-WorkList work_on_block(const RankPlan& plan, const WorkList& keys, MaskType mask, int block) {
+namespace {
+
+// The key positions [first, last] that some query of `t` may see under `o`'s mask and window
+// (windows are bounded by kMaxTokens: no overflow).
+struct PosRange {
+  int64_t first = 0, last = std::numeric_limits<int64_t>::max();
+};
+PosRange visible_positions(const AttnTask& t, const AttnOptions& o) {
+  const int64_t q_last = t.q_pos + t.q_len - 1;
+  PosRange p;
+  if (o.window_size_left >= 0) p.first = t.q_pos - o.window_size_left;
+  if (o.mask == MaskType::causal)
+    p.last = q_last;
+  else if (o.window_size_right >= 0)
+    p.last = q_last + o.window_size_right;
+  return p;
+}
+
+}  // namespace
+
+WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOptions& o, int block) {
   const int64_t lo = block * plan.local_tokens, hi = lo + plan.local_tokens;
   WorkList w;
   for (const AttnTask& t : keys.tasks) {
+    const PosRange seen = visible_positions(t, o);
     AttnTask nt = t;
     nt.run_begin = static_cast<int64_t>(w.runs.size());
     for (int64_t r = t.run_begin; r < t.run_end; ++r) {
       const KeyRun& k = keys.runs[r];
-      const int64_t a = std::max(k.row, lo), b = std::min(k.row + k.len, hi);
-      if (a >= b) continue;
-      const KeyRun part{.row = a - lo, .len = b - a, .pos = k.pos + (a - k.row)};
-      if (mask == MaskType::causal && part.pos > t.q_pos + t.q_len - 1) continue;  // none visible
-      w.runs.push_back(part);
+      // The run's visible positions [p0, p1], then those of its rows inside the block.
+      const int64_t p0 = std::max(k.pos, seen.first), p1 = std::min(k.pos + k.len - 1, seen.last);
+      if (p0 > p1) continue;
+      const int64_t a = std::max(k.row + (p0 - k.pos), lo), b = std::min(k.row + (p1 - k.pos) + 1, hi);
+      if (a >= b) continue;  // none visible here
+      w.runs.push_back(KeyRun{.row = a - lo, .len = b - a, .pos = k.pos + (a - k.row)});
     }
     nt.run_end = static_cast<int64_t>(w.runs.size());
     if (nt.run_end > nt.run_begin) w.tasks.push_back(nt);

@@ -135,10 +135,10 @@ struct PreparedWork {
 
 // The ring's per-step work lists from `keys` (the tasks over the rank-major gathered buffer,
 // without padding, restricted to the mask): step s holds rank (rank - s) mod cp's block.
-std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, MaskType mask) {
+std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, const AttnOptions& o) {
   const int cp = plan.cp;
   std::vector<WorkList> steps;
-  for (int st = 0; st < cp; ++st) steps.push_back(work_on_block(plan, keys, mask, (plan.rank - st + cp) % cp));
+  for (int st = 0; st < cp; ++st) steps.push_back(work_on_block(plan, keys, o, (plan.rank - st + cp) % cp));
   return steps;
 }
 
@@ -227,9 +227,9 @@ struct CpAttention::State {
     w->plan = plan;
     const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
     if (cfg.scheme == CpScheme::ring)
-      w->steps = ring_steps(*plan, keys, cfg.options.mask);
+      w->steps = ring_steps(*plan, keys, cfg.options);
     else if (cfg.scheme == CpScheme::pass_q)
-      w->passq = pass_q_work(*plan, cfg.options.mask);
+      w->passq = pass_q_work(*plan, cfg.options);
     else if (indexed())
       copy_form(keys, w->copy_index, w->work);
     else

@@ -40,9 +40,11 @@ WorkList keys_for_mask(const RankPlan& plan, MaskType mask);
 
 // The part of `keys` (plan's tasks over the rank-major buffer, without padding) that lies in
 // rank `block`'s K/V: for each task the pieces of its runs inside that block, as rows of the
-// block, and under a causal mask only pieces with a key at or before the task's last query.
-// Tasks left without keys are dropped: an empty list means no visible pair.
-WorkList work_on_block(const RankPlan& plan, const WorkList& keys, MaskType mask, int block);
+// block, cut to the positions some query of the task can see (under a causal mask at or
+// before its last query; with a sliding window within [first query - left, last query +
+// right]). Tasks left without keys are dropped: an empty list means no visible pair, so the
+// schemes skip the blocks that the mask or the window hides entirely.
+WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOptions& o, int block);
 
 // A view's values as fp32 [rows, heads, dim] contiguous: converted into `buf`, or, when the
 // view is already fp32 and contiguous, its own data (nothing copied).

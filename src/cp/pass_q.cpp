@@ -89,19 +89,20 @@ AttnInputs step_inputs(const SchemeEnv& env, const float* q, int64_t t, const fl
 
 }  // namespace
 
-PassQWork pass_q_work(const RankPlan& plan, MaskType mask) {
+PassQWork pass_q_work(const RankPlan& plan, const AttnOptions& o) {
+  const MaskType mask = o.mask;
   const int cp = plan.cp, r = plan.rank;
   const WorkList mine = without_padding(plan, keys_for_mask(plan, mask));
   PassQWork w;
   for (int s = 0; s < cp; ++s) {
     const int src = (r - s + cp) % cp;
     if (src == r) {
-      w.visiting.push_back(work_on_block(plan, mine, mask, r));
+      w.visiting.push_back(work_on_block(plan, mine, o, r));
     } else {  // the owner's plan, made here: every rank can plan every rank
       const RankPlan p = get_thd_load_balanced_cp_metadata(plan.cu_seqlens, cp, src);
-      w.visiting.push_back(work_on_block(p, without_padding(p, keys_for_mask(p, mask)), mask, r));
+      w.visiting.push_back(work_on_block(p, without_padding(p, keys_for_mask(p, mask)), o, r));
     }
-    w.returns.push_back(!work_on_block(plan, mine, mask, (r + s) % cp).tasks.empty());
+    w.returns.push_back(!work_on_block(plan, mine, o, (r + s) % cp).tasks.empty());
   }
   return w;
 }

@@ -33,7 +33,7 @@ struct PassQWork {
   // i.e. whether the partial it sends back is full or empty.
   std::vector<char> returns;
 };
-PassQWork pass_q_work(const RankPlan& plan, MaskType mask);
+PassQWork pass_q_work(const RankPlan& plan, const AttnOptions& o);
 
 // The scheme's buffers, kept across calls (one forward or backward runs at a time).
 struct PassQBuffers {
