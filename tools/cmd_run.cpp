@@ -64,8 +64,10 @@ void add_run_command(CLI::App& app) {
                                      "(index_select copy, index_add_ in backward)")
       ->capture_default_str()
       ->transform(kv_mode_transformer());
-  cmd->add_option("--scheme", a->scheme, "How K/V reach the queries: allgather (gather every rank's K/V once) or "
-                                         "ring (pass-KV: blocks shifted around the ring of CP ranks)")
+  cmd->add_option("--scheme", a->scheme, "How K/V reach the queries: allgather (gather every rank's K/V once), "
+                                         "ring (pass-KV: blocks shifted around the ring of CP ranks), pass-q "
+                                         "(the queries travel, partial results come back), or all (every "
+                                         "scheme on the same batch, one table)")
       ->capture_default_str()
       ->transform(scheme_transformer());
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <string_view>
 
 namespace cpattn::cli {
 
@@ -96,9 +97,16 @@ inline std::string parse_kv_mode(std::string_view s, std::string_view flag = "--
   throw Error(std::string(flag) + " must be one of runs, index, got '" + std::string(s) + "'");
 }
 
+// CpAttnConfig::scheme's names (cpattn::to_string(CpScheme), one per kCpSchemes entry) and
+// "all" (cpattn run: every scheme on the same batch).
+inline constexpr std::string_view kSchemeNames[] = {"allgather", "ring", "pass-q", "all"};
 inline std::string parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
-  if (s == "allgather" || s == "ring") return std::string(s);
-  throw Error(std::string(flag) + " must be one of allgather, ring, got '" + std::string(s) + "'");
+  std::string names;
+  for (const std::string_view n : kSchemeNames) {
+    if (s == n) return std::string(s);
+    names += (names.empty() ? "" : ", ") + std::string(n);
+  }
+  throw Error(std::string(flag) + " must be one of " + names + ", got '" + std::string(s) + "'");
 }
 
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
@@ -157,7 +165,7 @@ inline CLI::Validator kv_mode_transformer() {
 }
 
 inline CLI::Validator scheme_transformer() {
-  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring}");
+  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring|pass-q|all}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

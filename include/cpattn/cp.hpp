@@ -43,9 +43,15 @@ namespace cpattn {
 // the current one is computed); at step s rank r holds rank (r - s) mod cp's block and computes
 // only the pairs the plan makes visible (steps with none are skipped), merging each step's
 // partial (out, lse) in the fixed order 0..cp-1; backward sends dK/dV around the ring with
-// the blocks back to their owners. Both are exact and deterministic; the ring holds two
-// blocks instead of cp and computes in fp32 (inputs converted once per block).
-enum class CpScheme { allgather, ring };
+// the blocks back to their owners. pass-q: the queries travel around the ring instead
+// (the choice when K/V are larger than Q: many KV heads, MLA); each step computes the visiting
+// queries' visible pairs with the local K/V, the partial (out, lse) goes back to the queries'
+// owner and is merged there in step order; backward: the visiting (lse, q, out, dout) give
+// dK/dV locally and partial dQ that go back to the owner. All are exact and deterministic; the
+// ring and pass-q hold two blocks instead of cp and compute in fp32.
+enum class CpScheme { allgather, ring, pass_q };
+// Every scheme, one line each: what `cpattn run --scheme all` runs, in this order.
+inline constexpr CpScheme kCpSchemes[] = {CpScheme::allgather, CpScheme::ring, CpScheme::pass_q};
 
 // How the kernel reads the gathered keys.
 enum class KvMode {
@@ -74,7 +80,7 @@ struct CpAttnConfig {
   CpScheme scheme = CpScheme::allgather;  // part of the ranks' agreement
 };
 
-std::string_view to_string(CpScheme s);  // "allgather", "ring"
+std::string_view to_string(CpScheme s);  // "allgather", "ring", "pass-q"
 
 
 // Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout
@@ -106,7 +112,7 @@ struct CpBackwardArgs {
 };
 
 // What a forward hands its backward, like an autograd context: the plan, the gathered K/V
-// (or their index_select copy; the ring scheme: a copy of the local K/V only) and lse. Move-only; the caller keeps one per forward and hands
+// (or their index_select copy; the ring and pass-q schemes: a copy of the local K/V only) and lse. Move-only; the caller keeps one per forward and hands
 // it to backward, which consumes it (releases its buffers). Not tied to the CpAttention's
 // lifetime in memory, but only that CpAttention's backward accepts it.
 class CpContext {

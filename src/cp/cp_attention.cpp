@@ -5,6 +5,9 @@
 #include <cpattn/layout.hpp>
 #include <cpattn/merge.hpp>
 
+#include "cp_internal.hpp"
+#include "pass_q.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -18,11 +21,7 @@ namespace cpattn {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using namespace cp_detail;
 
 void all_gather_rows(Communicator& comm, DType t, const void* local, std::size_t elems, void* all) {
   if (t == DType::f32) {
@@ -43,29 +42,6 @@ uint64_t hash_slopes(const float* slopes, int n) {
     h *= 1099511628211ull;
   }
   return h | 1;
-}
-
-// The keys each task reads, as runs of the rank-major gathered buffer. Causal: chunks 0..j of
-// the document, the plan's runs. No mask: every chunk of the document. A sliding window
-// (AttnOptions) reads the same runs: the kernels skip the key blocks outside the window.
-WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
-  if (mask == MaskType::causal) return plan.work;
-  WorkList w;
-  w.tasks = plan.work.tasks;
-  const int64_t cp = plan.cp;
-  for (AttnTask& t : w.tasks) {
-    const DocSplit& d = plan.docs[t.doc];
-    t.run_begin = static_cast<int64_t>(w.runs.size());
-    for (int64_t m = 0; m < chunks_per_document(plan.cp); ++m) {
-      const int64_t row = chunk_owner(m, plan.cp) * plan.local_tokens + d.local_begin + (m < cp ? 0 : d.chunk);
-      if (static_cast<int64_t>(w.runs.size()) > t.run_begin && w.runs.back().row + w.runs.back().len == row)
-        w.runs.back().len += d.chunk;
-      else
-        w.runs.push_back(KeyRun{.row = row, .len = d.chunk, .pos = m * d.chunk});
-    }
-    t.run_end = static_cast<int64_t>(w.runs.size());
-  }
-  return w;
 }
 
 // The reference design's index_select form of `w`: every task's keys copied, in order, into
@@ -154,68 +130,16 @@ struct PreparedWork {
   // Ring: per step s, the tasks over the visiting block of rank (rank - s) mod cp, key rows
   // local to that block; a step with no task is skipped.
   std::vector<WorkList> steps;
+  PassQWork passq;  // pass-Q: the visiting query blocks' tasks over this rank's K/V
 };
 
 // The ring's per-step work lists from `keys` (the tasks over the rank-major gathered buffer,
-// without padding, restricted to the mask): step s keeps, for each task, the parts of its key
-// runs that lie in rank (rank - s) mod cp's block [src * T_loc, (src + 1) * T_loc), as rows of
-// that block, and under a causal mask only runs with a key at or before the task's last query.
-std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, MaskType mask) {
+// without padding, restricted to the mask): step s holds rank (rank - s) mod cp's block.
+std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, const AttnOptions& o) {
   const int cp = plan.cp;
-  const int64_t t_loc = plan.local_tokens;
-  std::vector<WorkList> steps(static_cast<std::size_t>(cp));
-  for (int st = 0; st < cp; ++st) {
-    const int src = (plan.rank - st + cp) % cp;
-    const int64_t lo = src * t_loc, hi = lo + t_loc;
-    WorkList& w = steps[static_cast<std::size_t>(st)];
-    for (const AttnTask& t : keys.tasks) {
-      AttnTask nt = t;
-      nt.run_begin = static_cast<int64_t>(w.runs.size());
-      for (int64_t r = t.run_begin; r < t.run_end; ++r) {
-        const KeyRun& k = keys.runs[r];
-        const int64_t a = std::max(k.row, lo), b = std::min(k.row + k.len, hi);
-        if (a >= b) continue;
-        const KeyRun part{.row = a - lo, .len = b - a, .pos = k.pos + (a - k.row)};
-        if (mask == MaskType::causal && part.pos > t.q_pos + t.q_len - 1) continue;  // none visible
-        w.runs.push_back(part);
-      }
-      nt.run_end = static_cast<int64_t>(w.runs.size());
-      if (nt.run_end > nt.run_begin) w.tasks.push_back(nt);
-    }
-  }
+  std::vector<WorkList> steps;
+  for (int st = 0; st < cp; ++st) steps.push_back(work_on_block(plan, keys, o, (plan.rank - st + cp) % cp));
   return steps;
-}
-
-// `rows` x `row` values of a view of t.dtype into fp32 (contiguous), or, when the view is
-// already fp32 and contiguous, nothing (returns its data).
-const float* as_f32(ConstTensorView t, std::vector<float>& buf) {
-  if (t.dtype == DType::f32 && t.is_contiguous()) return static_cast<const float*>(t.data);
-  buf.resize(static_cast<std::size_t>(t.rows) * t.heads * t.dim);
-  const std::size_t es = dtype_size(t.dtype);
-  for (int64_t i = 0; i < t.rows; ++i)
-    for (int h = 0; h < t.heads; ++h)
-      to_float(static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, t.dtype, static_cast<std::size_t>(t.dim),
-               buf.data() + (i * t.heads + h) * t.dim);
-  return buf.data();
-}
-
-// fp32 contiguous [rows, heads, dim] into a (possibly strided) view.
-void store_f32(const float* src, TensorView t) {
-  const std::size_t es = dtype_size(t.dtype);
-  for (int64_t i = 0; i < t.rows; ++i)
-    for (int h = 0; h < t.heads; ++h)
-      from_float(src + (i * t.heads + h) * t.dim, static_cast<std::size_t>(t.dim), t.dtype,
-                 static_cast<std::byte*>(t.data) + t.offset(i, h) * es);
-}
-
-// A visiting block of K or V in storage dtype travels as bits.
-CommRequest start_block_shift(Communicator& comm, DType t, const std::vector<std::byte>& send, int dest,
-                              std::vector<std::byte>& recv, int source) {
-  if (t == DType::f32)
-    return comm.start_shift<float>({reinterpret_cast<const float*>(send.data()), send.size() / 4}, dest,
-                                   {reinterpret_cast<float*>(recv.data()), recv.size() / 4}, source);
-  return comm.start_shift<uint16_t>({reinterpret_cast<const uint16_t*>(send.data()), send.size() / 2}, dest,
-                                    {reinterpret_cast<uint16_t*>(recv.data()), recv.size() / 2}, source);
 }
 
 }  // namespace
@@ -276,6 +200,8 @@ struct CpAttention::State {
   std::vector<float> dkb[2], dvb[2];
   std::vector<float> qf, kf, vf, of, dof, acc_out, acc_lse, part_out, part_lse, dq_acc, dq_part;
 
+  PassQBuffers passq;  // the pass-Q scheme's
+
   std::vector<float> slopes;  // the configuration's ALiBi slopes, owned (cfg points here)
 
   State(Communicator& c, const CpAttnConfig& config)
@@ -301,7 +227,9 @@ struct CpAttention::State {
     w->plan = plan;
     const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
     if (cfg.scheme == CpScheme::ring)
-      w->steps = ring_steps(*plan, keys, cfg.options.mask);
+      w->steps = ring_steps(*plan, keys, cfg.options);
+    else if (cfg.scheme == CpScheme::pass_q)
+      w->passq = pass_q_work(*plan, cfg.options);
     else if (indexed())
       copy_form(keys, w->copy_index, w->work);
     else
@@ -350,7 +278,7 @@ struct CpAttention::State {
         .add("dtype", static_cast<int64_t>(cfg.dtype))
         .add("mask", static_cast<int64_t>(o.mask))
         .add("kv_mode", static_cast<int64_t>(cfg.kv_mode))
-        .add("scheme (0 allgather, 1 ring)", static_cast<int64_t>(cfg.scheme))
+        .add("scheme (CpScheme: 0 allgather, 1 ring, 2 pass-q)", static_cast<int64_t>(cfg.scheme))
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -380,6 +308,7 @@ struct CpAttention::State {
                                         &part_lse, &dq_acc, &dq_part})
       bytes += f->capacity() * sizeof(float);
     for (const std::vector<std::byte>* b : {&kb[0], &kb[1], &vb[0], &vb[1]}) bytes += b->capacity();
+    bytes += passq.bytes();
     stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, bytes);
   }
 
@@ -406,11 +335,35 @@ struct CpAttention::State {
             .options = o};
   }
 
-  // Waits for `r`, counting the time as communication.
-  void ring_wait(CommRequest& r) {
+  void ring_wait(CommRequest& r) { env().wait(r); }
+  SchemeEnv env() { return {.comm = comm, .cfg = cfg, .stats = stats}; }
+
+  // The ring's and pass-Q's context keeps a copy of the local K/V for backward.
+  void keep_local_kv(const CpForwardArgs& a, CpContext::State& ctx) const {
+    const std::size_t es = dtype_size(cfg.dtype);
+    const auto k_bytes = static_cast<std::size_t>(ctx.plan->local_tokens * k_row()) * es;
+    const auto v_bytes = static_cast<std::size_t>(ctx.plan->local_tokens * v_row()) * es;
+    ctx.k.assign(static_cast<const std::byte*>(a.k.data), static_cast<const std::byte*>(a.k.data) + k_bytes);
+    ctx.v.assign(static_cast<const std::byte*>(a.v.data), static_cast<const std::byte*>(a.v.data) + v_bytes);
+    ctx.total_k = ctx.plan->local_tokens;
+  }
+
+  void pass_q_forward(const CpForwardArgs& a, CpContext::State& ctx) {
     const auto t0 = Clock::now();
-    comm.wait(r);
-    stats.comm_s += seconds_since(t0);
+    keep_local_kv(a, ctx);
+    ctx.lse.resize(static_cast<std::size_t>(ctx.plan->local_tokens) * cfg.num_heads_q);
+    stats.compute_s += seconds_since(t0);
+    SchemeEnv e = env();
+    cp_detail::pass_q_forward(e, passq, ctx.work->passq, ctx.seed, a.q, a.k, a.v, a.out, ctx.lse);
+    if (a.lse) std::memcpy(a.lse, ctx.lse.data(), ctx.lse.size() * sizeof(float));
+  }
+
+  void pass_q_backward(const CpBackwardArgs& a, const CpContext::State& ctx) {
+    const int64_t t = ctx.plan->local_tokens;
+    SchemeEnv e = env();
+    cp_detail::pass_q_backward(e, passq, ctx.work->passq, ctx.seed, a,
+                               contiguous(ctx.k.data(), t, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
+                               contiguous(ctx.v.data(), t, cfg.num_heads_k, cfg.head_dim_v, cfg.dtype), ctx.lse);
   }
 
   // Ring forward: step s computes this rank's queries over rank (rank - s) mod cp's block
@@ -424,10 +377,7 @@ struct CpAttention::State {
     const auto k_bytes = static_cast<std::size_t>(t * k_row()) * es;
     const auto v_bytes = static_cast<std::size_t>(t * v_row()) * es;
     auto t0 = Clock::now();
-    // The context keeps the local K/V for backward; the ring sends from its own buffers.
-    ctx.k.assign(static_cast<const std::byte*>(a.k.data), static_cast<const std::byte*>(a.k.data) + k_bytes);
-    ctx.v.assign(static_cast<const std::byte*>(a.v.data), static_cast<const std::byte*>(a.v.data) + v_bytes);
-    ctx.total_k = t;
+    keep_local_kv(a, ctx);  // the ring sends from its own buffers
     for (int i = 0; i < 2; ++i) {
       kb[i].resize(k_bytes);
       vb[i].resize(v_bytes);
@@ -554,17 +504,24 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
   check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
                           .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},
                          cfg.options, "CpAttention");
-  CPATTN_CHECK(!cfg.deterministic || cfg.scheme == CpScheme::ring ||
+  CPATTN_CHECK(!cfg.deterministic || cfg.scheme != CpScheme::allgather ||
                    comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
-  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.scheme == CpScheme::ring, "scheme must be allgather or ring, got ",
-               static_cast<int>(cfg.scheme));
-  CPATTN_CHECK(cfg.scheme != CpScheme::ring || cfg.kv_mode == KvMode::runs,
-               "kv_mode index is the all-gather scheme's; the ring reads its blocks in place (kv_mode runs)");
+  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.scheme == CpScheme::ring || cfg.scheme == CpScheme::pass_q,
+               "scheme must be allgather, ring or pass-q, got ", static_cast<int>(cfg.scheme));
+  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.kv_mode == KvMode::runs, "kv_mode index is the all-gather "
+               "scheme's; the ", to_string(cfg.scheme), " scheme reads its blocks in place (kv_mode runs)");
   s_ = std::make_unique<State>(comm, cfg);
 }
 
-std::string_view to_string(CpScheme s) { return s == CpScheme::ring ? "ring" : "allgather"; }
+std::string_view to_string(CpScheme s) {
+  switch (s) {
+    case CpScheme::allgather: return "allgather";
+    case CpScheme::ring: return "ring";
+    case CpScheme::pass_q: return "pass-q";
+  }
+  return "unknown";
+}
 
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
@@ -618,6 +575,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
 
   if (c.scheme == CpScheme::ring) {
     s.ring_forward(a, *ctx);
+  } else if (c.scheme == CpScheme::pass_q) {
+    s.pass_q_forward(a, *ctx);
   } else {
     const RankPlan& plan = *ctx->plan;
     const int cp = s.comm.size();
@@ -695,8 +654,11 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const CpContext::State* cs = ctx.s_.get();
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
 
-  if (c.scheme == CpScheme::ring) {
-    s.ring_backward(a, *cs);
+  if (c.scheme != CpScheme::allgather) {
+    if (c.scheme == CpScheme::ring)
+      s.ring_backward(a, *cs);
+    else
+      s.pass_q_backward(a, *cs);
     s.note_peak();
     ctx.s_.reset();
     return;

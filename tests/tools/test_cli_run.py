@@ -47,8 +47,29 @@ for np_ in (2, 3):
             check(j["bytes_sent"] == j["bytes_received"], f"ring bytes balance: {j}")
 j = run_json(2, "--lengths", "37,1,100")
 check(j is not None and j["scheme"] == "allgather", f"default scheme: {j}")
+# --scheme pass-q, and --scheme all: every scheme on the same batch, each checked, with its
+# per-rank times, bytes and peak buffers; each scheme's bytes equal its own run's.
+PQ = ["--lengths", "37,1,100,3", "--heads", "4", "--kv-heads", "2", "--head-dim-qk", "48", "--head-dim-v", "32"]
+alone = {name: run_json(3, "--scheme", name, *PQ) for name in ("ring", "pass-q")}
+check(alone["pass-q"] is not None and alone["pass-q"]["passed"] and alone["pass-q"]["scheme"] == "pass-q",
+      f"pass-q: {alone['pass-q']}")
+j = run_json(3, "--scheme", "all", *PQ)
+if j:
+    check(j["scheme"] == "all" and j["passed"], f"all: {j}")
+    check([x["scheme"] for x in j["schemes"]] == ["allgather", "ring", "pass-q"], f"all: schemes {j['schemes']}")
+    for x in j["schemes"]:
+        name = x["scheme"]
+        check(x["passed"] and set(x["rel_l2_err"]) >= {"out", "dq", "dk", "dv"}, f"all {name}: {x}")
+        for key in ("forward_s", "backward_s", "bytes_sent", "bytes_received", "peak_buffer_mb"):
+            check(len(x[key]) == 3 and all(v > 0 for v in x[key]), f"all {name} {key}: {x[key]}")
+        check(sum(x["bytes_sent"]) == sum(x["bytes_received"]), f"all {name}: bytes balance")
+        if alone.get(name):
+            check(x["bytes_sent"] == alone[name]["bytes_sent"], f"all {name}: bytes differ from its own run")
+r = run(3, "--scheme", "all", *PQ)
+check(r.returncode == 0 and "result: PASS" in r.stdout and all(n in r.stdout for n in ("allgather", "ring", "pass-q")),
+      f"--scheme all table: {r.stdout[-1500:]} {r.stderr[-500:]}")
 r = run(2, "--scheme", "zigzag")
-check(r.returncode == 2 and "--scheme" in r.stderr, f"bad --scheme: exit {r.returncode} {r.stderr[-500:]}")
+check(r.returncode == 2 and "--scheme" in r.stderr and "pass-q" in r.stderr, f"bad --scheme: exit {r.returncode} {r.stderr[-500:]}")
 
 # Every dtype and both key modes, MHA, GQA and MLA shapes, documents needing padding.
 for np_ in (2, 3):

@@ -8,12 +8,23 @@
 
 namespace cpattn::cli::run_cmd {
 
-RunCheck check_against_single_process(const check::Batch& b, const AttnOptions& options,
-                                      const check::Results& got) {
-  RunCheck c;
+Reference single_process_reference(const check::Batch& b, const AttnOptions& options) {
+  Reference r;
   const auto t0 = std::chrono::steady_clock::now();
-  const check::Results ref = check::single_process(b, options);
-  c.single_process_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.results = check::single_process(b, options);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+double RunCheck::worst_rel_l2() const {
+  double w = 0;
+  for (const check::TensorReport& t : tensors) w = std::max(w, t.rel_l2);
+  return w;
+}
+
+RunCheck check_against(const check::Batch& b, const Reference& reference, const check::Results& got) {
+  RunCheck c;
+  const check::Results& ref = reference.results;
   const struct {
     const char* name;
     const std::vector<float>* got;

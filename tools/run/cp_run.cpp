@@ -75,8 +75,19 @@ struct Local {
   CpAttnConfig cfg;
   std::shared_ptr<const RankPlan> plan;  // from the layer's cache: lays out the inputs, then runs
   check::Tensor q, k, v, dout;
-  std::unique_ptr<CpAttention> attn;  // its constructor checks the configuration locally
+  // One layer per scheme run (--scheme all: every scheme); the constructors check the
+  // configuration locally, before the ranks agree.
+  std::vector<std::unique_ptr<CpAttention>> attns;
 };
+
+// The schemes a run measures: --scheme's, or every scheme (kCpSchemes) for "all".
+std::vector<CpScheme> schemes_of(const std::string& name) {
+  std::vector<CpScheme> out;
+  for (const CpScheme s : kCpSchemes)
+    if (name == "all" || name == to_string(s)) out.push_back(s);
+  CPATTN_CHECK(!out.empty(), "--scheme: no scheme named '", name, "'");
+  return out;
+}
 
 Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
@@ -100,15 +111,71 @@ Local prepare(const RunArgs& a, Communicator& comm) {
            .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
-           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
-           .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather};
-  l.attn = std::make_unique<CpAttention>(comm, l.cfg);
-  l.plan = l.attn->plan(b.cu_seqlens);
+           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index};
+  for (const CpScheme s : schemes_of(parse_scheme(a.scheme))) {
+    CpAttnConfig c = l.cfg;
+    c.scheme = s;
+    if (s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode is the all-gather scheme's
+    l.attns.push_back(std::make_unique<CpAttention>(comm, c));
+  }
+  l.plan = l.attns.front()->plan(b.cu_seqlens);  // a plan serves every scheme
   l.q = check::local_rows(b.q, *l.plan);
   l.k = check::local_rows(b.k, *l.plan);
   l.v = check::local_rows(b.v, *l.plan);
   l.dout = check::local_rows(b.dout, *l.plan);
   return l;
+}
+
+// One scheme's timed steps on this rank's rows: its results gathered into the global order,
+// and every rank's figures (medians over --repeats) on every rank.
+struct Measured {
+  check::Results got;
+  std::vector<RankFigures> ranks;
+};
+Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttention& attn) {
+  const check::Batch& b = l.b;
+  const RankPlan& p = *l.plan;
+  const check::Tensor &q = l.q, &k = l.k, &v = l.v, &dout = l.dout;
+  check::Tensor out(b.dtype, {p.local_tokens, b.shape.heads_q, b.shape.head_dim_v}), dq(b.dtype, q.shape),
+      dk(b.dtype, k.shape), dv(b.dtype, v.shape);
+  std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * b.shape.heads_q));
+
+  std::vector<double> compute, communication, wall, forward, backward;
+  int64_t sent = 0, received = 0;  // by the last step (every step moves the same)
+  for (int i = 0; i < a.repeats; ++i) {
+    attn.reset_stats();
+    comm.barrier();
+    const int64_t sent0 = comm.bytes_sent(), received0 = comm.bytes_received();
+    const auto t0 = Clock::now();
+    CpContext ctx = attn.forward({.plan = l.plan, .q = q.view(), .k = k.view(), .v = v.view(),
+                                  .out = out.view(), .lse = lse.data()});
+    const auto t1 = Clock::now();
+    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
+                        .dk = dk.view(), .dv = dv.view()});
+    const auto t2 = Clock::now();
+    forward.push_back(std::chrono::duration<double>(t1 - t0).count());
+    backward.push_back(std::chrono::duration<double>(t2 - t1).count());
+    wall.push_back(std::chrono::duration<double>(t2 - t0).count());
+    sent = comm.bytes_sent() - sent0;
+    received = comm.bytes_received() - received0;
+    compute.push_back(attn.stats().compute_s);
+    communication.push_back(attn.stats().comm_s);
+  }
+
+  Measured m;
+  m.got = check::gather_results(
+      comm, p, {.out = out.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .lse = lse.data()});
+  const std::vector<double> mine{median(compute), median(communication), median(wall), median(forward),
+                                 median(backward), peak_rss_mb(),
+                                 static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20),
+                                 static_cast<double>(sent), static_cast<double>(received)};
+  std::vector<double> per_rank(mine.size() * comm.size());
+  comm.all_gather<double>(mine, per_rank);
+  for (int r = 0; r < comm.size(); ++r) {
+    const double* f = &per_rank[r * mine.size()];
+    m.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]});
+  }
+  return m;
 }
 
 // Runs the check in this rank's CP group; true when every group passed.
@@ -131,56 +198,23 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
   Local& l = *prepared;
   const check::Batch& b = l.b;
-  const RankPlan& p = *l.plan;
-  CpAttention& attn = *l.attn;
-  const check::Tensor &q = l.q, &k = l.k, &v = l.v, &dout = l.dout;
-  check::Tensor out(b.dtype, {p.local_tokens, b.shape.heads_q, b.shape.head_dim_v}), dq(b.dtype, q.shape),
-      dk(b.dtype, k.shape), dv(b.dtype, v.shape);
-  std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * b.shape.heads_q));
-
-  std::vector<double> compute, communication, wall;
-  int64_t sent = 0, received = 0;  // by the last step (every step moves the same)
-  for (int i = 0; i < a.repeats; ++i) {
-    attn.reset_stats();
-    comm.barrier();
-    const int64_t sent0 = comm.bytes_sent(), received0 = comm.bytes_received();
-    const auto t0 = Clock::now();
-    CpContext ctx = attn.forward({.plan = l.plan, .q = q.view(), .k = k.view(), .v = v.view(),
-                                  .out = out.view(), .lse = lse.data()});
-    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
-                        .dk = dk.view(), .dv = dv.view()});
-    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    sent = comm.bytes_sent() - sent0;
-    received = comm.bytes_received() - received0;
-    compute.push_back(attn.stats().compute_s);
-    communication.push_back(attn.stats().comm_s);
-  }
-
-  const check::Results got = check::gather_results(
-      comm, p, {.out = out.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .lse = lse.data()});
-
-  // Per-rank figures, to every rank.
-  std::vector<double> mine{median(compute), median(communication), median(wall), peak_rss_mb(),
-                           static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20),
-                           static_cast<double>(sent), static_cast<double>(received)};
-  std::vector<double> per_rank(mine.size() * cp);
-  comm.all_gather<double>(mine, per_rank);
+  std::vector<Measured> measured;
+  for (const std::unique_ptr<CpAttention>& attn : l.attns) measured.push_back(measure(comm, a, l, *attn));
 
   // Rank 0 checks and reports; the others wait for its verdict. Whatever rank 0 meets
   // (a failed check, an exception) reaches every rank, so that none is left waiting.
   int64_t pass = 1;
   std::string rank0_error;
   if (rank == 0) try {
-    const RunCheck result = check_against_single_process(b, l.cfg.options, got);
-    if (!result.pass) pass = 0;
+    const Reference ref = single_process_reference(b, l.cfg.options);  // once, for every scheme
     const KernelPath path = l.cfg.options.path;
     RunReport report{.args = a, .kernel_path = kernel_path_name(path == KernelPath::automatic ? best_kernel_path() : path),
                      .cp = cp, .cp_groups = groups.count, .batch = b,
-                     .balance = balance_report(b.cu_seqlens, cp), .check = result, .ranks = {}};
-    for (int r = 0; r < cp; ++r) {
-      const double* f = &per_rank[r * mine.size()];
-      report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6]});
-    }
+                     .balance = balance_report(b.cu_seqlens, cp), .single_process_s = ref.seconds, .schemes = {}};
+    for (std::size_t i = 0; i < measured.size(); ++i)
+      report.schemes.push_back({.scheme = std::string(to_string(l.attns[i]->config().scheme)),
+                                .check = check_against(b, ref, measured[i].got), .ranks = measured[i].ranks});
+    if (!report.pass()) pass = 0;
     if (groups.world.rank() != 0) {
       // Another CP group's rank 0: it checked; world rank 0 reports.
     } else if (a.json) {
@@ -188,7 +222,8 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     } else {
       print_report(report);
     }
-    if (!a.npy_out.empty() && groups.world.rank() == 0) write_results(a.npy_out, b, got);
+    // --npy-out: the first scheme's results (every scheme's pass the same check)
+    if (!a.npy_out.empty() && groups.world.rank() == 0) write_results(a.npy_out, b, measured.front().got);
   } catch (const Error& e) {
     rank0_error = e.message();
   } catch (const std::exception& e) {

@@ -22,7 +22,65 @@ double compute_imbalance(const std::vector<RankFigures>& ranks) {
   return csum > 0 ? cmax / (csum / static_cast<double>(ranks.size())) : 1.0;
 }
 
+// One scheme's figures: its check and the per-rank arrays.
+nlohmann::json scheme_json(const SchemeResult& x) {
+  nlohmann::json j;
+  j["scheme"] = x.scheme;
+  for (const check::TensorReport& t : x.check.tensors) {
+    j["max_abs_err"][t.name] = t.max_abs;
+    j["max_rel_err"][t.name] = t.max_rel;
+    j["rel_l2_err"][t.name] = t.rel_l2;
+  }
+  j["max_abs_err"]["lse"] = x.check.lse_max_abs;
+  j["passed"] = x.check.pass;
+  for (const RankFigures& f : x.ranks) {
+    j["compute_s"].push_back(f.compute_s);
+    j["comm_s"].push_back(f.comm_s);
+    j["step_s"].push_back(f.step_s);
+    j["forward_s"].push_back(f.forward_s);
+    j["backward_s"].push_back(f.backward_s);
+    j["peak_rss_mb"].push_back(f.peak_rss_mb);
+    j["peak_buffer_mb"].push_back(f.peak_buffer_mb);
+    j["bytes_sent"].push_back(static_cast<int64_t>(f.bytes_sent));
+    j["bytes_received"].push_back(static_cast<int64_t>(f.bytes_received));
+  }
+  return j;
+}
+
+double max_over_ranks(const std::vector<RankFigures>& ranks, double RankFigures::*field) {
+  double m = 0;
+  for (const RankFigures& f : ranks) m = std::max(m, f.*field);
+  return m;
+}
+
+// --scheme all: one row per scheme and rank.
+void print_schemes(const RunReport& r) {
+  std::printf("\nevery scheme on this batch (medians of %d steps; error: the worst rel_l2 of out, dq, dk, dv):\n",
+              r.args.repeats);
+  std::printf("  %-10s %-5s %11s %11s %12s %12s %14s %11s %s\n", "scheme", "rank", "forward_s", "backward_s",
+              "bytes_sent", "bytes_recv", "peak_buffer_mb", "error", "check");
+  for (const SchemeResult& x : r.schemes)
+    for (std::size_t i = 0; i < x.ranks.size(); ++i) {
+      const RankFigures& f = x.ranks[i];
+      std::printf("  %-10s %-5d %11.4f %11.4f %12.0f %12.0f %14.1f", i == 0 ? x.scheme.c_str() : "",
+                  static_cast<int>(i), f.forward_s, f.backward_s, f.bytes_sent, f.bytes_received, f.peak_buffer_mb);
+      if (i == 0)
+        std::printf(" %11.3e %s\n", x.check.worst_rel_l2(), x.check.pass ? "PASS" : "FAIL");
+      else
+        std::printf("\n");
+    }
+  std::printf("\nslowest rank (forward + backward, s):");
+  for (const SchemeResult& x : r.schemes)
+    std::printf(" %s %.4f", x.scheme.c_str(),
+                max_over_ranks(x.ranks, &RankFigures::forward_s) + max_over_ranks(x.ranks, &RankFigures::backward_s));
+  std::printf("\n");
+}
+
 }  // namespace
+
+bool RunReport::pass() const {
+  return std::all_of(schemes.begin(), schemes.end(), [](const SchemeResult& x) { return x.check.pass; });
+}
 
 nlohmann::json report_json(const RunReport& r) {
   const RunArgs& a = r.args;
@@ -32,7 +90,7 @@ nlohmann::json report_json(const RunReport& r) {
   report["cp_groups"] = r.cp_groups;
   report["dtype"] = a.dtype;
   report["mode"] = a.mode;
-  report["scheme"] = a.scheme;
+  report["scheme"] = a.scheme;  // a scheme's name, or "all"
   report["mask"] = a.mask;
   {
     const Window w = parse_window(a.window);
@@ -53,24 +111,14 @@ nlohmann::json report_json(const RunReport& r) {
   report["head_dim_qk"] = b.shape.head_dim_qk;
   report["head_dim_v"] = b.shape.head_dim_v;
   report["repeats"] = a.repeats;
-  report["single_process_s"] = r.check.single_process_s;
-  for (const check::TensorReport& t : r.check.tensors) {
-    report["max_abs_err"][t.name] = t.max_abs;
-    report["max_rel_err"][t.name] = t.max_rel;
-    report["rel_l2_err"][t.name] = t.rel_l2;
+  report["single_process_s"] = r.single_process_s;
+  if (r.schemes.size() == 1) {  // one scheme: its figures at the top level
+    report.update(scheme_json(r.schemes[0]));
+  } else {  // --scheme all: one object per scheme
+    for (const SchemeResult& x : r.schemes) report["schemes"].push_back(scheme_json(x));
+    report["passed"] = r.pass();
   }
-  report["max_abs_err"]["lse"] = r.check.lse_max_abs;
-  report["passed"] = r.check.pass;
-  for (const RankFigures& f : r.ranks) {
-    report["compute_s"].push_back(f.compute_s);
-    report["comm_s"].push_back(f.comm_s);
-    report["step_s"].push_back(f.step_s);
-    report["peak_rss_mb"].push_back(f.peak_rss_mb);
-    report["peak_buffer_mb"].push_back(f.peak_buffer_mb);
-    report["bytes_sent"].push_back(static_cast<int64_t>(f.bytes_sent));
-    report["bytes_received"].push_back(static_cast<int64_t>(f.bytes_received));
-  }
-  report["imbalance"] = {{"compute", compute_imbalance(r.ranks)},
+  report["imbalance"] = {{"compute", compute_imbalance(r.schemes[0].ranks)},
                          {"balanced", r.balance.imbalance_balanced},
                          {"contiguous", r.balance.imbalance_contiguous}};
   return report;
@@ -92,22 +140,31 @@ void print_report(const RunReport& r) {
     std::printf("masks: window %lld,%lld, softcap %g, alibi %s\n", static_cast<long long>(w.left),
                 static_cast<long long>(w.right), static_cast<double>(a.softcap), a.alibi ? "on" : "off");
   }
-  std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.check.single_process_s);
+  if (r.schemes.size() > 1) {
+    std::printf("checked against a single-process run of the whole batch (%.3f s)\n", r.single_process_s);
+    print_schemes(r);
+    std::printf("  result: %s (%s)\n", r.pass() ? "PASS" : "FAIL", std::string(check::tolerance(b.dtype).rule).c_str());
+    return;
+  }
+  const RunCheck& result = r.schemes[0].check;
+  const std::vector<RankFigures>& ranks = r.schemes[0].ranks;
+  std::printf("scheme %s\n", r.schemes[0].scheme.c_str());
+  std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.single_process_s);
   std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
-  for (const check::TensorReport& t : r.check.tensors)
+  for (const check::TensorReport& t : result.tensors)
     std::printf("  %-6s %14.3e %14.3e %14.3e\n", t.name.c_str(), t.max_abs, t.max_rel, t.rel_l2);
-  std::printf("  result: %s (%s)\n", r.check.pass ? "PASS" : "FAIL",
+  std::printf("  result: %s (%s)\n", result.pass ? "PASS" : "FAIL",
               std::string(check::tolerance(b.dtype).rule).c_str());
   std::printf("\nper rank (medians of %d forward+backward steps):\n", a.repeats);
   std::printf("  %-5s %11s %11s %11s %12s %14s %12s %12s\n", "rank", "compute_s", "comm_s", "step_s",
               "peak_rss_mb", "peak_buffer_mb", "bytes_sent", "bytes_recv");
-  for (std::size_t i = 0; i < r.ranks.size(); ++i) {
-    const RankFigures& f = r.ranks[i];
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const RankFigures& f = ranks[i];
     std::printf("  %-5d %11.4f %11.4f %11.4f %12.1f %14.1f %12.0f %12.0f\n", static_cast<int>(i), f.compute_s,
                 f.comm_s, f.step_s, f.peak_rss_mb, f.peak_buffer_mb, f.bytes_sent, f.bytes_received);
   }
   std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
-              compute_imbalance(r.ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);
+              compute_imbalance(ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);
 }
 
 void write_results(const std::string& dir, const check::Batch& b, const check::Results& got) {

@@ -22,7 +22,8 @@ struct RunArgs {
   std::vector<int64_t> lengths;
   int64_t seq_len = 4096;
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
-  std::string dtype = "fp32", mode = "runs", scheme = "allgather", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
+  std::string dtype = "fp32", mode = "runs", scheme = "allgather",  // scheme: a CpScheme's name or "all"
+              mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
@@ -41,20 +42,32 @@ struct RunArgs {
 check::Batch make_batch(const RunArgs& a);
 
 // ---- check.cpp ----
+// A single-process run of the whole batch, made once for every scheme checked against it.
+struct Reference {
+  check::Results results;
+  double seconds = 0;  // its wall time
+};
+Reference single_process_reference(const check::Batch& b, const AttnOptions& options);
+
 struct RunCheck {
-  double single_process_s = 0;              // the reference run's wall time
   std::vector<check::TensorReport> tensors;  // out, dq, dk, dv
   double lse_max_abs = 0;                   // max |lse - ref| (lse is reported, not judged)
   bool pass = true;                         // every tensor passes its dtype's rule
+  double worst_rel_l2() const;              // over the tensors
 };
-// The CP results `got` (fp32, global order) against a single-process run of the whole batch.
-RunCheck check_against_single_process(const check::Batch& b, const AttnOptions& options,
-                                      const check::Results& got);
+// The CP results `got` (fp32, global order) against the reference.
+RunCheck check_against(const check::Batch& b, const Reference& ref, const check::Results& got);
 
 // ---- report.cpp ----
 struct RankFigures {  // medians over the timed steps, and memory
-  double compute_s = 0, comm_s = 0, step_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
+  double compute_s = 0, comm_s = 0, step_s = 0, forward_s = 0, backward_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
   double bytes_sent = 0, bytes_received = 0;  // by the communicator, over one forward+backward step
+};
+// One scheme's run: its check and every rank's figures.
+struct SchemeResult {
+  std::string scheme;  // to_string(CpScheme)
+  RunCheck check;
+  std::vector<RankFigures> ranks;
 };
 struct RunReport {
   const RunArgs& args;
@@ -62,8 +75,9 @@ struct RunReport {
   int cp = 1, cp_groups = 1;
   const check::Batch& batch;
   BalanceReport balance;
-  const RunCheck& check;
-  std::vector<RankFigures> ranks;
+  double single_process_s = 0;
+  std::vector<SchemeResult> schemes;  // one, or every scheme for --scheme all
+  bool pass() const;                  // every scheme passed its check
 };
 nlohmann::json report_json(const RunReport& r);
 void print_report(const RunReport& r);  // the table, to stdout

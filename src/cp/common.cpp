@@ -1,0 +1,116 @@
+// The helpers the CP schemes share (cp_internal.hpp).
+#include "cp_internal.hpp"
+
+#include <cpattn/dtype.hpp>
+#include <cpattn/layout.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+namespace cpattn::cp_detail {
+
+void SchemeEnv::wait(CommRequest& r) {
+  const auto t0 = Clock::now();
+  comm.wait(r);
+  stats.comm_s += seconds_since(t0);
+}
+
+WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
+  if (mask == MaskType::causal) return plan.work;
+  WorkList w;
+  w.tasks = plan.work.tasks;
+  const int64_t cp = plan.cp;
+  for (AttnTask& t : w.tasks) {
+    const DocSplit& d = plan.docs[t.doc];
+    t.run_begin = static_cast<int64_t>(w.runs.size());
+    for (int64_t m = 0; m < chunks_per_document(plan.cp); ++m) {
+      const int64_t row = chunk_owner(m, plan.cp) * plan.local_tokens + d.local_begin + (m < cp ? 0 : d.chunk);
+      if (static_cast<int64_t>(w.runs.size()) > t.run_begin && w.runs.back().row + w.runs.back().len == row)
+        w.runs.back().len += d.chunk;
+      else
+        w.runs.push_back(KeyRun{.row = row, .len = d.chunk, .pos = m * d.chunk});
+    }
+    t.run_end = static_cast<int64_t>(w.runs.size());
+  }
+  return w;
+}
+
+namespace {
+
+// The key positions [first, last] that some query of `t` may see under `o`'s mask and window
+// (windows are bounded by kMaxTokens: no overflow).
+struct PosRange {
+  int64_t first = 0, last = std::numeric_limits<int64_t>::max();
+};
+PosRange visible_positions(const AttnTask& t, const AttnOptions& o) {
+  const int64_t q_last = t.q_pos + t.q_len - 1;
+  PosRange p;
+  if (o.window_size_left >= 0) p.first = t.q_pos - o.window_size_left;
+  if (o.mask == MaskType::causal)
+    p.last = q_last;
+  else if (o.window_size_right >= 0)
+    p.last = q_last + o.window_size_right;
+  return p;
+}
+
+}  // namespace
+
+WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOptions& o, int block) {
+  const int64_t lo = block * plan.local_tokens, hi = lo + plan.local_tokens;
+  WorkList w;
+  for (const AttnTask& t : keys.tasks) {
+    const PosRange seen = visible_positions(t, o);
+    AttnTask nt = t;
+    nt.run_begin = static_cast<int64_t>(w.runs.size());
+    for (int64_t r = t.run_begin; r < t.run_end; ++r) {
+      const KeyRun& k = keys.runs[r];
+      // The run's visible positions [p0, p1], then those of its rows inside the block.
+      const int64_t p0 = std::max(k.pos, seen.first), p1 = std::min(k.pos + k.len - 1, seen.last);
+      if (p0 > p1) continue;
+      const int64_t a = std::max(k.row + (p0 - k.pos), lo), b = std::min(k.row + (p1 - k.pos) + 1, hi);
+      if (a >= b) continue;  // none visible here
+      w.runs.push_back(KeyRun{.row = a - lo, .len = b - a, .pos = k.pos + (a - k.row)});
+    }
+    nt.run_end = static_cast<int64_t>(w.runs.size());
+    if (nt.run_end > nt.run_begin) w.tasks.push_back(nt);
+  }
+  return w;
+}
+
+const float* as_f32(ConstTensorView t, std::vector<float>& buf) {
+  if (t.dtype == DType::f32 && t.is_contiguous()) return static_cast<const float*>(t.data);
+  buf.resize(static_cast<std::size_t>(t.rows) * t.heads * t.dim);
+  const std::size_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < t.rows; ++i)
+    for (int h = 0; h < t.heads; ++h)
+      to_float(static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, t.dtype, static_cast<std::size_t>(t.dim),
+               buf.data() + (i * t.heads + h) * t.dim);
+  return buf.data();
+}
+
+void store_f32(const float* src, TensorView t) {
+  const std::size_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < t.rows; ++i)
+    for (int h = 0; h < t.heads; ++h)
+      from_float(src + (i * t.heads + h) * t.dim, static_cast<std::size_t>(t.dim), t.dtype,
+                 static_cast<std::byte*>(t.data) + t.offset(i, h) * es);
+}
+
+void pack_rows(ConstTensorView t, std::byte* dst) {
+  const std::size_t es = dtype_size(t.dtype), row = static_cast<std::size_t>(t.dim) * es;
+  for (int64_t i = 0; i < t.rows; ++i)
+    for (int h = 0; h < t.heads; ++h, dst += row)
+      std::memcpy(dst, static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, row);
+}
+
+CommRequest start_block_shift(Communicator& comm, DType t, const std::vector<std::byte>& send, int dest,
+                              std::vector<std::byte>& recv, int source) {
+  if (t == DType::f32)
+    return comm.start_shift<float>({reinterpret_cast<const float*>(send.data()), send.size() / 4}, dest,
+                                   {reinterpret_cast<float*>(recv.data()), recv.size() / 4}, source);
+  return comm.start_shift<uint16_t>({reinterpret_cast<const uint16_t*>(send.data()), send.size() / 2}, dest,
+                                    {reinterpret_cast<uint16_t*>(recv.data()), recv.size() / 2}, source);
+}
+
+}  // namespace cpattn::cp_detail

@@ -1,0 +1,63 @@
+// What the CP schemes share inside the cp layer (not installed): timing, the fp32 conversions
+// of the blocks they compute on, the point-to-point shift of a storage-dtype block, and the
+// work lists of one rank's queries over one rank's block of K/V.
+#pragma once
+
+#include <cpattn/attention.hpp>
+#include <cpattn/comm.hpp>
+#include <cpattn/cp.hpp>
+#include <cpattn/plan.hpp>
+#include <cpattn/tensor.hpp>
+#include <cpattn/worklist.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <vector>
+
+namespace cpattn::cp_detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// What a scheme's step functions run with: the layer's communicator, configuration and the
+// statistics they add their seconds to.
+struct SchemeEnv {
+  Communicator& comm;
+  const CpAttnConfig& cfg;
+  CpStats& stats;
+  // Waits for `r` (a default-constructed request returns at once), counted as communication.
+  void wait(CommRequest& r);
+};
+
+// The keys each task of `plan` reads, as runs of the rank-major gathered buffer
+// [cp * local_tokens] (rank q's block at rows [q * local_tokens, (q + 1) * local_tokens)).
+// Causal: chunks 0..j of the document, the plan's runs. No mask: every chunk of it. A sliding
+// window reads the same runs: the kernels skip the key blocks outside the window.
+WorkList keys_for_mask(const RankPlan& plan, MaskType mask);
+
+// The part of `keys` (plan's tasks over the rank-major buffer, without padding) that lies in
+// rank `block`'s K/V: for each task the pieces of its runs inside that block, as rows of the
+// block, cut to the positions some query of the task can see (under a causal mask at or
+// before its last query; with a sliding window within [first query - left, last query +
+// right]). Tasks left without keys are dropped: an empty list means no visible pair, so the
+// schemes skip the blocks that the mask or the window hides entirely.
+WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOptions& o, int block);
+
+// A view's values as fp32 [rows, heads, dim] contiguous: converted into `buf`, or, when the
+// view is already fp32 and contiguous, its own data (nothing copied).
+const float* as_f32(ConstTensorView t, std::vector<float>& buf);
+
+// fp32 contiguous [rows, heads, dim] into a (possibly strided) view of any dtype.
+void store_f32(const float* src, TensorView t);
+
+// A view's rows in its storage dtype, contiguous, at `dst` (t.rows * t.heads * t.dim elements).
+void pack_rows(ConstTensorView t, std::byte* dst);
+
+// A block in storage dtype `t` travels as bits (fp32 as floats, fp16/bf16 as 16-bit words).
+CommRequest start_block_shift(Communicator& comm, DType t, const std::vector<std::byte>& send, int dest,
+                              std::vector<std::byte>& recv, int source);
+
+}  // namespace cpattn::cp_detail

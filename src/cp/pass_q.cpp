@@ -1,0 +1,202 @@
+// The pass-Q scheme (pass_q.hpp, docs/cp.md).
+#include "pass_q.hpp"
+
+#include <cpattn/dtype.hpp>
+#include <cpattn/merge.hpp>
+
+#include <algorithm>
+#include <functional>
+#include <limits>
+
+namespace cpattn::cp_detail {
+
+namespace {
+
+constexpr int kTagPartial = 11;  // the partials' start_send/start_recv stream (shifts have their own)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The ring both directions share. At step s the visiting block b.visit[s % 2] (rank
+// (r - s) mod cp's) is shifted on while `compute(s, block, part)` writes this rank's partial
+// (n_part floats) for its owner, only when the step has a visible pair; the partial goes to the
+// owner (empty when there was none), and the owner hands its own part (step 0) and the parts
+// coming back (steps 1..cp-1) to `take` in step order. One partial per direction is in flight
+// per buffer: a buffer is reused two steps later, after its send or receive completed.
+void run_ring(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, std::size_t n_part,
+              const std::function<void(int, const std::byte*, float*)>& compute,
+              const std::function<void(const float*)>& take) {
+  Communicator& comm = env.comm;
+  const int cp = comm.size(), r = comm.rank();
+  const int right = (r + 1) % cp, left = (r + cp - 1) % cp;
+  b.visit[1].resize(b.visit[0].size());
+  for (int i = 0; i < 2; ++i) {
+    b.part[i].resize(n_part);
+    b.back[i].resize(n_part);
+  }
+  const auto timed_take = [&](const float* part) {
+    const auto t0 = Clock::now();
+    take(part);
+    env.stats.compute_s += seconds_since(t0);
+  };
+  CommRequest sent[2], got[2];
+  const auto take_back = [&](int s) {  // the partial of step s, received into back[s % 2]
+    env.wait(got[s % 2]);
+    if (w.returns[s]) timed_take(b.back[s % 2].data());
+  };
+  for (int s = 0; s < cp; ++s) {
+    const int cur = s % 2, nxt = 1 - cur;
+    auto t0 = Clock::now();
+    CommRequest rq;
+    if (s + 1 < cp) rq = start_block_shift(comm, env.cfg.dtype, b.visit[cur], right, b.visit[nxt], left);
+    if (s >= 1)
+      got[cur] = comm.start_recv<float>(std::span(b.back[cur]).first(w.returns[s] ? n_part : 0), (r + s) % cp,
+                                        kTagPartial);
+    env.stats.comm_s += seconds_since(t0);
+    env.wait(sent[cur]);  // part[cur]'s send of step s - 2
+    const bool any = !w.visiting[s].tasks.empty();
+    if (any) {  // skipped when no pair of the visiting block is visible here
+      t0 = Clock::now();
+      compute(s, b.visit[cur].data(), b.part[cur].data());
+      env.stats.compute_s += seconds_since(t0);
+    }
+    if (s == 0) {
+      if (any) timed_take(b.part[0].data());
+    } else {
+      t0 = Clock::now();
+      sent[cur] = comm.start_send<float>(std::span<const float>(b.part[cur]).first(any ? n_part : 0),
+                                         (r - s + cp) % cp, kTagPartial);
+      env.stats.comm_s += seconds_since(t0);
+    }
+    if (s >= 2) take_back(s - 1);
+    env.wait(rq);
+  }
+  if (cp >= 2) take_back(cp - 1);
+  env.wait(sent[0]);
+  env.wait(sent[1]);
+}
+
+// The kernels' fp32 inputs of one step: the visiting queries over this rank's K/V.
+AttnInputs step_inputs(const SchemeEnv& env, const float* q, int64_t t, const float* k, const float* v,
+                       const WorkList& work, uint64_t seed) {
+  const CpAttnConfig& c = env.cfg;
+  AttnOptions o = c.options;
+  o.seed = seed;  // dropout is keyed by document and positions: the owner's plan gives both
+  return {.q = contiguous(q, t, c.num_heads_q, c.head_dim_qk),
+          .k = contiguous(k, t, c.num_heads_k, c.head_dim_qk),
+          .v = contiguous(v, t, c.num_heads_k, c.head_dim_v),
+          .work = &work,
+          .options = o};
+}
+
+}  // namespace
+
+PassQWork pass_q_work(const RankPlan& plan, const AttnOptions& o) {
+  const MaskType mask = o.mask;
+  const int cp = plan.cp, r = plan.rank;
+  const WorkList mine = without_padding(plan, keys_for_mask(plan, mask));
+  PassQWork w;
+  for (int s = 0; s < cp; ++s) {
+    const int src = (r - s + cp) % cp;
+    if (src == r) {
+      w.visiting.push_back(work_on_block(plan, mine, o, r));
+    } else {  // the owner's plan, made here: every rank can plan every rank
+      const RankPlan p = get_thd_load_balanced_cp_metadata(plan.cu_seqlens, cp, src);
+      w.visiting.push_back(work_on_block(p, without_padding(p, keys_for_mask(p, mask)), o, r));
+    }
+    w.returns.push_back(!work_on_block(plan, mine, o, (r + s) % cp).tasks.empty());
+  }
+  return w;
+}
+
+std::size_t PassQBuffers::bytes() const {
+  std::size_t n = visit[0].capacity() + visit[1].capacity();
+  for (const std::vector<float>* f : {&part[0], &part[1], &back[0], &back[1], &acc, &kf, &vf, &qf, &of, &dof, &dk, &dv})
+    n += f->capacity() * sizeof(float);
+  return n;
+}
+
+void pass_q_forward(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, uint64_t seed, ConstTensorView q,
+                    ConstTensorView k, ConstTensorView v, TensorView out, std::span<float> lse) {
+  const CpAttnConfig& c = env.cfg;
+  const int64_t t = q.rows;
+  const std::size_t n_lse = static_cast<std::size_t>(t) * c.num_heads_q;
+  const std::size_t n_part = n_lse + n_lse * c.head_dim_v;  // [lse | out], fp32
+  auto t0 = Clock::now();
+  b.visit[0].resize(n_lse * c.head_dim_qk * dtype_size(c.dtype));
+  pack_rows(q, b.visit[0].data());
+  const float* kp = as_f32(k, b.kf);  // this rank's K/V, converted once for every step
+  const float* vp = as_f32(v, b.vf);
+  b.acc.assign(n_part, 0.0f);
+  std::fill_n(b.acc.begin(), n_lse, kNegInf);  // nothing merged yet: every part empty
+  env.stats.compute_s += seconds_since(t0);
+  const auto compute = [&](int s, const std::byte* block, float* part) {
+    const float* qp = as_f32(contiguous(block, t, c.num_heads_q, c.head_dim_qk, c.dtype), b.qf);
+    std::fill_n(part, n_lse, kNegInf);  // rows without a task stay empty parts
+    std::fill(part + n_lse, part + n_part, 0.0f);
+    attention_forward({.in = step_inputs(env, qp, t, kp, vp, w.visiting[s], seed),
+                       .out = contiguous(part + n_lse, t, c.num_heads_q, c.head_dim_v),
+                       .lse = part});
+  };
+  const auto take = [&](const float* part) {
+    const float* lse_parts[2] = {b.acc.data(), part};
+    const float* out_parts[2] = {b.acc.data() + n_lse, part + n_lse};
+    merge_partial_softmax({.num_parts = 2, .rows = t, .num_heads = c.num_heads_q, .head_dim = c.head_dim_v,
+                           .lse_parts = lse_parts, .out_parts = out_parts, .lse = b.acc.data(),
+                           .out = b.acc.data() + n_lse});
+  };
+  run_ring(env, b, w, n_part, compute, take);
+  t0 = Clock::now();
+  store_f32(b.acc.data() + n_lse, out);  // padding rows: 0 (no task writes them)
+  std::copy_n(b.acc.begin(), n_lse, lse.begin());
+  env.stats.compute_s += seconds_since(t0);
+}
+
+void pass_q_backward(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, uint64_t seed,
+                     const CpBackwardArgs& a, ConstTensorView k, ConstTensorView v, std::span<const float> lse) {
+  const CpAttnConfig& c = env.cfg;
+  const int64_t t = a.q.rows;
+  const std::size_t es = dtype_size(c.dtype);
+  const std::size_t n_lse = static_cast<std::size_t>(t) * c.num_heads_q;
+  const std::size_t q_bytes = n_lse * c.head_dim_qk * es, o_bytes = n_lse * c.head_dim_v * es;
+  const std::size_t n_dq = n_lse * c.head_dim_qk;
+  auto t0 = Clock::now();
+  // The visiting block: [lse (fp32) | q | out | dout], lse first so that it stays aligned.
+  b.visit[0].resize(n_lse * sizeof(float) + q_bytes + 2 * o_bytes);
+  std::byte* p = b.visit[0].data();
+  std::copy_n(reinterpret_cast<const std::byte*>(lse.data()), n_lse * sizeof(float), p);
+  pack_rows(a.q, p + n_lse * sizeof(float));
+  pack_rows(a.out, p + n_lse * sizeof(float) + q_bytes);
+  pack_rows(a.dout, p + n_lse * sizeof(float) + q_bytes + o_bytes);
+  const float* kp = as_f32(k, b.kf);
+  const float* vp = as_f32(v, b.vf);
+  b.dk.assign(static_cast<std::size_t>(k.rows) * k.heads * k.dim, 0.0f);
+  b.dv.assign(static_cast<std::size_t>(v.rows) * v.heads * v.dim, 0.0f);
+  b.acc.assign(n_dq, 0.0f);
+  env.stats.compute_s += seconds_since(t0);
+  const auto compute = [&](int s, const std::byte* block, float* dq) {
+    const std::byte* at = block + n_lse * sizeof(float);
+    const float* qp = as_f32(contiguous(at, t, c.num_heads_q, c.head_dim_qk, c.dtype), b.qf);
+    const float* op = as_f32(contiguous(at + q_bytes, t, c.num_heads_q, c.head_dim_v, c.dtype), b.of);
+    const float* dop = as_f32(contiguous(at + q_bytes + o_bytes, t, c.num_heads_q, c.head_dim_v, c.dtype), b.dof);
+    std::fill_n(dq, n_dq, 0.0f);
+    // dK/dV of this rank's keys add up over the steps in order 0..cp-1: deterministic.
+    attention_backward({.in = step_inputs(env, qp, t, kp, vp, w.visiting[s], seed),
+                        .out = contiguous(op, t, c.num_heads_q, c.head_dim_v),
+                        .lse = reinterpret_cast<const float*>(block),
+                        .dout = contiguous(dop, t, c.num_heads_q, c.head_dim_v),
+                        .dq = contiguous(dq, t, c.num_heads_q, c.head_dim_qk),
+                        .dk = contiguous(b.dk.data(), t, c.num_heads_k, c.head_dim_qk),
+                        .dv = contiguous(b.dv.data(), t, c.num_heads_k, c.head_dim_v),
+                        .grad_mode = GradMode::accumulate});
+  };
+  const auto take = [&](const float* dq) {
+    for (std::size_t i = 0; i < n_dq; ++i) b.acc[i] += dq[i];
+  };
+  run_ring(env, b, w, n_dq, compute, take);
+  t0 = Clock::now();
+  store_f32(b.acc.data(), a.dq);  // padding rows: 0 (no task has a padding query)
+  from_float(b.dk.data(), b.dk.size(), c.dtype, a.dk.data);
+  from_float(b.dv.data(), b.dv.size(), c.dtype, a.dv.data);
+  env.stats.compute_s += seconds_since(t0);
+}
+
+}  // namespace cpattn::cp_detail

@@ -1,0 +1,99 @@
+// The per-block work lists of the ring and pass-Q schemes (src/cp/cp_internal.hpp): cut to the
+// mask and the sliding window, they keep every visible (query, key) pair exactly once and
+// leave the blocks that the window hides without work, so that those steps are skipped.
+#include "../src/cp/cp_internal.hpp"
+
+#include <cpattn/layout.hpp>
+#include <cpattn/plan.hpp>
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace cpattn::cp_detail {
+namespace {
+
+bool visible(int64_t qp, int64_t kp, const AttnOptions& o) {
+  if (o.window_size_left >= 0 && kp < qp - o.window_size_left) return false;
+  if (o.mask == MaskType::causal) return kp <= qp;
+  return o.window_size_right < 0 || kp <= qp + o.window_size_right;
+}
+
+struct Census {
+  int64_t pairs = 0;       // visible pairs inside the lists' runs
+  int64_t keys = 0;        // key rows the lists hold (over all tasks)
+  int64_t busy_steps = 0;  // (rank, block) lists with a task
+};
+
+// Every rank's lists over every rank's block.
+Census census(const std::vector<int64_t>& cu, int cp, const AttnOptions& o) {
+  Census c;
+  for (int r = 0; r < cp; ++r) {
+    const RankPlan p = get_thd_load_balanced_cp_metadata(cu, cp, r);
+    const WorkList keys = without_padding(p, keys_for_mask(p, o.mask));
+    for (int block = 0; block < cp; ++block) {
+      const WorkList w = work_on_block(p, keys, o, block);
+      c.busy_steps += !w.tasks.empty();
+      for (const AttnTask& t : w.tasks)
+        for (int64_t i = t.run_begin; i < t.run_end; ++i) {
+          const KeyRun& k = w.runs[i];
+          EXPECT_GE(k.row, 0);
+          EXPECT_LE(k.row + k.len, p.local_tokens) << "a run leaves its block";
+          c.keys += k.len;
+          for (int64_t qp = t.q_pos; qp < t.q_pos + t.q_len; ++qp)
+            for (int64_t kp = k.pos; kp < k.pos + k.len; ++kp) c.pairs += visible(qp, kp, o);
+        }
+    }
+  }
+  return c;
+}
+
+// The visible pairs of the batch, document by document.
+int64_t dense_pairs(const std::vector<int64_t>& cu, const AttnOptions& o) {
+  int64_t n = 0;
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t qp = 0; qp < cu[d + 1] - cu[d]; ++qp)
+      for (int64_t kp = 0; kp < cu[d + 1] - cu[d]; ++kp) n += visible(qp, kp, o);
+  return n;
+}
+
+TEST(CpWorkLists, EveryVisiblePairOnceUnderEveryMaskAndWindow) {
+  const std::vector<int64_t> lengths{37, 100, 1, 64, 23, 9, 3};
+  const std::vector<int64_t> cu = cu_seqlens_from_lengths(lengths);
+  const AttnOptions opts[] = {{.mask = MaskType::causal},
+                              {.mask = MaskType::none},
+                              {.mask = MaskType::causal, .window_size_left = 0},
+                              {.mask = MaskType::causal, .window_size_left = 7},
+                              {.mask = MaskType::causal, .window_size_left = 40},
+                              {.mask = MaskType::none, .window_size_left = 5, .window_size_right = 5},
+                              {.mask = MaskType::none, .window_size_left = -1, .window_size_right = 2},
+                              {.mask = MaskType::none, .window_size_left = 30, .window_size_right = -1}};
+  for (const int cp : {1, 2, 3, 4})
+    for (const AttnOptions& o : opts) {
+      SCOPED_TRACE(::testing::Message() << "cp " << cp << " window " << o.window_size_left << ","
+                                        << o.window_size_right << (o.mask == MaskType::causal ? " causal" : " none"));
+      EXPECT_EQ(census(cu, cp, o).pairs, dense_pairs(cu, o));
+    }
+}
+
+TEST(CpWorkLists, BlocksTheWindowHidesGetNoWork) {
+  // One document of 160 tokens at cp = 4: chunks of 20. Causal without a window, every rank's
+  // back chunk sees every rank's front chunk: all 16 (rank, block) lists are busy. A window of
+  // 0 keeps each query's own key, in its own chunk: only the 4 own blocks. A window of 5
+  // reaches into the previous chunk: chunks 1..7 each reach chunk j - 1, another rank's except
+  // for chunk 4 (rank 3's, as chunk 3 is): 4 + 6 = 10.
+  const std::vector<int64_t> cu{0, 160};
+  const Census all = census(cu, 4, {.mask = MaskType::causal});
+  const Census own = census(cu, 4, {.mask = MaskType::causal, .window_size_left = 0});
+  const Census near = census(cu, 4, {.mask = MaskType::causal, .window_size_left = 5});
+  EXPECT_EQ(all.busy_steps, 16);
+  EXPECT_EQ(own.busy_steps, 4);
+  EXPECT_EQ(near.busy_steps, 10);
+  // The runs are cut to the window: each task of 20 queries holds its 20 own keys and, with a
+  // window of 5, 5 keys of the chunk before (8 tasks, 7 with a chunk before).
+  EXPECT_EQ(own.keys, 8 * 20);
+  EXPECT_EQ(near.keys, 8 * 20 + 7 * 5);
+}
+
+}  // namespace
+}  // namespace cpattn::cp_detail
