@@ -125,6 +125,14 @@ Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, ui
 
 // ---- Batch setup --------------------------------------------------------------------------------
 
+std::vector<int64_t> rope_positions(const RankPlan& plan, std::span<const int64_t> position_ids, bool local_offsets) {
+  std::vector<int64_t> pos(position_ids.begin(), position_ids.end());
+  if (local_offsets)
+    for (const AttnTask& t : plan.work.tasks)  // rows of a document are consecutive on a rank
+      for (int64_t i = 0; i < t.q_len; ++i) pos[t.q_row + i] = t.q_row + i - plan.docs[t.doc].local_begin;
+  return pos;
+}
+
 void prepare_batch(Model& m, const PackedSequence& seq) {
   const Dims& d = m.dims;
   const auto n = static_cast<int64_t>(seq.tokens.size());
@@ -149,13 +157,8 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
                  "PackedSequence::labels: label ", b.local.labels[i], " outside the vocabulary [0, ", d.V, ")");
   }
 
-  // Positions for RoPE: the global position in the document (the planner's position_ids), or,
-  // for the test of that choice, the offset in this rank's local part of the document.
-  std::vector<int64_t> pos = b.local.position_ids;
-  if (m.run.rope_local_offsets)
-    for (const AttnTask& t : plan.work.tasks)  // rows of a document are consecutive on a rank
-      for (int64_t i = 0; i < t.q_len; ++i) pos[t.q_row + i] = t.q_row + i - plan.docs[t.doc].local_begin;
-  rope_tables(b.rope_cos, b.rope_sin, pos, d.hd, m.config.rope_theta);
+  rope_tables(b.rope_cos, b.rope_sin, rope_positions(plan, b.local.position_ids, m.run.rope_local_offsets), d.hd,
+              m.config.rope_theta);
 
   Activations& a = m.acts;
   for (auto& r : a.resid) r.resize(T * d.D);
