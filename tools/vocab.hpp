@@ -1,11 +1,12 @@
 // The command line's shared vocabulary (docs/cli.md): the spellings of the storage type, the
-// mask and the kernel path, written once for `cpattn run`, `bench attention` and `train`.
+// mask, the kernel path and the CP scheme, written once for `cpattn run`, `bench attention` and `train`.
 // parse_* throw cpattn::Error with a one-line message that names the flag and lists the valid
 // values; the *_transformer()s run them at parse time and rewrite the value to its canonical
 // name (float32 -> fp32), so that reports and JSON print one spelling.
 #pragma once
 
 #include <cpattn/attention.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 
@@ -96,9 +97,20 @@ inline std::string parse_kv_mode(std::string_view s, std::string_view flag = "--
   throw Error(std::string(flag) + " must be one of runs, index, got '" + std::string(s) + "'");
 }
 
-inline std::string parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
-  if (s == "allgather" || s == "ring") return std::string(s);
-  throw Error(std::string(flag) + " must be one of allgather, ring, got '" + std::string(s) + "'");
+// --scheme (run) and --cp-scheme (train): CpScheme by its to_string name. kCpSchemes is the
+// command line's one list of schemes: a scheme added to it reaches every command unchanged.
+inline constexpr CpScheme kCpSchemes[] = {CpScheme::allgather, CpScheme::ring};
+
+inline std::string scheme_names(std::string_view sep = ", ") {
+  std::string names;
+  for (const CpScheme c : kCpSchemes) (names += names.empty() ? "" : sep) += to_string(c);
+  return names;
+}
+
+inline CpScheme parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
+  for (const CpScheme c : kCpSchemes)
+    if (s == to_string(c)) return c;
+  throw Error(std::string(flag) + " must be one of " + scheme_names() + ", got '" + std::string(s) + "'");
 }
 
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
@@ -156,8 +168,9 @@ inline CLI::Validator kv_mode_transformer() {
       "{runs|index}");
 }
 
-inline CLI::Validator scheme_transformer() {
-  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring}");
+inline CLI::Validator scheme_transformer(std::string flag = "--scheme") {
+  return detail::vocab_transformer([flag](const std::string& v) { return std::string(to_string(parse_scheme(v, flag))); },
+                                   "{" + scheme_names("|") + "}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

@@ -101,7 +101,7 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
            .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
-           .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather};
+           .scheme = parse_scheme(a.scheme)};
   l.attn = std::make_unique<CpAttention>(comm, l.cfg);
   l.plan = l.attn->plan(b.cu_seqlens);
   l.q = check::local_rows(b.q, *l.plan);
