@@ -83,6 +83,17 @@ uint64_t hash_of(const std::string& s) {
   return h;
 }
 
+// The model of the flags: the sizes, and the attention masks parsed (check_args checks them).
+train::ModelConfig model_config(const TrainArgs& a) {
+  train::ModelConfig m = a.model;
+  const Window w = parse_window(a.window);
+  m.window_left = w.left;
+  m.window_right = w.right;
+  m.softcap = a.softcap;
+  m.alibi = a.alibi;
+  return m;
+}
+
 // Every setting that must be the same on every rank, for cpattn::agree.
 Fingerprint settings_fingerprint(const TrainArgs& a) {
   std::string data;
@@ -94,9 +105,9 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--seed", static_cast<int64_t>(a.seed)).add("--lr (float bits)", fbits(a.optim.lr));
   fp.add("--warmup", a.optim.warmup).add("--weight-decay (float bits)", fbits(a.optim.weight_decay));
   fp.add("--clip (float bits)", fbits(a.optim.clip)).add("--dtype (hash)", static_cast<int64_t>(hash_of(a.dtype)));
-  const Window w = parse_window(a.window);
+  const train::ModelConfig m = model_config(a);
   fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme)));
-  fp.add("--window (left)", w.left).add("--window (right)", w.right);
+  fp.add("--window (left)", m.window_left).add("--window (right)", m.window_right);
   fp.add("--softcap (float bits)", fbits(a.softcap)).add("--alibi", a.alibi ? 1 : 0);
   fp.add("--data (hash)", static_cast<int64_t>(hash_of(data)));
   fp.add("--resume (hash)", static_cast<int64_t>(hash_of(a.resume)));
@@ -171,17 +182,6 @@ void check_args(const TrainArgs& a) {
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into ", train::min_seq_len(a.cp),
                " chunks (2 * cp; 1 at cp = 1), so --seq-len must be at least ", train::min_seq_len(a.cp));
-}
-
-// The model of the flags: the sizes, and the attention masks parsed (check_args has checked them).
-train::ModelConfig model_config(const TrainArgs& a) {
-  train::ModelConfig m = a.model;
-  const Window w = parse_window(a.window);
-  m.window_left = w.left;
-  m.window_right = w.right;
-  m.softcap = a.softcap;
-  m.alibi = a.alibi;
-  return m;
 }
 
 // Runs `f`; a cpattn::Error from the library (which names its own arguments) gets the flag
