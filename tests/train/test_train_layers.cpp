@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -84,13 +85,11 @@ TEST(SequenceParallel, ShardedRmsNormForwardAndBackwardAreTheDenseResultBitwise)
       expect_rows_bitwise(rl, rstd, 1, plan, "rmsnorm rstd");
       expect_rows_bitwise(dxl, dx, D, plan, "rmsnorm dx");
       // The rank's dg is its real rows' alone: padding rows add exactly zero.
-      std::vector<float> dg_real(D, 0.0f);
-      for (int64_t i = 0; i < T; ++i) {
-        const int64_t t = plan.real_token_index[i];
-        if (t >= 0)
-          rmsnorm_backward(std::vector<float>(D).data(), dg_real.data(), dout.data() + t * D, x.data() + t * D,
-                           rstd.data() + t, g.data(), 1, D);
-      }
+      std::vector<float> dg_real(D, 0.0f), dx_row(D);
+      for (int64_t i = 0; i < T; ++i)  // the rank's real rows, one at a time in its order
+        if (const int64_t t = plan.real_token_index[i]; t >= 0)
+          rmsnorm_backward(dx_row.data(), dg_real.data(), dout.data() + t * D, x.data() + t * D, rstd.data() + t,
+                           g.data(), 1, D);
       EXPECT_EQ(dgl, dg_real) << "cp " << cp << " rank " << rank;
       for (int i = 0; i < D; ++i) dg_sum[i] += dgl[i];
     }
