@@ -69,7 +69,7 @@ void add_run_command(CLI::App& app) {
                                          "(the queries travel, partial results come back), or all (every "
                                          "scheme on the same batch, one table)")
       ->capture_default_str()
-      ->transform(scheme_transformer());
+      ->transform(run_scheme_transformer());
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")

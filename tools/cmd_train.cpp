@@ -47,6 +47,10 @@ struct TrainArgs {
   int64_t steps = 200;
   uint64_t seed = 1;
   std::string dtype = "fp32";  // attention storage, canonical (vocab.hpp)
+  std::string cp_scheme = "allgather";  // canonical (vocab.hpp)
+  std::string window;                   // --window LEFT,RIGHT (empty: unbounded)
+  float softcap = 0.0f;
+  bool alibi = false;
   int threads = 1;
   std::vector<std::string> data;
   std::string json_log, save, resume;
@@ -79,6 +83,17 @@ uint64_t hash_of(const std::string& s) {
   return h;
 }
 
+// The model of the flags: the sizes, and the attention masks parsed (check_args checks them).
+train::ModelConfig model_config(const TrainArgs& a) {
+  train::ModelConfig m = a.model;
+  const Window w = parse_window(a.window);
+  m.window_left = w.left;
+  m.window_right = w.right;
+  m.softcap = a.softcap;
+  m.alibi = a.alibi;
+  return m;
+}
+
 // Every setting that must be the same on every rank, for cpattn::agree.
 Fingerprint settings_fingerprint(const TrainArgs& a) {
   std::string data;
@@ -90,6 +105,10 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--seed", static_cast<int64_t>(a.seed)).add("--lr (float bits)", fbits(a.optim.lr));
   fp.add("--warmup", a.optim.warmup).add("--weight-decay (float bits)", fbits(a.optim.weight_decay));
   fp.add("--clip (float bits)", fbits(a.optim.clip)).add("--dtype (hash)", static_cast<int64_t>(hash_of(a.dtype)));
+  const train::ModelConfig m = model_config(a);
+  fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme)));
+  fp.add("--window (left)", m.window_left).add("--window (right)", m.window_right);
+  fp.add("--softcap (float bits)", fbits(a.softcap)).add("--alibi", a.alibi ? 1 : 0);
   fp.add("--data (hash)", static_cast<int64_t>(hash_of(data)));
   fp.add("--resume (hash)", static_cast<int64_t>(hash_of(a.resume)));
   fp.add("--save (hash)", static_cast<int64_t>(hash_of(a.save))).add("--save-every", a.save_every);
@@ -156,6 +175,9 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= 256,
                "the head dimension --dim / --heads must be even and <= 256, got ", m.head_dim());
   parse_train_dtype(a.dtype);
+  parse_scheme(a.cp_scheme, "--cp-scheme");
+  parse_window(a.window);
+  check_softcap(a.softcap);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into ", train::min_seq_len(a.cp),
@@ -221,8 +243,9 @@ void train_run(const TrainArgs& a) {
   train::on_every_rank(comm, [&] {
     with_flag("--data", [&] { data = std::make_unique<train::DataStream>(train::load_documents(a.data)); });
   });
-  train::Trainer trainer(comm, a.model, a.optim,
+  train::Trainer trainer(comm, model_config(a), a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
+                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"),
                           .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed);
@@ -253,6 +276,10 @@ void train_run(const TrainArgs& a) {
                 data->documents().size(), static_cast<long long>(data->total_tokens()),
                 static_cast<long long>(a.seq_len), a.dtype.c_str(), a.threads,
                 a.resume.empty() ? "" : (", resumed at step " + std::to_string(trainer.steps_done())).c_str());
+    std::printf("  attention: causal, cp scheme %s", a.cp_scheme.c_str());
+    if (!a.window.empty()) std::printf(", window %s", a.window.c_str());
+    if (a.softcap > 0.0f) std::printf(", softcap %g", static_cast<double>(a.softcap));
+    std::printf("%s\n", a.alibi ? ", alibi" : "");
     std::fflush(stdout);
   }
 
@@ -369,10 +396,13 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
                                 "--dtype", a.dtype, "--threads", std::to_string(a.threads),
+                                "--cp-scheme", a.cp_scheme, "--softcap", f(a.softcap),
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
                                 "--json-log", log};
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
+  if (!a.window.empty()) v.insert(v.end(), {"--window", a.window});
+  if (a.alibi) v.emplace_back("--alibi");
   if (!a.data.empty()) {
     v.emplace_back("--data");
     v.insert(v.end(), a.data.begin(), a.data.end());
@@ -418,6 +448,14 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--clip", a->optim.clip, "Clip the global gradient norm to this (0: off)")->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "Attention storage type: fp32 or bf16 (or float32, bfloat16)")
       ->transform(dtype_transformer(kTrainDtypes, "cpattn train"))->capture_default_str();
+  cmd->add_option("--cp-scheme", a->cp_scheme, "How attention's K/V reach the queries: " + scheme_names() +
+                                                 " (as cpattn run --scheme; every scheme trains to the same curve)")
+      ->transform(scheme_transformer("--cp-scheme"))->capture_default_str();
+  cmd->add_option("--window", a->window, "Sliding attention window LEFT,RIGHT (FlashAttention's window_size; "
+                                         "-1 = unbounded; RIGHT has no effect under the causal mask)");
+  cmd->add_option("--softcap", a->softcap, "Attention logit soft cap (0 = off): scores become X * tanh(s / X)")
+      ->capture_default_str();
+  cmd->add_flag("--alibi", a->alibi, "ALiBi attention biases with the standard slopes 2^(-8 (h + 1) / heads)");
   cmd->add_option("--threads", a->threads, "BLAS and attention threads per rank")->capture_default_str();
   cmd->add_option("--data", a->data, "Files or folders, one document per file (default: " +
                                          std::string(train::kDefaultDataDir) + ")");

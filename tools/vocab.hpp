@@ -1,11 +1,12 @@
 // The command line's shared vocabulary (docs/cli.md): the spellings of the storage type, the
-// mask and the kernel path, written once for `cpattn run`, `bench attention` and `train`.
+// mask, the kernel path and the CP scheme, written once for `cpattn run`, `bench attention` and `train`.
 // parse_* throw cpattn::Error with a one-line message that names the flag and lists the valid
 // values; the *_transformer()s run them at parse time and rewrite the value to its canonical
 // name (float32 -> fp32), so that reports and JSON print one spelling.
 #pragma once
 
 #include <cpattn/attention.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 
@@ -18,7 +19,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
-#include <string_view>
+#include <vector>
 
 namespace cpattn::cli {
 
@@ -97,16 +98,29 @@ inline std::string parse_kv_mode(std::string_view s, std::string_view flag = "--
   throw Error(std::string(flag) + " must be one of runs, index, got '" + std::string(s) + "'");
 }
 
-// CpAttnConfig::scheme's names (cpattn::to_string(CpScheme), one per kCpSchemes entry) and
-// "all" (cpattn run: every scheme on the same batch).
-inline constexpr std::string_view kSchemeNames[] = {"allgather", "ring", "pass-q", "all"};
-inline std::string parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
+// --scheme (run) and --cp-scheme (train): CpScheme by its to_string name, over the library's
+// kCpSchemes (cpattn/cp.hpp): a scheme added there reaches every command unchanged.
+inline std::string scheme_names(std::string_view sep = ", ") {
   std::string names;
-  for (const std::string_view n : kSchemeNames) {
-    if (s == n) return std::string(s);
-    names += (names.empty() ? "" : ", ") + std::string(n);
+  for (const CpScheme c : kCpSchemes) (names += names.empty() ? "" : sep) += to_string(c);
+  return names;
+}
+
+inline CpScheme parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
+  for (const CpScheme c : kCpSchemes)
+    if (s == to_string(c)) return c;
+  throw Error(std::string(flag) + " must be one of " + scheme_names() + ", got '" + std::string(s) + "'");
+}
+
+// cpattn run's --scheme: one scheme, or "all" (every scheme on the same batch, in kCpSchemes'
+// order).
+inline std::vector<CpScheme> parse_run_schemes(std::string_view s) {
+  if (s == "all") return {std::begin(kCpSchemes), std::end(kCpSchemes)};
+  try {
+    return {parse_scheme(s)};
+  } catch (const Error&) {
+    throw Error("--scheme must be one of " + scheme_names() + ", all, got '" + std::string(s) + "'");
   }
-  throw Error(std::string(flag) + " must be one of " + names + ", got '" + std::string(s) + "'");
 }
 
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
@@ -164,8 +178,19 @@ inline CLI::Validator kv_mode_transformer() {
       "{runs|index}");
 }
 
-inline CLI::Validator scheme_transformer() {
-  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring|pass-q|all}");
+inline CLI::Validator scheme_transformer(std::string flag = "--scheme") {
+  return detail::vocab_transformer([flag](const std::string& v) { return std::string(to_string(parse_scheme(v, flag))); },
+                                   "{" + scheme_names("|") + "}");
+}
+
+// cpattn run's --scheme, which also takes "all".
+inline CLI::Validator run_scheme_transformer() {
+  return detail::vocab_transformer(
+      [](const std::string& v) {
+        const auto s = parse_run_schemes(v);
+        return s.size() == 1 && v != "all" ? std::string(to_string(s.front())) : std::string("all");
+      },
+      "{" + scheme_names("|") + "|all}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

@@ -103,13 +103,6 @@ std::vector<AttnCase> attention_cases() {
   return cases;
 }
 
-std::vector<float> alibi_slopes(int num_heads) {
-  std::vector<float> s(static_cast<std::size_t>(num_heads));
-  for (int h = 0; h < num_heads; ++h)
-    s[static_cast<std::size_t>(h)] = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(num_heads));
-  return s;
-}
-
 AttnCase bench_case(std::vector<int64_t> lens, int hq, int hk, int dqk, int dv, MaskType m) {
   AttnCase c;
   c.name = "bench";

@@ -36,6 +36,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 namespace cpattn {
 
@@ -87,6 +88,10 @@ struct AttnOptions {
   // up to a per-row constant, which the softmax cancels. nullptr = off.
   const float* alibi_slopes = nullptr;
 };
+
+// The standard ALiBi slopes for `num_heads` query heads, for AttnOptions::alibi_slopes: the
+// ALiBi paper's geometric sequence slope_h = 2^(-8 (h + 1) / num_heads), h = 0..num_heads-1.
+std::vector<float> alibi_slopes(int num_heads);
 
 // The sizes of a call, named as in FlashAttention; derived from its views (AttnInputs::shape).
 struct AttnShape {

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cpattn/comm.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
@@ -101,6 +102,14 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   float norm_eps = 1e-5f;
   float init_std = 0.02f;
+  // Attention's masks on top of causal, with AttnOptions' (FlashAttention's) semantics. They
+  // change the model, so a checkpoint records them. A query at position p of its document
+  // sees the keys p - window_left .. p (-1: unbounded); window_right is AttnOptions' right
+  // edge, which the causal mask makes moot (any value >= -1 gives the same model).
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  float softcap = 0.0f;  // logit soft cap: S = softcap * tanh(S / softcap); 0 = off
+  bool alibi = false;    // ALiBi with the standard slopes, cpattn::alibi_slopes(heads)
   int head_dim() const { return dim / heads; }
   int ffn_dim() const { return ffn > 0 ? ffn : (8 * dim / 3 + 31) / 32 * 32; }
 };
@@ -118,6 +127,9 @@ struct OptimConfig {
 struct RunOptions {
   DType attn_dtype = DType::f32;  // storage type of q, k, v in attention: f32 or bf16
   int threads = 1;                // BLAS and attention threads per rank
+  // How attention's K/V reach the queries (CpAttnConfig::scheme). Every scheme is exact, so
+  // the scheme changes no result beyond rounding and a checkpoint does not record it (like cp).
+  CpScheme cp_scheme = CpScheme::allgather;
   // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
   // document instead of its global position. Wrong for cp > 1 on purpose.
   bool rope_local_offsets = false;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <vector>
 
 namespace cpattn {
 namespace {
@@ -107,6 +108,14 @@ void check_scratch_bound(size_t used_floats, size_t bound_floats) {
                " of attention_backward_scratch_bytes (src/kernels/blocking.hpp)");
 }
 }  // namespace kernels
+
+std::vector<float> alibi_slopes(int num_heads) {
+  CPATTN_CHECK(num_heads >= 1, "alibi_slopes: num_heads must be >= 1, got ", num_heads);
+  std::vector<float> s(static_cast<std::size_t>(num_heads));
+  for (int h = 0; h < num_heads; ++h)
+    s[static_cast<std::size_t>(h)] = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(num_heads));
+  return s;
+}
 
 float AttnInputs::softmax_scale() const {
   return options.softmax_scale ? *options.softmax_scale

@@ -17,9 +17,9 @@ namespace cpattn::train {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'P', 'A', 'T', 'T', 'N', 'T', 'R'};
-constexpr int64_t kVersion = 2;
+constexpr int64_t kVersion = 3;
 
-enum class Kind { model, integer, real, hash, dtype, state };
+enum class Kind { model, model_real, integer, real, hash, dtype, state };
 struct FieldName {
   const char* name;
   Kind kind;
@@ -29,14 +29,16 @@ struct FieldName {
 constexpr FieldName kFields[] = {
     {"vocab", Kind::model},         {"layers", Kind::model},       {"dim", Kind::model},
     {"heads", Kind::model},         {"kv_heads", Kind::model},     {"ffn", Kind::model},
-    {"rope_theta", Kind::model},    {"norm_eps", Kind::model},     {"parameters", Kind::model},
+    {"rope_theta", Kind::model_real}, {"norm_eps", Kind::model_real}, {"parameters", Kind::model},
+    {"window_left", Kind::model},   {"window_right", Kind::model}, {"softcap", Kind::model_real},
+    {"alibi", Kind::model},
     {"lr", Kind::real},             {"warmup", Kind::integer},     {"weight_decay", Kind::real},
     {"clip", Kind::real},           {"beta1", Kind::real},         {"beta2", Kind::real},
     {"eps", Kind::real},            {"seed", Kind::integer},       {"attention dtype", Kind::dtype},
     {"seq_len", Kind::integer},     {"data", Kind::hash},          {"step", Kind::state},
     {"data doc", Kind::state},      {"data offset", Kind::state},  {"data epoch", Kind::state}};
 constexpr int64_t kFieldCount = std::size(kFields);
-constexpr int64_t kConfigFields = 20;  // before the state
+constexpr int64_t kConfigFields = 24;  // before the state
 constexpr int64_t kParamsField = 8;
 
 int64_t bits(float x) { return std::bit_cast<int32_t>(x); }
@@ -46,6 +48,7 @@ std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const Da
   const OptimConfig& o = c.optim;
   return {m.vocab,         m.layers,   m.dim,           m.heads,          m.kv_heads,
           m.ffn_dim(),     bits(m.rope_theta), bits(m.norm_eps), c.n_params,
+          m.window_left,   m.window_right, bits(m.softcap), m.alibi ? 1 : 0,
           bits(o.lr),      o.warmup,   bits(o.weight_decay), bits(o.clip), bits(o.beta1),
           bits(o.beta2),   bits(o.eps), static_cast<int64_t>(c.seed), static_cast<int64_t>(c.attn_dtype),
           c.id.seq_len,    static_cast<int64_t>(c.id.data_hash),
@@ -54,7 +57,7 @@ std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const Da
 
 std::string shown(Kind k, int64_t v) {
   char b[64];
-  if (k == Kind::real) {  // the shortest text that reads back as the same float
+  if (k == Kind::real || k == Kind::model_real) {  // the shortest text that reads back as the same float
     const float x = std::bit_cast<float>(static_cast<int32_t>(v));
     for (int digits = 6; digits <= 9; ++digits) {
       std::snprintf(b, sizeof b, "%.*g", digits, x);
@@ -120,7 +123,10 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
   CPATTN_CHECK(size >= 24, "checkpoint '", path, "' is truncated (", size, " bytes)");
   const int64_t version = at(0);
   CPATTN_CHECK(version == kVersion, "checkpoint '", path, "' has version ", version, ", this cpattn reads version ",
-               kVersion, version == 1 ? " (version 1 has no checksum and no configuration: train again)" : "");
+               kVersion,
+               version == 1   ? " (version 1 has no checksum and no configuration: train again)"
+               : version == 2 ? " (version 2 has no attention masks in its configuration: train again)"
+                              : "");
   CPATTN_CHECK(at(1) == kFieldCount, "checkpoint '", path, "' has ", at(1), " header fields, want ", kFieldCount);
   const std::size_t header = 8 + 8 * (2 + kFieldCount) + 8;
   CPATTN_CHECK(size >= header, "checkpoint '", path, "' is truncated (", size, " bytes, its header alone is ", header,
@@ -146,7 +152,7 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
   for (int64_t i = 0; i < kConfigFields; ++i) {
     const FieldName& f = kFields[i];
     if (got[i] == want[i]) continue;
-    if (f.kind == Kind::model)
+    if (f.kind == Kind::model || f.kind == Kind::model_real)
       CPATTN_CHECK(false, "checkpoint '", path, "' holds a model with ", f.name, " = ", shown(f.kind, got[i]),
                    ", this run has ", shown(f.kind, want[i]));
     CPATTN_CHECK(false, "checkpoint '", path, "' has ", f.name, " ", shown(f.kind, got[i]), ", this run ",

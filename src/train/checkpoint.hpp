@@ -3,17 +3,19 @@
 // here: the Trainer decides which rank writes and makes every rank agree on errors. Internal
 // to cpattn_train (not installed).
 //
-// Format (version 2), native byte order:
+// Format (version 3), native byte order:
 //   "CPATTNTR"                     8 bytes, the magic
-//   version = 2, field count F     int64 each
-//   F int64 fields                 checkpoint_field_names() order: the configuration, which
-//                                  must match on resume (model, optimizer, seed, attention
-//                                  dtype, seq_len, data hash; floats as their bits), then the
-//                                  state (step, data doc, offset, epoch)
+//   version = 3, field count F     int64 each
+//   F int64 fields                 kFields order (checkpoint.cpp): the configuration, which
+//                                  must match on resume (model with its attention masks,
+//                                  optimizer, seed, attention dtype, seq_len, data hash;
+//                                  floats as their bits), then the state (step, data doc,
+//                                  offset, epoch)
 //   checksum                       uint64 FNV-1a 64 over the version, count, fields and payload
 //   payload                        params, m, v (fp32, the parameter count each)
 // The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
-// both are refused, as is a version 1 file (no checksum, no configuration).
+// both are refused, as are version 1 (no checksum, no configuration) and version 2 files
+// (no attention masks).
 #pragma once
 
 #include <cpattn/train.hpp>

@@ -28,13 +28,18 @@ struct Rng {
   }
 };
 
-CpAttnConfig attention_config(const Dims& d, const RunOptions& ro) {
+// `slopes`: the ALiBi slopes when mc.alibi (CpAttention copies them).
+CpAttnConfig attention_config(const Dims& d, const ModelConfig& mc, const RunOptions& ro,
+                              std::span<const float> slopes) {
   CPATTN_CHECK(ro.attn_dtype == DType::f32 || ro.attn_dtype == DType::bf16,
                "RunOptions::attn_dtype must be fp32 or bf16, got ", to_string(ro.attn_dtype));
   CPATTN_CHECK(ro.threads >= 1, "RunOptions::threads must be >= 1, got ", ro.threads);
   return {.num_heads_q = d.H, .num_heads_k = d.KV, .head_dim_qk = d.hd, .head_dim_v = d.hd,
           .dtype = ro.attn_dtype,
-          .options = {.mask = MaskType::causal, .num_threads = ro.threads}};
+          .options = {.mask = MaskType::causal, .num_threads = ro.threads, .window_size_left = mc.window_left,
+                      .window_size_right = mc.window_right, .softcap = mc.softcap,
+                      .alibi_slopes = mc.alibi ? slopes.data() : nullptr},
+          .scheme = ro.cp_scheme};
 }
 
 // Rank `plan.rank`'s arrays of the batch in the split's order, from the plan (no second plan):
@@ -65,6 +70,11 @@ Dims model_dims(const ModelConfig& mc) {
   CPATTN_CHECK(d.hd % 2 == 0 && d.hd <= 256,
                "the head dimension ModelConfig::dim / ModelConfig::heads must be even and <= 256, got ", d.hd);
   CPATTN_CHECK(d.V == kVocab, "ModelConfig::vocab must be ", kVocab, ", got ", d.V);
+  CPATTN_CHECK(mc.window_left >= -1 && mc.window_right >= -1,
+               "ModelConfig::window_left and window_right must be >= -1 (-1: unbounded), got ", mc.window_left, " and ",
+               mc.window_right);
+  CPATTN_CHECK(mc.softcap >= 0.0f && std::isfinite(mc.softcap), "ModelConfig::softcap must be finite and >= 0 (0: off), got ",
+               mc.softcap);
   d.F = mc.ffn_dim();
   CPATTN_CHECK(d.F >= 1, "ModelConfig::ffn must be >= 1 (0: the default width), got ", d.F);
   return d;
@@ -114,7 +124,8 @@ void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed
 
 Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed)
     : config(mc), run(ro), dims(model_dims(mc)), layout(param_layout(dims)),
-      cp(comm.size()), attn(comm, attention_config(dims, ro)) {
+      cp(comm.size()),
+      attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})) {
   params.assign(layout.count, 0.0f);
   grads.assign((layout.count + cp - 1) / cp * cp, 0.0f);
   init_params(layout, config, seed, params);
@@ -124,6 +135,14 @@ Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, ui
 }
 
 // ---- Batch setup --------------------------------------------------------------------------------
+
+std::vector<int64_t> rope_positions(const RankPlan& plan, std::span<const int64_t> position_ids, bool local_offsets) {
+  std::vector<int64_t> pos(position_ids.begin(), position_ids.end());
+  if (local_offsets)
+    for (const AttnTask& t : plan.work.tasks)  // rows of a document are consecutive on a rank
+      for (int64_t i = 0; i < t.q_len; ++i) pos[t.q_row + i] = t.q_row + i - plan.docs[t.doc].local_begin;
+  return pos;
+}
 
 void prepare_batch(Model& m, const PackedSequence& seq) {
   const Dims& d = m.dims;
@@ -149,13 +168,8 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
                  "PackedSequence::labels: label ", b.local.labels[i], " outside the vocabulary [0, ", d.V, ")");
   }
 
-  // Positions for RoPE: the global position in the document (the planner's position_ids), or,
-  // for the test of that choice, the offset in this rank's local part of the document.
-  std::vector<int64_t> pos = b.local.position_ids;
-  if (m.run.rope_local_offsets)
-    for (const AttnTask& t : plan.work.tasks)  // rows of a document are consecutive on a rank
-      for (int64_t i = 0; i < t.q_len; ++i) pos[t.q_row + i] = t.q_row + i - plan.docs[t.doc].local_begin;
-  rope_tables(b.rope_cos, b.rope_sin, pos, d.hd, m.config.rope_theta);
+  rope_tables(b.rope_cos, b.rope_sin, rope_positions(plan, b.local.position_ids, m.run.rope_local_offsets), d.hd,
+              m.config.rope_theta);
 
   Activations& a = m.acts;
   for (auto& r : a.resid) r.resize(T * d.D);

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace cpattn::train {
@@ -124,6 +125,12 @@ struct Model {
   Activations acts;
   Scratch scratch;
 };
+
+// The positions RoPE rotates this rank's rows by: each token's global position in its document
+// segment (the planner's `position_ids`, padding continuing its document's), or, with
+// `local_offsets` (RunOptions::rope_local_offsets, the wrong choice the tests show), its offset
+// in this rank's local part of the document. [plan.local_tokens].
+std::vector<int64_t> rope_positions(const RankPlan& plan, std::span<const int64_t> position_ids, bool local_offsets);
 
 // Plans `seq` for this rank (once: every block's attention gets that plan), takes the local
 // arrays and RoPE tables, sizes the activations. Checks the sequence (PackedSequence's fields

@@ -1,7 +1,10 @@
 """`cpattn train` end to end: a small run at cp = 1 and 2 with its JSON log, --compare,
-checkpoints through the command line (bitwise resume at cp = 1, cp 2 -> cp 1), and bad input:
+checkpoints through the command line (bitwise resume at cp = 1, cp 2 ring -> cp 1), and bad input:
 missing or empty data, a too short --seq-len, --cp different from the MPI world size (exit 2,
-one clear line, no hang); every documented spelling of --dtype (docs/cli.md)."""
+one clear line, no hang); every documented spelling of --dtype (docs/cli.md); --cp-scheme ring and
+the attention masks (--window, --softcap, --alibi, all three at once) at CP=2 train to CP=1's curve
+(the ring with masks: train_test), the masks change the curve, a checkpoint records them and the
+ranks agree on them."""
 import json
 import os
 import signal
@@ -52,12 +55,40 @@ with tempfile.TemporaryDirectory() as tmp:
             check(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], f"step {x['step']}: {x['loss']} vs {y['loss']}")
             check(abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"], f"grad norm step {x['step']}")
 
-    # --compare runs each CP size as its own job and prints the table.
-    r = train(0, *SMALL, "--steps", "3", "--compare", "1,2")
+    # --cp-scheme ring at CP=2 trains to CP=1's curve; so do the attention masks, and they change
+    # the curve (they reach the attention). The ring with masks at cp 2 and 4: train_test.
+    MASKS = ["--window", "16,0", "--softcap", "5", "--alibi"]
+    runs = {"ring": (2, ["--cp", "2", "--cp-scheme", "ring"]), "masked1": (0, MASKS),
+            "masked2": (2, ["--cp", "2", *MASKS])}
+    for name, (np_, args) in runs.items():
+        r = train(np_, *SMALL, *args, "--steps", "6", "--json-log", p(name + ".jsonl"))
+        check(r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stderr[-2000:]}")
+        scheme = "ring" if "ring" in args else "allgather"
+        check(f"attention: causal, cp scheme {scheme}" + (", window 16,0, softcap 5, alibi" if "--alibi" in args else "")
+              in r.stdout, f"{name}: the settings printed\n{r.stdout[:600]}")
+    def same_curve(ref, got, what):
+        if not (os.path.exists(p(ref)) and os.path.exists(p(got))):
+            return check(False, f"{what}: no log")
+        a, b = log(p(ref)), log(p(got))
+        check(len(a) == len(b) == 6, f"{what}: 6 steps")
+        for x, y in zip(a, b):
+            check(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], f"{what} step {x['step']}: {x['loss']} vs {y['loss']}")
+    same_curve("cp1.jsonl", "ring.jsonl", "cp 2 --cp-scheme ring vs cp 1")
+    if os.path.exists(p("ring.jsonl")) and r2.returncode == 0:  # the ring adds in another order than the all-gather
+        check([x["loss"] for x in log(p("ring.jsonl"))] != [x["loss"] for x in log(p("cp2.jsonl"))],
+              "--cp-scheme ring reached the attention (its curve is not bitwise the all-gather's)")
+    same_curve("masked1.jsonl", "masked2.jsonl", "cp 2 with masks vs cp 1 with masks")
+    if os.path.exists(p("masked1.jsonl")) and r1.returncode == 0:
+        d = max(abs(x["loss"] - y["loss"]) / x["loss"] for x, y in zip(log(p("cp1.jsonl")), log(p("masked1.jsonl"))))
+        check(d > 1e-4, f"the masks change the curve (largest relative loss difference {d:.2e})")
+
+    # --compare runs each CP size as its own job (with the scheme and masks) and prints the table.
+    r = train(0, *SMALL, "--steps", "3", "--compare", "1,2", "--cp-scheme", "ring", "--window", "16,0")
     check(r.returncode == 0 and "max dloss" in r.stdout and "peak MB per rank" in r.stdout,
           f"--compare: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
 
-    # Resume: 3 + 3 steps equal 6 steps bitwise at cp 1; a cp 2 checkpoint resumes at cp 1.
+    # Resume: 3 + 3 steps equal 6 steps bitwise at cp 1; a cp 2 checkpoint (of the ring scheme)
+    # resumes at cp 1 (with the all-gather).
     train(0, *SMALL, "--steps", "3", "--save", p("a.ckpt"))
     r = train(0, *SMALL, "--steps", "6", "--resume", p("a.ckpt"), "--json-log", p("resumed.jsonl"))
     check(r.returncode == 0, f"resume: exit {r.returncode}\n{r.stderr[-1500:]}")
@@ -66,7 +97,7 @@ with tempfile.TemporaryDirectory() as tmp:
         check([x["step"] for x in resumed] == [3, 4, 5], "resumed steps")
         check([x["loss"] for x in resumed] == [x["loss"] for x in straight[3:]], "bitwise resume at cp 1")
         check([x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in straight[3:]], "bitwise grad norms")
-    train(2, *SMALL, "--cp", "2", "--steps", "3", "--save", p("b.ckpt"))
+    train(2, *SMALL, "--cp", "2", "--cp-scheme", "ring", "--steps", "3", "--save", p("b.ckpt"))  # any scheme
     r = train(0, *SMALL, "--steps", "6", "--resume", p("b.ckpt"), "--json-log", p("down.jsonl"))
     check(r.returncode == 0, f"resume cp 2 -> 1: exit {r.returncode}\n{r.stderr[-1500:]}")
     if r.returncode == 0 and r1.returncode == 0:
@@ -95,6 +126,9 @@ with tempfile.TemporaryDirectory() as tmp:
         (2, ["--cp", "2", "--dtype", "fp64"], "--dtype must be one of fp32, bf16 (or float32, bfloat16)"),
         (0, ["--attn-dtype", "bf16"], "--attn-dtype"),  # the old name is gone
         (2, ["--cp", "2", "--resume", p("missing.ckpt")], "cannot read"),
+        (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, got 'zigzag'"),
+        (0, ["--window", "16"], "--window must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '16'"),
+        (0, ["--softcap", "-1"], "--softcap must be finite and >= 0 (0 = off), got -1"),
     ]
     for np_, args, msg in bad:
         r = train(np_, *SMALL[:-4], *args, "--steps", "2", timeout=120)
@@ -149,6 +183,12 @@ with tempfile.TemporaryDirectory() as tmp:
           f"--resume with another --lr: exit {r.returncode}\n{r.stderr[-800:]}")
     r = train(0, *SMALL[:-6], "--seq-len", "64", "--warmup", "2", "--steps", "6", "--resume", p("a.ckpt"))
     check(r.returncode == 2 and "has seq_len 128, this run 64" in r.stderr, f"--resume with another --seq-len: {r.stderr[-800:]}")
+    # The masks are part of the model a checkpoint records (the scheme is not: above, a cp 2
+    # ring checkpoint resumed at cp 1 with the all-gather).
+    for args, msg in ((["--window", "16,0"], "holds a model with window_left = -1, this run has 16"),
+                      (["--softcap", "2.5"], "holds a model with softcap = 0, this run has 2.5")):
+        r = train(0, *SMALL, "--steps", "6", "--resume", p("a.ckpt"), *args)
+        check(r.returncode == 2 and msg in r.stderr, f"--resume with {args}: exit {r.returncode}\n{r.stderr[-800:]}")
     with open(p("a.ckpt"), "rb") as f:
         good = f.read()
     for name, bad_bytes, msg in (("trunc.ckpt", good[:-7], "is truncated"), ("trail.ckpt", good + b"\0", "1 trailing bytes"),
@@ -190,7 +230,9 @@ with tempfile.TemporaryDirectory() as tmp:
     for args1, msg in ((["--lr", "0.001"], "ranks disagree on cpattn train: --lr (float bits): rank 0 has"),
                        (["--seed", "2"], "ranks disagree on cpattn train: --seed: rank 0 has 1, rank 1 has 2"),
                        (["--print-every", "2"], "--print-every: rank 0 has 1, rank 1 has 2"),
-                       (["--resume", p("a.ckpt")], "--resume (hash)")):
+                       (["--resume", p("a.ckpt")], "--resume (hash)"),
+                       (["--cp-scheme", "ring"], "ranks disagree on cpattn train: --cp-scheme (hash)"),
+                       (["--window", "16,0"], "ranks disagree on cpattn train: --window (left): rank 0 has -1, rank 1 has 16")):
         r, elapsed = mpmd([], args1)
         check(r.returncode == 2 and r.stderr.count(msg) == 1 and elapsed < 30,
               f"{args1} on rank 1 only: exit {r.returncode} in {elapsed:.1f} s\n{r.stderr[-800:]}")

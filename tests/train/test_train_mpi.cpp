@@ -240,6 +240,30 @@ TEST(TrainCp, RopeUsesGlobalPositions) {
                 world_size(), d_global, d_local);
 }
 
+// The ring scheme and the attention masks (window, soft cap, ALiBi at once) at CP = world size
+// train to the CP=1 curve of the same model (all-gather, one process). The masks change the
+// curve, so they reach every rank's attention.
+TEST(TrainCp, RingSchemeWithMasksMatchesCp1Within1e5) {
+  ModelConfig m = kSmall;
+  m.window_left = 24;
+  m.softcap = 5.0f;
+  m.alibi = true;
+  const int steps = kSanitize ? 2 : 4;
+  const Curve got = run(MPI_COMM_WORLD, m, {.cp_scheme = CpScheme::ring}, kSmallSeq, steps);
+  const Curve ref = reference(m, {}, kSmallSeq, steps);
+  const Curve plain = reference(kSmall, {}, kSmallSeq, steps);
+  double d = 0, d_plain = 0;
+  for (int s = 0; s < steps; ++s) {
+    d = std::max({d, rel(got.loss[s], ref.loss[s]), rel(got.gnorm[s], ref.gnorm[s])});
+    d_plain = std::max(d_plain, rel(plain.loss[s], ref.loss[s]));
+  }
+  EXPECT_LE(d, 1e-5);
+  EXPECT_GT(d_plain, 1e-4) << "the masks made no difference";
+  if (world_rank() == 0)
+    std::printf("[ info ] cp %d ring with masks vs cp 1: max relative difference %.3e (masks vs none: %.3e)\n",
+                world_size(), d, d_plain);
+}
+
 // ---- Learning --------------------------------------------------------------------------------------
 
 // The default model on the default data: the loss falls from ln 257 = 5.55 well below it.
@@ -412,8 +436,8 @@ TEST(TrainNonFinite, AHugeLearningRateDivergesIntoAnErrorNotANanRun) {
 // ---- Checkpoint verification ----------------------------------------------------------------------
 
 // The format's checksum (FNV-1a 64), rewritten into a corrupted copy so that the field checks
-// behind it are reached. Offsets: magic 8, version and count 16, 24 fields, checksum, payload.
-constexpr std::size_t kStepAt = 8 + 16 + 20 * 8, kChecksumAt = 8 + 16 + 24 * 8, kPayloadAt = kChecksumAt + 8;
+// behind it are reached. Offsets: magic 8, version and count 16, 28 fields, checksum, payload.
+constexpr std::size_t kStepAt = 8 + 16 + 24 * 8, kChecksumAt = 8 + 16 + 28 * 8, kPayloadAt = kChecksumAt + 8;
 
 uint64_t fnv(const std::string& b, std::size_t from, std::size_t to, uint64_t h = 14695981039346656037ull) {
   for (std::size_t i = from; i < to; ++i) h = (h ^ static_cast<uint8_t>(b[i])) * 1099511628211ull;
@@ -486,7 +510,7 @@ TEST(TrainCheckpoint, CorruptOrForeignCheckpointsAreRefusedNamingTheProblem) {
     const int64_t v1 = 1;
     b.replace(8, 8, reinterpret_cast<const char*>(&v1), 8);
     return b;
-  }, false, "has version 1, this cpattn reads version 2");
+  }, false, "has version 1, this cpattn reads version 3");
   refused(same, false, "has lr 0.0005, this run 0.001", {.lr = 1e-3f, .warmup = 3});
   refused(same, false, "has warmup 3, this run 10", {});
   refused(same, false, "has seed 7, this run 8", {.warmup = 3}, 8);

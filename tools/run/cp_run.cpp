@@ -80,15 +80,6 @@ struct Local {
   std::vector<std::unique_ptr<CpAttention>> attns;
 };
 
-// The schemes a run measures: --scheme's, or every scheme (kCpSchemes) for "all".
-std::vector<CpScheme> schemes_of(const std::string& name) {
-  std::vector<CpScheme> out;
-  for (const CpScheme s : kCpSchemes)
-    if (name == "all" || name == to_string(s)) out.push_back(s);
-  CPATTN_CHECK(!out.empty(), "--scheme: no scheme named '", name, "'");
-  return out;
-}
-
 Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
@@ -112,7 +103,7 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
            .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index};
-  for (const CpScheme s : schemes_of(parse_scheme(a.scheme))) {
+  for (const CpScheme s : parse_run_schemes(a.scheme)) {
     CpAttnConfig c = l.cfg;
     c.scheme = s;
     if (s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode is the all-gather scheme's

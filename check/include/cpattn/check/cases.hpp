@@ -43,9 +43,8 @@ struct AttnCase {
 
 std::vector<AttnCase> attention_cases();
 
-// The standard ALiBi slopes for n heads (the geometric sequence of the ALiBi paper for a power
-// of two: slope_h = 2^(-8 (h + 1) / n)).
-std::vector<float> alibi_slopes(int num_heads);
+// The standard ALiBi slopes (the library's, include/cpattn/attention.hpp).
+using ::cpattn::alibi_slopes;
 
 // A case of equal query and key lengths (the benchmark's: T = 8192, Hq = 16, Hkv = 4, D = 128,
 // causal by default on the command line).

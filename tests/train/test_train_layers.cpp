@@ -1,0 +1,173 @@
+// Sequence parallelism of the training model's token-wise layers (src/train/layers.hpp), without
+// MPI: each rank's local rows under the symmetric split (the planner's plan for cp ranks) run
+// through RMSNorm and RoPE exactly as a single process's rows do. RMSNorm forward and backward
+// are bitwise the dense result row by row; RoPE with the plan's global positions is bitwise the
+// dense result, and with local offsets it is not (the test shows both); RoPE's backward against
+// finite differences.
+#include "layers.hpp"
+#include "model.hpp"
+
+#include <cpattn/plan.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace cpattn::train {
+namespace {
+
+// Awkward documents: two of one token, one shorter than 2 * cp for every cp tested (5), odd
+// lengths; 53 tokens in all.
+const std::vector<int64_t> kCuSeqlens = {0, 1, 6, 7, 40, 53};
+constexpr int64_t kT = 53;
+constexpr int kCps[] = {1, 2, 3, 4};
+
+std::vector<float> normals(std::size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+// Each token's position in its document, from 0 (what DataStream gives a packed sequence).
+std::vector<int64_t> document_positions() {
+  std::vector<int64_t> pos(kT);
+  for (std::size_t d = 0; d + 1 < kCuSeqlens.size(); ++d)
+    for (int64_t t = kCuSeqlens[d]; t < kCuSeqlens[d + 1]; ++t) pos[t] = t - kCuSeqlens[d];
+  return pos;
+}
+
+// This rank's rows of a dense [kT, width] tensor; padding rows get `pad` (the training model's
+// padding rows hold real values: the end-of-document token's embedding).
+std::vector<float> local_rows(const std::vector<float>& dense, int width, const RankPlan& plan, float pad) {
+  std::vector<float> local(plan.local_tokens * width);
+  take_local_rows(dense.data(), static_cast<int64_t>(sizeof(float)) * width, plan, local.data());
+  for (int64_t i = 0; i < plan.local_tokens; ++i)
+    if (plan.real_token_index[i] < 0) std::fill_n(local.begin() + i * width, width, pad);
+  return local;
+}
+
+// Local row i is bitwise dense row plan.real_token_index[i], for every real row.
+void expect_rows_bitwise(const std::vector<float>& local, const std::vector<float>& dense, int width,
+                         const RankPlan& plan, const char* what) {
+  for (int64_t i = 0; i < plan.local_tokens; ++i) {
+    const int64_t g = plan.real_token_index[i];
+    if (g < 0) continue;
+    EXPECT_EQ(std::memcmp(local.data() + i * width, dense.data() + g * width, sizeof(float) * width), 0)
+        << what << ": cp " << plan.cp << " rank " << plan.rank << " local row " << i << " (token " << g << ")";
+  }
+}
+
+TEST(SequenceParallel, ShardedRmsNormForwardAndBackwardAreTheDenseResultBitwise) {
+  constexpr int D = 24;
+  constexpr float eps = 1e-5f;
+  const std::vector<float> x = normals(kT * D, 1), g = normals(D, 2), dout = normals(kT * D, 3);
+  std::vector<float> out(kT * D), rstd(kT), dx(kT * D, 0.0f), dg(D, 0.0f);
+  rmsnorm_forward(out.data(), rstd.data(), x.data(), g.data(), kT, D, eps);
+  rmsnorm_backward(dx.data(), dg.data(), dout.data(), x.data(), rstd.data(), g.data(), kT, D);
+
+  for (const int cp : kCps) {
+    std::vector<float> dg_sum(D, 0.0f);  // the gradient all-reduce's sum over the ranks
+    for (int rank = 0; rank < cp; ++rank) {
+      const RankPlan plan = get_thd_load_balanced_cp_metadata(kCuSeqlens, cp, rank);
+      const int64_t T = plan.local_tokens;
+      // Padding rows: real values in, no gradient back (no label, no attention), as in training.
+      const std::vector<float> xl = local_rows(x, D, plan, 0.75f), dl = local_rows(dout, D, plan, 0.0f);
+      std::vector<float> ol(T * D), rl(T), dxl(T * D, 0.0f), dgl(D, 0.0f);
+      rmsnorm_forward(ol.data(), rl.data(), xl.data(), g.data(), T, D, eps);
+      rmsnorm_backward(dxl.data(), dgl.data(), dl.data(), xl.data(), rl.data(), g.data(), T, D);
+      expect_rows_bitwise(ol, out, D, plan, "rmsnorm out");
+      expect_rows_bitwise(rl, rstd, 1, plan, "rmsnorm rstd");
+      expect_rows_bitwise(dxl, dx, D, plan, "rmsnorm dx");
+      // The rank's dg is its real rows' alone: padding rows add exactly zero.
+      std::vector<float> dg_real(D, 0.0f), dx_row(D);
+      for (int64_t i = 0; i < T; ++i)  // the rank's real rows, one at a time in its order
+        if (const int64_t t = plan.real_token_index[i]; t >= 0)
+          rmsnorm_backward(dx_row.data(), dg_real.data(), dout.data() + t * D, x.data() + t * D, rstd.data() + t,
+                           g.data(), 1, D);
+      EXPECT_EQ(dgl, dg_real) << "cp " << cp << " rank " << rank;
+      for (int i = 0; i < D; ++i) dg_sum[i] += dgl[i];
+    }
+    // dg is a sum over tokens: the ranks' partial sums add up in another order than the dense
+    // loop's, so it equals the dense dg to rounding, not bitwise.
+    for (int i = 0; i < D; ++i) {
+      double scale = 0;
+      for (int64_t t = 0; t < kT; ++t) scale += std::abs(dout[t * D + i] * x[t * D + i] * rstd[t]);
+      EXPECT_NEAR(dg_sum[i], dg[i], 1e-6 * scale) << "cp " << cp << " dg[" << i << "]";
+    }
+  }
+}
+
+TEST(SequenceParallel, RopeOnShardedTokensNeedsTheGlobalPositionsOfThePlan) {
+  constexpr int H = 3, hd = 8, W = H * hd;
+  constexpr float theta = 10000.0f;
+  const std::vector<float> q = normals(kT * W, 4);
+  const std::vector<int64_t> positions = document_positions();
+  std::vector<float> cos_t, sin_t, dense = q;
+  rope_tables(cos_t, sin_t, positions, hd, theta);
+  rope(dense.data(), cos_t.data(), sin_t.data(), kT, H, hd, false);
+
+  for (const int cp : kCps) {
+    float worst_local = 0;  // largest difference local offsets make on a real row
+    for (int rank = 0; rank < cp; ++rank) {
+      const RankPlan plan = get_thd_load_balanced_cp_metadata(kCuSeqlens, cp, rank);
+      const int64_t T = plan.local_tokens;
+      const TokenBatch local = get_batch_on_this_cp_rank(
+          {.tokens = std::vector<int64_t>(kT), .labels = std::vector<int64_t>(kT), .position_ids = positions,
+           .loss_mask = std::vector<float>(kT)},
+          plan);
+      for (const bool local_offsets : {false, true}) {
+        std::vector<float> ql = local_rows(q, W, plan, 0.0f);
+        rope_tables(cos_t, sin_t, rope_positions(plan, local.position_ids, local_offsets), hd, theta);
+        rope(ql.data(), cos_t.data(), sin_t.data(), T, H, hd, false);
+        if (!local_offsets) {
+          expect_rows_bitwise(ql, dense, W, plan, "rope with global positions");
+          continue;
+        }
+        for (int64_t i = 0; i < T; ++i)
+          if (const int64_t t = plan.real_token_index[i]; t >= 0)
+            for (int j = 0; j < W; ++j) worst_local = std::max(worst_local, std::abs(ql[i * W + j] - dense[t * W + j]));
+      }
+    }
+    if (cp == 1)
+      EXPECT_EQ(worst_local, 0.0f) << "one rank: a local offset is the global position";
+    else
+      EXPECT_GT(worst_local, 0.1f) << "cp " << cp << ": local offsets should rotate split documents wrongly";
+  }
+}
+
+// RoPE is a rotation: its backward is the inverse rotation (what block_backward applies to dq
+// and dk). Against central differences of L = sum(w * rope(x)), in double.
+TEST(SequenceParallel, RopeBackwardMatchesFiniteDifferences) {
+  constexpr int H = 2, hd = 6, W = H * hd;
+  constexpr int64_t T = 7;
+  const std::vector<int64_t> pos = {0, 1, 2, 0, 5, 17, 1000};
+  std::vector<float> cos_t, sin_t;
+  rope_tables(cos_t, sin_t, pos, hd, 10000.0f);
+  const std::vector<float> x = normals(T * W, 5), w = normals(T * W, 6);
+  const auto loss = [&](const std::vector<float>& in) {
+    std::vector<float> y = in;
+    rope(y.data(), cos_t.data(), sin_t.data(), T, H, hd, false);
+    double s = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) s += static_cast<double>(w[i]) * y[i];
+    return s;
+  };
+  std::vector<float> grad = w;
+  rope(grad.data(), cos_t.data(), sin_t.data(), T, H, hd, true);
+  constexpr float h = 1e-2f;  // L is linear in x: the differences are exact up to rounding
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    std::vector<float> xp = x, xm = x;
+    xp[i] += h;
+    xm[i] -= h;
+    const double fd = (loss(xp) - loss(xm)) / (static_cast<double>(xp[i]) - xm[i]);
+    EXPECT_NEAR(grad[i], fd, 1e-4) << "element " << i;
+  }
+}
+
+}  // namespace
+}  // namespace cpattn::train
