@@ -97,8 +97,8 @@ inline std::string parse_kv_mode(std::string_view s, std::string_view flag = "--
 }
 
 inline std::string parse_scheme(std::string_view s, std::string_view flag = "--scheme") {
-  if (s == "allgather" || s == "ring") return std::string(s);
-  throw Error(std::string(flag) + " must be one of allgather, ring, got '" + std::string(s) + "'");
+  if (s == "allgather" || s == "ring" || s == "a2a" || s == "hybrid") return std::string(s);
+  throw Error(std::string(flag) + " must be one of allgather, ring, a2a, hybrid, got '" + std::string(s) + "'");
 }
 
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
@@ -157,7 +157,8 @@ inline CLI::Validator kv_mode_transformer() {
 }
 
 inline CLI::Validator scheme_transformer() {
-  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring}");
+  return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); },
+                                   "{allgather|ring|a2a|hybrid}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

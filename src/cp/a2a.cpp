@@ -286,6 +286,7 @@ A2aLevel::A2aLevel(Communicator& comm, const CpAttnConfig& cfg, int inner)
     : m_(std::make_unique<Impl>(comm, cfg, inner)) {}
 A2aLevel::~A2aLevel() = default;
 
+void A2aLevel::connect() { m_->connect(); }
 void A2aLevel::forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
                        std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
   m_->forward(a, plan, seed, lse, ctx, stats);

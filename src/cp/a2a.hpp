@@ -55,6 +55,8 @@ class A2aLevel {
   A2aLevel(const A2aLevel&) = delete;
   A2aLevel& operator=(const A2aLevel&) = delete;
 
+  // Collective over comm, once: splits the sub-groups and makes the outer layer.
+  void connect();
   // Collective over comm: out and lse ([local_tokens, Hq], fp32) of this rank's tokens.
   void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
                std::vector<float>& lse, A2aContext& ctx, CpStats& stats);

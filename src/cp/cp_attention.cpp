@@ -652,6 +652,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   }
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
+  if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
 
   if (s.uses_a2a()) {

@@ -182,7 +182,7 @@ TEST_F(CpA2aTest, TinyAndShortDocuments) {
         Variant x = r;
         x.mask = m;
         run_and_compare(comm, shapes(cp)[1], DType::f32, x, *lengths);
-        run_and_compare(comm, shapes(cp)[2], DType::bf16, x, *lengths);
+        if (lengths == &many_tiny_one_long) run_and_compare(comm, shapes(cp)[2], DType::bf16, x, *lengths);
       }
 }
 

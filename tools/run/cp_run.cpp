@@ -21,6 +21,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "../commands.hpp"
 #include "../vocab.hpp"
@@ -78,8 +79,37 @@ struct Local {
   std::unique_ptr<CpAttention> attn;  // its constructor checks the configuration locally
 };
 
+// The CpScheme of --scheme, and the all-to-all group size of a2a and hybrid (0 for the
+// others), with --cp-inner checked against the CP size.
+std::pair<CpScheme, int> scheme_of(const RunArgs& a, int cp) {
+  const std::string s = parse_scheme(a.scheme);
+  if (s != "hybrid")
+    CPATTN_CHECK(a.cp_inner == 0, "--cp-inner is for --scheme hybrid only, got --cp-inner ", a.cp_inner,
+                 " with --scheme ", s);
+  if (s == "ring") return {CpScheme::ring, 0};
+  if (s == "a2a") return {CpScheme::a2a, cp};
+  if (s == "hybrid") {
+    CPATTN_CHECK(a.cp_inner >= 1 && cp % a.cp_inner == 0, "--cp-inner must divide the CP size ", cp,
+                 " (--scheme hybrid: cp = cp_inner x cp_outer), got ", a.cp_inner);
+    return {CpScheme::hybrid, a.cp_inner};
+  }
+  return {CpScheme::allgather, 0};
+}
+
+// The heads an all-to-all group of `inner` ranks splits, named by their flags (CpAttention
+// checks the same rule in the configuration's names).
+void check_heads_split(const check::BatchShape& s, int inner) {
+  const char* group = inner == 0 ? "" : " (the CP size for --scheme a2a, --cp-inner for hybrid)";
+  CPATTN_CHECK(inner == 0 || s.heads_q % inner == 0, "--heads (", s.heads_q,
+               ") must be divisible by the all-to-all group size ", inner, group);
+  CPATTN_CHECK(inner == 0 || s.heads_k % inner == 0 || inner % s.heads_k == 0, "--kv-heads (", s.heads_k,
+               ") must be divisible by the all-to-all group size ", inner, " or divide it (replicated KV heads)",
+               group);
+}
+
 Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
+  const auto [scheme, inner] = scheme_of(a, comm.size());
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
   const MaskType mask = parse_mask(a.mask);
   const KernelPath path = parse_kernel_path(a.kernel_path);
@@ -94,6 +124,7 @@ Local prepare(const RunArgs& a, Communicator& comm) {
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;
+  check_heads_split(b.shape, inner);
   if (a.alibi) l.slopes = check::alibi_slopes(b.shape.heads_q);
   l.cfg = {.num_heads_q = b.shape.heads_q, .num_heads_k = b.shape.heads_k, .head_dim_qk = b.shape.head_dim_qk,
            .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
@@ -101,7 +132,8 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
            .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
-           .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather};
+           .scheme = scheme,
+           .cp_inner = scheme == CpScheme::hybrid ? inner : 0};
   l.attn = std::make_unique<CpAttention>(comm, l.cfg);
   l.plan = l.attn->plan(b.cu_seqlens);
   l.q = check::local_rows(b.q, *l.plan);
@@ -143,15 +175,14 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   for (int i = 0; i < a.repeats; ++i) {
     attn.reset_stats();
     comm.barrier();
-    const int64_t sent0 = comm.bytes_sent(), received0 = comm.bytes_received();
     const auto t0 = Clock::now();
     CpContext ctx = attn.forward({.plan = l.plan, .q = q.view(), .k = k.view(), .v = v.view(),
                                   .out = out.view(), .lse = lse.data()});
     attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(),
                         .dk = dk.view(), .dv = dv.view()});
     wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    sent = comm.bytes_sent() - sent0;
-    received = comm.bytes_received() - received0;
+    sent = attn.stats().bytes_sent;  // over the layer's sub-groups too (a2a, hybrid)
+    received = attn.stats().bytes_received;
     compute.push_back(attn.stats().compute_s);
     communication.push_back(attn.stats().comm_s);
   }
