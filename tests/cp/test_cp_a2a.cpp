@@ -11,6 +11,7 @@
 #include <cpattn/check/compare.hpp>
 #include <cpattn/check/gather.hpp>
 #include <cpattn/check/tensor.hpp>
+#include <cpattn/attention.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
@@ -289,6 +290,47 @@ TEST_F(CpA2aTest, RanksThatDisagreeOnCpInnerFailTogether) {
   for (const std::string& x : m) EXPECT_EQ(x, m[0]);
   EXPECT_THAT(m[0], HasSubstr("cp_inner"));
   EXPECT_THAT(m[0], HasSubstr("rank " + std::to_string(cp - 1)));
+}
+
+// The kernels' dropout_head_offset (what the a2a scheme's head slices rely on): a call over
+// query heads [2, 4) with offset 2 drops what a call over all 4 heads drops for them; a
+// negative offset is refused.
+TEST(DropoutHeadOffset, ASliceOfTheHeadsDropsWhatTheFullRunDrops) {
+  const std::vector<int64_t> cu{0, 9, 30};
+  const check::Batch b = check::random_batch(cu, {.heads_q = 4, .heads_k = 4, .head_dim_qk = 8, .head_dim_v = 8},
+                                             DType::f32, 9);
+  const WorkList w = varlen_worklist(cu, cu);
+  const AttnOptions o{.dropout_p = 0.5f, .seed = 3};
+  const int64_t t = b.tokens();
+  std::vector<float> full(static_cast<std::size_t>(t * 4 * 8)), part(static_cast<std::size_t>(t * 2 * 8));
+  attention_forward({.in = {.q = b.q.view(), .k = b.k.view(), .v = b.v.view(), .work = &w, .options = o},
+                     .out = contiguous(full.data(), t, 4, 8)});
+  // Heads 2 and 3 of q, k, v as strided views (head_dim contiguous, rows of 4 heads).
+  const auto heads_2_3 = [&](const check::Tensor& x) {
+    ConstTensorView v = x.view();
+    v.data = static_cast<const float*>(v.data) + 2 * 8;
+    v.heads = 2;
+    v.head_stride = 8;
+    v.row_stride = 4 * 8;
+    return v;
+  };
+  AttnOptions sliced = o;
+  sliced.dropout_head_offset = 2;
+  const AttnInputs in{.q = heads_2_3(b.q), .k = heads_2_3(b.k), .v = heads_2_3(b.v), .work = &w, .options = sliced};
+  attention_forward({.in = in, .out = contiguous(part.data(), t, 2, 8)});
+  for (int64_t i = 0; i < t; ++i)
+    for (int e = 0; e < 2 * 8; ++e)
+      ASSERT_EQ(part[static_cast<std::size_t>(i * 16 + e)], full[static_cast<std::size_t>(i * 32 + 16 + e)])
+          << "row " << i << " element " << e;
+  AttnOptions zero = sliced;  // and without the offset the slice draws other masks
+  zero.dropout_head_offset = 0;
+  AttnInputs in0 = in;
+  in0.options = zero;
+  attention_forward({.in = in0, .out = contiguous(part.data(), t, 2, 8)});
+  EXPECT_NE(std::memcmp(part.data(), full.data() + 16, 16 * sizeof(float)), 0);
+  AttnInputs bad = in;
+  bad.options.dropout_head_offset = -1;
+  EXPECT_THROW(attention_forward({.in = bad, .out = contiguous(part.data(), t, 2, 8)}), Error);
 }
 
 TEST_F(CpA2aTest, SchemeNames) {
