@@ -6,12 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cpattn/attention.hpp>
 #include <cpattn/check/batch.hpp>
 #include <cpattn/check/cases.hpp>
 #include <cpattn/check/compare.hpp>
 #include <cpattn/check/gather.hpp>
 #include <cpattn/check/tensor.hpp>
-#include <cpattn/attention.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
@@ -220,6 +220,60 @@ TEST_F(CpA2aTest, RepeatedRunsAreBitwiseEqual) {
   }
 }
 
+// q, out, dout and dq may be strided views (PyTorch's slices of a fused qkv): the same bits
+// as contiguous tensors.
+TEST_F(CpA2aTest, StridedViewsGiveTheContiguousResult) {
+  const int cp = comm.size();
+  const Shape s = shapes(cp)[1];
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kLengths), s, DType::f32, 3);
+  CpAttention attn(comm, config(s, DType::f32, {.scheme = CpScheme::hybrid, .cp_inner = cp == 4 ? 2 : cp}, {}));
+  const auto p = attn.plan(b.cu_seqlens);
+  const int64_t t = p->local_tokens;
+  const check::Tensor q = check::local_rows(b.q, *p), k = check::local_rows(b.k, *p), v = check::local_rows(b.v, *p),
+                      dout = check::local_rows(b.dout, *p);
+  // Each tensor of `heads` x `dim` as rows of a buffer twice as wide, the heads 3 dims apart.
+  const auto wide = [&](std::vector<float>& buf, int heads, int dim, const float* from) {
+    const int64_t head_stride = dim + 3, row_stride = 2 * heads * head_stride;
+    buf.assign(static_cast<std::size_t>(t * row_stride), NAN);
+    TensorView view{.data = buf.data(),
+                    .rows = t,
+                    .heads = heads,
+                    .dim = dim,
+                    .dtype = DType::f32,
+                    .row_stride = row_stride,
+                    .head_stride = head_stride};
+    for (int64_t i = 0; i < t; ++i)
+      for (int h = 0; h < heads; ++h)
+        for (int e = 0; e < dim; ++e)
+          buf[static_cast<std::size_t>(view.offset(i, h) + e)] = from ? from[(i * heads + h) * dim + e] : 0.0f;
+    return view;
+  };
+  std::vector<float> qw, ow, dow, dqw;
+  const TensorView qv = wide(qw, s.heads_q, s.head_dim_qk, q.f.data()), ov = wide(ow, s.heads_q, s.head_dim_v, nullptr),
+                   dov = wide(dow, s.heads_q, s.head_dim_v, dout.f.data()),
+                   dqv = wide(dqw, s.heads_q, s.head_dim_qk, nullptr);
+  check::Tensor out(DType::f32, {t, s.heads_q, s.head_dim_v}), dq(DType::f32, q.shape), dk(DType::f32, k.shape),
+      dv(DType::f32, v.shape), dk2(DType::f32, k.shape), dv2(DType::f32, v.shape);
+  CpContext c1 = attn.forward({.plan = p, .q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()});
+  attn.backward(
+      c1, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view()});
+  CpContext c2 = attn.forward({.plan = p, .q = qv, .k = k.view(), .v = v.view(), .out = ov});
+  attn.backward(c2, {.q = qv, .out = ov, .dout = dov, .dq = dqv, .dk = dk2.view(), .dv = dv2.view()});
+  for (int64_t i = 0; i < t; ++i)
+    for (int h = 0; h < s.heads_q; ++h) {
+      ASSERT_EQ(std::memcmp(&ow[static_cast<std::size_t>(ov.offset(i, h))], &out.f[(i * s.heads_q + h) * s.head_dim_v],
+                            s.head_dim_v * sizeof(float)),
+                0)
+          << "out row " << i << " head " << h;
+      ASSERT_EQ(std::memcmp(&dqw[static_cast<std::size_t>(dqv.offset(i, h))],
+                            &dq.f[(i * s.heads_q + h) * s.head_dim_qk], s.head_dim_qk * sizeof(float)),
+                0)
+          << "dq row " << i << " head " << h;
+    }
+  EXPECT_EQ(dk.f, dk2.f);
+  EXPECT_EQ(dv.f, dv2.f);
+}
+
 // The a2a forward moves, per rank and peer, its tokens' share of q, k, v (the peer's heads)
 // one way and of out and lse back: (cp - 1) * T_loc * (hq/cp (Dqk + Dv) es + kv_loc (Dqk + Dv) es + 4 hq/cp).
 TEST_F(CpA2aTest, A2aForwardMovesExactlyEachPeersHeads) {
@@ -297,8 +351,8 @@ TEST_F(CpA2aTest, RanksThatDisagreeOnCpInnerFailTogether) {
 // negative offset is refused.
 TEST(DropoutHeadOffset, ASliceOfTheHeadsDropsWhatTheFullRunDrops) {
   const std::vector<int64_t> cu{0, 9, 30};
-  const check::Batch b = check::random_batch(cu, {.heads_q = 4, .heads_k = 4, .head_dim_qk = 8, .head_dim_v = 8},
-                                             DType::f32, 9);
+  const check::Batch b =
+      check::random_batch(cu, {.heads_q = 4, .heads_k = 4, .head_dim_qk = 8, .head_dim_v = 8}, DType::f32, 9);
   const WorkList w = varlen_worklist(cu, cu);
   const AttnOptions o{.dropout_p = 0.5f, .seed = 3};
   const int64_t t = b.tokens();
