@@ -66,10 +66,14 @@ void add_run_command(CLI::App& app) {
       ->transform(kv_mode_transformer());
   cmd->add_option("--scheme", a->scheme, "How K/V reach the queries: allgather (gather every rank's K/V once), "
                                          "ring (pass-KV: blocks shifted around the ring of CP ranks), pass-q "
-                                         "(the queries travel, partial results come back), or all (every "
-                                         "scheme on the same batch, one table)")
+                                         "(the queries travel, partial results come back), a2a (all-to-all: "
+                                         "heads scattered, whole documents per rank), hybrid (a2a over "
+                                         "--cp-inner ranks x allgather over the groups), or all (every scheme "
+                                         "on the same batch, one table)")
       ->capture_default_str()
       ->transform(run_scheme_transformer());
+  cmd->add_option("--cp-inner", a->cp_inner, "--scheme hybrid (or all): ranks of one all-to-all group (consecutive "
+                                             "ranks), dividing the CP size");
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")

@@ -69,6 +69,10 @@ struct AttnOptions {
   std::optional<float> softmax_scale = std::nullopt;
   float dropout_p = 0.0f;  // probability of dropping a P entry, in [0, 1)
   uint64_t seed = 0;       // dropout seed (see dropout_keep)
+  // Query head h draws the dropout mask of head h + dropout_head_offset: a caller that runs a
+  // slice of the heads (the all-to-all CP scheme) passes the slice's first head, so that it
+  // drops what a run of every head drops. >= 0.
+  int dropout_head_offset = 0;
   int num_threads = 1;     // >= 1; results do not depend on it
   KernelPath path = KernelPath::automatic;
   // FlashAttention's sliding window, on positions (bottom-right aligned, as the work list's):

@@ -47,11 +47,17 @@ namespace cpattn {
 // (the choice when K/V are larger than Q: many KV heads, MLA); each step computes the visiting
 // queries' visible pairs with the local K/V, the partial (out, lse) goes back to the queries'
 // owner and is merged there in step order; backward: the visiting (lse, q, out, dout) give
-// dK/dV locally and partial dQ that go back to the owner. All are exact and deterministic; the
-// ring and pass-q hold two blocks instead of cp and compute in fp32.
-enum class CpScheme { allgather, ring, pass_q };
+// dK/dV locally and partial dQ that go back to the owner. The ring and pass-q hold two blocks
+// instead of cp and compute in fp32.
+// a2a (all-to-all, Ulysses): an all-to-all scatters the heads and gathers the sequence, so
+// each rank runs Hq/cp query heads (and the KV heads they read) over whole documents; the
+// inverse all-to-all restores the token layout. hybrid: a2a over groups of cp_inner
+// consecutive ranks, then `hybrid_outer` (allgather or ring) over the cp / cp_inner groups.
+// All are exact and deterministic.
+enum class CpScheme { allgather, ring, pass_q, a2a, hybrid };
 // Every scheme, one line each: what `cpattn run --scheme all` runs, in this order.
-inline constexpr CpScheme kCpSchemes[] = {CpScheme::allgather, CpScheme::ring, CpScheme::pass_q};
+inline constexpr CpScheme kCpSchemes[] = {CpScheme::allgather, CpScheme::ring, CpScheme::pass_q, CpScheme::a2a,
+                                          CpScheme::hybrid};
 
 // How the kernel reads the gathered keys.
 enum class KvMode {
@@ -78,9 +84,13 @@ struct CpAttnConfig {
   bool check_finite = false;      // reject non-finite q/k/v/dout on every rank (costs a pass)
   std::size_t plan_cache_capacity = 8;
   CpScheme scheme = CpScheme::allgather;  // part of the ranks' agreement
+  // hybrid only (docs/cp.md): ranks of one all-to-all group, 2 <= cp_inner <= cp, dividing
+  // cp; the groups are consecutive ranks. Hq and Hkv split as for a2a at cp = cp_inner.
+  int cp_inner = 0;
+  CpScheme hybrid_outer = CpScheme::allgather;  // hybrid only: allgather or ring
 };
 
-std::string_view to_string(CpScheme s);  // "allgather", "ring", "pass-q"
+std::string_view to_string(CpScheme s);  // "allgather", "ring", "pass-q", "a2a", "hybrid"
 
 
 // Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout
@@ -145,6 +155,10 @@ struct CpStats {
   // alive have been (the kernels' internal scratch, see attention_backward_scratch_bytes,
   // comes on top).
   std::size_t peak_buffer_bytes = 0;
+  // Payload bytes this layer's calls sent and received, over every communicator it uses (the
+  // a2a and hybrid schemes' sub-groups too; Communicator::bytes_sent counts its own only).
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
 };
 
 class CpAttention {

@@ -1,5 +1,7 @@
 // CpAttention: docs/design.md section 7, KV all-gather with the symmetric split.
 #include <cpattn/cp.hpp>
+
+#include "a2a.hpp"
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
@@ -155,10 +157,13 @@ struct CpContext::State {
   std::vector<std::byte> k, v;
   int64_t total_k = 0;
   std::vector<float> lse;
+  std::unique_ptr<detail::A2aContext> a2a;  // the a2a and hybrid schemes' state
   // The live-context byte count of the CpAttention that made it (for its peak figure).
   std::shared_ptr<std::size_t> live_bytes;
 
-  std::size_t bytes() const { return k.capacity() + v.capacity() + lse.capacity() * sizeof(float); }
+  std::size_t bytes() const {
+    return k.capacity() + v.capacity() + lse.capacity() * sizeof(float) + (a2a ? a2a->bytes() : 0);
+  }
   ~State() {
     if (live_bytes) *live_bytes -= std::min(*live_bytes, counted);
   }
@@ -203,6 +208,7 @@ struct CpAttention::State {
   PassQBuffers passq;  // the pass-Q scheme's
 
   std::vector<float> slopes;  // the configuration's ALiBi slopes, owned (cfg points here)
+  std::unique_ptr<detail::A2aLevel> a2a;  // the a2a and hybrid schemes (after slopes: points there)
 
   State(Communicator& c, const CpAttnConfig& config)
       : comm(c), cfg(config), cache(config.plan_cache_capacity) {
@@ -210,7 +216,13 @@ struct CpAttention::State {
       slopes.assign(cfg.options.alibi_slopes, cfg.options.alibi_slopes + cfg.num_heads_q);
       cfg.options.alibi_slopes = slopes.data();
     }
+    if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
+      a2a = std::make_unique<detail::A2aLevel>(c, cfg, cfg.scheme == CpScheme::a2a ? c.size() : cfg.cp_inner);
   }
+
+  bool uses_a2a() const { return a2a != nullptr; }
+  int64_t bytes_sent() const { return comm.bytes_sent() + (a2a ? a2a->bytes_sent() : 0); }
+  int64_t bytes_received() const { return comm.bytes_received() + (a2a ? a2a->bytes_received() : 0); }
 
   // The shapes of this rank's tensors for a plan of t local tokens.
   Expected q_like(int64_t t) const { return {t, cfg.num_heads_q, "num_heads_q", cfg.head_dim_qk, "head_dim_qk", cfg.dtype}; }
@@ -278,7 +290,9 @@ struct CpAttention::State {
         .add("dtype", static_cast<int64_t>(cfg.dtype))
         .add("mask", static_cast<int64_t>(o.mask))
         .add("kv_mode", static_cast<int64_t>(cfg.kv_mode))
-        .add("scheme (CpScheme: 0 allgather, 1 ring, 2 pass-q)", static_cast<int64_t>(cfg.scheme))
+        .add("scheme (CpScheme: 0 allgather, 1 ring, 2 pass-q, 3 a2a, 4 hybrid)", static_cast<int64_t>(cfg.scheme))
+        .add("cp_inner", cfg.cp_inner)
+        .add("hybrid_outer", static_cast<int64_t>(cfg.hybrid_outer))
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -309,6 +323,7 @@ struct CpAttention::State {
       bytes += f->capacity() * sizeof(float);
     for (const std::vector<std::byte>* b : {&kb[0], &kb[1], &vb[0], &vb[1]}) bytes += b->capacity();
     bytes += passq.bytes();
+    if (a2a) bytes += a2a->buffer_bytes();
     stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, bytes);
   }
 
@@ -504,13 +519,27 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
   check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
                           .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},
                          cfg.options, "CpAttention");
-  CPATTN_CHECK(!cfg.deterministic || cfg.scheme != CpScheme::allgather ||
+  CPATTN_CHECK(cfg.scheme >= CpScheme::allgather && cfg.scheme <= CpScheme::hybrid,
+               "scheme must be allgather, ring, pass-q, a2a or hybrid, got ", static_cast<int>(cfg.scheme));
+  if (cfg.scheme == CpScheme::hybrid) {
+    CPATTN_CHECK(cfg.cp_inner >= 1 && cfg.cp_inner <= comm.size() && comm.size() % cfg.cp_inner == 0,
+                 "CpAttention (hybrid): cp_inner = ", cfg.cp_inner, " must divide cp = ", comm.size(),
+                 " (cp = cp_inner x cp_outer, all-to-all groups of cp_inner consecutive ranks)");
+    CPATTN_CHECK(cfg.hybrid_outer == CpScheme::allgather || cfg.hybrid_outer == CpScheme::ring,
+                 "CpAttention (hybrid): hybrid_outer must be allgather or ring, got ", to_string(cfg.hybrid_outer));
+  } else {
+    CPATTN_CHECK(cfg.cp_inner == 0, "CpAttention: cp_inner is the hybrid scheme's and must be 0 for scheme ",
+                 to_string(cfg.scheme), ", got ", cfg.cp_inner);
+  }
+  // What moves K/V between ranks: the hybrid's outer scheme; a2a runs the all-gather layer at cp_outer = 1.
+  const CpScheme kv = cfg.scheme == CpScheme::hybrid ? cfg.hybrid_outer
+                      : cfg.scheme == CpScheme::a2a  ? CpScheme::allgather
+                                                     : cfg.scheme;
+  CPATTN_CHECK(!cfg.deterministic || kv != CpScheme::allgather ||
                    comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
-  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.scheme == CpScheme::ring || cfg.scheme == CpScheme::pass_q,
-               "scheme must be allgather, ring or pass-q, got ", static_cast<int>(cfg.scheme));
-  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.kv_mode == KvMode::runs, "kv_mode index is the all-gather "
-               "scheme's; the ", to_string(cfg.scheme), " scheme reads its blocks in place (kv_mode runs)");
+  CPATTN_CHECK(kv == CpScheme::allgather || cfg.kv_mode == KvMode::runs, "kv_mode index is the all-gather "
+               "scheme's; the ", to_string(kv), " scheme reads its blocks in place (kv_mode runs)");
   s_ = std::make_unique<State>(comm, cfg);
 }
 
@@ -519,6 +548,8 @@ std::string_view to_string(CpScheme s) {
     case CpScheme::allgather: return "allgather";
     case CpScheme::ring: return "ring";
     case CpScheme::pass_q: return "pass-q";
+    case CpScheme::a2a: return "a2a";
+    case CpScheme::hybrid: return "hybrid";
   }
   return "unknown";
 }
@@ -572,8 +603,14 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   }
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
+  if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
+  const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
 
-  if (c.scheme == CpScheme::ring) {
+  if (s.uses_a2a()) {
+    ctx->a2a = std::make_unique<detail::A2aContext>();
+    s.a2a->forward(a, ctx->plan, ctx->seed, ctx->lse, *ctx->a2a, s.stats);
+    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
+  } else if (c.scheme == CpScheme::ring) {
     s.ring_forward(a, *ctx);
   } else if (c.scheme == CpScheme::pass_q) {
     s.pass_q_forward(a, *ctx);
@@ -617,6 +654,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
     s.stats.compute_s += seconds_since(t0);
   }
+  s.stats.bytes_sent += s.bytes_sent() - sent0;
+  s.stats.bytes_received += s.bytes_received() - received0;
   ctx->owner = s.id;
   ctx->forward_call = s.stats.forward_calls;
   ctx->live_bytes = s.live_bytes;
@@ -653,12 +692,21 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   }
   const CpContext::State* cs = ctx.s_.get();
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
+  const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
+  // Counted however backward leaves (the all-gather path below returns at its end).
+  const auto count_bytes = [&] {
+    s.stats.bytes_sent += s.bytes_sent() - sent0;
+    s.stats.bytes_received += s.bytes_received() - received0;
+  };
 
-  if (c.scheme != CpScheme::allgather) {
-    if (c.scheme == CpScheme::ring)
+  if (c.scheme != CpScheme::allgather || s.uses_a2a()) {
+    if (s.uses_a2a())
+      s.a2a->backward(*cs->a2a, *cs->plan, a, s.stats);
+    else if (c.scheme == CpScheme::ring)
       s.ring_backward(a, *cs);
     else
       s.pass_q_backward(a, *cs);
+    count_bytes();
     s.note_peak();
     ctx.s_.reset();
     return;
@@ -712,6 +760,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk.data);
   from_float(s.dv_loc.data(), s.dv_loc.size(), c.dtype, a.dv.data);
   s.stats.compute_s += seconds_since(t0);
+  count_bytes();
   s.note_peak();
   ctx.s_.reset();  // consumed: its gathered K/V are released
 }

@@ -473,7 +473,7 @@ void forward_impl(const AttnFwdParams& p) {
             for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
           }
           if (dropout) {
-            const uint64_t key = dropout_row_key(opt.seed, h, t.doc, qp0 + r);
+            const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
             for (int c = vb; c < ve; ++c)
               s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
           }
@@ -639,7 +639,7 @@ void backward_impl(const AttnBwdParams& p) {
             if (scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
               const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
               const float dl = S.delta[i0 + r];
-              const uint64_t key = dropout ? dropout_row_key(opt.seed, h, t.doc, qp0 + r) : 0;
+              const uint64_t key = dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
               for (int c = pc.a0; c < pc.a1; ++c) {
                 if (c < vb || c >= ve) {
                   s[c] = pd[c] = 0.0f;
@@ -666,7 +666,7 @@ void backward_impl(const AttnBwdParams& p) {
                 vstore(s + c, pv * (vload(dpr + c) - dl));  // dS = P (dP - delta)
               }
             } else {
-              const uint64_t key = dropout_row_key(opt.seed, h, t.doc, qp0 + r);
+              const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
               for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
               for (int c = pc.a0; c < pc.a1; ++c) {
                 const bool vis = c >= vb && c < ve;

@@ -38,7 +38,7 @@ Acc scores(const AttnInputs& in, const AttnTask& t, int h, int64_t qrow, int64_t
   const int hk = h / (in.q.heads / in.k.heads);
   const Acc scale = static_cast<Acc>(in.softmax_scale());
   const uint32_t thr = kernels::dropout_threshold(o.dropout_p);
-  const uint64_t rkey = kernels::dropout_row_key(o.seed, h, t.doc, qp);
+  const uint64_t rkey = kernels::dropout_row_key(o.seed, h + o.dropout_head_offset, t.doc, qp);
   const Acc inv_keep = Acc(1) / (Acc(1) - static_cast<Acc>(o.dropout_p));
   const kernels::Visibility sees = kernels::visibility(o);  // causal and window
   const Acc cap = static_cast<Acc>(o.softcap);

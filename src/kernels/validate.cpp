@@ -44,6 +44,7 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
     for (int h = 0; h < s.num_heads_q; ++h)
       CPATTN_CHECK(std::isfinite(o.alibi_slopes[h]), fn, ": alibi_slopes[", h,
                    "] must be finite, got ", o.alibi_slopes[h]);
+  CPATTN_CHECK(o.dropout_head_offset >= 0, fn, ": dropout_head_offset must be >= 0, got ", o.dropout_head_offset);
   CPATTN_CHECK(o.num_threads >= 1, fn, ": num_threads must be >= 1, got ", o.num_threads);
   CPATTN_CHECK(o.path != KernelPath::amx, fn,
                ": kernel path amx is not implemented (no AMX path is built; use automatic, "

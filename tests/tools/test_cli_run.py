@@ -10,26 +10,7 @@ import time
 
 import numpy as np
 
-CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
-
-def run(np_, *args, timeout=300):
-    cmd = [MPIEXEC, "-np", str(np_), "--oversubscribe", CPATTN, "run", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def run_json(np_, *args):
-    r = run(np_, *args, "--json")
-    check(r.returncode == 0, f"{args} at np {np_}: exit {r.returncode}\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
-
+from cli_run_lib import CPATTN, MPIEXEC, check, failures, run, run_json
 
 # The default batch, the main job.
 r = run(2)

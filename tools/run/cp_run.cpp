@@ -21,6 +21,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "../commands.hpp"
 #include "../vocab.hpp"
@@ -80,6 +81,47 @@ struct Local {
   std::vector<std::unique_ptr<CpAttention>> attns;
 };
 
+// The heads an all-to-all group of `inner` ranks splits, named by their flags (CpAttention
+// checks the same rule in the configuration's names).
+void check_heads_split(const check::BatchShape& s, int inner) {
+  const char* group = inner == 0 ? "" : " (the CP size for --scheme a2a, --cp-inner for hybrid)";
+  CPATTN_CHECK(inner == 0 || s.heads_q % inner == 0, "--heads (", s.heads_q,
+               ") must be divisible by the all-to-all group size ", inner, group);
+  CPATTN_CHECK(inner == 0 || s.heads_k % inner == 0 || inner % s.heads_k == 0, "--kv-heads (", s.heads_k,
+               ") must be divisible by the all-to-all group size ", inner, " or divide it (replicated KV heads)",
+               group);
+}
+
+// The schemes a run measures, each with its all-to-all group size (a2a: the CP size, hybrid:
+// --cp-inner, the others 0): --scheme's one, with its flags checked, or for "all" every scheme
+// of kCpSchemes the batch's heads allow (hybrid only with --cp-inner).
+std::vector<std::pair<CpScheme, int>> schemes_of(const RunArgs& a, int cp, const check::BatchShape& shape) {
+  const auto inner_of = [&](CpScheme s) { return s == CpScheme::a2a ? cp : s == CpScheme::hybrid ? a.cp_inner : 0; };
+  if (a.cp_inner != 0)
+    CPATTN_CHECK(a.cp_inner >= 1 && cp % a.cp_inner == 0, "--cp-inner must divide the CP size ", cp,
+                 " (--scheme hybrid: cp = cp_inner x cp_outer), got ", a.cp_inner);
+  std::vector<std::pair<CpScheme, int>> out;
+  if (a.scheme != "all") {
+    const CpScheme s = parse_scheme(a.scheme);
+    CPATTN_CHECK(s == CpScheme::hybrid || a.cp_inner == 0, "--cp-inner is for --scheme hybrid only, got --cp-inner ",
+                 a.cp_inner, " with --scheme ", to_string(s));
+    CPATTN_CHECK(s != CpScheme::hybrid || a.cp_inner >= 1, "--scheme hybrid needs --cp-inner N (N dividing the CP size ",
+                 cp, ")");
+    check_heads_split(shape, inner_of(s));
+    return {{s, inner_of(s)}};
+  }
+  for (const CpScheme s : kCpSchemes) {
+    if (s == CpScheme::hybrid && a.cp_inner == 0) continue;
+    try {
+      check_heads_split(shape, inner_of(s));
+    } catch (const Error&) {
+      continue;  // this batch's heads do not split over the group
+    }
+    out.emplace_back(s, inner_of(s));
+  }
+  return out;
+}
+
 Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
@@ -103,9 +145,10 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
            .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index};
-  for (const CpScheme s : parse_run_schemes(a.scheme)) {
+  for (const auto& [s, inner] : schemes_of(a, comm.size(), b.shape)) {
     CpAttnConfig c = l.cfg;
     c.scheme = s;
+    c.cp_inner = s == CpScheme::hybrid ? inner : 0;
     if (s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode is the all-gather scheme's
     l.attns.push_back(std::make_unique<CpAttention>(comm, c));
   }
@@ -136,7 +179,6 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
   for (int i = 0; i < a.repeats; ++i) {
     attn.reset_stats();
     comm.barrier();
-    const int64_t sent0 = comm.bytes_sent(), received0 = comm.bytes_received();
     const auto t0 = Clock::now();
     CpContext ctx = attn.forward({.plan = l.plan, .q = q.view(), .k = k.view(), .v = v.view(),
                                   .out = out.view(), .lse = lse.data()});
@@ -147,8 +189,8 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
     forward.push_back(std::chrono::duration<double>(t1 - t0).count());
     backward.push_back(std::chrono::duration<double>(t2 - t1).count());
     wall.push_back(std::chrono::duration<double>(t2 - t0).count());
-    sent = comm.bytes_sent() - sent0;
-    received = comm.bytes_received() - received0;
+    sent = attn.stats().bytes_sent;  // over the layer's sub-groups too (a2a, hybrid)
+    received = attn.stats().bytes_received;
     compute.push_back(attn.stats().compute_s);
     communication.push_back(attn.stats().comm_s);
   }

@@ -91,6 +91,7 @@ nlohmann::json report_json(const RunReport& r) {
   report["dtype"] = a.dtype;
   report["mode"] = a.mode;
   report["scheme"] = a.scheme;  // a scheme's name, or "all"
+  report["cp_inner"] = a.cp_inner;
   report["mask"] = a.mask;
   {
     const Window w = parse_window(a.window);

@@ -26,6 +26,7 @@ struct RunArgs {
               mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
+  int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
   uint64_t seed = 1;
   float dropout = 0.0f;
   std::string window;   // --window LEFT,RIGHT (empty: unbounded)
@@ -61,7 +62,7 @@ RunCheck check_against(const check::Batch& b, const Reference& ref, const check:
 // ---- report.cpp ----
 struct RankFigures {  // medians over the timed steps, and memory
   double compute_s = 0, comm_s = 0, step_s = 0, forward_s = 0, backward_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
-  double bytes_sent = 0, bytes_received = 0;  // by the communicator, over one forward+backward step
+  double bytes_sent = 0, bytes_received = 0;  // CpStats (counted by the communicators), one forward+backward step
 };
 // One scheme's run: its check and every rank's figures.
 struct SchemeResult {

@@ -9,6 +9,10 @@
 #include <cpattn/plan.hpp>
 #include <cpattn/tensor.hpp>
 
+#include <functional>
+#include <string>
+#include <vector>
+
 namespace cpattn::check {
 
 // This rank's outputs of one CP forward + backward (local rows under `plan`).
@@ -19,5 +23,10 @@ struct LocalResults {
 
 // Collective: every rank gets the global results (gather_global_rows of each tensor).
 Results gather_results(Communicator& comm, const RankPlan& plan, const LocalResults& local);
+
+// Collective: runs `f` on this rank and returns, on every rank, the message of the
+// cpattn::Error each rank's `f` threw ("" where it threw none), so that a check of errors that
+// must be the same on every rank can compare them.
+std::vector<std::string> error_on_every_rank(Communicator& comm, const std::function<void()>& f);
 
 }  // namespace cpattn::check

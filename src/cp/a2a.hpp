@@ -1,0 +1,75 @@
+// The all-to-all (Ulysses) level of the a2a and hybrid CP schemes (docs/cp.md). Internal to
+// src/cp: CpAttention drives it after the ranks' agreement.
+//
+// A group of `inner` consecutive ranks {o*inner .. o*inner+inner-1} holds, together, exactly
+// the symmetric split at cp_outer = cp / inner with coarse chunks of `inner` fine chunks:
+// group o's fine chunks o*inner .. o*inner+inner-1 form coarse chunk o of every document, and
+// its fine chunks 2cp-inner(o+1) .. 2cp-1-o*inner coarse chunk 2*cp_outer-1-o. So after an
+// all-to-all that scatters heads and gathers the group's tokens in that order (the "group
+// layout"), each member runs an ordinary CP layer (all-gather or ring) over the cp_outer ranks
+// with the same member index, on a plan for cp_outer of the cp-padded documents whose padding
+// is cut again. At inner = cp (the a2a scheme) cp_outer = 1: the group layout is the padded
+// global order and the outer layer is one process's whole-document attention.
+#pragma once
+
+#include <cpattn/comm.hpp>
+#include <cpattn/cp.hpp>
+#include <cpattn/plan.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace cpattn::detail {
+
+// The heads each member i of an all-to-all group runs: query heads [i*hq_loc, (i+1)*hq_loc)
+// and the KV heads [kv_lo(i), kv_hi(i)) those read (query head h reads KV head h / (Hq/Hkv)).
+// Hkv % inner == 0: the KV heads are split; inner % Hkv == 0: inner / Hkv members replicate
+// one KV head (their dK/dV summed back in member order).
+struct HeadSplit {
+  int inner = 1, hq = 1, hkv = 1;
+  int hq_loc() const { return hq / inner; }
+  int group() const { return hq / hkv; }  // query heads per KV head
+  int kv_lo(int i) const { return i * hq_loc() / group(); }
+  int kv_hi(int i) const { return ((i + 1) * hq_loc() - 1) / group() + 1; }
+  int kv_loc() const { return kv_hi(0) - kv_lo(0); }
+};
+
+// The split of cfg's heads over `inner` ranks; throws cpattn::Error naming the fields when
+// they cannot be split. `what` names the scheme and sizes for the message.
+HeadSplit head_split(const CpAttnConfig& cfg, int inner, const std::string& what);
+
+// What an a2a forward keeps for its backward.
+struct A2aContext {
+  CpContext outer;                // the outer layer's context
+  std::vector<std::byte> q, out;  // this member's heads of the group's tokens, group layout
+  std::size_t bytes() const { return q.capacity() + out.capacity(); }  // the outer's: its own peak
+};
+
+class A2aLevel {
+ public:
+  // Not collective (the sub-groups are split at the first forward, after the agreement).
+  // cfg.options.alibi_slopes must outlive this object.
+  A2aLevel(Communicator& comm, const CpAttnConfig& cfg, int inner);
+  ~A2aLevel();
+  A2aLevel(const A2aLevel&) = delete;
+  A2aLevel& operator=(const A2aLevel&) = delete;
+
+  // Collective over comm, once: splits the sub-groups and makes the outer layer.
+  void connect();
+  // Collective over comm: out and lse ([local_tokens, Hq], fp32) of this rank's tokens.
+  void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
+               std::vector<float>& lse, A2aContext& ctx, CpStats& stats);
+  // Collective over comm; consumes ctx.outer.
+  void backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats);
+
+  std::size_t buffer_bytes() const;  // its scratch plus the outer layer's peak
+  int64_t bytes_sent() const;        // over its sub-groups
+  int64_t bytes_received() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> m_;
+};
+
+}  // namespace cpattn::detail

@@ -1,0 +1,37 @@
+"""`mpirun -np N cpattn run --scheme a2a|hybrid [--cp-inner N]` end to end: exact against the
+single-process run (cpattn run's own check), byte counts in the JSON, and the flags' errors
+(exit 2 naming the flag). Few small jobs: the CI budget."""
+import sys
+
+from cli_run_lib import check, failures, run, run_json
+
+SMALL = ("--lengths", "37,1,100,3", "--head-dim-qk", "48", "--head-dim-v", "32")
+# (ranks, flags): a2a with split KV heads, a2a with one replicated KV head and no mask,
+# hybrid 2 x 2, and hybrid 1 x 2 with dropout in two CP groups of 2 (--cp 2).
+for np_, flags in ((2, ("--scheme", "a2a", "--heads", "4", "--kv-heads", "2", "--dtype", "bf16")),
+                   (3, ("--scheme", "a2a", "--heads", "6", "--kv-heads", "1", "--mask", "none")),
+                   (4, ("--scheme", "hybrid", "--cp-inner", "2", "--heads", "4", "--kv-heads", "2", "--dtype", "fp16")),
+                   (4, ("--scheme", "hybrid", "--cp-inner", "1", "--cp", "2", "--heads", "4", "--kv-heads", "4",
+                        "--dropout", "0.1"))):
+    j = run_json(np_, *flags, *SMALL)
+    if j:
+        scheme = flags[1]
+        check(j["passed"] and j["scheme"] == scheme, f"{flags} np {np_}: {j}")
+        check(j["cp_inner"] == (int(flags[3]) if scheme == "hybrid" else 0), f"cp_inner in the JSON: {j}")
+        check(len(j["bytes_sent"]) == j["cp"] and all(b > 0 for b in j["bytes_sent"]), f"bytes: {j}")
+        check(j["bytes_sent"] == j["bytes_received"], f"bytes balance: {j}")
+
+# Bad flags: exit 2, the flag named, the same line from every rank.
+for np_, flags, flag in ((4, ("--scheme", "hybrid", "--cp-inner", "3"), "--cp-inner must divide the CP size 4"),
+                         (2, ("--scheme", "a2a", "--cp-inner", "2"), "--cp-inner is for --scheme hybrid only"),
+                         (4, ("--scheme", "a2a", "--heads", "12", "--kv-heads", "3"), "--kv-heads (3) must be divisible")):
+    r = run(np_, *flags, "--lengths", "10")
+    # Every rank rejects it: the line names all of them ([ranks 0,1], [ranks 0-3]).
+    every = "0,1" if np_ == 2 else f"0-{np_ - 1}"
+    check(r.returncode == 2 and flag in r.stderr and f"[ranks {every}]" in r.stderr,
+          f"{flags}: exit {r.returncode} {r.stderr[-800:]}")
+
+if failures:
+    print(f"{len(failures)} failures")
+    sys.exit(1)
+print("all passed")
