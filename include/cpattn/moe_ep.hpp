@@ -41,11 +41,13 @@ struct MoeEpForward {
   MoeExpertState experts;                              // the rows this rank's experts received
   std::vector<float> out;                              // [T_r's dispatched rows, D], back home
   MoePhaseTimes times;
+  std::int64_t bytes_sent = 0, bytes_received = 0;  // of its all-to-alls (counters' deltas)
 };
 
 struct MoeEpBackward {
   MoeGrads grads;  // dx of this rank's tokens; router gradient of this rank's tokens only
   MoePhaseTimes times;
+  std::int64_t bytes_sent = 0, bytes_received = 0;  // of its all-to-alls (counters' deltas)
 };
 
 // The load report of one forward (and backward), over the whole EP group.
@@ -56,7 +58,9 @@ struct MoeLoadReport {
   double imbalance = 1;         // max / mean of routed_per_expert (1: perfectly even)
   double rank_imbalance = 1;    // max / mean of tokens_per_rank
   std::int64_t dropped = 0;     // assignments over capacity, all ranks
-  std::vector<std::int64_t> bytes_sent, bytes_received;  // [ep] the communicator's counters
+  // [ep] bytes each rank sent to / received from other ranks in the forward's and the
+  // backward's all-to-alls (the communicator's counters; agreement checks not included)
+  std::vector<std::int64_t> bytes_sent, bytes_received;
   std::vector<MoePhaseTimes> forward, backward;          // [ep]
 };
 

@@ -107,6 +107,7 @@ MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x) 
   }
   lap(clock, f.times.routing);
 
+  const int64_t sent0 = comm_->bytes_sent(), received0 = comm_->bytes_received();
   // Rows per (source rank, local expert): each rank's expert_counts, block q sent to rank q.
   const std::vector<int64_t> per_rank(static_cast<std::size_t>(comm_->size()), local_);
   f.experts.counts.resize(static_cast<std::size_t>(cfg_.num_experts));
@@ -122,6 +123,8 @@ MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x) 
 
   f.out.resize(rows.size());
   comm_->all_to_all_v<float>(out, scaled(f.recv_counts, D), f.out, scaled(f.send_counts, D));
+  f.bytes_sent = comm_->bytes_sent() - sent0;
+  f.bytes_received = comm_->bytes_received() - received0;
   f.y = moe_combine(f.routing, f.out, cfg_.hidden);
   lap(clock, f.times.combine);
   return f;
@@ -141,6 +144,7 @@ MoeEpBackward MoeEpLayer::backward(const MoeWeights& w, std::span<const float> x
   const std::vector<float> d_out = moe_combine_backward(f.routing, f.out, dy, cfg_.hidden, d_weight);
   lap(clock, b.times.combine);
 
+  const int64_t sent0 = comm_->bytes_sent(), received0 = comm_->bytes_received();
   std::vector<float> d_expert_out(f.experts.rows.size());
   comm_->all_to_all_v<float>(d_out, scaled(f.send_counts, D), d_expert_out, scaled(f.recv_counts, D));
   lap(clock, b.times.dispatch);
@@ -150,6 +154,8 @@ MoeEpBackward MoeEpLayer::backward(const MoeWeights& w, std::span<const float> x
 
   std::vector<float> d_home(d_out.size());
   comm_->all_to_all_v<float>(d_rows, scaled(f.recv_counts, D), d_home, scaled(f.send_counts, D));
+  b.bytes_sent = comm_->bytes_sent() - sent0;
+  b.bytes_received = comm_->bytes_received() - received0;
   lap(clock, b.times.combine);
 
   moe_add_dispatched(f.routing, d_home, cfg_.hidden, b.grads.dx);
@@ -162,8 +168,7 @@ MoeEpBackward MoeEpLayer::backward(const MoeWeights& w, std::span<const float> x
 MoeLoadReport MoeEpLayer::report(const MoeEpForward& f, const MoeEpBackward& b) {
   const int ep = comm_->size();
   MoeLoadReport r;
-  // The counters first, so that the report's own collectives are not in them.
-  const int64_t bytes[2] = {comm_->bytes_sent(), comm_->bytes_received()};
+  const int64_t bytes[2] = {f.bytes_sent + b.bytes_sent, f.bytes_received + b.bytes_received};
   std::vector<int64_t> all_bytes(static_cast<std::size_t>(2 * ep));
   comm_->all_gather<int64_t>(bytes, all_bytes);
   for (int q = 0; q < ep; ++q) {

@@ -88,11 +88,20 @@ void check_against_single_process(const MoeCase& c, const std::function<void(Moe
   EXPECT_EQ(std::accumulate(rep.tokens_per_rank.begin(), rep.tokens_per_rank.end(), std::int64_t{0}),
             T * c.cfg.top_k - dropped);
   ASSERT_EQ(rep.bytes_sent.size(), static_cast<std::size_t>(ep));
-  // Rows this rank sent to others travel twice forward (x, o) and twice backward (d_out, d_x).
-  std::int64_t remote = 0;
+  // Forward: the counts ((ep - 1) * local experts int64), then each remote row once each way
+  // (x out, o back); the backward moves the same rows again (d_out out, d_x back).
+  std::int64_t out_rows = 0, in_rows = 0;
   for (int q = 0; q < ep; ++q)
-    if (q != rank) remote += f.send_counts[static_cast<std::size_t>(q)];
-  EXPECT_GE(rep.bytes_sent[static_cast<std::size_t>(rank)], 2 * remote * D * static_cast<std::int64_t>(sizeof(float)));
+    if (q != rank) {
+      out_rows += f.send_counts[static_cast<std::size_t>(q)];
+      in_rows += f.recv_counts[static_cast<std::size_t>(q)];
+    }
+  const std::int64_t row_bytes = D * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t counts_bytes = (ep - 1) * layer.local_experts() * static_cast<std::int64_t>(sizeof(std::int64_t));
+  EXPECT_EQ(f.bytes_sent, counts_bytes + (out_rows + in_rows) * row_bytes);
+  EXPECT_EQ(f.bytes_received, counts_bytes + (in_rows + out_rows) * row_bytes);
+  EXPECT_EQ(b.bytes_sent, (out_rows + in_rows) * row_bytes);
+  EXPECT_EQ(rep.bytes_sent[static_cast<std::size_t>(rank)], f.bytes_sent + b.bytes_sent);
 }
 
 class MoeEpCaseTest : public testing::TestWithParam<MoeCase> {};
