@@ -11,8 +11,8 @@
 //   cpattn::MoeWeights mine = cpattn::moe_slice_experts(all, layer.first_expert(),
 //                                                       layer.local_experts());
 //   cpattn::MoeEpForward f = layer.forward(mine, x_local);   // x_local [T_r, D]
-//   cpattn::MoeGrads g = layer.backward(mine, x_local, f, dy_local);
-//   cpattn::MoeLoadReport rep = layer.report(f, g_times);     // collective
+//   cpattn::MoeEpBackward b = layer.backward(mine, x_local, f, dy_local);   // b.grads
+//   cpattn::MoeLoadReport rep = layer.report(f, b);           // collective
 #pragma once
 
 #include <cpattn/comm.hpp>
