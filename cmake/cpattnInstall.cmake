@@ -8,17 +8,18 @@ set(_cpattn_dirs
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS cpattn_common cpattn_layout cpattn_plan cpattn_kernels cpattn_io cpattn_mesh cpattn_pipeline
-                cpattn_core
+                cpattn_moe cpattn_core
         EXPORT cpattnCoreTargets ${_cpattn_dirs})
 install(EXPORT cpattnCoreTargets NAMESPACE cpattn::
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
 set(_cpattn_mpi_headers)
 if(CPATTN_WITH_MPI)
-  install(TARGETS cpattn_comm cpattn_cp cpattn_mpi cpattn EXPORT cpattnMpiTargets ${_cpattn_dirs})
+  install(TARGETS cpattn_comm cpattn_cp cpattn_moe_ep cpattn_mpi cpattn EXPORT cpattnMpiTargets ${_cpattn_dirs})
   install(EXPORT cpattnMpiTargets NAMESPACE cpattn::
           DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
 else()
-  set(_cpattn_mpi_headers PATTERN comm.hpp EXCLUDE PATTERN cp.hpp EXCLUDE PATTERN cpattn.hpp EXCLUDE)
+  set(_cpattn_mpi_headers PATTERN comm.hpp EXCLUDE PATTERN cp.hpp EXCLUDE PATTERN moe_ep.hpp EXCLUDE
+      PATTERN cpattn.hpp EXCLUDE)
 endif()
 
 # train.hpp belongs to the training example (cpattn_train), which is not installed.

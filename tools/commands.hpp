@@ -28,5 +28,6 @@ void add_bench_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_mesh_command(CLI::App& app);
 void add_pipeline_command(CLI::App& app);
+void add_moe_command(CLI::App& app);
 
 }  // namespace cpattn::cli

@@ -10,5 +10,6 @@ int main(int argc, char** argv) {
   cpattn::cli::add_train_command(app);
   cpattn::cli::add_mesh_command(app);
   cpattn::cli::add_pipeline_command(app);
+  cpattn::cli::add_moe_command(app);
   return cpattn::cli::run_app(app, argc, argv);
 }

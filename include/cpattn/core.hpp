@@ -10,6 +10,7 @@
 #include <cpattn/layout.hpp>
 #include <cpattn/merge.hpp>
 #include <cpattn/mesh.hpp>
+#include <cpattn/moe.hpp>
 #include <cpattn/npy.hpp>
 #include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>

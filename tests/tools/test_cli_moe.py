@@ -1,0 +1,62 @@
+"""`cpattn moe` under mpirun: the JSON report's counts add up against hand-derived totals, a
+skewed router favours expert 0, and bad flags exit 2 with one line naming the flag."""
+import json
+import subprocess
+import sys
+
+CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
+failures = []
+
+
+def run(np, *args):
+    return subprocess.run([MPIEXEC, "-n", str(np), "--oversubscribe", CPATTN, "moe", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+
+
+SMALL = ["--tokens", "16", "--hidden", "8", "--ffn", "8"]
+
+# ep 2, E 4, top-2, capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert per rank: drops.
+r = run(2, "--experts", "4", "--top-k", "2", "--ep", "2", "--capacity-factor", "0.5", "--json", *SMALL)
+check(r.returncode == 0, f"moe json failed: {r.returncode} {r.stderr}")
+j = json.loads(r.stdout)
+check(j["check"]["pass"] and j["check"]["y"] <= 1e-5, f"check {j['check']}")
+check(sum(j["routed_per_expert"]) == 2 * 16 * 2, "routed total = ranks * tokens * K")
+check(all(k <= 2 * 4 for k in j["kept_per_expert"]), "kept <= ranks * capacity")
+check(sum(j["kept_per_expert"]) + j["dropped"] == 64 and j["dropped"] > 0, "kept + dropped")
+check([x["tokens"] for x in j["ranks"]] == [sum(j["kept_per_expert"][0:2]), sum(j["kept_per_expert"][2:4])],
+      "tokens per rank = its experts' kept rows")
+check(all(x["bytes_sent"] > 0 for x in j["ranks"]), "bytes counted")
+
+# ep 3, E 3, top-1, a strong skew: expert 0 takes the most tokens.
+r = run(3, "--experts", "3", "--ep", "3", "--skew", "6", "--json", *SMALL)
+check(r.returncode == 0, f"skewed run failed: {r.stderr}")
+j = json.loads(r.stdout)
+check(j["routed_per_expert"][0] == max(j["routed_per_expert"]) and j["imbalance"] > 1.5,
+      f"skew: {j['routed_per_expert']}")
+
+# The table.
+r = run(2, "--experts", "2", "--ep", "2", "--router", "sigmoid-bias", *SMALL)
+check(r.returncode == 0 and "PASS" in r.stdout and "imbalance (max/mean)" in r.stdout, f"table: {r.stdout}")
+
+# Bad flags: exit 2, the flag named on one line (rank 0 prints).
+for np, args, text in [
+    (2, ["--experts", "4", "--top-k", "5", "--ep", "2"], "--top-k must be in 1..--experts = 4, got 5"),
+    (2, ["--experts", "3", "--ep", "2"], "--ep 2 must divide --experts 3"),
+    (2, ["--experts", "4", "--ep", "3"], "--ep 3 must equal the number of MPI ranks (2)"),
+    (1, ["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be > 0"),
+    (1, ["--experts", "4", "--router", "topk"], "--router"),
+]:
+    r = run(np, *args, *SMALL)
+    check(r.returncode == 2, f"{args}: exit {r.returncode}")
+    check(r.stderr.count("cpattn: error") == 1 and text in r.stderr,
+          f"{args}: stderr {r.stderr!r}")
+
+if failures:
+    print("\n".join(failures))
+    sys.exit(1)
+print("ok")
