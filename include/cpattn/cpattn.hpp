@@ -5,4 +5,5 @@
 #include <cpattn/comm.hpp>
 #include <cpattn/core.hpp>
 #include <cpattn/cp.hpp>
+#include <cpattn/executor.hpp>
 #include <cpattn/version.hpp>
