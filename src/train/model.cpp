@@ -112,11 +112,12 @@ void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed
   }
 }
 
-Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed)
+Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks)
     : config(mc), run(ro), dims(model_dims(mc)), layout(param_layout(dims)),
       cp(comm.size()), attn(comm, attention_config(dims, ro)) {
+  const int64_t chunks = reduce_ranks > 0 ? reduce_ranks : cp;
   params.assign(layout.count, 0.0f);
-  grads.assign((layout.count + cp - 1) / cp * cp, 0.0f);
+  grads.assign((layout.count + chunks - 1) / chunks * chunks, 0.0f);
   init_params(layout, config, seed, params);
   set_blas_threads(run.threads);
   acts.resid.resize(dims.L + 1);

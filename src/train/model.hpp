@@ -123,7 +123,9 @@ struct Scratch {
 };
 
 struct Model {
-  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed);
+  // comm: the CP group. reduce_ranks: the ranks whose all-reduces grads goes through (the
+  // chunks of all_reduce_grads); 0: comm.size().
+  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed, int reduce_ranks = 0);
 
   ModelConfig config;
   RunOptions run;
@@ -131,7 +133,7 @@ struct Model {
   ParamLayout layout;
   std::vector<float> params;  // [layout.count]
   int cp = 1;                 // ranks of the CP group
-  std::vector<float> grads;   // [layout.count padded to a multiple of cp] (the all-reduce's chunks)
+  std::vector<float> grads;   // [layout.count padded to a multiple of reduce_ranks] (the all-reduce's chunks)
   CpAttention attn;           // one for every block: the contexts in acts hold each block's state
   Batch batch;
   Activations acts;

@@ -50,6 +50,12 @@ int64_t PipelineModel::boundary_floats(int micro) const {
   return micro_[static_cast<std::size_t>(micro)].batch.T * m_.dims.D;
 }
 
+int64_t PipelineModel::local_tokens() const {
+  int64_t n = 0;
+  for (const MicroState& st : micro_) n += st.batch.T;
+  return n;
+}
+
 void PipelineModel::forward(int chunk, int micro, std::span<const float> in, std::span<float> out) {
   with_micro(micro, [&] {
     std::vector<std::vector<float>>& resid = m_.acts.resid;

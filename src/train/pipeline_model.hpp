@@ -49,6 +49,8 @@ class PipelineModel final : public PipelineStage {
   // their count; 0 on other stages.
   double loss_sum() const { return loss_sum_; }
   int64_t scored() const { return scored_; }
+  // This rank's rows over the micro-batches, padding included.
+  int64_t local_tokens() const;
 
  private:
   struct MicroState {
