@@ -2,7 +2,6 @@
 checkpoints through the command line (bitwise resume at cp = 1, cp 2 -> cp 1), and bad input:
 missing or empty data, a too short --seq-len, --cp different from the MPI world size (exit 2,
 one clear line, no hang); every documented spelling of --dtype (docs/cli.md)."""
-import json
 import os
 import signal
 import subprocess
@@ -10,26 +9,10 @@ import time
 import sys
 import tempfile
 
-CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
-failures = []
+from cli_common import CPATTN, MPIEXEC, check, failures, log, train
+
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
          "--warmup", "2"]
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
-
-def train(np_, *args, timeout=300):
-    cmd = ([MPIEXEC, "-np", str(np_), "--oversubscribe"] if np_ else []) + [CPATTN, "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 with tempfile.TemporaryDirectory() as tmp:
