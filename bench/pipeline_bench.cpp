@@ -73,19 +73,13 @@ std::vector<PackedSequence> step_data() {
   return seqs;
 }
 
-int64_t labeled(const std::vector<PackedSequence>& seqs) {
-  int64_t n = 0;
-  for (const PackedSequence& s : seqs) n += std::ranges::count_if(s.labels, [](int64_t y) { return y != kIgnoreIndex; });
-  return n;
-}
-
 struct StepTimes {
   double makespan = 0;               // the latest end over the ranks, seconds
   std::vector<double> f, b, w;       // this rank's actions' compute times
 };
 
 StepTimes one_step(Communicator& pp, Model& m, const Schedule& schedule, const std::vector<PackedSequence>& seqs) {
-  PipelineModel stage(m, schedule.spec, pp.rank(), seqs, labeled(seqs));
+  PipelineModel stage(m, schedule.spec, pp.rank(), seqs, labeled_rows(seqs));
   TimedStage timed(stage);
   const std::vector<TimedAction> ran = run_pipeline(pp, schedule, timed);
   std::vector<double> end{ran.empty() ? 0.0 : ran.back().end};

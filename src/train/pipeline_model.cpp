@@ -14,6 +14,12 @@ LayerRange stage_layers(int layers, int vstages, int v) {
   return {begin, begin + base + (v < extra ? 1 : 0)};
 }
 
+int64_t labeled_rows(std::span<const PackedSequence> seqs) {
+  int64_t n = 0;
+  for (const PackedSequence& s : seqs) n += std::ranges::count_if(s.labels, [](int64_t y) { return y != kIgnoreIndex; });
+  return n;
+}
+
 PipelineModel::PipelineModel(Model& m, const PipelineSpec& spec, int stage, std::span<const PackedSequence> micro,
                              int64_t total)
     : m_(m), stages_(spec.stages), chunks_(spec.virtual_stages), stage_(stage), total_(total),

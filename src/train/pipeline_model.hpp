@@ -30,6 +30,9 @@ struct LayerRange {
 };
 LayerRange stage_layers(int layers, int vstages, int v);
 
+// Rows with a label over `seqs`: what a step's loss is divided by.
+int64_t labeled_rows(std::span<const PackedSequence> seqs);
+
 class PipelineModel final : public PipelineStage {
  public:
   // Prepares every micro-batch in order (prepare_batch: collective over the model's CP group)

@@ -68,12 +68,6 @@ MeshComms split_mesh(Communicator& world, const MeshConfig& mc) {
           split(MeshAxis::pp), split(MeshAxis::dp_cp)};
 }
 
-int64_t labeled_rows(std::span<const PackedSequence> seqs) {
-  int64_t n = 0;
-  for (const PackedSequence& s : seqs)
-    for (const int64_t y : s.labels) n += y != kIgnoreIndex ? 1 : 0;
-  return n;
-}
 }  // namespace
 
 struct Trainer::Impl {

@@ -53,12 +53,6 @@ std::vector<PackedSequence> micro_batches(int M) {
   return seqs;
 }
 
-int64_t labeled(const std::vector<PackedSequence>& seqs) {
-  int64_t n = 0;
-  for (const PackedSequence& s : seqs) n += std::ranges::count_if(s.labels, [](int64_t y) { return y != kIgnoreIndex; });
-  return n;
-}
-
 struct Outcome {
   std::vector<float> grads;  // the full gradient (summed over the pipeline's stages)
   double loss_sum = 0;       // row losses of all micro-batches
@@ -69,7 +63,7 @@ struct Outcome {
 Outcome run_pipelined(Communicator& pp, const PipelineSpec& spec, const std::vector<PackedSequence>& seqs) {
   Communicator cp(MPI_COMM_SELF);
   Model m(cp, kTiny, {}, kSeed);
-  PipelineModel stage(m, spec, pp.rank(), seqs, labeled(seqs));
+  PipelineModel stage(m, spec, pp.rank(), seqs, labeled_rows(seqs));
   Outcome o;
   for (const TimedAction& t : run_pipeline(pp, make_schedule(spec), stage)) o.ran.push_back(t.action);
   // Each stage holds its own layers' gradients and zeros elsewhere: x + 0 is exact, so the sum
@@ -101,7 +95,7 @@ Reference run_reference(const std::vector<PackedSequence>& seqs) {
   Model m(self, kTiny, {}, kSeed);
   Reference r;
   r.grads.assign(static_cast<std::size_t>(m.layout.count), 0.0);
-  const int64_t total = labeled(seqs);
+  const int64_t total = labeled_rows(seqs);
   for (const PackedSequence& s : seqs) {
     prepare_batch(m, s);
     int64_t scored = 0;
@@ -174,7 +168,7 @@ TEST(Executor, MoreStagesThanRanks) {
   const std::vector<PackedSequence> seqs = micro_batches(2);
   Communicator cp(MPI_COMM_SELF);
   Model m(cp, kTiny, {}, kSeed);
-  PipelineModel stage(m, spec, pp.rank(), seqs, labeled(seqs));
+  PipelineModel stage(m, spec, pp.rank(), seqs, labeled_rows(seqs));
   try {
     (void)run_pipeline(pp, make_schedule(spec), stage);
     ADD_FAILURE() << "no error";
