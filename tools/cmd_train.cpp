@@ -58,7 +58,8 @@ struct TrainArgs {
   int threads = 1;
   std::vector<std::string> data;
   std::string json_log, save, resume;
-  std::vector<int> compare;
+  std::vector<std::string> compare;  // CP sizes ("4") or mesh shapes ("dp2xcp2xpp2")
+  std::string compare_svg;           // --compare --svg FILE: the loss curves on one chart
   std::string mpirun = CPATTN_MPIEXEC;
   double timeout = 300.0;
   bool rope_local = false;  // hidden: RoPE on local offsets (for tests)
@@ -399,7 +400,42 @@ void train_run(const TrainArgs& a) {
 // ---- --compare: one MPI job per CP size ---------------------------------------------------------
 
 // argv of `train` for one CP size, from the parsed flags.
-std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::string& log) {
+// `a` with the sizes of one --compare entry: "4" is --cp 4; "dp2xcp2", "cp2xpp2", "dp2xcp2xpp2"
+// (any order, each axis at most once) set those axes and leave the others at 1.
+TrainArgs with_compare_shape(const TrainArgs& a, const std::string& entry) {
+  TrainArgs c = a;
+  c.dp = c.cp = c.pp = 1;
+  const auto bad = [&entry] {
+    return Error("--compare: '" + entry + "' is neither a CP size nor a mesh shape such as dp2xcp2xpp2");
+  };
+  if (!entry.empty() && std::all_of(entry.begin(), entry.end(), ::isdigit)) {
+    c.cp = std::stoi(entry);
+    return c;
+  }
+  std::vector<bool> seen(3, false);
+  for (std::size_t begin = 0; begin <= entry.size();) {
+    const std::size_t end = std::min(entry.find('x', begin), entry.size());
+    const std::string part = entry.substr(begin, end - begin);
+    const std::string axis = part.substr(0, 2), n = part.size() > 2 ? part.substr(2) : "";
+    const int which = axis == "dp" ? 0 : axis == "cp" ? 1 : axis == "pp" ? 2 : -1;
+    if (which < 0 || seen[which] || n.empty() || n.size() > 6 || !std::all_of(n.begin(), n.end(), ::isdigit)) throw bad();
+    seen[which] = true;
+    (which == 0 ? c.dp : which == 1 ? c.cp : c.pp) = std::stoi(n);
+    begin = end + 1;
+  }
+  return c;
+}
+
+std::string compare_label(const TrainArgs& c) {
+  if (c.dp == 1 && c.pp == 1) return "cp" + std::to_string(c.cp);
+  std::string l;
+  for (const auto& [name, n] : {std::pair{"dp", c.dp}, std::pair{"cp", c.cp}, std::pair{"pp", c.pp}})
+    if (n > 1) l += (l.empty() ? "" : "x") + std::string(name) + std::to_string(n);
+  return l;
+}
+
+std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) {
+  const int cp = a.cp;
   const auto f = [](double x) {
     char b[64];
     std::snprintf(b, sizeof b, "%.9g", x);
@@ -413,7 +449,9 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
                                 "--dtype", a.dtype, "--threads", std::to_string(a.threads),
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
-                                "--json-log", log};
+                                "--json-log", log, "--dp", std::to_string(a.dp), "--pp", std::to_string(a.pp),
+                                "--micro", std::to_string(a.micro), "--schedule", a.schedule};
+  if (a.virtual_stages) v.insert(v.end(), {"--virtual", std::to_string(*a.virtual_stages)});
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.data.empty()) {
@@ -424,16 +462,20 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
 }
 
 void compare_run(const TrainArgs& a) {
-  for (const int cp : a.compare) {
-    TrainArgs c = a;
-    c.cp = cp;
-    check_args(c);
+  std::vector<TrainArgs> shapes;
+  std::vector<CompareRun> runs;
+  for (const std::string& entry : a.compare) {
+    shapes.push_back(with_compare_shape(a, entry));
+    check_args(shapes.back());
+    runs.push_back({compare_label(shapes.back()), shapes.back().dp * shapes.back().cp * shapes.back().pp});
   }
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
-  compare_runs({.cps = a.compare,
+  if (!a.compare_svg.empty()) check_output_path(a.compare_svg, "--svg");
+  compare_runs({.runs = runs,
                 .mpirun = a.mpirun,
                 .print_every = a.print_every,
-                .train_args = [&a](int cp, const std::string& log) { return child_args(a, cp, log); }});
+                .svg = a.compare_svg,
+                .train_args = [&shapes](std::size_t i, const std::string& log) { return child_args(shapes[i], log); }});
 }
 
 }  // namespace
@@ -483,8 +525,10 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--testing-nan-at-step", a->testing_nan_at_step, "Testing only: a NaN loss at this step")
       ->group("");
   cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)");
-  cmd->add_option("--compare", a->compare, "Run the same training at each CP size, e.g. 1,2,4, and compare")
+  cmd->add_option("--compare", a->compare,
+                  "Run the same training at each CP size or mesh shape, e.g. 1,2,dp2xcp2,cp2xpp2, and compare")
       ->delimiter(',');
+  cmd->add_option("--svg", a->compare_svg, "With --compare: draw every run's loss curve on one chart in FILE");
   cmd->add_option("--mpirun", a->mpirun, "mpirun used by --compare")->capture_default_str();
   cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
   cmd->add_option("--print-every", a->print_every, "Print every Nth step")->capture_default_str();
@@ -492,6 +536,7 @@ void add_train_command(CLI::App& app) {
                 "Testing only: RoPE on each token's local offset instead of its global position (wrong for cp > 1)")
       ->group("");
   cmd->callback([a] {
+    CPATTN_CHECK(a->compare_svg.empty() || !a->compare.empty(), "--svg needs --compare (it draws the compared runs)");
     if (!a->compare.empty())
       compare_run(*a);
     else
