@@ -139,15 +139,21 @@ void check_case(const Case& c) {
   EXPECT_LE(err, 1e-5 * scale);
 }
 
+#ifdef CPATTN_SANITIZE_BUILD
+constexpr bool kSanitize = true;  // ASan/UBSan: M = 1 and S + 2 only (M < S and M > S still)
+#else
+constexpr bool kSanitize = false;
+#endif
+
 TEST(Executor, EverySchedule) {
   const int S = world_size();
   std::vector<Case> cases;
   for (const PipelineSchedule s : {PipelineSchedule::fill_drain, PipelineSchedule::gpipe,
                                    PipelineSchedule::one_f_one_b, PipelineSchedule::zb_h1})
     for (const int M : {1, S - 1, S + 2})
-      if (M >= 1) cases.push_back({s, M});
+      if (M >= 1 && !(kSanitize && M == S - 1)) cases.push_back({s, M});
   cases.push_back({PipelineSchedule::interleaved, S, 2});
-  cases.push_back({PipelineSchedule::interleaved, 2 * S, 2});
+  if (!kSanitize) cases.push_back({PipelineSchedule::interleaved, 2 * S, 2});
   for (const Case& c : cases) check_case(c);
 }
 
