@@ -14,7 +14,7 @@ install(EXPORT cpattnCoreTargets NAMESPACE cpattn::
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
 set(_cpattn_mpi_headers)
 if(CPATTN_WITH_MPI)
-  install(TARGETS cpattn_comm cpattn_cp cpattn_moe_ep cpattn_mpi cpattn EXPORT cpattnMpiTargets ${_cpattn_dirs})
+  install(TARGETS cpattn_comm cpattn_cp cpattn_moe_ep cpattn_executor cpattn_mpi cpattn EXPORT cpattnMpiTargets ${_cpattn_dirs})
   install(EXPORT cpattnMpiTargets NAMESPACE cpattn::
           DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
 else()

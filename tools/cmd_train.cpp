@@ -6,6 +6,7 @@
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/file.hpp>
+#include <cpattn/pipeline.hpp>
 #include <cpattn/train.hpp>
 
 #include <nlohmann/json.hpp>
@@ -24,6 +25,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +43,12 @@ namespace {
 
 struct TrainArgs {
   int cp = 1;
+  // The mesh (docs/training.md): world = dp * cp * pp; `micro` sequences per step, split
+  // over the dp replicas, each replica's run through its pp-stage pipeline under `schedule`.
+  int dp = 1, pp = 1;
+  int micro = 1;
+  std::string schedule = "1f1b";
+  std::optional<int> virtual_stages;  // interleaved only; default 2
   train::ModelConfig model;
   train::OptimConfig optim;
   int64_t seq_len = 1024;
@@ -54,7 +62,8 @@ struct TrainArgs {
   int threads = 1;
   std::vector<std::string> data;
   std::string json_log, save, resume;
-  std::vector<int> compare;
+  std::vector<std::string> compare;  // CP sizes ("4") or mesh shapes ("dp2xcp2xpp2")
+  std::string compare_svg;           // --compare --svg FILE: the loss curves on one chart
   std::string mpirun = CPATTN_MPIEXEC;
   double timeout = 300.0;
   bool rope_local = false;  // hidden: RoPE on local offsets (for tests)
@@ -116,6 +125,8 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--skip-nonfinite", a.skip_nonfinite ? 1 : 0).add("--print-every", a.print_every);
   fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout));
   fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
+  fp.add("--dp", a.dp).add("--pp", a.pp).add("--micro", a.micro).add("--schedule (hash)", static_cast<int64_t>(hash_of(a.schedule)));
+  fp.add("--virtual", a.virtual_stages.value_or(0));
   return fp;
 }
 
@@ -155,9 +166,48 @@ double peak_rss_mb() {
 
 DType parse_train_dtype(const std::string& s) { return parse_dtype(s, kTrainDtypes, "cpattn train"); }
 
+// Runs `f`; a cpattn::Error from the library (which names its own arguments) gets the flag
+// that gave them in front.
+template <class F>
+void with_flag(const char* flag, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    throw Error(std::string(flag) + ": " + e.message());
+  }
+}
+
+// The mesh of the flags (checked by check_mesh_args).
+train::MeshConfig mesh_config(const TrainArgs& a) {
+  const PipelineSchedule kind = *parse_pipeline_schedule(a.schedule);
+  return {.dp = a.dp, .pp = a.pp, .schedule = kind,
+          .virtual_stages = a.virtual_stages.value_or(kind == PipelineSchedule::interleaved ? 2 : 1)};
+}
+
+void check_mesh_args(const TrainArgs& a) {
+  CPATTN_CHECK(a.dp >= 1, "--dp must be >= 1, got ", a.dp);
+  CPATTN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
+  CPATTN_CHECK(a.micro >= 1, "--micro must be >= 1, got ", a.micro);
+  CPATTN_CHECK(a.micro % a.dp == 0, "--micro ", a.micro, " must be a multiple of --dp ", a.dp,
+               " (every data-parallel replica takes --micro / --dp sequences per step)");
+  const std::optional<PipelineSchedule> kind = parse_pipeline_schedule(a.schedule);
+  CPATTN_CHECK(kind.has_value(), "--schedule must be gpipe, 1f1b, interleaved or zb-h1, got '", a.schedule, "'");
+  CPATTN_CHECK(*kind != PipelineSchedule::fill_drain, "--schedule fill-drain runs forwards only: training needs "
+               "gpipe, 1f1b, interleaved or zb-h1");
+  CPATTN_CHECK(!a.virtual_stages || *kind == PipelineSchedule::interleaved,
+               "--virtual applies to --schedule interleaved only, got --virtual ", a.virtual_stages.value_or(0),
+               " with ", a.schedule);
+  const train::MeshConfig mc = mesh_config(a);
+  with_flag("--schedule", [&] {
+    (void)make_schedule({.stages = a.pp, .micro = a.micro / a.dp, .schedule = mc.schedule,
+                         .virtual_stages = mc.virtual_stages});
+  });
+}
+
 // Checks that need no MPI, the same on every rank.
 void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.cp >= 1, "--cp must be >= 1, got ", a.cp);
+  check_mesh_args(a);
   CPATTN_CHECK(a.steps >= 0, "--steps must be >= 0, got ", a.steps);
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.optim.warmup >= 0, "--warmup must be >= 0, got ", a.optim.warmup);
@@ -182,17 +232,6 @@ void check_args(const TrainArgs& a) {
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into ", train::min_seq_len(a.cp),
                " chunks (2 * cp; 1 at cp = 1), so --seq-len must be at least ", train::min_seq_len(a.cp));
-}
-
-// Runs `f`; a cpattn::Error from the library (which names its own arguments) gets the flag
-// that gave them in front.
-template <class F>
-void with_flag(const char* flag, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    throw Error(std::string(flag) + ": " + e.message());
-  }
 }
 
 struct StepRow {
@@ -228,8 +267,9 @@ void train_run(const TrainArgs& a) {
   const MpiSession mpi;  // finalizes only what it initialized
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
   const int rank = comm.rank();
-  CPATTN_CHECK(a.cp == comm.size(), "--cp ", a.cp, " does not match the MPI world size ", comm.size(),
-               ": launch as mpirun -np ", a.cp, " cpattn train --cp ", a.cp);
+  const int ranks = a.dp * a.cp * a.pp;
+  CPATTN_CHECK(ranks == comm.size(), "--dp ", a.dp, " * --cp ", a.cp, " * --pp ", a.pp, " = ", ranks,
+               " does not match the MPI world size ", comm.size(), ": launch as mpirun -np ", ranks, " cpattn train");
   // Every rank runs the same settings, or every rank fails at once naming the field.
   agree(comm, settings_fingerprint(a), "cpattn train");
   // Output paths before any work: a FIFO, a device, a folder or an unwritable folder is exit 2.
@@ -248,7 +288,7 @@ void train_run(const TrainArgs& a) {
                           .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"),
                           .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
-                         a.seed);
+                         a.seed, mesh_config(a));
   const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = train::data_identity(data->documents())};
   if (!a.resume.empty()) {
     train::DataPosition pos;
@@ -272,6 +312,8 @@ void train_run(const TrainArgs& a) {
     std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters\n",
                 a.cp, a.model.layers, a.model.dim, a.model.heads, a.model.kv_heads, a.model.ffn_dim(),
                 static_cast<long long>(params));
+    std::printf("  mesh: dp %d x cp %d x pp %d, schedule %s, %d micro-batch(es) of %lld tokens per step\n", a.dp,
+                a.cp, a.pp, a.schedule.c_str(), a.micro, static_cast<long long>(a.seq_len));
     std::printf("  data: %zu documents, %lld tokens per epoch; seq-len %lld; attention %s; %d thread(s) per rank%s\n",
                 data->documents().size(), static_cast<long long>(data->total_tokens()),
                 static_cast<long long>(a.seq_len), a.dtype.c_str(), a.threads,
@@ -287,11 +329,12 @@ void train_run(const TrainArgs& a) {
   const auto t_start = Clock::now();
   int stop_signal = 0;
   for (int64_t s = trainer.steps_done(); s < a.steps; ++s) {
-    const train::PackedSequence seq = data->next(a.seq_len);
+    std::vector<train::PackedSequence> seqs;
+    for (int i = 0; i < a.micro; ++i) seqs.push_back(data->next(a.seq_len));
     const auto t0 = Clock::now();
     train::StepStats st;
     try {
-      st = trainer.step(seq);
+      st = trainer.step(seqs);
     } catch (const Error& e) {  // a non-finite step: the same on every rank; not an input error
       if (rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
       throw ExitCode{1};
@@ -301,7 +344,7 @@ void train_run(const TrainArgs& a) {
     const double mine = peak_rss_mb();
     std::vector<double> rss(static_cast<std::size_t>(comm.size()));
     comm.all_gather<double>(std::span(&mine, 1), rss);
-    StepRow row{st.step, st.loss, st.grad_norm, st.lr, dt[0], static_cast<double>(seq.tokens.size()) / dt[0], rss};
+    StepRow row{st.step, st.loss, st.grad_norm, st.lr, dt[0], static_cast<double>(a.micro * a.seq_len) / dt[0], rss};
     std::string log_error;
     if (rank == 0 && st.skipped) {
       std::printf("step %5lld | skipped: loss %g, grad norm %g (non-finite; %lld skipped so far)\n",
@@ -331,7 +374,8 @@ void train_run(const TrainArgs& a) {
                                   {"grad_norm", st.grad_norm}, {"lr", st.lr},
                                   {"step_s", row.step_s},      {"tokens_per_s", row.tokens_per_s},
                                   {"tokens", st.tokens},       {"peak_rss_mb", max_rss},
-                                  {"peak_rss_mb_per_rank", rss}, {"cp", a.cp}};
+                                  {"peak_rss_mb_per_rank", rss}, {"cp", a.cp},
+                                  {"dp", a.dp},                {"pp", a.pp}};
         try {
           log.write(j.dump() + "\n");
         } catch (const Error& e) {
@@ -383,7 +427,42 @@ void train_run(const TrainArgs& a) {
 // ---- --compare: one MPI job per CP size ---------------------------------------------------------
 
 // argv of `train` for one CP size, from the parsed flags.
-std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::string& log) {
+// `a` with the sizes of one --compare entry: "4" is --cp 4; "dp2xcp2", "cp2xpp2", "dp2xcp2xpp2"
+// (any order, each axis at most once) set those axes and leave the others at 1.
+TrainArgs with_compare_shape(const TrainArgs& a, const std::string& entry) {
+  TrainArgs c = a;
+  c.dp = c.cp = c.pp = 1;
+  const auto bad = [&entry] {
+    return Error("--compare: '" + entry + "' is neither a CP size nor a mesh shape such as dp2xcp2xpp2");
+  };
+  if (!entry.empty() && std::all_of(entry.begin(), entry.end(), ::isdigit)) {
+    c.cp = std::stoi(entry);
+    return c;
+  }
+  std::vector<bool> seen(3, false);
+  for (std::size_t begin = 0; begin <= entry.size();) {
+    const std::size_t end = std::min(entry.find('x', begin), entry.size());
+    const std::string part = entry.substr(begin, end - begin);
+    const std::string axis = part.substr(0, 2), n = part.size() > 2 ? part.substr(2) : "";
+    const int which = axis == "dp" ? 0 : axis == "cp" ? 1 : axis == "pp" ? 2 : -1;
+    if (which < 0 || seen[which] || n.empty() || n.size() > 6 || !std::all_of(n.begin(), n.end(), ::isdigit)) throw bad();
+    seen[which] = true;
+    (which == 0 ? c.dp : which == 1 ? c.cp : c.pp) = std::stoi(n);
+    begin = end + 1;
+  }
+  return c;
+}
+
+std::string compare_label(const TrainArgs& c) {
+  if (c.dp == 1 && c.pp == 1) return "cp" + std::to_string(c.cp);
+  std::string l;
+  for (const auto& [name, n] : {std::pair{"dp", c.dp}, std::pair{"cp", c.cp}, std::pair{"pp", c.pp}})
+    if (n > 1) l += (l.empty() ? "" : "x") + std::string(name) + std::to_string(n);
+  return l;
+}
+
+std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) {
+  const int cp = a.cp;
   const auto f = [](double x) {
     char b[64];
     std::snprintf(b, sizeof b, "%.9g", x);
@@ -398,7 +477,9 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--dtype", a.dtype, "--threads", std::to_string(a.threads),
                                 "--cp-scheme", a.cp_scheme, "--softcap", f(a.softcap),
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
-                                "--json-log", log};
+                                "--json-log", log, "--dp", std::to_string(a.dp), "--pp", std::to_string(a.pp),
+                                "--micro", std::to_string(a.micro), "--schedule", a.schedule};
+  if (a.virtual_stages) v.insert(v.end(), {"--virtual", std::to_string(*a.virtual_stages)});
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.window.empty()) v.insert(v.end(), {"--window", a.window});
@@ -411,16 +492,20 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
 }
 
 void compare_run(const TrainArgs& a) {
-  for (const int cp : a.compare) {
-    TrainArgs c = a;
-    c.cp = cp;
-    check_args(c);
+  std::vector<TrainArgs> shapes;
+  std::vector<CompareRun> runs;
+  for (const std::string& entry : a.compare) {
+    shapes.push_back(with_compare_shape(a, entry));
+    check_args(shapes.back());
+    runs.push_back({compare_label(shapes.back()), shapes.back().dp * shapes.back().cp * shapes.back().pp});
   }
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
-  compare_runs({.cps = a.compare,
+  if (!a.compare_svg.empty()) check_output_path(a.compare_svg, "--svg");
+  compare_runs({.runs = runs,
                 .mpirun = a.mpirun,
                 .print_every = a.print_every,
-                .train_args = [&a](int cp, const std::string& log) { return child_args(a, cp, log); }});
+                .svg = a.compare_svg,
+                .train_args = [&shapes](std::size_t i, const std::string& log) { return child_args(shapes[i], log); }});
 }
 
 }  // namespace
@@ -431,12 +516,21 @@ void add_train_command(CLI::App& app) {
       "train",
       "Train a small causal LM on packed documents with context parallelism. Launch as: "
       "mpirun -np N cpattn train --cp N [flags] (plain `cpattn train` for CP=1). See docs/training.md.");
-  cmd->add_option("--cp", a->cp, "Context-parallel size; must equal the MPI world size")->capture_default_str();
+  cmd->add_option("--cp", a->cp, "Context-parallel size; --dp * --cp * --pp must equal the MPI world size")
+      ->capture_default_str();
+  cmd->add_option("--dp", a->dp, "Data-parallel replicas (each takes --micro / --dp sequences per step)")
+      ->capture_default_str();
+  cmd->add_option("--pp", a->pp, "Pipeline stages (the blocks split over them)")->capture_default_str();
+  cmd->add_option("--micro", a->micro, "Sequences (micro-batches) per step, all replicas together")
+      ->capture_default_str();
+  cmd->add_option("--schedule", a->schedule, "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1")
+      ->capture_default_str();
+  cmd->add_option("--virtual", a->virtual_stages, "Model chunks per stage for --schedule interleaved (default 2)");
   cmd->add_option("--layers", a->model.layers, "Transformer blocks")->capture_default_str();
   cmd->add_option("--dim", a->model.dim, "Model width")->capture_default_str();
   cmd->add_option("--heads", a->model.heads, "Query heads")->capture_default_str();
   cmd->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (GQA)")->capture_default_str();
-  cmd->add_option("--seq-len", a->seq_len, "Tokens per packed sequence (one sequence per step)")
+  cmd->add_option("--seq-len", a->seq_len, "Tokens per packed sequence (one sequence per micro-batch, --micro per step)")
       ->capture_default_str();
   cmd->add_option("--steps", a->steps, "Total optimizer steps (a resumed run continues up to this step)")
       ->capture_default_str();
@@ -469,8 +563,10 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--testing-nan-at-step", a->testing_nan_at_step, "Testing only: a NaN loss at this step")
       ->group("");
   cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)");
-  cmd->add_option("--compare", a->compare, "Run the same training at each CP size, e.g. 1,2,4, and compare")
+  cmd->add_option("--compare", a->compare,
+                  "Run the same training at each CP size or mesh shape, e.g. 1,2,dp2xcp2,cp2xpp2, and compare")
       ->delimiter(',');
+  cmd->add_option("--svg", a->compare_svg, "With --compare: draw every run's loss curve on one chart in FILE");
   cmd->add_option("--mpirun", a->mpirun, "mpirun used by --compare")->capture_default_str();
   cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
   cmd->add_option("--print-every", a->print_every, "Print every Nth step")->capture_default_str();
@@ -478,6 +574,7 @@ void add_train_command(CLI::App& app) {
                 "Testing only: RoPE on each token's local offset instead of its global position (wrong for cp > 1)")
       ->group("");
   cmd->callback([a] {
+    CPATTN_CHECK(a->compare_svg.empty() || !a->compare.empty(), "--svg needs --compare (it draws the compared runs)");
     if (!a->compare.empty())
       compare_run(*a);
     else

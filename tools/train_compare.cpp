@@ -1,7 +1,9 @@
-// `cpattn train --compare` (train_compare.hpp): one MPI job per CP size, then the curves.
+// `cpattn train --compare` (train_compare.hpp): one MPI job per CP size or mesh shape, then the
+// curves.
 #include "train_compare.hpp"
 
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
@@ -17,6 +19,8 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <span>
+#include <string>
 
 #include "commands.hpp"
 
@@ -84,10 +88,73 @@ std::vector<LogRow> read_log(const std::string& path) {
   }
   return rows;
 }
+// The loss curves of every run on one chart: step across, loss up. Curves that agree lie on
+// top of each other, so each later run is drawn thinner and dashed over the wider earlier ones:
+// a curve that departs shows as its own line.
+std::string loss_chart_svg(const std::vector<CompareRun>& labels, const std::vector<std::vector<LogRow>>& runs) {
+  constexpr double W = 760, H = 420, left = 70, right = 190, top = 40, bottom = 50;
+  double lo = INFINITY, hi = -INFINITY;
+  int64_t last = 1;
+  for (const auto& r : runs)
+    for (const LogRow& row : r) {
+      lo = std::min(lo, row.loss);
+      hi = std::max(hi, row.loss);
+      last = std::max(last, row.step);
+    }
+  if (!(hi > lo)) {  // one value, or none
+    lo = std::isfinite(lo) ? lo - 0.5 : 0;
+    hi = lo + 1;
+  }
+  const double pw = W - left - right, ph = H - top - bottom;
+  const auto x = [&](double step) { return left + pw * step / static_cast<double>(last); };
+  const auto y = [&](double loss) { return top + ph * (hi - loss) / (hi - lo); };
+  static constexpr const char* kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"};
+  std::string o;
+  char b[512];
+  const auto put = [&](const char* fmt, auto... v) {
+    std::snprintf(b, sizeof b, fmt, v...);
+    o += b;
+  };
+  put("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\">\n", W, H);
+  put("<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+  put("<text x=\"%.0f\" y=\"24\" font-size=\"15\" fill=\"#222\">cpattn train --compare: loss per step</text>\n", left);
+  for (int i = 0; i <= 5; ++i) {  // horizontal grid and loss ticks
+    const double v = lo + (hi - lo) * i / 5.0;
+    put("<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"#e4e4e4\"/>\n", left, left + pw, y(v), y(v));
+    put("<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\" fill=\"#555\">%.3f</text>\n", left - 6,
+        y(v) + 4, v);
+  }
+  for (int i = 0; i <= 5; ++i) {  // step ticks
+    const double st = std::round(static_cast<double>(last) * i / 5.0);
+    put("<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">%.0f</text>\n", x(st),
+        top + ph + 16, st);
+  }
+  put("<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" stroke=\"#888\"/>\n", left, top, pw, ph);
+  put("<text x=\"%.1f\" y=\"%.1f\" font-size=\"12\" text-anchor=\"middle\" fill=\"#333\">step</text>\n",
+      left + pw / 2, H - 12);
+  put("<text x=\"16\" y=\"%.1f\" font-size=\"12\" fill=\"#333\" transform=\"rotate(-90 16 %.1f)\" "
+      "text-anchor=\"middle\">loss (nats)</text>\n", top + ph / 2, top + ph / 2);
+  for (std::size_t c = 0; c < runs.size(); ++c) {
+    const char* colour = kColours[c % std::size(kColours)];
+    const double width = std::max(1.0, 5.0 - 1.5 * static_cast<double>(c));
+    o += "<polyline fill=\"none\" stroke=\"";
+    o += colour;
+    put("\" stroke-width=\"%.1f\"%s points=\"", width, c == 0 ? " stroke-opacity=\"0.5\"" : " stroke-dasharray=\"6 4\"");
+    for (const LogRow& row : runs[c]) put("%.1f,%.1f ", x(static_cast<double>(row.step)), y(row.loss));
+    o += "\"><title>" + labels[c].label + "</title></polyline>\n";
+    const double ly = top + 14 + 20 * static_cast<double>(c);
+    put("<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"%.1f\"%s/>\n",
+        left + pw + 14, left + pw + 44, ly, ly, colour, width, c == 0 ? " stroke-opacity=\"0.5\"" : " stroke-dasharray=\"6 4\"");
+    put("<text x=\"%.1f\" y=\"%.1f\" font-size=\"12\" fill=\"#222\">%s (%d rank%s)</text>\n", left + pw + 50, ly + 4,
+        labels[c].label.c_str(), labels[c].ranks, labels[c].ranks == 1 ? "" : "s");
+  }
+  o += "</svg>\n";
+  return o;
+}
 }  // namespace
 
 void compare_runs(const CompareOptions& o) {
-  CPATTN_CHECK(!o.cps.empty(), "--compare needs at least one CP size");
+  CPATTN_CHECK(!o.runs.empty(), "--compare needs at least one CP size or mesh shape");
   const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
   CPATTN_CHECK(size == nullptr || std::atoi(size) == 1,
                "--compare starts its own MPI jobs: run it as plain `cpattn train --compare ...`, not under mpirun");
@@ -101,13 +168,14 @@ void compare_runs(const CompareOptions& o) {
 
   std::vector<std::vector<LogRow>> runs;
   std::vector<double> wall;
-  for (const int cp : o.cps) {
-    const std::string log = std::string(dir) + "/cp" + std::to_string(cp) + ".jsonl";
-    const std::string out = std::string(dir) + "/cp" + std::to_string(cp) + ".out";
-    std::vector<std::string> argv = {o.mpirun, "-np", std::to_string(cp), "--oversubscribe", self};
-    const std::vector<std::string> rest = o.train_args(cp, log);
+  for (std::size_t i = 0; i < o.runs.size(); ++i) {
+    const std::string& label = o.runs[i].label;
+    const std::string log = std::string(dir) + "/" + label + ".jsonl";
+    const std::string out = std::string(dir) + "/" + label + ".out";
+    std::vector<std::string> argv = {o.mpirun, "-np", std::to_string(o.runs[i].ranks), "--oversubscribe", self};
+    const std::vector<std::string> rest = o.train_args(i, log);
     argv.insert(argv.end(), rest.begin(), rest.end());
-    std::printf("running cp = %d: %s ... (output in %s)\n", cp, argv[0].c_str(), out.c_str());
+    std::printf("running %s: %s ... (output in %s)\n", label.c_str(), argv[0].c_str(), out.c_str());
     const auto t0 = Clock::now();
     const int rc = spawn(argv, out);
     wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
@@ -115,19 +183,20 @@ void compare_runs(const CompareOptions& o) {
       std::ifstream in(out);
       std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
-      std::fprintf(stderr, "cpattn: error: the cp = %d run failed with exit code %d:\n%s", cp, rc, text.c_str());
+      std::fprintf(stderr, "cpattn: error: the %s run failed with exit code %d:\n%s", label.c_str(), rc, text.c_str());
       throw ExitCode{rc == 2 ? 2 : 1};
     }
     runs.push_back(read_log(log));
   }
 
-  const std::size_t k = o.cps.size();
+  const std::size_t k = o.runs.size();
+  const std::string& reference = o.runs[0].label;
   std::size_t steps = runs[0].size();
   for (const auto& r : runs) steps = std::min(steps, r.size());
-  std::printf("\nper-step loss and grad norm (relative differences against cp = %d)\n", o.cps[0]);
+  std::printf("\nper-step loss and grad norm (relative differences against %s)\n", reference.c_str());
   std::printf("%6s", "step");
-  for (const int cp : o.cps) std::printf("  %12s", ("loss cp" + std::to_string(cp)).c_str());
-  for (const int cp : o.cps) std::printf("  %12s", ("gnorm cp" + std::to_string(cp)).c_str());
+  for (const CompareRun& r : o.runs) std::printf("  %12s", ("loss " + r.label).c_str());
+  for (const CompareRun& r : o.runs) std::printf("  %12s", ("gnorm " + r.label).c_str());
   std::printf("  %10s  %10s\n", "max dloss", "max dgnorm");
   std::vector<double> max_dl(k, 0), max_dg(k, 0), max_dl20(k, 0), max_dg20(k, 0);
   const auto rel = [](double x, double ref) { return std::abs(x - ref) / std::max(std::abs(ref), 1e-30); };
@@ -150,7 +219,7 @@ void compare_runs(const CompareOptions& o) {
     for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].grad_norm);
     std::printf("  %10.2e  %10.2e\n", dl, dg);
   }
-  std::printf("\n%-8s %16s %16s %16s %16s %12s %12s %10s  %s\n", "cp", "max dloss", "max dgnorm",
+  std::printf("\n%-12s %16s %16s %16s %16s %12s %12s %10s  %s\n", "run", "max dloss", "max dgnorm",
               "max dloss <20", "max dgnorm <20", "step_s", "tokens/s", "job s", "peak MB per rank");
   for (std::size_t c = 0; c < k; ++c) {
     double s_sum = 0, t_sum = 0;
@@ -159,12 +228,21 @@ void compare_runs(const CompareOptions& o) {
       s_sum += runs[c][s].step_s;
       t_sum += runs[c][s].tokens_per_s;
     }
-    std::printf("%-8d %16.3e %16.3e %16.3e %16.3e %12.4f %12.0f %10.1f ", o.cps[c], max_dl[c], max_dg[c],
+    std::printf("%-12s %16.3e %16.3e %16.3e %16.3e %12.4f %12.0f %10.1f ", o.runs[c].label.c_str(), max_dl[c], max_dg[c],
                 max_dl20[c], max_dg20[c], cnt ? s_sum / cnt : 0.0, cnt ? t_sum / cnt : 0.0, wall[c]);
     if (!runs[c].empty())
       for (const double m : runs[c].back().peak_rss_mb) std::printf(" %.1f", m);
     std::printf("\n");
   }
-  std::printf("\n(differences are relative to cp = %d; logs in %s)\n", o.cps[0], dir);
+  std::printf("\n(differences are relative to %s; logs in %s)\n", reference.c_str(), dir);
+  if (!o.svg.empty()) {
+    const std::string text = loss_chart_svg(o.runs, runs);
+    try {
+      write_file_atomically(o.svg, std::as_bytes(std::span(text.data(), text.size())));
+    } catch (const Error& e) {
+      throw Error("--svg: " + e.message());
+    }
+    std::printf("loss curves drawn in %s\n", o.svg.c_str());
+  }
 }
 }  // namespace cpattn::cli

@@ -6,4 +6,5 @@
 #include <cpattn/core.hpp>
 #include <cpattn/cp.hpp>
 #include <cpattn/moe_ep.hpp>
+#include <cpattn/executor.hpp>
 #include <cpattn/version.hpp>

@@ -28,6 +28,7 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/pipeline.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -154,6 +155,23 @@ struct StepStats {
   bool skipped = false;      // non-finite loss or gradient norm, update skipped (skip_nonfinite)
 };
 
+// Training on a DP x CP x PP mesh (docs/training.md). The Communicator given to the Trainer
+// is the whole mesh: world = dp * cp * pp ranks, laid out as include/cpattn/mesh.hpp says
+// (cp fastest, then dp, then pp); cp = world / (dp * pp). A step takes M micro-batches, one
+// packed sequence each, the same on every rank: DP replica d runs micro-batches
+// [d * M/dp, (d+1) * M/dp) through its pipeline of pp stages under `schedule`, each stage's
+// CP group splitting every sequence. Gradients are summed over DP x CP, then assembled over
+// PP (each stage holds its own layers' gradients); every rank keeps the whole model.
+// The loss and gradient are those of the M sequences as one batch, so a run on one process
+// with the same micro-batches gives the same loss and gradient norm (up to float summation
+// order).
+struct MeshConfig {
+  int dp = 1;  // data-parallel replicas
+  int pp = 1;  // pipeline stages
+  PipelineSchedule schedule = PipelineSchedule::one_f_one_b;  // fill-drain (forward only) refused
+  int virtual_stages = 1;  // model chunks per stage, interleaved only
+};
+
 // What a checkpoint records of the run besides the model and the optimizer (Trainer::save,
 // Trainer::load): both must match on resume. 0: not recorded (library use without them).
 struct RunIdentity {
@@ -175,15 +193,20 @@ struct ParamTensor {
 
 class Trainer {
  public:
-  // Borrows `comm` (cp = comm.size()); every rank initializes identical weights from `seed`.
+  // Borrows `comm`: the mesh of `mesh` (by default the CP group alone, cp = comm.size()).
+  // Every rank initializes identical weights from `seed`. Throws cpattn::Error, on every
+  // rank, when the mesh's sizes do not multiply to comm.size() (resolve_mesh's message).
   Trainer(Communicator& comm, const ModelConfig& model, const OptimConfig& optim,
-          const RunOptions& options, uint64_t seed = 1);
+          const RunOptions& options, uint64_t seed = 1, const MeshConfig& mesh = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
   // Forward, backward, gradient all-reduce, clipping and one AdamW update. Collective.
   StepStats step(const PackedSequence& seq);
+  // The same over the step's micro-batches (MeshConfig): their number must be a multiple of
+  // dp (and each replica's of pp, with interleaved). step(seq) is step({&seq, 1}).
+  StepStats step(std::span<const PackedSequence> micro);
   // Forward and backward only: returns the global mean loss and leaves the all-reduced
   // (unclipped) gradients in grads(). Collective.
   double loss_and_grad(const PackedSequence& seq);

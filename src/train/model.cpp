@@ -122,12 +122,13 @@ void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed
   }
 }
 
-Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed)
+Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks)
     : config(mc), run(ro), dims(model_dims(mc)), layout(param_layout(dims)),
       cp(comm.size()),
       attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})) {
+  const int64_t chunks = reduce_ranks > 0 ? reduce_ranks : cp;
   params.assign(layout.count, 0.0f);
-  grads.assign((layout.count + cp - 1) / cp * cp, 0.0f);
+  grads.assign((layout.count + chunks - 1) / chunks * chunks, 0.0f);
   init_params(layout, config, seed, params);
   set_blas_threads(run.threads);
   acts.resid.resize(dims.L + 1);
@@ -226,8 +227,8 @@ void attention_forward(Model& m, BlockActs& a) {
   to_float(a.o16.data(), t, a.o16.size(), a.att.data());
 }
 
-// dq, dk, dv (scratch) from datt through the CP attention backward; consumes the context.
-void attention_backward(Model& m, BlockActs& a) {
+// o.dq, o.dk, o.dv from scratch.datt through the CP attention backward; consumes the context.
+void attention_backward(Model& m, BlockActs& a, BlockOutGrads& o) {
   const Dims& d = m.dims;
   const int64_t T = m.batch.T;
   const DType t = m.run.attn_dtype;
@@ -236,16 +237,16 @@ void attention_backward(Model& m, BlockActs& a) {
     m.attn.backward(a.attn, {.q = contiguous(a.q.data(), T, d.H, d.hd),
                              .out = contiguous(a.att.data(), T, d.H, d.hd),
                              .dout = contiguous(s.datt.data(), T, d.H, d.hd),
-                             .dq = contiguous(s.dq.data(), T, d.H, d.hd),
-                             .dk = contiguous(s.dk.data(), T, d.KV, d.hd),
-                             .dv = contiguous(s.dv.data(), T, d.KV, d.hd)});
+                             .dq = contiguous(o.dq.data(), T, d.H, d.hd),
+                             .dk = contiguous(o.dk.data(), T, d.KV, d.hd),
+                             .dv = contiguous(o.dv.data(), T, d.KV, d.hd)});
     return;
   }
   // dout -> bf16; dq/dk/dv come back in bf16.
   s.dout16.resize(s.datt.size());
-  s.dq16.resize(s.dq.size());
-  s.dk16.resize(s.dk.size());
-  s.dv16.resize(s.dv.size());
+  s.dq16.resize(o.dq.size());
+  s.dk16.resize(o.dk.size());
+  s.dv16.resize(o.dv.size());
   from_float(s.datt.data(), s.datt.size(), t, s.dout16.data());
   m.attn.backward(a.attn, {.q = contiguous(a.q16.data(), T, d.H, d.hd, t),
                            .out = contiguous(a.o16.data(), T, d.H, d.hd, t),
@@ -253,9 +254,35 @@ void attention_backward(Model& m, BlockActs& a) {
                            .dq = contiguous(s.dq16.data(), T, d.H, d.hd, t),
                            .dk = contiguous(s.dk16.data(), T, d.KV, d.hd, t),
                            .dv = contiguous(s.dv16.data(), T, d.KV, d.hd, t)});
-  to_float(s.dq16.data(), t, s.dq.size(), s.dq.data());
-  to_float(s.dk16.data(), t, s.dk.size(), s.dk.data());
-  to_float(s.dv16.data(), t, s.dv.size(), s.dv.data());
+  to_float(s.dq16.data(), t, o.dq.size(), o.dq.data());
+  to_float(s.dk16.data(), t, o.dk.size(), o.dk.data());
+  to_float(s.dv16.data(), t, o.dv.size(), o.dv.data());
+}
+
+void size_out_grads(BlockOutGrads& o, const Dims& d, int64_t T) {
+  o.dy.resize(T * d.D);
+  o.da.resize(T * d.F);
+  o.db.resize(T * d.F);
+  o.dx_mid.resize(T * d.D);
+  o.dq.resize(T * d.H * d.hd);
+  o.dk.resize(T * d.KV * d.hd);
+  o.dv.resize(T * d.KV * d.hd);
+}
+
+// dW += input^T . gradient for every matrix of block l.
+void add_weight_grads(Model& m, int l, const BlockOutGrads& o) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
+  const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
+  const BlockTensors<float> g = m.layout.block<float>(m.grads.data(), l);
+  const BlockActs& a = m.acts.blocks[l];
+  matmul(a.h.data(), o.dy.data(), g.w2, F, D, T, true, false, 1.0f);       // dw2 += h^T dy
+  matmul(a.xn2.data(), o.da.data(), g.w1, D, F, T, true, false, 1.0f);     // dw1 += xn2^T da
+  matmul(a.xn2.data(), o.db.data(), g.w3, D, F, T, true, false, 1.0f);     // dw3 += xn2^T db
+  matmul(a.att.data(), o.dx_mid.data(), g.wo, Q, D, T, true, false, 1.0f);  // dwo += att^T dx_mid
+  matmul(a.xn1.data(), o.dq.data(), g.wq, D, Q, T, true, false, 1.0f);
+  matmul(a.xn1.data(), o.dk.data(), g.wk, D, KV, T, true, false, 1.0f);
+  matmul(a.xn1.data(), o.dv.data(), g.wv, D, KV, T, true, false, 1.0f);
 }
 
 }  // namespace
@@ -287,21 +314,29 @@ void block_forward(Model& m, int l, const float* x, float* y) {
   matmul(a.h.data(), p.w2, y, T, D, F, false, false, 1.0f);  // y = x_mid + h @ w2
 }
 
-double model_forward(Model& m, int64_t& scored) {
+void embed_forward(Model& m) {
+  embedding_forward(m.acts.resid[0].data(), m.params.data() + m.layout.wte, m.batch.local.tokens, m.dims.D);
+}
+
+double head_forward(Model& m, int64_t& scored) {
   const Dims& d = m.dims;
   const int64_t T = m.batch.T;
   Activations& a = m.acts;
   const float* P = m.params.data();
-  embedding_forward(a.resid[0].data(), P + m.layout.wte, m.batch.local.tokens, d.D);  // [T, D]
-  for (int l = 0; l < d.L; ++l) block_forward(m, l, a.resid[l].data(), a.resid[l + 1].data());
   rmsnorm_forward(a.xf.data(), a.rstdf.data(), a.resid[d.L].data(), P + m.layout.lnf, T, d.D, d.eps);
   matmul(a.xf.data(), P + m.layout.lm_head, a.logits.data(), T, d.V, d.D, false, false, 0.0f);  // [T, V]
   return cross_entropy_forward(a.logits.data(), m.batch.local.labels, d.V, scored);
 }
 
+double model_forward(Model& m, int64_t& scored) {
+  embed_forward(m);  // resid[0] [T, D]
+  for (int l = 0; l < m.dims.L; ++l) block_forward(m, l, m.acts.resid[l].data(), m.acts.resid[l + 1].data());
+  return head_forward(m, scored);
+}
+
 // ---- Backward -----------------------------------------------------------------------------------
 
-void block_backward(Model& m, int l, const float* x) {
+void block_backward(Model& m, int l, const float* x, bool defer_weights) {
   const Dims& d = m.dims;
   const int64_t T = m.batch.T;
   const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
@@ -309,59 +344,72 @@ void block_backward(Model& m, int l, const float* x) {
   const BlockTensors<float> g = m.layout.block<float>(m.grads.data(), l);
   BlockActs& a = m.acts.blocks[l];
   Scratch& s = m.scratch;
+  BlockOutGrads& o = defer_weights ? a.deferred : s.out;
+  size_out_grads(o, d, T);
   const float* cos_t = m.batch.rope_cos.data();
   const float* sin_t = m.batch.rope_sin.data();
   // MLP block: y = x_mid + h @ w2, dres is dy.
-  matmul(a.h.data(), s.dres.data(), g.w2, F, D, T, true, false, 1.0f);   // dw2 += h^T dy
+  std::copy(s.dres.begin(), s.dres.end(), o.dy.begin());
   matmul(s.dres.data(), p.w2, s.dh.data(), T, F, D, false, true, 0.0f);  // dh = dy w2^T
-  swiglu_backward(s.da.data(), s.db.data(), s.dh.data(), a.a.data(), a.b.data(), T * F);
-  matmul(a.xn2.data(), s.da.data(), g.w1, D, F, T, true, false, 1.0f);   // dw1 += xn2^T da
-  matmul(a.xn2.data(), s.db.data(), g.w3, D, F, T, true, false, 1.0f);   // dw3 += xn2^T db
-  matmul(s.da.data(), p.w1, s.dxn.data(), T, D, F, false, true, 0.0f);   // dxn2 = da w1^T
-  matmul(s.db.data(), p.w3, s.dxn.data(), T, D, F, false, true, 1.0f);   //      + db w3^T
+  swiglu_backward(o.da.data(), o.db.data(), s.dh.data(), a.a.data(), a.b.data(), T * F);
+  matmul(o.da.data(), p.w1, s.dxn.data(), T, D, F, false, true, 0.0f);   // dxn2 = da w1^T
+  matmul(o.db.data(), p.w3, s.dxn.data(), T, D, F, false, true, 1.0f);   //      + db w3^T
   rmsnorm_backward(s.dres.data(), g.ln2, s.dxn.data(), a.x_mid.data(), a.rstd2.data(), p.ln2, T, D);
   // Attention block: x_mid = x + att @ wo, dres is d(x_mid).
-  matmul(a.att.data(), s.dres.data(), g.wo, Q, D, T, true, false, 1.0f);   // dwo += att^T dx_mid
+  std::copy(s.dres.begin(), s.dres.end(), o.dx_mid.begin());
   matmul(s.dres.data(), p.wo, s.datt.data(), T, Q, D, false, true, 0.0f);  // datt = dx_mid wo^T
-  attention_backward(m, a);                                                // dq, dk, dv
-  rope(s.dq.data(), cos_t, sin_t, T, d.H, d.hd, true);
-  rope(s.dk.data(), cos_t, sin_t, T, d.KV, d.hd, true);
-  matmul(a.xn1.data(), s.dq.data(), g.wq, D, Q, T, true, false, 1.0f);
-  matmul(a.xn1.data(), s.dk.data(), g.wk, D, KV, T, true, false, 1.0f);
-  matmul(a.xn1.data(), s.dv.data(), g.wv, D, KV, T, true, false, 1.0f);
-  matmul(s.dq.data(), p.wq, s.dxn.data(), T, D, Q, false, true, 0.0f);  // dxn1 = dq wq^T
-  matmul(s.dk.data(), p.wk, s.dxn.data(), T, D, KV, false, true, 1.0f);  //      + dk wk^T
-  matmul(s.dv.data(), p.wv, s.dxn.data(), T, D, KV, false, true, 1.0f);  //      + dv wv^T
+  attention_backward(m, a, o);                                             // dq, dk, dv
+  rope(o.dq.data(), cos_t, sin_t, T, d.H, d.hd, true);
+  rope(o.dk.data(), cos_t, sin_t, T, d.KV, d.hd, true);
+  matmul(o.dq.data(), p.wq, s.dxn.data(), T, D, Q, false, true, 0.0f);   // dxn1 = dq wq^T
+  matmul(o.dk.data(), p.wk, s.dxn.data(), T, D, KV, false, true, 1.0f);  //      + dk wk^T
+  matmul(o.dv.data(), p.wv, s.dxn.data(), T, D, KV, false, true, 1.0f);  //      + dv wv^T
   rmsnorm_backward(s.dres.data(), g.ln1, s.dxn.data(), x, a.rstd1.data(), p.ln1, T, D);
+  if (!defer_weights) add_weight_grads(m, l, o);
 }
 
-void model_backward(Model& m, int64_t total) {
+void block_weight_backward(Model& m, int l) {
+  BlockOutGrads& o = m.acts.blocks[l].deferred;
+  add_weight_grads(m, l, o);
+  o = {};  // the deferred gradients are spent: free them
+}
+
+void size_backward_scratch(Model& m) {
   const Dims& d = m.dims;
   const int64_t T = m.batch.T;
-  const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
+  Scratch& s = m.scratch;
+  s.dres.resize(T * d.D);
+  s.dxn.resize(T * d.D);
+  s.dh.resize(T * d.F);
+  s.datt.resize(T * d.H * d.hd);
+}
+
+void head_backward(Model& m, int64_t total) {
+  const Dims& d = m.dims;
+  const int64_t T = m.batch.T;
   Activations& a = m.acts;
   Scratch& s = m.scratch;
   const float* P = m.params.data();
   float* G = m.grads.data();
-  std::fill(m.grads.begin(), m.grads.end(), 0.0f);
-  s.dres.assign(T * D, 0.0f);
-  s.dxn.resize(T * D);
-  s.dh.resize(T * F);
-  s.da.resize(T * F);
-  s.db.resize(T * F);
-  s.datt.resize(T * Q);
-  s.dq.resize(T * Q);
-  s.dk.resize(T * KV);
-  s.dv.resize(T * KV);
-
   cross_entropy_backward(a.logits.data(), m.batch.local.labels, d.V, total);  // dlogits [T, V]
-  matmul(a.xf.data(), a.logits.data(), G + m.layout.lm_head, D, d.V, T, true, false, 1.0f);  // dW = xf^T dlogits
-  matmul(a.logits.data(), P + m.layout.lm_head, s.dxn.data(), T, D, d.V, false, true, 0.0f);  // dxf = dlogits W^T
+  matmul(a.xf.data(), a.logits.data(), G + m.layout.lm_head, d.D, d.V, T, true, false, 1.0f);  // dW = xf^T dlogits
+  matmul(a.logits.data(), P + m.layout.lm_head, s.dxn.data(), T, d.D, d.V, false, true, 0.0f);  // dxf = dlogits W^T
+  std::fill(s.dres.begin(), s.dres.end(), 0.0f);
   rmsnorm_backward(s.dres.data(), G + m.layout.lnf, s.dxn.data(), a.resid[d.L].data(), a.rstdf.data(),
-                   P + m.layout.lnf, T, D);
-  for (int l = d.L - 1; l >= 0; --l) block_backward(m, l, a.resid[l].data());
-  // Embedding: scatter-add (padding rows add exact zeros).
-  embedding_backward(G + m.layout.wte, s.dres.data(), m.batch.local.tokens, D);
+                   P + m.layout.lnf, T, d.D);
+}
+
+void embed_backward(Model& m) {
+  // Scatter-add (padding rows add exact zeros).
+  embedding_backward(m.grads.data() + m.layout.wte, m.scratch.dres.data(), m.batch.local.tokens, m.dims.D);
+}
+
+void model_backward(Model& m, int64_t total) {
+  std::fill(m.grads.begin(), m.grads.end(), 0.0f);
+  size_backward_scratch(m);
+  head_backward(m, total);
+  for (int l = m.dims.L - 1; l >= 0; --l) block_backward(m, l, m.acts.resid[l].data());
+  embed_backward(m);
 }
 
 }  // namespace cpattn::train

@@ -80,6 +80,17 @@ struct Batch {
   std::vector<float> rope_cos, rope_sin;  // [T, hd/2]
 };
 
+// The gradients at the outputs of a block's weight products, which its weight gradients read
+// (dW = input^T . gradient). The backward computes them on its way to the block's input
+// gradient; a backward that defers the weight gradients (zero-bubble pipelines) keeps them
+// until block_weight_backward.
+struct BlockOutGrads {
+  std::vector<float> dy;          // [T, D] gradient of the block's output (w2)
+  std::vector<float> da, db;      // [T, F] gate and up (w1, w3)
+  std::vector<float> dx_mid;      // [T, D] gradient of the residual after attention (wo)
+  std::vector<float> dq, dk, dv;  // [T, H*hd], [T, KV*hd], [T, KV*hd] before RoPE (wq, wk, wv)
+};
+
 // What one block's forward keeps for its backward. Sizes in elements.
 struct BlockActs {
   std::vector<float> xn1, rstd1;  // [T, D], [T]
@@ -91,6 +102,7 @@ struct BlockActs {
   // bf16 attention: the forward's q and out in bf16, which the attention backward reads again.
   std::vector<uint16_t> q16, o16;  // [T, H*hd]
   CpContext attn;                  // the attention forward's context (gathered K/V, lse)
+  BlockOutGrads deferred;          // a backward's gradients kept for block_weight_backward
 };
 
 struct Activations {
@@ -104,14 +116,17 @@ struct Activations {
 struct Scratch {
   std::vector<float> dres;               // [T, D] gradient of the residual stream
   std::vector<float> dxn;                // [T, D] gradient of a norm's output
-  std::vector<float> dh, da, db;         // [T, F]
-  std::vector<float> datt, dq, dk, dv;   // [T, H*hd], [T, H*hd], [T, KV*hd], [T, KV*hd]
+  std::vector<float> dh;                 // [T, F]
+  std::vector<float> datt;               // [T, H*hd]
+  BlockOutGrads out;                     // a backward's gradients used at once
   std::vector<uint16_t> k16, v16;        // bf16 attention: forward's k, v
   std::vector<uint16_t> dout16, dq16, dk16, dv16;  // bf16 attention: backward's tensors
 };
 
 struct Model {
-  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed);
+  // comm: the CP group. reduce_ranks: the ranks whose all-reduces grads goes through (the
+  // chunks of all_reduce_grads); 0: comm.size().
+  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed, int reduce_ranks = 0);
 
   ModelConfig config;
   RunOptions run;
@@ -119,7 +134,7 @@ struct Model {
   ParamLayout layout;
   std::vector<float> params;  // [layout.count]
   int cp = 1;                 // ranks of the CP group
-  std::vector<float> grads;   // [layout.count padded to a multiple of cp] (the all-reduce's chunks)
+  std::vector<float> grads;   // [layout.count padded to a multiple of reduce_ranks] (the all-reduce's chunks)
   CpAttention attn;           // one for every block: the contexts in acts hold each block's state
   Batch batch;
   Activations acts;
@@ -141,8 +156,25 @@ void prepare_batch(Model& m, const PackedSequence& seq);
 //                        y = x_mid + W2 . (silu(W1 . rms(x_mid)) * (W3 . rms(x_mid)))
 void block_forward(Model& m, int l, const float* x, float* y);
 // The block's backward: m.scratch.dres holds dy [T, D] on entry and dx on return; adds the
-// block's weight gradients into m.grads. x: the block's input. Consumes its attention context.
-void block_backward(Model& m, int l, const float* x);
+// block's weight gradients into m.grads, or with `defer_weights` only its norms' and keeps
+// what the others need for block_weight_backward. x: the block's input. Consumes its
+// attention context. Needs size_backward_scratch(m) after the batch's prepare_batch.
+void block_backward(Model& m, int l, const float* x, bool defer_weights = false);
+// Adds block l's matrix weight gradients from its deferred backward into m.grads. Each
+// gradient gets the same products in the same order as in an undeferred backward.
+void block_weight_backward(Model& m, int l);
+void size_backward_scratch(Model& m);
+
+// The pieces of model_forward and model_backward, for callers that run the blocks
+// themselves (a pipeline stage):
+// resid[0] = embedding of the local tokens.
+void embed_forward(Model& m);
+// Final norm, LM head and cross-entropy of resid[L]: the loss sum of the labeled rows.
+double head_forward(Model& m, int64_t& scored);
+// scratch.dres = d(sum of row losses / total) / d(resid[L]), head gradients into m.grads.
+void head_backward(Model& m, int64_t total);
+// The embedding's gradient from scratch.dres (the gradient of resid[0]).
+void embed_backward(Model& m);
 
 // Embedding, blocks, final norm, LM head, cross-entropy of this rank's labeled rows: returns
 // their loss sum (nats) and counts them in `scored`.

@@ -7,6 +7,10 @@
 #include "checkpoint.hpp"
 #include "model.hpp"
 #include "optimizer.hpp"
+#include "pipeline_model.hpp"
+
+#include <cpattn/executor.hpp>
+#include <cpattn/mesh.hpp>
 
 #include <array>
 #include <cmath>
@@ -42,19 +46,44 @@ const OptimConfig& checked(const OptimConfig& oc) {
   check_optim_config(oc);
   return oc;
 }
+
+// The mesh's communicators for this rank, split from the world (include/cpattn/mesh.hpp's
+// layout). Checked on every rank alike: the sizes are the same everywhere.
+struct MeshComms {
+  MeshConfig config;
+  int dp_rank = 0, pp_rank = 0;
+  Communicator cp, pp, dp_cp;
+};
+
+MeshComms split_mesh(Communicator& world, const MeshConfig& mc) {
+  CPATTN_CHECK(mc.dp >= 1 && mc.pp >= 1, "MeshConfig: dp and pp must be >= 1, got dp = ", mc.dp, ", pp = ", mc.pp);
+  CPATTN_CHECK(world.size() % (mc.dp * mc.pp) == 0, "MeshConfig: dp * pp = ", mc.dp, "*", mc.pp, " = ", mc.dp * mc.pp,
+               " does not divide the world's ", world.size(), " ranks");
+  const Mesh mesh = make_mesh({.world = world.size(), .cp = world.size() / (mc.dp * mc.pp), .dp = mc.dp, .pp = mc.pp});
+  const auto split = [&](MeshAxis axis) {
+    const SplitColorKey ck = split_color_key(mesh, world.rank(), axis);
+    return world.split(ck.color, ck.key);
+  };
+  return {mc, mesh.coord(world.rank(), MeshAxis::dp), mesh.coord(world.rank(), MeshAxis::pp), split(MeshAxis::cp),
+          split(MeshAxis::pp), split(MeshAxis::dp_cp)};
+}
+
 }  // namespace
 
 struct Trainer::Impl {
   Communicator& comm;
   OptimConfig oc;
+  MeshComms mesh;
   Model model;
   AdamW adam;
   double norm = 0;  // global gradient norm of the last backward
   uint64_t seed = 0;
   int64_t skipped = 0;
 
-  Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t sd)
-      : comm(c), oc(checked(optim)), model(c, mc, ro, sd), seed(sd) {
+  Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t sd,
+       const MeshConfig& mesh_config)
+      : comm(c), oc(checked(optim)), mesh(split_mesh(c, mesh_config)), model(mesh.cp, mc, ro, sd, c.size()),
+        seed(sd) {
     adam.m.assign(model.layout.count, 0.0f);
     adam.v.assign(model.layout.count, 0.0f);
   }
@@ -63,43 +92,63 @@ struct Trainer::Impl {
     return std::span<const float>(model.grads).first(static_cast<std::size_t>(model.layout.count));
   }
 
-  // This rank's loss sum over the forward of `seq`, and the global mean (collective).
+  // The mean loss of `seq` through the whole model on this rank's CP group (collective
+  // over it; forward only, no pipeline).
   double forward(const PackedSequence& seq, int64_t& total) {
     prepare_batch(model, seq);
     int64_t scored = 0;
-    double loss_sum = model_forward(model, scored);
-    if (model.run.testing_nan_at_step == adam.step && comm.rank() == 0)
-      loss_sum = std::numeric_limits<double>::quiet_NaN();
-    std::array<double, 2> s{loss_sum, static_cast<double>(scored)};
-    comm.all_reduce<double>(s, ReduceOp::sum);
+    std::array<double, 2> s{model_forward(model, scored), 0.0};
+    s[1] = static_cast<double>(scored);
+    mesh.cp.all_reduce<double>(s, ReduceOp::sum);
     total = static_cast<int64_t>(s[1]);
     CPATTN_CHECK(total > 0, "the packed sequence has no token with a label");
     return s[0] / s[1];
   }
 
-  double loss_and_grad(const PackedSequence& seq, int64_t& total) {
-    const double loss = forward(seq, total);
-    model_backward(model, total);
-    all_reduce_grads(comm, model.grads);
+  // The step's micro-batches through this replica's pipeline: the global mean loss, the
+  // gradient summed over the mesh into model.grads (collective over the world).
+  double loss_and_grad(std::span<const PackedSequence> micro, int64_t& total, int64_t& local_tokens) {
+    const MeshConfig& mc = mesh.config;
+    const auto M = static_cast<int>(micro.size());
+    CPATTN_CHECK(M >= 1 && M % mc.dp == 0, "a step's micro-batches must be a positive multiple of dp = ", mc.dp,
+                 " (each data-parallel replica takes as many), got ", M);
+    CPATTN_CHECK(mc.schedule != PipelineSchedule::fill_drain,
+                 "the fill-drain schedule runs forwards only: training needs a schedule with backwards");
+    total = labeled_rows(micro);
+    CPATTN_CHECK(total > 0, "the packed sequence has no token with a label");
+    const PipelineSpec spec{.stages = mc.pp, .micro = M / mc.dp, .schedule = mc.schedule,
+                            .virtual_stages = mc.virtual_stages};
+    const Schedule schedule = make_schedule(spec);
+    PipelineModel stage(model, spec, mesh.pp_rank, micro.subspan(mesh.dp_rank * spec.micro, spec.micro), total);
+    (void)run_pipeline(mesh.pp, schedule, stage);
+    local_tokens = stage.local_tokens();
+    // Only the last stage has losses: the others add zeros.
+    std::array<double, 1> loss_sum{stage.loss_sum()};
+    if (model.run.testing_nan_at_step == adam.step && comm.rank() == 0)
+      loss_sum[0] = std::numeric_limits<double>::quiet_NaN();
+    comm.all_reduce<double>(loss_sum, ReduceOp::sum);
+    all_reduce_grads(mesh.dp_cp, model.grads);
+    all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers: exact
     norm = grad_norm(grads());
-    return loss;
+    return loss_sum[0] / static_cast<double>(total);
   }
 };
 
 Trainer::Trainer(Communicator& comm, const ModelConfig& model, const OptimConfig& optim,
-                 const RunOptions& options, uint64_t seed)
-    : impl_(std::make_unique<Impl>(comm, model, optim, options, seed)) {}
+                 const RunOptions& options, uint64_t seed, const MeshConfig& mesh)
+    : impl_(std::make_unique<Impl>(comm, model, optim, options, seed, mesh)) {}
 
 Trainer::~Trainer() = default;
 
-StepStats Trainer::step(const PackedSequence& seq) {
+StepStats Trainer::step(const PackedSequence& seq) { return step(std::span(&seq, 1)); }
+
+StepStats Trainer::step(std::span<const PackedSequence> micro) {
   Impl& s = *impl_;
   StepStats st;
   st.step = s.adam.step;
   st.lr = lr_at(s.oc, s.adam.step);
-  st.loss = s.loss_and_grad(seq, st.tokens);
+  st.loss = s.loss_and_grad(micro, st.tokens, st.local_tokens);
   st.grad_norm = s.norm;
-  st.local_tokens = s.model.batch.T;
   if (!std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {  // the same values on every rank
     if (!s.model.run.skip_nonfinite)
       throw Error("step " + std::to_string(st.step) + ": loss is " + number(st.loss) + ", gradient norm " +
@@ -115,8 +164,8 @@ StepStats Trainer::step(const PackedSequence& seq) {
 }
 
 double Trainer::loss_and_grad(const PackedSequence& seq) {
-  int64_t total = 0;
-  return impl_->loss_and_grad(seq, total);
+  int64_t total = 0, local = 0;
+  return impl_->loss_and_grad(std::span(&seq, 1), total, local);
 }
 
 double Trainer::loss(const PackedSequence& seq) {

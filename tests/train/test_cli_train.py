@@ -13,26 +13,10 @@ import time
 import sys
 import tempfile
 
-CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
-failures = []
+from cli_common import CPATTN, MPIEXEC, check, failures, log, train
+
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
          "--warmup", "2"]
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
-
-def train(np_, *args, timeout=300):
-    cmd = ([MPIEXEC, "-np", str(np_), "--oversubscribe"] if np_ else []) + [CPATTN, "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -126,7 +110,7 @@ with tempfile.TemporaryDirectory() as tmp:
         (2, ["--cp", "2", "--dtype", "fp64"], "--dtype must be one of fp32, bf16 (or float32, bfloat16)"),
         (0, ["--attn-dtype", "bf16"], "--attn-dtype"),  # the old name is gone
         (2, ["--cp", "2", "--resume", p("missing.ckpt")], "cannot read"),
-        (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, got 'zigzag'"),
+        (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, pass-q, a2a, hybrid, got 'zigzag'"),
         (0, ["--window", "16"], "--window must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '16'"),
         (0, ["--softcap", "-1"], "--softcap must be finite and >= 0 (0 = off), got -1"),
     ]
