@@ -566,6 +566,17 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
 
 std::string_view to_string(CpScheme s) { return s == CpScheme::ring ? "ring" : "allgather"; }
 
+CpScheme parse_cp_scheme(std::string_view name) {
+  constexpr CpScheme kSchemes[] = {CpScheme::allgather, CpScheme::ring};  // every CpScheme
+  std::string names;
+  for (const CpScheme s : kSchemes) {
+    if (name == to_string(s)) return s;
+    names += (names.empty() ? "" : ", ") + std::string(to_string(s));
+  }
+  CPATTN_CHECK(false, "scheme must be one of ", names, ", got '", name, "'");
+  return CpScheme::allgather;  // not reached
+}
+
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
   // or write the dK/dV buffers: the state outlives this object until they end.
