@@ -18,7 +18,6 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
-#include <mpi.h>
 
 #include <algorithm>
 #include <cstdint>
