@@ -104,8 +104,8 @@ float* f32_buffer(const Array& a, const char* name, int64_t rows, int64_t cols) 
 
 // Document boundaries as the library takes them: a 1-D contiguous int32 or int64 array.
 struct Boundaries {
-  std::span<const int32_t> i32;
-  std::span<const int64_t> i64;
+  std::span<const int32_t> i32 = {};
+  std::span<const int64_t> i64 = {};
   int64_t size() const { return i32.empty() ? static_cast<int64_t>(i64.size()) : static_cast<int64_t>(i32.size()); }
   int64_t at(int64_t i) const { return i32.empty() ? i64[i] : int64_t{i32[i]}; }
   int64_t longest() const {
@@ -162,9 +162,9 @@ AttnOptions with_alibi(AttnOptions o, const std::optional<Array>& alibi, int hea
 }
 
 struct VarlenCall {
-  Boundaries cu_q, cu_k;
-  WorkList work;
-  AttnInputs in;
+  Boundaries cu_q = {}, cu_k = {};
+  WorkList work = {};
+  AttnInputs in = {};
 };
 
 VarlenCall varlen_call(const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q,
