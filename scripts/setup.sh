@@ -10,6 +10,7 @@ packages=(
   openmpi-bin libopenmpi-dev              # the distributed engine
   libopenblas-dev                         # GEMM for the training example
   python3 python3-numpy                   # command-line tests
+  python3-venv python3-dev                # the Python package (scripts/test_python.sh)
   clang-14 libclang-rt-14-dev             # libFuzzer targets
   iproute2 iptables                       # the multi-host tests (network namespaces)
 )

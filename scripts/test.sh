@@ -10,6 +10,7 @@ jobs=$(nproc)
 cmake --preset ci >/dev/null
 cmake --build --preset ci -j "$jobs"
 ctest --preset ci -j "$jobs"
+scripts/test_python.sh                    # the Python package, against the ci build's CLI
 if [ "${1:-}" != "--fast" ]; then
   scripts/fuzz.sh "${CPATTN_FUZZ_SECONDS:-20}"
   cmake --preset tsan >/dev/null          # the threaded kernels under ThreadSanitizer

@@ -91,6 +91,10 @@ struct CpAttnConfig {
 };
 
 std::string_view to_string(CpScheme s);  // "allgather", "ring", "pass-q", "a2a", "hybrid"
+// The scheme that to_string spells `name`, for front ends that take it as text (the Python
+// package passes its `scheme` string through, so a new scheme needs no binding change).
+// Throws cpattn::Error listing the names when there is none.
+CpScheme parse_cp_scheme(std::string_view name);
 
 
 // Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout

@@ -554,6 +554,16 @@ std::string_view to_string(CpScheme s) {
   return "unknown";
 }
 
+CpScheme parse_cp_scheme(std::string_view name) {
+  std::string names;
+  for (const CpScheme s : kCpSchemes) {
+    if (name == to_string(s)) return s;
+    names += (names.empty() ? "" : ", ") + std::string(to_string(s));
+  }
+  CPATTN_CHECK(false, "scheme must be one of ", names, ", got '", name, "'");
+  return CpScheme::allgather;  // not reached
+}
+
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
   // or write the dK/dV buffers: the state outlives this object until they end.

@@ -1,0 +1,121 @@
+"""flash_attn_varlen_func: FlashAttention 2's varlen call on CPU tensors (docs/python.md).
+
+The tensors' memory is read and written in place: q, k, v (THD, unit head_dim stride) go to
+the kernels as they are, and out, softmax_lse and the gradients are allocated here and filled
+by the kernels. The forward saves what the backward needs (q, k, v, out, lse), as
+FlashAttention does.
+"""
+
+import torch
+
+from . import _cpattn
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def check_tensor(name, t):
+    """TypeError/ValueError naming `name` unless `t` is a CPU tensor cpattn can store."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor (cpattn runs on the CPU), got device {t.device}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_same_dtype(**tensors):
+    (first, t0), *rest = tensors.items()
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{name} must have {first}'s dtype {t0.dtype}, got {t.dtype}")
+
+
+def dtype_name(dtype):
+    return _DTYPES[dtype]
+
+
+def boundaries(name, cu):
+    """cu_seqlens as the binding takes them: a CPU int32/int64 tensor, 1-D contiguous."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(cu).__name__}")
+    if cu.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {cu.device}")
+    return cu.detach()
+
+
+def unit_head_dim(t):
+    """t itself when its head_dim is contiguous, else a contiguous copy (an incoming gradient)."""
+    return t if t.dim() != 3 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def make_options(causal, softmax_scale, dropout_p, seed, window_size, softcap):
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    return _cpattn.make_options(
+        causal=bool(causal), softmax_scale=None if softmax_scale is None else float(softmax_scale),
+        dropout_p=float(dropout_p), seed=int(seed), window_left=int(window_size[0]),
+        window_right=int(window_size[1]), softcap=float(softcap), num_threads=torch.get_num_threads())
+
+
+def alibi(alibi_slopes):
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.device.type != "cpu":
+        raise TypeError("alibi_slopes must be a CPU torch.Tensor of float32 [num_heads_q]")
+    if alibi_slopes.dim() != 1:
+        raise ValueError("alibi_slopes must be [num_heads_q] (one slope per query head, the same for every "
+                         f"document), got shape {list(alibi_slopes.shape)}")
+    return alibi_slopes.detach()
+
+
+def dropout_seed(dropout_p):
+    """A seed from torch's generator, so that torch.manual_seed makes dropout reproducible."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, slopes):
+        q_, k_, v_ = q.detach(), k.detach(), v.detach()
+        out = q_.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+        _cpattn.forward(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, slopes, out, lse)
+        ctx.save_for_backward(q_, k_, v_, out, lse)
+        ctx.call = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, slopes)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        cu_q, cu_k, max_q, max_k, options, slopes = ctx.call
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _cpattn.backward(q, k, v, cu_q, cu_k, max_q, max_k, options, slopes, out, lse,
+                         unit_head_dim(dout).detach(), dq, dk, dv)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention 2's flash_attn_varlen_func on CPU tensors.
+
+    q: [total_q, num_heads_q, head_dim_qk], k: [total_k, num_heads_k, head_dim_qk],
+    v: [total_k, num_heads_k, head_dim_v], one dtype (float32, float16 or bfloat16), unit
+    head_dim stride; cu_seqlens_q/k: int32 or int64 [batch + 1]. Returns out
+    [total_q, num_heads_q, head_dim_v]; with return_attn_probs, (out, softmax_lse, None):
+    softmax_lse is FlashAttention's [num_heads_q, total_q] float32 (a transposed view), and the
+    attention probabilities are not materialized (None). deterministic is accepted and has no
+    effect: the kernels are always deterministic. Dropout draws its seed from torch's
+    generator (torch.manual_seed reproduces it).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    check_same_dtype(q=q, k=k, v=v)
+    options = make_options(causal, softmax_scale, dropout_p, dropout_seed(dropout_p), window_size, softcap)
+    out, lse = _VarlenAttention.apply(q, k, v, boundaries("cu_seqlens_q", cu_seqlens_q),
+                                      boundaries("cu_seqlens_k", cu_seqlens_k), int(max_seqlen_q),
+                                      int(max_seqlen_k), options, alibi(alibi_slopes))
+    return (out, lse.t(), None) if return_attn_probs else out

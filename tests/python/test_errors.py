@@ -1,0 +1,88 @@
+"""Every bad argument: a ValueError or TypeError naming the argument and the rule, never a crash."""
+
+import pytest
+import torch
+
+import cpattn
+
+CU = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+
+def qkv(dtype=torch.float32, t=8, hq=4, hkv=2, d=8):
+    return torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype)
+
+
+def call(q=None, k=None, v=None, cu_q=CU, cu_k=CU, max_q=5, max_k=5, **kw):
+    dq, dk, dv = qkv()
+    return cpattn.flash_attn_varlen_func(dq if q is None else q, dk if k is None else k, dv if v is None else v,
+                                         cu_q, cu_k, max_q, max_k, **kw)
+
+
+q, k, v = qkv()
+CASES = [  # (arguments, exception, words the message must hold)
+    (dict(q=q.to(torch.int32)), TypeError, ["q", "float32, float16 or bfloat16"]),
+    (dict(q=q.double()), TypeError, ["q", "float32, float16 or bfloat16"]),
+    (dict(k=k.half()), TypeError, ["k", "dtype"]),
+    (dict(q=q.numpy()), TypeError, ["q", "torch.Tensor"]),
+    (dict(v=torch.empty(8, 2, 8, device="meta")), ValueError, ["v", "CPU"]),
+    (dict(q=q.reshape(8, 32)), ValueError, ["q", "3 dimensions"]),
+    (dict(q=torch.randn(8, 4, 16)[..., ::2]), ValueError, ["q", "unit stride in head_dim"]),
+    (dict(k=torch.randn(8, 2, 16)), ValueError, ["k", "dim"]),
+    (dict(k=torch.randn(7, 2, 8), v=torch.randn(7, 2, 8)), ValueError, ["cu_seqlens_k[-1]", "k.shape[0]"]),
+    (dict(q=torch.randn(8, 3, 8)), ValueError, ["num_heads"]),
+    (dict(v=torch.randn(8, 3, 8)), ValueError, ["v", "heads"]),
+    (dict(cu_q=torch.tensor([0, 3, 9], dtype=torch.int32)), ValueError, ["cu_seqlens_q[-1]", "q.shape[0]"]),
+    (dict(cu_q=torch.tensor([0, 3, 3, 8]), cu_k=torch.tensor([0, 3, 3, 8])), ValueError, ["cu_seqlens", "strictly increasing"]),
+    (dict(cu_q=torch.tensor([0, 8], dtype=torch.int32), max_q=8), ValueError, ["cu_seqlens_q has 2 entries"]),
+    (dict(cu_q=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "0"]),
+    (dict(cu_q=CU.float()), TypeError, ["cu_seqlens_q", "int32 or int64"]),
+    (dict(cu_k=[0, 3, 8]), TypeError, ["cu_seqlens_k", "torch.Tensor"]),
+    (dict(cu_q=CU.reshape(1, 3)), ValueError, ["cu_seqlens_q", "1-D"]),
+    (dict(max_q=4), ValueError, ["max_seqlen_q", "longest document"]),
+    (dict(max_k=2), ValueError, ["max_seqlen_k", "longest document"]),
+    (dict(dropout_p=1.0), ValueError, ["dropout"]),
+    (dict(window_size=(-2, 0)), ValueError, ["window"]),
+    (dict(window_size=3), ValueError, ["window_size", "pair"]),
+    (dict(softcap=-1.0), ValueError, ["softcap"]),
+    (dict(softmax_scale=float("nan")), ValueError, ["softmax_scale"]),
+    (dict(alibi_slopes=torch.ones(2, 4)), ValueError, ["alibi_slopes", "num_heads_q"]),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes", "[4]"]),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, ["alibi_slopes", "float32"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, words", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_argument(kwargs, error, words):
+    with pytest.raises(error) as info:
+        call(**kwargs)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+def test_bad_planner_arguments():
+    with pytest.raises(ValueError, match="rank must be in"):
+        cpattn.get_thd_load_balanced_cp_metadata([0, 4], 2, 2)
+    with pytest.raises(TypeError, match="cp_size must be an int"):
+        cpattn.get_thd_load_balanced_cp_metadata([0, 4], 2.0, 0)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cpattn.get_thd_load_balanced_cp_metadata([0, 4, 2], 2, 0)
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers"):
+        cpattn.get_thd_load_balanced_cp_metadata([0.0, 4.5], 2, 0)
+    with pytest.raises(ValueError, match="batch must have the key 'loss_mask'"):
+        cpattn.get_batch_on_this_cp_rank({"tokens": [1], "labels": [1], "position_ids": [0]}, [0, 1], 1, 0)
+    with pytest.raises(ValueError, match="global_tokens"):
+        cpattn.take_local_rows(torch.zeros(5), cpattn.get_thd_load_balanced_cp_metadata([0, 4], 1, 0))
+
+
+def test_bad_cp_arguments():
+    from mpi4py import MPI
+    with pytest.raises(TypeError, match="comm must be an mpi4py MPI.Comm"):
+        cpattn.ContextParallelAttention(object())
+    attn = cpattn.ContextParallelAttention(MPI.COMM_WORLD, scheme="no-such-scheme")
+    with pytest.raises(ValueError, match="scheme must be one of allgather, ring"):
+        attn(*qkv(), CU)
+    attn = cpattn.ContextParallelAttention(MPI.COMM_WORLD)
+    with pytest.raises(ValueError, match="q must be \\[local_tokens"):
+        attn(torch.zeros(8, 32), *qkv()[1:], CU)
+    with pytest.raises(ValueError, match="q must be \\[local_tokens = 8"):  # the plan holds 8 tokens
+        attn(*qkv(t=7), CU)
