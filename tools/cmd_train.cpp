@@ -47,6 +47,7 @@ struct TrainArgs {
   int64_t steps = 200;
   uint64_t seed = 1;
   std::string dtype = "fp32";  // attention storage, canonical (vocab.hpp)
+  std::string split = "padded";  // canonical (vocab.hpp)
   int threads = 1;
   std::vector<std::string> data;
   std::string json_log, save, resume;
@@ -90,6 +91,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--seed", static_cast<int64_t>(a.seed)).add("--lr (float bits)", fbits(a.optim.lr));
   fp.add("--warmup", a.optim.warmup).add("--weight-decay (float bits)", fbits(a.optim.weight_decay));
   fp.add("--clip (float bits)", fbits(a.optim.clip)).add("--dtype (hash)", static_cast<int64_t>(hash_of(a.dtype)));
+  fp.add("--split (hash)", static_cast<int64_t>(hash_of(a.split)));
   fp.add("--data (hash)", static_cast<int64_t>(hash_of(data)));
   fp.add("--resume (hash)", static_cast<int64_t>(hash_of(a.resume)));
   fp.add("--save (hash)", static_cast<int64_t>(hash_of(a.save))).add("--save-every", a.save_every);
@@ -223,7 +225,7 @@ void train_run(const TrainArgs& a) {
   });
   train::Trainer trainer(comm, a.model, a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
-                          .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
+                          .split = parse_split(a.split), .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed);
   const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = train::data_identity(data->documents())};
@@ -368,7 +370,7 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--steps", std::to_string(a.steps), "--seed", std::to_string(a.seed),
                                 "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
-                                "--dtype", a.dtype, "--threads", std::to_string(a.threads),
+                                "--dtype", a.dtype, "--split", a.split, "--threads", std::to_string(a.threads),
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
                                 "--json-log", log};
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
@@ -402,6 +404,10 @@ void add_train_command(CLI::App& app) {
       "Train a small causal LM on packed documents with context parallelism. Launch as: "
       "mpirun -np N cpattn train --cp N [flags] (plain `cpattn train` for CP=1). See docs/training.md.");
   cmd->add_option("--cp", a->cp, "Context-parallel size; must equal the MPI world size")->capture_default_str();
+  cmd->add_option("--split", a->split, "How each sequence's documents are cut over the CP ranks: padded "
+                                       "(TransformerEngine's) or padding-free (docs/planner.md)")
+      ->capture_default_str()
+      ->transform(split_transformer());
   cmd->add_option("--layers", a->model.layers, "Transformer blocks")->capture_default_str();
   cmd->add_option("--dim", a->model.dim, "Model width")->capture_default_str();
   cmd->add_option("--heads", a->model.heads, "Query heads")->capture_default_str();

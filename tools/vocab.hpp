@@ -8,6 +8,7 @@
 #include <cpattn/attention.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/plan.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -101,6 +102,13 @@ inline std::string parse_scheme(std::string_view s, std::string_view flag = "--s
   throw Error(std::string(flag) + " must be one of allgather, ring, got '" + std::string(s) + "'");
 }
 
+// CpSplit's names: "padded", "padding-free" (also "padding_free", the enum's spelling).
+inline CpSplit parse_split(std::string_view s, std::string_view flag = "--split") {
+  if (s == "padded") return CpSplit::padded;
+  if (s == "padding-free" || s == "padding_free") return CpSplit::padding_free;
+  throw Error(std::string(flag) + " must be one of padded, padding-free, got '" + std::string(s) + "'");
+}
+
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
   for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
                              KernelPath::amx})
@@ -158,6 +166,11 @@ inline CLI::Validator kv_mode_transformer() {
 
 inline CLI::Validator scheme_transformer() {
   return detail::vocab_transformer([](const std::string& v) { return parse_scheme(v); }, "{allgather|ring}");
+}
+
+inline CLI::Validator split_transformer() {
+  return detail::vocab_transformer([](const std::string& v) { return std::string(to_string(parse_split(v))); },
+                                   "{padded|padding-free}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

@@ -72,6 +72,10 @@ struct CpAttnConfig {
   bool check_finite = false;      // reject non-finite q/k/v/dout on every rank (costs a pass)
   std::size_t plan_cache_capacity = 8;
   CpScheme scheme = CpScheme::allgather;  // part of the ranks' agreement
+  // The split plan() makes (docs/planner.md). padding_free: no padding, local token counts
+  // differ between ranks; the all-gather scheme gathers with all_gather_v and reduce-scatters
+  // dK/dV by all_to_all_v summed in rank order (deterministic). The ring scheme refuses it.
+  CpSplit split = CpSplit::padded;
 };
 
 std::string_view to_string(CpScheme s);  // "allgather", "ring"
@@ -82,7 +86,8 @@ std::string_view to_string(CpScheme s);  // "allgather", "ring"
 // travel through the communicator as they are).
 struct CpForwardArgs {
   // The batch: its global real boundaries (leading 0; int64) or a plan for this rank made by
-  // CpAttention::plan or get_thd_load_balanced_cp_metadata (then cu_seqlens may be empty).
+  // CpAttention::plan or get_thd_load_balanced_cp_metadata (then cu_seqlens may be empty),
+  // of the config's split.
   std::span<const int64_t> cu_seqlens = {};
   std::shared_ptr<const RankPlan> plan = nullptr;
   ConstTensorView q = {};     // [local_tokens, Hq, Dqk]

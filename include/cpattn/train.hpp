@@ -27,6 +27,7 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/plan.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -118,6 +119,7 @@ struct OptimConfig {
 struct RunOptions {
   DType attn_dtype = DType::f32;  // storage type of q, k, v in attention: f32 or bf16
   int threads = 1;                // BLAS and attention threads per rank
+  CpSplit split = CpSplit::padded;  // how each sequence's documents are cut (docs/planner.md)
   // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
   // document instead of its global position. Wrong for cp > 1 on purpose.
   bool rope_local_offsets = false;

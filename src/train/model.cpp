@@ -34,7 +34,8 @@ CpAttnConfig attention_config(const Dims& d, const RunOptions& ro) {
   CPATTN_CHECK(ro.threads >= 1, "RunOptions::threads must be >= 1, got ", ro.threads);
   return {.num_heads_q = d.H, .num_heads_k = d.KV, .head_dim_qk = d.hd, .head_dim_v = d.hd,
           .dtype = ro.attn_dtype,
-          .options = {.mask = MaskType::causal, .num_threads = ro.threads}};
+          .options = {.mask = MaskType::causal, .num_threads = ro.threads},
+          .split = ro.split};
 }
 
 // Rank `plan.rank`'s arrays of the batch in the split's order, from the plan (no second plan):

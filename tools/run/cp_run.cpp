@@ -101,7 +101,8 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
            .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
-           .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather};
+           .scheme = parse_scheme(a.scheme) == "ring" ? CpScheme::ring : CpScheme::allgather,
+           .split = parse_split(a.split)};
   l.attn = std::make_unique<CpAttention>(comm, l.cfg);
   l.plan = l.attn->plan(b.cu_seqlens);
   l.q = check::local_rows(b.q, *l.plan);
@@ -176,7 +177,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     const KernelPath path = l.cfg.options.path;
     RunReport report{.args = a, .kernel_path = kernel_path_name(path == KernelPath::automatic ? best_kernel_path() : path),
                      .cp = cp, .cp_groups = groups.count, .batch = b,
-                     .balance = balance_report(b.cu_seqlens, cp), .check = result, .ranks = {}};
+                     .balance = balance_report(b.cu_seqlens, cp, parse_split(a.split)), .check = result, .ranks = {}};
     for (int r = 0; r < cp; ++r) {
       const double* f = &per_rank[r * mine.size()];
       report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6]});

@@ -23,6 +23,7 @@ struct RunArgs {
   int64_t seq_len = 4096;
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
   std::string dtype = "fp32", mode = "runs", scheme = "allgather", mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
+  std::string split = "padded";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   uint64_t seed = 1;
