@@ -20,39 +20,61 @@ struct EvenCut {
   int64_t b = 0, e = 0, e0 = 0;
   int64_t pos(int64_t m) const { return m * b + std::clamp<int64_t>(m - e0, 0, e); }
   int64_t len(int64_t m) const { return b + (m >= e0 && m < e0 + e ? 1 : 0); }
-  // Visible causal pairs of chunk m's queries (each sees the document up to itself).
-  int64_t pairs(int64_t m) const { return detail::checked_visible_pairs(pos(m), len(m), pos(m) + len(m)); }
 };
 
 // Slot s (chunks s and n-1-s) visible pairs under `cut`, into `work`; returns max - min.
+// Plain arithmetic: every count is at most the document's L(L+1)/2, which even_cut checks.
 int64_t slot_work(const EvenCut& cut, int cp, std::span<int64_t> work) {
   const int64_t n = 2 * int64_t{cp};
-  for (int s = 0; s < cp; ++s) {
-    work[s] = cut.pairs(s);
-    detail::checked_add(work[s], cut.pairs(n - 1 - s));
+  int64_t pos = 0, lo = 0, hi = 0;
+  for (int64_t m = 0; m < n; ++m) {  // chunk m: c queries at pos.. see pos + 1 .. pos + c keys
+    const int64_t c = cut.len(m);
+    const int64_t pairs = c * pos + c * (c + 1) / 2;
+    const int64_t s = m < cp ? m : n - 1 - m;
+    work[s] = m < cp ? pairs : work[s] + pairs;
+    pos += c;
   }
-  const auto [lo, hi] = std::minmax_element(work.begin(), work.end());
-  return *hi - *lo;
+  lo = hi = work[0];
+  for (int s = 1; s < cp; ++s) {
+    lo = std::min(lo, work[s]);
+    hi = std::max(hi, work[s]);
+  }
+  return hi - lo;
 }
 
 // The extra tokens at the front, the middle or the back of the document, whichever leaves
-// the slots' work most even (ties: the earlier candidate); `work` gets that cut's slot work.
-EvenCut even_cut(int64_t len, int cp, std::span<int64_t> work, int64_t& spread) {
+// the slots' work most even (ties: the earlier candidate); `work` gets that cut's slot work
+// (`scratch` holds a candidate's meanwhile).
+EvenCut even_cut(int64_t len, int cp, std::span<int64_t> work, std::span<int64_t> scratch, int64_t& spread) {
   const int64_t n = 2 * int64_t{cp};
+  (void)detail::checked_visible_pairs(0, len, len);  // the document's pairs fit: so do its chunks'
   EvenCut best{.b = len / n, .e = len % n, .e0 = 0};
   spread = slot_work(best, cp, work);
   if (best.e == 0) return best;
   for (const int64_t e0 : {(n - best.e) / 2, n - best.e}) {
     EvenCut c = best;
     c.e0 = e0;
-    const int64_t s = slot_work(c, cp, work);
+    const int64_t s = slot_work(c, cp, scratch);
     if (s < spread) {
       spread = s;
       best = c;
+      std::copy(scratch.begin(), scratch.end(), work.begin());
     }
   }
-  slot_work(best, cp, work);  // the chosen cut's work (the last candidate's is in `work`)
   return best;
+}
+
+// Stable insertion sort of cp indices by `before`: cp is small, and std::stable_sort would
+// allocate a buffer for every document.
+template <class Before>
+void sort_indices(std::vector<int>& idx, Before before) {
+  std::iota(idx.begin(), idx.end(), 0);
+  for (std::size_t i = 1; i < idx.size(); ++i) {
+    const int x = idx[i];
+    std::size_t j = i;
+    for (; j > 0 && before(x, idx[j - 1]); --j) idx[j] = idx[j - 1];
+    idx[j] = x;
+  }
 }
 
 void padded_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) {
@@ -76,14 +98,12 @@ void padding_free_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) 
   std::vector<int> slots(cp), ranks(cp), rank_of_slot(cp);
   for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
     int64_t spread = 0;
-    const EvenCut cut = even_cut(cu[d + 1] - cu[d], cp, work, spread);
+    const EvenCut cut = even_cut(cu[d + 1] - cu[d], cp, work, tmp, spread);
     out.max_doc_spread = std::max(out.max_doc_spread, spread);
     // The heaviest slot to the least-loaded rank: after every document the ranks' loads then
     // differ by at most the largest spread so far (the sorted pairing never widens a gap).
-    std::iota(slots.begin(), slots.end(), 0);
-    std::iota(ranks.begin(), ranks.end(), 0);
-    std::stable_sort(slots.begin(), slots.end(), [&](int a, int b) { return work[a] > work[b]; });
-    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return load[a] < load[b]; });
+    sort_indices(slots, [&](int a, int b) { return work[a] > work[b]; });
+    sort_indices(ranks, [&](int a, int b) { return load[a] < load[b]; });
     for (int i = 0; i < cp; ++i) {
       rank_of_slot[slots[i]] = ranks[i];
       detail::checked_add(load[ranks[i]], work[slots[i]]);
