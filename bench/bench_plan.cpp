@@ -45,6 +45,17 @@ void BM_PlanOneRankReused(benchmark::State& state) {
 }
 BENCHMARK(BM_PlanOneRankReused)->DenseRange(0, 7)->Unit(benchmark::kMillisecond);
 
+// The padding-free split into a reused plan: the slots' assignment by load comes on top.
+void BM_PlanOneRankReusedPaddingFree(benchmark::State& state) {
+  const int rank = static_cast<int>(state.range(0));
+  cpattn::RankPlan p;
+  for (auto _ : state) {
+    cpattn::get_thd_load_balanced_cp_metadata(batch(), 8, rank, {.split = cpattn::CpSplit::padding_free}, p);
+    benchmark::DoNotOptimize(p.kv_gather_index.data());
+  }
+}
+BENCHMARK(BM_PlanOneRankReusedPaddingFree)->DenseRange(0, 7)->Unit(benchmark::kMillisecond);
+
 void BM_CacheHit(benchmark::State& state) {
   cpattn::PlanCache cache;
   for (int r = 0; r < 8; ++r) cache.get(batch(), 8, r);
@@ -58,8 +69,9 @@ void BM_HashBoundaries(benchmark::State& state) {
 BENCHMARK(BM_HashBoundaries)->Unit(benchmark::kMicrosecond);
 
 void BM_BalanceReport(benchmark::State& state) {
-  for (auto _ : state) benchmark::DoNotOptimize(cpattn::balance_report(batch(), 8).ranks.data());
+  const auto split = static_cast<cpattn::CpSplit>(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(cpattn::balance_report(batch(), 8, split).ranks.data());
 }
-BENCHMARK(BM_BalanceReport)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_BalanceReport)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace

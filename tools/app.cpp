@@ -4,9 +4,11 @@
 #include <cpattn/error.hpp>
 #include <cpattn/version.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <thread>
 
 #include "commands.hpp"
 
@@ -18,6 +20,14 @@ namespace {
 bool quiet_rank() {
   const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
   return rank != nullptr && std::atoi(rank) != 0;
+}
+
+// A quiet rank's exit code: after a pause, because mpirun ends the whole job at the first
+// non-zero exit, and a quiet rank that exits first would kill rank 0 before it prints the
+// line that says why.
+int quiet_exit(int code) {
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  return code;
 }
 }  // namespace
 
@@ -32,7 +42,7 @@ int run_app(CLI::App& app, int argc, const char* const* argv) {
   try {
     app.parse(argc, argv);
   } catch (const ExitCode& e) {
-    return e.code;
+    return e.code != 0 && quiet_rank() ? quiet_exit(e.code) : e.code;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
@@ -40,14 +50,15 @@ int run_app(CLI::App& app, int argc, const char* const* argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    if (quiet_rank()) return 2;
+    if (quiet_rank()) return quiet_exit(2);
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
       std::fprintf(stderr, "cpattn: error: unknown command '%s' (see cpattn --help)\n", argv[1]);
     else
       std::fprintf(stderr, "cpattn: error: %s (see cpattn --help)\n", e.what());
     return 2;
   } catch (const Error& e) {
-    if (!quiet_rank()) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+    if (quiet_rank()) return quiet_exit(2);
+    std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cpattn: unexpected error: %s\n", e.what());

@@ -1,10 +1,12 @@
 // `cpattn plan`: the load-balancing plan of one packed batch, as a table or JSON.
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/plan.hpp>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -13,6 +15,7 @@
 #include <string>
 
 #include "commands.hpp"
+#include "vocab.hpp"
 
 namespace cpattn::cli {
 
@@ -54,6 +57,8 @@ struct PlanArgs {
   std::string lengths_file;
   int cp = 2;
   bool json = false;
+  std::string split = "padded";  // canonical (vocab.hpp)
+  std::string svg;
 };
 
 std::string join(const std::vector<int64_t>& v) {
@@ -62,9 +67,36 @@ std::string join(const std::vector<int64_t>& v) {
   return s;
 }
 
+// Both splits' padding and balance, side by side (the table's last lines, JSON "splits").
+struct SplitSummary {
+  BalanceReport padded, padding_free;
+};
+
+void print_splits(const SplitSummary& s) {
+  std::printf("\n%-13s %10s %9s %10s %10s %12s\n", "split", "padding", "padding%", "imbalance", "bound",
+              "lower_bound");
+  for (const BalanceReport* b : {&s.padded, &s.padding_free})
+    std::printf("%-13s %10lld %8.2f%% %10.4f %10.4f %12.4f\n", std::string(to_string(b->split)).c_str(),
+                static_cast<long long>(b->padding_tokens()), b->padding_percent(), b->imbalance_balanced,
+                b->imbalance_bound, b->imbalance_lower_bound);
+}
+
+nlohmann::json splits_json(const SplitSummary& s) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const BalanceReport* b : {&s.padded, &s.padding_free})
+    out.push_back({{"split", to_string(b->split)},
+                   {"padded_tokens", b->padded_tokens},
+                   {"padding_tokens", b->padding_tokens()},
+                   {"padding_percent", b->padding_percent()},
+                   {"imbalance", b->imbalance_balanced},
+                   {"imbalance_bound", b->imbalance_bound},
+                   {"imbalance_lower_bound", b->imbalance_lower_bound}});
+  return out;
+}
+
 void print_table(const BalanceReport& b, const std::vector<int64_t>& cu) {
-  std::printf("cpattn plan: %zu documents, %lld tokens, cp = %d\n", cu.size() - 1,
-              static_cast<long long>(b.real_tokens), b.cp);
+  std::printf("cpattn plan: %zu documents, %lld tokens, cp = %d, split %s\n", cu.size() - 1,
+              static_cast<long long>(b.real_tokens), b.cp, std::string(to_string(b.split)).c_str());
   std::printf("padding: %lld tokens (%.2f%% of the real tokens), padded batch %lld tokens\n\n",
               static_cast<long long>(b.padding_tokens()), b.padding_percent(),
               static_cast<long long>(b.padded_tokens));
@@ -82,18 +114,19 @@ void print_table(const BalanceReport& b, const std::vector<int64_t>& cu) {
               b.imbalance_balanced, b.imbalance_contiguous);
 }
 
-void print_json(const BalanceReport& b, const std::vector<int64_t>& cu) {
+void print_json(const BalanceReport& b, const std::vector<int64_t>& cu, const SplitSummary& both) {
   nlohmann::json j;
   j["cp"] = b.cp;
+  j["split"] = to_string(b.split);
   j["cu_seqlens"] = cu;
-  j["cu_seqlens_padded"] = pad_cu_seqlens(cu, b.cp);
+  j["cu_seqlens_padded"] = b.split == CpSplit::padded ? pad_cu_seqlens(cu, b.cp) : cu;
   j["seq_len"] = b.real_tokens;
   j["padded_tokens"] = b.padded_tokens;
   j["padding_tokens"] = b.padding_tokens();
   j["padding_percent"] = b.padding_percent();
   j["ranks"] = nlohmann::json::array();
   for (const RankBalance& r : b.ranks) {
-    const RankPlan p = get_thd_load_balanced_cp_metadata(cu, b.cp, r.rank);
+    const RankPlan p = get_thd_load_balanced_cp_metadata(cu, b.cp, r.rank, PlanOptions{.split = b.split});
     nlohmann::json runs = nlohmann::json::array();
     for (const AttnTask& t : p.work.tasks) {
       nlohmann::json task_runs = nlohmann::json::array();
@@ -117,8 +150,73 @@ void print_json(const BalanceReport& b, const std::vector<int64_t>& cu) {
                           {"kv_gather_index", p.kv_gather_index},
                           {"kv_runs", std::move(runs)}});
   }
-  j["imbalance"] = {{"balanced", b.imbalance_balanced}, {"contiguous", b.imbalance_contiguous}};
+  j["imbalance"] = {{"balanced", b.imbalance_balanced},
+                    {"contiguous", b.imbalance_contiguous},
+                    {"bound", b.imbalance_bound},
+                    {"lower_bound", b.imbalance_lower_bound}};
+  j["splits"] = splits_json(both);
   std::cout << j.dump() << '\n';
+}
+
+// One row per document (the first kMaxSvgDocs), its chunks coloured by rank and drawn to
+// scale against the longest document, padding paler; below, each rank's visible pairs.
+constexpr std::size_t kMaxSvgDocs = 120;
+
+void write_plan_svg(const std::string& path, const std::vector<int64_t>& cu, const SplitLayout& layout,
+                    const BalanceReport& b) {
+  static const char* const kColours[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
+                                         "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#1f77b4", "#8c564b"};
+  const std::size_t docs = cu.size() - 1, shown = std::min(docs, kMaxSvgDocs);
+  const int64_t n = chunks_per_document(layout.cp);
+  int64_t longest = 1;
+  for (std::size_t d = 0; d < docs; ++d)
+    longest = std::max(longest, layout.chunks[(d + 1) * n - 1].pos + layout.chunks[(d + 1) * n - 1].len);
+  const double left = 70, width = 800, row = 14, top = 40;
+  const double bars_top = top + static_cast<double>(shown) * row + 40, bar_h = 18;
+  const double height = bars_top + b.cp * (bar_h + 4) + 40;
+  std::ostringstream o;
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 40 << "\" height=\"" << height
+    << "\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  o << "<text x=\"" << left << "\" y=\"20\" font-size=\"13\">cpattn plan: " << docs << " documents, "
+    << b.real_tokens << " tokens, cp = " << b.cp << ", split " << to_string(b.split) << ", padding "
+    << b.padding_tokens() << " tokens; colour = rank" << (shown < docs ? " (first documents only)" : "")
+    << "</text>\n";
+  for (std::size_t d = 0; d < shown; ++d) {
+    const double y = top + static_cast<double>(d) * row;
+    const int64_t len = cu[d + 1] - cu[d];
+    o << "<text x=\"" << left - 6 << "\" y=\"" << y + 10 << "\" text-anchor=\"end\">doc " << d << "</text>\n";
+    for (int64_t m = 0; m < n; ++m) {
+      const DocChunk& c = layout.chunks[d * n + m];
+      if (c.len == 0) continue;
+      const double x = left + width * static_cast<double>(c.pos) / static_cast<double>(longest);
+      const double w = std::max(0.5, width * static_cast<double>(c.len) / static_cast<double>(longest));
+      const bool padding = c.pos >= len;
+      o << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << row - 2 << "\" fill=\""
+        << kColours[c.rank % 12] << "\" fill-opacity=\"" << (padding ? 0.3 : 1.0)
+        << "\" stroke=\"white\" stroke-width=\"0.5\"><title>document " << d << " chunk " << m << ": rank " << c.rank
+        << ", positions " << c.pos << ".." << c.pos + c.len - 1 << (padding ? " (padding)" : "")
+        << "</title></rect>\n";
+    }
+  }
+  int64_t most = 1;
+  for (const RankBalance& r : b.ranks) most = std::max(most, r.balanced.visible_pairs);
+  o << "<text x=\"" << left << "\" y=\"" << bars_top - 8 << "\" font-size=\"13\">visible pairs per rank (imbalance "
+    << b.imbalance_balanced << ", bound " << b.imbalance_bound << ")</text>\n";
+  for (const RankBalance& r : b.ranks) {
+    const double y = bars_top + r.rank * (bar_h + 4);
+    const double w = width * 0.8 * static_cast<double>(r.balanced.visible_pairs) / static_cast<double>(most);
+    o << "<text x=\"" << left - 6 << "\" y=\"" << y + 13 << "\" text-anchor=\"end\">rank " << r.rank << "</text>\n"
+      << "<rect x=\"" << left << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << bar_h << "\" fill=\""
+      << kColours[r.rank % 12] << "\"/>\n<text x=\"" << left + w + 6 << "\" y=\"" << y + 13 << "\">"
+      << r.balanced.visible_pairs << " pairs, " << r.local_tokens << " tokens</text>\n";
+  }
+  o << "</svg>\n";
+  const std::string text = o.str();
+  try {
+    write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size())));
+  } catch (const Error& e) {
+    throw Error("--svg: " + e.message());
+  }
 }
 
 void run_plan(const PlanArgs& a) {
@@ -136,11 +234,17 @@ void run_plan(const PlanArgs& a) {
     cu = cu_seqlens_from_lengths(kExampleLengths);
   }
   check_cp_size(a.cp, "--cp");
-  const BalanceReport b = balance_report(cu, a.cp);
-  if (a.json)
-    print_json(b, cu);
-  else
+  const CpSplit split = parse_split(a.split);
+  if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
+  const SplitSummary both{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
+  const BalanceReport& b = split == CpSplit::padded ? both.padded : both.padding_free;
+  if (a.json) {
+    print_json(b, cu, both);
+  } else {
     print_table(b, cu);
+    print_splits(both);
+  }
+  if (!a.svg.empty()) write_plan_svg(a.svg, cu, split_layout(cu, a.cp, split), b);
 }
 
 }  // namespace
@@ -168,6 +272,14 @@ void add_plan_command(CLI::App& app) {
   ends->excludes(lengths, file);
   lengths->excludes(file);
   cmd->add_option("--cp", args->cp, "Context-parallel size (ranks), >= 1")->capture_default_str();
+  cmd->add_option("--split", args->split,
+                  "How documents are cut: padded (TransformerEngine's, the default) or padding-free; the "
+                  "table ends with both side by side")
+      ->transform(split_transformer())
+      ->capture_default_str();
+  cmd->add_option("--svg", args->svg,
+                  "Also draw which rank holds which chunk of each document, and the work per rank, into "
+                  "this SVG file");
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: cp, cu_seqlens_padded, ranks (with the metadata of each "
                 "rank) and imbalance");

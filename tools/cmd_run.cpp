@@ -74,6 +74,10 @@ void add_run_command(CLI::App& app) {
       ->transform(run_scheme_transformer());
   cmd->add_option("--cp-inner", a->cp_inner, "--scheme hybrid (or all): ranks of one all-to-all group (consecutive "
                                              "ranks), dividing the CP size");
+  cmd->add_option("--split", a->split, "How documents are cut into chunks: padded (TransformerEngine's) or "
+                                       "padding-free (allgather scheme only; docs/planner.md)")
+      ->capture_default_str()
+      ->transform(split_transformer());
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")

@@ -59,6 +59,7 @@ struct TrainArgs {
   std::string window;                   // --window LEFT,RIGHT (empty: unbounded)
   float softcap = 0.0f;
   bool alibi = false;
+  std::string split = "padded";  // canonical (vocab.hpp)
   int threads = 1;
   std::vector<std::string> data;
   std::string json_log, save, resume;
@@ -118,6 +119,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme)));
   fp.add("--window (left)", m.window_left).add("--window (right)", m.window_right);
   fp.add("--softcap (float bits)", fbits(a.softcap)).add("--alibi", a.alibi ? 1 : 0);
+  fp.add("--split (hash)", static_cast<int64_t>(hash_of(a.split)));
   fp.add("--data (hash)", static_cast<int64_t>(hash_of(data)));
   fp.add("--resume (hash)", static_cast<int64_t>(hash_of(a.resume)));
   fp.add("--save (hash)", static_cast<int64_t>(hash_of(a.save))).add("--save-every", a.save_every);
@@ -285,7 +287,7 @@ void train_run(const TrainArgs& a) {
   });
   train::Trainer trainer(comm, model_config(a), a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
-                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"),
+                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .split = parse_split(a.split),
                           .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed, mesh_config(a));
@@ -474,7 +476,7 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
                                 "--steps", std::to_string(a.steps), "--seed", std::to_string(a.seed),
                                 "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
-                                "--dtype", a.dtype, "--threads", std::to_string(a.threads),
+                                "--dtype", a.dtype, "--split", a.split, "--threads", std::to_string(a.threads),
                                 "--cp-scheme", a.cp_scheme, "--softcap", f(a.softcap),
                                 "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
                                 "--json-log", log, "--dp", std::to_string(a.dp), "--pp", std::to_string(a.pp),
@@ -518,6 +520,10 @@ void add_train_command(CLI::App& app) {
       "mpirun -np N cpattn train --cp N [flags] (plain `cpattn train` for CP=1). See docs/training.md.");
   cmd->add_option("--cp", a->cp, "Context-parallel size; --dp * --cp * --pp must equal the MPI world size")
       ->capture_default_str();
+  cmd->add_option("--split", a->split, "How each sequence's documents are cut over the CP ranks: padded "
+                                       "(TransformerEngine's) or padding-free (docs/planner.md)")
+      ->capture_default_str()
+      ->transform(split_transformer());
   cmd->add_option("--dp", a->dp, "Data-parallel replicas (each takes --micro / --dp sequences per step)")
       ->capture_default_str();
   cmd->add_option("--pp", a->pp, "Pipeline stages (the blocks split over them)")->capture_default_str();

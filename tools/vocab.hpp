@@ -9,6 +9,7 @@
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/plan.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -123,6 +124,13 @@ inline std::vector<CpScheme> parse_run_schemes(std::string_view s) {
   }
 }
 
+// CpSplit's names: "padded", "padding-free" (also "padding_free", the enum's spelling).
+inline CpSplit parse_split(std::string_view s, std::string_view flag = "--split") {
+  if (s == "padded") return CpSplit::padded;
+  if (s == "padding-free" || s == "padding_free") return CpSplit::padding_free;
+  throw Error(std::string(flag) + " must be one of padded, padding-free, got '" + std::string(s) + "'");
+}
+
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
   for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
                              KernelPath::amx})
@@ -191,6 +199,11 @@ inline CLI::Validator run_scheme_transformer() {
         return s.size() == 1 && v != "all" ? std::string(to_string(s.front())) : std::string("all");
       },
       "{" + scheme_names("|") + "|all}");
+}
+
+inline CLI::Validator split_transformer() {
+  return detail::vocab_transformer([](const std::string& v) { return std::string(to_string(parse_split(v))); },
+                                   "{padded|padding-free}");
 }
 
 inline CLI::Validator kernel_path_transformer() {

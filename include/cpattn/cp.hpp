@@ -88,6 +88,10 @@ struct CpAttnConfig {
   // cp; the groups are consecutive ranks. Hq and Hkv split as for a2a at cp = cp_inner.
   int cp_inner = 0;
   CpScheme hybrid_outer = CpScheme::allgather;  // hybrid only: allgather or ring
+  // The split plan() makes (docs/planner.md). padding_free: no padding, local token counts
+  // differ between ranks; the all-gather scheme gathers with all_gather_v and reduce-scatters
+  // dK/dV by all_to_all_v summed in rank order (deterministic). The ring scheme refuses it.
+  CpSplit split = CpSplit::padded;
 };
 
 std::string_view to_string(CpScheme s);  // "allgather", "ring", "pass-q", "a2a", "hybrid"
@@ -102,7 +106,8 @@ CpScheme parse_cp_scheme(std::string_view name);
 // travel through the communicator as they are).
 struct CpForwardArgs {
   // The batch: its global real boundaries (leading 0; int64) or a plan for this rank made by
-  // CpAttention::plan or get_thd_load_balanced_cp_metadata (then cu_seqlens may be empty).
+  // CpAttention::plan or get_thd_load_balanced_cp_metadata (then cu_seqlens may be empty),
+  // of the config's split.
   std::span<const int64_t> cu_seqlens = {};
   std::shared_ptr<const RankPlan> plan = nullptr;
   ConstTensorView q = {};     // [local_tokens, Hq, Dqk]

@@ -19,6 +19,16 @@
 //
 // Work (Workload, BalanceReport) counts real (query, key) pairs only: the CP layer runs every
 // task with padding cut out (without_padding), so padding queries and padding keys do no work.
+//
+// That is the padded split (CpSplit::padded, the default, TransformerEngine's). The
+// padding-free split (CpSplit::padding_free, docs/planner.md "The padding-free split") pads
+// nothing: a document of L tokens is cut into 2*cp chunks of floor(L / 2cp) tokens, e = L % 2cp
+// consecutive ones of which hold one more (the chunks [e0, e0 + e), e0 the front, middle or back
+// choice with the most even work inside the document); chunks s and 2cp-1-s form slot s, and
+// the slots go to the ranks by load: the slot with the most visible pairs to the rank with the
+// fewest so far (ties: lower slot, lower rank). Chunks may be empty, local token counts differ
+// between ranks, and rank s's rows sit at [rank_begin[s], rank_begin[s+1]) of the gathered
+// buffer. Both splits are described by one chunk table (SplitLayout); at cp = 1 they are the same.
 #pragma once
 
 #include <cpattn/layout.hpp>
@@ -30,11 +40,53 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cpattn {
 
-// One document under the split; the same on every rank.
+// How documents are cut into chunks (see the top of this file).
+enum class CpSplit {
+  padded,        // pad to a multiple of 2*cp, 2*cp equal chunks, rank r keeps r and 2cp-1-r
+  padding_free,  // no padding, chunk sizes differ by at most one, slots given out by load
+};
+std::string_view to_string(CpSplit s);  // "padded", "padding-free"
+
+struct PlanOptions {
+  CpSplit split = CpSplit::padded;
+};
+
+// One chunk of one document under a split.
+struct DocChunk {
+  int64_t pos = 0;        // first position in the document (padding positions count)
+  int64_t len = 0;        // tokens, padding included; 0 for an empty padding-free chunk
+  int64_t local_row = 0;  // its first row among its rank's local rows
+  int rank = 0;           // the rank that holds it
+};
+
+// Where every chunk of every document lives: the same on every rank.
+struct SplitLayout {
+  CpSplit split = CpSplit::padded;
+  int cp = 1;
+  std::vector<DocChunk> chunks;     // [docs * chunks_per_document(cp)], document-major
+  std::vector<int64_t> rank_begin;  // [cp + 1]: rank s's rows in the rank-major gathered buffer
+  // The padding-free split's guarantee: every rank's visible pairs are within
+  // (cp - 1) / cp * max_doc_spread of the mean, max_doc_spread being the largest difference
+  // between two slots' visible pairs inside one document (0 for the padded split).
+  int64_t max_doc_spread = 0;
+
+  int64_t rank_tokens(int rank) const { return rank_begin[rank + 1] - rank_begin[rank]; }
+  int64_t gathered_row(const DocChunk& c) const { return rank_begin[c.rank] + c.local_row; }
+};
+
+// The chunk table alone, for every rank (what `cpattn plan --svg` draws). Throws
+// cpattn::Error for invalid boundaries or cp.
+void split_layout(std::span<const int64_t> cu_seqlens, int cp, CpSplit split, SplitLayout& layout);
+SplitLayout split_layout(std::span<const int64_t> cu_seqlens, int cp, CpSplit split);
+
+// One document under the split. Padded: the same on every rank. Padding-free: padded_begin =
+// begin, padded_len = len, chunk = the smallest chunk, len / chunks_per_document(cp), and
+// local_begin is this rank's (its front chunk's local row).
 struct DocSplit {
   int64_t begin = 0;         // first token in the real (unpadded) batch
   int64_t len = 0;           // real tokens
@@ -68,19 +120,23 @@ struct Workload {
 struct RankPlan {
   int cp = 1;
   int rank = 0;
+  CpSplit split = CpSplit::padded;
   int64_t global_tokens = 0;         // T, real tokens of the whole batch
   int64_t global_tokens_padded = 0;  // T_pad
-  int64_t local_tokens = 0;          // T_loc = T_pad / cp, this rank's tokens (padding included)
+  int64_t local_tokens = 0;          // T_loc = T_pad / cp, this rank's tokens (padding included);
+                                     // padding-free: layout.rank_tokens(rank), differs by rank
   int64_t padding_tokens = 0;        // how many of this rank's tokens are padding
   std::vector<int64_t> cu_seqlens;         // [docs+1] the real boundaries
   std::vector<int64_t> cu_seqlens_padded;  // [docs+1]
   std::vector<DocSplit> docs;              // [docs]
+  SplitLayout layout;                      // every rank's chunks (layout.rank_begin: T_loc of each)
   // [T_loc] for each local token, its index in the padded global batch ...
   std::vector<int64_t> global_token_index;
   // ... and in the real batch, or -1 for a padding token.
   std::vector<int64_t> real_token_index;
   // Per task (tasks_per_document(cp) per document: front, back; one at cp = 1), cumulative
-  // with a leading 0: [tasks + 1].
+  // with a leading 0: [tasks + 1]. An empty padding-free chunk is a task of 0 queries and 0
+  // keys here, and no task of `work` / `work_indexed` (the kernels take no empty task).
   std::vector<int64_t> cu_seqlens_q;
   std::vector<int64_t> cu_seqlens_kv;
   // The same in the ends form (Ascend's actual_seq_qlen / actual_seq_kvlen): [tasks].
@@ -90,7 +146,8 @@ struct RankPlan {
   // positions of its keys in sequence order (the reference design's index_select index).
   std::vector<int64_t> kv_gather_index;
   // The same keys read in place: query rows are local rows, key runs are rows of the
-  // rank-major gathered buffer [cp * T_loc], adjacent chunks merged into one run.
+  // rank-major gathered buffer [layout.rank_begin[cp]] (cp * T_loc when padded), adjacent
+  // chunks merged into one run.
   WorkList work;
   // The same tasks over the copy that kv_gather_index selects (one run per task).
   WorkList work_indexed;
@@ -107,11 +164,20 @@ RankPlan get_thd_load_balanced_cp_metadata(std::span<const int32_t> cu_seqlens, 
 // touches no fresh memory (first-touch page faults are most of a fresh plan's cost).
 void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
                                        RankPlan& plan);
+// Any split (the three above are CpSplit::padded).
+void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                       const PlanOptions& options, RankPlan& plan);
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                           const PlanOptions& options);
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int32_t> cu_seqlens, int cp, int rank,
+                                           const PlanOptions& options);
 
-// The per-document split alone (no per-token arrays): cheap, the same for every rank.
+// The per-document split alone (no per-token arrays): cheap, the same for every rank. The
+// padded split's (the padding-free split's chunks: split_layout).
 std::vector<DocSplit> split_documents(std::span<const int64_t> cu_seqlens, int cp);
 
-// Which rank holds chunk j of a document (a front chunk when j < cp, else a back chunk).
+// Which rank holds chunk j of a document under the padded split (a front chunk when j < cp,
+// else a back chunk); the padding-free split's owners are in SplitLayout::chunks.
 constexpr int chunk_owner(int64_t j, int cp) {
   return static_cast<int>(j < cp ? j : chunks_per_document(cp) - 1 - j);
 }
@@ -146,7 +212,8 @@ struct TokenBatch {
 // kIgnoreIndex, loss mask 0 and positions continuing the document's (L, L+1, ...); real tokens
 // keep every value they had.
 TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const int64_t> cu_seqlens,
-                                     int cp, int rank, int64_t pad_token_id = 0);
+                                     int cp, int rank, int64_t pad_token_id = 0,
+                                     const PlanOptions& options = {});
 
 // The same from a plan made for this rank (no second plan): the local rows of `plan`'s tasks,
 // for a batch of plan.global_tokens tokens.
@@ -158,14 +225,15 @@ struct RankBalance {
   int rank = 0;
   int64_t local_tokens = 0;
   int64_t padding_tokens = 0;
-  int64_t tasks = 0;
-  Workload balanced;              // the symmetric split, real pairs only (as RankPlan::workload)
+  int64_t tasks = 0;              // chunks with tokens (an empty padding-free chunk is no task)
+  Workload balanced;              // the report's split, real pairs only (as RankPlan::workload)
   int64_t contiguous_tokens = 0;  // the plain split: tokens [r*T/cp, (r+1)*T/cp) of the real batch
   Workload contiguous;
 };
 
 struct BalanceReport {
   int cp = 1;
+  CpSplit split = CpSplit::padded;
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   int64_t padding_tokens() const { return padded_tokens - real_tokens; }
@@ -174,12 +242,19 @@ struct BalanceReport {
   // max / mean of real visible pairs over ranks (1.0 is perfect balance). The balanced split
   // is exactly 1.0 when no document needs padding; with padding (which the last chunks, rank
   // 0's first, hold) it is at most sum(P*(P+1)) / sum(L*(L+1)) over documents.
+  // The padding-free split: at most imbalance_bound = 1 + (cp - 1) * max_doc_spread / (total
+  // real pairs) (SplitLayout::max_doc_spread); the padded split: the bound above.
   double imbalance_balanced = 1.0;
   double imbalance_contiguous = 1.0;
+  double imbalance_bound = 1.0;
+  // No split of these boundaries into ranks does better than this: some rank holds at least
+  // ceil(pairs / cp) pairs, and the one holding the longest document's last token at least L.
+  double imbalance_lower_bound = 1.0;
 };
 
-BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp);
-BalanceReport balance_report(std::span<const int32_t> cu_seqlens, int cp);  // widened once
+BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp, CpSplit split = CpSplit::padded);
+BalanceReport balance_report(std::span<const int32_t> cu_seqlens, int cp,
+                             CpSplit split = CpSplit::padded);  // widened once
 
 // ---- The metadata cache ----------------------------------------------------------------------
 
@@ -191,10 +266,12 @@ class PlanCache {
  public:
   explicit PlanCache(std::size_t capacity = 8);
 
-  std::shared_ptr<const RankPlan> get(std::span<const int64_t> cu_seqlens, int cp, int rank);
+  std::shared_ptr<const RankPlan> get(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                      CpSplit split = CpSplit::padded);
   // int32 boundaries, widened once and keyed by the widened values: the int32 and int64
   // spellings of the same boundaries share one entry.
-  std::shared_ptr<const RankPlan> get(std::span<const int32_t> cu_seqlens, int cp, int rank);
+  std::shared_ptr<const RankPlan> get(std::span<const int32_t> cu_seqlens, int cp, int rank,
+                                      CpSplit split = CpSplit::padded);
 
   std::size_t capacity() const { return capacity_; }
   std::size_t size() const;
@@ -207,6 +284,7 @@ class PlanCache {
     uint64_t hash;
     int cp;
     int rank;
+    CpSplit split;
     std::shared_ptr<const RankPlan> plan;
   };
   std::size_t capacity_;

@@ -29,6 +29,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/pipeline.hpp>
+#include <cpattn/plan.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -131,6 +132,7 @@ struct RunOptions {
   // How attention's K/V reach the queries (CpAttnConfig::scheme). Every scheme is exact, so
   // the scheme changes no result beyond rounding and a checkpoint does not record it (like cp).
   CpScheme cp_scheme = CpScheme::allgather;
+  CpSplit split = CpSplit::padded;  // how each sequence's documents are cut (docs/planner.md)
   // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
   // document instead of its global position. Wrong for cp > 1 on purpose.
   bool rope_local_offsets = false;

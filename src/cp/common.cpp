@@ -20,16 +20,17 @@ WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
   if (mask == MaskType::causal) return plan.work;
   WorkList w;
   w.tasks = plan.work.tasks;
-  const int64_t cp = plan.cp;
+  const int64_t n = chunks_per_document(plan.cp);
   for (AttnTask& t : w.tasks) {
-    const DocSplit& d = plan.docs[t.doc];
     t.run_begin = static_cast<int64_t>(w.runs.size());
-    for (int64_t m = 0; m < chunks_per_document(plan.cp); ++m) {
-      const int64_t row = chunk_owner(m, plan.cp) * plan.local_tokens + d.local_begin + (m < cp ? 0 : d.chunk);
+    for (int64_t m = 0; m < n; ++m) {
+      const DocChunk& c = plan.layout.chunks[t.doc * n + m];
+      if (c.len == 0) continue;  // an empty padding-free chunk
+      const int64_t row = plan.layout.gathered_row(c);
       if (static_cast<int64_t>(w.runs.size()) > t.run_begin && w.runs.back().row + w.runs.back().len == row)
-        w.runs.back().len += d.chunk;
+        w.runs.back().len += c.len;
       else
-        w.runs.push_back(KeyRun{.row = row, .len = d.chunk, .pos = m * d.chunk});
+        w.runs.push_back(KeyRun{.row = row, .len = c.len, .pos = c.pos});
     }
     t.run_end = static_cast<int64_t>(w.runs.size());
   }

@@ -25,13 +25,47 @@ namespace {
 
 using namespace cp_detail;
 
-void all_gather_rows(Communicator& comm, DType t, const void* local, std::size_t elems, void* all) {
-  if (t == DType::f32) {
-    comm.all_gather<float>({static_cast<const float*>(local), elems},
-                           {static_cast<float*>(all), elems * comm.size()});
-  } else {
-    comm.all_gather<uint16_t>({static_cast<const uint16_t*>(local), elems},
-                              {static_cast<uint16_t*>(all), elems * comm.size()});
+// Every rank's local rows, rank-major: rank s's at layout.rank_begin[s]. The padded split's
+// equal blocks go through all_gather; the padding-free split's, of differing sizes, through
+// all_gather_v. `row` is elements per token row.
+template <class T>
+void all_gather_rows(Communicator& comm, const RankPlan& plan, const void* local, int64_t row, void* all) {
+  const auto mine = static_cast<std::size_t>(plan.local_tokens * row);
+  const std::span<const T> send{static_cast<const T*>(local), mine};
+  const std::span<T> recv{static_cast<T*>(all), static_cast<std::size_t>(plan.layout.rank_begin.back() * row)};
+  if (plan.split == CpSplit::padded) return comm.all_gather<T>(send, recv);
+  std::vector<int64_t> counts(static_cast<std::size_t>(plan.cp));
+  for (int r = 0; r < plan.cp; ++r) counts[r] = plan.layout.rank_tokens(r) * row;
+  comm.all_gather_v<T>(send, counts, recv);
+}
+
+void all_gather_rows(Communicator& comm, DType t, const RankPlan& plan, const void* local, int64_t row, void* all) {
+  if (t == DType::f32)
+    all_gather_rows<float>(comm, plan, local, row, all);
+  else
+    all_gather_rows<uint16_t>(comm, plan, local, row, all);
+}
+
+// The reduce-scatter of per-gathered-row sums: local[i] = sum over ranks of their all[rank_begin[rank()] + i].
+// The padded split's equal blocks use the communicator's fixed-order reduce-scatter; the
+// padding-free split's differing blocks travel by all_to_all_v and are added here in rank
+// order 0..cp-1, so the sum never depends on timing either.
+void reduce_scatter_rows(Communicator& comm, const RankPlan& plan, const std::vector<float>& all, int64_t row,
+                         std::vector<float>& local, std::vector<float>& scratch) {
+  local.resize(static_cast<std::size_t>(plan.local_tokens * row));
+  if (plan.split == CpSplit::padded) return comm.reduce_scatter_sum(all, local);
+  const int cp = plan.cp;
+  std::vector<int64_t> send_counts(static_cast<std::size_t>(cp)), recv_counts(static_cast<std::size_t>(cp));
+  for (int r = 0; r < cp; ++r) {
+    send_counts[r] = plan.layout.rank_tokens(r) * row;
+    recv_counts[r] = static_cast<int64_t>(local.size());
+  }
+  scratch.resize(local.size() * static_cast<std::size_t>(cp));
+  comm.all_to_all_v<float>(all, send_counts, scratch, recv_counts);
+  std::fill(local.begin(), local.end(), 0.0f);
+  for (int r = 0; r < cp; ++r) {
+    const float* part = scratch.data() + r * local.size();
+    for (std::size_t i = 0; i < local.size(); ++i) local[i] += part[i];
   }
 }
 
@@ -293,6 +327,7 @@ struct CpAttention::State {
         .add("scheme (CpScheme: 0 allgather, 1 ring, 2 pass-q, 3 a2a, 4 hybrid)", static_cast<int64_t>(cfg.scheme))
         .add("cp_inner", cfg.cp_inner)
         .add("hybrid_outer", static_cast<int64_t>(cfg.hybrid_outer))
+        .add("split (0 padded, 1 padding-free)", static_cast<int64_t>(cfg.split))
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -302,7 +337,11 @@ struct CpAttention::State {
         .add("alibi slopes hash", static_cast<int64_t>(hash_slopes(o.alibi_slopes, cfg.num_heads_q)))
         .add("seed", static_cast<int64_t>(seed))
         .add("deterministic", cfg.deterministic)
-        .add("local_tokens", local_tokens)
+        // Padded: every rank has the same local count. Padding-free: the counts differ, and
+        // the ranks agree on all of them (the gathered buffer's layout).
+        .add(plan->split == CpSplit::padded ? "local_tokens" : "ranks' local tokens (hash)",
+             plan->split == CpSplit::padded ? local_tokens
+                                            : static_cast<int64_t>(hash_boundaries(plan->layout.rank_begin)))
         .add("documents", static_cast<int64_t>(plan->docs.size()))
         .add("global tokens", plan->global_tokens)
         .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(plan->cu_seqlens)));
@@ -540,6 +579,10 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
   CPATTN_CHECK(kv == CpScheme::allgather || cfg.kv_mode == KvMode::runs, "kv_mode index is the all-gather "
                "scheme's; the ", to_string(kv), " scheme reads its blocks in place (kv_mode runs)");
+  CPATTN_CHECK(cfg.split == CpSplit::padded || cfg.split == CpSplit::padding_free, "split must be padded or "
+               "padding_free, got ", static_cast<int>(cfg.split));
+  CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.split == CpSplit::padded, "scheme ", to_string(cfg.scheme),
+               " takes only the padded split; the padding-free split needs scheme allgather");
   s_ = std::make_unique<State>(comm, cfg);
 }
 
@@ -571,10 +614,10 @@ CpAttention::~CpAttention() {
 }
 
 std::shared_ptr<const RankPlan> CpAttention::plan(std::span<const int64_t> cu_seqlens) {
-  return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank());
+  return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank(), s_->cfg.split);
 }
 std::shared_ptr<const RankPlan> CpAttention::plan(std::span<const int32_t> cu_seqlens) {
-  return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank());
+  return s_->cache.get(cu_seqlens, s_->comm.size(), s_->comm.rank(), s_->cfg.split);
 }
 
 CpContext CpAttention::forward(const CpForwardArgs& a) {
@@ -588,12 +631,14 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     if (a.plan) {
       CPATTN_CHECK(a.plan->cp == s.comm.size() && a.plan->rank == s.comm.rank(), fn, ": plan is for rank ",
                    a.plan->rank, " of cp = ", a.plan->cp, ", this is rank ", s.comm.rank(), " of ", s.comm.size());
+      CPATTN_CHECK(a.plan->split == c.split, fn, ": plan is of the ", to_string(a.plan->split),
+                   " split, the layer's is ", to_string(c.split));
       CPATTN_CHECK(a.cu_seqlens.empty() || std::equal(a.cu_seqlens.begin(), a.cu_seqlens.end(),
                                                       a.plan->cu_seqlens.begin(), a.plan->cu_seqlens.end()),
                    fn, ": cu_seqlens and plan were both given and differ (pass one of them)");
       ctx->plan = a.plan;
     } else {
-      ctx->plan = s.cache.get(a.cu_seqlens, s.comm.size(), s.comm.rank());
+      ctx->plan = s.cache.get(a.cu_seqlens, s.comm.size(), s.comm.rank(), c.split);
     }
     const int64_t t = ctx->plan->local_tokens;
     check_view(fn, "q", a.q, s.q_like(t), false);
@@ -626,15 +671,14 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     s.pass_q_forward(a, *ctx);
   } else {
     const RankPlan& plan = *ctx->plan;
-    const int cp = s.comm.size();
     const std::size_t es = dtype_size(c.dtype);
-    const auto k_elems = static_cast<std::size_t>(plan.local_tokens * s.k_row());
-    const auto v_elems = static_cast<std::size_t>(plan.local_tokens * s.v_row());
+    const int64_t t_all = plan.layout.rank_begin.back();  // cp * local_tokens when padded
     auto t0 = Clock::now();
-    std::vector<std::byte> k_all(k_elems * cp * es), v_all(v_elems * cp * es);
+    std::vector<std::byte> k_all(static_cast<std::size_t>(t_all * s.k_row()) * es),
+        v_all(static_cast<std::size_t>(t_all * s.v_row()) * es);
     try {
-      all_gather_rows(s.comm, c.dtype, a.k.data, k_elems, k_all.data());
-      all_gather_rows(s.comm, c.dtype, a.v.data, v_elems, v_all.data());
+      all_gather_rows(s.comm, c.dtype, plan, a.k.data, s.k_row(), k_all.data());
+      all_gather_rows(s.comm, c.dtype, plan, a.v.data, s.v_row(), v_all.data());
     } catch (...) {
       // A throw-mode timeout leaves requests that may still write the receive buffers.
       if (s.comm.poisoned()) {
@@ -655,7 +699,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     } else {
       ctx->k = std::move(k_all);
       ctx->v = std::move(v_all);
-      ctx->total_k = cp * plan.local_tokens;
+      ctx->total_k = t_all;
     }
     ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
                     -std::numeric_limits<float>::infinity());
@@ -722,10 +766,9 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     return;
   }
   const RankPlan& plan = *cs->plan;
-  const int cp = s.comm.size();
   auto t0 = Clock::now();
   const int64_t k_row = s.k_row(), v_row = s.v_row();
-  const int64_t t_all = cp * plan.local_tokens;
+  const int64_t t_all = plan.layout.rank_begin.back();
   // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums. In index
   // mode the kernel adds into the copy's rows, and index_add_ moves them here.
   s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
@@ -760,10 +803,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   s.stats.compute_s += seconds_since(t0);
 
   t0 = Clock::now();
-  s.dk_loc.resize(static_cast<std::size_t>(plan.local_tokens * k_row));
-  s.dv_loc.resize(static_cast<std::size_t>(plan.local_tokens * v_row));
-  s.comm.reduce_scatter_sum(s.dk_all, s.dk_loc);
-  s.comm.reduce_scatter_sum(s.dv_all, s.dv_loc);
+  reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.dkx);
+  reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.dvx);
   s.stats.comm_s += seconds_since(t0);
 
   t0 = Clock::now();

@@ -25,32 +25,54 @@ double max_over_mean(const std::vector<RankBalance>& ranks, Workload RankBalance
   return mean > 0 ? static_cast<double>(max) / mean : 1.0;
 }
 
+// The guarantee of each split, as max / mean of visible pairs (plan.hpp's BalanceReport).
+double imbalance_bound(std::span<const int64_t> cu, const SplitLayout& layout, int64_t pairs) {
+  if (pairs == 0) return 1.0;
+  if (layout.split == CpSplit::padding_free)
+    return 1.0 + static_cast<double>(layout.cp - 1) * static_cast<double>(layout.max_doc_spread) /
+                     static_cast<double>(pairs);
+  double padded = 0;  // sum P(P+1) / sum L(L+1)
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const auto p = static_cast<double>(padded_length(cu[d + 1] - cu[d], layout.cp));
+    padded += p * (p + 1) / (2 * static_cast<double>(pairs));
+  }
+  return padded;
+}
+
 }  // namespace
 
-BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
-  const std::vector<DocSplit> docs = split_documents(cu_seqlens, cp);
+BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp, CpSplit split) {
+  const SplitLayout layout = split_layout(cu_seqlens, cp, split);
   BalanceReport report;
   report.cp = cp;
+  report.split = split;
   report.real_tokens = cu_seqlens.back();
-  report.padded_tokens = docs.back().padded_begin + docs.back().padded_len;
+  report.padded_tokens = layout.rank_begin.back();
   report.ranks.resize(cp);
   for (int r = 0; r < cp; ++r) {
-    RankBalance& rb = report.ranks[r];
-    rb.rank = r;
-    rb.local_tokens = report.padded_tokens / cp;
-    rb.tasks = tasks_per_document(cp) * static_cast<int64_t>(docs.size());
-    for (const DocSplit& s : docs) {
-      for (int half = 0; half < tasks_per_document(cp); ++half) {
-        const int64_t j = task_chunk(half, cp, r);
-        const int64_t c = s.chunk;
-        // Positions [j*c, (j+1)*c) of the document; those at or past its length are padding.
-        rb.padding_tokens += std::clamp<int64_t>((j + 1) * c - std::max(s.len, j * c), 0, c);
-        // Queries [j*c, (j+1)*c) over keys [0, (j+1)*c), padding cut out of both.
-        const Workload real = detail::real_task_work(j * c, c, detail::checked_mul(j + 1, c), s.len);
-        detail::checked_add(rb.balanced.rect_work, real.rect_work);
-        detail::checked_add(rb.balanced.visible_pairs, real.visible_pairs);
-      }
+    report.ranks[r].rank = r;
+    report.ranks[r].local_tokens = layout.rank_tokens(r);
+  }
+  // Every chunk is one task of its rank: queries [pos, pos + len) over keys [0, pos + len),
+  // positions at or past the document's length (padding) cut out of both.
+  const int64_t n = chunks_per_document(cp);
+  int64_t pairs = 0, longest = 0;
+  for (std::size_t d = 0; d + 1 < cu_seqlens.size(); ++d) {
+    const int64_t len = cu_seqlens[d + 1] - cu_seqlens[d];
+    detail::checked_add(pairs, detail::checked_visible_pairs(0, len, len));
+    longest = std::max(longest, len);
+    for (int64_t m = 0; m < n; ++m) {
+      const DocChunk& c = layout.chunks[d * n + m];
+      RankBalance& rb = report.ranks[c.rank];
+      rb.padding_tokens += std::clamp<int64_t>(c.pos + c.len - std::max(len, c.pos), 0, c.len);
+      rb.tasks += c.len > 0;
+      const Workload real = detail::real_task_work(c.pos, c.len, c.pos + c.len, len);
+      detail::checked_add(rb.balanced.rect_work, real.rect_work);
+      detail::checked_add(rb.balanced.visible_pairs, real.visible_pairs);
     }
+  }
+  for (int r = 0; r < cp; ++r) {
+    RankBalance& rb = report.ranks[r];
     // The plain split: real tokens [r*T/cp, (r+1)*T/cp), each query seeing its document's
     // prefix; as one kernel task per document piece, keys 0 .. last query.
     const int64_t t = report.real_tokens;
@@ -67,12 +89,16 @@ BalanceReport balance_report(std::span<const int64_t> cu_seqlens, int cp) {
   }
   report.imbalance_balanced = max_over_mean(report.ranks, &RankBalance::balanced);
   report.imbalance_contiguous = max_over_mean(report.ranks, &RankBalance::contiguous);
+  report.imbalance_bound = imbalance_bound(cu_seqlens, layout, pairs);
+  const double mean = static_cast<double>(pairs) / cp;
+  const int64_t lower = std::max((pairs + cp - 1) / cp, longest);
+  report.imbalance_lower_bound = pairs == 0 ? 1.0 : std::max(1.0, static_cast<double>(lower) / mean);
   return report;
 }
 
-BalanceReport balance_report(std::span<const int32_t> cu_seqlens, int cp) {
+BalanceReport balance_report(std::span<const int32_t> cu_seqlens, int cp, CpSplit split) {
   const std::vector<int64_t> wide = widen_boundaries(cu_seqlens);
-  return balance_report(std::span<const int64_t>(wide), cp);
+  return balance_report(std::span<const int64_t>(wide), cp, split);
 }
 
 }  // namespace cpattn

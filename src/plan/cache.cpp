@@ -22,12 +22,13 @@ PlanCache::PlanCache(std::size_t capacity) : capacity_(capacity) {
   entries_.reserve(capacity);
 }
 
-std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int64_t> cu_seqlens, int cp, int rank) {
+std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                               CpSplit split) {
   const uint64_t h = hash_boundaries(cu_seqlens);
   {
     std::lock_guard lock(mutex_);
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (it->hash == h && it->cp == cp && it->rank == rank &&
+      if (it->hash == h && it->cp == cp && it->rank == rank && it->split == split &&
           std::ranges::equal(it->plan->cu_seqlens, cu_seqlens)) {
         ++hits_;
         std::rotate(it, it + 1, entries_.end());  // most recently used goes last
@@ -37,17 +38,19 @@ std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int64_t> cu_seqle
     ++misses_;
   }
   // Plan outside the lock: planning is pure, and a racing miss at worst plans twice.
-  auto plan = std::make_shared<const RankPlan>(get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank));
+  auto plan = std::make_shared<const RankPlan>(
+      get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, PlanOptions{.split = split}));
   std::lock_guard lock(mutex_);
   if (entries_.size() == capacity_) entries_.erase(entries_.begin());  // least recently used
-  entries_.push_back(Entry{h, cp, rank, plan});
+  entries_.push_back(Entry{h, cp, rank, split, plan});
   return plan;
 }
 
-std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int32_t> cu_seqlens, int cp, int rank) {
+std::shared_ptr<const RankPlan> PlanCache::get(std::span<const int32_t> cu_seqlens, int cp, int rank,
+                                               CpSplit split) {
   // Keyed by the widened values: the same hash and content as the int64 spelling.
   const std::vector<int64_t> wide = widen_boundaries(cu_seqlens);
-  return get(std::span<const int64_t>(wide), cp, rank);
+  return get(std::span<const int64_t>(wide), cp, rank, split);
 }
 
 std::size_t PlanCache::size() const {

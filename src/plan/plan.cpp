@@ -3,6 +3,7 @@
 #include <cpattn/plan.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "plan_math.hpp"
@@ -10,9 +11,10 @@
 namespace cpattn {
 
 namespace {
-void split_documents_into(std::span<const int64_t> cu_seqlens, int cp, std::vector<DocSplit>& docs) {
+void split_documents_into(std::span<const int64_t> cu_seqlens, int cp, CpSplit split, std::vector<DocSplit>& docs) {
   check_cu_seqlens(cu_seqlens);
   check_cp_size(cp);
+  const bool padded = split == CpSplit::padded;
   docs.resize(cu_seqlens.size() - 1);
   int64_t padded_begin = 0;
   for (std::size_t d = 0; d < docs.size(); ++d) {
@@ -20,38 +22,69 @@ void split_documents_into(std::span<const int64_t> cu_seqlens, int cp, std::vect
     s.begin = cu_seqlens[d];
     s.len = cu_seqlens[d + 1] - cu_seqlens[d];
     s.padded_begin = padded_begin;
-    s.padded_len = padded_length(s.len, cp);
+    s.padded_len = padded ? padded_length(s.len, cp) : s.len;
     s.chunk = s.padded_len / chunks_per_document(cp);
-    s.local_begin = padded_begin / cp;
+    s.local_begin = padded_begin / cp;  // the padded split's; the planner sets the padding-free one's
     padded_begin += s.padded_len;
   }
 }
+
+// This rank's chunks of document d, in document order (front, back; one at cp = 1).
+int rank_chunks(const SplitLayout& layout, std::size_t d, int rank, std::array<int64_t, 2>& mine) {
+  const int64_t n = chunks_per_document(layout.cp);
+  const DocChunk* ch = layout.chunks.data() + d * n;
+  int found = 0;
+  for (int64_t m = 0; m < n && found < 2; ++m)
+    if (ch[m].rank == rank) mine[found++] = m;
+  return found;
+}
+
+// Keys of a task over chunk j: the document up to the end of chunk j (none for an empty chunk).
+int64_t task_keys(const DocChunk& c) { return c.len == 0 ? 0 : c.pos + c.len; }
 }  // namespace
 
 std::vector<DocSplit> split_documents(std::span<const int64_t> cu_seqlens, int cp) {
   std::vector<DocSplit> docs;
-  split_documents_into(cu_seqlens, cp, docs);
+  split_documents_into(cu_seqlens, cp, CpSplit::padded, docs);
   return docs;
 }
 
 RankPlan get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank) {
-  RankPlan plan;
-  get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, plan);
-  return plan;
+  return get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, PlanOptions{});
 }
 
 RankPlan get_thd_load_balanced_cp_metadata(std::span<const int32_t> cu_seqlens, int cp, int rank) {
+  return get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, PlanOptions{});
+}
+
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                           const PlanOptions& options) {
+  RankPlan plan;
+  get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, options, plan);
+  return plan;
+}
+
+RankPlan get_thd_load_balanced_cp_metadata(std::span<const int32_t> cu_seqlens, int cp, int rank,
+                                           const PlanOptions& options) {
   const std::vector<int64_t> wide = widen_boundaries(cu_seqlens);
-  return get_thd_load_balanced_cp_metadata(std::span<const int64_t>(wide), cp, rank);
+  return get_thd_load_balanced_cp_metadata(std::span<const int64_t>(wide), cp, rank, options);
 }
 
 void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
                                        RankPlan& plan) {
+  get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, PlanOptions{}, plan);
+}
+
+void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int cp, int rank,
+                                       const PlanOptions& options, RankPlan& plan) {
   check_cp_size(cp);
   CPATTN_CHECK(rank >= 0 && rank < cp, "rank must be in [0, cp) = [0, ", cp, "), got ", rank);
   plan.cp = cp;
   plan.rank = rank;
-  split_documents_into(cu_seqlens, cp, plan.docs);
+  plan.split = options.split;
+  split_documents_into(cu_seqlens, cp, options.split, plan.docs);
+  split_layout(cu_seqlens, cp, options.split, plan.layout);
+  const SplitLayout& layout = plan.layout;
   plan.cu_seqlens.assign(cu_seqlens.begin(), cu_seqlens.end());
   plan.cu_seqlens_padded.resize(plan.docs.size() + 1);
   plan.cu_seqlens_padded[0] = 0;
@@ -59,18 +92,21 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
     plan.cu_seqlens_padded[d + 1] = plan.docs[d].padded_begin + plan.docs[d].padded_len;
   plan.global_tokens = cu_seqlens.back();
   plan.global_tokens_padded = plan.cu_seqlens_padded.back();
-  const int64_t t_loc = plan.global_tokens_padded / cp;
+  const int64_t t_loc = layout.rank_tokens(rank);
   plan.local_tokens = t_loc;
   plan.padding_tokens = 0;
   plan.workload = Workload{};
 
-  const int halves = tasks_per_document(cp);
-  const std::size_t num_tasks = static_cast<std::size_t>(halves) * plan.docs.size();
-  // Task `half` reads chunks 0..task_chunk(half): (j + 1) * c keys.
-  int64_t keys_per_chunk = 0;
-  for (int half = 0; half < halves; ++half) keys_per_chunk += task_chunk(half, cp, rank) + 1;
-  int64_t total_kv = 0;
-  for (const DocSplit& s : plan.docs) total_kv += keys_per_chunk * s.chunk;
+  const int64_t n = chunks_per_document(cp);
+  const std::size_t num_tasks = static_cast<std::size_t>(tasks_per_document(cp)) * plan.docs.size();
+  std::array<int64_t, 2> mine{};
+  int64_t total_kv = 0, nonempty = 0;
+  for (std::size_t d = 0; d < plan.docs.size(); ++d)
+    for (int h = 0, found = rank_chunks(layout, d, rank, mine); h < found; ++h) {
+      const DocChunk& c = layout.chunks[d * n + mine[h]];
+      total_kv += task_keys(c);
+      nonempty += c.len > 0;
+    }
 
   plan.global_token_index.resize(t_loc);
   plan.real_token_index.resize(t_loc);
@@ -78,65 +114,67 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
   plan.cu_seqlens_kv.resize(num_tasks + 1);
   plan.cu_seqlens_q[0] = plan.cu_seqlens_kv[0] = 0;
   plan.kv_gather_index.resize(total_kv);
-  plan.work.tasks.resize(num_tasks);
+  plan.work.tasks.resize(nonempty);
   plan.work.runs.clear();
-  plan.work.runs.reserve(num_tasks * 2);
-  plan.work_indexed.tasks.resize(num_tasks);
-  plan.work_indexed.runs.resize(num_tasks);
+  plan.work.runs.reserve(nonempty * 2);
+  plan.work_indexed.tasks.resize(nonempty);
+  plan.work_indexed.runs.resize(nonempty);
 
   int64_t* gti = plan.global_token_index.data();
   int64_t* rti = plan.real_token_index.data();
   int64_t* kvi = plan.kv_gather_index.data();
-  int64_t local = 0, kv_out = 0, padding = 0;
-  std::size_t t = 0;
+  int64_t kv_out = 0, padding = 0;
+  std::size_t t = 0, w = 0;  // tasks, and non-empty tasks (the work lists' entries)
   for (std::size_t d = 0; d < plan.docs.size(); ++d) {
-    const DocSplit& s = plan.docs[d];
-    const int64_t c = s.chunk;
-    for (int half = 0; half < halves; ++half, ++t) {
-      const int64_t j = task_chunk(half, cp, rank);  // this task's chunk
-      // The query rows: chunk j of the document, at its slot on this rank.
-      const int64_t q_row = s.local_begin + half * c;
-      CPATTN_DASSERT(q_row == local);
-      for (int64_t i = 0; i < c; ++i) {
-        const int64_t pos = j * c + i;
-        gti[local + i] = s.padded_begin + pos;
-        rti[local + i] = pos < s.len ? s.begin + pos : -1;
+    DocSplit& s = plan.docs[d];
+    const DocChunk* ch = layout.chunks.data() + d * n;
+    const int found = rank_chunks(layout, d, rank, mine);
+    s.local_begin = ch[mine[0]].local_row;
+    for (int h = 0; h < found; ++h, ++t) {
+      const DocChunk& q = ch[mine[h]];
+      const int64_t kv_len = task_keys(q);
+      plan.cu_seqlens_q[t + 1] = plan.cu_seqlens_q[t] + q.len;
+      plan.cu_seqlens_kv[t + 1] = plan.cu_seqlens_kv[t] + kv_len;
+      if (q.len == 0) continue;
+      // The query rows: the chunk, at its local rows.
+      for (int64_t i = 0; i < q.len; ++i) {
+        const int64_t pos = q.pos + i;
+        gti[q.local_row + i] = s.padded_begin + pos;
+        rti[q.local_row + i] = pos < s.len ? s.begin + pos : -1;
         padding += pos >= s.len;
       }
-      local += c;
       // The keys: chunks 0..j, in sequence order, where the all-gather put them.
-      const int64_t kv_len = (j + 1) * c;
-      plan.cu_seqlens_q[t + 1] = plan.cu_seqlens_q[t] + c;
-      plan.cu_seqlens_kv[t + 1] = plan.cu_seqlens_kv[t] + kv_len;
       const auto run_begin = static_cast<int64_t>(plan.work.runs.size());
-      for (int64_t m = 0; m <= j; ++m) {
-        const int64_t base = int64_t{chunk_owner(m, cp)} * t_loc + s.local_begin + (m < cp ? 0 : c);
-        for (int64_t i = 0; i < c; ++i) kvi[kv_out + i] = base + i;
-        kv_out += c;
+      for (int64_t m = 0; m <= mine[h]; ++m) {
+        if (ch[m].len == 0) continue;
+        const int64_t base = layout.gathered_row(ch[m]);
+        for (int64_t i = 0; i < ch[m].len; ++i) kvi[kv_out + i] = base + i;
+        kv_out += ch[m].len;
         auto& runs = plan.work.runs;
         if (static_cast<int64_t>(runs.size()) > run_begin && runs.back().row + runs.back().len == base &&
-            runs.back().pos + runs.back().len == m * c)  // adjacent in the buffer and in the document
-          runs.back().len += c;
+            runs.back().pos + runs.back().len == ch[m].pos)  // adjacent in the buffer and in the document
+          runs.back().len += ch[m].len;
         else
-          runs.push_back(KeyRun{.row = base, .len = c, .pos = m * c});
+          runs.push_back(KeyRun{.row = base, .len = ch[m].len, .pos = ch[m].pos});
       }
-      const AttnTask task{.q_row = q_row,
-                          .q_len = c,
-                          .q_pos = j * c,
+      const AttnTask task{.q_row = q.local_row,
+                          .q_len = q.len,
+                          .q_pos = q.pos,
                           .doc = static_cast<int64_t>(d),
                           .run_begin = run_begin,
                           .run_end = static_cast<int64_t>(plan.work.runs.size())};
-      plan.work.tasks[t] = task;
-      plan.work_indexed.tasks[t] = task;
-      plan.work_indexed.tasks[t].run_begin = static_cast<int64_t>(t);
-      plan.work_indexed.tasks[t].run_end = static_cast<int64_t>(t) + 1;
-      plan.work_indexed.runs[t] = KeyRun{.row = plan.cu_seqlens_kv[t], .len = kv_len, .pos = 0};
-      const Workload real = detail::real_task_work(j * c, c, kv_len, s.len);
+      plan.work.tasks[w] = task;
+      plan.work_indexed.tasks[w] = task;
+      plan.work_indexed.tasks[w].run_begin = static_cast<int64_t>(w);
+      plan.work_indexed.tasks[w].run_end = static_cast<int64_t>(w) + 1;
+      plan.work_indexed.runs[w] = KeyRun{.row = plan.cu_seqlens_kv[t], .len = kv_len, .pos = 0};
+      ++w;
+      const Workload real = detail::real_task_work(q.pos, q.len, kv_len, s.len);
       detail::checked_add(plan.workload.rect_work, real.rect_work);
       detail::checked_add(plan.workload.visible_pairs, real.visible_pairs);
     }
   }
-  CPATTN_DASSERT(local == t_loc && kv_out == total_kv);
+  CPATTN_DASSERT(kv_out == total_kv && static_cast<int64_t>(w) == nonempty);
   plan.padding_tokens = padding;
   plan.actual_seq_qlen.assign(plan.cu_seqlens_q.begin() + 1, plan.cu_seqlens_q.end());
   plan.actual_seq_kvlen.assign(plan.cu_seqlens_kv.begin() + 1, plan.cu_seqlens_kv.end());
@@ -174,12 +212,13 @@ void put_local_rows(const void* local, int64_t row_bytes, const RankPlan& plan, 
 }
 
 TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, std::span<const int64_t> cu_seqlens,
-                                     int cp, int rank, int64_t pad_token_id) {
+                                     int cp, int rank, int64_t pad_token_id, const PlanOptions& options) {
   check_cu_seqlens(cu_seqlens);
   CPATTN_CHECK(batch.tokens.size() == static_cast<std::size_t>(cu_seqlens.back()),
                "batch.tokens must hold cu_seqlens' last entry ", cu_seqlens.back(), " tokens, got ",
                batch.tokens.size());
-  return get_batch_on_this_cp_rank(batch, get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank), pad_token_id);
+  return get_batch_on_this_cp_rank(batch, get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, options),
+                                   pad_token_id);
 }
 
 TokenBatch get_batch_on_this_cp_rank(const TokenBatch& batch, const RankPlan& plan, int64_t pad_token_id) {

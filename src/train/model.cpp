@@ -39,7 +39,8 @@ CpAttnConfig attention_config(const Dims& d, const ModelConfig& mc, const RunOpt
           .options = {.mask = MaskType::causal, .num_threads = ro.threads, .window_size_left = mc.window_left,
                       .window_size_right = mc.window_right, .softcap = mc.softcap,
                       .alibi_slopes = mc.alibi ? slopes.data() : nullptr},
-          .scheme = ro.cp_scheme};
+          .scheme = ro.cp_scheme,
+          .split = ro.split};
 }
 
 // Rank `plan.rank`'s arrays of the batch in the split's order, from the plan (no second plan):

@@ -106,7 +106,7 @@ check(only["kv_runs"] == [[{"row": 0, "len": 16, "pos": 0}], [{"row": 16, "len":
       "cp 1 runs")
 check(only["rect_work"] == 832 and only["visible_pairs"] == 436, "cp 1 work")
 check(only["contiguous_rect_work"] == 832 and only["contiguous_visible_pairs"] == 436, "cp 1 contiguous")
-check(j["imbalance"] == {"balanced": 1.0, "contiguous": 1.0}, "cp 1 imbalance")
+check(j["imbalance"] == {"balanced": 1.0, "contiguous": 1.0, "bound": 1.0, "lower_bound": 1.0}, "cp 1 imbalance")
 r = run("plan", "--lengths", "3", "--cp", "1", "--json")
 check(json.loads(r.stdout)["cu_seqlens_padded"] == [0, 3], "cp 1 pads nothing")
 

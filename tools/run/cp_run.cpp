@@ -144,8 +144,10 @@ Local prepare(const RunArgs& a, Communicator& comm) {
            .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
                        .path = path, .window_size_left = window.left, .window_size_right = window.right,
                        .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
-           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index};
+           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
+           .split = parse_split(a.split)};
   for (const auto& [s, inner] : schemes_of(a, comm.size(), b.shape)) {
+    if (l.cfg.split == CpSplit::padding_free && s != CpScheme::allgather && a.scheme == "all") continue;
     CpAttnConfig c = l.cfg;
     c.scheme = s;
     c.cp_inner = s == CpScheme::hybrid ? inner : 0;
@@ -243,7 +245,8 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     const KernelPath path = l.cfg.options.path;
     RunReport report{.args = a, .kernel_path = kernel_path_name(path == KernelPath::automatic ? best_kernel_path() : path),
                      .cp = cp, .cp_groups = groups.count, .batch = b,
-                     .balance = balance_report(b.cu_seqlens, cp), .single_process_s = ref.seconds, .schemes = {}};
+                     .balance = balance_report(b.cu_seqlens, cp, parse_split(a.split)),
+                     .single_process_s = ref.seconds, .schemes = {}};
     for (std::size_t i = 0; i < measured.size(); ++i)
       report.schemes.push_back({.scheme = std::string(to_string(l.attns[i]->config().scheme)),
                                 .check = check_against(b, ref, measured[i].got), .ranks = measured[i].ranks});

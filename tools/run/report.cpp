@@ -92,6 +92,7 @@ nlohmann::json report_json(const RunReport& r) {
   report["mode"] = a.mode;
   report["scheme"] = a.scheme;  // a scheme's name, or "all"
   report["cp_inner"] = a.cp_inner;
+  report["split"] = a.split;
   report["mask"] = a.mask;
   {
     const Window w = parse_window(a.window);
@@ -131,11 +132,11 @@ void print_report(const RunReport& r) {
   const std::string group_note =
       r.cp_groups > 1 ? " in each of " + std::to_string(r.cp_groups) + " CP groups (group 0 shown)" : "";
   std::printf("cpattn run: cp = %d%s, seq len %lld in %zu documents (padded to %lld), heads %d, kv heads %d, "
-              "head dim qk/v %d/%d, %s, mode %s, mask %s, %d thread(s) per rank, kernel path %s\n",
+              "head dim qk/v %d/%d, %s, mode %s, mask %s, split %s, %d thread(s) per rank, kernel path %s\n",
               r.cp, group_note.c_str(), static_cast<long long>(b.tokens()), b.cu_seqlens.size() - 1,
               static_cast<long long>(r.balance.padded_tokens), b.shape.heads_q, b.shape.heads_k,
               b.shape.head_dim_qk, b.shape.head_dim_v, a.dtype.c_str(), a.mode.c_str(), a.mask.c_str(),
-              a.threads, r.kernel_path.c_str());
+              a.split.c_str(), a.threads, r.kernel_path.c_str());
   if (!a.window.empty() || a.softcap > 0.0f || a.alibi) {
     const Window w = parse_window(a.window);
     std::printf("masks: window %lld,%lld, softcap %g, alibi %s\n", static_cast<long long>(w.left),

@@ -24,6 +24,7 @@ struct RunArgs {
   int heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0;
   std::string dtype = "fp32", mode = "runs", scheme = "allgather",  // scheme: a CpScheme's name or "all"
               mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
+  std::string split = "padded";  // canonical (vocab.hpp)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
