@@ -227,7 +227,9 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= 256,
                "the head dimension --dim / --heads must be even and <= 256, got ", m.head_dim());
   parse_train_dtype(a.dtype);
-  parse_scheme(a.cp_scheme, "--cp-scheme");
+  CPATTN_CHECK(parse_scheme(a.cp_scheme, "--cp-scheme") != CpScheme::hybrid,
+               "--cp-scheme hybrid needs an all-to-all group size, which cpattn train does not take yet (use "
+               "cpattn run --scheme hybrid --cp-inner N, or another --cp-scheme)");
   parse_window(a.window);
   check_softcap(a.softcap);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,

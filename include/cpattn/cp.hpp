@@ -1,4 +1,5 @@
-// Load-balanced KV all-gather context parallelism (docs/design.md sections 4 and 7).
+// Context parallelism over MPI (docs/design.md sections 4 and 7, docs/cp.md): the load-balanced
+// KV all-gather, ring, pass-Q, all-to-all and hybrid schemes behind one interface.
 //
 // Every rank holds its local THD tokens of one packed batch, in the symmetric split's order
 // (get_batch_on_this_cp_rank / take_local_rows), and all ranks pass the batch's global real
@@ -80,17 +81,17 @@ struct CpAttnConfig {
   // requires the communicator's fixed-order ring reduce-scatter (the default), false permits
   // a communicator configured with CommAlgorithm::mpi.
   bool deterministic = true;
-  KvMode kv_mode = KvMode::runs;  // allgather only (the ring reads its blocks in place)
+  KvMode kv_mode = KvMode::runs;  // where K/V are all-gathered (allgather, a2a, hybrid over allgather)
   bool check_finite = false;      // reject non-finite q/k/v/dout on every rank (costs a pass)
   std::size_t plan_cache_capacity = 8;
   CpScheme scheme = CpScheme::allgather;  // part of the ranks' agreement
-  // hybrid only (docs/cp.md): ranks of one all-to-all group, 2 <= cp_inner <= cp, dividing
+  // hybrid only (docs/cp.md): ranks of one all-to-all group, 1 <= cp_inner <= cp, dividing
   // cp; the groups are consecutive ranks. Hq and Hkv split as for a2a at cp = cp_inner.
   int cp_inner = 0;
   CpScheme hybrid_outer = CpScheme::allgather;  // hybrid only: allgather or ring
   // The split plan() makes (docs/planner.md). padding_free: no padding, local token counts
   // differ between ranks; the all-gather scheme gathers with all_gather_v and reduce-scatters
-  // dK/dV by all_to_all_v summed in rank order (deterministic). The ring scheme refuses it.
+  // dK/dV by all_to_all_v summed in rank order (deterministic). The other schemes refuse it.
   CpSplit split = CpSplit::padded;
 };
 

@@ -261,6 +261,10 @@ struct A2aLevel::Impl {
   }
 
   void backward(A2aContext& ctx, const RankPlan& p, const CpBackwardArgs& a, CpStats& stats) {
+    if (plan.get() != &p) {  // another forward (another batch) ran since this context's
+      row_of = group_rows(p, inner);
+      plan = nullptr;  // the next forward prepares its own plan again
+    }
     const int64_t g = inner * p.local_tokens;
     const int hq = split.hq_loc(), hk = split.kv_loc();
     scatter_heads(a.dout, q_heads(), dout_g, stats);

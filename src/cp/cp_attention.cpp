@@ -331,6 +331,7 @@ struct CpAttention::State {
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
+        .add("dropout_head_offset", o.dropout_head_offset)
         .add("window_size_left", o.window_size_left)
         .add("window_size_right", o.window_size_right)
         .add("softcap (bits)", std::bit_cast<int32_t>(o.softcap))

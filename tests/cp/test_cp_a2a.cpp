@@ -220,6 +220,57 @@ TEST_F(CpA2aTest, RepeatedRunsAreBitwiseEqual) {
   }
 }
 
+// Two batches with other boundaries (two micro-batches of a pipeline): both forwards, then
+// the backwards in reverse order, each equal to its own single-process run. Backward must move
+// rows by its own context's plan, not by the last forward's.
+TEST_F(CpA2aTest, TwoBatchesForwardThenBackwardsInReverse) {
+  const int cp = comm.size();
+  const Shape s = shapes(cp)[1];
+  for (const Variant& r : {Variant{}, Variant{.scheme = CpScheme::hybrid, .cp_inner = cp == 4 ? 2 : 1}}) {
+    CpAttention attn(comm, config(s, DType::f32, r, {}));
+    struct Run {
+      check::Batch b;
+      std::shared_ptr<const RankPlan> p;
+      check::Tensor q, k, v, dout, out, dq, dk, dv;
+      std::vector<float> lse;
+      CpContext ctx;
+    };
+    std::vector<Run> runs;
+    for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{5, 1, 30}, std::vector<int64_t>{17, 9, 2, 40}}) {
+      Run x;
+      x.b = check::random_batch(cu_seqlens_from_lengths(lengths), s, DType::f32, 7);
+      x.p = attn.plan(x.b.cu_seqlens);
+      x.q = check::local_rows(x.b.q, *x.p);
+      x.k = check::local_rows(x.b.k, *x.p);
+      x.v = check::local_rows(x.b.v, *x.p);
+      x.dout = check::local_rows(x.b.dout, *x.p);
+      x.out = check::Tensor(DType::f32, {x.p->local_tokens, s.heads_q, s.head_dim_v});
+      x.dq = check::Tensor(DType::f32, x.q.shape);
+      x.dk = check::Tensor(DType::f32, x.k.shape);
+      x.dv = check::Tensor(DType::f32, x.v.shape);
+      x.lse.resize(static_cast<std::size_t>(x.p->local_tokens * s.heads_q));
+      runs.push_back(std::move(x));
+    }
+    for (Run& x : runs)
+      x.ctx = attn.forward(
+          {.plan = x.p, .q = x.q.view(), .k = x.k.view(), .v = x.v.view(), .out = x.out.view(), .lse = x.lse.data()});
+    for (auto it = runs.rbegin(); it != runs.rend(); ++it)
+      attn.backward(it->ctx, {.q = it->q.view(), .out = it->out.view(), .dout = it->dout.view(), .dq = it->dq.view(),
+                              .dk = it->dk.view(), .dv = it->dv.view()});
+    for (Run& x : runs) {
+      SCOPED_TRACE(::testing::Message() << to_string(r.scheme) << " batch of " << x.b.cu_seqlens.back() << " tokens");
+      const check::Results want = check::single_process(x.b, {});
+      const check::Results got = check::gather_results(
+          comm, *x.p,
+          {.out = x.out.view(), .dq = x.dq.view(), .dk = x.dk.view(), .dv = x.dv.view(), .lse = x.lse.data()});
+      expect_pass(check::compare("out", got.out, want.out, DType::f32, x.b.out_shape().row_elements()));
+      expect_pass(check::compare("dq", got.dq, want.dq, DType::f32, x.b.q_shape().row_elements()));
+      expect_pass(check::compare("dk", got.dk, want.dk, DType::f32, x.b.k_shape().row_elements()));
+      expect_pass(check::compare("dv", got.dv, want.dv, DType::f32, x.b.v_shape().row_elements()));
+    }
+  }
+}
+
 // q, out, dout and dq may be strided views (PyTorch's slices of a fused qkv): the same bits
 // as contiguous tensors.
 TEST_F(CpA2aTest, StridedViewsGiveTheContiguousResult) {

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 SCRIPT = pathlib.Path(__file__).with_name("cp_script.py")
-SCHEMES = "allgather,ring,pass-q"  # every cpattn::CpScheme (cp.hpp); a new one is one name more here
+SCHEMES = "allgather,ring,pass-q"  # the schemes without head-count rules (a2a, hybrid: C++ tests)
 
 
 @pytest.mark.parametrize("ranks, lengths", [(2, "1,7,16"), (3, "5,1,12,2")])

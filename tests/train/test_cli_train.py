@@ -111,6 +111,7 @@ with tempfile.TemporaryDirectory() as tmp:
         (0, ["--attn-dtype", "bf16"], "--attn-dtype"),  # the old name is gone
         (2, ["--cp", "2", "--resume", p("missing.ckpt")], "cannot read"),
         (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, pass-q, a2a, hybrid, got 'zigzag'"),
+        (0, ["--cp-scheme", "hybrid"], "--cp-scheme hybrid needs an all-to-all group size"),
         (0, ["--window", "16"], "--window must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '16'"),
         (0, ["--softcap", "-1"], "--softcap must be finite and >= 0 (0 = off), got -1"),
     ]

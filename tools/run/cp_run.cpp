@@ -151,7 +151,7 @@ Local prepare(const RunArgs& a, Communicator& comm) {
     CpAttnConfig c = l.cfg;
     c.scheme = s;
     c.cp_inner = s == CpScheme::hybrid ? inner : 0;
-    if (s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode is the all-gather scheme's
+    if (a.scheme == "all" && s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode: the all-gather's
     l.attns.push_back(std::make_unique<CpAttention>(comm, c));
   }
   l.plan = l.attns.front()->plan(b.cu_seqlens);  // a plan serves every scheme
