@@ -18,7 +18,7 @@ if(CPATTN_WITH_MPI)
   install(EXPORT cpattnMpiTargets NAMESPACE cpattn::
           DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)
 else()
-  set(_cpattn_mpi_headers PATTERN comm.hpp EXCLUDE PATTERN cp.hpp EXCLUDE PATTERN moe_ep.hpp EXCLUDE
+  set(_cpattn_mpi_headers PATTERN comm.hpp EXCLUDE PATTERN cp.hpp EXCLUDE PATTERN moe_ep.hpp EXCLUDE PATTERN executor.hpp EXCLUDE
       PATTERN cpattn.hpp EXCLUDE)
 endif()
 

@@ -6,7 +6,7 @@
 #pragma once
 
 #include <cpattn/attention.hpp>
-#include <cpattn/cp.hpp>
+#include <cpattn/cp_scheme.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/plan.hpp>

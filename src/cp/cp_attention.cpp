@@ -587,17 +587,6 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
   s_ = std::make_unique<State>(comm, cfg);
 }
 
-std::string_view to_string(CpScheme s) {
-  switch (s) {
-    case CpScheme::allgather: return "allgather";
-    case CpScheme::ring: return "ring";
-    case CpScheme::pass_q: return "pass-q";
-    case CpScheme::a2a: return "a2a";
-    case CpScheme::hybrid: return "hybrid";
-  }
-  return "unknown";
-}
-
 CpScheme parse_cp_scheme(std::string_view name) {
   std::string names;
   for (const CpScheme s : kCpSchemes) {

@@ -1,0 +1,43 @@
+// The CP schemes' names, without MPI: what the command line and other front ends parse
+// (cpattn/cp.hpp runs them).
+#pragma once
+
+#include <string_view>
+
+namespace cpattn {
+
+// How K/V reach the queries (docs/cp.md). allgather: every rank gathers every rank's K/V
+// once, one kernel call; backward reduce-scatters dK/dV. ring (pass-KV): each rank's K/V block
+// travels around the ring of CP ranks by point-to-point shifts (the next block in flight while
+// the current one is computed); at step s rank r holds rank (r - s) mod cp's block and computes
+// only the pairs the plan makes visible (steps with none are skipped), merging each step's
+// partial (out, lse) in the fixed order 0..cp-1; backward sends dK/dV around the ring with
+// the blocks back to their owners. pass-q: the queries travel around the ring instead
+// (the choice when K/V are larger than Q: many KV heads, MLA); each step computes the visiting
+// queries' visible pairs with the local K/V, the partial (out, lse) goes back to the queries'
+// owner and is merged there in step order; backward: the visiting (lse, q, out, dout) give
+// dK/dV locally and partial dQ that go back to the owner. The ring and pass-q hold two blocks
+// instead of cp and compute in fp32.
+// a2a (all-to-all, Ulysses): an all-to-all scatters the heads and gathers the sequence, so
+// each rank runs Hq/cp query heads (and the KV heads they read) over whole documents; the
+// inverse all-to-all restores the token layout. hybrid: a2a over groups of cp_inner
+// consecutive ranks, then `hybrid_outer` (allgather or ring) over the cp / cp_inner groups.
+// All are exact and deterministic.
+enum class CpScheme { allgather, ring, pass_q, a2a, hybrid };
+// Every scheme, one line each: what `cpattn run --scheme all` runs, in this order.
+inline constexpr CpScheme kCpSchemes[] = {CpScheme::allgather, CpScheme::ring, CpScheme::pass_q, CpScheme::a2a,
+                                          CpScheme::hybrid};
+
+// "allgather", "ring", "pass-q", "a2a", "hybrid".
+constexpr std::string_view to_string(CpScheme s) {
+  switch (s) {
+    case CpScheme::allgather: return "allgather";
+    case CpScheme::ring: return "ring";
+    case CpScheme::pass_q: return "pass-q";
+    case CpScheme::a2a: return "a2a";
+    case CpScheme::hybrid: return "hybrid";
+  }
+  return "unknown";
+}
+
+}  // namespace cpattn
