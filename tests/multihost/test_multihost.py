@@ -25,10 +25,10 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 PREFIX = "cm" + "".join(chr(ord("a") + int(d)) for d in str(os.getpid() % 100000))
 SUBNET = str(100 + os.getpid() % 100)
 ENV["CPATTN_NETNS_SUBNET"] = SUBNET
-HOSTS = [f"{PREFIX}h{i}" for i in range(3)]
+HOSTS = [f"{PREFIX}h{c}" for c in "abc"]  # hosts.sh names them with letters
 # Open MPI's daemons notice a lost peer only by TCP keepalive (default: after 300 s idle); the
 # short settings end mpirun within seconds of a cut, after cpattn's own 2 s deadline has fired.
-MCA = ["--mca", "plm_rsh_agent", str(HERE / "rsh_agent.sh"), "--mca", "btl", "tcp,self",
+MCA = ["--mca", "plm_rsh_agent", str(HERE / "rsh_agent.sh"), "--mca", "routed", "direct", "--mca", "btl", "tcp,self",
        "--mca", "btl_tcp_if_include", f"10.{SUBNET}.0.0/24", "--mca", "oob_tcp_if_include",
        f"10.{SUBNET}.0.0/24", "--mca", "oob_tcp_keepalive_time", "3", "--mca",
        "oob_tcp_keepalive_intvl", "1", "--mca", "oob_tcp_keepalive_probes", "3",
