@@ -1,14 +1,16 @@
 """Run under mpiexec by test_cp.py: ContextParallelAttention at CP = world size against the
 single-process flash_attn_varlen_func on the same global batch, forward and backward.
 
-Usage: mpiexec -n N python cp_script.py CONFIGS LENGTHS HEADS [--torch-group GROUP_CONFIGS]
+Usage: mpiexec -n N python cp_script.py CONFIGS LENGTHS HEADS [--torch-group GROUP_CONFIGS [RANKS]]
   CONFIGS  comma-separated scheme configurations, each a scheme name followed by
            ContextParallelAttention arguments as :name=value (an int where it parses as one),
            e.g. allgather,hybrid:cp_inner=2:hybrid_outer=ring,allgather:split=padding-free
   LENGTHS  the documents' lengths, e.g. 1,7,16
   HEADS    Hq,Hkv, e.g. 4,2
-  --torch-group GROUP_CONFIGS  then the bad torch.distributed groups, and GROUP_CONFIGS over
-           a gloo group (env:// from mpirun's ranks) in place of MPI.COMM_WORLD.
+  --torch-group GROUP_CONFIGS [RANKS]  then the bad torch.distributed groups, and
+           GROUP_CONFIGS over a gloo group (env:// from mpirun's ranks) in place of
+           MPI.COMM_WORLD: the default group, or new_group(RANKS) (e.g. 0,2; the other
+           processes sit the cases out).
 Every configuration runs in fp32 and bf16, causal and not, in one launch (starting torch is
 most of its cost). Prints "PASS <cases>" on rank 0, or raises.
 """
@@ -48,16 +50,17 @@ def check(group, scheme, kwargs, dtype, causal, lengths, heads):
     out_ref = cpattn.flash_attn_varlen_func(*ref, cu, cu, max(lengths), max(lengths), causal=causal)
     out_ref.backward(dout)
 
-    plan = cpattn.get_thd_load_balanced_cp_metadata(cu, WORLD.size, WORLD.rank, split)
-    local = [cpattn.take_local_rows(t, plan).requires_grad_() for t in (q, k, v)]
     attn = cpattn.ContextParallelAttention(group, scheme=scheme, causal=causal, **kwargs)
+    comm = attn.comm  # group's processes under MPI (a torch group's: derived by the module)
+    plan = cpattn.get_thd_load_balanced_cp_metadata(cu, comm.size, comm.rank, split)
+    local = [cpattn.take_local_rows(t, plan).requires_grad_() for t in (q, k, v)]
     out = attn(*local, cu)
     out.backward(cpattn.take_local_rows(dout, plan))
 
     def gathered(t):  # every rank's real rows, in global order
         full = torch.zeros((plan.global_tokens,) + tuple(t.shape[1:]), dtype=torch.float32)
-        for r, part in enumerate(WORLD.allgather(t.detach().float())):
-            cpattn.put_local_rows(part, cpattn.get_thd_load_balanced_cp_metadata(cu, WORLD.size, r, split), full)
+        for r, part in enumerate(comm.allgather(t.detach().float())):
+            cpattn.put_local_rows(part, cpattn.get_thd_load_balanced_cp_metadata(cu, comm.size, r, split), full)
         return full
 
     pad = torch.from_numpy(plan.real_token_index < 0)
@@ -97,8 +100,9 @@ def init_gloo(rank):
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=WORLD.size)
 
 
-def torch_group():
-    """The bad groups (each a ValueError on every rank alike), then the default group of mpirun's ranks."""
+def torch_group(ranks):
+    """The bad groups (each a ValueError on every rank alike), then the group to run: the default
+    group of mpirun's ranks, or new_group(ranks) (None on the processes outside it)."""
     import torch.distributed as dist
     # Ranks that are not MPI's: rank r of torch is MPI rank size - 1 - r.
     init_gloo(WORLD.size - 1 - WORLD.rank)
@@ -119,7 +123,10 @@ def torch_group():
             raise AssertionError("a group without this process must be a ValueError")
         except ValueError as e:
             assert "comm must be a process group this process is a member of" in str(e), e
-    return dist.group.WORLD
+    if ranks is None:
+        return dist.group.WORLD
+    group = dist.new_group(ranks=ranks)
+    return group if WORLD.rank in ranks else None
 
 
 def bad_arguments(group):
@@ -139,8 +146,11 @@ def bad_arguments(group):
                       f"num_heads_q = {2 * size + 1} must be divisible by the all-to-all group size {size}")
 
 
-def run_cases(group, configs, lengths, heads):
-    bad_arguments(group)
+def run_cases(group, configs, lengths, heads, every_process=True):
+    if group is None:  # a process outside the torch group under test
+        return 0
+    if every_process:  # the bad arguments' messages are compared over WORLD
+        bad_arguments(group)
     cases = [(s, kw, d, c) for s, kw in configs for d in (torch.float32, torch.bfloat16) for c in (True, False)]
     for scheme, kwargs, dtype, causal in cases:
         check(group, scheme, kwargs, dtype, causal, lengths, heads)
@@ -153,7 +163,9 @@ def main():
     heads = tuple(int(x) for x in sys.argv[3].split(","))
     passed = run_cases(WORLD, configs, lengths, heads)
     if sys.argv[4:5] == ["--torch-group"]:
-        passed += run_cases(torch_group(), [parse_config(c) for c in sys.argv[5].split(",")], lengths, heads)
+        ranks = [int(r) for r in sys.argv[6].split(",")] if len(sys.argv) > 6 else None
+        passed += run_cases(torch_group(ranks), [parse_config(c) for c in sys.argv[5].split(",")], lengths, heads,
+                            every_process=ranks is None)
     if WORLD.rank == 0:
         print("PASS", passed, flush=True)
 
