@@ -442,7 +442,6 @@ NB_MODULE(_cpattn, m) {
            },
            "scheme"_a, "cp_inner"_a, "hybrid_outer"_a, "split"_a, "kv_mode"_a, "deterministic"_a, "check_finite"_a,
            "plan_cache_capacity"_a);
-  m.def("comm_size", &py::comm_size, "comm_handle_address"_a);
   m.def("check_scheme", &py::check_scheme, "cp"_a, "scheme"_a);
   m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,
         "head_dim_qk"_a, "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(),
