@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -241,7 +242,8 @@ struct CalibrateArgs {
   int64_t seq_len = 2048;
   int heads = 8, kv_heads = 2, head_dim = 128, threads = 1, repeats = 3;
   std::vector<std::string> dtypes{"fp32", "fp16", "bf16"};
-  std::vector<int64_t> sizes{8, 4096, 65536, 1 << 20, 4 << 20};
+  std::vector<int64_t> sizes{8, 4096, 65536, 1 << 20, 2 << 20};
+  std::vector<int64_t> lengths;  // the kernel case's documents (default: one of seq_len)
   int iters = 20;
   std::string name = "this-machine";
   bool json = false;
@@ -270,6 +272,7 @@ double shift_seconds(Communicator& comm, int64_t bytes, int iters) {
 void run_calibrate(const CalibrateArgs& a) {
   CPATTN_CHECK(a.iters >= 1, "--iters must be >= 1, got ", a.iters);
   CPATTN_CHECK(!a.sizes.empty(), "--sizes: give at least one message size");
+  for (const int64_t l : a.lengths) CPATTN_CHECK(l >= 1, "--lengths: every length must be >= 1, got ", l);
   for (const int64_t s : a.sizes)
     CPATTN_CHECK(s >= 1 && s <= (int64_t{1} << 30), "--sizes: every message size must be in [1, 2^30] bytes, got ", s);
   std::vector<DType> dtypes;
@@ -292,7 +295,7 @@ void run_calibrate(const CalibrateArgs& a) {
   for (const DType t : dtypes) {
     const std::string name(to_string(t));
     check::AttnBenchOptions o;
-    o.lengths = {a.seq_len};
+    o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
     o.heads = a.heads;
     o.kv_heads = a.kv_heads;
     o.head_dim = a.head_dim;
@@ -308,7 +311,12 @@ void run_calibrate(const CalibrateArgs& a) {
     p.bwd_gflops[static_cast<std::size_t>(t)] = -neg[1];
     kernels.push_back({{"dtype", name}, {"fwd_gflops", -neg[0]}, {"bwd_gflops", -neg[1]}, {"path", r.path}});
   }
-  src << "(one " << a.seq_len << "-token causal document, " << a.heads << "/" << a.kv_heads << " heads, dim "
+  if (a.lengths.empty())
+    src << "(one " << a.seq_len << "-token causal document, ";
+  else
+    src << "(" << a.lengths.size() << " causal documents of " << std::accumulate(a.lengths.begin(), a.lengths.end(), int64_t{0})
+        << " tokens, ";
+  src << a.heads << "/" << a.kv_heads << " heads, dim "
       << a.head_dim << ", " << a.threads << " thread(s), median of " << a.repeats << ", slowest rank); ";
   // Links: ring shifts by message size. Latency: the smallest message; bandwidth: the largest,
   // less that latency.
@@ -428,6 +436,8 @@ void add_calibrate_command(CLI::App& app) {
   cmd->add_option("--name", a->name, "The profile's name")->capture_default_str();
   cmd->add_option("--seq-len", a->seq_len, "Kernel case: one causal document of this many tokens")
       ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--lengths", a->lengths, "Kernel case: these document lengths instead (e.g. a batch to predict)")
+      ->delimiter(',');
   cmd->add_option("--heads", a->heads, "Kernel case: query heads")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "Kernel case: key/value heads")->check(CLI::PositiveNumber)
       ->capture_default_str();
