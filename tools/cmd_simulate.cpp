@@ -229,7 +229,7 @@ void run_simulate(const SimulateArgs& a) {
                 p.breakeven_bandwidth_scale);
   }
   std::printf("best: %s. Times per step in ms on the slowest rank; GB sent per rank and step; mem: attention state "
-              "per rank (! over the profile's memory); cp<: a smaller power-of-two CP predicted faster (0: none); "
+              "per rank (! over the profile's memory); cp<: the fastest smaller power-of-two CP when one beats --cp (0: none); "
               "len x / bw x: the scale of the documents' lengths / of the links' bandwidth below which cp/2 is "
               "faster (0: no crossing within 1/256..256). Simulated in %.3f s.\n",
               std::string(to_string(rep.best)).c_str(), seconds);

@@ -112,9 +112,10 @@ struct SchemePrediction {
   SimBytes step_bytes;        // per rank and step, CP + TP + EP + pipeline, the busiest CP rank
   double peak_memory_gb = 0;  // attention activations and buffers per rank (docs/simulate.md)
   bool fits_memory = true;    // peak_memory_gb <= profile.memory_gb
-  // Where CP stops paying: the smallest power-of-two CP below mesh.cp predicted faster (0: none),
-  // and the scale of every document length / of both links' bandwidth below which cp / 2 is
-  // faster than cp (0 when cp / 2 never wins down to 1/1024, or cp == 1).
+  // Where CP stops paying: the fastest power-of-two CP below mesh.cp when one is predicted
+  // faster than mesh.cp (0: none), and the scale of every document length / of both links'
+  // bandwidth at which cp / 2 and cp cost the same (below it the smaller CP is faster; 0 when
+  // there is no crossing within 1/256..256, or cp is odd or 1).
   int faster_smaller_cp = 0;
   double breakeven_length_scale = 0;
   double breakeven_bandwidth_scale = 0;
