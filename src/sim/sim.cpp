@@ -116,7 +116,10 @@ Ctx make_ctx(const SimInput& in) {
   }
   for (std::size_t d = 0; d + 1 < in.cu_seqlens.size(); ++d) {
     const int64_t len = in.cu_seqlens[d + 1] - in.cu_seqlens[d];
-    c.total_pairs += m.mask == MaskType::causal ? len * (len + 1) / 2 : len * len;
+    int64_t doc = 0;  // the planner counted these without overflow (causal); L^2 may not fit
+    CPATTN_CHECK(!__builtin_mul_overflow(len, m.mask == MaskType::causal ? (len + 1) : len, &doc) &&
+                     !__builtin_add_overflow(c.total_pairs, m.mask == MaskType::causal ? doc / 2 : doc, &c.total_pairs),
+                 "work count overflows int64: documents are too long to count their attention pairs");
     const int64_t chunk = padded_length(len, c.cp) / chunks_per_document(c.cp);
     c.max_real_chunks = std::max<int>(c.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
   }

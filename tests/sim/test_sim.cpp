@@ -69,6 +69,26 @@ TEST(Sim, TheSameCallAcrossNodesUsesTheInterNodeLink) {
   EXPECT_EQ(p.forward[0].payload.sent_intra, 0);
 }
 
+TEST(Sim, AllToAllPeersSplitByLinkClass) {
+  // cp 4 on nodes of 2 ranks: each rank has one peer on its node and two on the other. a2a with
+  // Hq = 4 (one head per rank), Hkv = 4: per peer q, k, v of T_loc = 10 rows x 1 head x 4 dims
+  // x 4 bytes = 160 bytes each, out the same, lse 10 x 4 = 40 bytes: 680 bytes per peer forward.
+  SimInput in = hand_input();
+  in.model.num_heads_q = in.model.num_heads_k = 4;
+  in.mesh.cp = 4;
+  const SchemePrediction p = simulate_scheme(in, CpScheme::a2a);
+  ASSERT_TRUE(p.valid) << p.reason;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(p.forward[r].payload.sent_intra, 680) << r;
+    EXPECT_EQ(p.forward[r].payload.sent_inter, 2 * 680) << r;
+    EXPECT_EQ(p.forward[r].payload.received_inter, 2 * 680) << r;
+  }
+  // The slower class decides each all-to-all: two inter-node messages of 100 us + 160 B / 0.1 GB/s.
+  const double q = 2 * (100e-6 + 160 / 0.1e9), lse = 2 * (100e-6 + 40 / 0.1e9);
+  const double ring_agreement = 3 * (100e-6 + 408 / 0.1e9);  // the ring crosses nodes
+  EXPECT_NEAR(p.forward[0].exposed_s, ring_agreement + 4 * q + lse, 1e-12);
+}
+
 TEST(Sim, RingHidesItsShiftsWhenComputeIsLonger) {
   SimInput in = hand_input();
   in.profile.intra = {.bandwidth_gbs = 1000, .latency_us = 0};  // a 1280-byte shift takes 1.28 ns
