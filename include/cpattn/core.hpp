@@ -15,5 +15,6 @@
 #include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/reference.hpp>
+#include <cpattn/sim.hpp>
 #include <cpattn/version.hpp>
 #include <cpattn/worklist.hpp>
