@@ -436,8 +436,8 @@ TEST(TrainNonFinite, AHugeLearningRateDivergesIntoAnErrorNotANanRun) {
 // ---- Checkpoint verification ----------------------------------------------------------------------
 
 // The format's checksum (FNV-1a 64), rewritten into a corrupted copy so that the field checks
-// behind it are reached. Offsets: magic 8, version and count 16, 28 fields, checksum, payload.
-constexpr std::size_t kStepAt = 8 + 16 + 24 * 8, kChecksumAt = 8 + 16 + 28 * 8, kPayloadAt = kChecksumAt + 8;
+// behind it are reached. Offsets: magic 8, version and count 16, 35 fields, checksum, payload.
+constexpr std::size_t kStepAt = 8 + 16 + 31 * 8, kChecksumAt = 8 + 16 + 35 * 8, kPayloadAt = kChecksumAt + 8;
 
 uint64_t fnv(const std::string& b, std::size_t from, std::size_t to, uint64_t h = 14695981039346656037ull) {
   for (std::size_t i = from; i < to; ++i) h = (h ^ static_cast<uint8_t>(b[i])) * 1099511628211ull;
@@ -510,7 +510,7 @@ TEST(TrainCheckpoint, CorruptOrForeignCheckpointsAreRefusedNamingTheProblem) {
     const int64_t v1 = 1;
     b.replace(8, 8, reinterpret_cast<const char*>(&v1), 8);
     return b;
-  }, false, "has version 1, this cpattn reads version 3");
+  }, false, "has version 1, this cpattn reads version 4");
   refused(same, false, "has lr 0.0005, this run 0.001", {.lr = 1e-3f, .warmup = 3});
   refused(same, false, "has warmup 3, this run 10", {});
   refused(same, false, "has seed 7, this run 8", {.warmup = 3}, 8);
