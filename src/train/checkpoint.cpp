@@ -169,7 +169,9 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
   CPATTN_CHECK(h == stored, "checkpoint '", path, "' fails its checksum (the file is corrupt)");
 
   const std::vector<int64_t> want = fields_of(cfg, 0, {});
-  for (int64_t i = 0; i < kConfigFields; ++i) {
+  // The parameter count last: a field that explains it (experts, dim, ...) is the better message.
+  for (int64_t k = 0; k < kConfigFields; ++k) {
+    const int64_t i = k == kConfigFields - 1 ? kParamsField : k < kParamsField ? k : k + 1;
     const FieldName& f = kFields[i];
     if (got[i] == want[i]) continue;
     if (f.kind == Kind::model || f.kind == Kind::model_real || f.kind == Kind::model_real64 ||

@@ -96,8 +96,14 @@ MoeConfig moe_config(const ModelConfig& mc) {
   return c;
 }
 
-ParamLayout param_layout(const Dims& d, const ModelConfig& mc) {
+ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert, int local_experts) {
   ParamLayout p;
+  if (mc.moe() && local_experts == 0) local_experts = mc.experts;
+  CPATTN_CHECK(!mc.moe() || (first_expert >= 0 && local_experts >= 1 && first_expert + local_experts <= mc.experts),
+               "param_layout: experts [", first_expert, ", ", first_expert + local_experts, ") are not within the ",
+               mc.experts, " of the model");
+  p.first_expert = first_expert;
+  p.local_experts = mc.moe() ? local_experts : 0;
   const auto add = [&p](const std::string& name, std::vector<int64_t> shape, bool decay) {
     int64_t size = 1;
     for (const int64_t s : shape) size *= s;
@@ -120,9 +126,6 @@ ParamLayout param_layout(const Dims& d, const ModelConfig& mc) {
       const int E = mc.experts;
       b.router = add(n + "moe.router", {D, E}, true);
       if (mc.router == MoeRouter::sigmoid_bias) b.bias = add(n + "moe.bias", {E}, false);
-      b.w1 = add(n + "moe.w1", {E, D, F}, true);
-      b.w3 = add(n + "moe.w3", {E, D, F}, true);
-      b.w2 = add(n + "moe.w2", {E, F, D}, true);
     } else {
       b.w1 = add(n + "w1", {D, F}, true);
       b.w3 = add(n + "w3", {D, F}, true);
@@ -132,7 +135,49 @@ ParamLayout param_layout(const Dims& d, const ModelConfig& mc) {
   }
   p.lnf = add("lnf", {D}, false);
   p.lm_head = add("lm_head", {D, d.V}, true);
+  p.experts_begin = p.count;
+  if (mc.moe())  // the experts after everything replicated: one region that EP shards
+    for (int l = 0; l < d.L; ++l) {
+      const std::string n = "layer" + std::to_string(l) + ".moe.";
+      const int64_t X = p.local_experts;
+      ParamLayout::Block& b = p.blocks[static_cast<std::size_t>(l)];
+      b.w1 = add(n + "w1", {X, D, F}, true);
+      b.w3 = add(n + "w3", {X, D, F}, true);
+      b.w2 = add(n + "w2", {X, F, D}, true);
+    }
   return p;
+}
+
+namespace {
+// Calls f(global tensor, local tensor) for each expert tensor of the two layouts (the same
+// model, all experts in `global`).
+template <class F>
+void for_expert_tensors(const ParamLayout& global, const ParamLayout& local, F&& f) {
+  CPATTN_DASSERT(global.tensors.size() == local.tensors.size());
+  for (std::size_t i = 0; i < global.tensors.size(); ++i)
+    if (global.tensors[i].offset >= global.experts_begin) f(global.tensors[i], local.tensors[i]);
+}
+}  // namespace
+
+void take_local_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> all,
+                        std::span<float> mine) {
+  std::copy_n(all.begin(), local.experts_begin, mine.begin());
+  for_expert_tensors(global, local, [&](const ParamTensor& g, const ParamTensor& l) {
+    const int64_t each = l.size / local.local_experts;
+    std::copy_n(all.begin() + g.offset + local.first_expert * each, l.size, mine.begin() + l.offset);
+  });
+}
+
+void put_gathered_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> mine,
+                          std::span<const float> gathered, std::span<float> all) {
+  std::copy_n(mine.begin(), local.experts_begin, all.begin());
+  const int64_t region = local.count - local.experts_begin;
+  const int64_t ranks = static_cast<int64_t>(gathered.size()) / std::max<int64_t>(region, 1);
+  for_expert_tensors(global, local, [&](const ParamTensor& g, const ParamTensor& l) {
+    for (int64_t r = 0; r < ranks; ++r)
+      std::copy_n(gathered.begin() + r * region + (l.offset - local.experts_begin), l.size,
+                  all.begin() + g.offset + r * l.size);
+  });
 }
 
 void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed, std::span<float> params) {
@@ -148,16 +193,34 @@ void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed
   }
 }
 
+namespace {
+// This rank's experts under EP: [first, first + count) of `experts`, one block per EP rank.
+ParamLayout local_layout(const Dims& d, const ModelConfig& mc, const Communicator& ep) {
+  if (!mc.moe()) return param_layout(d, mc);
+  CPATTN_CHECK(mc.experts % ep.size() == 0, "MeshConfig: ep = ", ep.size(), " must divide ModelConfig::experts = ",
+               mc.experts);
+  const int local = mc.experts / ep.size();
+  return param_layout(d, mc, ep.rank() * local, local);
+}
+}  // namespace
+
 Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks,
              Communicator* ep)
-    : config(mc), run(ro), dims(model_dims(mc)), layout(param_layout(dims, mc)),
+    : config(mc), run(ro), dims(model_dims(mc)), layout(local_layout(dims, mc, ep ? *ep : comm)),
       cp(comm.size()),
       attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})),
       ep_comm(ep ? ep : &comm) {
   const int64_t chunks = reduce_ranks > 0 ? reduce_ranks : cp;
   params.assign(layout.count, 0.0f);
   grads.assign((layout.count + chunks - 1) / chunks * chunks, 0.0f);
-  init_params(layout, config, seed, params);
+  if (config.moe()) {  // every expert drawn, the same on every rank whatever ep; this rank's kept
+    const ParamLayout all = param_layout(dims, config);
+    std::vector<float> full(static_cast<std::size_t>(all.count));
+    init_params(all, config, seed, full);
+    take_local_experts(all, layout, full, params);
+  } else {
+    init_params(layout, config, seed, params);
+  }
   set_blas_threads(run.threads);
   acts.resid.resize(dims.L + 1);
   acts.blocks.resize(dims.L);
@@ -342,8 +405,7 @@ void moe_block_forward(Model& m, int l, BlockActs& a, float* y) {
 // scratch.dxn = d(xn2) from dres = dy through the MoE layer; the router's and this rank's
 // experts' gradients += into m.grads. Frees the forward's state.
 void moe_block_backward(Model& m, int l, BlockActs& a) {
-  const Dims& d = m.dims;
-  const int64_t D = d.D, each = static_cast<int64_t>(d.D) * d.F;
+  const int64_t D = m.dims.D;
   Scratch& s = m.scratch;
   const std::vector<int64_t>& rows = m.batch.real_rows;
   const auto R = static_cast<int64_t>(rows.size());
@@ -356,9 +418,9 @@ void moe_block_backward(Model& m, int l, BlockActs& a) {
     for (std::size_t i = 0; i < v.size(); ++i) into[i] += v[i];
   };
   add(g.router, b.grads.router);
-  add(g.w1 + w.first_expert * each, b.grads.w_gate);
-  add(g.w3 + w.first_expert * each, b.grads.w_up);
-  add(g.w2 + w.first_expert * each, b.grads.w_down);
+  add(g.w1, b.grads.w_gate);  // this rank's experts only: the layout holds no other
+  add(g.w3, b.grads.w_up);
+  add(g.w2, b.grads.w_down);
   std::fill(s.dxn.begin(), s.dxn.end(), 0.0f);
   for (int64_t i = 0; i < R; ++i) std::copy_n(b.grads.dx.begin() + i * D, D, s.dxn.begin() + rows[i] * D);
   a.moe = {};
@@ -388,9 +450,11 @@ void moe_begin_step(Model& m, int64_t step_groups) {
       w.bias.assign(static_cast<std::size_t>(E), 0.0f);
     w.first_expert = first;
     w.local_experts = local;
-    w.w_gate.assign(p.w1 + first * each, p.w1 + (first + local) * each);
-    w.w_up.assign(p.w3 + first * each, p.w3 + (first + local) * each);
-    w.w_down.assign(p.w2 + first * each, p.w2 + (first + local) * each);
+    CPATTN_CHECK(first == m.layout.first_expert && local == m.layout.local_experts, "moe_begin_step: the layer's "
+                 "experts [", first, ", ", first + local, ") are not the ones the parameters hold");
+    w.w_gate.assign(p.w1, p.w1 + local * each);
+    w.w_up.assign(p.w3, p.w3 + local * each);
+    w.w_down.assign(p.w2, p.w2 + local * each);
   }
   m.moe_aux = 0;
   m.moe_dropped = 0;

@@ -50,8 +50,10 @@ struct BlockTensors {
 };
 
 // Where every tensor lies in the flat parameter vector, in the order of `tensors`:
-// wte, then per block ln1 wq wk wv wo ln2 w1 w3 w2 (with experts: ln1 wq wk wv wo ln2
-// moe.router [moe.bias] moe.w1 moe.w3 moe.w2), then lnf, lm_head.
+// wte, then per block ln1 wq wk wv wo ln2 w1 w3 w2, then lnf, lm_head. With experts: wte, per
+// block ln1 wq wk wv wo ln2 moe.router [moe.bias], lnf, lm_head, and then the experts region
+// [experts_begin, count): per block moe.w1 moe.w3 moe.w2, each [local_experts, ...], the
+// experts [first_expert, first_expert + local_experts) that this rank holds under EP.
 struct ParamLayout {
   struct Block {
     int64_t ln1, wq, wk, wv, wo, ln2, w1, w3, w2;
@@ -63,6 +65,8 @@ struct ParamLayout {
   std::vector<Block> blocks;
   int64_t lnf = 0;      // [D]
   int64_t lm_head = 0;  // [D, V]
+  int64_t experts_begin = 0;  // = count without experts
+  int first_expert = 0, local_experts = 0;
 
   template <class Float>
   BlockTensors<Float> block(Float* base, int l) const {
@@ -72,14 +76,25 @@ struct ParamLayout {
             b.router >= 0 ? base + b.router : nullptr, b.bias >= 0 ? base + b.bias : nullptr};
   }
 };
-ParamLayout param_layout(const Dims& d, const ModelConfig& mc);
+// local_experts 0: all of them (the layout of a checkpoint file).
+ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert = 0, int local_experts = 0);
+
+// Between the whole model (`global`, every expert: a checkpoint's layout) and one rank's
+// (`local`, the same model, its experts only): the replicated tensors are copied as they are,
+// `mine` = all's experts of local; `all` = mine's replicated tensors and the experts region
+// of every rank of the EP group, `gathered` = [ep, local's experts region] rank-major.
+void take_local_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> all,
+                        std::span<float> mine);
+void put_gathered_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> mine,
+                          std::span<const float> gathered, std::span<float> all);
 
 // The MoE layer's configuration of a model with experts (ModelConfig's fields, checked:
 // they name the errors), hidden = dim, ffn = ffn_dim().
 MoeConfig moe_config(const ModelConfig& mc);
 
-// Deterministic initial weights (the same on every platform and rank): norms 1, matrices
-// normal(0, init_std), the residual projections wo and w2 normal(0, init_std / sqrt(2 L)).
+// Deterministic initial weights (the same on every platform and rank): norms 1 (the router's
+// selection bias 0), matrices normal(0, init_std), the residual projections wo and w2
+// normal(0, init_std / sqrt(2 L)). For the whole layout (all experts): Model takes its part.
 void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed, std::span<float> params);
 
 // This rank's part of one packed sequence: the plan (made once per batch, shared by every

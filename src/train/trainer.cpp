@@ -49,11 +49,12 @@ const OptimConfig& checked(const OptimConfig& oc) {
 
 // The mesh's communicators for this rank, split from the world (include/cpattn/mesh.hpp's
 // layout). Checked on every rank alike: the sizes are the same everywhere.
-// ep: the EP group, ep consecutive ranks of dp_cp (MeshConfig::ep).
+// ep: the EP group, ep consecutive ranks of dp_cp (MeshConfig::ep); edp: the ranks of dp_cp
+// that hold the same experts (the same rank in every EP group), which sum their gradients.
 struct MeshComms {
   MeshConfig config;
   int dp_rank = 0, pp_rank = 0;
-  Communicator cp, pp, dp_cp, ep;
+  Communicator cp, pp, dp_cp, ep, edp;
 };
 
 MeshComms split_mesh(Communicator& world, const MeshConfig& mc, int experts) {
@@ -75,8 +76,9 @@ MeshComms split_mesh(Communicator& world, const MeshConfig& mc, int experts) {
   };
   Communicator cp = split(MeshAxis::cp), pp = split(MeshAxis::pp), dp_cp = split(MeshAxis::dp_cp);
   Communicator ep = dp_cp.split(dp_cp.rank() / mc.ep, dp_cp.rank());
+  Communicator edp = dp_cp.split(dp_cp.rank() % mc.ep, dp_cp.rank());
   return {mc, mesh.coord(world.rank(), MeshAxis::dp), mesh.coord(world.rank(), MeshAxis::pp), std::move(cp),
-          std::move(pp), std::move(dp_cp), std::move(ep)};
+          std::move(pp), std::move(dp_cp), std::move(ep), std::move(edp)};
 }
 
 }  // namespace
@@ -86,6 +88,7 @@ struct Trainer::Impl {
   OptimConfig oc;
   MeshComms mesh;
   Model model;
+  ParamLayout whole;  // the model with every expert: a checkpoint's layout (model.layout without experts)
   AdamW adam;
   double norm = 0;  // global gradient norm of the last backward
   double aux = 0;   // MoE auxiliary loss of the last backward (StepStats::aux_loss)
@@ -97,7 +100,7 @@ struct Trainer::Impl {
   Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t sd,
        const MeshConfig& mesh_config)
       : comm(c), oc(checked(optim)), mesh(split_mesh(c, mesh_config, mc.experts)),
-        model(mesh.cp, mc, ro, sd, c.size(), &mesh.ep), seed(sd) {
+        model(mesh.cp, mc, ro, sd, c.size(), &mesh.ep), whole(param_layout(model.dims, model.config)), seed(sd) {
     adam.m.assign(model.layout.count, 0.0f);
     adam.v.assign(model.layout.count, 0.0f);
   }
@@ -163,10 +166,45 @@ struct Trainer::Impl {
       for (const std::vector<int64_t>& l : model.moe_load) load.insert(load.end(), l.begin(), l.end());
       comm.all_reduce<int64_t>(load, ReduceOp::sum);
     }
-    all_reduce_grads(mesh.dp_cp, model.grads);
-    all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers: exact
-    norm = grad_norm(grads());
+    if (!model.config.moe()) {
+      all_reduce_grads(mesh.dp_cp, model.grads);
+      all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers: exact
+      norm = grad_norm(grads());
+      return loss_sum[0] / static_cast<double>(total);
+    }
+    // The replicated tensors over DP x CP, each rank's experts over the ranks holding them.
+    const std::span<float> g = std::span(model.grads).first(static_cast<std::size_t>(model.layout.count));
+    const auto eb = static_cast<std::size_t>(model.layout.experts_begin);
+    all_reduce_grads(mesh.dp_cp, g.first(eb));
+    all_reduce_grads(mesh.edp, g.subspan(eb));
+    all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers (the same experts): exact
+    // The norm over every expert once: the EP group's shards' squares, summed in rank order.
+    const double replicated = grad_norm(g.first(eb)), mine = grad_norm(g.subspan(eb));
+    std::vector<double> shards(static_cast<std::size_t>(mesh.ep.size()));
+    mesh.ep.all_gather<double>(std::span(&mine, 1), shards);
+    double ss = replicated * replicated;
+    for (const double e : shards) ss += e * e;
+    norm = std::sqrt(ss);
     return loss_sum[0] / static_cast<double>(total);
+  }
+
+  // `mine` (this rank's parameters or moments) in the whole layout: the EP group's experts
+  // gathered (collective over it). Without experts, `mine` itself.
+  std::vector<float> gather_whole(std::span<const float> mine) {
+    if (!model.config.moe()) return {mine.begin(), mine.end()};
+    const std::span<const float> experts = mine.subspan(static_cast<std::size_t>(model.layout.experts_begin));
+    std::vector<float> gathered(experts.size() * static_cast<std::size_t>(mesh.ep.size()));
+    mesh.ep.all_gather<float>(experts, gathered);
+    std::vector<float> all(static_cast<std::size_t>(whole.count));
+    put_gathered_experts(whole, model.layout, mine, gathered, all);
+    return all;
+  }
+  // This rank's part of a whole-layout vector.
+  std::vector<float> take_mine(const std::vector<float>& all) const {
+    if (!model.config.moe()) return all;
+    std::vector<float> mine(static_cast<std::size_t>(model.layout.count));
+    take_local_experts(whole, model.layout, all, mine);
+    return mine;
   }
 };
 
@@ -244,17 +282,23 @@ uint64_t data_identity(std::span<const Document> docs) {
 }
 
 namespace {
-CheckpointConfig checkpoint_config(const Model& m, const OptimConfig& oc, uint64_t seed, const RunIdentity& id) {
-  return {.model = m.config, .n_params = m.layout.count, .optim = oc, .seed = seed, .attn_dtype = m.run.attn_dtype,
+// n_params: the whole model's (every expert), whatever this rank holds.
+CheckpointConfig checkpoint_config(const Model& m, int64_t n_params, const OptimConfig& oc, uint64_t seed,
+                                   const RunIdentity& id) {
+  return {.model = m.config, .n_params = n_params, .optim = oc, .seed = seed, .attn_dtype = m.run.attn_dtype,
           .id = id};
 }
 }  // namespace
 
 void Trainer::save(const std::string& path, const DataPosition& data, const RunIdentity& id) const {
-  const Impl& s = *impl_;
+  Impl& s = *impl_;
+  // Rank 0's EP group holds every expert (the EP groups of a stage hold the same ones, and
+  // every stage holds the whole model).
+  const std::vector<float> p = s.gather_whole(s.model.params), m = s.gather_whole(s.adam.m),
+                           v = s.gather_whole(s.adam.v);
   on_every_rank(s.comm, [&] {
     if (s.comm.rank() == 0)
-      save_checkpoint(path, checkpoint_config(s.model, s.oc, s.seed, id), s.adam.step, data, s.model.params, s.adam.m, s.adam.v);
+      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data, p, m, v);
   });
 }
 
@@ -262,10 +306,10 @@ DataPosition Trainer::load(const std::string& path, const RunIdentity& id) {
   Impl& s = *impl_;
   DataPosition d;
   on_every_rank(s.comm, [&] {
-    CheckpointState c = load_checkpoint(path, checkpoint_config(s.model, s.oc, s.seed, id));
-    s.model.params = std::move(c.params);
-    s.adam.m = std::move(c.m);
-    s.adam.v = std::move(c.v);
+    CheckpointState c = load_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id));
+    s.model.params = s.take_mine(c.params);
+    s.adam.m = s.take_mine(c.m);
+    s.adam.v = s.take_mine(c.v);
     s.adam.step = c.step;
     d = c.data;
   });
