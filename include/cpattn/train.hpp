@@ -7,6 +7,8 @@
 //   Model  token embedding; `layers` pre-norm blocks
 //            x = x + Wo . Attn(RoPE(Wq . rms(x)), RoPE(Wk . rms(x)), Wv . rms(x))   (GQA)
 //            x = x + W2 . (silu(W1 . rms(x)) * (W3 . rms(x)))                       (SwiGLU)
+//          or, with ModelConfig::experts, x = x + MoE(rms(x)) (moe.hpp's layer, expert parallel
+//          over MeshConfig::ep ranks)
 //          final RMSNorm, LM head, cross-entropy over the real tokens of all ranks.
 //          Token-wise layers run on this rank's local tokens (sequence parallel); attention
 //          goes through cpattn::CpAttention; RoPE uses each token's global position in its
@@ -185,7 +187,9 @@ struct StepStats {
 // packed sequence each, the same on every rank: DP replica d runs micro-batches
 // [d * M/dp, (d+1) * M/dp) through its pipeline of pp stages under `schedule`, each stage's
 // CP group splitting every sequence. Gradients are summed over DP x CP, then assembled over
-// PP (each stage holds its own layers' gradients); every rank keeps the whole model.
+// PP (each stage holds its own layers' gradients); every rank keeps the whole model, but for
+// the experts of a model with experts: each rank keeps its EP share (MeshConfig::ep), whose
+// gradients are summed over the ranks holding the same experts.
 // The loss and gradient are those of the M sequences as one batch, so a run on one process
 // with the same micro-batches gives the same loss and gradient norm (up to float summation
 // order).
@@ -244,6 +248,8 @@ class Trainer {
   // gradient loss_and_grad gives (on one sequence). Collective.
   double loss(const PackedSequence& seq);
 
+  // This rank's parameters, gradients and tensors: the whole model, or with experts the
+  // replicated tensors and then this rank's experts only (expert tensors [experts / ep, ...]).
   std::span<float> params();
   std::span<const float> grads() const;
   const std::vector<ParamTensor>& tensors() const;
@@ -255,8 +261,9 @@ class Trainer {
   // Checkpoint: the full configuration (model config, optimizer settings, seed, attention
   // dtype, `id`'s seq_len and data hash), step, data position, weights and AdamW moments
   // (fp32), under an FNV-1a 64 checksum (src/train/checkpoint.hpp). Written by rank 0
-  // (weights are replicated) through write_file_atomically, read by every rank; a file saved
-  // at one cp resumes at any other. load() refuses, with the same cpattn::Error on every rank,
+  // (weights are replicated; experts are first gathered over its EP group, so the file holds
+  // every expert whatever ep) through write_file_atomically, read by every rank (each keeps
+  // its experts); a file saved at one cp, ep or mesh resumes at any other. load() refuses, with the same cpattn::Error on every rank,
   // a file that is truncated, has trailing bytes, fails its checksum, holds a negative step or
   // data position or a non-finite weight or moment, or whose configuration differs from this
   // run's (the message names the field: "checkpoint 'c' has lr 0.001, this run 0.0005").

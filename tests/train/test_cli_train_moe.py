@@ -12,12 +12,14 @@ Checked per step, 1e-5 relative (fp32), against the one-process run with the sam
     EP=2, and a larger bias step changes the curve;
   - a checkpoint saved at DP=2 x EP=2 (experts sharded) resumes at one process and
     continues the curve; a resume with another --top-k is refused naming top_k.
-Bad arguments exit 2 naming the flag and the rule, before any communication."""
+Bad arguments exit 2 naming the flag and the rule, before any communication; ranks launched
+with another --experts or --top-k fail together naming it."""
 import os
+import subprocess
 import sys
 import tempfile
 
-from cli_common import check, failures, log, train
+from cli_common import CPATTN, MPIEXEC, check, failures, log, train
 
 TINY = ["--layers", "2", "--dim", "24", "--heads", "2", "--kv-heads", "1", "--seq-len", "48",
         "--warmup", "1", "--micro", "2"]
@@ -110,6 +112,14 @@ with tempfile.TemporaryDirectory() as tmp:
             (0, ["--experts", "4", "--router", "topk"], "--router must be softmax or sigmoid-bias, got 'topk'")]:
         r = train(np_, *TINY, *flags, "--steps", "1")
         check(r.returncode == 2 and text in r.stderr, f"{flags}: exit {r.returncode}, stderr {r.stderr[-600:]!r}")
+
+    # Ranks launched with other MoE settings (mpirun's MPMD form) fail together, naming the flag.
+    for args1, msg in [(["--experts", "4", "--top-k", "1"], "ranks disagree on cpattn train: --top-k: rank 0 has 2, rank 1 has 1"),
+                       (["--experts", "2", "--top-k", "2"], "ranks disagree on cpattn train: --experts: rank 0 has 4, rank 1 has 2")]:
+        side = lambda extra: [CPATTN, "train", "--timeout", "60", *TINY, "--cp", "2", "--ep", "2", "--steps", "1", *extra]
+        r = subprocess.run([MPIEXEC, "--oversubscribe", "-np", "1", *side(MOE), ":", "-np", "1", *side(args1)],
+                           capture_output=True, text=True, timeout=120)
+        check(r.returncode == 2 and msg in r.stderr, f"{args1} on rank 1 only: exit {r.returncode}\n{r.stderr[-800:]}")
 
 if failures:
     print(f"{len(failures)} failure(s)")
