@@ -5,7 +5,8 @@ Checked per step, 1e-5 relative (fp32), against the one-process run with the sam
     (each rank's micro-batch is one routing group, as on one process); the dropped count is
     the same integer;
   - without a capacity factor (routing per token, so the CP split does not matter): CP=2 x
-    EP=2, DP=2 x CP=2 x EP=4, CP=3 x EP=3 (6 experts, top-3), CP=2 x PP=2 x EP=2 (zb-h1),
+    EP=2, DP=2 x CP=2 x EP=4, DP=2 x CP=2 x EP=2 (each expert's gradient summed over two
+    ranks), CP=3 x EP=3 (6 experts, top-3), CP=2 x PP=2 x EP=2 (zb-h1),
     on documents of 1, 2, 7 and 300 bytes (1-token documents; the planner pads at cp > 1,
     and padding rows are not routed);
   - the sigmoid-bias router (bias moved once per step from the whole step's load) at DP=2 x
@@ -72,6 +73,7 @@ with tempfile.TemporaryDirectory() as tmp:
     ref = run(0, MOE + DATA, p("ref.jsonl"), "one process")
     for np_, flags, what in [(2, ["--cp", "2", "--ep", "2"], "cp2 x ep2"),
                              (4, ["--dp", "2", "--cp", "2", "--ep", "4"], "dp2 x cp2 x ep4"),
+                             (4, ["--dp", "2", "--cp", "2", "--ep", "2"], "dp2 x cp2 x ep2"),
                              (4, ["--cp", "2", "--pp", "2", "--ep", "2", "--schedule", "zb-h1"], "cp2 x pp2 x ep2")]:
         same_curve(ref, run(np_, MOE + DATA + flags, p(what + ".jsonl"), what), what)
     SIX = ["--experts", "6", "--top-k", "3"] + DATA
