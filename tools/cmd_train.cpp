@@ -364,10 +364,14 @@ void train_run(const TrainArgs& a) {
   install_stop_handlers();
 
   if (rank == 0) {
-    int64_t params = static_cast<int64_t>(trainer.params().size());
-    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters\n",
+    const auto mine = static_cast<int64_t>(trainer.params().size());  // with experts: this rank's share
+    const int64_t experts = int64_t{3} * a.model.layers * a.model.dim * a.model.ffn_dim() * a.model.experts;
+    const int64_t params = mine + experts / a.ep * (a.ep - 1);
+    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters",
                 a.cp, a.model.layers, a.model.dim, a.model.heads, a.model.kv_heads, a.model.ffn_dim(),
                 static_cast<long long>(params));
+    if (a.ep > 1) std::printf(" (%lld on each rank: experts / ep)", static_cast<long long>(mine));
+    std::printf("\n");
     std::printf("  mesh: dp %d x cp %d x pp %d, schedule %s, %d micro-batch(es) of %lld tokens per step\n", a.dp,
                 a.cp, a.pp, a.schedule.c_str(), a.micro, static_cast<long long>(a.seq_len));
     if (a.model.moe()) {
