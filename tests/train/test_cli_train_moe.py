@@ -1,9 +1,9 @@
 """`cpattn train --experts E --top-k K --ep N` (docs/training.md "Mixture of experts"): every
 block's MLP replaced by the expert-parallel MoE layer trains to the curve of one process.
 Checked per step, 1e-5 relative (fp32), against the one-process run with the same --micro:
-  - with a capacity factor that drops assignments and the Switch auxiliary loss: DP=2 x EP=2
-    (each rank's micro-batch is one routing group, as on one process); the dropped count is
-    the same integer;
+  - with a capacity factor that drops assignments (by position, and by probability) and the
+    Switch auxiliary loss: DP=2 x EP=2 (each rank's micro-batch is one routing group, as on
+    one process); the dropped count is the same integer;
   - without a capacity factor (routing per token, so the CP split does not matter): CP=2 x
     EP=2, DP=2 x CP=2 x EP=4, DP=2 x CP=2 x EP=2 (each expert's gradient summed over two
     ranks), CP=3 x EP=3 (6 experts, top-3), CP=2 x PP=2 x EP=2 (zb-h1),
@@ -65,6 +65,12 @@ with tempfile.TemporaryDirectory() as tmp:
     check(all(j["experts"] == 4 and j["ep"] == 1 for j in one), "the log names experts and ep")
     same_curve(one, run(2, CAP + ["--dp", "2", "--ep", "2"], p("cap2.jsonl"), "capacity, dp2 x ep2"),
                "capacity, dp2 x ep2", aux=True)
+    PROB = CAP + ["--drop-policy", "probability"]
+    prob = run(0, PROB, p("prob1.jsonl"), "drop by probability, one process")
+    same_curve(prob, run(2, PROB + ["--dp", "2", "--ep", "2"], p("prob2.jsonl"), "drop by probability, dp2 x ep2"),
+               "drop by probability, dp2 x ep2", aux=True)
+    check(prob and one and prob[0]["dropped"] == one[0]["dropped"] and prob[0]["loss"] != one[0]["loss"],
+          "dropping by probability drops as many assignments as by position, other ones")
     nocap = run(0, MOE + ["--aux-loss-coeff", "0.01"], p("nocap.jsonl"), "no capacity, one process")
     check(nocap and one and nocap[0]["loss"] != one[0]["loss"] and nocap[0]["dropped"] == 0,
           "dropping assignments changes the loss")
