@@ -56,6 +56,7 @@ struct TrainArgs {
   uint64_t seed = 1;
   std::string dtype = "fp32";  // attention storage, canonical (vocab.hpp)
   std::string cp_scheme = "allgather";  // canonical (vocab.hpp)
+  int cp_inner = 0;                      // --cp-scheme hybrid: all-to-all group size
   std::string window;                   // --window LEFT,RIGHT (empty: unbounded)
   float softcap = 0.0f;
   bool alibi = false;
@@ -129,7 +130,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--warmup", a.optim.warmup).add("--weight-decay (float bits)", fbits(a.optim.weight_decay));
   fp.add("--clip (float bits)", fbits(a.optim.clip)).add("--dtype (hash)", static_cast<int64_t>(hash_of(a.dtype)));
   const train::ModelConfig m = model_config(a);
-  fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme)));
+  fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme))).add("--cp-inner", a.cp_inner);
   fp.add("--window (left)", m.window_left).add("--window (right)", m.window_right);
   fp.add("--softcap (float bits)", fbits(a.softcap)).add("--alibi", a.alibi ? 1 : 0);
   fp.add("--split (hash)", static_cast<int64_t>(hash_of(a.split)));
@@ -279,9 +280,12 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= 256,
                "the head dimension --dim / --heads must be even and <= 256, got ", m.head_dim());
   parse_train_dtype(a.dtype);
-  CPATTN_CHECK(parse_scheme(a.cp_scheme, "--cp-scheme") != CpScheme::hybrid,
-               "--cp-scheme hybrid needs an all-to-all group size, which cpattn train does not take yet (use "
-               "cpattn run --scheme hybrid --cp-inner N, or another --cp-scheme)");
+  const bool hybrid = parse_scheme(a.cp_scheme, "--cp-scheme") == CpScheme::hybrid;
+  CPATTN_CHECK(hybrid || a.cp_inner == 0, "--cp-inner is for --cp-scheme hybrid only, got --cp-inner ", a.cp_inner,
+               " with --cp-scheme ", a.cp_scheme);
+  CPATTN_CHECK(!hybrid || (a.cp_inner >= 1 && a.cp % a.cp_inner == 0),
+               "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (", a.cp, " = inner x outer), got --cp-inner ",
+               a.cp_inner);
   parse_window(a.window);
   check_softcap(a.softcap);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
@@ -341,7 +345,8 @@ void train_run(const TrainArgs& a) {
   });
   train::Trainer trainer(comm, model_config(a), a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
-                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .split = parse_split(a.split),
+                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
+                          .split = parse_split(a.split),
                           .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed, mesh_config(a));
@@ -386,6 +391,7 @@ void train_run(const TrainArgs& a) {
                 static_cast<long long>(a.seq_len), a.dtype.c_str(), a.threads,
                 a.resume.empty() ? "" : (", resumed at step " + std::to_string(trainer.steps_done())).c_str());
     std::printf("  attention: causal, cp scheme %s", a.cp_scheme.c_str());
+    if (a.cp_inner != 0) std::printf(" (all-to-all groups of %d)", a.cp_inner);
     if (!a.window.empty()) std::printf(", window %s", a.window.c_str());
     if (a.softcap > 0.0f) std::printf(", softcap %g", static_cast<double>(a.softcap));
     std::printf("%s\n", a.alibi ? ", alibi" : "");
@@ -562,6 +568,7 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.window.empty()) v.insert(v.end(), {"--window", a.window});
   if (a.alibi) v.emplace_back("--alibi");
+  if (a.cp_inner != 0) v.insert(v.end(), {"--cp-inner", std::to_string(a.cp_inner)});
   if (!a.data.empty()) {
     v.emplace_back("--data");
     v.insert(v.end(), a.data.begin(), a.data.end());
@@ -645,6 +652,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--cp-scheme", a->cp_scheme, "How attention's K/V reach the queries: " + scheme_names() +
                                                  " (as cpattn run --scheme; every scheme trains to the same curve)")
       ->transform(scheme_transformer("--cp-scheme"))->capture_default_str();
+  cmd->add_option("--cp-inner", a->cp_inner, "--cp-scheme hybrid: ranks of one all-to-all group (consecutive ranks, "
+                                             "dividing --cp; the K/V travel between the groups)");
   cmd->add_option("--window", a->window, "Sliding attention window LEFT,RIGHT (FlashAttention's window_size; "
                                          "-1 = unbounded; RIGHT has no effect under the causal mask)");
   cmd->add_option("--softcap", a->softcap, "Attention logit soft cap (0 = off): scores become X * tanh(s / X)")

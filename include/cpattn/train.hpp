@@ -152,6 +152,7 @@ struct RunOptions {
   // How attention's K/V reach the queries (CpAttnConfig::scheme). Every scheme is exact, so
   // the scheme changes no result beyond rounding and a checkpoint does not record it (like cp).
   CpScheme cp_scheme = CpScheme::allgather;
+  int cp_inner = 0;  // hybrid only: ranks of one all-to-all group (CpAttnConfig::cp_inner)
   CpSplit split = CpSplit::padded;  // how each sequence's documents are cut (docs/planner.md)
   // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
   // document instead of its global position. Wrong for cp > 1 on purpose.

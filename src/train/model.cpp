@@ -40,6 +40,7 @@ CpAttnConfig attention_config(const Dims& d, const ModelConfig& mc, const RunOpt
                       .window_size_right = mc.window_right, .softcap = mc.softcap,
                       .alibi_slopes = mc.alibi ? slopes.data() : nullptr},
           .scheme = ro.cp_scheme,
+          .cp_inner = ro.cp_inner,
           .split = ro.split};
 }
 

@@ -297,6 +297,25 @@ TEST(TrainCp, RingSchemeWithMasksMatchesCp1Within1e5) {
                 world_size(), d, d_plain);
 }
 
+// Every CP scheme trains to the CP=1 curve (all-gather, one process) of the same model: the
+// all-gather, the ring, pass-Q, all-to-all (Hkv = 2 replicated at cp 4) and the hybrid, whose
+// all-to-all groups are 2 ranks where the world size is even (2 x 2 at 4 ranks).
+TEST(TrainCp, EverySchemeMatchesCp1Within1e5) {
+  const int steps = kSanitize ? 2 : 3;
+  const Curve ref = reference(kSmall, {}, kSmallSeq, steps);
+  for (const CpScheme scheme : kCpSchemes) {
+    RunOptions ro{.cp_scheme = scheme};
+    if (scheme == CpScheme::hybrid) ro.cp_inner = world_size() % 2 == 0 ? 2 : 1;
+    const Curve got = run(MPI_COMM_WORLD, kSmall, ro, kSmallSeq, steps);
+    double d = 0;
+    for (int s = 0; s < steps; ++s) d = std::max({d, rel(got.loss[s], ref.loss[s]), rel(got.gnorm[s], ref.gnorm[s])});
+    EXPECT_LE(d, 1e-5) << to_string(scheme);
+    if (world_rank() == 0)
+      std::printf("[ info ] cp %d %s vs cp 1: max relative difference %.3e\n", world_size(),
+                  std::string(to_string(scheme)).c_str(), d);
+  }
+}
+
 // ---- Learning --------------------------------------------------------------------------------------
 
 // The default model on the default data: the loss falls from ln 257 = 5.55 well below it.
