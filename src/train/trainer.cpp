@@ -112,7 +112,8 @@ struct Trainer::Impl {
   // The mean loss of `seq` through the whole model on this rank's CP group (collective
   // over it; forward only, no pipeline).
   // With experts, the EP groups span the DP replicas, which all run `seq`: collective over
-  // the world then, and the auxiliary loss is added (the mean over the dp * cp groups).
+  // the world then, and the auxiliary loss is added (the mean over the dp * cp groups of
+  // each block).
   double forward(const PackedSequence& seq, int64_t& total) {
     prepare_batch(model, seq);
     moe_begin_step(model, static_cast<int64_t>(mesh.config.dp) * mesh.cp.size());
@@ -122,7 +123,8 @@ struct Trainer::Impl {
     mesh.cp.all_reduce<double>(s, ReduceOp::sum);
     total = static_cast<int64_t>(s[1]);
     CPATTN_CHECK(total > 0, "the packed sequence has no token with a label");
-    return s[0] / s[1] + (model.config.moe() ? reduced_aux() : 0.0);
+    // Every stage ran every block here (no pipeline): each block's aux loss pp times.
+    return s[0] / s[1] + (model.config.moe() ? reduced_aux() / mesh.config.pp : 0.0);
   }
 
   // The forwards' auxiliary loss over the world: each EP call's value counted once.

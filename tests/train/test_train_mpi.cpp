@@ -205,6 +205,32 @@ TEST(TrainGrad, MixtureOfExpertsBackwardMatchesFiniteDifferences) {
                   [](const ParamTensor& pt) { return world_rank() == 0 || pt.name.find(".moe.w") == std::string::npos; });
 }
 
+// loss() (every block on every rank, no pipeline) and loss_and_grad() (through the pipeline)
+// of a model with experts and the aux loss equal one process's on a DP x PP mesh (cp = 1, so
+// the routing groups are one process's): the aux loss is counted once per block, whichever
+// stage or replica computed it. 1 rank: the reference itself; 2: PP = 2; 4: DP = EP = 2 x PP = 2.
+TEST(TrainMoe, LossWithAuxIsOneProcesssOnADpPpMesh) {
+  const ModelConfig m{.layers = 3, .dim = 16, .heads = 2, .kv_heads = 1, .ffn = 12, .init_std = 0.2f,
+                      .experts = 4, .top_k = 2, .capacity_factor = 1.0, .aux_loss_coeff = 0.1};
+  const PackedSequence seq = two_documents();
+  double ref[2] = {0, 0};
+  if (world_rank() == 0) {
+    Communicator self(MPI_COMM_SELF);
+    Trainer one(self, m, {}, {}, 3);
+    ref[0] = one.loss(seq);
+    ref[1] = one.loss_and_grad(seq);
+  }
+  MPI_Bcast(ref, 2, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  Communicator comm(MPI_COMM_WORLD);
+  const int pp = world_size() >= 2 ? 2 : 1, dp = world_size() / pp;
+  Trainer t(comm, m, {}, {}, 3, {.dp = dp, .pp = pp, .ep = dp});
+  const std::vector<PackedSequence> micro(static_cast<std::size_t>(dp), seq);
+  EXPECT_LE(rel(t.loss(seq), ref[0]), 1e-6);
+  const StepStats st = t.step(micro);  // dp copies of seq: the same mean loss and aux loss
+  EXPECT_LE(rel(st.loss + st.aux_loss, ref[1]), 1e-6) << "loss " << st.loss << " + aux " << st.aux_loss;
+  EXPECT_GT(st.aux_loss, 0.0);
+}
+
 // ---- CP = N against CP = 1 -------------------------------------------------------------------------
 
 TEST(TrainCp, Fp32CurveMatchesCp1Within1e5AndWeightsStayReplicated) {
