@@ -73,6 +73,14 @@ struct TrainArgs {
   int64_t save_every = 0;       // also save every N steps (0: only at the end)
   bool skip_nonfinite = false;  // skip a non-finite step instead of stopping
   int64_t testing_nan_at_step = -1;  // hidden: NaN loss at this step (for tests)
+  // Mixture of experts (docs/training.md): model.experts and model.top_k, the EP size, and
+  // the layer's options as cpattn moe names them.
+  int ep = 1;
+  std::optional<double> capacity_factor;
+  std::string router = "softmax";        // softmax | sigmoid-bias
+  std::string drop_policy = "position";  // position | probability
+  double aux_loss_coeff = 0;
+  double bias_update_rate = 1e-3;
 };
 
 // SIGTERM or SIGINT received (the signal's number); the loop checks it between steps.
@@ -102,6 +110,11 @@ train::ModelConfig model_config(const TrainArgs& a) {
   m.window_right = w.right;
   m.softcap = a.softcap;
   m.alibi = a.alibi;
+  m.router = a.router == "sigmoid-bias" ? MoeRouter::sigmoid_bias : MoeRouter::softmax;
+  m.capacity_factor = a.capacity_factor;
+  m.drop_policy = a.drop_policy == "probability" ? MoeDropPolicy::by_probability : MoeDropPolicy::by_position;
+  m.aux_loss_coeff = a.aux_loss_coeff;
+  m.bias_update_rate = a.bias_update_rate;
   return m;
 }
 
@@ -130,6 +143,13 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
   fp.add("--dp", a.dp).add("--pp", a.pp).add("--micro", a.micro).add("--schedule (hash)", static_cast<int64_t>(hash_of(a.schedule)));
   fp.add("--virtual", a.virtual_stages.value_or(0));
+  const auto dbits = [](double x) { return std::bit_cast<int64_t>(x); };
+  fp.add("--experts", a.model.experts).add("--top-k", a.model.top_k).add("--ep", a.ep);
+  fp.add("--capacity-factor (double bits, -1 unset)", a.capacity_factor ? dbits(*a.capacity_factor) : -1);
+  fp.add("--router (hash)", static_cast<int64_t>(hash_of(a.router)));
+  fp.add("--drop-policy (hash)", static_cast<int64_t>(hash_of(a.drop_policy)));
+  fp.add("--aux-loss-coeff (double bits)", dbits(a.aux_loss_coeff));
+  fp.add("--bias-update-rate (double bits)", dbits(a.bias_update_rate));
   return fp;
 }
 
@@ -184,7 +204,38 @@ void with_flag(const char* flag, F&& f) {
 train::MeshConfig mesh_config(const TrainArgs& a) {
   const PipelineSchedule kind = *parse_pipeline_schedule(a.schedule);
   return {.dp = a.dp, .pp = a.pp, .schedule = kind,
-          .virtual_stages = a.virtual_stages.value_or(kind == PipelineSchedule::interleaved ? 2 : 1)};
+          .virtual_stages = a.virtual_stages.value_or(kind == PipelineSchedule::interleaved ? 2 : 1), .ep = a.ep};
+}
+
+// The mixture-of-experts flags' rules (the same on every rank: flags only).
+void check_moe_args(const TrainArgs& a) {
+  const int E = a.model.experts;
+  CPATTN_CHECK(E >= 0, "--experts must be >= 0 (0: the dense MLP), got ", E);
+  CPATTN_CHECK(a.router == "softmax" || a.router == "sigmoid-bias", "--router must be softmax or sigmoid-bias, got '",
+               a.router, "'");
+  CPATTN_CHECK(a.drop_policy == "position" || a.drop_policy == "probability",
+               "--drop-policy must be position or probability, got '", a.drop_policy, "'");
+  if (E == 0) {
+    CPATTN_CHECK(a.ep == 1 && a.model.top_k == 1 && !a.capacity_factor && a.router == "softmax" &&
+                     a.drop_policy == "position" && a.aux_loss_coeff == 0 && a.bias_update_rate == 1e-3,
+                 "--ep, --top-k, --capacity-factor, --router, --drop-policy, --aux-loss-coeff and --bias-update-rate "
+                 "need --experts E (a mixture of experts)");
+    return;
+  }
+  CPATTN_CHECK(a.model.top_k >= 1 && a.model.top_k <= E, "--top-k must be in 1..--experts = ", E, ", got ",
+               a.model.top_k);
+  CPATTN_CHECK(a.ep >= 1, "--ep must be >= 1, got ", a.ep);
+  CPATTN_CHECK(E % a.ep == 0, "--ep ", a.ep, " must divide --experts ", E, " (each EP rank holds --experts / --ep)");
+  CPATTN_CHECK((a.dp * a.cp) % a.ep == 0, "--ep ", a.ep, " must divide --dp * --cp = ", a.dp, " * ", a.cp, " = ",
+               a.dp * a.cp, " (EP is folded over the data- and context-parallel ranks of a pipeline stage)");
+  CPATTN_CHECK(!a.capacity_factor || (std::isfinite(*a.capacity_factor) && *a.capacity_factor > 0),
+               "--capacity-factor must be > 0, got ", a.capacity_factor.value_or(0));
+  CPATTN_CHECK(std::isfinite(a.aux_loss_coeff) && a.aux_loss_coeff >= 0, "--aux-loss-coeff must be >= 0, got ",
+               a.aux_loss_coeff);
+  CPATTN_CHECK(a.aux_loss_coeff == 0 || a.router == "softmax",
+               "--aux-loss-coeff needs --router softmax (sigmoid-bias balances by its bias instead)");
+  CPATTN_CHECK(std::isfinite(a.bias_update_rate) && a.bias_update_rate > 0, "--bias-update-rate must be > 0, got ",
+               a.bias_update_rate);
 }
 
 void check_mesh_args(const TrainArgs& a) {
@@ -211,6 +262,7 @@ void check_mesh_args(const TrainArgs& a) {
 void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.cp >= 1, "--cp must be >= 1, got ", a.cp);
   check_mesh_args(a);
+  check_moe_args(a);
   CPATTN_CHECK(a.steps >= 0, "--steps must be >= 0, got ", a.steps);
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.optim.warmup >= 0, "--warmup must be >= 0, got ", a.optim.warmup);
@@ -317,12 +369,23 @@ void train_run(const TrainArgs& a) {
   install_stop_handlers();
 
   if (rank == 0) {
-    int64_t params = static_cast<int64_t>(trainer.params().size());
-    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters\n",
+    const auto mine = static_cast<int64_t>(trainer.params().size());  // with experts: this rank's share
+    const int64_t experts = int64_t{3} * a.model.layers * a.model.dim * a.model.ffn_dim() * a.model.experts;
+    const int64_t params = mine + experts / a.ep * (a.ep - 1);
+    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters",
                 a.cp, a.model.layers, a.model.dim, a.model.heads, a.model.kv_heads, a.model.ffn_dim(),
                 static_cast<long long>(params));
+    if (a.ep > 1) std::printf(" (%lld on each rank: experts / ep)", static_cast<long long>(mine));
+    std::printf("\n");
     std::printf("  mesh: dp %d x cp %d x pp %d, schedule %s, %d micro-batch(es) of %lld tokens per step\n", a.dp,
                 a.cp, a.pp, a.schedule.c_str(), a.micro, static_cast<long long>(a.seq_len));
+    if (a.model.moe()) {
+      std::printf("  experts: %d per block, top-%d, %s router, ep %d (%d experts per rank)", a.model.experts,
+                  a.model.top_k, a.router.c_str(), a.ep, a.model.experts / a.ep);
+      if (a.capacity_factor) std::printf(", capacity factor %g (drop by %s)", *a.capacity_factor, a.drop_policy.c_str());
+      if (a.aux_loss_coeff > 0) std::printf(", aux loss coeff %g", a.aux_loss_coeff);
+      std::printf("\n");
+    }
     std::printf("  data: %zu documents, %lld tokens per epoch; seq-len %lld; attention %s; %d thread(s) per rank%s\n",
                 data->documents().size(), static_cast<long long>(data->total_tokens()),
                 static_cast<long long>(a.seq_len), a.dtype.c_str(), a.threads,
@@ -363,7 +426,8 @@ void train_run(const TrainArgs& a) {
       std::fflush(stdout);
       if (log.fd >= 0) {
         const nlohmann::json j = {{"step", st.step}, {"skipped", true}, {"loss", st.loss},
-                                  {"grad_norm", st.grad_norm}, {"lr", st.lr}, {"cp", a.cp}};
+                                  {"aux_loss", st.aux_loss}, {"grad_norm", st.grad_norm}, {"lr", st.lr},
+                                  {"cp", a.cp}};
         try {
           log.write(j.dump() + "\n");
         } catch (const Error& e) {
@@ -373,8 +437,10 @@ void train_run(const TrainArgs& a) {
     } else if (rank == 0) {
       const double max_rss = *std::max_element(rss.begin(), rss.end());
       if (st.step % a.print_every == 0 || s + 1 == a.steps) {
-        std::printf("step %5lld | loss %.4f | grad norm %7.4f | lr %.2e | %8.0f tok/s | %.3f s | peak MB",
-                    static_cast<long long>(st.step), st.loss, st.grad_norm, st.lr, row.tokens_per_s, row.step_s);
+        std::printf("step %5lld | loss %.4f | ", static_cast<long long>(st.step), st.loss);
+        if (a.model.moe()) std::printf("aux %.4g | ", st.aux_loss);
+        std::printf("grad norm %7.4f | lr %.2e | %8.0f tok/s | %.3f s | peak MB", st.grad_norm, st.lr,
+                    row.tokens_per_s, row.step_s);
         for (const double m : rss) std::printf(" %.1f", m);
         std::printf("\n");
         std::fflush(stdout);
@@ -385,7 +451,9 @@ void train_run(const TrainArgs& a) {
                                   {"step_s", row.step_s},      {"tokens_per_s", row.tokens_per_s},
                                   {"tokens", st.tokens},       {"peak_rss_mb", max_rss},
                                   {"peak_rss_mb_per_rank", rss}, {"cp", a.cp},
-                                  {"dp", a.dp},                {"pp", a.pp}};
+                                  {"dp", a.dp},                {"pp", a.pp},
+                                  {"aux_loss", st.aux_loss},   {"dropped", st.dropped},
+                                  {"experts", a.model.experts}, {"ep", a.ep}};
         try {
           log.write(j.dump() + "\n");
         } catch (const Error& e) {
@@ -490,6 +558,12 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
                                 "--json-log", log, "--dp", std::to_string(a.dp), "--pp", std::to_string(a.pp),
                                 "--micro", std::to_string(a.micro), "--schedule", a.schedule};
   if (a.virtual_stages) v.insert(v.end(), {"--virtual", std::to_string(*a.virtual_stages)});
+  if (a.model.moe()) {
+    v.insert(v.end(), {"--experts", std::to_string(a.model.experts), "--top-k", std::to_string(a.model.top_k),
+                       "--ep", std::to_string(a.ep), "--router", a.router, "--drop-policy", a.drop_policy,
+                       "--aux-loss-coeff", f(a.aux_loss_coeff), "--bias-update-rate", f(a.bias_update_rate)});
+    if (a.capacity_factor) v.insert(v.end(), {"--capacity-factor", f(*a.capacity_factor)});
+  }
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.window.empty()) v.insert(v.end(), {"--window", a.window});
@@ -542,6 +616,24 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--virtual", a->virtual_stages, "Model chunks per stage for --schedule interleaved (default 2)");
   cmd->add_option("--layers", a->model.layers, "Transformer blocks")->capture_default_str();
+  cmd->add_option("--experts", a->model.experts,
+                  "Mixture of experts: E SwiGLU experts replace every block's MLP (0: the dense MLP)")
+      ->capture_default_str();
+  cmd->add_option("--top-k", a->model.top_k, "Experts per token K (1..--experts)")->capture_default_str();
+  cmd->add_option("--ep", a->ep, "Expert-parallel size: divides --experts and --dp * --cp (EP folded over them)")
+      ->capture_default_str();
+  cmd->add_option("--capacity-factor", a->capacity_factor,
+                  "Each expert keeps at most ceil(C * tokens * K / E) of a group's assignments (default: no limit)");
+  cmd->add_option("--drop-policy", a->drop_policy, "Which assignments over capacity are dropped: position or probability")
+      ->capture_default_str();
+  cmd->add_option("--router", a->router, "softmax (top-k of softmax) or sigmoid-bias (auxiliary-loss-free)")
+      ->capture_default_str();
+  cmd->add_option("--aux-loss-coeff", a->aux_loss_coeff,
+                  "Weight of the Switch load-balancing loss, added to the training loss (softmax router)")
+      ->capture_default_str();
+  cmd->add_option("--bias-update-rate", a->bias_update_rate,
+                  "sigmoid-bias router: the selection bias's step per training step")
+      ->capture_default_str();
   cmd->add_option("--dim", a->model.dim, "Model width")->capture_default_str();
   cmd->add_option("--heads", a->model.heads, "Query heads")->capture_default_str();
   cmd->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (GQA)")->capture_default_str();
