@@ -45,6 +45,7 @@ constexpr FieldName kFields[] = {
 constexpr int64_t kFieldCount = std::size(kFields);
 constexpr int64_t kConfigFields = 31;  // before the state
 constexpr int64_t kParamsField = 8;
+constexpr int64_t kMoeFirst = 13, kMoeFields = 7;  // experts .. bias_update_rate, new in version 4
 
 int64_t bits(float x) { return std::bit_cast<int32_t>(x); }
 int64_t bits64(double x) { return std::bit_cast<int64_t>(x); }
@@ -141,18 +142,20 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
   };
   CPATTN_CHECK(size >= 24, "checkpoint '", path, "' is truncated (", size, " bytes)");
   const int64_t version = at(0);
-  CPATTN_CHECK(version == kVersion, "checkpoint '", path, "' has version ", version, ", this cpattn reads version ",
-               kVersion,
+  // Version 3 is version 4 without the mixture-of-experts fields: read as a model without
+  // experts (what version 4 records for one), so that its runs resume.
+  CPATTN_CHECK(version == kVersion || version == 3, "checkpoint '", path, "' has version ", version,
+               ", this cpattn reads versions 3 and ", kVersion,
                version == 1   ? " (version 1 has no checksum and no configuration: train again)"
                : version == 2 ? " (version 2 has no attention masks in its configuration: train again)"
-               : version == 3 ? " (version 3 has no mixture-of-experts fields in its configuration: train again)"
                               : "");
-  CPATTN_CHECK(at(1) == kFieldCount, "checkpoint '", path, "' has ", at(1), " header fields, want ", kFieldCount);
-  const std::size_t header = 8 + 8 * (2 + kFieldCount) + 8;
+  const int64_t file_fields = version == 3 ? kFieldCount - kMoeFields : kFieldCount;
+  CPATTN_CHECK(at(1) == file_fields, "checkpoint '", path, "' has ", at(1), " header fields, want ", file_fields);
+  const std::size_t header = 8 + 8 * (2 + file_fields) + 8;
   CPATTN_CHECK(size >= header, "checkpoint '", path, "' is truncated (", size, " bytes, its header alone is ", header,
                ")");
-  std::vector<int64_t> got(kFieldCount);
-  for (int64_t i = 0; i < kFieldCount; ++i) got[i] = at(2 + i);
+  std::vector<int64_t> got(kFieldCount, 0);
+  for (int64_t i = 0; i < file_fields; ++i) got[version == 3 && i >= kMoeFirst ? i + kMoeFields : i] = at(2 + i);
   const int64_t n_file = got[kParamsField];
   CPATTN_CHECK(n_file >= 0 && n_file < (int64_t{1} << 40), "checkpoint '", path, "' has a parameter count of ",
                n_file);

@@ -588,7 +588,18 @@ TEST(TrainCheckpoint, CorruptOrForeignCheckpointsAreRefusedNamingTheProblem) {
     const int64_t v1 = 1;
     b.replace(8, 8, reinterpret_cast<const char*>(&v1), 8);
     return b;
-  }, false, "has version 1, this cpattn reads version 4");
+  }, false, "has version 1, this cpattn reads versions 3 and 4");
+  // Version 3 (no mixture-of-experts fields; this file's model has none): the same run resumes.
+  refused([](std::string b) {
+    constexpr std::size_t moe_at = 8 + 16 + 13 * 8, moe_bytes = 7 * 8;
+    for (std::size_t i = moe_at; i < moe_at + moe_bytes; ++i) EXPECT_EQ(b[i], 0) << "a MoE field of a dense model";
+    b.erase(moe_at, moe_bytes);
+    const int64_t head[2] = {3, 28};
+    b.replace(8, 16, reinterpret_cast<const char*>(head), 16);
+    constexpr std::size_t sum_at = kChecksumAt - moe_bytes;
+    const uint64_t h = fnv(b, sum_at + 8, b.size(), fnv(b, 8, sum_at));
+    return b.replace(sum_at, 8, reinterpret_cast<const char*>(&h), 8);
+  }, false, "no error");
   refused(same, false, "has lr 0.0005, this run 0.001", {.lr = 1e-3f, .warmup = 3});
   refused(same, false, "has warmup 3, this run 10", {});
   refused(same, false, "has seed 7, this run 8", {.warmup = 3}, 8);
