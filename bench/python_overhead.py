@@ -10,9 +10,7 @@ of --repeats runs, one thread.
 
 import argparse
 import json
-import statistics
 import subprocess
-import time
 
 import torch
 
