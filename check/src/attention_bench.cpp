@@ -136,8 +136,11 @@ AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostream* log
   c.window_right = o.window_right;
   c.softcap = o.softcap;
   c.alibi = o.alibi;
-  const KernelPath path = o.path == KernelPath::automatic ? best_kernel_path() : o.path;
+  const KernelChoice choice = resolve_kernel_path(o.path, o.dtype);
+  const KernelPath path = choice.path;
   res.path = std::string(to_string(path));
+  res.path_reason = choice.reason;
+  res.path_forced_by_env = choice.forced_by_env;
   res.fwd_flops = c.fwd_flops();
   res.bwd_flops = c.bwd_flops();
   const DType dt = o.dtype;
