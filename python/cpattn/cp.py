@@ -8,6 +8,8 @@ mpi4py communicator, or a torch.distributed process group made under mpirun, for
 module derives the MPI communicator of the same processes (docs/python.md).
 """
 
+import weakref
+
 import torch
 
 from . import _cpattn
@@ -80,6 +82,12 @@ def _mpi_comm_of_group(group):
         members.Free()
 
 
+def _free_comm(comm):
+    MPI = _mpi()
+    if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
+        comm.Free()
+
+
 def _mpi_comm(comm):
     """comm, checked to be a usable mpi4py communicator (local checks only)."""
     MPI = _mpi()
@@ -144,8 +152,8 @@ class ContextParallelAttention(torch.nn.Module):
                             ("kv_mode", kv_mode)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-        for name, value in (("cp_inner", cp_inner), ("plan_cache_capacity", plan_cache_capacity)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        for name, value, optional in (("cp_inner", cp_inner, True), ("plan_cache_capacity", plan_cache_capacity, False)):
+            if (value is not None or not optional) and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if scheme == "hybrid" and cp_inner is None:
             raise ValueError(f"cp_inner is required for scheme 'hybrid': the ranks of one all-to-all group, a "
@@ -160,6 +168,8 @@ class ContextParallelAttention(torch.nn.Module):
         # Every argument is checked: only now does anything move (a process group's rank check).
         self.group = group
         self.comm = _mpi_comm_of_group(group) if group is not None else comm
+        if group is not None:  # ours: freed with the module (the C++ layers hold their own duplicates)
+            weakref.finalize(self, _free_comm, self.comm)
         self._comm_address = _mpi()._addressof(self.comm)
         self.scheme, self.cp_inner, self.hybrid_outer, self.split = scheme, cp_inner, hybrid_outer, split
         self.kv_mode, self.check_finite, self.plan_cache_capacity = kv_mode, check_finite, plan_cache_capacity

@@ -19,9 +19,9 @@ namespace {
 constexpr char kMagic[8] = {'C', 'P', 'A', 'T', 'T', 'N', 'T', 'R'};
 constexpr int64_t kVersion = 4;
 
-// model_real64: a double's bits, 0 shown as "none" (an unset capacity factor); router and
-// drop_policy: the enums, shown by name.
-enum class Kind { model, model_real, model_real64, router, drop_policy, integer, real, hash, dtype, state };
+// model_real64: a double's bits; capacity: the same, 0 shown as "none" (an unset capacity
+// factor); router and drop_policy: the enums, shown by name.
+enum class Kind { model, model_real, model_real64, capacity, router, drop_policy, integer, real, hash, dtype, state };
 struct FieldName {
   const char* name;
   Kind kind;
@@ -35,7 +35,7 @@ constexpr FieldName kFields[] = {
     {"window_left", Kind::model},   {"window_right", Kind::model}, {"softcap", Kind::model_real},
     {"alibi", Kind::model},
     {"experts", Kind::model},       {"top_k", Kind::model},        {"router", Kind::router},
-    {"capacity_factor", Kind::model_real64}, {"drop_policy", Kind::drop_policy},
+    {"capacity_factor", Kind::capacity}, {"drop_policy", Kind::drop_policy},
     {"aux_loss_coeff", Kind::model_real64},  {"bias_update_rate", Kind::model_real64},
     {"lr", Kind::real},             {"warmup", Kind::integer},     {"weight_decay", Kind::real},
     {"clip", Kind::real},           {"beta1", Kind::real},         {"beta2", Kind::real},
@@ -75,9 +75,9 @@ std::string shown(Kind k, int64_t v) {
       std::snprintf(b, sizeof b, "%.*g", digits, x);
       if (std::strtof(b, nullptr) == x) break;
     }
-  } else if (k == Kind::model_real64) {
+  } else if (k == Kind::model_real64 || k == Kind::capacity) {
     const double x = std::bit_cast<double>(v);
-    if (x == 0) return "none";
+    if (x == 0 && k == Kind::capacity) return "none";
     std::snprintf(b, sizeof b, "%.17g", x);
   } else if (k == Kind::router) {
     return static_cast<MoeRouter>(v) == MoeRouter::softmax ? "softmax" : "sigmoid-bias";
@@ -178,7 +178,7 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
     const FieldName& f = kFields[i];
     if (got[i] == want[i]) continue;
     if (f.kind == Kind::model || f.kind == Kind::model_real || f.kind == Kind::model_real64 ||
-        f.kind == Kind::router || f.kind == Kind::drop_policy)
+        f.kind == Kind::capacity || f.kind == Kind::router || f.kind == Kind::drop_policy)
       CPATTN_CHECK(false, "checkpoint '", path, "' holds a model with ", f.name, " = ", shown(f.kind, got[i]),
                    ", this run has ", shown(f.kind, want[i]));
     CPATTN_CHECK(false, "checkpoint '", path, "' has ", f.name, " ", shown(f.kind, got[i]), ", this run ",

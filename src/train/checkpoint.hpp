@@ -16,9 +16,11 @@
 //   checksum                       uint64 FNV-1a 64 over the version, count, fields and payload
 //   payload                        params, m, v (fp32, the parameter count each)
 // The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
-// both are refused, as are version 1 (no checksum, no configuration), version 2 (no attention
-// masks) and version 3 files (no mixture-of-experts fields). Every expert of every block is in
-// the payload (each rank holds the whole model), so a file saved at one ep resumes at any ep.
+// both are refused, as are version 1 (no checksum, no configuration) and version 2 (no
+// attention masks). Version 3 (no mixture-of-experts fields) is read as a model without
+// experts. Every expert of every block is in the payload (gathered over the EP group before
+// rank 0 writes; each rank holds only its E/ep experts in training), so a file saved at one ep
+// resumes at any ep.
 #pragma once
 
 #include <cpattn/train.hpp>

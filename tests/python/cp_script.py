@@ -15,6 +15,7 @@ Every configuration runs in fp32 and bf16, causal and not, in one launch (starti
 most of its cost). Prints "PASS <cases>" on rank 0, or raises.
 """
 
+import gc
 import os
 import socket
 import sys
@@ -123,6 +124,13 @@ def torch_group(ranks):
             raise AssertionError("a group without this process must be a ValueError")
         except ValueError as e:
             assert "comm must be a process group this process is a member of" in str(e), e
+    # The MPI communicator a group's module makes is freed with the module.
+    attn = cpattn.ContextParallelAttention(dist.group.WORLD)
+    made = attn.comm
+    del attn
+    gc.collect()
+    from mpi4py import MPI
+    assert made == MPI.COMM_NULL, "the module's communicator outlived it"
     if ranks is None:
         return dist.group.WORLD
     group = dist.new_group(ranks=ranks)

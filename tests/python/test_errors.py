@@ -95,7 +95,8 @@ def test_bad_cp_arguments():
             (dict(split="none"), ValueError, "split must be one of padded, padding-free"),
             (dict(kv_mode="copy"), ValueError, "kv_mode must be one of runs, index"),
             (dict(scheme="ring", kv_mode="index"), ValueError, "kv_mode index is the all-gather scheme's"),
-            (dict(plan_cache_capacity=-1), ValueError, "plan_cache_capacity must be >= 0")):
+            (dict(plan_cache_capacity=-1), ValueError, "plan_cache_capacity must be >= 0"),
+            (dict(plan_cache_capacity=None), TypeError, "plan_cache_capacity must be an int, got NoneType")):
         with pytest.raises(error, match=re.escape(words)):
             cpattn.ContextParallelAttention(MPI.COMM_WORLD, **kwargs)
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
