@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -56,17 +58,24 @@ void add_bytes(SimBytes& a, const SimBytes& b) {
   a.received_inter += b.received_inter;
 }
 
+// The planner's side of a simulation: what depends on the batch, the CP size and the mask only.
+struct Work {
+  int64_t t_loc = 0;            // local tokens per CP rank (the padded split: equal)
+  std::vector<int64_t> pairs;   // [cp] per-rank work (causal: the planner's visible pairs)
+  std::vector<int64_t> prefix;  // [cp + 1] running sums of pairs: a group's work in O(1)
+  int64_t total_pairs = 0;      // of the whole batch, real positions only
+  int max_real_chunks = 0;      // the most chunks holding a real token, over documents
+};
+
 // What every scheme's model needs about one simulation.
 struct Ctx {
   const SimInput& in;
+  std::shared_ptr<const Work> work;
   int cp = 1;
   int hq = 1, hk = 1;  // heads per TP rank
   int dqk = 1, dv = 1;
   int64_t es = 2;
-  int64_t t_loc = 0;  // local tokens per CP rank (the padded split: equal)
-  std::vector<int64_t> pairs;  // [cp] per-rank work (causal: the planner's visible pairs)
-  int64_t total_pairs = 0;     // of the whole batch, real positions only
-  int max_real_chunks = 0;     // the most chunks holding a real token, over documents
+  int64_t t_loc = 0;  // work->t_loc
   double fwd_rate = 0, bwd_rate = 0;  // FLOP/s
   Topology topo;
 
@@ -113,35 +122,62 @@ bool total_pairs(std::span<const int64_t> cu, MaskType mask, int64_t& total) {
   return true;
 }
 
-Ctx make_ctx(const SimInput& in) {
+Work plan_work(std::span<const int64_t> cu, int cp, MaskType mask) {
+  Work w;
+  // The planner's per-rank work (what `cpattn plan` reports).
+  const BalanceReport rep = balance_report(cu, cp, CpSplit::padded);
+  w.t_loc = rep.padded_tokens / cp;
+  w.pairs.resize(static_cast<std::size_t>(cp));
+  if (mask == MaskType::causal) {
+    for (int r = 0; r < cp; ++r) w.pairs[r] = rep.ranks[r].balanced.visible_pairs;
+  } else {
+    w.pairs = pairs_no_mask(cu, cp);
+  }
+  w.prefix.assign(1, 0);
+  for (const int64_t x : w.pairs) w.prefix.push_back(w.prefix.back() + x);
+  CPATTN_CHECK(total_pairs(cu, mask, w.total_pairs),
+               "work count overflows int64: documents are too long to count their attention pairs");
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t len = cu[d + 1] - cu[d];
+    const int64_t chunk = padded_length(len, cp) / chunks_per_document(cp);
+    w.max_real_chunks = std::max<int>(w.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
+  }
+  return w;
+}
+
+// The Work of the simulated batch per (CP size, mask), planned once for all of one call's
+// predictions (every scheme, the smaller CP sizes, the bandwidth sweep). Batches of the
+// length sweep are other batches: planned each time, not kept.
+class WorkCache {
+ public:
+  explicit WorkCache(std::span<const int64_t> cu) : cu_(cu) {}
+  std::shared_ptr<const Work> get(std::span<const int64_t> cu, int cp, MaskType mask) {
+    if (cu.data() != cu_.data() || cu.size() != cu_.size())
+      return std::make_shared<const Work>(plan_work(cu, cp, mask));
+    std::shared_ptr<const Work>& w = kept_[{cp, mask}];
+    if (!w) w = std::make_shared<const Work>(plan_work(cu, cp, mask));
+    return w;
+  }
+
+ private:
+  std::span<const int64_t> cu_;
+  std::map<std::pair<int, MaskType>, std::shared_ptr<const Work>> kept_;
+};
+
+Ctx make_ctx(const SimInput& in, WorkCache& cache) {
   const SimModel& m = in.model;
-  Ctx c{.in = in, .pairs = {}, .topo = {}};
+  Ctx c{.in = in, .work = cache.get(in.cu_seqlens, in.mesh.cp, m.mask), .topo = {}};
   c.cp = in.mesh.cp;
   c.hq = m.num_heads_q / in.mesh.tp;
   c.hk = m.num_heads_k / in.mesh.tp;
   c.dqk = m.head_dim_qk;
   c.dv = m.head_dim_v;
   c.es = static_cast<int64_t>(dtype_size(m.dtype));
+  c.t_loc = c.work->t_loc;
   c.topo = {.tp = in.mesh.tp, .rpn = in.profile.ranks_per_node};
   const auto di = static_cast<std::size_t>(m.dtype);
   c.fwd_rate = in.profile.fwd_gflops[di] * 1e9;
   c.bwd_rate = in.profile.bwd_gflops[di] * 1e9;
-  // The planner's per-rank work (what `cpattn plan` reports).
-  const BalanceReport rep = balance_report(in.cu_seqlens, c.cp, CpSplit::padded);
-  c.t_loc = rep.padded_tokens / c.cp;
-  c.pairs.resize(static_cast<std::size_t>(c.cp));
-  if (m.mask == MaskType::causal) {
-    for (int r = 0; r < c.cp; ++r) c.pairs[r] = rep.ranks[r].balanced.visible_pairs;
-  } else {
-    c.pairs = pairs_no_mask(in.cu_seqlens, c.cp);
-  }
-  CPATTN_CHECK(total_pairs(in.cu_seqlens, m.mask, c.total_pairs),
-               "work count overflows int64: documents are too long to count their attention pairs");
-  for (std::size_t d = 0; d + 1 < in.cu_seqlens.size(); ++d) {
-    const int64_t len = in.cu_seqlens[d + 1] - in.cu_seqlens[d];
-    const int64_t chunk = padded_length(len, c.cp) / chunks_per_document(c.cp);
-    c.max_real_chunks = std::max<int>(c.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
-  }
   return c;
 }
 
@@ -152,7 +188,7 @@ Ctx make_ctx(const SimInput& in) {
 // chunks decides. Both ways round the pairs form intervals of CP indices:
 // The ranks q whose queries see rank b's block, [lo, hi): q < n, and causal q >= min(b, 2cp - n).
 std::pair<int64_t, int64_t> visible_queries(const Ctx& c, int b) {
-  const int64_t n = c.max_real_chunks, cp = c.cp, hi = std::min(n, cp);
+  const int64_t n = c.work->max_real_chunks, cp = c.cp, hi = std::min(n, cp);
   if (b >= n) return {0, 0};
   if (c.in.model.mask == MaskType::none) return {0, hi};
   return {std::min<int64_t>(b, std::max<int64_t>(0, 2 * cp - n)), hi};
@@ -160,7 +196,7 @@ std::pair<int64_t, int64_t> visible_queries(const Ctx& c, int b) {
 // The ranks b whose block rank q's queries see, [lo, hi): b < n, and causal (unless q's back
 // chunk is real) b <= q.
 std::pair<int64_t, int64_t> visible_blocks(const Ctx& c, int q) {
-  const int64_t n = c.max_real_chunks, cp = c.cp, hi = std::min(n, cp);
+  const int64_t n = c.work->max_real_chunks, cp = c.cp, hi = std::min(n, cp);
   if (q >= n) return {0, 0};
   if (c.in.model.mask == MaskType::none || 2 * cp - 1 - q < n) return {0, hi};
   return {0, std::min<int64_t>(hi, int64_t{q} + 1)};
@@ -235,13 +271,13 @@ void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * c.es, f.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * c.es, f.payload);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * 4, b.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * 4, b.payload);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
 }
 
 // The overlap of a ring of `cp` steps: step s computes while the next block travels
@@ -259,7 +295,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
   SimBytes dummy;
   const double kv_t = ring_transfer(c, r, 0, 1, cp, 1, kv_block, dummy);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, f.payload);
@@ -268,7 +304,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, b.payload);
   overlap_steps(cp, b.compute_s, kv_t, b);
   // The dK/dV accumulator leaves after each step's compute and is waited on before the next:
@@ -306,12 +342,12 @@ void pass_q_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, c.cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
   pass_q_call(c, r, n_lse * c.dqk * c.es, n_lse * (1 + c.dv) * 4, f.compute_s, f);
   t = 0;
   agreement(c, r, 0, 1, c.cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
   pass_q_call(c, r, n_lse * 4 + n_lse * (c.dqk + 2 * c.dv) * c.es, n_lse * c.dqk * 4, b.compute_s, b);
 }
 
@@ -323,9 +359,9 @@ void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, S
   // Work: the group's members' queries over their causal prefixes, hq_loc heads.
   int64_t pairs = 0;
   if (outer == 1) {
-    pairs = c.total_pairs;
+    pairs = c.work->total_pairs;
   } else {
-    for (int i = 0; i < inner; ++i) pairs += c.pairs[first + i];
+    pairs = c.work->prefix[first + inner] - c.work->prefix[first];
   }
   double time = 0;
   agreement(c, r, 0, 1, cp, f.agreement, time);
@@ -548,8 +584,8 @@ void check_input(const SimInput& in) {
                " must be > 0 (GFLOP/s), got ", in.profile.fwd_gflops[di], " and ", in.profile.bwd_gflops[di]);
 }
 
-SchemePrediction predict_checked(const SimInput& in, CpScheme scheme) {
-  return predict(make_ctx(in), scheme, in.mesh.cp_inner);
+SchemePrediction predict_checked(const SimInput& in, CpScheme scheme, WorkCache& cache) {
+  return predict(make_ctx(in, cache), scheme, in.mesh.cp_inner);
 }
 
 // The same batch with every document's length scaled by f (at least 1 token).
@@ -563,7 +599,7 @@ std::vector<int64_t> scaled(std::span<const int64_t> cu, double f) {
 // Step time at CP size `cp` (cp_inner clipped to a divisor of it for the hybrid); +inf when
 // the mesh cannot take that size (check_sim_mesh: e.g. mesh.ep no longer dividing
 // tp x cp x dp) or the scheme cannot run it.
-double step_at(SimInput in, CpScheme s, int cp) {
+double step_at(SimInput in, CpScheme s, int cp, WorkCache& cache) {
   in.mesh.cp = cp;
   if (in.mesh.cp_inner > 0) in.mesh.cp_inner = std::gcd(in.mesh.cp_inner, cp);
   try {
@@ -571,13 +607,13 @@ double step_at(SimInput in, CpScheme s, int cp) {
   } catch (const Error&) {
     return std::numeric_limits<double>::infinity();
   }
-  const SchemePrediction p = predict_checked(in, s);
+  const SchemePrediction p = predict_checked(in, s, cache);
   return p.valid ? p.step_s : std::numeric_limits<double>::infinity();
 }
 
 // The scale x in [1/256, 256] (geometric bisection) where cp / 2 stops being slower than cp,
 // varying the batch's lengths (`length`) or both links' bandwidth; 0 when no crossing.
-double breakeven(const SimInput& in, CpScheme s, bool length) {
+double breakeven(const SimInput& in, CpScheme s, bool length, WorkCache& cache) {
   const int cp = in.mesh.cp;
   if (cp < 2 || cp % 2 != 0) return 0;
   std::vector<int64_t> cu;
@@ -590,7 +626,7 @@ double breakeven(const SimInput& in, CpScheme s, bool length) {
       v.profile.intra.bandwidth_gbs *= x;
       v.profile.inter.bandwidth_gbs *= x;
     }
-    return step_at(v, s, cp / 2) < step_at(v, s, cp);
+    return step_at(v, s, cp / 2, cache) < step_at(v, s, cp, cache);
   };
   double lo = -8, hi = 8;  // log2 of the scale
   if (length) {
@@ -668,38 +704,50 @@ void check_sim_mesh(const SimMesh& m, const SimModel& model) {
                " (the ranks of a pipeline stage)");
 }
 
-SchemePrediction simulate_scheme(const SimInput& in, CpScheme scheme) {
-  check_input(in);
-  SchemePrediction p = predict_checked(in, scheme);
+namespace {
+
+// simulate_scheme, checked, with the caller's plans.
+SchemePrediction simulate_one(const SimInput& in, CpScheme scheme, WorkCache& cache) {
+  SchemePrediction p = predict_checked(in, scheme, cache);
   if (!p.valid) return p;
   // The best power-of-two CP up to mesh.cp, and the crossings.
   double best = p.step_s;
   for (int c = 1; c < in.mesh.cp; c *= 2) {
-    const double t = step_at(in, scheme, c);
+    const double t = step_at(in, scheme, c, cache);
     if (t < best) {
       best = t;
       p.faster_smaller_cp = c;
     }
   }
   if (in.find_breakeven) {
-    p.breakeven_length_scale = breakeven(in, scheme, true);
-    p.breakeven_bandwidth_scale = breakeven(in, scheme, false);
+    p.breakeven_length_scale = breakeven(in, scheme, true, cache);
+    p.breakeven_bandwidth_scale = breakeven(in, scheme, false, cache);
   }
   return p;
+}
+
+}  // namespace
+
+SchemePrediction simulate_scheme(const SimInput& in, CpScheme scheme) {
+  check_input(in);
+  WorkCache cache(in.cu_seqlens);
+  return simulate_one(in, scheme, cache);
 }
 
 SimReport simulate_step(const SimInput& in) {
   check_input(in);
   SimReport rep;
-  const Ctx c = make_ctx(in);
+  WorkCache cache(in.cu_seqlens);
+  const Ctx c = make_ctx(in, cache);
+  const std::vector<int64_t>& pairs = c.work->pairs;
   rep.tokens = in.cu_seqlens.back();
   rep.padded_tokens = c.t_loc * c.cp;
-  rep.visible_pairs = c.pairs;
-  const double mean = std::accumulate(c.pairs.begin(), c.pairs.end(), 0.0) / c.cp;
-  rep.imbalance = mean > 0 ? static_cast<double>(*std::max_element(c.pairs.begin(), c.pairs.end())) / mean : 1.0;
+  rep.visible_pairs = pairs;
+  const double mean = std::accumulate(pairs.begin(), pairs.end(), 0.0) / c.cp;
+  rep.imbalance = mean > 0 ? static_cast<double>(*std::max_element(pairs.begin(), pairs.end())) / mean : 1.0;
   double best = std::numeric_limits<double>::infinity();
   for (const CpScheme s : kCpSchemes) {
-    rep.schemes.push_back(simulate_scheme(in, s));
+    rep.schemes.push_back(simulate_one(in, s, cache));
     const SchemePrediction& p = rep.schemes.back();
     if (p.valid && p.step_s < best) {
       best = p.step_s;
