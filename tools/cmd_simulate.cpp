@@ -49,6 +49,37 @@ struct SimulateArgs {
   bool json = false, no_breakeven = false;
 };
 
+// The library names SimMesh / SimModel fields and sim_lengths' arguments; the command line
+// names the flags that set them. Longer names first (SimMesh::cp_inner before SimMesh::cp).
+std::string flag_names(std::string msg) {
+  static const std::pair<const char*, const char*> kFlags[] = {
+      {"SimMesh::cp_inner", "--cp-inner"},     {"SimMesh::schedule", "--schedule"},
+      {"SimMesh::micro", "--micro-batches"},   {"SimMesh::tp", "--tp"},
+      {"SimMesh::cp", "--cp"},                 {"SimMesh::dp", "--dp"},
+      {"SimMesh::pp", "--pp"},                 {"SimMesh::ep", "--ep"},
+      {"SimModel::layers", "--layers"},        {"SimModel::num_heads_q", "--heads"},
+      {"SimModel::num_heads_k", "--kv-heads"}, {"SimModel::head_dim_qk", "--head-dim-qk"},
+      {"SimModel::head_dim_v", "--head-dim-v"}, {"SimModel::hidden", "--hidden"},
+      {"SimModel::mask", "--mask"},            {"SimModel::expert_skew", "--expert-skew"},
+      {"SimModel::experts", "--experts"},      {"SimModel::top_k", "--top-k"},
+      {"sim_lengths: tokens", "--tokens"},     {"sim_lengths: mean", "--mean-length"},
+      {"sim_lengths: sigma", "--sigma"},       {"sim_lengths: distribution", "--distribution"}};
+  for (const auto& [field, flag] : kFlags)
+    for (std::size_t at = msg.find(field); at != std::string::npos; at = msg.find(field, at))
+      msg.replace(at, std::string_view(field).size(), flag);
+  return msg;
+}
+
+// Runs `f`; a cpattn::Error from the simulator gets its field names replaced by the flags.
+template <class F>
+decltype(auto) with_flags(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(flag_names(e.message()));
+  }
+}
+
 nlohmann::json bytes_json(const SimBytes& b) {
   return {{"sent_intra", b.sent_intra}, {"sent_inter", b.sent_inter},
           {"received_intra", b.received_intra}, {"received_inter", b.received_inter}};
@@ -137,7 +168,8 @@ void run_simulate(const SimulateArgs& a) {
                "NAME (with --tokens, --mean-length, --sigma, --seed)");
   if (!a.lengths_file.empty()) cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), "--lengths-file");
   if (!a.lengths.empty()) cu = cu_seqlens_from_lengths(a.lengths, "--lengths");
-  if (!a.distribution.empty()) cu = sim_lengths(a.distribution, a.tokens, a.mean_length, a.sigma, a.seed);
+  if (!a.distribution.empty())
+    cu = with_flags([&] { return sim_lengths(a.distribution, a.tokens, a.mean_length, a.sigma, a.seed); });
   const auto kind = parse_pipeline_schedule(a.schedule);
   CPATTN_CHECK(kind.has_value(), "--schedule must be one of fill-drain, gpipe, 1f1b, interleaved, zb-h1, got '",
                a.schedule, "'");
@@ -158,9 +190,9 @@ void run_simulate(const SimulateArgs& a) {
               .profile = a.profile.empty() ? default_profile() : read_profile(a.profile),
               .find_breakeven = !a.no_breakeven};
   const auto t0 = std::chrono::steady_clock::now();
-  const SimReport rep = simulate_step(in);
+  const SimReport rep = with_flags([&] { return simulate_step(in); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!a.svg.empty()) write_svg(a.svg, in, a.cp);
+  if (!a.svg.empty()) with_flags([&] { write_svg(a.svg, in, a.cp); });
   const int64_t world = int64_t{a.tp} * a.cp * a.dp * a.pp;
   if (a.json) {
     nlohmann::json j;
@@ -182,7 +214,7 @@ void run_simulate(const SimulateArgs& a) {
     for (const SchemePrediction& p : rep.schemes) {
       nlohmann::json s = {{"scheme", to_string(p.scheme)}, {"valid", p.valid}};
       if (!p.valid) {
-        s["reason"] = p.reason;
+        s["reason"] = flag_names(p.reason);
         j["schemes"].push_back(s);
         continue;
       }
@@ -217,7 +249,7 @@ void run_simulate(const SimulateArgs& a) {
               "hidden", "bubble", "intra GB", "inter GB", "mem GB", "cp<", "len x", "bw x");
   for (const SchemePrediction& p : rep.schemes) {
     if (!p.valid) {
-      std::printf("%-10s not valid: %s\n", std::string(to_string(p.scheme)).c_str(), p.reason.c_str());
+      std::printf("%-10s not valid: %s\n", std::string(to_string(p.scheme)).c_str(), flag_names(p.reason).c_str());
       continue;
     }
     std::string name(to_string(p.scheme));

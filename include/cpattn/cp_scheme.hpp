@@ -2,6 +2,7 @@
 // (cpattn/cp.hpp runs them).
 #pragma once
 
+#include <string>
 #include <string_view>
 
 namespace cpattn {
@@ -39,5 +40,27 @@ constexpr std::string_view to_string(CpScheme s) {
   }
   return "unknown";
 }
+
+// The heads each member i of an all-to-all group of `inner` ranks runs (the a2a and hybrid
+// schemes): query heads [i*hq_loc, (i+1)*hq_loc) and the KV heads [kv_lo(i), kv_hi(i)) those
+// read (query head h reads KV head h / (Hq/Hkv)). Hkv % inner == 0: the KV heads are split;
+// inner % Hkv == 0: inner / Hkv members replicate one KV head (their dK/dV summed back in
+// member order).
+struct HeadSplit {
+  int inner = 1, hq = 1, hkv = 1;
+  int hq_loc() const { return hq / inner; }
+  int group() const { return hq / hkv; }  // query heads per KV head
+  int kv_lo(int i) const { return i * hq_loc() / group(); }
+  int kv_hi(int i) const { return ((i + 1) * hq_loc() - 1) / group() + 1; }
+  int kv_loc() const { return kv_hi(0) - kv_lo(0); }
+};
+
+// The rule num_heads_q query heads and num_heads_k KV heads (num_heads_k dividing
+// num_heads_q, inner >= 1) break when split over an all-to-all group of `inner` ranks, as a
+// sentence naming num_heads_q or num_heads_k; empty when they split. Pure: what CpAttention
+// checks (check_cp_attn_config) and what the simulator reports as a scheme's reason.
+std::string head_split_error(int num_heads_q, int num_heads_k, int inner);
+// The split; throws cpattn::Error "<what>: <head_split_error>" when the heads cannot be split.
+HeadSplit head_split(int num_heads_q, int num_heads_k, int inner, std::string_view what);
 
 }  // namespace cpattn

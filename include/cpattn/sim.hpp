@@ -73,7 +73,8 @@ struct SimMesh {
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
   int world() const { return tp * cp * dp * pp; }
 };
-// Throws cpattn::Error naming the flag-style field (mesh.cp_inner, ...) and the rule.
+// Throws cpattn::Error naming the field (SimMesh::cp_inner, SimModel::num_heads_k, ...) and the
+// rule (`cpattn simulate` names its flags instead).
 void check_sim_mesh(const SimMesh& mesh, const SimModel& model);
 
 // Bytes one rank sends and receives, by link class.
@@ -109,13 +110,17 @@ struct SchemePrediction {
   double bubble_s = 0;        // pipeline idle time on the busiest stage
   double bubble_fraction = 0; // pipeline simulate()'s bubble fraction
   double expert_imbalance = 1;  // max / mean tokens per EP rank (1 without experts)
-  SimBytes step_bytes;        // per rank and step, CP + TP + EP + pipeline, the busiest CP rank
+  SimBytes step_bytes;        // per rank and step, CP + TP + EP + pipeline, of the busiest CP rank
+                              // (the most bytes sent + received; not always the slowest one)
   double peak_memory_gb = 0;  // attention activations and buffers per rank (docs/simulate.md)
   bool fits_memory = true;    // peak_memory_gb <= profile.memory_gb
   // Where CP stops paying: the fastest power-of-two CP below mesh.cp when one is predicted
   // faster than mesh.cp (0: none), and the scale of every document length / of both links'
   // bandwidth at which cp / 2 and cp cost the same (below it the smaller CP is faster; 0 when
-  // there is no crossing within 1/256..256, or cp is odd or 1).
+  // there is no crossing within 1/256..256, or cp is odd or 1). The length sweep stops below
+  // 256 where the scaled documents' attention pairs would overflow int64 (very long documents).
+  // Smaller CP sizes the mesh cannot take (check_sim_mesh, e.g. ep not dividing tp x cp x dp)
+  // are never faster.
   int faster_smaller_cp = 0;
   double breakeven_length_scale = 0;
   double breakeven_bandwidth_scale = 0;

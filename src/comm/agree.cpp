@@ -4,6 +4,7 @@
 #include <memory>
 #include <sstream>
 
+#include "cpattn/agreement.hpp"
 #include "cpattn/comm.hpp"
 #include "cpattn/error.hpp"
 
@@ -80,10 +81,11 @@ void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
            std::string_view local_error) {
   const int p = comm.size();
   // One all-gather in the common case: [error length, field count, names hash, values...]
-  // per rank, the values padded to kInline slots. The field count and names come first, so
-  // that ranks with other field lists fail here rather than in all-gathers of unequal sizes.
-  constexpr std::size_t kInline = 48;
-  constexpr std::size_t kHead = 3;
+  // per rank, the values padded to kInline slots (cpattn/agreement.hpp). The field count and
+  // names come first, so that ranks with other field lists fail here rather than in
+  // all-gathers of unequal sizes.
+  constexpr std::size_t kInline = kAgreementInline;
+  constexpr std::size_t kHead = kAgreementHead;
   const std::size_t nf = fp.fields.size();
   // The receive buffers are shared with the communicator when a collective times out in
   // throw_error mode, so that a late rank's data never lands in freed memory.

@@ -122,16 +122,6 @@ RankPlan group_plan(const RankPlan& p, int outer, int group) {
 
 }  // namespace
 
-HeadSplit head_split(const CpAttnConfig& cfg, int inner, const std::string& what) {
-  CPATTN_CHECK(cfg.num_heads_q % inner == 0, what, ": num_heads_q = ", cfg.num_heads_q,
-               " must be divisible by the all-to-all group size ", inner, " (each rank runs num_heads_q / ", inner,
-               " query heads)");
-  CPATTN_CHECK(cfg.num_heads_k % inner == 0 || inner % cfg.num_heads_k == 0, what, ": num_heads_k = ", cfg.num_heads_k,
-               " must be divisible by the all-to-all group size ", inner,
-               " (split KV heads) or divide it (replicated KV heads)");
-  return {.inner = inner, .hq = cfg.num_heads_q, .hkv = cfg.num_heads_k};
-}
-
 struct A2aLevel::Impl {
   Communicator& comm;
   CpAttnConfig outer_cfg;  // the outer layer's: this member's heads
@@ -151,7 +141,8 @@ struct A2aLevel::Impl {
   Impl(Communicator& c, const CpAttnConfig& cfg, int inner_size)
       : comm(c),
         outer_cfg(cfg),
-        split(head_split(cfg, inner_size, "CpAttention (" + std::string(to_string(cfg.scheme)) + ")")),
+        split(head_split(cfg.num_heads_q, cfg.num_heads_k, inner_size,
+                         "CpAttention (" + std::string(to_string(cfg.scheme)) + ")")),
         dtype(cfg.dtype),
         dqk(cfg.head_dim_qk),
         dv(cfg.head_dim_v),

@@ -22,23 +22,6 @@
 
 namespace cpattn::detail {
 
-// The heads each member i of an all-to-all group runs: query heads [i*hq_loc, (i+1)*hq_loc)
-// and the KV heads [kv_lo(i), kv_hi(i)) those read (query head h reads KV head h / (Hq/Hkv)).
-// Hkv % inner == 0: the KV heads are split; inner % Hkv == 0: inner / Hkv members replicate
-// one KV head (their dK/dV summed back in member order).
-struct HeadSplit {
-  int inner = 1, hq = 1, hkv = 1;
-  int hq_loc() const { return hq / inner; }
-  int group() const { return hq / hkv; }  // query heads per KV head
-  int kv_lo(int i) const { return i * hq_loc() / group(); }
-  int kv_hi(int i) const { return ((i + 1) * hq_loc() - 1) / group() + 1; }
-  int kv_loc() const { return kv_hi(0) - kv_lo(0); }
-};
-
-// The split of cfg's heads over `inner` ranks; throws cpattn::Error naming the fields when
-// they cannot be split. `what` names the scheme and sizes for the message.
-HeadSplit head_split(const CpAttnConfig& cfg, int inner, const std::string& what);
-
 // What an a2a forward keeps for its backward.
 struct A2aContext {
   CpContext outer;                // the outer layer's context

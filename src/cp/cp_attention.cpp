@@ -591,8 +591,8 @@ void check_cp_attn_config(const CpAttnConfig& cfg, int cp) {
                          cfg.options, "CpAttention");
   check_cp_scheme(cfg, cp);
   if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
-    detail::head_split(cfg, cfg.scheme == CpScheme::a2a ? cp : cfg.cp_inner,
-                       "CpAttention (" + std::string(to_string(cfg.scheme)) + ")");
+    head_split(cfg.num_heads_q, cfg.num_heads_k, cfg.scheme == CpScheme::a2a ? cp : cfg.cp_inner,
+               "CpAttention (" + std::string(to_string(cfg.scheme)) + ")");
 }
 
 CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {

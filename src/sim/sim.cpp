@@ -1,12 +1,15 @@
 // The calibrated simulator (include/cpattn/sim.hpp, docs/simulate.md).
 #include <cpattn/sim.hpp>
 
+#include <cpattn/agreement.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/plan.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -14,10 +17,6 @@
 namespace cpattn {
 
 namespace {
-
-// The agreement all-gather of every CP call (src/comm/agree.cpp): [error length, field count,
-// names hash] and 48 inline int64 values per rank.
-constexpr int64_t kAgreementBlock = (3 + 48) * 8;
 
 bool valid_rate(double x) { return std::isfinite(x) && x > 0; }
 
@@ -29,11 +28,22 @@ void check_link(const SimLink& l, const char* name) {
 }
 
 // Which CP ranks sit on which node: CP index i of the first CP group is world rank tp * i
-// (the mesh's tp-cp-dp-pp order, docs/mesh.md); every CP group has the same shape.
+// (the mesh's tp-cp-dp-pp order, docs/mesh.md); every CP group has the same shape. The node
+// of a CP index only grows with it, so the CP indices of one node form an interval: peers
+// are counted per link class in closed form, never by a loop over the group (cp up to 65536,
+// every rank of every prediction).
 struct Topology {
   int tp = 1, rpn = 1;
   int node(int world_rank) const { return world_rank / rpn; }
   bool inter(int a_world, int b_world) const { return node(a_world) != node(b_world); }
+  // The CP indices on CP index i's node: [lo, hi).
+  int64_t node_lo(int i) const { return (int64_t{node(tp * i)} * rpn + tp - 1) / tp; }
+  int64_t node_hi(int i) const { return ((int64_t{node(tp * i)} + 1) * rpn + tp - 1) / tp; }
+  // How many CP indices j in [a, b), j != i, share CP index i's node.
+  int64_t same_node(int i, int64_t a, int64_t b) const {
+    const int64_t n = std::max<int64_t>(0, std::min(b, node_hi(i)) - std::max(a, node_lo(i)));
+    return n - (a <= i && i < b);
+  }
 };
 
 // Bytes to and from a peer, on its link class.
@@ -48,17 +58,24 @@ void add_bytes(SimBytes& a, const SimBytes& b) {
   a.received_inter += b.received_inter;
 }
 
+// The planner's side of a simulation: what depends on the batch, the CP size and the mask only.
+struct Work {
+  int64_t t_loc = 0;            // local tokens per CP rank (the padded split: equal)
+  std::vector<int64_t> pairs;   // [cp] per-rank work (causal: the planner's visible pairs)
+  std::vector<int64_t> prefix;  // [cp + 1] running sums of pairs: a group's work in O(1)
+  int64_t total_pairs = 0;      // of the whole batch, real positions only
+  int max_real_chunks = 0;      // the most chunks holding a real token, over documents
+};
+
 // What every scheme's model needs about one simulation.
 struct Ctx {
   const SimInput& in;
+  std::shared_ptr<const Work> work;
   int cp = 1;
   int hq = 1, hk = 1;  // heads per TP rank
   int dqk = 1, dv = 1;
   int64_t es = 2;
-  int64_t t_loc = 0;  // local tokens per CP rank (the padded split: equal)
-  std::vector<int64_t> pairs;  // [cp] per-rank work (causal: the planner's visible pairs)
-  int64_t total_pairs = 0;     // of the whole batch, real positions only
-  int max_real_chunks = 0;     // the most chunks holding a real token, over documents
+  int64_t t_loc = 0;  // work->t_loc
   double fwd_rate = 0, bwd_rate = 0;  // FLOP/s
   Topology topo;
 
@@ -69,11 +86,10 @@ struct Ctx {
     return l.latency_us * 1e-6 + static_cast<double>(bytes) / (l.bandwidth_gbs * 1e9);
   }
   // A ring over the CP indices first, first + stride, ... (count ranks): whether any of its
-  // links crosses nodes (the ring collectives run at their slowest link).
+  // links crosses nodes (the ring collectives run at their slowest link). Nodes grow with the
+  // index, so some link crosses iff the first and the last member sit on different nodes.
   bool ring_inter(int first, int stride, int count) const {
-    for (int i = 0; i < count; ++i)
-      if (topo.inter(world(first + i * stride), world(first + ((i + 1) % count) * stride))) return true;
-    return false;
+    return count > 1 && topo.inter(world(first), world(first + (count - 1) * stride));
   }
 };
 
@@ -92,64 +108,114 @@ std::vector<int64_t> pairs_no_mask(std::span<const int64_t> cu, int cp) {
   return pairs;
 }
 
-Ctx make_ctx(const SimInput& in) {
+// The batch's attention pairs (real positions only) into `total`; false when the count
+// overflows int64 (L^2 of a document longer than about 3e9 tokens, or their sum).
+bool total_pairs(std::span<const int64_t> cu, MaskType mask, int64_t& total) {
+  total = 0;
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t len = cu[d + 1] - cu[d];
+    int64_t doc = 0;
+    if (__builtin_mul_overflow(len, mask == MaskType::causal ? (len + 1) : len, &doc) ||
+        __builtin_add_overflow(total, mask == MaskType::causal ? doc / 2 : doc, &total))
+      return false;
+  }
+  return true;
+}
+
+Work plan_work(std::span<const int64_t> cu, int cp, MaskType mask) {
+  Work w;
+  // The planner's per-rank work (what `cpattn plan` reports).
+  const BalanceReport rep = balance_report(cu, cp, CpSplit::padded);
+  w.t_loc = rep.padded_tokens / cp;
+  w.pairs.resize(static_cast<std::size_t>(cp));
+  if (mask == MaskType::causal) {
+    for (int r = 0; r < cp; ++r) w.pairs[r] = rep.ranks[r].balanced.visible_pairs;
+  } else {
+    w.pairs = pairs_no_mask(cu, cp);
+  }
+  w.prefix.assign(1, 0);
+  for (const int64_t x : w.pairs) w.prefix.push_back(w.prefix.back() + x);
+  CPATTN_CHECK(total_pairs(cu, mask, w.total_pairs),
+               "work count overflows int64: documents are too long to count their attention pairs");
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t len = cu[d + 1] - cu[d];
+    const int64_t chunk = padded_length(len, cp) / chunks_per_document(cp);
+    w.max_real_chunks = std::max<int>(w.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
+  }
+  return w;
+}
+
+// The Work of the simulated batch per (CP size, mask), planned once for all of one call's
+// predictions (every scheme, the smaller CP sizes, the bandwidth sweep). Batches of the
+// length sweep are other batches: planned each time, not kept.
+class WorkCache {
+ public:
+  explicit WorkCache(std::span<const int64_t> cu) : cu_(cu) {}
+  std::shared_ptr<const Work> get(std::span<const int64_t> cu, int cp, MaskType mask) {
+    if (cu.data() != cu_.data() || cu.size() != cu_.size())
+      return std::make_shared<const Work>(plan_work(cu, cp, mask));
+    std::shared_ptr<const Work>& w = kept_[{cp, mask}];
+    if (!w) w = std::make_shared<const Work>(plan_work(cu, cp, mask));
+    return w;
+  }
+
+ private:
+  std::span<const int64_t> cu_;
+  std::map<std::pair<int, MaskType>, std::shared_ptr<const Work>> kept_;
+};
+
+Ctx make_ctx(const SimInput& in, WorkCache& cache) {
   const SimModel& m = in.model;
-  Ctx c{.in = in, .pairs = {}, .topo = {}};
+  Ctx c{.in = in, .work = cache.get(in.cu_seqlens, in.mesh.cp, m.mask), .topo = {}};
   c.cp = in.mesh.cp;
   c.hq = m.num_heads_q / in.mesh.tp;
   c.hk = m.num_heads_k / in.mesh.tp;
   c.dqk = m.head_dim_qk;
   c.dv = m.head_dim_v;
   c.es = static_cast<int64_t>(dtype_size(m.dtype));
+  c.t_loc = c.work->t_loc;
   c.topo = {.tp = in.mesh.tp, .rpn = in.profile.ranks_per_node};
   const auto di = static_cast<std::size_t>(m.dtype);
   c.fwd_rate = in.profile.fwd_gflops[di] * 1e9;
   c.bwd_rate = in.profile.bwd_gflops[di] * 1e9;
-  // The planner's per-rank work (what `cpattn plan` reports).
-  const BalanceReport rep = balance_report(in.cu_seqlens, c.cp, CpSplit::padded);
-  c.t_loc = rep.padded_tokens / c.cp;
-  c.pairs.resize(static_cast<std::size_t>(c.cp));
-  if (m.mask == MaskType::causal) {
-    for (int r = 0; r < c.cp; ++r) c.pairs[r] = rep.ranks[r].balanced.visible_pairs;
-  } else {
-    c.pairs = pairs_no_mask(in.cu_seqlens, c.cp);
-  }
-  for (std::size_t d = 0; d + 1 < in.cu_seqlens.size(); ++d) {
-    const int64_t len = in.cu_seqlens[d + 1] - in.cu_seqlens[d];
-    int64_t doc = 0;  // the planner counted these without overflow (causal); L^2 may not fit
-    CPATTN_CHECK(!__builtin_mul_overflow(len, m.mask == MaskType::causal ? (len + 1) : len, &doc) &&
-                     !__builtin_add_overflow(c.total_pairs, m.mask == MaskType::causal ? doc / 2 : doc, &c.total_pairs),
-                 "work count overflows int64: documents are too long to count their attention pairs");
-    const int64_t chunk = padded_length(len, c.cp) / chunks_per_document(c.cp);
-    c.max_real_chunks = std::max<int>(c.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
-  }
   return c;
 }
 
 // Whether CP rank q's queries see any key of CP rank b's block (pass-Q sends a full partial
 // only then). With the padded split, a document whose first n chunks hold real tokens lets
-// rank q see block b iff b < n and q < n and (q's back chunk 2cp-1-q < n or b <= q); the
-// condition only grows with n, so the document with the most real chunks decides.
-bool visible(const Ctx& c, int q, int b) {
-  const int n = c.max_real_chunks, cp = c.cp;
-  if (c.in.model.mask == MaskType::none) return q < n && b < n;
-  return b < n && q < n && (2 * cp - 1 - q < n || b <= q);
+// rank q see block b iff b < n and q < n and (q's back chunk 2cp-1-q < n or b <= q) (mask
+// none: b < n and q < n); the condition only grows with n, so the document with the most real
+// chunks decides. Both ways round the pairs form intervals of CP indices:
+// The ranks q whose queries see rank b's block, [lo, hi): q < n, and causal q >= min(b, 2cp - n).
+std::pair<int64_t, int64_t> visible_queries(const Ctx& c, int b) {
+  const int64_t n = c.work->max_real_chunks, cp = c.cp, hi = std::min(n, cp);
+  if (b >= n) return {0, 0};
+  if (c.in.model.mask == MaskType::none) return {0, hi};
+  return {std::min<int64_t>(b, std::max<int64_t>(0, 2 * cp - n)), hi};
+}
+// The ranks b whose block rank q's queries see, [lo, hi): b < n, and causal (unless q's back
+// chunk is real) b <= q.
+std::pair<int64_t, int64_t> visible_blocks(const Ctx& c, int q) {
+  const int64_t n = c.work->max_real_chunks, cp = c.cp, hi = std::min(n, cp);
+  if (q >= n) return {0, 0};
+  if (c.in.model.mask == MaskType::none || 2 * cp - 1 - q < n) return {0, hi};
+  return {0, std::min<int64_t>(hi, int64_t{q} + 1)};
 }
 
 double flops_time(const Ctx& c, int64_t pairs, int heads, bool backward) {
   return attention_flops(pairs, heads, c.dqk, c.dv, backward) / (backward ? c.bwd_rate : c.fwd_rate);
 }
 
-// The agreement before every call: a ring all-gather of kAgreementBlock bytes over `count`
+// The agreement before every call: a ring all-gather of kAgreementBlockBytes bytes over `count`
 // ranks first, first + stride, ...
 void agreement(const Ctx& c, int r, int first, int stride, int count, SimBytes& bytes, double& time) {
   if (count <= 1) return;
   const int me = (r - first) / stride;
   const int right = first + ((me + 1) % count) * stride, left = first + ((me + count - 1) % count) * stride;
-  const int64_t n = (count - 1) * kAgreementBlock;
+  const int64_t n = (count - 1) * kAgreementBlockBytes;
   (c.topo.inter(c.world(r), c.world(right)) ? bytes.sent_inter : bytes.sent_intra) += n;
   (c.topo.inter(c.world(left), c.world(r)) ? bytes.received_inter : bytes.received_intra) += n;
-  time += (count - 1) * c.send_time(kAgreementBlock, c.ring_inter(first, stride, count));
+  time += (count - 1) * c.send_time(kAgreementBlockBytes, c.ring_inter(first, stride, count));
 }
 
 // A ring collective (all-gather, reduce-scatter) or a chain of shifts on rank r: `steps`
@@ -167,32 +233,23 @@ double ring_transfer(const Ctx& c, int r, int first, int stride, int count, int6
 // An all-to-all of equal blocks over the group of `count` CP ranks first, first + 1, ...:
 // every peer's block posted at once, so each link class takes its own peers' messages.
 double all_to_all(const Ctx& c, int r, int first, int count, int64_t block, SimBytes& bytes) {
-  int peers[2] = {0, 0};
-  for (int j = first; j < first + count; ++j)
-    if (j != r) ++peers[c.topo.inter(c.world(r), c.world(j))];
+  const int64_t same = c.topo.same_node(r, first, int64_t{first} + count);
+  const int64_t peers[2] = {same, count - 1 - same};
   add_bytes(bytes, false, peers[0] * block, peers[0] * block);
   add_bytes(bytes, true, peers[1] * block, peers[1] * block);
   double t = 0;
   for (int k = 0; k < 2; ++k)
-    if (peers[k] > 0) t = std::max(t, peers[k] * c.send_time(block, k == 1));
+    if (peers[k] > 0) t = std::max(t, static_cast<double>(peers[k]) * c.send_time(block, k == 1));
   return t;
 }
 
-// The heads of an all-to-all group of `inner` ranks (src/cp/a2a.hpp HeadSplit).
-struct Heads {
-  int hq_loc = 0, kv_loc = 0;
-};
-std::string head_rule(const Ctx& c, int inner, Heads& h) {
-  if (c.hq % inner != 0)
-    return "num_heads_q / tp = " + std::to_string(c.hq) + " must be divisible by the all-to-all group size " +
-           std::to_string(inner);
-  if (c.hk % inner != 0 && inner % c.hk != 0)
-    return "num_heads_k / tp = " + std::to_string(c.hk) + " must be divisible by the all-to-all group size " +
-           std::to_string(inner) + " (split KV heads) or divide it (replicated KV heads)";
-  h.hq_loc = c.hq / inner;
-  const int group = c.hq / c.hk;
-  h.kv_loc = (h.hq_loc - 1) / group + 1;
-  return "";
+// Why the heads per TP rank cannot be split over an all-to-all group of `inner` ranks (empty
+// when they can): CpAttention's rule (cpattn/cp_scheme.hpp head_split_error).
+std::string head_rule(const Ctx& c, int inner) {
+  const std::string why = head_split_error(c.hq, c.hk, inner);
+  return why.empty() ? why
+                     : "per TP rank (SimModel::num_heads_q / SimMesh::tp query heads, SimModel::num_heads_k / "
+                       "SimMesh::tp KV heads): " + why;
 }
 
 // The hybrid's default all-to-all group: the largest divisor of cp whose TP x group ranks fit a
@@ -200,8 +257,7 @@ std::string head_rule(const Ctx& c, int inner, Heads& h) {
 int default_inner(const Ctx& c) {
   int best = 1;
   for (int i = 1; i <= c.cp; ++i) {
-    Heads h;
-    if (c.cp % i == 0 && int64_t{c.topo.tp} * i <= c.topo.rpn && head_rule(c, i, h).empty()) best = i;
+    if (c.cp % i == 0 && int64_t{c.topo.tp} * i <= c.topo.rpn && head_rule(c, i).empty()) best = i;
   }
   return best;
 }
@@ -215,13 +271,13 @@ void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * c.es, f.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * c.es, f.payload);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * 4, b.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * 4, b.payload);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
 }
 
 // The overlap of a ring of `cp` steps: step s computes while the next block travels
@@ -239,7 +295,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
   SimBytes dummy;
   const double kv_t = ring_transfer(c, r, 0, 1, cp, 1, kv_block, dummy);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, f.payload);
@@ -248,7 +304,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, b.payload);
   overlap_steps(cp, b.compute_s, kv_t, b);
   // The dK/dV accumulator leaves after each step's compute and is waited on before the next:
@@ -263,15 +319,20 @@ void pass_q_call(const Ctx& c, int r, int64_t block, int64_t part, double comput
   ring_transfer(c, r, 0, 1, cp, cp - 1, block, call.payload);
   SimBytes dummy;
   const double block_t = ring_transfer(c, r, 0, 1, cp, 1, block, dummy);
+  // Over the cp - 1 steps, rank r hosts every other rank's queries once (a partial back to
+  // each owner whose queries see r's block) and sends its own to every other rank (a partial
+  // from each helper whose block they see); both sets are intervals of CP indices.
+  const auto [own_lo, own_hi] = visible_queries(c, r);
+  const auto [help_lo, help_hi] = visible_blocks(c, r);
+  const int64_t owners = std::max<int64_t>(0, own_hi - own_lo) - (own_lo <= r && r < own_hi);
+  const int64_t helpers = std::max<int64_t>(0, help_hi - help_lo) - (help_lo <= r && r < help_hi);
+  const int64_t owners_intra = c.topo.same_node(r, own_lo, own_hi);
+  const int64_t helpers_intra = c.topo.same_node(r, help_lo, help_hi);
+  add_bytes(call.payload, false, owners_intra * part, helpers_intra * part);
+  add_bytes(call.payload, true, (owners - owners_intra) * part, (helpers - helpers_intra) * part);
   double part_t = 0;  // the slowest partial's transfer
-  for (int s = 1; s < cp; ++s) {
-    const int owner = (r - s + cp) % cp, helper = (r + s) % cp;
-    if (visible(c, owner, r)) {
-      add_bytes(call.payload, c.topo.inter(c.world(r), c.world(owner)), part, 0);
-      part_t = std::max(part_t, c.send_time(part, c.topo.inter(c.world(r), c.world(owner))));
-    }
-    if (visible(c, r, helper)) add_bytes(call.payload, c.topo.inter(c.world(helper), c.world(r)), 0, part);
-  }
+  if (owners_intra > 0) part_t = c.send_time(part, false);
+  if (owners > owners_intra) part_t = std::max(part_t, c.send_time(part, true));
   overlap_steps(cp, compute, block_t + part_t, call);
   call.exposed_s += part_t;  // the last partial comes home after the last step
 }
@@ -281,59 +342,59 @@ void pass_q_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, c.cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
   pass_q_call(c, r, n_lse * c.dqk * c.es, n_lse * (1 + c.dv) * 4, f.compute_s, f);
   t = 0;
   agreement(c, r, 0, 1, c.cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
   pass_q_call(c, r, n_lse * 4 + n_lse * (c.dqk + 2 * c.dv) * c.es, n_lse * c.dqk * 4, b.compute_s, b);
 }
 
 // a2a (inner = cp) and hybrid (inner < cp, the all-gather outer scheme over cp / inner groups).
-void a2a_calls(const Ctx& c, int r, int inner, const Heads& h, SimCall& f, SimCall& b) {
+void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, SimCall& b) {
   const int cp = c.cp, outer = cp / inner;
   const int first = r / inner * inner, member = r % inner;
   const int64_t t = c.t_loc, g = inner * t;
   // Work: the group's members' queries over their causal prefixes, hq_loc heads.
   int64_t pairs = 0;
   if (outer == 1) {
-    pairs = c.total_pairs;
+    pairs = c.work->total_pairs;
   } else {
-    for (int i = 0; i < inner; ++i) pairs += c.pairs[first + i];
+    pairs = c.work->prefix[first + inner] - c.work->prefix[first];
   }
   double time = 0;
   agreement(c, r, 0, 1, cp, f.agreement, time);
   f.exposed_s = time;
-  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dqk * c.es, f.payload);  // q
-  f.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dqk * c.es, f.payload);  // k
-  f.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dv * c.es, f.payload);   // v
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dqk * c.es, f.payload);  // q
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dqk * c.es, f.payload);  // k
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dv * c.es, f.payload);   // v
   if (outer > 1) {  // the outer layer's own agreement and K/V all-gather (counted in CpStats)
     double ot = 0;
     agreement(c, r, member, inner, outer, f.payload, ot);
-    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dqk * c.es, f.payload);
-    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dv * c.es, f.payload);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc() * c.dqk * c.es, f.payload);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc() * c.dv * c.es, f.payload);
     f.exposed_s += ot;
   }
-  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dv * c.es, f.payload);  // out
-  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * 4, f.payload);            // lse
-  f.compute_s = flops_time(c, pairs, h.hq_loc, false);
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dv * c.es, f.payload);  // out
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * 4, f.payload);            // lse
+  f.compute_s = flops_time(c, pairs, h.hq_loc(), false);
 
   time = 0;
   agreement(c, r, 0, 1, cp, b.agreement, time);
   b.exposed_s = time;
-  b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dv * c.es, b.payload);  // dout
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dv * c.es, b.payload);  // dout
   if (outer > 1) {
     double ot = 0;
     agreement(c, r, member, inner, outer, b.payload, ot);
-    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dqk * 4, b.payload);
-    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dv * 4, b.payload);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc() * c.dqk * 4, b.payload);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc() * c.dv * 4, b.payload);
     b.exposed_s += ot;
   }
-  b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dqk * c.es, b.payload);  // dq
-  b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dqk * c.es, b.payload);  // dk
-  b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dv * c.es, b.payload);   // dv
-  b.compute_s = flops_time(c, pairs, h.hq_loc, true);
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dqk * c.es, b.payload);  // dq
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dqk * c.es, b.payload);  // dk
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dv * c.es, b.payload);   // dv
+  b.compute_s = flops_time(c, pairs, h.hq_loc(), true);
 }
 
 // Bytes of attention state per rank and layer: what a forward leaves for its backward (the
@@ -341,7 +402,7 @@ void a2a_calls(const Ctx& c, int r, int inner, const Heads& h, SimCall& f, SimCa
 struct MemoryUse {
   double saved = 0, transient = 0;
 };
-MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const Heads& h) {
+MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
   const auto t = static_cast<double>(c.t_loc);
   const double es = static_cast<double>(c.es);
   const double kv_row = c.hk * (c.dqk + c.dv), q_row = c.hq * (c.dqk + c.dv);
@@ -364,8 +425,8 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const Heads& h) {
     case CpScheme::a2a:
     case CpScheme::hybrid: {
       const double g = inner * t, gathered = c.cp * t;  // group rows; the outer all-gather's rows
-      m.saved += g * h.hq_loc * (c.dqk + c.dv) * es + gathered * h.kv_loc * (c.dqk + c.dv) * es + g * h.hq_loc * 4;
-      m.transient = gathered * h.kv_loc * (c.dqk + c.dv) * 4 + 2 * g * (h.hq_loc + h.kv_loc) * (c.dqk + c.dv) * es;
+      m.saved += g * h.hq_loc() * (c.dqk + c.dv) * es + gathered * h.kv_loc() * (c.dqk + c.dv) * es + g * h.hq_loc() * 4;
+      m.transient = gathered * h.kv_loc() * (c.dqk + c.dv) * 4 + 2 * g * (h.hq_loc() + h.kv_loc()) * (c.dqk + c.dv) * es;
       break;
     }
   }
@@ -390,7 +451,7 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   SchemePrediction p;
   p.scheme = scheme;
   const int cp = c.cp;
-  Heads h;
+  HeadSplit h;
   int inner = 0;
   if (scheme == CpScheme::a2a) {
     inner = cp;
@@ -399,12 +460,13 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
     p.cp_inner = inner;
   }
   if (inner > 0) {
-    const std::string why = head_rule(c, inner, h);
+    const std::string why = head_rule(c, inner);
     if (!why.empty()) {
       p.valid = false;
       p.reason = std::string(to_string(scheme)) + ": " + why;
       return p;
     }
+    h = {.inner = inner, .hq = c.hq, .hkv = c.hk};
   }
   p.forward.resize(static_cast<std::size_t>(cp));
   p.backward.resize(static_cast<std::size_t>(cp));
@@ -447,12 +509,13 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
     // Dispatch and combine, forward and backward: each an all-to-all of the rank's routed tokens;
     // the busiest rank receives imbalance x the mean. EP ranks are tp apart (etp = tp).
     const int64_t block = c.t_loc * model.top_k * hidden * c.es / mesh.ep;
-    int peers[2] = {0, 0};
-    for (int j = 1; j < mesh.ep; ++j) ++peers[c.topo.inter(0, j * mesh.tp)];
+    // EP rank j is world rank j * tp: those below ranks_per_node share rank 0's node.
+    const int64_t same = std::min<int64_t>(mesh.ep, (int64_t{in.profile.ranks_per_node} + mesh.tp - 1) / mesh.tp) - 1;
+    const int64_t peers[2] = {same, mesh.ep - 1 - same};
     for (int k = 0; k < 2; ++k) {
       const auto recv = static_cast<int64_t>(std::ceil(static_cast<double>(block) * p.expert_imbalance));
       add_bytes(ep_bytes, k == 1, 4 * peers[k] * block, 4 * peers[k] * recv);
-      if (peers[k] > 0) ep_time = std::max(ep_time, 2 * peers[k] * c.send_time(recv, k == 1));
+      if (peers[k] > 0) ep_time = std::max(ep_time, 2.0 * static_cast<double>(peers[k]) * c.send_time(recv, k == 1));
     }
   }
   const double layers_per_stage = static_cast<double>(model.layers) / mesh.pp;
@@ -472,16 +535,26 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   p.exposed_comm_s = n_f * (fwd - layers_per_stage * f.compute_s) + n_b * (bwd - layers_per_stage * b.compute_s);
   p.bubble_s = std::max(0.0, p.step_s - p.compute_s - p.exposed_comm_s);
   const auto layers_i = static_cast<int64_t>(std::llround(layers_per_stage));
+  // Bytes are the busiest CP rank's (the most sent + received over the step), which need not
+  // be the slowest one (pass-Q's partials, the hybrid's node boundaries).
+  const auto call_bytes = [](const SimCall& x) {
+    return x.payload.sent() + x.payload.received() + x.agreement.sent() + x.agreement.received();
+  };
+  int busy = 0;
+  for (int r = 1; r < cp; ++r)
+    if (n_f * call_bytes(p.forward[r]) + n_b * call_bytes(p.backward[r]) >
+        n_f * call_bytes(p.forward[busy]) + n_b * call_bytes(p.backward[busy]))
+      busy = r;
   for (int k = 0; k < n_f; ++k) {
     for (int64_t l = 0; l < layers_i; ++l) {
-      add_bytes(p.step_bytes, f.payload);
-      add_bytes(p.step_bytes, f.agreement);
+      add_bytes(p.step_bytes, p.forward[busy].payload);
+      add_bytes(p.step_bytes, p.forward[busy].agreement);
     }
   }
   for (int k = 0; k < n_b; ++k) {
     for (int64_t l = 0; l < layers_i; ++l) {
-      add_bytes(p.step_bytes, b.payload);
-      add_bytes(p.step_bytes, b.agreement);
+      add_bytes(p.step_bytes, p.backward[busy].payload);
+      add_bytes(p.step_bytes, p.backward[busy].agreement);
     }
   }
   SimBytes per_layer;
@@ -511,8 +584,8 @@ void check_input(const SimInput& in) {
                " must be > 0 (GFLOP/s), got ", in.profile.fwd_gflops[di], " and ", in.profile.bwd_gflops[di]);
 }
 
-SchemePrediction predict_checked(const SimInput& in, CpScheme scheme) {
-  return predict(make_ctx(in), scheme, in.mesh.cp_inner);
+SchemePrediction predict_checked(const SimInput& in, CpScheme scheme, WorkCache& cache) {
+  return predict(make_ctx(in, cache), scheme, in.mesh.cp_inner);
 }
 
 // The same batch with every document's length scaled by f (at least 1 token).
@@ -523,17 +596,24 @@ std::vector<int64_t> scaled(std::span<const int64_t> cu, double f) {
   return out;
 }
 
-// Step time at CP size `cp` (cp_inner clipped to a divisor of it for the hybrid).
-double step_at(SimInput in, CpScheme s, int cp) {
+// Step time at CP size `cp` (cp_inner clipped to a divisor of it for the hybrid); +inf when
+// the mesh cannot take that size (check_sim_mesh: e.g. mesh.ep no longer dividing
+// tp x cp x dp) or the scheme cannot run it.
+double step_at(SimInput in, CpScheme s, int cp, WorkCache& cache) {
   in.mesh.cp = cp;
   if (in.mesh.cp_inner > 0) in.mesh.cp_inner = std::gcd(in.mesh.cp_inner, cp);
-  const SchemePrediction p = predict_checked(in, s);
+  try {
+    check_sim_mesh(in.mesh, in.model);
+  } catch (const Error&) {
+    return std::numeric_limits<double>::infinity();
+  }
+  const SchemePrediction p = predict_checked(in, s, cache);
   return p.valid ? p.step_s : std::numeric_limits<double>::infinity();
 }
 
 // The scale x in [1/256, 256] (geometric bisection) where cp / 2 stops being slower than cp,
 // varying the batch's lengths (`length`) or both links' bandwidth; 0 when no crossing.
-double breakeven(const SimInput& in, CpScheme s, bool length) {
+double breakeven(const SimInput& in, CpScheme s, bool length, WorkCache& cache) {
   const int cp = in.mesh.cp;
   if (cp < 2 || cp % 2 != 0) return 0;
   std::vector<int64_t> cu;
@@ -546,9 +626,15 @@ double breakeven(const SimInput& in, CpScheme s, bool length) {
       v.profile.intra.bandwidth_gbs *= x;
       v.profile.inter.bandwidth_gbs *= x;
     }
-    return step_at(v, s, cp / 2) < step_at(v, s, cp);
+    return step_at(v, s, cp / 2, cache) < step_at(v, s, cp, cache);
   };
   double lo = -8, hi = 8;  // log2 of the scale
+  if (length) {
+    // Cap the upward scale at the largest (in steps of 2^(1/4)) whose documents' attention
+    // pairs still count in int64: long documents (16M tokens) overflow well below 256x.
+    int64_t pairs = 0;
+    while (hi > 0 && !total_pairs(scaled(in.cu_seqlens, std::exp2(hi)), in.model.mask, pairs)) hi -= 0.25;
+  }
   const bool at_lo = smaller_wins(std::exp2(lo)), at_hi = smaller_wins(std::exp2(hi));
   if (at_lo == at_hi) return 0;
   for (int it = 0; it < 12; ++it) {
@@ -582,71 +668,86 @@ void check_machine_profile(const MachineProfile& p) {
 
 void check_sim_mesh(const SimMesh& m, const SimModel& model) {
   CPATTN_CHECK(m.tp >= 1 && m.cp >= 1 && m.dp >= 1 && m.pp >= 1 && m.ep >= 1 && m.micro >= 1,
-               "mesh sizes must be >= 1: --tp ", m.tp, ", --cp ", m.cp, ", --dp ", m.dp, ", --pp ", m.pp, ", --ep ",
-               m.ep, ", --micro-batches ", m.micro);
-  CPATTN_CHECK(m.cp <= 65536, "--cp must be <= 65536, got ", m.cp);
-  CPATTN_CHECK(int64_t{m.tp} * m.cp * m.dp * m.pp <= (int64_t{1} << 20), "--tp x --cp x --dp x --pp = ",
-               int64_t{m.tp} * m.cp * m.dp * m.pp, " ranks must be <= 2^20");
-  CPATTN_CHECK(m.cp_inner >= 0 && (m.cp_inner == 0 || m.cp % m.cp_inner == 0), "--cp-inner = ", m.cp_inner,
-               " must divide --cp = ", m.cp, " (cp = cp_inner x cp_outer; 0 picks one)");
-  CPATTN_CHECK(model.layers >= 1 && model.layers % m.pp == 0, "--layers = ", model.layers,
-               " must be >= 1 and a multiple of --pp = ", m.pp, " (equal stages)");
+               "mesh sizes must be >= 1: SimMesh::tp ", m.tp, ", SimMesh::cp ", m.cp, ", SimMesh::dp ", m.dp,
+               ", SimMesh::pp ", m.pp, ", SimMesh::ep ", m.ep, ", SimMesh::micro ", m.micro);
+  CPATTN_CHECK(m.cp <= 65536, "SimMesh::cp must be <= 65536, got ", m.cp);
+  CPATTN_CHECK(int64_t{m.tp} * m.cp * m.dp * m.pp <= (int64_t{1} << 20), "SimMesh::tp x SimMesh::cp x SimMesh::dp x "
+               "SimMesh::pp = ", int64_t{m.tp} * m.cp * m.dp * m.pp, " ranks must be <= 2^20");
+  CPATTN_CHECK(m.cp_inner >= 0 && (m.cp_inner == 0 || m.cp % m.cp_inner == 0), "SimMesh::cp_inner = ", m.cp_inner,
+               " must divide SimMesh::cp = ", m.cp, " (cp = cp_inner x cp_outer; 0 picks one)");
+  CPATTN_CHECK(model.layers >= 1 && model.layers % m.pp == 0, "SimModel::layers = ", model.layers,
+               " must be >= 1 and a multiple of SimMesh::pp = ", m.pp, " (equal stages)");
   CPATTN_CHECK(model.num_heads_q >= 1 && model.num_heads_k >= 1 && model.num_heads_q % model.num_heads_k == 0,
-               "--heads = ", model.num_heads_q, " must be a multiple of --kv-heads = ", model.num_heads_k);
-  CPATTN_CHECK(model.num_heads_k % m.tp == 0, "--kv-heads = ", model.num_heads_k, " must be divisible by --tp = ",
-               m.tp, " (each TP rank holds whole KV heads)");
+               "SimModel::num_heads_q = ", model.num_heads_q, " must be a multiple of SimModel::num_heads_k = ",
+               model.num_heads_k);
+  CPATTN_CHECK(model.num_heads_k % m.tp == 0, "SimModel::num_heads_k = ", model.num_heads_k,
+               " must be divisible by SimMesh::tp = ", m.tp, " (each TP rank holds whole KV heads)");
   CPATTN_CHECK(model.head_dim_qk >= 1 && model.head_dim_qk <= 256 && model.head_dim_v >= 1 && model.head_dim_v <= 256,
-               "--head-dim-qk and --head-dim-v must be in [1, 256], got ", model.head_dim_qk, " and ",
+               "SimModel::head_dim_qk and SimModel::head_dim_v must be in [1, 256], got ", model.head_dim_qk, " and ",
                model.head_dim_v);
-  CPATTN_CHECK(model.hidden >= 0, "--hidden must be >= 0 (0: heads x head-dim-v), got ", model.hidden);
-  CPATTN_CHECK(model.mask == MaskType::causal || model.mask == MaskType::none, "--mask must be causal or none");
-  CPATTN_CHECK(model.experts >= 0, "--experts must be >= 0, got ", model.experts);
+  CPATTN_CHECK(model.hidden >= 0, "SimModel::hidden must be >= 0 (0: heads x head_dim_v), got ", model.hidden);
+  CPATTN_CHECK(model.mask == MaskType::causal || model.mask == MaskType::none, "SimModel::mask must be causal or none");
+  CPATTN_CHECK(model.experts >= 0, "SimModel::experts must be >= 0, got ", model.experts);
   if (model.experts > 0) {
-    CPATTN_CHECK(model.experts % m.ep == 0, "--ep = ", m.ep, " must divide --experts = ", model.experts,
-                 " (each EP rank holds experts / ep experts)");
-    CPATTN_CHECK(model.top_k >= 1 && model.top_k <= model.experts, "--top-k must be in [1, --experts = ",
-                 model.experts, "], got ", model.top_k);
-    CPATTN_CHECK(std::isfinite(model.expert_skew) && model.expert_skew >= 0, "--expert-skew must be >= 0, got ",
+    CPATTN_CHECK(model.experts % m.ep == 0, "SimMesh::ep = ", m.ep, " must divide SimModel::experts = ",
+                 model.experts, " (each EP rank holds experts / ep experts)");
+    CPATTN_CHECK(model.top_k >= 1 && model.top_k <= model.experts, "SimModel::top_k must be in [1, "
+                 "SimModel::experts = ", model.experts, "], got ", model.top_k);
+    CPATTN_CHECK(std::isfinite(model.expert_skew) && model.expert_skew >= 0, "SimModel::expert_skew must be >= 0, got ",
                  model.expert_skew);
   } else {
-    CPATTN_CHECK(m.ep == 1, "--ep = ", m.ep, " needs --experts (a dense model has no expert parallelism)");
+    CPATTN_CHECK(m.ep == 1, "SimMesh::ep = ", m.ep, " needs SimModel::experts (a dense model has no expert "
+                 "parallelism)");
   }
-  CPATTN_CHECK((int64_t{m.tp} * m.cp * m.dp) % m.ep == 0, "--ep = ", m.ep, " must divide tp x cp x dp = ",
-               int64_t{m.tp} * m.cp * m.dp, " (the ranks of a pipeline stage)");
+  CPATTN_CHECK((int64_t{m.tp} * m.cp * m.dp) % m.ep == 0, "SimMesh::ep = ", m.ep,
+               " must divide SimMesh::tp x SimMesh::cp x SimMesh::dp = ", int64_t{m.tp} * m.cp * m.dp,
+               " (the ranks of a pipeline stage)");
 }
 
-SchemePrediction simulate_scheme(const SimInput& in, CpScheme scheme) {
-  check_input(in);
-  SchemePrediction p = predict_checked(in, scheme);
+namespace {
+
+// simulate_scheme, checked, with the caller's plans.
+SchemePrediction simulate_one(const SimInput& in, CpScheme scheme, WorkCache& cache) {
+  SchemePrediction p = predict_checked(in, scheme, cache);
   if (!p.valid) return p;
   // The best power-of-two CP up to mesh.cp, and the crossings.
   double best = p.step_s;
   for (int c = 1; c < in.mesh.cp; c *= 2) {
-    const double t = step_at(in, scheme, c);
+    const double t = step_at(in, scheme, c, cache);
     if (t < best) {
       best = t;
       p.faster_smaller_cp = c;
     }
   }
   if (in.find_breakeven) {
-    p.breakeven_length_scale = breakeven(in, scheme, true);
-    p.breakeven_bandwidth_scale = breakeven(in, scheme, false);
+    p.breakeven_length_scale = breakeven(in, scheme, true, cache);
+    p.breakeven_bandwidth_scale = breakeven(in, scheme, false, cache);
   }
   return p;
+}
+
+}  // namespace
+
+SchemePrediction simulate_scheme(const SimInput& in, CpScheme scheme) {
+  check_input(in);
+  WorkCache cache(in.cu_seqlens);
+  return simulate_one(in, scheme, cache);
 }
 
 SimReport simulate_step(const SimInput& in) {
   check_input(in);
   SimReport rep;
-  const Ctx c = make_ctx(in);
+  WorkCache cache(in.cu_seqlens);
+  const Ctx c = make_ctx(in, cache);
+  const std::vector<int64_t>& pairs = c.work->pairs;
   rep.tokens = in.cu_seqlens.back();
   rep.padded_tokens = c.t_loc * c.cp;
-  rep.visible_pairs = c.pairs;
-  const double mean = std::accumulate(c.pairs.begin(), c.pairs.end(), 0.0) / c.cp;
-  rep.imbalance = mean > 0 ? static_cast<double>(*std::max_element(c.pairs.begin(), c.pairs.end())) / mean : 1.0;
+  rep.visible_pairs = pairs;
+  const double mean = std::accumulate(pairs.begin(), pairs.end(), 0.0) / c.cp;
+  rep.imbalance = mean > 0 ? static_cast<double>(*std::max_element(pairs.begin(), pairs.end())) / mean : 1.0;
   double best = std::numeric_limits<double>::infinity();
   for (const CpScheme s : kCpSchemes) {
-    rep.schemes.push_back(simulate_scheme(in, s));
+    rep.schemes.push_back(simulate_one(in, s, cache));
     const SchemePrediction& p = rep.schemes.back();
     if (p.valid && p.step_s < best) {
       best = p.step_s;
@@ -658,11 +759,11 @@ SimReport simulate_step(const SimInput& in) {
 
 std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, double mean, double sigma,
                                  uint64_t seed) {
-  CPATTN_CHECK(tokens >= 1, "--tokens must be >= 1, got ", tokens);
-  CPATTN_CHECK(std::isfinite(mean) && mean >= 1, "--mean-length must be >= 1, got ", mean);
-  CPATTN_CHECK(std::isfinite(sigma) && sigma >= 0, "--sigma must be >= 0, got ", sigma);
+  CPATTN_CHECK(tokens >= 1, "sim_lengths: tokens must be >= 1, got ", tokens);
+  CPATTN_CHECK(std::isfinite(mean) && mean >= 1, "sim_lengths: mean must be >= 1, got ", mean);
+  CPATTN_CHECK(std::isfinite(sigma) && sigma >= 0, "sim_lengths: sigma must be >= 0, got ", sigma);
   CPATTN_CHECK(distribution == "fixed" || distribution == "uniform" || distribution == "lognormal",
-               "--distribution must be one of fixed, uniform, lognormal, got '", distribution, "'");
+               "sim_lengths: distribution must be one of fixed, uniform, lognormal, got '", distribution, "'");
   std::mt19937_64 rng(seed);
   std::vector<int64_t> cu{0};
   while (cu.back() < tokens) {

@@ -267,21 +267,21 @@ TEST(Sim, BadProfilesAndMeshesAreRejectedNamingTheField) {
   in = hand_input();
   in.mesh.cp = 4;
   in.mesh.cp_inner = 3;
-  expect_error(in, "--cp-inner = 3 must divide --cp = 4");
+  expect_error(in, "SimMesh::cp_inner = 3 must divide SimMesh::cp = 4");
   in = hand_input();
   in.model.experts = 6;
   in.mesh.ep = 4;
-  expect_error(in, "--ep = 4 must divide --experts = 6");
+  expect_error(in, "SimMesh::ep = 4 must divide SimModel::experts = 6");
   in = hand_input();
   in.mesh.ep = 2;
-  expect_error(in, "needs --experts");
+  expect_error(in, "needs SimModel::experts");
   in = hand_input();
   in.mesh.pp = 2;
   in.model.layers = 3;
-  expect_error(in, "--layers = 3 must be >= 1 and a multiple of --pp = 2");
+  expect_error(in, "SimModel::layers = 3 must be >= 1 and a multiple of SimMesh::pp = 2");
   in = hand_input();
   in.mesh.tp = 4;  // 2 KV heads
-  expect_error(in, "--kv-heads = 2 must be divisible by --tp = 4");
+  expect_error(in, "SimModel::num_heads_k = 2 must be divisible by SimMesh::tp = 4");
   in = hand_input();
   in.mesh.cp = 0;
   expect_error(in, "mesh sizes must be >= 1");
@@ -299,7 +299,190 @@ TEST(Sim, NamedLengthDistributionsFillTheTokens) {
     EXPECT_EQ(cu, sim_lengths(d, 10000, 300, 1.0, 7)) << d;  // deterministic in the seed
   }
   EXPECT_EQ(sim_lengths("fixed", 1000, 300, 0, 1), (std::vector<int64_t>{0, 300, 600, 900, 1000}));
-  EXPECT_THROW(sim_lengths("zipf", 10, 3, 0, 1), Error);
+  try {
+    (void)sim_lengths("zipf", 10, 3, 0, 1);
+    ADD_FAILURE() << "no error for an unknown distribution";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("sim_lengths: distribution must be one of"), std::string::npos) << e.what();
+  }
+}
+
+// ---- review fixes (issue #18) -------------------------------------------------------------
+
+// The link class of every message, against a naive count over the peers (the closed forms of
+// src/sim count intervals of CP indices): the all-to-all's peers, pass-Q's ring and partials
+// (to every owner whose queries see the rank's block, from every helper whose block its
+// queries see: the rule of sim.cpp's visible sets, written out), and the agreement's ring.
+TEST(Sim, PeersByLinkClassMatchANaiveCountOnEveryRank) {
+  const std::vector<std::vector<int64_t>> batches = {{37, 1, 64, 23, 9, 2, 300}, {37, 1, 23, 9, 2}, {1}};
+  for (const auto& lengths : batches)
+    for (const MaskType mask : {MaskType::causal, MaskType::none})
+      for (const int cp : {3, 6, 8, 12})
+        for (const int tp : {1, 2, 3})
+          for (const int rpn : {1, 2, 3, 4, 8, 64}) {
+            SCOPED_TRACE(::testing::Message() << "documents " << lengths.size() << " mask " << int(mask) << " cp "
+                                              << cp << " tp " << tp << " ranks_per_node " << rpn);
+            const std::vector<int64_t> cu = cu_seqlens_from_lengths(lengths);
+            SimInput in = hand_input();
+            in.cu_seqlens = cu;
+            in.model.num_heads_q = in.model.num_heads_k = 24 * tp;  // 24 heads per TP rank
+            in.model.head_dim_qk = 5;
+            in.model.head_dim_v = 3;
+            in.model.mask = mask;
+            in.mesh.tp = tp;
+            in.mesh.cp = cp;
+            in.profile.ranks_per_node = rpn;
+            const auto node = [&](int i) { return tp * i / rpn; };
+            const SchemePrediction a2a = simulate_scheme(in, CpScheme::a2a);
+            const SchemePrediction pq = simulate_scheme(in, CpScheme::pass_q);
+            ASSERT_TRUE(a2a.valid && pq.valid) << a2a.reason;
+            // The padded split's chunks and the most real ones of any document.
+            int64_t t_loc = 0, n = 0;
+            for (const int64_t len : lengths) {
+              const int64_t padded = padded_length(len, cp), chunk = padded / chunks_per_document(cp);
+              t_loc += padded / cp;
+              n = std::max(n, (len + chunk - 1) / chunk);
+            }
+            const auto visible = [&](int q, int b) {
+              if (mask == MaskType::none) return q < n && b < n;
+              return b < n && q < n && (2 * cp - 1 - q < n || b <= q);
+            };
+            const int64_t block = t_loc * 24 * 5 * 4, part = t_loc * 24 * (1 + 3) * 4;  // pass-Q forward, fp32
+            for (int r = 0; r < cp; ++r) {
+              int64_t inter_peers = 0;
+              SimBytes want;
+              const bool right_inter = node((r + 1) % cp) != node(r), left_inter = node((r + cp - 1) % cp) != node(r);
+              (right_inter ? want.sent_inter : want.sent_intra) += (cp - 1) * block;
+              (left_inter ? want.received_inter : want.received_intra) += (cp - 1) * block;
+              for (int j = 0; j < cp; ++j) {
+                if (j == r) continue;
+                const bool inter = node(j) != node(r);
+                inter_peers += inter;
+                if (visible(j, r)) (inter ? want.sent_inter : want.sent_intra) += part;
+                if (visible(r, j)) (inter ? want.received_inter : want.received_intra) += part;
+              }
+              const SimBytes& got = pq.forward[r].payload;
+              EXPECT_EQ(got.sent_intra, want.sent_intra) << "pass-q rank " << r;
+              EXPECT_EQ(got.sent_inter, want.sent_inter) << "pass-q rank " << r;
+              EXPECT_EQ(got.received_intra, want.received_intra) << "pass-q rank " << r;
+              EXPECT_EQ(got.received_inter, want.received_inter) << "pass-q rank " << r;
+              // a2a: every all-to-all sends one equal block to each of the cp - 1 peers.
+              const SimBytes& x = a2a.forward[r].payload;
+              EXPECT_EQ(x.sent_inter * (cp - 1), x.sent() * inter_peers) << "a2a rank " << r;
+              EXPECT_EQ(x.received_inter * (cp - 1), x.received() * inter_peers) << "a2a rank " << r;
+              EXPECT_EQ(a2a.forward[r].agreement.sent_inter > 0, right_inter) << "agreement rank " << r;
+              EXPECT_EQ(a2a.forward[r].agreement.received_inter > 0, left_inter) << "agreement rank " << r;
+            }
+          }
+}
+
+TEST(Sim, ExpertPeersByLinkClassMatchANaiveCount) {
+  // cp 1, so the only traffic beside TP's (on one node here) is EP's dispatch and combine: four
+  // all-to-alls a layer of block = T_loc x top_k x hidden x es / ep bytes to each EP peer, EP rank
+  // j being world rank j x tp.
+  for (const int tp : {1, 2, 3})
+    for (const int ep : {2, 3, 4, 6})
+      for (const int rpn : {3, 4, 6, 12}) {
+        if (tp > rpn) continue;
+        SCOPED_TRACE(::testing::Message() << "tp " << tp << " ep " << ep << " ranks_per_node " << rpn);
+        SimInput in = hand_input();
+        in.model.num_heads_q = in.model.num_heads_k = 6;
+        in.model.experts = 12;
+        in.mesh = {.tp = tp, .cp = 1, .dp = ep, .ep = ep};
+        in.profile.ranks_per_node = rpn;
+        const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+        int64_t inter = 0;
+        for (int j = 1; j < ep; ++j) inter += (j * tp) / rpn != 0;
+        const int64_t block = 40 * 1 * (6 * 4) * 4 / ep;  // T_loc 40, hidden Hq x Dv, fp32
+        EXPECT_EQ(p.step_bytes.sent_inter, 4 * inter * block);
+        EXPECT_EQ(p.step_bytes.received_inter, 4 * inter * block);  // a uniform router
+      }
+}
+
+TEST(Sim, OneDocumentOf16MTokensCountsAndStopsTheLengthSweepBeforeOverflow) {
+  // 16M tokens: L (L + 1) / 2 fits int64 up to L ~ 4.3e9, so the sweep's 256x (4.1e9 tokens,
+  // L (L + 1) ~ 1.7e19) overflowed; it now stops at the largest scale that counts.
+  const std::vector<int64_t> cu{0, 16'000'000};
+  SimInput in{.cu_seqlens = cu,
+              .model = {.num_heads_q = 64, .num_heads_k = 8},
+              .mesh = {.cp = 8, .cp_inner = 0},
+              .profile = {.name = "gpu", .fwd_gflops = {3e4, 4e5, 4e5}, .bwd_gflops = {3e4, 4e5, 4e5},
+                          .intra = {.bandwidth_gbs = 450, .latency_us = 3},
+                          .inter = {.bandwidth_gbs = 50, .latency_us = 5},
+                          .ranks_per_node = 8, .memory_gb = 80},
+              .find_breakeven = true};
+  const SimReport rep = simulate_step(in);
+  EXPECT_EQ(rep.tokens, 16'000'000);
+  int valid = 0;
+  for (const SchemePrediction& p : rep.schemes) {
+    if (!p.valid) continue;
+    ++valid;
+    EXPECT_GT(p.step_s, 0.0) << to_string(p.scheme);
+    const double top = p.breakeven_length_scale * 16e6;  // 0, or a length whose pairs count
+    EXPECT_LT(top * (top + 1), 9.3e18) << to_string(p.scheme);
+  }
+  EXPECT_EQ(valid, 5);
+  // The whole sweep overflowing is no error either: 2^31 tokens in one document fit, 256x not.
+  const std::vector<int64_t> huge{0, int64_t{1} << 31};
+  in.cu_seqlens = huge;
+  EXPECT_NO_THROW((void)simulate_scheme(in, CpScheme::ring));
+}
+
+TEST(Sim, SmallerCpSizesTheMeshCannotTakeAreNeverRecommended) {
+  // Tiny documents on slow links: one rank is fastest (faster_smaller_cp 1) ...
+  SimInput in = hand_input();
+  in.mesh.cp = 8;
+  in.profile.ranks_per_node = 8;
+  in.model.experts = 8;
+  ASSERT_EQ(simulate_scheme(in, CpScheme::allgather).faster_smaller_cp, 1);
+  // ... but with --ep 8 the stage needs tp x cp x dp a multiple of 8: no smaller CP runs.
+  in.mesh.ep = 8;
+  EXPECT_EQ(simulate_scheme(in, CpScheme::allgather).faster_smaller_cp, 0);
+  in.mesh.ep = 4;  // cp 4 still runs, cp 1 and 2 do not
+  EXPECT_EQ(simulate_scheme(in, CpScheme::allgather).faster_smaller_cp, 4);
+}
+
+TEST(Sim, StepBytesAreTheBusiestRanks) {
+  // Ranks differ in bytes (pass-Q's partials, node edges) and in time (the planner's work); the
+  // step's bytes are the rank with the most bytes sent + received, not the slowest one.
+  const std::vector<std::vector<int64_t>> batches = {{1000}, {37, 1, 64, 23}, {5}, {300, 2, 2}};
+  for (const auto& lengths : batches)
+    for (const int cp : {3, 4, 5, 6, 8})
+      for (const int rpn : {1, 2, 3})
+        for (const CpScheme s : {CpScheme::ring, CpScheme::pass_q}) {
+          const std::vector<int64_t> cu = cu_seqlens_from_lengths(lengths);
+          SimInput in = hand_input();
+          in.cu_seqlens = cu;
+          in.mesh.cp = cp;
+          in.profile.ranks_per_node = rpn;
+          const SchemePrediction p = simulate_scheme(in, s);
+          int64_t most = 0;
+          for (int r = 0; r < cp; ++r) {
+            const SimCall &f = p.forward[r], &b = p.backward[r];
+            most = std::max(most, f.payload.sent() + f.payload.received() + f.agreement.sent() +
+                                      f.agreement.received() + b.payload.sent() + b.payload.received() +
+                                      b.agreement.sent() + b.agreement.received());
+          }
+          EXPECT_EQ(p.step_bytes.sent() + p.step_bytes.received(), most)
+              << to_string(s) << " cp " << cp << " ranks_per_node " << rpn << " documents " << lengths.size();
+        }
+}
+
+TEST(Sim, HeadsThatCannotSplitNameTheFieldsAndCpAttentionsRule) {
+  SimInput in = hand_input();
+  in.mesh.cp = 3;  // 2 query heads over an all-to-all of 3
+  const SchemePrediction p = simulate_scheme(in, CpScheme::a2a);
+  EXPECT_FALSE(p.valid);
+  EXPECT_EQ(p.reason, "a2a: per TP rank (SimModel::num_heads_q / SimMesh::tp query heads, SimModel::num_heads_k / "
+                      "SimMesh::tp KV heads): " + head_split_error(2, 2, 3));
+  EXPECT_NE(p.reason.find("num_heads_q = 2 must be divisible by the all-to-all group size 3"), std::string::npos);
+  EXPECT_EQ(head_split_error(8, 2, 4), "");
+  EXPECT_EQ(head_split_error(8, 2, 8), "");  // replicated KV heads
+  EXPECT_NE(head_split_error(12, 4, 6).find("num_heads_k = 4"), std::string::npos);
+  EXPECT_THROW((void)head_split(12, 4, 6, "x"), Error);
+  const HeadSplit h = head_split(8, 2, 8, "x");
+  EXPECT_EQ(h.hq_loc(), 1);
+  EXPECT_EQ(h.kv_loc(), 1);
 }
 
 }  // namespace

@@ -107,6 +107,16 @@ bad(base + ["--experts", "4", "--ep", "3"], "--ep = 3 must divide --experts = 4"
 bad(base + ["--pp", "2", "--layers", "3"], "--layers = 3", "multiple of --pp = 2")
 bad(base + ["--schedule", "zigzag"], "--schedule must be one of")
 bad(["simulate", "--lengths", "100", "--lengths-file", lf, "--cp", "2"], "give the batch once")
+bad(base + ["--kv-heads", "3"], "--heads = 8 must be a multiple of --kv-heads = 3")
+bad(["simulate", "--distribution", "lognormal", "--mean-length", "0", "--cp", "2"], "--mean-length must be >= 1")
+# The library names SimModel's fields in a scheme's reason; the command line names its flags.
+r = run("simulate", "--lengths", "100,50", "--cp", "3", "--json", "--no-breakeven")
+a2a = json.loads(r.stdout)["schemes"][3] if r.returncode == 0 else {}
+check(not a2a.get("valid", True) and "--heads / --tp" in a2a.get("reason", "") and "SimModel" not in a2a["reason"],
+      f"a2a reason at cp 3: {a2a}")
+# One 16M-token document: the length sweep stops where its pairs would overflow int64.
+r = run("simulate", "--lengths", "16000000", "--cp", "8", "--heads", "64", "--kv-heads", "8", "--json")
+check(r.returncode == 0 and all(s["valid"] for s in json.loads(r.stdout)["schemes"]), f"16M tokens: {r.stderr}")
 
 # ---- calibrate: one process (links not measured), then two ranks (ring shifts) -----------------
 tiny = ["calibrate", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--repeats", "1",
