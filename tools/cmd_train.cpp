@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,7 @@ struct TrainArgs {
   std::string json_log, save, resume;
   std::vector<int> compare;
   std::string mpirun = CPATTN_MPIEXEC;
-  double timeout = 300.0;
+  std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
   bool rope_local = false;  // hidden: RoPE on local offsets (for tests)
   int print_every = 1;
   int64_t save_every = 0;       // also save every N steps (0: only at the end)
@@ -95,7 +96,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--save (hash)", static_cast<int64_t>(hash_of(a.save))).add("--save-every", a.save_every);
   fp.add("--json-log (hash)", static_cast<int64_t>(hash_of(a.json_log)));
   fp.add("--skip-nonfinite", a.skip_nonfinite ? 1 : 0).add("--print-every", a.print_every);
-  fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout));
+  fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout.value_or(0.0)));
   fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
   return fp;
 }
@@ -204,7 +205,7 @@ void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
 void train_run(const TrainArgs& a) {
   check_args(a);
   const MpiSession mpi;  // finalizes only what it initialized
-  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   const int rank = comm.rank();
   CPATTN_CHECK(a.cp == comm.size(), "--cp ", a.cp, " does not match the MPI world size ", comm.size(),
                ": launch as mpirun -np ", a.cp, " cpattn train --cp ", a.cp);
@@ -369,8 +370,8 @@ std::vector<std::string> child_args(const TrainArgs& a, int cp, const std::strin
                                 "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
                                 "--dtype", a.dtype, "--threads", std::to_string(a.threads),
-                                "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
-                                "--json-log", log};
+                                "--print-every", std::to_string(a.print_every), "--json-log", log};
+  if (a.timeout) v.insert(v.end(), {"--timeout", f(*a.timeout)});
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.data.empty()) {
@@ -434,7 +435,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--compare", a->compare, "Run the same training at each CP size, e.g. 1,2,4, and compare")
       ->delimiter(',');
   cmd->add_option("--mpirun", a->mpirun, "mpirun used by --compare")->capture_default_str();
-  cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
+  add_timeout_option(cmd, a->timeout);
   cmd->add_option("--print-every", a->print_every, "Print every Nth step")->capture_default_str();
   cmd->add_flag("--rope-local-offsets", a->rope_local,
                 "Testing only: RoPE on each token's local offset instead of its global position (wrong for cp > 1)")

@@ -8,11 +8,13 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/merge.hpp>
 #include <cpattn/mesh.hpp>
 #include <cpattn/npy.hpp>
 #include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/reference.hpp>
+#include <cpattn/tensor.hpp>
 #include <cpattn/version.hpp>
 #include <cpattn/worklist.hpp>

@@ -76,6 +76,26 @@ struct CpAttnConfig {
 
 std::string_view to_string(CpScheme s);  // "allgather", "ring"
 
+// What one rank's CpAttention forward + backward allocates, in bytes, from the configuration
+// and the plan's shapes, so that a caller can budget memory before the first call (the layer
+// itself refuses a new plan whose estimate exceeds available_memory(), on every rank, before
+// any payload moves: see memory.hpp). Upper estimates; the caller's own tensors (q, k, v, out,
+// dout, dq, dk, dv: local_tokens rows each) come on top.
+struct CpMemoryEstimate {
+  uint64_t context = 0;         // each CpContext until its backward: gathered K/V (allgather, cp
+                                // blocks; the ring: a copy of the local block) and lse
+  uint64_t buffers = 0;         // the layer's reused buffers: fp32 dK/dV of every gathered row
+                                // (index mode: and of the copy), the ring's blocks and fp32 copies
+  uint64_t kernel_scratch = 0;  // attention_backward's own (attention_backward_scratch_bytes)
+  // One forward + backward with `contexts` contexts alive at once (a model's layers).
+  uint64_t total(int64_t contexts = 1) const;
+  std::string describe() const;  // "context X, buffers Y, kernel scratch Z", for messages
+};
+// Before a plan exists: `local_tokens` as the plan will have (at least ceil(tokens / cp));
+// the kernel's per-thread blocks are left out (they need the plan's longest task).
+CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, int cp, int64_t local_tokens);
+CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan);
+
 
 // Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout
 // and dq may be strided views (head_dim contiguous); k, v, dk and dv must be contiguous (they

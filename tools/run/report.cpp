@@ -54,7 +54,10 @@ nlohmann::json report_json(const RunReport& r) {
   report["head_dim_v"] = b.shape.head_dim_v;
   report["repeats"] = a.repeats;
   report["single_process_s"] = r.check.single_process_s;
-  for (const check::TensorReport& t : r.check.tensors) {
+  report["timeout_s"] = r.timeout_s;
+  for (std::size_t i = 0; i < r.check.tensors.size(); ++i) {
+    const check::TensorReport& t = r.check.tensors[i];
+    report["worst"][t.name] = {{"token", r.check.worst[i].token}, {"head", r.check.worst[i].head}};
     report["max_abs_err"][t.name] = t.max_abs;
     report["max_rel_err"][t.name] = t.max_rel;
     report["rel_l2_err"][t.name] = t.rel_l2;
@@ -93,9 +96,14 @@ void print_report(const RunReport& r) {
                 static_cast<long long>(w.right), static_cast<double>(a.softcap), a.alibi ? "on" : "off");
   }
   std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.check.single_process_s);
-  std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
-  for (const check::TensorReport& t : r.check.tensors)
-    std::printf("  %-6s %14.3e %14.3e %14.3e\n", t.name.c_str(), t.max_abs, t.max_rel, t.rel_l2);
+  std::printf("  %-6s %14s %14s %14s  %s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err",
+              "worst at (token, head)");
+  for (std::size_t i = 0; i < r.check.tensors.size(); ++i) {
+    const check::TensorReport& t = r.check.tensors[i];
+    std::printf("  %-6s %14.3e %14.3e %14.3e  (%lld, %d)%s\n", t.name.c_str(), t.max_abs, t.max_rel, t.rel_l2,
+                static_cast<long long>(r.check.worst[i].token), r.check.worst[i].head,
+                t.pass ? "" : t.finite ? "  FAIL" : "  FAIL (NaN/Inf)");
+  }
   std::printf("  result: %s (%s)\n", r.check.pass ? "PASS" : "FAIL",
               std::string(check::tolerance(b.dtype).rule).c_str());
   std::printf("\nper rank (medians of %d forward+backward steps):\n", a.repeats);
