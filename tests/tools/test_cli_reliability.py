@@ -79,6 +79,10 @@ r, elapsed = mpirun(2, "--seq-len", "100000000000")
 check(r.returncode == 2 and "cpattn run of 100000000000 tokens needs" in r.stderr and "PiB" in r.stderr
       and "available (" in r.stderr and elapsed < 20, f"huge --seq-len: exit {r.returncode} in {elapsed:.1f} s "
       f"{r.stderr[-600:]!r}")
+r = subprocess.run([CPATTN, "bench", "attention", "--seq-len", "10000000000"], capture_output=True, text=True,
+                   timeout=60)
+check(r.returncode == 2 and "cpattn bench attention of 10000000000 tokens needs" in r.stderr
+      and "available (" in r.stderr, f"bench attention past memory: exit {r.returncode} {r.stderr[-400:]!r}")
 r, _ = mpirun(2, *TINY, env={"CPATTN_MEMORY_LIMIT_BYTES": "10000"})
 check(r.returncode == 2 and "more than the 9.8 KiB available (CPATTN_MEMORY_LIMIT_BYTES)" in r.stderr,
       f"memory limit: {r.stderr[-600:]!r}")
