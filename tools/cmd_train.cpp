@@ -5,7 +5,9 @@
 // curves side by side (train_compare.cpp).
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/file.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/train.hpp>
 
 #include <nlohmann/json.hpp>
@@ -202,6 +204,29 @@ void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
   std::printf("\n  %-28s %.2f\n", "total time (s)", total_s);
 }
 
+// What one rank allocates for training, at least, refused with both sizes before the model
+// exists when past the available memory: each layer's activations kept for its backward (about
+// 16 x dim + 4 x ffn fp32 values per local token) and the logits (3 x vocab per token), the CP
+// attention of every layer (cp_memory_estimate, one context per layer), and the parameters with
+// their gradients and two Adam moments.
+void check_train_memory(const TrainArgs& a) {
+  const train::ModelConfig& m = a.model;
+  const auto local = static_cast<uint64_t>((a.seq_len + a.cp - 1) / a.cp);
+  const auto layers = static_cast<uint64_t>(m.layers);
+  const auto dim = static_cast<uint64_t>(m.dim), ffn = static_cast<uint64_t>(m.ffn_dim());
+  const uint64_t activations = saturating_mul(
+      saturating_mul(local, saturating_add(saturating_mul(layers, 16 * dim + 4 * ffn), 3 * static_cast<uint64_t>(m.vocab))), 4);
+  const CpAttnConfig attn{.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(),
+                          .head_dim_v = m.head_dim(), .dtype = parse_train_dtype(a.dtype),
+                          .options = {.num_threads = a.threads}};
+  const uint64_t cp = cp_memory_estimate(attn, a.cp, static_cast<int64_t>(local)).total(m.layers);
+  const uint64_t params = 4 * 4 * (layers * (4 * dim * dim + 3 * dim * ffn) + 2 * static_cast<uint64_t>(m.vocab) * dim);
+  check_memory(saturating_add(saturating_add(activations, cp), params),
+               "cpattn train at --seq-len " + std::to_string(a.seq_len) + " and --cp " + std::to_string(a.cp),
+               "activations " + format_bytes(activations) + ", CP attention " + format_bytes(cp) +
+                   ", parameters, gradients and moments " + format_bytes(params) + ", per rank");
+}
+
 void train_run(const TrainArgs& a) {
   check_args(a);
   const MpiSession mpi;  // finalizes only what it initialized
@@ -211,6 +236,7 @@ void train_run(const TrainArgs& a) {
                ": launch as mpirun -np ", a.cp, " cpattn train --cp ", a.cp);
   // Every rank runs the same settings, or every rank fails at once naming the field.
   agree(comm, settings_fingerprint(a), "cpattn train");
+  train::on_every_rank(comm, [&] { check_train_memory(a); });
   // Output paths before any work: a FIFO, a device, a folder or an unwritable folder is exit 2.
   train::on_every_rank(comm, [&] {
     if (rank != 0) return;

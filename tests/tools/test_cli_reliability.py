@@ -83,6 +83,10 @@ r = subprocess.run([CPATTN, "bench", "attention", "--seq-len", "10000000000"], c
                    timeout=60)
 check(r.returncode == 2 and "cpattn bench attention of 10000000000 tokens needs" in r.stderr
       and "available (" in r.stderr, f"bench attention past memory: exit {r.returncode} {r.stderr[-400:]!r}")
+r = subprocess.run([MPIEXEC, "-np", "1", CPATTN, "train", "--seq-len", "1000000000", "--steps", "1"],
+                   capture_output=True, text=True, timeout=60)
+check(r.returncode == 2 and "cpattn train at --seq-len 1000000000 and --cp 1 needs" in r.stderr
+      and "available (" in r.stderr, f"train past memory: exit {r.returncode} {r.stderr[-400:]!r}")
 r, _ = mpirun(2, *TINY, env={"CPATTN_MEMORY_LIMIT_BYTES": "10000"})
 check(r.returncode == 2 and "more than the 9.8 KiB available (CPATTN_MEMORY_LIMIT_BYTES)" in r.stderr,
       f"memory limit: {r.stderr[-600:]!r}")
