@@ -1,0 +1,63 @@
+// Fuzzes the training checkpoint reader (src/train/checkpoint.cpp) against one small run's
+// configuration (make_checkpoint_seeds.py writes the seeds for the same one). The first byte
+// picks the mode: odd, the checksum of the rest is recomputed first, so that the fuzzer gets
+// past it to the configuration and value checks; even, the bytes are read as they are. Any
+// bytes either raise cpattn::Error or parse to a state that holds only finite weights and
+// moments (second moments >= 0) and a non-negative step and data position, and that formats
+// back to exactly the bytes read.
+#include <cpattn/error.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "checkpoint.hpp"
+
+namespace {
+
+using namespace cpattn::train;
+
+// The run every input is read against (make_checkpoint_seeds.py's CONFIG).
+const CheckpointConfig kConfig{.model = {.layers = 1, .dim = 8, .heads = 2, .kv_heads = 1},
+                               .n_params = 3,
+                               .optim = {},
+                               .seed = 1,
+                               .attn_dtype = cpattn::DType::f32,
+                               .id = {.seq_len = 64, .data_hash = 0x1234abcdULL}};
+
+// checkpoint.hpp's layout: magic, version, count, the fields, the checksum, then the payload.
+void fix_checksum(std::vector<std::byte>& f) {
+  if (f.size() < 24) return;
+  int64_t count = 0;
+  std::memcpy(&count, f.data() + 16, 8);
+  if (count < 0 || count > 1024) return;
+  const std::size_t header = 8 + 8 * (2 + static_cast<std::size_t>(count)) + 8;
+  if (f.size() < header) return;
+  uint64_t h = fnv1a64(std::span(f.data() + 8, header - 16));
+  h = fnv1a64(std::span(f.data() + header, f.size() - header), h);
+  std::memcpy(f.data() + header - 8, &h, 8);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const auto* bytes = reinterpret_cast<const std::byte*>(data);
+  std::vector<std::byte> file(bytes + 1, bytes + size);
+  if (data[0] & 1) fix_checksum(file);
+  try {
+    const CheckpointState s = parse_checkpoint(file, "fuzz", kConfig);
+    if (s.step < 0 || s.data.doc < 0 || s.data.offset < 0 || s.data.epoch < 0) std::abort();
+    if (s.params.size() != static_cast<std::size_t>(kConfig.n_params) || s.m.size() != s.params.size() ||
+        s.v.size() != s.params.size())
+      std::abort();
+    for (std::size_t i = 0; i < s.params.size(); ++i)
+      if (!std::isfinite(s.params[i]) || !std::isfinite(s.m[i]) || !std::isfinite(s.v[i]) || s.v[i] < 0) std::abort();
+    if (format_checkpoint(kConfig, s.step, s.data, s.params, s.m, s.v) != file) std::abort();
+  } catch (const cpattn::Error&) {
+  }
+  return 0;
+}
