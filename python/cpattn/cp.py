@@ -59,10 +59,16 @@ class ContextParallelAttention(torch.nn.Module):
 
     scheme is any name the C++ layer knows ("allgather", "ring", ...), passed through as it is.
     Dropout applies in training mode only, with a seed drawn from rank 0's torch generator.
+    check_finite=True makes a NaN or inf in q, k, v or the incoming gradient a ValueError on
+    every rank naming the tensor and its first bad element (global token, head, dim) instead
+    of a silent NaN (it costs a pass over the tensors). timeout (seconds, > 0) is the deadline
+    of each collective; None: the CPATTN_COMM_TIMEOUT_S variable, else 300 s (docs/comm.md). A
+    collective past it aborts the MPI job with a line naming the operation and the rank.
     """
 
     def __init__(self, comm, *, scheme="allgather", causal=True, softmax_scale=None, dropout_p=0.0,
-                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=True):
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=True, check_finite=False,
+                 timeout=None):
         super().__init__()
         self.comm = comm
         self._comm_address = comm_handle_address(comm)
@@ -72,6 +78,13 @@ class ContextParallelAttention(torch.nn.Module):
         self.causal, self.softmax_scale, self.dropout_p = causal, softmax_scale, dropout_p
         self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
         self.alibi_slopes = alibi(alibi_slopes)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+            timeout = float(timeout)
+        self.check_finite, self.timeout = check_finite, timeout
         self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, dropout on) -> _cpattn.CpLayer
 
     def _layer(self, q, k, v, dropout):
@@ -81,7 +94,7 @@ class ContextParallelAttention(torch.nn.Module):
                                    self.window_size, self.softcap)
             self._layers[key] = _cpattn.make_cp_layer(
                 self._comm_address, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
-                self.scheme, options, self.alibi_slopes, bool(self.deterministic))
+                self.scheme, options, self.alibi_slopes, bool(self.deterministic), self.check_finite, self.timeout)
         return self._layers[key]
 
     def forward(self, q, k, v, cu_seqlens):

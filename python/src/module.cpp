@@ -291,8 +291,9 @@ nb::dict batch_on_rank(const I64Array& tokens, const I64Array& labels, const I64
 // One CpAttention over its own duplicate of the caller's communicator, which it outlives.
 class CpLayer {
  public:
-  CpLayer(std::uintptr_t comm_handle_address, const CpAttnConfig& cfg)
-      : comm_(std::make_unique<Communicator>(*reinterpret_cast<const MPI_Comm*>(comm_handle_address))),
+  CpLayer(std::uintptr_t comm_handle_address, const CpAttnConfig& cfg, std::optional<double> timeout_s)
+      : comm_(std::make_unique<Communicator>(*reinterpret_cast<const MPI_Comm*>(comm_handle_address),
+                                             CommOptions{.timeout_s = timeout_s, .timeout_name = "timeout"})),
         attn_(*comm_, cfg) {}
 
   int size() const { return comm_->size(); }
@@ -324,15 +325,17 @@ class CpLayer {
 
 CpLayer* make_cp_layer(std::uintptr_t comm_handle_address, int num_heads_q, int num_heads_k, int head_dim_qk,
                        int head_dim_v, const std::string& dtype, const std::string& scheme,
-                       const AttnOptions& options, const std::optional<Array>& alibi, bool deterministic) {
+                       const AttnOptions& options, const std::optional<Array>& alibi, bool deterministic,
+                       bool check_finite, std::optional<double> timeout_s) {
   DType t = DType::f32;  // the Python side passes to_string(DType)'s spelling of a checked dtype
   for (const DType d : {DType::f16, DType::bf16})
     if (dtype == to_string(d)) t = d;
   const CpAttnConfig cfg{.num_heads_q = num_heads_q, .num_heads_k = num_heads_k, .head_dim_qk = head_dim_qk,
                          .head_dim_v = head_dim_v, .dtype = t, .options = with_alibi(options, alibi, num_heads_q),
-                         .deterministic = deterministic, .scheme = parse_cp_scheme(scheme)};
+                         .deterministic = deterministic, .check_finite = check_finite,
+                         .scheme = parse_cp_scheme(scheme)};
   nb::gil_scoped_release release;  // the communicator's duplicate is collective
-  return new CpLayer(comm_handle_address, cfg);
+  return new CpLayer(comm_handle_address, cfg, timeout_s);
 }
 
 }  // namespace
@@ -374,5 +377,5 @@ NB_MODULE(_cpattn, m) {
       .def("backward", &py::CpLayer::backward, "ctx"_a, "q"_a, "out"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a);
   m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,
         "head_dim_qk"_a, "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(),
-        "deterministic"_a, nb::rv_policy::take_ownership);
+        "deterministic"_a, "check_finite"_a, "timeout_s"_a.none(), nb::rv_policy::take_ownership);
 }
