@@ -153,13 +153,18 @@ nlohmann::json rank_json(const RankBalance& r, const RankPlan& p) {
 // which at cp = 4096 and many documents is terabytes.
 constexpr int64_t kMaxJsonEntries = int64_t{1} << 27;
 
-void print_json(const BalanceReport& b, const std::vector<int64_t>& cu, const SplitSummary& both) {
-  const int64_t entries = b.padded_tokens > kMaxJsonEntries / (b.cp + 1) ? kMaxJsonEntries + 1
-                                                                         : b.padded_tokens * (b.cp + 1);
-  CPATTN_CHECK(entries <= kMaxJsonEntries, "--json: the plan of ", cu.size() - 1, " documents (", b.padded_tokens,
-               " padded tokens) at --cp ", b.cp, " lists up to (cp + 1) x ", b.padded_tokens,
+// Refuses --json past kMaxJsonEntries, from the boundaries alone (before the balance reports,
+// which at cp = 4096 and many documents take seconds themselves).
+void check_json_size(const std::vector<int64_t>& cu, int cp, CpSplit split) {
+  const int64_t tokens = split == CpSplit::padded ? pad_cu_seqlens(cu, cp).back() : cu.back();
+  const int64_t entries = tokens > kMaxJsonEntries / (cp + 1) ? kMaxJsonEntries + 1 : tokens * (cp + 1);
+  CPATTN_CHECK(entries <= kMaxJsonEntries, "--json: the plan of ", cu.size() - 1, " documents (", tokens,
+               split == CpSplit::padded ? " padded" : "", " tokens) at --cp ", cp, " lists up to (cp + 1) x ", tokens,
                " index entries, past --json's bound of ", kMaxJsonEntries,
                " (about 1 GB of text); the table (without --json) summarizes any size");
+}
+
+void print_json(const BalanceReport& b, const std::vector<int64_t>& cu, const SplitSummary& both) {
   nlohmann::json head;
   head["cp"] = b.cp;
   head["split"] = to_string(b.split);
@@ -265,6 +270,7 @@ void run_plan(const PlanArgs& a) {
   check_cp_size(a.cp, "--cp");
   const CpSplit split = parse_split(a.split);
   if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
+  if (a.json) check_json_size(cu, a.cp, split);
   const SplitSummary both{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
   const BalanceReport& b = split == CpSplit::padded ? both.padded : both.padding_free;
   if (a.json) {
