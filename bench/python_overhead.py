@@ -10,26 +10,15 @@ of --repeats runs, one thread.
 
 import argparse
 import json
-import statistics
 import subprocess
-import time
 
 import torch
 
 import cpattn
+from bench_timing import median_seconds
 from cpattn import _cpattn
 
 CASES = {"small": ([16, 16], 2, 32), "large": ([1024, 768, 256], 8, 64)}  # lengths, heads, head_dim
-
-
-def median_seconds(fn, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def cpp_seconds(cli, lengths, heads, dim, repeats):

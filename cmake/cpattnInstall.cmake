@@ -8,7 +8,7 @@ set(_cpattn_dirs
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS cpattn_common cpattn_layout cpattn_plan cpattn_kernels cpattn_io cpattn_mesh cpattn_pipeline
-                cpattn_moe cpattn_core
+                cpattn_moe cpattn_sim cpattn_core
         EXPORT cpattnCoreTargets ${_cpattn_dirs})
 install(EXPORT cpattnCoreTargets NAMESPACE cpattn::
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/cpattn)

@@ -8,9 +8,18 @@ across the ranks, and the gradients are summed over them. CP=1 and CP=2 print th
 
     python examples/train_packed.py --steps 5
     mpirun -np 2 python examples/train_packed.py --steps 5
+    mpirun -np 2 python examples/train_packed.py --steps 5 --scheme hybrid --cp-inner 2
+    mpirun -np 2 python examples/train_packed.py --steps 5 --split padding-free
+    mpirun -np 2 python examples/train_packed.py --steps 5 --torch-group    # over a gloo process group
+
+--scheme is any of the C++ layer's (allgather, ring, pass-q, a2a, hybrid with --cp-inner; a2a
+and hybrid split the heads, so --heads and --kv-heads must suit the group size: docs/cp.md).
+--torch-group initialises torch.distributed (gloo, env:// from mpirun's ranks) and hands the
+module its process group in place of the mpi4py communicator (docs/python.md).
 """
 
 import argparse
+import os
 import pathlib
 
 import numpy as np
@@ -73,7 +82,8 @@ class Block(torch.nn.Module):
 class Model(torch.nn.Module):
     def __init__(self, comm, args):
         super().__init__()
-        attn = cpattn.ContextParallelAttention(comm, scheme=args.scheme, causal=True)
+        attn = cpattn.ContextParallelAttention(comm, scheme=args.scheme, cp_inner=args.cp_inner, split=args.split,
+                                               causal=True)
         self.wte = torch.nn.Embedding(VOCAB, args.dim)
         self.wpe = torch.nn.Embedding(2 * args.seq_len, args.dim)  # padding continues positions
         self.blocks = torch.nn.ModuleList(Block(args.dim, args.heads, args.kv_heads, attn) for _ in range(args.layers))
@@ -95,18 +105,35 @@ def main():
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--scheme", default="allgather")
+    p.add_argument("--scheme", default="allgather", help="allgather, ring, pass-q, a2a or hybrid")
+    p.add_argument("--cp-inner", type=int, default=None, help="--scheme hybrid: ranks of one all-to-all group")
+    p.add_argument("--split", default="padded", help="padded or padding-free (the latter: --scheme allgather)")
+    p.add_argument("--torch-group", action="store_true",
+                   help="run attention over a torch.distributed gloo group made from mpirun's ranks")
     p.add_argument("--data", type=pathlib.Path, nargs="+", default=[pathlib.Path("/usr/share/common-licenses")])
     args = p.parse_args()
 
     comm = MPI.COMM_WORLD
+    group = comm
+    if args.torch_group:  # Open MPI's ranks, and a port rank 0 picked
+        import socket
+        import torch.distributed as dist
+        port = None
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(comm.bcast(port, root=0)))
+        dist.init_process_group("gloo", init_method="env://", rank=comm.rank, world_size=comm.size)
+        group = dist.group.WORLD
     torch.manual_seed(0)  # the same initial model on every rank
-    model = Model(comm, args)
+    model = Model(group, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     batches = packed_batches(documents(args.data), args.seq_len)
     for step in range(args.steps):
         batch, cu = next(batches)
-        local = cpattn.get_batch_on_this_cp_rank(batch, cu, comm.size, comm.rank)
+        local = cpattn.get_batch_on_this_cp_rank(batch, cu, comm.size, comm.rank, split=args.split)
         logits = model(local["tokens"], local["position_ids"], torch.from_numpy(cu))
         # The loss over the real tokens of all ranks: each rank's sum over the global count.
         count = float(batch["loss_mask"].sum())

@@ -74,6 +74,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
   o.repeats = a.repeats;
   o.path = parse_kernel_path(a.kernel_path);
   check_kernel_path_supported(o.path);
+  (void)resolve_kernel_path(o.path, o.dtype);  // a bad CPATTN_KERNEL_PATH is bad input (exit 2)
   o.fail_check_for_testing = a.fail_check;
   check_bench_memory(o);
   check::AttnBenchResult r;
@@ -84,6 +85,9 @@ void run_bench_attention(const BenchAttnArgs& a) {
     throw ExitCode{1};
   }
   const int64_t seq_len = std::accumulate(o.lengths.begin(), o.lengths.end(), int64_t{0});
+  // Why the path ran: the flag, the environment (CPATTN_KERNEL_PATH) or the automatic choice.
+  const std::string path_reason =
+      o.path != KernelPath::automatic ? "forced by --kernel-path " + a.kernel_path : r.path_reason;
   const double peak = r.fma_peak_gflops;
   if (a.json) {
     nlohmann::json j;
@@ -104,6 +108,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
     j["threads"] = o.threads;
     j["dtype"] = to_string(o.dtype);
     j["kernel_path"] = r.path;
+    j["kernel_path_reason"] = path_reason;
     j["seq_len"] = seq_len;
     j["documents"] = o.lengths.size();
     j["lengths"] = o.lengths;
@@ -126,6 +131,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
               std::string(to_string(o.dtype)).c_str(), r.path.c_str(), o.threads, o.lengths.size(),
               static_cast<long long>(seq_len), o.heads, o.kv_heads, o.head_dim, o.head_dim_v,
               mask_name(o.mask).c_str());
+  std::printf("  kernel path %s: %s\n", r.path.c_str(), path_reason.c_str());
   if (o.window_left >= 0 || o.window_right >= 0 || o.softcap > 0.0f || o.alibi)
     std::printf("  masks: window %lld,%lld, softcap %g, alibi %s\n", static_cast<long long>(o.window_left),
                 static_cast<long long>(o.window_right), static_cast<double>(o.softcap), o.alibi ? "on" : "off");
@@ -163,7 +169,7 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 256));
   at->add_option("--dtype", args->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")
       ->transform(dtype_transformer())->capture_default_str();
-  at->add_option("--kernel-path", args->kernel_path, "Kernel path (automatic: the fastest this CPU runs)")
+  at->add_option("--kernel-path", args->kernel_path, "Kernel path (automatic: the fastest this CPU runs, or CPATTN_KERNEL_PATH when set)")
       ->transform(kernel_path_transformer())->capture_default_str();
   at->add_option("--threads", args->threads, "Threads")->check(CLI::PositiveNumber)->capture_default_str();
   at->add_option("--mask", args->mask, "causal or none")->transform(mask_transformer())->capture_default_str();

@@ -58,6 +58,7 @@ struct TrainArgs {
   uint64_t seed = 1;
   std::string dtype = "fp32";  // attention storage, canonical (vocab.hpp)
   std::string cp_scheme = "allgather";  // canonical (vocab.hpp)
+  int cp_inner = 0;                      // --cp-scheme hybrid: all-to-all group size
   std::string window;                   // --window LEFT,RIGHT (empty: unbounded)
   float softcap = 0.0f;
   bool alibi = false;
@@ -74,6 +75,14 @@ struct TrainArgs {
   int64_t save_every = 0;       // also save every N steps (0: only at the end)
   bool skip_nonfinite = false;  // skip a non-finite step instead of stopping
   int64_t testing_nan_at_step = -1;  // hidden: NaN loss at this step (for tests)
+  // Mixture of experts (docs/training.md): model.experts and model.top_k, the EP size, and
+  // the layer's options as cpattn moe names them.
+  int ep = 1;
+  std::optional<double> capacity_factor;
+  std::string router = "softmax";        // softmax | sigmoid-bias
+  std::string drop_policy = "position";  // position | probability
+  double aux_loss_coeff = 0;
+  double bias_update_rate = 1e-3;
 };
 
 // SIGTERM or SIGINT received (the signal's number); the loop checks it between steps.
@@ -103,6 +112,11 @@ train::ModelConfig model_config(const TrainArgs& a) {
   m.window_right = w.right;
   m.softcap = a.softcap;
   m.alibi = a.alibi;
+  m.router = a.router == "sigmoid-bias" ? MoeRouter::sigmoid_bias : MoeRouter::softmax;
+  m.capacity_factor = a.capacity_factor;
+  m.drop_policy = a.drop_policy == "probability" ? MoeDropPolicy::by_probability : MoeDropPolicy::by_position;
+  m.aux_loss_coeff = a.aux_loss_coeff;
+  m.bias_update_rate = a.bias_update_rate;
   return m;
 }
 
@@ -118,7 +132,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--warmup", a.optim.warmup).add("--weight-decay (float bits)", fbits(a.optim.weight_decay));
   fp.add("--clip (float bits)", fbits(a.optim.clip)).add("--dtype (hash)", static_cast<int64_t>(hash_of(a.dtype)));
   const train::ModelConfig m = model_config(a);
-  fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme)));
+  fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme))).add("--cp-inner", a.cp_inner);
   fp.add("--window (left)", m.window_left).add("--window (right)", m.window_right);
   fp.add("--softcap (float bits)", fbits(a.softcap)).add("--alibi", a.alibi ? 1 : 0);
   fp.add("--split (hash)", static_cast<int64_t>(hash_of(a.split)));
@@ -131,6 +145,13 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
   fp.add("--dp", a.dp).add("--pp", a.pp).add("--micro", a.micro).add("--schedule (hash)", static_cast<int64_t>(hash_of(a.schedule)));
   fp.add("--virtual", a.virtual_stages.value_or(0));
+  const auto dbits = [](double x) { return std::bit_cast<int64_t>(x); };
+  fp.add("--experts", a.model.experts).add("--top-k", a.model.top_k).add("--ep", a.ep);
+  fp.add("--capacity-factor (double bits, -1 unset)", a.capacity_factor ? dbits(*a.capacity_factor) : -1);
+  fp.add("--router (hash)", static_cast<int64_t>(hash_of(a.router)));
+  fp.add("--drop-policy (hash)", static_cast<int64_t>(hash_of(a.drop_policy)));
+  fp.add("--aux-loss-coeff (double bits)", dbits(a.aux_loss_coeff));
+  fp.add("--bias-update-rate (double bits)", dbits(a.bias_update_rate));
   return fp;
 }
 
@@ -185,7 +206,38 @@ void with_flag(const char* flag, F&& f) {
 train::MeshConfig mesh_config(const TrainArgs& a) {
   const PipelineSchedule kind = *parse_pipeline_schedule(a.schedule);
   return {.dp = a.dp, .pp = a.pp, .schedule = kind,
-          .virtual_stages = a.virtual_stages.value_or(kind == PipelineSchedule::interleaved ? 2 : 1)};
+          .virtual_stages = a.virtual_stages.value_or(kind == PipelineSchedule::interleaved ? 2 : 1), .ep = a.ep};
+}
+
+// The mixture-of-experts flags' rules (the same on every rank: flags only).
+void check_moe_args(const TrainArgs& a) {
+  const int E = a.model.experts;
+  CPATTN_CHECK(E >= 0, "--experts must be >= 0 (0: the dense MLP), got ", E);
+  CPATTN_CHECK(a.router == "softmax" || a.router == "sigmoid-bias", "--router must be softmax or sigmoid-bias, got '",
+               a.router, "'");
+  CPATTN_CHECK(a.drop_policy == "position" || a.drop_policy == "probability",
+               "--drop-policy must be position or probability, got '", a.drop_policy, "'");
+  if (E == 0) {
+    CPATTN_CHECK(a.ep == 1 && a.model.top_k == 1 && !a.capacity_factor && a.router == "softmax" &&
+                     a.drop_policy == "position" && a.aux_loss_coeff == 0 && a.bias_update_rate == 1e-3,
+                 "--ep, --top-k, --capacity-factor, --router, --drop-policy, --aux-loss-coeff and --bias-update-rate "
+                 "need --experts E (a mixture of experts)");
+    return;
+  }
+  CPATTN_CHECK(a.model.top_k >= 1 && a.model.top_k <= E, "--top-k must be in 1..--experts = ", E, ", got ",
+               a.model.top_k);
+  CPATTN_CHECK(a.ep >= 1, "--ep must be >= 1, got ", a.ep);
+  CPATTN_CHECK(E % a.ep == 0, "--ep ", a.ep, " must divide --experts ", E, " (each EP rank holds --experts / --ep)");
+  CPATTN_CHECK((a.dp * a.cp) % a.ep == 0, "--ep ", a.ep, " must divide --dp * --cp = ", a.dp, " * ", a.cp, " = ",
+               a.dp * a.cp, " (EP is folded over the data- and context-parallel ranks of a pipeline stage)");
+  CPATTN_CHECK(!a.capacity_factor || (std::isfinite(*a.capacity_factor) && *a.capacity_factor > 0),
+               "--capacity-factor must be > 0, got ", a.capacity_factor.value_or(0));
+  CPATTN_CHECK(std::isfinite(a.aux_loss_coeff) && a.aux_loss_coeff >= 0, "--aux-loss-coeff must be >= 0, got ",
+               a.aux_loss_coeff);
+  CPATTN_CHECK(a.aux_loss_coeff == 0 || a.router == "softmax",
+               "--aux-loss-coeff needs --router softmax (sigmoid-bias balances by its bias instead)");
+  CPATTN_CHECK(std::isfinite(a.bias_update_rate) && a.bias_update_rate > 0, "--bias-update-rate must be > 0, got ",
+               a.bias_update_rate);
 }
 
 void check_mesh_args(const TrainArgs& a) {
@@ -212,6 +264,7 @@ void check_mesh_args(const TrainArgs& a) {
 void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.cp >= 1, "--cp must be >= 1, got ", a.cp);
   check_mesh_args(a);
+  check_moe_args(a);
   CPATTN_CHECK(a.steps >= 0, "--steps must be >= 0, got ", a.steps);
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.optim.warmup >= 0, "--warmup must be >= 0, got ", a.optim.warmup);
@@ -229,9 +282,12 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= 256,
                "the head dimension --dim / --heads must be even and <= 256, got ", m.head_dim());
   parse_train_dtype(a.dtype);
-  CPATTN_CHECK(parse_scheme(a.cp_scheme, "--cp-scheme") != CpScheme::hybrid,
-               "--cp-scheme hybrid needs an all-to-all group size, which cpattn train does not take yet (use "
-               "cpattn run --scheme hybrid --cp-inner N, or another --cp-scheme)");
+  const bool hybrid = parse_scheme(a.cp_scheme, "--cp-scheme") == CpScheme::hybrid;
+  CPATTN_CHECK(hybrid || a.cp_inner == 0, "--cp-inner is for --cp-scheme hybrid only, got --cp-inner ", a.cp_inner,
+               " with --cp-scheme ", a.cp_scheme);
+  CPATTN_CHECK(!hybrid || (a.cp_inner >= 1 && a.cp % a.cp_inner == 0),
+               "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (", a.cp, " = inner x outer), got --cp-inner ",
+               a.cp_inner);
   parse_window(a.window);
   check_softcap(a.softcap);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
@@ -270,31 +326,53 @@ void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
 
 // What one rank allocates for training, at least, refused with both sizes before the model
 // exists when past the available memory: its stage's layers' activations kept for their
-// backward (about 16 x dim + 4 x ffn fp32 values per local token) and the logits (3 x vocab per
-// token) for each of its replica's micro-batches (a pipeline keeps up to all of them alive), the
-// CP attention of those layers (cp_memory_estimate of --cp-scheme and --split, one context per
-// layer and micro-batch), and the parameters with their gradients and two Adam moments.
+// backward (about 16 x dim + 4 x ffn fp32 values per local token; with experts the MLP's 4 x
+// ffn becomes top_k x (4 x ffn + 2 x dim) + experts: each token's rows at its top_k experts
+// and back, under balanced routing) and the logits (3 x vocab per token) for each of its
+// replica's micro-batches (a pipeline keeps up to all of them alive), the CP attention of
+// those layers (cp_memory_estimate of --cp-scheme, --cp-inner and --split, one context per
+// layer and micro-batch), and the parameters with their gradients and two Adam moments
+// (ParamLayout's count: with experts, the router of every expert and experts / ep experts'
+// weights per block). With experts, the model's every expert is also held once, at
+// initialisation and when a checkpoint is saved or loaded (gathered over the EP group).
 void check_train_memory(const TrainArgs& a) {
-  const train::ModelConfig& m = a.model;
+  const train::ModelConfig m = model_config(a);
   const auto local = static_cast<uint64_t>((a.seq_len + a.cp - 1) / a.cp);
   const auto layers = static_cast<uint64_t>((m.layers + a.pp - 1) / a.pp);  // this rank's stage
   const auto micro = static_cast<uint64_t>(std::max(1, a.micro / std::max(1, a.dp)));  // this replica's
   const auto dim = static_cast<uint64_t>(m.dim), ffn = static_cast<uint64_t>(m.ffn_dim());
+  const auto vocab = static_cast<uint64_t>(m.vocab), experts = static_cast<uint64_t>(std::max(0, m.experts));
+  const auto top_k = static_cast<uint64_t>(std::max(1, m.top_k)), ep = static_cast<uint64_t>(std::max(1, a.ep));
+  const uint64_t mlp_acts = m.moe() ? top_k * (4 * ffn + 2 * dim) + experts : 4 * ffn;
   const uint64_t activations = saturating_mul(
       saturating_mul(saturating_mul(local, micro),
-                     saturating_add(saturating_mul(layers, 16 * dim + 4 * ffn), 3 * static_cast<uint64_t>(m.vocab))),
+                     saturating_add(saturating_mul(layers, 16 * dim + mlp_acts), 3 * vocab)),
       4);
   const CpAttnConfig attn{.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(),
                           .head_dim_v = m.head_dim(), .dtype = parse_train_dtype(a.dtype),
                           .options = {.num_threads = a.threads},
-                          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .split = parse_split(a.split)};
+                          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
+                          .split = parse_split(a.split)};
   const uint64_t cp = cp_memory_estimate(attn, a.cp, static_cast<int64_t>(local))
                           .total(static_cast<int64_t>(saturating_mul(layers, micro)));
-  const uint64_t params = 4 * 4 * (layers * (4 * dim * dim + 3 * dim * ffn) + 2 * static_cast<uint64_t>(m.vocab) * dim);
-  check_memory(saturating_add(saturating_add(activations, cp), params),
+  // Parameters per block as ParamLayout lays them out (norms, q/k/v/o, then the MLP or the
+  // router, its bias and the experts), `held` experts of them; wte, lnf and lm_head once.
+  const uint64_t q = static_cast<uint64_t>(m.heads) * static_cast<uint64_t>(m.head_dim());
+  const uint64_t kv = static_cast<uint64_t>(m.kv_heads) * static_cast<uint64_t>(m.head_dim());
+  const auto count = [&](uint64_t held) {
+    const uint64_t mlp = m.moe() ? dim * experts + (m.router == MoeRouter::sigmoid_bias ? experts : 0) +
+                                       held * 3 * dim * ffn
+                                 : 3 * dim * ffn;
+    return saturating_add(saturating_mul(layers, 2 * dim + 2 * dim * q + 2 * dim * kv + mlp),
+                          2 * vocab * dim + dim);
+  };
+  const uint64_t params = saturating_mul(count(experts / ep), 4 * 4);
+  const uint64_t gathered = m.moe() ? saturating_mul(count(experts), 4) : 0;
+  check_memory(saturating_add(saturating_add(saturating_add(activations, cp), params), gathered),
                "cpattn train at --seq-len " + std::to_string(a.seq_len) + " and --cp " + std::to_string(a.cp),
                "activations " + format_bytes(activations) + ", CP attention " + format_bytes(cp) +
-                   ", parameters, gradients and moments " + format_bytes(params) + ", per rank");
+                   ", parameters, gradients and moments " + format_bytes(params) +
+                   (m.moe() ? ", every expert gathered " + format_bytes(gathered) : std::string()) + ", per rank");
 }
 
 void train_run(const TrainArgs& a) {
@@ -321,7 +399,8 @@ void train_run(const TrainArgs& a) {
   });
   train::Trainer trainer(comm, model_config(a), a.optim,
                          {.attn_dtype = parse_train_dtype(a.dtype), .threads = a.threads,
-                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .split = parse_split(a.split),
+                          .cp_scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
+                          .split = parse_split(a.split),
                           .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed, mesh_config(a));
@@ -344,17 +423,29 @@ void train_run(const TrainArgs& a) {
   install_stop_handlers();
 
   if (rank == 0) {
-    int64_t params = static_cast<int64_t>(trainer.params().size());
-    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters\n",
+    const auto mine = static_cast<int64_t>(trainer.params().size());  // with experts: this rank's share
+    const int64_t experts = int64_t{3} * a.model.layers * a.model.dim * a.model.ffn_dim() * a.model.experts;
+    const int64_t params = mine + experts / a.ep * (a.ep - 1);
+    std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters",
                 a.cp, a.model.layers, a.model.dim, a.model.heads, a.model.kv_heads, a.model.ffn_dim(),
                 static_cast<long long>(params));
+    if (a.ep > 1) std::printf(" (%lld on each rank: experts / ep)", static_cast<long long>(mine));
+    std::printf("\n");
     std::printf("  mesh: dp %d x cp %d x pp %d, schedule %s, %d micro-batch(es) of %lld tokens per step\n", a.dp,
                 a.cp, a.pp, a.schedule.c_str(), a.micro, static_cast<long long>(a.seq_len));
+    if (a.model.moe()) {
+      std::printf("  experts: %d per block, top-%d, %s router, ep %d (%d experts per rank)", a.model.experts,
+                  a.model.top_k, a.router.c_str(), a.ep, a.model.experts / a.ep);
+      if (a.capacity_factor) std::printf(", capacity factor %g (drop by %s)", *a.capacity_factor, a.drop_policy.c_str());
+      if (a.aux_loss_coeff > 0) std::printf(", aux loss coeff %g", a.aux_loss_coeff);
+      std::printf("\n");
+    }
     std::printf("  data: %zu documents, %lld tokens per epoch; seq-len %lld; attention %s; %d thread(s) per rank%s\n",
                 data->documents().size(), static_cast<long long>(data->total_tokens()),
                 static_cast<long long>(a.seq_len), a.dtype.c_str(), a.threads,
                 a.resume.empty() ? "" : (", resumed at step " + std::to_string(trainer.steps_done())).c_str());
     std::printf("  attention: causal, cp scheme %s", a.cp_scheme.c_str());
+    if (a.cp_inner != 0) std::printf(" (all-to-all groups of %d)", a.cp_inner);
     if (!a.window.empty()) std::printf(", window %s", a.window.c_str());
     if (a.softcap > 0.0f) std::printf(", softcap %g", static_cast<double>(a.softcap));
     std::printf("%s\n", a.alibi ? ", alibi" : "");
@@ -389,7 +480,8 @@ void train_run(const TrainArgs& a) {
       std::fflush(stdout);
       if (log.fd >= 0) {
         const nlohmann::json j = {{"step", st.step}, {"skipped", true}, {"loss", st.loss},
-                                  {"grad_norm", st.grad_norm}, {"lr", st.lr}, {"cp", a.cp}};
+                                  {"aux_loss", st.aux_loss}, {"grad_norm", st.grad_norm}, {"lr", st.lr},
+                                  {"cp", a.cp}};
         try {
           log.write(j.dump() + "\n");
         } catch (const Error& e) {
@@ -399,8 +491,10 @@ void train_run(const TrainArgs& a) {
     } else if (rank == 0) {
       const double max_rss = *std::max_element(rss.begin(), rss.end());
       if (st.step % a.print_every == 0 || s + 1 == a.steps) {
-        std::printf("step %5lld | loss %.4f | grad norm %7.4f | lr %.2e | %8.0f tok/s | %.3f s | peak MB",
-                    static_cast<long long>(st.step), st.loss, st.grad_norm, st.lr, row.tokens_per_s, row.step_s);
+        std::printf("step %5lld | loss %.4f | ", static_cast<long long>(st.step), st.loss);
+        if (a.model.moe()) std::printf("aux %.4g | ", st.aux_loss);
+        std::printf("grad norm %7.4f | lr %.2e | %8.0f tok/s | %.3f s | peak MB", st.grad_norm, st.lr,
+                    row.tokens_per_s, row.step_s);
         for (const double m : rss) std::printf(" %.1f", m);
         std::printf("\n");
         std::fflush(stdout);
@@ -411,7 +505,9 @@ void train_run(const TrainArgs& a) {
                                   {"step_s", row.step_s},      {"tokens_per_s", row.tokens_per_s},
                                   {"tokens", st.tokens},       {"peak_rss_mb", max_rss},
                                   {"peak_rss_mb_per_rank", rss}, {"cp", a.cp},
-                                  {"dp", a.dp},                {"pp", a.pp}};
+                                  {"dp", a.dp},                {"pp", a.pp},
+                                  {"aux_loss", st.aux_loss},   {"dropped", st.dropped},
+                                  {"experts", a.model.experts}, {"ep", a.ep}};
         try {
           log.write(j.dump() + "\n");
         } catch (const Error& e) {
@@ -517,10 +613,17 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
                                 "--micro", std::to_string(a.micro), "--schedule", a.schedule};
   if (a.virtual_stages) v.insert(v.end(), {"--virtual", std::to_string(*a.virtual_stages)});
   if (a.timeout) v.insert(v.end(), {"--timeout", f(*a.timeout)});
+  if (a.model.moe()) {
+    v.insert(v.end(), {"--experts", std::to_string(a.model.experts), "--top-k", std::to_string(a.model.top_k),
+                       "--ep", std::to_string(a.ep), "--router", a.router, "--drop-policy", a.drop_policy,
+                       "--aux-loss-coeff", f(a.aux_loss_coeff), "--bias-update-rate", f(a.bias_update_rate)});
+    if (a.capacity_factor) v.insert(v.end(), {"--capacity-factor", f(*a.capacity_factor)});
+  }
   if (!a.resume.empty()) v.insert(v.end(), {"--resume", a.resume});
   if (a.skip_nonfinite) v.emplace_back("--skip-nonfinite");
   if (!a.window.empty()) v.insert(v.end(), {"--window", a.window});
   if (a.alibi) v.emplace_back("--alibi");
+  if (a.cp_inner != 0) v.insert(v.end(), {"--cp-inner", std::to_string(a.cp_inner)});
   if (!a.data.empty()) {
     v.emplace_back("--data");
     v.insert(v.end(), a.data.begin(), a.data.end());
@@ -568,6 +671,24 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--virtual", a->virtual_stages, "Model chunks per stage for --schedule interleaved (default 2)");
   cmd->add_option("--layers", a->model.layers, "Transformer blocks")->capture_default_str();
+  cmd->add_option("--experts", a->model.experts,
+                  "Mixture of experts: E SwiGLU experts replace every block's MLP (0: the dense MLP)")
+      ->capture_default_str();
+  cmd->add_option("--top-k", a->model.top_k, "Experts per token K (1..--experts)")->capture_default_str();
+  cmd->add_option("--ep", a->ep, "Expert-parallel size: divides --experts and --dp * --cp (EP folded over them)")
+      ->capture_default_str();
+  cmd->add_option("--capacity-factor", a->capacity_factor,
+                  "Each expert keeps at most ceil(C * tokens * K / E) of a group's assignments (default: no limit)");
+  cmd->add_option("--drop-policy", a->drop_policy, "Which assignments over capacity are dropped: position or probability")
+      ->capture_default_str();
+  cmd->add_option("--router", a->router, "softmax (top-k of softmax) or sigmoid-bias (auxiliary-loss-free)")
+      ->capture_default_str();
+  cmd->add_option("--aux-loss-coeff", a->aux_loss_coeff,
+                  "Weight of the Switch load-balancing loss, added to the training loss (softmax router)")
+      ->capture_default_str();
+  cmd->add_option("--bias-update-rate", a->bias_update_rate,
+                  "sigmoid-bias router: the selection bias's step per training step")
+      ->capture_default_str();
   cmd->add_option("--dim", a->model.dim, "Model width")->capture_default_str();
   cmd->add_option("--heads", a->model.heads, "Query heads")->capture_default_str();
   cmd->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (GQA)")->capture_default_str();
@@ -586,6 +707,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--cp-scheme", a->cp_scheme, "How attention's K/V reach the queries: " + scheme_names() +
                                                  " (as cpattn run --scheme; every scheme trains to the same curve)")
       ->transform(scheme_transformer("--cp-scheme"))->capture_default_str();
+  cmd->add_option("--cp-inner", a->cp_inner, "--cp-scheme hybrid: ranks of one all-to-all group (consecutive ranks, "
+                                             "dividing --cp; the K/V travel between the groups)");
   cmd->add_option("--window", a->window, "Sliding attention window LEFT,RIGHT (FlashAttention's window_size; "
                                          "-1 = unbounded; RIGHT has no effect under the causal mask)");
   cmd->add_option("--softcap", a->softcap, "Attention logit soft cap (0 = off): scores become X * tanh(s / X)")

@@ -32,5 +32,7 @@ void add_train_command(CLI::App& app);
 void add_mesh_command(CLI::App& app);
 void add_pipeline_command(CLI::App& app);
 void add_moe_command(CLI::App& app);
+void add_simulate_command(CLI::App& app);
+void add_calibrate_command(CLI::App& app);
 
 }  // namespace cpattn::cli

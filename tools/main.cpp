@@ -11,5 +11,7 @@ int main(int argc, char** argv) {
   cpattn::cli::add_mesh_command(app);
   cpattn::cli::add_pipeline_command(app);
   cpattn::cli::add_moe_command(app);
+  cpattn::cli::add_simulate_command(app);
+  cpattn::cli::add_calibrate_command(app);
   return cpattn::cli::run_app(app, argc, argv);
 }

@@ -30,6 +30,11 @@ namespace cpattn::cli {
 inline std::string mask_name(MaskType m) { return m == MaskType::causal ? "causal" : "none"; }
 
 inline std::string kernel_path_name(KernelPath p) { return std::string(to_string(p)); }
+// Every KernelPath, in enum order (the names --kernel-path takes).
+inline constexpr KernelPath kAllKernelPaths[] = {KernelPath::automatic,   KernelPath::portable,
+                                                 KernelPath::avx2,        KernelPath::avx512,
+                                                 KernelPath::avx512_bf16, KernelPath::bf16_emulated,
+                                                 KernelPath::amx};
 
 inline constexpr DType kAllDtypes[] = {DType::f32, DType::f16, DType::bf16};
 inline constexpr DType kTrainDtypes[] = {DType::f32, DType::bf16};  // what cpattn train supports
@@ -133,11 +138,11 @@ inline CpSplit parse_split(std::string_view s, std::string_view flag = "--split"
 }
 
 inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = "--kernel-path") {
-  for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
-                             KernelPath::amx})
+  for (const KernelPath p : kAllKernelPaths)
     if (s == to_string(p)) return p;
-  throw Error(std::string(flag) + " must be one of automatic, portable, avx2, avx512, amx, got '" +
-              std::string(s) + "'");
+  std::string names;
+  for (const KernelPath p : kAllKernelPaths) names += (names.empty() ? "" : ", ") + std::string(to_string(p));
+  throw Error(std::string(flag) + " must be one of " + names + ", got '" + std::string(s) + "'");
 }
 
 // A forced path this CPU cannot run is bad input too (exit 2), caught before any kernel runs.
@@ -217,8 +222,10 @@ inline CLI::Option* add_timeout_option(CLI::App* cmd, std::optional<double>& tim
 }
 
 inline CLI::Validator kernel_path_transformer() {
+  std::string desc;
+  for (const KernelPath p : kAllKernelPaths) desc += (desc.empty() ? "{" : "|") + std::string(to_string(p));
   return detail::vocab_transformer([](const std::string& v) { return kernel_path_name(parse_kernel_path(v)); },
-                                   "{automatic|portable|avx2|avx512|amx}");
+                                   desc + "}");
 }
 
 }  // namespace cpattn::cli

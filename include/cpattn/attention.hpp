@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -46,14 +47,22 @@ enum class MaskType {
   causal,  // key position kp is visible to query position qp iff kp <= qp
 };
 
-// Which implementation runs. `automatic` picks the fastest one this CPU supports
-// (best_kernel_path()); the others force a path and throw cpattn::Error if the CPU lacks it.
+// Which implementation runs. `automatic` picks the fastest one this CPU supports for the
+// call's storage dtype (best_kernel_path(dtype), by the measured preference order of
+// docs/kernels.md), unless the environment variable CPATTN_KERNEL_PATH names a path; the
+// others force a path and throw cpattn::Error if the CPU lacks it. All paths compute the same
+// function; they differ in rounding.
 enum class KernelPath {
   automatic,
-  portable,  // plain C++ (GCC vector extensions lowered to the x86-64 baseline, SSE2)
-  avx2,      // AVX2 + FMA + F16C, 8-wide
-  avx512,    // AVX-512F/BW/DQ/VL, 16-wide (same source as avx2)
-  amx,       // listed for the dispatch table; not implemented: forcing it throws
+  portable,       // plain C++ (GCC vector extensions lowered to the x86-64 baseline, SSE2)
+  avx2,           // AVX2 + FMA + F16C, 8-wide
+  avx512,         // AVX-512F/BW/DQ/VL, 16-wide (same source as avx2)
+  avx512_bf16,    // avx512 + AVX512_BF16: bf16 storage's products as bf16 dot products
+                  // (vdpbf16ps) with fp32 accumulation, P and dS rounded to bf16; fp32/fp16
+                  // storage as avx512
+  bf16_emulated,  // avx512_bf16's algorithm with vdpbf16ps emulated exactly on AVX2 (for
+                  // testing it on any AVX2 CPU; slow, never chosen automatically)
+  amx,            // listed for the dispatch table; not implemented: forcing it throws
 };
 
 // How attention_backward delivers dK and dV.
@@ -172,11 +181,32 @@ WorkList varlen_worklist(std::span<const int32_t> cu_seqlens_q,
                          std::span<const int32_t> cu_seqlens_k,
                          MaskType mask = MaskType::causal);
 
-// The fastest path this CPU supports (never `automatic`, never `amx`).
-KernelPath best_kernel_path();
+// The fastest path this CPU supports for `dtype` storage: the first this CPU runs of the
+// measured preference order (docs/kernels.md, "Paths and dispatch"): bf16: avx512_bf16 >
+// avx512 > avx2 > portable; fp32 and fp16: avx512 > avx2 > portable. Never automatic,
+// bf16_emulated or amx. Ignores CPATTN_KERNEL_PATH (resolve_kernel_path reads it).
+KernelPath best_kernel_path(DType dtype = DType::f32);
 // Whether `path` can run here (automatic and portable: always; amx: never, not implemented).
 bool kernel_path_supported(KernelPath path);
 std::string_view to_string(KernelPath path);
+// The KernelPath called `name` (to_string's spelling); throws cpattn::Error listing the names.
+KernelPath parse_kernel_path(std::string_view name);
+
+// The path a call runs and why.
+struct KernelChoice {
+  KernelPath path = KernelPath::portable;  // never automatic
+  // In words, for reports: "forced by AttnOptions::path", "forced by the environment
+  // (CPATTN_KERNEL_PATH=avx2)" or "chosen automatically: ..." naming the order and what
+  // this CPU lacks for each path it skipped.
+  std::string reason;
+  bool forced_by_env = false;
+};
+// What attention_forward/backward run for options.path = `requested` and `dtype` storage:
+// `requested` unless it is automatic; automatic is CPATTN_KERNEL_PATH when that is set to a
+// path name other than "automatic" (read at every call), else best_kernel_path(dtype).
+// Throws cpattn::Error naming CPATTN_KERNEL_PATH when its value is no path name or a path this
+// CPU cannot run (attention_forward/backward and check_attention_config check it first).
+KernelChoice resolve_kernel_path(KernelPath requested, DType dtype);
 
 // The dropout decision for one (query, key) pair: a counter-based hash of (seed, query head,
 // document, query position, key position) compared with p, so that any split of a batch into

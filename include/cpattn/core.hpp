@@ -16,6 +16,7 @@
 #include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/reference.hpp>
+#include <cpattn/sim.hpp>
 #include <cpattn/tensor.hpp>
 #include <cpattn/version.hpp>
 #include <cpattn/worklist.hpp>

@@ -80,6 +80,16 @@ struct CpAttnConfig {
 // Throws cpattn::Error listing the names when there is none.
 CpScheme parse_cp_scheme(std::string_view name);
 
+// The checks CpAttention's constructor makes, for a communicator of `cp` ranks, without one:
+// a front end calls them before any collective (e.g. the communicator's duplicate), so that
+// bad arguments fail every rank alike with nothing sent. check_cp_scheme: the scheme's own
+// fields (scheme, cp_inner, hybrid_outer, kv_mode, split), heads and options aside;
+// check_cp_attn_config: all of cfg (heads, head dims and options too, and the a2a and hybrid
+// schemes' head-count rules). The constructor adds one rule of the communicator's own: a
+// deterministic all-gather needs its ring reduce-scatter. Throw cpattn::Error naming the field.
+void check_cp_scheme(const CpAttnConfig& cfg, int cp);
+void check_cp_attn_config(const CpAttnConfig& cfg, int cp);
+
 // What one rank's CpAttention forward + backward allocates, in bytes, from the configuration
 // and the plan's shapes, so that a caller can budget memory before the first call (the layer
 // itself refuses a new plan whose estimate exceeds available_memory(), on every rank, before

@@ -7,6 +7,8 @@
 //   Model  token embedding; `layers` pre-norm blocks
 //            x = x + Wo . Attn(RoPE(Wq . rms(x)), RoPE(Wk . rms(x)), Wv . rms(x))   (GQA)
 //            x = x + W2 . (silu(W1 . rms(x)) * (W3 . rms(x)))                       (SwiGLU)
+//          or, with ModelConfig::experts, x = x + MoE(rms(x)) (moe.hpp's layer, expert parallel
+//          over MeshConfig::ep ranks)
 //          final RMSNorm, LM head, cross-entropy over the real tokens of all ranks.
 //          Token-wise layers run on this rank's local tokens (sequence parallel); attention
 //          goes through cpattn::CpAttention; RoPE uses each token's global position in its
@@ -28,12 +30,14 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/moe.hpp>
 #include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/train_config.hpp>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -90,6 +94,7 @@ struct RunOptions {
   // How attention's K/V reach the queries (CpAttnConfig::scheme). Every scheme is exact, so
   // the scheme changes no result beyond rounding and a checkpoint does not record it (like cp).
   CpScheme cp_scheme = CpScheme::allgather;
+  int cp_inner = 0;  // hybrid only: ranks of one all-to-all group (CpAttnConfig::cp_inner)
   CpSplit split = CpSplit::padded;  // how each sequence's documents are cut (docs/planner.md)
   // Internal, for tests: apply RoPE with each token's offset in this rank's local part of its
   // document instead of its global position. Wrong for cp > 1 on purpose.
@@ -108,6 +113,10 @@ struct RunOptions {
 struct StepStats {
   int64_t step = 0;          // the step just taken, from 0
   double loss = 0;           // mean cross-entropy over the real tokens of all ranks (nats)
+  // The MoE auxiliary loss (ModelConfig::aux_loss_coeff; 0 without experts): the step
+  // minimizes loss + aux_loss, and grad_norm is that objective's.
+  double aux_loss = 0;
+  int64_t dropped = 0;       // MoE assignments over their expert's capacity, all blocks and ranks
   double grad_norm = 0;      // global gradient norm before clipping
   double lr = 0;             // learning rate used
   int64_t tokens = 0;        // real (scored) tokens of all ranks
@@ -121,7 +130,9 @@ struct StepStats {
 // packed sequence each, the same on every rank: DP replica d runs micro-batches
 // [d * M/dp, (d+1) * M/dp) through its pipeline of pp stages under `schedule`, each stage's
 // CP group splitting every sequence. Gradients are summed over DP x CP, then assembled over
-// PP (each stage holds its own layers' gradients); every rank keeps the whole model.
+// PP (each stage holds its own layers' gradients); every rank keeps the whole model, but for
+// the experts of a model with experts: each rank keeps its EP share (MeshConfig::ep), whose
+// gradients are summed over the ranks holding the same experts.
 // The loss and gradient are those of the M sequences as one batch, so a run on one process
 // with the same micro-batches gives the same loss and gradient norm (up to float summation
 // order).
@@ -130,6 +141,11 @@ struct MeshConfig {
   int pp = 1;  // pipeline stages
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;  // fill-drain (forward only) refused
   int virtual_stages = 1;  // model chunks per stage, interleaved only
+  // Expert-parallel size (ModelConfig::experts > 0): the dp * cp ranks of each pipeline stage
+  // form dp * cp / ep EP groups of ep consecutive ranks (cp fastest, then dp), and each rank
+  // of a group computes experts / ep of every block's experts for the group's tokens. Must
+  // divide experts and dp * cp; 1 without experts. Exact: a checkpoint does not record it.
+  int ep = 1;
 };
 
 // A 64-bit hash (FNV-1a) of every document's name and bytes, in order: the data's identity.
@@ -148,7 +164,8 @@ class Trainer {
  public:
   // Borrows `comm`: the mesh of `mesh` (by default the CP group alone, cp = comm.size()).
   // Every rank initializes identical weights from `seed`. Throws cpattn::Error, on every
-  // rank, when the mesh's sizes do not multiply to comm.size() (resolve_mesh's message).
+  // rank, when the mesh's sizes do not multiply to comm.size() (resolve_mesh's message) or
+  // MeshConfig::ep does not fit (naming ep and the rule).
   Trainer(Communicator& comm, const ModelConfig& model, const OptimConfig& optim,
           const RunOptions& options, uint64_t seed = 1, const MeshConfig& mesh = {});
   ~Trainer();
@@ -160,12 +177,15 @@ class Trainer {
   // The same over the step's micro-batches (MeshConfig): their number must be a multiple of
   // dp (and each replica's of pp, with interleaved). step(seq) is step({&seq, 1}).
   StepStats step(std::span<const PackedSequence> micro);
-  // Forward and backward only: returns the global mean loss and leaves the all-reduced
-  // (unclipped) gradients in grads(). Collective.
+  // Forward and backward only: returns the global mean loss (plus the MoE auxiliary loss,
+  // StepStats::aux_loss) and leaves the all-reduced (unclipped) gradients in grads(). Collective.
   double loss_and_grad(const PackedSequence& seq);
-  // Forward only: the global mean loss. Collective.
+  // Forward only: the global mean loss plus the MoE auxiliary loss, the objective whose
+  // gradient loss_and_grad gives (on one sequence). Collective.
   double loss(const PackedSequence& seq);
 
+  // This rank's parameters, gradients and tensors: the whole model, or with experts the
+  // replicated tensors and then this rank's experts only (expert tensors [experts / ep, ...]).
   std::span<float> params();
   std::span<const float> grads() const;
   const std::vector<ParamTensor>& tensors() const;
@@ -177,8 +197,9 @@ class Trainer {
   // Checkpoint: the full configuration (model config, optimizer settings, seed, attention
   // dtype, `id`'s seq_len and data hash), step, data position, weights and AdamW moments
   // (fp32), under an FNV-1a 64 checksum (src/train/checkpoint.hpp). Written by rank 0
-  // (weights are replicated) through write_file_atomically, read by every rank; a file saved
-  // at one cp resumes at any other. load() refuses, with the same cpattn::Error on every rank,
+  // (weights are replicated; experts are first gathered over its EP group, so the file holds
+  // every expert whatever ep) through write_file_atomically, read by every rank (each keeps
+  // its experts); a file saved at one cp, ep or mesh resumes at any other. load() refuses, with the same cpattn::Error on every rank,
   // a file that is truncated, has trailing bytes, fails its checksum, holds a negative step or
   // data position or a non-finite weight or moment, or whose configuration differs from this
   // run's (the message names the field: "checkpoint 'c' has lr 0.001, this run 0.0005").

@@ -1,9 +1,11 @@
-"""ContextParallelAttention: cpattn's CP layer (docs/cp.md) as a torch module over mpi4py.
+"""ContextParallelAttention: cpattn's CP layer (docs/cp.md) as a torch module over MPI.
 
 Every rank passes its local rows of q, k, v (the planner's split, take_local_rows) and the
 batch's global real boundaries; the module runs the C++ CpAttention of the chosen scheme
 forward and backward. One C++ layer per (heads, head dims, dtype) is made on first use and
-kept: its plan cache then serves every layer of a model that shares the module.
+kept: its plan cache then serves every layer of a model that shares the module. The group is an
+mpi4py communicator, or a torch.distributed process group made under mpirun, for which the
+module derives the MPI communicator of the same processes (docs/python.md).
 """
 
 import torch
@@ -13,17 +15,80 @@ from .attention import (alibi, boundaries, check_same_dtype, check_tensor, dtype
                         unit_head_dim)
 
 
-def comm_handle_address(comm):
-    """The address of the MPI_Comm handle inside an mpi4py communicator."""
+def _mpi():
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - mpi4py is the cp extra's dependency
-        raise TypeError("comm must be an mpi4py communicator, and mpi4py is not installed") from e
+        raise TypeError("comm must be an mpi4py communicator or a torch.distributed process group, and mpi4py "
+                        "is not installed") from e
+    return MPI
+
+
+def _is_process_group(comm):
+    """A torch.distributed group, or new_group's value on a process outside the group."""
+    import torch.distributed as dist
+    return dist.is_available() and (isinstance(comm, dist.ProcessGroup) or comm is dist.GroupMember.NON_GROUP_MEMBER)
+
+
+# torch.distributed backends with collectives on CPU tensors: the group's ranks are checked with
+# one all_gather over it (the attention itself runs over MPI).
+_CPU_BACKENDS = ("gloo", "mpi")
+
+
+def _process_group_size(group):
+    """The size of a torch.distributed group this process is a member of (local checks only)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise ValueError("comm is a torch.distributed process group, but torch.distributed is not initialised "
+                         "(init_process_group)")
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(f"comm must be a process group this process is a member of: torch.distributed rank "
+                         f"{dist.get_rank()} is not in its ranks")
+    config = dist.get_backend_config(group)  # e.g. "gloo", "cpu:gloo,cuda:nccl"
+    devices = dict(part.split(":", 1) if ":" in part else ("cpu", part) for part in config.split(","))
+    if devices.get("cpu") not in _CPU_BACKENDS:
+        raise ValueError(f"comm's backend must run collectives on CPU tensors ({' or '.join(_CPU_BACKENDS)}), got "
+                         f"'{config}': cpattn checks the group's ranks with an all_gather on the CPU")
+    return dist.get_world_size(group)
+
+
+def _mpi_comm_of_group(group):
+    """The mpi4py communicator of a torch.distributed group's processes, in the group's rank order.
+
+    For groups made under mpirun (init_process_group from OMPI_COMM_WORLD_RANK / SIZE): global
+    torch rank r must be MPI.COMM_WORLD rank r. The members agree on that with one all_gather
+    over the group, so that a mismatch fails every member with the same message; then
+    COMM_WORLD.Create_group on the group's global ranks (collective over the members only).
+    """
+    import torch.distributed as dist
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    mine = torch.tensor([dist.get_rank(), world.rank, world.size, dist.get_world_size()], dtype=torch.int64)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    bad = [t.tolist() for t in table if t[0] != t[1] or t[2] != t[3]]
+    if bad:
+        torch_rank, mpi_rank, mpi_size, torch_size = bad[0]
+        raise ValueError(f"comm must be a process group whose processes are MPI.COMM_WORLD's under the same ranks "
+                         f"(init_process_group with rank = OMPI_COMM_WORLD_RANK, world_size = "
+                         f"OMPI_COMM_WORLD_SIZE): torch.distributed rank {torch_rank} of {torch_size} is MPI rank "
+                         f"{mpi_rank} of {mpi_size}")
+    members = world.Get_group().Incl(dist.get_process_group_ranks(group))
+    try:
+        return world.Create_group(members)
+    finally:
+        members.Free()
+
+
+def _mpi_comm(comm):
+    """comm, checked to be a usable mpi4py communicator (local checks only)."""
+    MPI = _mpi()
     if not isinstance(comm, MPI.Comm):
-        raise TypeError(f"comm must be an mpi4py MPI.Comm, got {type(comm).__name__}")
+        raise TypeError(f"comm must be an mpi4py MPI.Comm or a torch.distributed ProcessGroup, got "
+                        f"{type(comm).__name__}")
     if comm == MPI.COMM_NULL:
         raise ValueError("comm must be a valid communicator, got MPI.COMM_NULL")
-    return MPI._addressof(comm)
+    return comm
 
 
 class _CpFunction(torch.autograd.Function):
@@ -49,42 +114,69 @@ class _CpFunction(torch.autograd.Function):
 
 
 class ContextParallelAttention(torch.nn.Module):
-    """Exact context-parallel attention over an mpi4py communicator (every rank calls it).
+    """Exact context-parallel attention over an mpi4py communicator or a torch.distributed group.
 
     forward(q, k, v, cu_seqlens): q [local_tokens, Hq, Dqk], k [local_tokens, Hkv, Dqk], v
     [local_tokens, Hkv, Dv] are this rank's rows in the planner's order
-    (get_thd_load_balanced_cp_metadata(cu_seqlens, comm.size, comm.rank), take_local_rows);
+    (get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, split), take_local_rows);
     cu_seqlens [documents + 1] int32/int64 are the batch's global real boundaries, the same on
     every rank. Returns out [local_tokens, Hq, Dv] (padding rows 0), differentiable.
 
-    scheme is any name the C++ layer knows ("allgather", "ring", ...), passed through as it is.
-    Dropout applies in training mode only, with a seed drawn from rank 0's torch generator.
-    check_finite=True makes a NaN or inf in q, k, v or the incoming gradient a ValueError on
-    every rank naming the tensor and its first bad element (global token, head, dim) instead
-    of a silent NaN (it costs a pass over the tensors). timeout (seconds, > 0) is the deadline
-    of each collective; None: the CPATTN_COMM_TIMEOUT_S variable, else 300 s (docs/comm.md). A
-    collective past it aborts the MPI job with a line naming the operation and the rank.
+    comm: an mpi4py communicator, or a torch.distributed ProcessGroup made under mpirun whose
+    ranks are MPI.COMM_WORLD's (the module then runs over the matching MPI communicator;
+    docs/python.md). The scheme arguments are CpAttnConfig's (docs/cp.md), under its names:
+    scheme (any name the C++ layer knows: "allgather", "ring", "pass-q", "a2a", "hybrid"),
+    cp_inner (hybrid only, required there: the all-to-all group size, dividing the group's
+    size), hybrid_outer ("allgather" or "ring"), split ("padded" or "padding-free", the
+    planner's; the padding-free split needs scheme allgather), kv_mode ("runs" or "index"),
+    deterministic, check_finite, plan_cache_capacity. They are checked here, on every rank
+    alike, before anything is sent. Dropout applies in training mode only, with a seed drawn
+    from rank 0's torch generator. check_finite=True makes a NaN or inf in q, k, v or the
+    incoming gradient a ValueError on every rank naming the tensor and its first bad element
+    (global token, head, dim) instead of a silent NaN (it costs a pass over the tensors).
+    timeout (seconds, > 0) is the deadline of each collective; None: the CPATTN_COMM_TIMEOUT_S
+    variable, else 300 s (docs/comm.md). A collective past it aborts the MPI job with a line
+    naming the operation and the rank.
     """
 
-    def __init__(self, comm, *, scheme="allgather", causal=True, softmax_scale=None, dropout_p=0.0,
-                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=True, check_finite=False,
+    def __init__(self, comm, *, scheme="allgather", cp_inner=None, hybrid_outer="allgather", split="padded",
+                 kv_mode="runs", causal=True, softmax_scale=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None, deterministic=True, check_finite=False, plan_cache_capacity=8,
                  timeout=None):
         super().__init__()
-        self.comm = comm
-        self._comm_address = comm_handle_address(comm)
-        if not isinstance(scheme, str):
-            raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
-        self.scheme = scheme
-        self.causal, self.softmax_scale, self.dropout_p = causal, softmax_scale, dropout_p
-        self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
-        self.alibi_slopes = alibi(alibi_slopes)
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
-        if timeout is not None:
+        group = comm if _is_process_group(comm) else None
+        size = _process_group_size(group) if group is not None else _mpi_comm(comm).Get_size()
+        for name, value in (("scheme", scheme), ("hybrid_outer", hybrid_outer), ("split", split),
+                            ("kv_mode", kv_mode)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        for name, value in (("cp_inner", cp_inner), ("plan_cache_capacity", plan_cache_capacity)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if scheme == "hybrid" and cp_inner is None:
+            raise ValueError(f"cp_inner is required for scheme 'hybrid': the ranks of one all-to-all group, a "
+                             f"divisor of the group's size {size}")
+        if plan_cache_capacity < 0:
+            raise ValueError(f"plan_cache_capacity must be >= 0, got {plan_cache_capacity}")
+        if timeout is not None:  # its range is the Communicator's rule, checked before its duplicate
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
                 raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
             timeout = float(timeout)
-        self.check_finite, self.timeout = check_finite, timeout
+        self._scheme = _cpattn.SchemeArgs(scheme=scheme, cp_inner=0 if cp_inner is None else cp_inner,
+                                          hybrid_outer=hybrid_outer, split=split, kv_mode=kv_mode,
+                                          deterministic=bool(deterministic), check_finite=bool(check_finite),
+                                          plan_cache_capacity=plan_cache_capacity)
+        _cpattn.check_scheme(size, self._scheme)  # ValueError with the C++ layer's message
+        # Every argument is checked: only now does anything move (a process group's rank check).
+        self.group = group
+        self.comm = _mpi_comm_of_group(group) if group is not None else comm
+        self._comm_address = _mpi()._addressof(self.comm)
+        self.scheme, self.cp_inner, self.hybrid_outer, self.split = scheme, cp_inner, hybrid_outer, split
+        self.kv_mode, self.check_finite, self.plan_cache_capacity = kv_mode, check_finite, plan_cache_capacity
+        self.causal, self.softmax_scale, self.dropout_p = causal, softmax_scale, dropout_p
+        self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
+        self.alibi_slopes = alibi(alibi_slopes)
+        self.timeout = timeout
         self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, dropout on) -> _cpattn.CpLayer
 
     def _layer(self, q, k, v, dropout):
@@ -94,7 +186,7 @@ class ContextParallelAttention(torch.nn.Module):
                                    self.window_size, self.softcap)
             self._layers[key] = _cpattn.make_cp_layer(
                 self._comm_address, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
-                self.scheme, options, self.alibi_slopes, bool(self.deterministic), self.check_finite, self.timeout)
+                self._scheme, options, self.alibi_slopes, self.timeout)
         return self._layers[key]
 
     def forward(self, q, k, v, cu_seqlens):

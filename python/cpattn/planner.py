@@ -25,6 +25,7 @@ class RankPlan:
 
     cp: int
     rank: int
+    split: str
     global_tokens: int
     global_tokens_padded: int
     local_tokens: int
@@ -67,10 +68,19 @@ def check_cp(cp_size, rank):
         raise ValueError(f"rank must be in [0, cp_size) = [0, {cp_size}), got {rank}")
 
 
-def get_thd_load_balanced_cp_metadata(cu_seqlens, cp_size, rank):
-    """Rank `rank`'s plan for the real (unpadded) boundaries `cu_seqlens` split over cp_size ranks."""
+def check_split(split):
+    if not isinstance(split, str):
+        raise TypeError(f"split must be a str ('padded' or 'padding-free'), got {type(split).__name__}")
+
+
+def get_thd_load_balanced_cp_metadata(cu_seqlens, cp_size, rank, split="padded"):
+    """Rank `rank`'s plan for the real (unpadded) boundaries `cu_seqlens` split over cp_size ranks.
+
+    split: "padded" (TransformerEngine's, the default) or "padding-free" (docs/planner.md).
+    """
     check_cp(cp_size, rank)
-    return RankPlan(**_cpattn.plan(as_boundaries(cu_seqlens), int(cp_size), int(rank)))
+    check_split(split)
+    return RankPlan(**_cpattn.plan(as_boundaries(cu_seqlens), int(cp_size), int(rank), split))
 
 
 def take_local_rows(x, plan):
@@ -103,16 +113,17 @@ def put_local_rows(local, plan, out=None):
 _BATCH_FIELDS = {"tokens": np.int64, "labels": np.int64, "position_ids": np.int64, "loss_mask": np.float32}
 
 
-def get_batch_on_this_cp_rank(batch, cu_seqlens, cp_size, rank, pad_token_id=0):
+def get_batch_on_this_cp_rank(batch, cu_seqlens, cp_size, rank, pad_token_id=0, split="padded"):
     """Megatron's get_batch_on_this_cp_rank for a packed (THD) batch (cpattn::get_batch_on_this_cp_rank).
 
     batch: a dict with "tokens", "labels", "position_ids" and "loss_mask", 1-D tensors or
     arrays of the batch's tokens each. Returns the same keys as torch tensors (int64; loss_mask
     float32) of this rank's local_tokens, in the split's order: padding tokens get
     pad_token_id, label -100, loss mask 0 and positions continuing their document's; real
-    tokens keep their values.
+    tokens keep their values. split: as for get_thd_load_balanced_cp_metadata.
     """
     check_cp(cp_size, rank)
+    check_split(split)
     if not isinstance(batch, dict):
         raise TypeError(f"batch must be a dict with keys {', '.join(_BATCH_FIELDS)}, got {type(batch).__name__}")
     arrays = {}
@@ -124,5 +135,5 @@ def get_batch_on_this_cp_rank(batch, cu_seqlens, cp_size, rank, pad_token_id=0):
         if arrays[key].ndim != 1:
             raise ValueError(f"batch['{key}'] must be 1-D [tokens], got shape {list(arrays[key].shape)}")
     local = _cpattn.batch_on_rank(**arrays, cu_seqlens=as_boundaries(cu_seqlens), cp_size=int(cp_size),
-                                  rank=int(rank), pad_token_id=int(pad_token_id))
+                                  rank=int(rank), pad_token_id=int(pad_token_id), split=split)
     return {key: torch.from_numpy(value) for key, value in local.items()}

@@ -234,7 +234,8 @@ nb::dict work_dict(const WorkList& w) {
 // RankPlan's fields under their C++ names (DocSplit's and WorkList's as arrays per field).
 nb::dict plan_dict(RankPlan p) {
   nb::dict d;
-  d["cp"] = p.cp, d["rank"] = p.rank, d["global_tokens"] = p.global_tokens;
+  d["cp"] = p.cp, d["rank"] = p.rank, d["split"] = std::string(to_string(p.split));
+  d["global_tokens"] = p.global_tokens;
   d["global_tokens_padded"] = p.global_tokens_padded, d["local_tokens"] = p.local_tokens;
   d["padding_tokens"] = p.padding_tokens;
   nb::dict docs;
@@ -256,10 +257,24 @@ nb::dict plan_dict(RankPlan p) {
   return d;
 }
 
-nb::dict plan(const Array& cu_seqlens, int cp_size, int rank) {
+// CpSplit by its to_string name ("padded", "padding-free"; also the enum's "padding_free").
+CpSplit parse_split(const std::string& s) {
+  for (const CpSplit c : {CpSplit::padded, CpSplit::padding_free})
+    if (s == to_string(c)) return c;
+  if (s == "padding_free") return CpSplit::padding_free;
+  CPATTN_CHECK(false, "split must be one of padded, padding-free, got '", s, "'");
+  return CpSplit::padded;  // not reached
+}
+
+RankPlan rank_plan(const Array& cu_seqlens, int cp_size, int rank, const std::string& split) {
   const Boundaries cu = boundaries(cu_seqlens, "cu_seqlens");
-  return plan_dict(cu.i32.empty() ? get_thd_load_balanced_cp_metadata(cu.i64, cp_size, rank)
-                                  : get_thd_load_balanced_cp_metadata(cu.i32, cp_size, rank));
+  const PlanOptions o{.split = parse_split(split)};
+  return cu.i32.empty() ? get_thd_load_balanced_cp_metadata(cu.i64, cp_size, rank, o)
+                        : get_thd_load_balanced_cp_metadata(cu.i32, cp_size, rank, o);
+}
+
+nb::dict plan(const Array& cu_seqlens, int cp_size, int rank, const std::string& split) {
+  return plan_dict(rank_plan(cu_seqlens, cp_size, rank, split));
 }
 
 template <class T>
@@ -272,10 +287,8 @@ using F32Array = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device:
 
 nb::dict batch_on_rank(const I64Array& tokens, const I64Array& labels, const I64Array& position_ids,
                        const F32Array& loss_mask, const Array& cu_seqlens, int cp_size, int rank,
-                       int64_t pad_token_id) {
-  const Boundaries cu = boundaries(cu_seqlens, "cu_seqlens");
-  const RankPlan p = cu.i32.empty() ? get_thd_load_balanced_cp_metadata(cu.i64, cp_size, rank)
-                                    : get_thd_load_balanced_cp_metadata(cu.i32, cp_size, rank);
+                       int64_t pad_token_id, const std::string& split) {
+  const RankPlan p = rank_plan(cu_seqlens, cp_size, rank, split);
   const TokenBatch b{.tokens = to_vector(tokens), .labels = to_vector(labels),
                      .position_ids = to_vector(position_ids), .loss_mask = to_vector(loss_mask)};
   TokenBatch local = get_batch_on_this_cp_rank(b, p, pad_token_id);
@@ -288,11 +301,15 @@ nb::dict batch_on_rank(const I64Array& tokens, const I64Array& labels, const I64
 
 // ---- Context parallelism -------------------------------------------------------------------
 
+MPI_Comm comm_handle(std::uintptr_t comm_handle_address) {
+  return *reinterpret_cast<const MPI_Comm*>(comm_handle_address);
+}
+
 // One CpAttention over its own duplicate of the caller's communicator, which it outlives.
 class CpLayer {
  public:
   CpLayer(std::uintptr_t comm_handle_address, const CpAttnConfig& cfg, std::optional<double> timeout_s)
-      : comm_(std::make_unique<Communicator>(*reinterpret_cast<const MPI_Comm*>(comm_handle_address),
+      : comm_(std::make_unique<Communicator>(comm_handle(comm_handle_address),
                                              CommOptions{.timeout_s = timeout_s, .timeout_name = "timeout"})),
         attn_(*comm_, cfg) {}
 
@@ -323,17 +340,59 @@ class CpLayer {
   CpAttention attn_;
 };
 
+// hybrid_outer by its to_string name (check_cp_scheme then takes allgather or ring only).
+CpScheme parse_hybrid_outer(const std::string& s) {
+  for (const CpScheme c : kCpSchemes)
+    if (s == to_string(c)) return c;
+  CPATTN_CHECK(false, "hybrid_outer must be one of allgather, ring, got '", s, "'");
+  return CpScheme::allgather;  // not reached
+}
+
+KvMode parse_kv_mode(const std::string& s) {
+  if (s == "runs") return KvMode::runs;
+  CPATTN_CHECK(s == "index", "kv_mode must be one of runs, index, got '", s, "'");
+  return KvMode::index;
+}
+
+// CpAttnConfig's scheme fields, under their C++ names; the Python module's arguments.
+struct SchemeArgs {
+  std::string scheme, hybrid_outer, split, kv_mode;
+  int cp_inner = 0;
+  bool deterministic = true, check_finite = false;
+  std::size_t plan_cache_capacity = 8;
+};
+
+CpAttnConfig scheme_config(const SchemeArgs& a) {
+  return {.deterministic = a.deterministic, .kv_mode = parse_kv_mode(a.kv_mode), .check_finite = a.check_finite,
+          .plan_cache_capacity = a.plan_cache_capacity, .scheme = parse_cp_scheme(a.scheme),
+          .cp_inner = a.cp_inner, .hybrid_outer = parse_hybrid_outer(a.hybrid_outer),
+          .split = parse_split(a.split)};
+}
+
+// The scheme's rules for a communicator of cp ranks (check_cp_scheme), with nothing sent: what
+// the module checks when it is made, on every rank alike.
+void check_scheme(int cp, const SchemeArgs& a) { check_cp_scheme(scheme_config(a), cp); }
+
+int comm_size(std::uintptr_t comm_handle_address) {
+  int size = 0;
+  MPI_Comm_size(comm_handle(comm_handle_address), &size);
+  return size;
+}
+
 CpLayer* make_cp_layer(std::uintptr_t comm_handle_address, int num_heads_q, int num_heads_k, int head_dim_qk,
-                       int head_dim_v, const std::string& dtype, const std::string& scheme,
-                       const AttnOptions& options, const std::optional<Array>& alibi, bool deterministic,
-                       bool check_finite, std::optional<double> timeout_s) {
-  DType t = DType::f32;  // the Python side passes to_string(DType)'s spelling of a checked dtype
+                       int head_dim_v, const std::string& dtype, const SchemeArgs& scheme,
+                       const AttnOptions& options, const std::optional<Array>& alibi,
+                       std::optional<double> timeout_s) {
+  CpAttnConfig cfg = scheme_config(scheme);
+  cfg.num_heads_q = num_heads_q, cfg.num_heads_k = num_heads_k;
+  cfg.head_dim_qk = head_dim_qk, cfg.head_dim_v = head_dim_v;
+  cfg.dtype = DType::f32;  // the Python side passes to_string(DType)'s spelling of a checked dtype
   for (const DType d : {DType::f16, DType::bf16})
-    if (dtype == to_string(d)) t = d;
-  const CpAttnConfig cfg{.num_heads_q = num_heads_q, .num_heads_k = num_heads_k, .head_dim_qk = head_dim_qk,
-                         .head_dim_v = head_dim_v, .dtype = t, .options = with_alibi(options, alibi, num_heads_q),
-                         .deterministic = deterministic, .check_finite = check_finite,
-                         .scheme = parse_cp_scheme(scheme)};
+    if (dtype == to_string(d)) cfg.dtype = d;
+  cfg.options = with_alibi(options, alibi, num_heads_q);
+  // Every rule but the communicator's own before its duplicate, the first collective: bad
+  // sizes for the scheme (a2a's head counts) fail every rank alike with nothing sent.
+  check_cp_attn_config(cfg, comm_size(comm_handle_address));
   nb::gil_scoped_release release;  // the communicator's duplicate is collective
   return new CpLayer(comm_handle_address, cfg, timeout_s);
 }
@@ -363,9 +422,9 @@ NB_MODULE(_cpattn, m) {
   m.def("backward", &py::backward, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "max_seqlen_q"_a,
         "max_seqlen_k"_a, "options"_a, "alibi_slopes"_a.none(), "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a,
         "dv"_a);
-  m.def("plan", &py::plan, "cu_seqlens"_a, "cp_size"_a, "rank"_a);
+  m.def("plan", &py::plan, "cu_seqlens"_a, "cp_size"_a, "rank"_a, "split"_a);
   m.def("batch_on_rank", &py::batch_on_rank, "tokens"_a, "labels"_a, "position_ids"_a, "loss_mask"_a,
-        "cu_seqlens"_a, "cp_size"_a, "rank"_a, "pad_token_id"_a);
+        "cu_seqlens"_a, "cp_size"_a, "rank"_a, "pad_token_id"_a, "split"_a);
   m.def("best_kernel_path", [] { return std::string(cpattn::to_string(cpattn::best_kernel_path())); });
 
   nb::class_<cpattn::CpContext>(m, "CpContext").def_prop_ro("valid", &cpattn::CpContext::valid);
@@ -375,7 +434,19 @@ NB_MODULE(_cpattn, m) {
       .def("forward", &py::CpLayer::forward, "cu_seqlens"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
            "dropout_seed"_a.none())
       .def("backward", &py::CpLayer::backward, "ctx"_a, "q"_a, "out"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a);
+  nb::class_<py::SchemeArgs>(m, "SchemeArgs")
+      .def("__init__",
+           [](py::SchemeArgs* a, std::string scheme, int cp_inner, std::string hybrid_outer, std::string split,
+              std::string kv_mode, bool deterministic, bool check_finite, std::size_t plan_cache_capacity) {
+             new (a) py::SchemeArgs{.scheme = std::move(scheme), .hybrid_outer = std::move(hybrid_outer),
+                                    .split = std::move(split), .kv_mode = std::move(kv_mode), .cp_inner = cp_inner,
+                                    .deterministic = deterministic, .check_finite = check_finite,
+                                    .plan_cache_capacity = plan_cache_capacity};
+           },
+           "scheme"_a, "cp_inner"_a, "hybrid_outer"_a, "split"_a, "kv_mode"_a, "deterministic"_a, "check_finite"_a,
+           "plan_cache_capacity"_a);
+  m.def("check_scheme", &py::check_scheme, "cp"_a, "scheme"_a);
   m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,
         "head_dim_qk"_a, "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(),
-        "deterministic"_a, "check_finite"_a, "timeout_s"_a.none(), nb::rv_policy::take_ownership);
+        "timeout_s"_a.none(), nb::rv_policy::take_ownership);
 }

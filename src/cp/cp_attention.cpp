@@ -25,6 +25,13 @@ namespace cpattn {
 
 namespace {
 
+// What moves K/V between ranks: the hybrid's outer scheme; a2a runs the all-gather layer at cp_outer = 1.
+CpScheme kv_scheme(const CpAttnConfig& cfg) {
+  return cfg.scheme == CpScheme::hybrid ? cfg.hybrid_outer
+         : cfg.scheme == CpScheme::a2a  ? CpScheme::allgather
+                                        : cfg.scheme;
+}
+
 using namespace cp_detail;
 
 // Every rank's local rows, rank-major: rank s's at layout.rank_begin[s]. The padded split's
@@ -568,16 +575,13 @@ struct CpAttention::State {
   }
 };
 
-CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
-  // The kernels' own checks of sizes and options, before any tensor exists.
-  check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
-                          .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},
-                         cfg.options, "CpAttention");
+void check_cp_scheme(const CpAttnConfig& cfg, int cp) {
+  CPATTN_CHECK(cp >= 1, "cp (the communicator's size) must be >= 1, got ", cp);
   CPATTN_CHECK(cfg.scheme >= CpScheme::allgather && cfg.scheme <= CpScheme::hybrid,
                "scheme must be allgather, ring, pass-q, a2a or hybrid, got ", static_cast<int>(cfg.scheme));
   if (cfg.scheme == CpScheme::hybrid) {
-    CPATTN_CHECK(cfg.cp_inner >= 1 && cfg.cp_inner <= comm.size() && comm.size() % cfg.cp_inner == 0,
-                 "CpAttention (hybrid): cp_inner = ", cfg.cp_inner, " must divide cp = ", comm.size(),
+    CPATTN_CHECK(cfg.cp_inner >= 1 && cfg.cp_inner <= cp && cp % cfg.cp_inner == 0,
+                 "CpAttention (hybrid): cp_inner = ", cfg.cp_inner, " must divide cp = ", cp,
                  " (cp = cp_inner x cp_outer, all-to-all groups of cp_inner consecutive ranks)");
     CPATTN_CHECK(cfg.hybrid_outer == CpScheme::allgather || cfg.hybrid_outer == CpScheme::ring,
                  "CpAttention (hybrid): hybrid_outer must be allgather or ring, got ", to_string(cfg.hybrid_outer));
@@ -585,19 +589,31 @@ CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
     CPATTN_CHECK(cfg.cp_inner == 0, "CpAttention: cp_inner is the hybrid scheme's and must be 0 for scheme ",
                  to_string(cfg.scheme), ", got ", cfg.cp_inner);
   }
-  // What moves K/V between ranks: the hybrid's outer scheme; a2a runs the all-gather layer at cp_outer = 1.
-  const CpScheme kv = cfg.scheme == CpScheme::hybrid ? cfg.hybrid_outer
-                      : cfg.scheme == CpScheme::a2a  ? CpScheme::allgather
-                                                     : cfg.scheme;
-  CPATTN_CHECK(!cfg.deterministic || kv != CpScheme::allgather ||
-                   comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
-               "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
+  const CpScheme kv = kv_scheme(cfg);
   CPATTN_CHECK(kv == CpScheme::allgather || cfg.kv_mode == KvMode::runs, "kv_mode index is the all-gather "
                "scheme's; the ", to_string(kv), " scheme reads its blocks in place (kv_mode runs)");
   CPATTN_CHECK(cfg.split == CpSplit::padded || cfg.split == CpSplit::padding_free, "split must be padded or "
                "padding_free, got ", static_cast<int>(cfg.split));
   CPATTN_CHECK(cfg.scheme == CpScheme::allgather || cfg.split == CpSplit::padded, "scheme ", to_string(cfg.scheme),
                " takes only the padded split; the padding-free split needs scheme allgather");
+}
+
+void check_cp_attn_config(const CpAttnConfig& cfg, int cp) {
+  // The kernels' own checks of sizes and options, before any tensor exists.
+  check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
+                          .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},
+                         cfg.options, "CpAttention");
+  check_cp_scheme(cfg, cp);
+  if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
+    detail::head_split(cfg, cfg.scheme == CpScheme::a2a ? cp : cfg.cp_inner,
+                       "CpAttention (" + std::string(to_string(cfg.scheme)) + ")");
+}
+
+CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
+  check_cp_attn_config(cfg, comm.size());
+  CPATTN_CHECK(!cfg.deterministic || kv_scheme(cfg) != CpScheme::allgather ||
+                   comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
+               "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
   s_ = std::make_unique<State>(comm, cfg);
 }
 

@@ -9,7 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <iterator>
+#include <span>
+#include <string>
 #include <vector>
 
 namespace cpattn {
@@ -28,23 +31,36 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl");
 }
 
+// AVX512_BF16: CPUID leaf 7 sub-leaf 1, EAX bit 5 (the OS's zmm state is checked by avx512f).
+bool cpu_has_avx512_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!cpu_has_avx512() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return (a & (1u << 5)) != 0;
+}
+
 bool always() { return true; }
 bool never() { return false; }
 
-// The kernel paths, in KernelPath order: what each is called, whether this CPU runs it and
-// its entry points (none for automatic, which resolves to another row, and for amx).
+// The kernel paths, in KernelPath order: what each is called, whether this CPU runs it (and
+// what it needs, in words), and its entry points (none for automatic, which resolves to
+// another row, and for amx).
 struct PathInfo {
   KernelPath path;
   std::string_view name;
   bool (*supported)();
+  std::string_view needs;
   const kernels::KernelTable* table;
 };
 constexpr PathInfo kPaths[] = {
-    {KernelPath::automatic, "automatic", always, nullptr},
-    {KernelPath::portable, "portable", always, &kernels::portable::table},
-    {KernelPath::avx2, "avx2", cpu_has_avx2_fma_f16c, &kernels::avx2::table},
-    {KernelPath::avx512, "avx512", cpu_has_avx512, &kernels::avx512::table},
-    {KernelPath::amx, "amx", never, nullptr},
+    {KernelPath::automatic, "automatic", always, "", nullptr},
+    {KernelPath::portable, "portable", always, "x86-64", &kernels::portable::table},
+    {KernelPath::avx2, "avx2", cpu_has_avx2_fma_f16c, "AVX2, FMA and F16C", &kernels::avx2::table},
+    {KernelPath::avx512, "avx512", cpu_has_avx512, "AVX-512F/BW/DQ/VL", &kernels::avx512::table},
+    {KernelPath::avx512_bf16, "avx512_bf16", cpu_has_avx512_bf16, "AVX-512F/BW/DQ/VL and AVX512_BF16",
+     &kernels::avx512_bf16::table},
+    {KernelPath::bf16_emulated, "bf16_emulated", cpu_has_avx2_fma_f16c, "AVX2, FMA and F16C",
+     &kernels::bf16_emulated::table},
+    {KernelPath::amx, "amx", never, "an AMX kernel, which is not built", nullptr},
 };
 
 constexpr bool in_enum_order() {
@@ -59,12 +75,46 @@ const PathInfo* find_path(KernelPath path) {
   return i < std::size(kPaths) ? &kPaths[i] : nullptr;
 }
 
-// The one place a path is picked: the table of `path` (automatic: best_kernel_path()), which
-// validation has checked this CPU supports.
-const kernels::KernelTable& kernel_table(KernelPath path) {
-  const PathInfo* info = find_path(path == KernelPath::automatic ? best_kernel_path() : path);
-  CPATTN_CHECK(info != nullptr && info->table != nullptr, "kernel path ",
-               static_cast<int>(path), " has no kernels");
+// What `automatic` prefers, fastest first, by what was measured (docs/kernels.md, "Paths and
+// dispatch"): avx512 over avx2 from issue 14's Zen 4 runs (every kernel test passes, 2-4%
+// faster); avx512_bf16 over avx512 for bf16 storage from vdpbf16ps doing two fp32 FMAs' work
+// per instruction (not yet measured on a CPU that has it). portable runs everywhere.
+constexpr KernelPath kPreferBf16[] = {KernelPath::avx512_bf16, KernelPath::avx512, KernelPath::avx2,
+                                      KernelPath::portable};
+constexpr KernelPath kPreferOther[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
+
+std::span<const KernelPath> preference(DType dtype) {
+  if (dtype == DType::bf16) return kPreferBf16;
+  return kPreferOther;
+}
+
+std::string path_names() {
+  std::string s;
+  for (const PathInfo& p : kPaths) s += (s.empty() ? "" : ", ") + std::string(p.name);
+  return s;
+}
+
+// CPATTN_KERNEL_PATH: automatic when unset, empty or "automatic".
+KernelPath env_kernel_path() {
+  const char* v = std::getenv("CPATTN_KERNEL_PATH");
+  if (v == nullptr || *v == '\0') return KernelPath::automatic;
+  for (const PathInfo& p : kPaths)
+    if (p.name == v) {
+      CPATTN_CHECK(p.supported(), "CPATTN_KERNEL_PATH=", v, " cannot run on this CPU (the ", v,
+                   " path needs ", p.needs, "); unset it or name a path this CPU runs (automatic picks ",
+                   to_string(best_kernel_path()), ")");
+      return p.path;
+    }
+  throw Error("CPATTN_KERNEL_PATH must be one of " + path_names() + " (or unset), got '" + std::string(v) + "'");
+}
+
+// The one place a path is picked: the table that resolve_kernel_path gives (validation has
+// checked that this CPU supports it).
+const kernels::KernelTable& kernel_table(KernelPath path, DType dtype) {
+  const KernelPath chosen = resolve_kernel_path(path, dtype).path;
+  const PathInfo* info = find_path(chosen);
+  CPATTN_CHECK(info != nullptr && info->table != nullptr, "kernel path ", to_string(chosen),
+               " has no kernels");
   return *info->table;
 }
 
@@ -122,11 +172,39 @@ float AttnInputs::softmax_scale() const {
                                : 1.0f / std::sqrt(static_cast<float>(q.dim));
 }
 
-KernelPath best_kernel_path() {
-  // AVX-512 is not preferred automatically until it has been measured on a CPU that has it
-  // (see docs/kernels.md); it is used only when forced.
-  if (cpu_has_avx2_fma_f16c()) return KernelPath::avx2;
+KernelPath best_kernel_path(DType dtype) {
+  for (const KernelPath p : preference(dtype))
+    if (find_path(p)->supported()) return p;
   return KernelPath::portable;
+}
+
+KernelChoice resolve_kernel_path(KernelPath requested, DType dtype) {
+  if (requested != KernelPath::automatic)
+    return {.path = requested, .reason = "forced by AttnOptions::path", .forced_by_env = false};
+  const KernelPath env = env_kernel_path();
+  if (env != KernelPath::automatic)
+    return {.path = env, .reason = "forced by the environment (CPATTN_KERNEL_PATH=" + std::string(to_string(env)) + ")",
+            .forced_by_env = true};
+  const KernelPath best = best_kernel_path(dtype);
+  std::string order, skipped;
+  bool before = true;  // p comes before best in the order
+  for (const KernelPath p : preference(dtype)) {
+    order += (order.empty() ? "" : " > ") + std::string(to_string(p));
+    if (p == best) before = false;
+    if (before)
+      skipped += (skipped.empty() ? "; skipped " : ", ") + std::string(to_string(p)) + " (needs " +
+                 std::string(find_path(p)->needs) + ")";
+  }
+  const std::string reason = "chosen automatically: " + std::string(to_string(best)) +
+                             " is the first path this CPU runs in the measured preference order for " +
+                             std::string(to_string(dtype)) + " storage, " + order + " (docs/kernels.md)" + skipped;
+  return {.path = best, .reason = reason, .forced_by_env = false};
+}
+
+KernelPath parse_kernel_path(std::string_view name) {
+  for (const PathInfo& p : kPaths)
+    if (p.name == name) return p.path;
+  throw Error("kernel path must be one of " + path_names() + ", got '" + std::string(name) + "'");
 }
 
 bool kernel_path_supported(KernelPath path) {
@@ -139,6 +217,13 @@ std::string_view to_string(KernelPath path) {
   return info != nullptr ? info->name : "?";
 }
 
+namespace kernels {
+const KernelTable* path_table(KernelPath path) {
+  const PathInfo* info = find_path(path);
+  return info != nullptr ? info->table : nullptr;
+}
+}  // namespace kernels
+
 bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64_t k_pos,
                   float p) {
   return kernels::dropout_keep_row(kernels::dropout_row_key(seed, head, doc, q_pos), k_pos,
@@ -147,12 +232,12 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
 
 void attention_forward(const AttnFwdParams& p) {
   kernels::validate(p);
-  kernel_table(p.in.options.path).forward(p);
+  kernel_table(p.in.options.path, p.in.dtype()).forward(p);
 }
 
 void attention_backward(const AttnBwdParams& p) {
   kernels::validate(p);
-  kernel_table(p.in.options.path).backward(p);
+  kernel_table(p.in.options.path, p.in.dtype()).backward(p);
 }
 
 WorkList varlen_worklist(std::span<const int64_t> cu_q, std::span<const int64_t> cu_k,

@@ -102,6 +102,10 @@ void parallel_for(int64_t n, int threads, Fn&& fn);
 struct KernelTable {
   void (*forward)(const AttnFwdParams& p);
   void (*backward)(const AttnBwdParams& p);
+  // The bf16 paths' dot-product step alone (kernel_impl.hpp, Bf16Dot), for its tests: acc[i] +=
+  // the two products of the bf16 pairs a[i], b[i] (even element in the low half), `lanes` a
+  // multiple of 16. nullptr on the other paths.
+  void (*bf16_dot)(float* acc, const uint32_t* a, const uint32_t* b, int lanes) = nullptr;
 };
 namespace portable {
 extern const KernelTable table;
@@ -112,6 +116,16 @@ extern const KernelTable table;
 namespace avx512 {
 extern const KernelTable table;
 }  // namespace avx512
+namespace avx512_bf16 {
+extern const KernelTable table;
+}  // namespace avx512_bf16
+namespace bf16_emulated {
+extern const KernelTable table;
+}  // namespace bf16_emulated
+
+// The table of a path (nullptr for automatic and amx): attention.cpp's path table.
+const KernelTable* path_table(KernelPath path);
+
 
 // Throws cpattn::Error (an internal error) unless used <= bound: backward_impl's check that
 // it allocates no more scratch than attention_backward_scratch_bytes reports (blocking.hpp).

@@ -109,16 +109,29 @@ inline vf vexp2(vf x) {
 }
 
 // ---- the micro-kernel -----------------------------------------------------------------
+// The accumulators of a micro-kernel tile: C's R x NV vectors (zero when Zero), and back.
+template <int R, int NV, bool Zero>
+inline void load_acc(vf (&acc)[R][NV], const float* C, int64_t ldc) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = Zero ? vf{} : vload(C + r * ldc + c * W);
+}
+template <int R, int NV>
+inline void store_acc(const vf (&acc)[R][NV], float* C, int64_t ldc) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vstore(C + r * ldc + c * W, acc[r][c]);
+}
+
 // C[R x NV*W] (+)= sum_k A(r, k) B[k, :], A(r, k) = A[r * ars + k * acs].
 template <int R, int NV, bool Zero>
 inline void tile(int K, const float* A, int64_t ars, int64_t acs, const float* B0,
                  const float* B1, int64_t ldb, float* C, int64_t ldc) {
   const float* Bv[2] = {B0, B1};
   vf acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = Zero ? vf{} : vload(C + r * ldc + c * W);
+  load_acc<R, NV, Zero>(acc, C, ldc);
   for (int k = 0; k < K; ++k) {
     vf b[NV];
 #pragma GCC unroll 4
@@ -131,10 +144,7 @@ inline void tile(int K, const float* A, int64_t ars, int64_t acs, const float* B
       for (int c = 0; c < NV; ++c) acc[r][c] = av * b[c] + acc[r][c];
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vstore(C + r * ldc + c * W, acc[r][c]);
+  store_acc<R, NV>(acc, C, ldc);
 }
 
 template <int R, int NV, bool Zero>
@@ -169,6 +179,147 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
   for (; n + 2 * W <= N; n += 2 * W)
     col_panel<MR, 2, Zero>(M, K, A, ars, acs, col(n), col(n + W), ldb, C + n, ldc);
   for (; n < N; n += W) col_panel<MR, 1, Zero>(M, K, A, ars, acs, col(n), col(n), ldb, C + n, ldc);
+}
+
+// ---- bf16 dot products (the bf16 paths) ----------------------------------------------------
+// A kernel_<isa>.cpp that defines CPATTN_BF16_DOT runs the products of bf16-storage calls as
+// bf16 dot products with fp32 accumulation, vdpbf16ps's semantics: both operands rounded to
+// bf16 (round to nearest even, cpattn/dtype.hpp's f32_to_bf16) and stored as pairs along the
+// reduction dimension k, one 32-bit word per pair, the even k in the low half; each lane of a
+// step computes acc += a[2i+1] b[2i+1], then acc += a[2i] b[2i], each accumulation rounded once
+// to fp32 (the bf16 products are exact in fp32), denormal inputs read as zero and denormal
+// results flushed to zero. Q, K, V and dO hold bf16 values already (exact); P and dS are
+// rounded to bf16 here, as GPU flash kernels do before their P.V, dS.K and dS^T.Q products
+// (the softmax's row sums stay fp32). The step itself is the policy Bf16Dot:
+//   CPATTN_BF16_DOT == 1: the instruction (_mm512_dpbf16_ps; W == 16, avx512bf16 target),
+//   CPATTN_BF16_DOT == 2: its emulation in plain vector arithmetic (any W), which the kernel
+//                         case table runs on every x86-64 CPU with AVX2 (the bf16_emulated path).
+// Everything else (packing, blocking, softmax) is shared, so the emulated path tests the
+// algorithm the avx512_bf16 path runs.
+#ifdef CPATTN_BF16_DOT
+constexpr bool kBf16Dot = true;
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+inline vu vload_u(const uint32_t* p) {
+  vu v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+struct Bf16Dot {
+#if CPATTN_BF16_DOT == 1
+  static_assert(W == 16, "vdpbf16ps on zmm registers: 16 lanes");
+  static vf dot(vf acc, vu a, vu b) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+  }
+#elif CPATTN_BF16_DOT == 2
+  // Denormals (exponent bits 0) to a zero of the same sign.
+  static vu flush(vu x) {
+    const vu denormal = (x & 0x7f800000u) == 0u;
+    return (x & ~denormal) | (x & denormal & 0x80000000u);
+  }
+  static vf dot(vf acc, vu a, vu b) {
+    const vf a_lo = (vf)flush(a << 16), b_lo = (vf)flush(b << 16);  // bf16[2i]
+    const vf a_hi = (vf)flush(a & 0xffff0000u), b_hi = (vf)flush(b & 0xffff0000u);  // bf16[2i+1]
+    acc = (vf)flush((vu)acc);
+    acc = (vf)flush((vu)(acc + a_hi * b_hi));  // exact product: one rounding, fused or not
+    return (vf)flush((vu)(acc + a_lo * b_lo));
+  }
+#else
+#error "CPATTN_BF16_DOT must be 1 (native) or 2 (emulated)"
+#endif
+};
+
+inline uint32_t bf16_pair(float even, float odd) {
+  return uint32_t{f32_to_bf16(even)} | uint32_t{f32_to_bf16(odd)} << 16;
+}
+
+// C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2 rows of K2 words (lda), B2
+// panels of PAD words per pair.
+template <int R, int NV, bool Zero>
+inline void tile_bf16(int K2, const uint32_t* A, int64_t lda, const uint32_t* B0, const uint32_t* B1,
+                      float* C, int64_t ldc) {
+  const uint32_t* Bv[2] = {B0, B1};
+  vf acc[R][NV];
+  load_acc<R, NV, Zero>(acc, C, ldc);
+  for (int kp = 0; kp < K2; ++kp) {
+    vu b[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) b[c] = vload_u(Bv[c] + kp * PAD);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vu av = vu{} + A[r * lda + kp];
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = Bf16Dot::dot(acc[r][c], av, b[c]);
+    }
+  }
+  store_acc<R, NV>(acc, C, ldc);
+}
+
+template <int R, int NV, bool Zero>
+inline void col_panel_bf16(int M, int K2, const uint32_t* A, const uint32_t* B0, const uint32_t* B1,
+                           float* C, int64_t ldc) {
+  int m = 0;
+  for (; m + R <= M; m += R) tile_bf16<R, NV, Zero>(K2, A + m * K2, K2, B0, B1, C + m * ldc, ldc);
+  const uint32_t* a = A + m * K2;
+  float* c = C + m * ldc;
+  switch (M - m) {
+    case 1: tile_bf16<1, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
+    case 2: tile_bf16<2, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
+    case 3: tile_bf16<3, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
+    case 4: tile_bf16<4, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
+    case 5: tile_bf16<5, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
+    default: break;
+  }
+}
+
+// gemm's contract (same operands, same strides; N a multiple of PAD) with bf16 products: A
+// and B are rounded to bf16 pairs along K (an odd K padded with a zero) into per-thread
+// buffers, then multiplied by the Bf16Dot micro-kernel. Packing costs O(M K + K N) per call
+// against the O(M N K) product.
+template <bool Zero>
+__attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, int64_t ars, int64_t acs,
+                                         const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+  thread_local std::vector<uint32_t, LineAligned<uint32_t>> a2, b2;
+  const int K2 = (K + 1) / 2;
+  a2.resize(static_cast<size_t>(M) * K2);
+  b2.resize(static_cast<size_t>(N) * K2);
+  for (int r = 0; r < M; ++r)
+    for (int kp = 0; kp < K2; ++kp) {
+      const float* a = A + r * ars + 2 * kp * acs;
+      a2[r * K2 + kp] = bf16_pair(a[0], 2 * kp + 1 < K ? a[acs] : 0.0f);
+    }
+  for (int j = 0; j < N / PAD; ++j)  // B2 panel j: [K2][PAD] words
+    for (int kp = 0; kp < K2; ++kp) {
+      const float* b = B + j * bps + 2 * kp * ldb;
+      const bool odd = 2 * kp + 1 < K;
+      uint32_t* o = b2.data() + (static_cast<size_t>(j) * K2 + kp) * PAD;
+      for (int c = 0; c < PAD; ++c) o[c] = bf16_pair(b[c], odd ? b[ldb + c] : 0.0f);
+    }
+  auto col = [&](int n) { return b2.data() + static_cast<size_t>(n / PAD) * K2 * PAD + n % PAD; };
+  int n = 0;
+  for (; n + 2 * W <= N; n += 2 * W)
+    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), col(n), col(n + W), C + n, ldc);
+  for (; n < N; n += W) col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), col(n), col(n), C + n, ldc);
+}
+
+// One Bf16Dot step on `lanes` lanes (a multiple of W): acc[i] += the pair products of a[i],
+// b[i]. The KernelTable's bf16_dot, for the tests of the step itself.
+void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes) {
+  for (int i = 0; i < lanes; i += W) vstore(acc + i, Bf16Dot::dot(vload(acc + i), vload_u(a + i), vload_u(b + i)));
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// The one call of every product: gemm, or gemm_bf16 where the path has bf16 dot products and
+// the call's storage is bf16 (bf16_dot).
+template <bool Zero>
+inline void mm(bool bf16_dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
+               const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+#ifdef CPATTN_BF16_DOT
+  if (bf16_dot) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+#endif
+  (void)bf16_dot;
+  gemm<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
 
 // ---- storage conversion ------------------------------------------------------------------
@@ -342,6 +493,7 @@ void forward_impl(const AttnFwdParams& p) {
   const bool dropout = opt.dropout_p > 0.0f;
   const uint32_t thr = dropout_threshold(opt.dropout_p);
   const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
+  const bool bd = kBf16Dot && dtype == DType::bf16;  // bf16 dot products (mm)
 
   Packed pk;
   pack_kv(in, false, pk);
@@ -415,7 +567,7 @@ void forward_impl(const AttnFwdParams& p) {
         float* m_g = S.m.data() + g * BQ;
         float* l_g = S.l.data() + g * BQ;
         // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
-        gemm<true>(m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
+        mm<true>(bd, m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
                    S.s.data() + pc.a0, FBK);
         for (int r = 0; r < m; ++r) {
           if (g == 0) {
@@ -479,7 +631,7 @@ void forward_impl(const AttnFwdParams& p) {
           }
         }
         // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
-        gemm<false>(m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
+        mm<false>(bd, m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
       }
     });
 
@@ -532,6 +684,7 @@ void backward_impl(const AttnBwdParams& p) {
   const bool dropout = opt.dropout_p > 0.0f;
   const uint32_t thr = dropout_threshold(opt.dropout_p);
   const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
+  const bool bd = kBf16Dot && dtype == DType::bf16;  // bf16 dot products (mm)
 
   Packed pk;
   pack_kv(in, true, pk);
@@ -586,7 +739,18 @@ void backward_impl(const AttnBwdParams& p) {
         for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
         for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
         float delta = 0.0f;  // dout_i . out_i
-        for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
+        if (bd) {  // in the order of the bf16 dot products (odd, then even element of each pair)
+          // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
+          // (a query that sees one key: out = v, dP = dout . v)
+          // (std::fma, not `delta += a * b` twice per pair: GCC 12.2 at -O3 vectorizes that
+          // in-order reduction over interleaved pairs wrongly)
+          for (int d = 0; d < dvp; d += 2) {
+            delta = std::fma(dor[d + 1], orow[d + 1], delta);
+            delta = std::fma(dor[d], orow[d], delta);
+          }
+        } else {
+          for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
+        }
         S.delta[i] = delta;
         S.lse2[i] = lse[row * hq + h] * kLog2e;
       }
@@ -608,9 +772,9 @@ void backward_impl(const AttnBwdParams& p) {
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          gemm<true>(m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
+          mm<true>(bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
                      dp * PAD, S.s.data() + pc.a0, BK);
-          gemm<true>(m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
+          mm<true>(bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
                      dvp * PAD, S.dp.data() + pc.a0, BK);
           // The next query block's Q, dO and their panels come from L3 (per-task buffers of
           // max_q rows): fetch them while this block's softmax and products run.
@@ -677,11 +841,11 @@ void backward_impl(const AttnBwdParams& p) {
             }
           }
           // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1)
-          gemm<false>(n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
+          mm<false>(bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dv.data() + pc.a0 * dvp, dvp);
-          gemm<false>(n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
+          mm<false>(bd, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dk.data() + pc.a0 * dp, dp);
-          gemm<false>(m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
+          mm<false>(bd, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
                       BK * PAD, S.dq.data() + i0 * dp, dp);
         }
         // add the piece's rows to this head's dK/dV

@@ -23,17 +23,40 @@ struct Visible {
   Acc dcap;  // d(soft-capped score) / d(scale * q.k): 1 - tanh^2 (1 without softcap)
 };
 
-// Element (row, head, d) of a view, as Acc.
+// A view's elements decoded once into a dense [rows, heads, dim] array of Acc: the loops below
+// read each element O(T) times, and decoding fp16/bf16 on every read was most of the time.
 template <class Acc>
-Acc at(const ConstTensorView& t, int64_t row, int head, int d) {
-  return static_cast<Acc>(load_elem(t.data, t.dtype, t.offset(row, head) + d));
-}
+class Dense {
+ public:
+  explicit Dense(const ConstTensorView& t) : heads_(t.heads), dim_(t.dim) {
+    if (t.empty()) return;
+    v_.resize(static_cast<size_t>(t.rows) * heads_ * dim_);
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int h = 0; h < heads_; ++h)
+        for (int d = 0; d < dim_; ++d)
+          v_[(r * heads_ + h) * dim_ + d] =
+              static_cast<Acc>(load_elem(t.data, t.dtype, t.offset(r, h) + d));
+  }
+  // Element (row, head, d).
+  Acc operator()(int64_t row, int head, int d) const { return v_[(row * heads_ + head) * dim_ + d]; }
+
+ private:
+  int heads_, dim_;
+  std::vector<Acc> v_;
+};
+
+// The inputs every query row reads, decoded.
+template <class Acc>
+struct DenseInputs {
+  explicit DenseInputs(const AttnInputs& in) : q(in.q), k(in.k), v(in.v) {}
+  Dense<Acc> q, k, v;
+};
 
 // For query row at position qp of task t, head h: the visible keys with scores, and lse.
 // Returns lse (-inf if no key is visible).
 template <class Acc>
-Acc scores(const AttnInputs& in, const AttnTask& t, int h, int64_t qrow, int64_t qp,
-           std::vector<Visible<Acc>>& vis) {
+Acc scores(const AttnInputs& in, const DenseInputs<Acc>& x, const AttnTask& t, int h,
+           int64_t qrow, int64_t qp, std::vector<Visible<Acc>>& vis) {
   const AttnOptions& o = in.options;
   const int hk = h / (in.q.heads / in.k.heads);
   const Acc scale = static_cast<Acc>(in.softmax_scale());
@@ -51,7 +74,7 @@ Acc scores(const AttnInputs& in, const AttnTask& t, int h, int64_t qrow, int64_t
       if (!sees.sees(qp, kp)) continue;
       Acc dot = 0;  // q_i . k_j over head_dim_qk
       for (int d = 0; d < in.q.dim; ++d)
-        dot += at<Acc>(in.q, qrow, h, d) * at<Acc>(in.k, krow, hk, d);
+        dot += x.q(qrow, h, d) * x.k(krow, hk, d);
       Acc s = scale * dot, dcap = 1;
       if (cap > 0) {  // s = cap * tanh(s / cap)
         const Acc th = std::tanh(s / cap);
@@ -66,9 +89,9 @@ Acc scores(const AttnInputs& in, const AttnTask& t, int h, int64_t qrow, int64_t
   }
   if (vis.empty()) return -std::numeric_limits<Acc>::infinity();
   Acc mx = vis[0].s;
-  for (const auto& x : vis) mx = std::max(mx, x.s);
+  for (const auto& e : vis) mx = std::max(mx, e.s);
   Acc sum = 0;
-  for (const auto& x : vis) sum += std::exp(x.s - mx);
+  for (const auto& e : vis) sum += std::exp(e.s - mx);
   return mx + std::log(sum);
 }
 
@@ -76,18 +99,19 @@ template <class Acc>
 void forward_impl(const AttnFwdParams& p) {
   const AttnInputs& in = p.in;
   const int hq = in.q.heads, group = hq / in.k.heads, dv = in.v.dim;
+  const DenseInputs<Acc> x(in);
   std::vector<Visible<Acc>> vis;
   std::vector<Acc> o(dv);
   for (const AttnTask& t : in.work->tasks)
     for (int h = 0; h < hq; ++h)
       for (int64_t i = 0; i < t.q_len; ++i) {
         const int64_t qrow = t.q_row + i;
-        const Acc lse = scores<Acc>(in, t, h, qrow, t.q_pos + i, vis);
+        const Acc lse = scores<Acc>(in, x, t, h, qrow, t.q_pos + i, vis);
         // out_i = sum_j keep_j * exp(S_ij - lse_i) v_j          [head_dim_v]
-        for (auto& x : o) x = 0;
-        for (const auto& x : vis) {
-          const Acc pij = std::exp(x.s - lse) * x.keep;
-          for (int d = 0; d < dv; ++d) o[d] += pij * at<Acc>(in.v, x.row, h / group, d);
+        for (auto& e : o) e = 0;
+        for (const auto& e : vis) {
+          const Acc pij = std::exp(e.s - lse) * e.keep;
+          for (int d = 0; d < dv; ++d) o[d] += pij * x.v(e.row, h / group, d);
         }
         for (int d = 0; d < dv; ++d)
           store_elem(p.out.data, p.out.dtype, p.out.offset(qrow, h) + d, static_cast<float>(o[d]));
@@ -105,6 +129,8 @@ void backward_impl(const AttnBwdParams& p) {
   // dK, dV accumulate over every task and every query head of a group.
   std::vector<Acc> dk(static_cast<size_t>(total_k) * hk_n * dqk, Acc(0));  // [total_k, Hkv, Dqk]
   std::vector<Acc> dvv(static_cast<size_t>(total_k) * hk_n * dv, Acc(0));  // [total_k, Hkv, Dv]
+  const DenseInputs<Acc> x(in);
+  const Dense<Acc> fwd_out(p.out), dout_all(p.dout);
   std::vector<Visible<Acc>> vis;
   std::vector<Acc> dq(dqk), dout(dv);
   for (const AttnTask& t : in.work->tasks)
@@ -112,28 +138,28 @@ void backward_impl(const AttnBwdParams& p) {
       const int hk = h / group;
       for (int64_t i = 0; i < t.q_len; ++i) {
         const int64_t qrow = t.q_row + i;
-        scores<Acc>(in, t, h, qrow, t.q_pos + i, vis);
+        scores<Acc>(in, x, t, h, qrow, t.q_pos + i, vis);
         const Acc lse = static_cast<Acc>(p.lse[qrow * hq + h]);
         // delta_i = dout_i . out_i
         Acc delta = 0;
         for (int d = 0; d < dv; ++d) {
-          dout[d] = at<Acc>(p.dout, qrow, h, d);
-          delta += dout[d] * at<Acc>(p.out, qrow, h, d);
+          dout[d] = dout_all(qrow, h, d);
+          delta += dout[d] * fwd_out(qrow, h, d);
         }
-        for (auto& x : dq) x = 0;
-        for (const auto& x : vis) {
-          const Acc pij = std::exp(x.s - lse);
+        for (auto& e : dq) e = 0;
+        for (const auto& e : vis) {
+          const Acc pij = std::exp(e.s - lse);
           // dv_j += keep * P_ij dout_i;  dP_ij = keep * dout_i . v_j
           Acc dp = 0;
           for (int d = 0; d < dv; ++d) {
-            dvv[(x.row * hk_n + hk) * dv + d] += x.keep * pij * dout[d];
-            dp += dout[d] * at<Acc>(in.v, x.row, hk, d);
+            dvv[(e.row * hk_n + hk) * dv + d] += e.keep * pij * dout[d];
+            dp += dout[d] * x.v(e.row, hk, d);
           }
-          const Acc ds = pij * (x.keep * dp - delta) * x.dcap;
+          const Acc ds = pij * (e.keep * dp - delta) * e.dcap;
           // dq_i += s dS_ij k_j;  dk_j += s dS_ij q_i
           for (int d = 0; d < dqk; ++d) {
-            dq[d] += scale * ds * at<Acc>(in.k, x.row, hk, d);
-            dk[(x.row * hk_n + hk) * dqk + d] += scale * ds * at<Acc>(in.q, qrow, h, d);
+            dq[d] += scale * ds * x.k(e.row, hk, d);
+            dk[(e.row * hk_n + hk) * dqk + d] += scale * ds * x.q(qrow, h, d);
           }
         }
         for (int d = 0; d < dqk; ++d)

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -48,9 +49,16 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
   CPATTN_CHECK(o.num_threads >= 1, fn, ": num_threads must be >= 1, got ", o.num_threads);
   CPATTN_CHECK(o.path != KernelPath::amx, fn,
                ": kernel path amx is not implemented (no AMX path is built; use automatic, "
-               "portable, avx2 or avx512)");
+               "portable, avx2, avx512 or avx512_bf16)");
   CPATTN_CHECK(kernel_path_supported(o.path), fn, ": kernel path ", to_string(o.path),
                " is not supported by this CPU (best is ", to_string(best_kernel_path()), ")");
+  if (o.path == KernelPath::automatic) {  // CPATTN_KERNEL_PATH, which automatic follows
+    try {
+      (void)resolve_kernel_path(o.path, DType::f32);
+    } catch (const Error& e) {
+      throw Error(std::string(fn) + ": " + e.message());
+    }
+  }
 }
 
 // The size a view must have in one of its extents, and the user-facing name of that size.

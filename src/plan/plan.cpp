@@ -136,20 +136,28 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
       plan.cu_seqlens_q[t + 1] = plan.cu_seqlens_q[t] + q.len;
       plan.cu_seqlens_kv[t + 1] = plan.cu_seqlens_kv[t] + kv_len;
       if (q.len == 0) continue;
-      // The query rows: the chunk, at its local rows.
-      for (int64_t i = 0; i < q.len; ++i) {
-        const int64_t pos = q.pos + i;
-        gti[q.local_row + i] = s.padded_begin + pos;
-        rti[q.local_row + i] = pos < s.len ? s.begin + pos : -1;
-        padding += pos >= s.len;
+      // The query rows: the chunk, at its local rows. The loops' bounds and bases are locals:
+      // read through the references, the stores into the int64 indices could alias them, and
+      // the loops would neither vectorize nor keep them in registers.
+      {
+        const int64_t len = q.len, pos0 = q.pos, padded = s.padded_begin + pos0, real_len = s.len;
+        const int64_t real = s.begin + pos0, real_n = std::clamp<int64_t>(real_len - pos0, 0, len);
+        int64_t* g = gti + q.local_row;
+        int64_t* r = rti + q.local_row;
+        for (int64_t i = 0; i < len; ++i) g[i] = padded + i;
+        for (int64_t i = 0; i < real_n; ++i) r[i] = real + i;
+        for (int64_t i = real_n; i < len; ++i) r[i] = -1;
+        padding += len - real_n;
       }
       // The keys: chunks 0..j, in sequence order, where the all-gather put them.
       const auto run_begin = static_cast<int64_t>(plan.work.runs.size());
       for (int64_t m = 0; m <= mine[h]; ++m) {
-        if (ch[m].len == 0) continue;
+        const int64_t len = ch[m].len;
+        if (len == 0) continue;
         const int64_t base = layout.gathered_row(ch[m]);
-        for (int64_t i = 0; i < ch[m].len; ++i) kvi[kv_out + i] = base + i;
-        kv_out += ch[m].len;
+        int64_t* k = kvi + kv_out;
+        for (int64_t i = 0; i < len; ++i) k[i] = base + i;
+        kv_out += len;
         auto& runs = plan.work.runs;
         if (static_cast<int64_t>(runs.size()) > run_begin && runs.back().row + runs.back().len == base &&
             runs.back().pos + runs.back().len == ch[m].pos)  // adjacent in the buffer and in the document

@@ -17,9 +17,11 @@ namespace cpattn::train {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'P', 'A', 'T', 'T', 'N', 'T', 'R'};
-constexpr int64_t kVersion = 3;
+constexpr int64_t kVersion = 4;
 
-enum class Kind { model, model_real, integer, real, hash, dtype, state };
+// model_real64: a double's bits, 0 shown as "none" (an unset capacity factor); router and
+// drop_policy: the enums, shown by name.
+enum class Kind { model, model_real, model_real64, router, drop_policy, integer, real, hash, dtype, state };
 struct FieldName {
   const char* name;
   Kind kind;
@@ -32,23 +34,33 @@ constexpr FieldName kFields[] = {
     {"rope_theta", Kind::model_real}, {"norm_eps", Kind::model_real}, {"parameters", Kind::model},
     {"window_left", Kind::model},   {"window_right", Kind::model}, {"softcap", Kind::model_real},
     {"alibi", Kind::model},
+    {"experts", Kind::model},       {"top_k", Kind::model},        {"router", Kind::router},
+    {"capacity_factor", Kind::model_real64}, {"drop_policy", Kind::drop_policy},
+    {"aux_loss_coeff", Kind::model_real64},  {"bias_update_rate", Kind::model_real64},
     {"lr", Kind::real},             {"warmup", Kind::integer},     {"weight_decay", Kind::real},
     {"clip", Kind::real},           {"beta1", Kind::real},         {"beta2", Kind::real},
     {"eps", Kind::real},            {"seed", Kind::integer},       {"attention dtype", Kind::dtype},
     {"seq_len", Kind::integer},     {"data", Kind::hash},          {"step", Kind::state},
     {"data doc", Kind::state},      {"data offset", Kind::state},  {"data epoch", Kind::state}};
 constexpr int64_t kFieldCount = std::size(kFields);
-constexpr int64_t kConfigFields = 24;  // before the state
+constexpr int64_t kConfigFields = 31;  // before the state
 constexpr int64_t kParamsField = 8;
+constexpr int64_t kMoeFirst = 13, kMoeFields = 7;  // experts .. bias_update_rate, new in version 4
 
 int64_t bits(float x) { return std::bit_cast<int32_t>(x); }
+int64_t bits64(double x) { return std::bit_cast<int64_t>(x); }
 
 std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const DataPosition& d) {
   const ModelConfig& m = c.model;
   const OptimConfig& o = c.optim;
+  // Without experts the MoE fields mean nothing: recorded as 0, whatever they hold.
+  const bool moe = m.moe();
   return {m.vocab,         m.layers,   m.dim,           m.heads,          m.kv_heads,
           m.ffn_dim(),     bits(m.rope_theta), bits(m.norm_eps), c.n_params,
           m.window_left,   m.window_right, bits(m.softcap), m.alibi ? 1 : 0,
+          moe ? m.experts : 0, moe ? m.top_k : 0, moe ? static_cast<int64_t>(m.router) : 0,
+          moe ? bits64(m.capacity_factor.value_or(0.0)) : 0, moe ? static_cast<int64_t>(m.drop_policy) : 0,
+          moe ? bits64(m.aux_loss_coeff) : 0, moe ? bits64(m.bias_update_rate) : 0,
           bits(o.lr),      o.warmup,   bits(o.weight_decay), bits(o.clip), bits(o.beta1),
           bits(o.beta2),   bits(o.eps), static_cast<int64_t>(c.seed), static_cast<int64_t>(c.attn_dtype),
           c.id.seq_len,    static_cast<int64_t>(c.id.data_hash),
@@ -63,6 +75,14 @@ std::string shown(Kind k, int64_t v) {
       std::snprintf(b, sizeof b, "%.*g", digits, x);
       if (std::strtof(b, nullptr) == x) break;
     }
+  } else if (k == Kind::model_real64) {
+    const double x = std::bit_cast<double>(v);
+    if (x == 0) return "none";
+    std::snprintf(b, sizeof b, "%.17g", x);
+  } else if (k == Kind::router && (v == 0 || v == 1)) {  // a corrupt value is shown as its number
+    return static_cast<MoeRouter>(v) == MoeRouter::softmax ? "softmax" : "sigmoid-bias";
+  } else if (k == Kind::drop_policy && (v == 0 || v == 1)) {
+    return static_cast<MoeDropPolicy>(v) == MoeDropPolicy::by_position ? "position" : "probability";
   } else if (k == Kind::hash) {
     std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
   } else if (k == Kind::dtype) {
@@ -134,17 +154,20 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   };
   CPATTN_CHECK(size >= 24, "checkpoint '", path, "' is truncated (", size, " bytes)");
   const int64_t version = at(0);
-  CPATTN_CHECK(version == kVersion, "checkpoint '", path, "' has version ", version, ", this cpattn reads version ",
-               kVersion,
+  // Version 3 is version 4 without the mixture-of-experts fields: read as a model without
+  // experts (what version 4 records for one), so that its runs resume.
+  CPATTN_CHECK(version == kVersion || version == 3, "checkpoint '", path, "' has version ", version,
+               ", this cpattn reads versions 3 and ", kVersion,
                version == 1   ? " (version 1 has no checksum and no configuration: train again)"
                : version == 2 ? " (version 2 has no attention masks in its configuration: train again)"
                               : "");
-  CPATTN_CHECK(at(1) == kFieldCount, "checkpoint '", path, "' has ", at(1), " header fields, want ", kFieldCount);
-  const std::size_t header = 8 + 8 * (2 + kFieldCount) + 8;
+  const int64_t file_fields = version == 3 ? kFieldCount - kMoeFields : kFieldCount;
+  CPATTN_CHECK(at(1) == file_fields, "checkpoint '", path, "' has ", at(1), " header fields, want ", file_fields);
+  const std::size_t header = 8 + 8 * (2 + file_fields) + 8;
   CPATTN_CHECK(size >= header, "checkpoint '", path, "' is truncated (", size, " bytes, its header alone is ", header,
                ")");
-  std::vector<int64_t> got(kFieldCount);
-  for (int64_t i = 0; i < kFieldCount; ++i) got[i] = at(2 + i);
+  std::vector<int64_t> got(kFieldCount, 0);
+  for (int64_t i = 0; i < file_fields; ++i) got[version == 3 && i >= kMoeFirst ? i + kMoeFields : i] = at(2 + i);
   const int64_t n_file = got[kParamsField];
   CPATTN_CHECK(n_file >= 0 && n_file < (int64_t{1} << 40), "checkpoint '", path, "' has a parameter count of ",
                n_file);
@@ -161,10 +184,13 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   CPATTN_CHECK(h == stored, "checkpoint '", path, "' fails its checksum (the file is corrupt)");
 
   const std::vector<int64_t> want = fields_of(cfg, 0, {});
-  for (int64_t i = 0; i < kConfigFields; ++i) {
+  // The parameter count last: a field that explains it (experts, dim, ...) is the better message.
+  for (int64_t k = 0; k < kConfigFields; ++k) {
+    const int64_t i = k == kConfigFields - 1 ? kParamsField : k < kParamsField ? k : k + 1;
     const FieldName& f = kFields[i];
     if (got[i] == want[i]) continue;
-    if (f.kind == Kind::model || f.kind == Kind::model_real)
+    if (f.kind == Kind::model || f.kind == Kind::model_real || f.kind == Kind::model_real64 ||
+        f.kind == Kind::router || f.kind == Kind::drop_policy)
       CPATTN_CHECK(false, "checkpoint '", path, "' holds a model with ", f.name, " = ", shown(f.kind, got[i]),
                    ", this run has ", shown(f.kind, want[i]));
     CPATTN_CHECK(false, "checkpoint '", path, "' has ", f.name, " ", shown(f.kind, got[i]), ", this run ",

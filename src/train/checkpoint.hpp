@@ -3,19 +3,23 @@
 // here: the Trainer decides which rank writes and makes every rank agree on errors. Internal
 // to cpattn_train (not installed).
 //
-// Format (version 3), native byte order:
+// Format (version 4), native byte order:
 //   "CPATTNTR"                     8 bytes, the magic
-//   version = 3, field count F     int64 each
+//   version = 4, field count F     int64 each
 //   F int64 fields                 kFields order (checkpoint.cpp): the configuration, which
-//                                  must match on resume (model with its attention masks,
-//                                  optimizer, seed, attention dtype, seq_len, data hash;
+//                                  must match on resume (model with its attention masks
+//                                  and its mixture of experts: experts, top_k, router,
+//                                  capacity_factor, drop_policy, aux_loss_coeff,
+//                                  bias_update_rate; 0 without experts), optimizer, seed, attention dtype, seq_len, data hash;
 //                                  floats as their bits), then the state (step, data doc,
 //                                  offset, epoch)
 //   checksum                       uint64 FNV-1a 64 over the version, count, fields and payload
 //   payload                        params, m, v (fp32, the parameter count each)
 // The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
-// both are refused, as are version 1 (no checksum, no configuration) and version 2 files
-// (no attention masks).
+// both are refused, as are version 1 (no checksum, no configuration) and version 2 files (no
+// attention masks). Version 3 files (version 4 without the mixture-of-experts fields) are read
+// as models without experts, so that runs saved before them resume. Every expert of every block is in
+// the payload (each rank holds the whole model), so a file saved at one ep resumes at any ep.
 #pragma once
 
 #include <cpattn/dtype.hpp>

@@ -40,6 +40,7 @@ CpAttnConfig attention_config(const Dims& d, const ModelConfig& mc, const RunOpt
                       .window_size_right = mc.window_right, .softcap = mc.softcap,
                       .alibi_slopes = mc.alibi ? slopes.data() : nullptr},
           .scheme = ro.cp_scheme,
+          .cp_inner = ro.cp_inner,
           .split = ro.split};
 }
 
@@ -78,11 +79,32 @@ Dims model_dims(const ModelConfig& mc) {
                mc.softcap);
   d.F = mc.ffn_dim();
   CPATTN_CHECK(d.F >= 1, "ModelConfig::ffn must be >= 1 (0: the default width), got ", d.F);
+  CPATTN_CHECK(mc.experts >= 0, "ModelConfig::experts must be >= 0 (0: the dense MLP), got ", mc.experts);
+  if (mc.moe()) (void)moe_config(mc);
   return d;
 }
 
-ParamLayout param_layout(const Dims& d) {
+MoeConfig moe_config(const ModelConfig& mc) {
+  CPATTN_CHECK(mc.experts >= 1, "ModelConfig::experts must be >= 1 for the MoE layer, got ", mc.experts);
+  const MoeConfig c{.hidden = mc.dim, .ffn = mc.ffn_dim(), .num_experts = mc.experts, .top_k = mc.top_k,
+                    .router = mc.router, .capacity_factor = mc.capacity_factor, .drop_policy = mc.drop_policy,
+                    .aux_loss_coeff = mc.aux_loss_coeff, .bias_update_rate = mc.bias_update_rate};
+  try {  // moe.hpp's rules, named by the fields ModelConfig shares with MoeConfig (experts: num_experts)
+    moe_validate(c);
+  } catch (const Error& e) {
+    throw Error("ModelConfig: " + e.message());
+  }
+  return c;
+}
+
+ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert, int local_experts) {
   ParamLayout p;
+  if (mc.moe() && local_experts == 0) local_experts = mc.experts;
+  CPATTN_CHECK(!mc.moe() || (first_expert >= 0 && local_experts >= 1 && first_expert + local_experts <= mc.experts),
+               "param_layout: experts [", first_expert, ", ", first_expert + local_experts, ") are not within the ",
+               mc.experts, " of the model");
+  p.first_expert = first_expert;
+  p.local_experts = mc.moe() ? local_experts : 0;
   const auto add = [&p](const std::string& name, std::vector<int64_t> shape, bool decay) {
     int64_t size = 1;
     for (const int64_t s : shape) size *= s;
@@ -101,14 +123,62 @@ ParamLayout param_layout(const Dims& d) {
     b.wv = add(n + "wv", {D, kv}, true);
     b.wo = add(n + "wo", {q, D}, true);
     b.ln2 = add(n + "ln2", {D}, false);
-    b.w1 = add(n + "w1", {D, F}, true);
-    b.w3 = add(n + "w3", {D, F}, true);
-    b.w2 = add(n + "w2", {F, D}, true);
+    if (mc.moe()) {
+      const int E = mc.experts;
+      b.router = add(n + "moe.router", {D, E}, true);
+      if (mc.router == MoeRouter::sigmoid_bias) b.bias = add(n + "moe.bias", {E}, false);
+    } else {
+      b.w1 = add(n + "w1", {D, F}, true);
+      b.w3 = add(n + "w3", {D, F}, true);
+      b.w2 = add(n + "w2", {F, D}, true);
+    }
     p.blocks.push_back(b);
   }
   p.lnf = add("lnf", {D}, false);
   p.lm_head = add("lm_head", {D, d.V}, true);
+  p.experts_begin = p.count;
+  if (mc.moe())  // the experts after everything replicated: one region that EP shards
+    for (int l = 0; l < d.L; ++l) {
+      const std::string n = "layer" + std::to_string(l) + ".moe.";
+      const int64_t X = p.local_experts;
+      ParamLayout::Block& b = p.blocks[static_cast<std::size_t>(l)];
+      b.w1 = add(n + "w1", {X, D, F}, true);
+      b.w3 = add(n + "w3", {X, D, F}, true);
+      b.w2 = add(n + "w2", {X, F, D}, true);
+    }
   return p;
+}
+
+namespace {
+// Calls f(global tensor, local tensor) for each expert tensor of the two layouts (the same
+// model, all experts in `global`).
+template <class F>
+void for_expert_tensors(const ParamLayout& global, const ParamLayout& local, F&& f) {
+  CPATTN_DASSERT(global.tensors.size() == local.tensors.size());
+  for (std::size_t i = 0; i < global.tensors.size(); ++i)
+    if (global.tensors[i].offset >= global.experts_begin) f(global.tensors[i], local.tensors[i]);
+}
+}  // namespace
+
+void take_local_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> all,
+                        std::span<float> mine) {
+  std::copy_n(all.begin(), local.experts_begin, mine.begin());
+  for_expert_tensors(global, local, [&](const ParamTensor& g, const ParamTensor& l) {
+    const int64_t each = l.size / local.local_experts;
+    std::copy_n(all.begin() + g.offset + local.first_expert * each, l.size, mine.begin() + l.offset);
+  });
+}
+
+void put_gathered_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> mine,
+                          std::span<const float> gathered, std::span<float> all) {
+  std::copy_n(mine.begin(), local.experts_begin, all.begin());
+  const int64_t region = local.count - local.experts_begin;
+  const int64_t ranks = static_cast<int64_t>(gathered.size()) / std::max<int64_t>(region, 1);
+  for_expert_tensors(global, local, [&](const ParamTensor& g, const ParamTensor& l) {
+    for (int64_t r = 0; r < ranks; ++r)
+      std::copy_n(gathered.begin() + r * region + (l.offset - local.experts_begin), l.size,
+                  all.begin() + g.offset + r * l.size);
+  });
 }
 
 void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed, std::span<float> params) {
@@ -118,19 +188,40 @@ void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed
     const bool norm = t.shape.size() == 1;
     const bool resid_out = t.name.ends_with(".wo") || t.name.ends_with(".w2");
     const double sd = resid_out ? out_std : mc.init_std;
+    const float vec = t.name.ends_with(".bias") ? 0.0f : 1.0f;  // the router's selection bias starts at 0
     for (int64_t i = 0; i < t.size; ++i)
-      params[t.offset + i] = norm ? 1.0f : static_cast<float>(sd * rng.normal());
+      params[t.offset + i] = norm ? vec : static_cast<float>(sd * rng.normal());
   }
 }
 
-Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks)
-    : config(mc), run(ro), dims(model_dims(mc)), layout(param_layout(dims)),
+namespace {
+// This rank's experts under EP: [first, first + count) of `experts`, one block per EP rank.
+ParamLayout local_layout(const Dims& d, const ModelConfig& mc, const Communicator& ep) {
+  if (!mc.moe()) return param_layout(d, mc);
+  CPATTN_CHECK(mc.experts % ep.size() == 0, "MeshConfig: ep = ", ep.size(), " must divide ModelConfig::experts = ",
+               mc.experts);
+  const int local = mc.experts / ep.size();
+  return param_layout(d, mc, ep.rank() * local, local);
+}
+}  // namespace
+
+Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks,
+             Communicator* ep)
+    : config(mc), run(ro), dims(model_dims(mc)), layout(local_layout(dims, mc, ep ? *ep : comm)),
       cp(comm.size()),
-      attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})) {
+      attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})),
+      ep_comm(ep ? ep : &comm) {
   const int64_t chunks = reduce_ranks > 0 ? reduce_ranks : cp;
   params.assign(layout.count, 0.0f);
   grads.assign((layout.count + chunks - 1) / chunks * chunks, 0.0f);
-  init_params(layout, config, seed, params);
+  if (config.moe()) {  // every expert drawn, the same on every rank whatever ep; this rank's kept
+    const ParamLayout all = param_layout(dims, config);
+    std::vector<float> full(static_cast<std::size_t>(all.count));
+    init_params(all, config, seed, full);
+    take_local_experts(all, layout, full, params);
+  } else {
+    init_params(layout, config, seed, params);
+  }
   set_blas_threads(run.threads);
   acts.resid.resize(dims.L + 1);
   acts.blocks.resize(dims.L);
@@ -172,6 +263,10 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
 
   rope_tables(b.rope_cos, b.rope_sin, rope_positions(plan, b.local.position_ids, m.run.rope_local_offsets), d.hd,
               m.config.rope_theta);
+  b.real_rows.clear();
+  for (int64_t i = 0; i < T; ++i)
+    if (plan.real_token_index[static_cast<std::size_t>(i)] >= 0) b.real_rows.push_back(i);
+  const int64_t mlp_rows = m.config.moe() ? 0 : T;  // the dense MLP's [T, F] tensors
 
   Activations& a = m.acts;
   for (auto& r : a.resid) r.resize(T * d.D);
@@ -185,9 +280,9 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
     k.x_mid.resize(T * d.D);
     k.xn2.resize(T * d.D);
     k.rstd2.resize(T);
-    k.a.resize(T * d.F);
-    k.b.resize(T * d.F);
-    k.h.resize(T * d.F);
+    k.a.resize(mlp_rows * d.F);
+    k.b.resize(mlp_rows * d.F);
+    k.h.resize(mlp_rows * d.F);
   }
   a.xf.resize(T * d.D);
   a.rstdf.resize(T);
@@ -260,10 +355,11 @@ void attention_backward(Model& m, BlockActs& a, BlockOutGrads& o) {
   to_float(s.dv16.data(), t, o.dv.size(), o.dv.data());
 }
 
-void size_out_grads(BlockOutGrads& o, const Dims& d, int64_t T) {
-  o.dy.resize(T * d.D);
-  o.da.resize(T * d.F);
-  o.db.resize(T * d.F);
+// mlp_rows: T for the dense MLP, 0 with experts (whose gradients need none of dy, da, db).
+void size_out_grads(BlockOutGrads& o, const Dims& d, int64_t mlp_rows, int64_t T) {
+  o.dy.resize(mlp_rows * d.D);
+  o.da.resize(mlp_rows * d.F);
+  o.db.resize(mlp_rows * d.F);
   o.dx_mid.resize(T * d.D);
   o.dq.resize(T * d.H * d.hd);
   o.dk.resize(T * d.KV * d.hd);
@@ -277,16 +373,94 @@ void add_weight_grads(Model& m, int l, const BlockOutGrads& o) {
   const int D = d.D, Q = d.H * d.hd, KV = d.KV * d.hd, F = d.F;
   const BlockTensors<float> g = m.layout.block<float>(m.grads.data(), l);
   const BlockActs& a = m.acts.blocks[l];
-  matmul(a.h.data(), o.dy.data(), g.w2, F, D, T, true, false, 1.0f);       // dw2 += h^T dy
-  matmul(a.xn2.data(), o.da.data(), g.w1, D, F, T, true, false, 1.0f);     // dw1 += xn2^T da
-  matmul(a.xn2.data(), o.db.data(), g.w3, D, F, T, true, false, 1.0f);     // dw3 += xn2^T db
+  if (!m.config.moe()) {  // the experts' gradients come from block_backward itself
+    matmul(a.h.data(), o.dy.data(), g.w2, F, D, T, true, false, 1.0f);    // dw2 += h^T dy
+    matmul(a.xn2.data(), o.da.data(), g.w1, D, F, T, true, false, 1.0f);  // dw1 += xn2^T da
+    matmul(a.xn2.data(), o.db.data(), g.w3, D, F, T, true, false, 1.0f);  // dw3 += xn2^T db
+  }
   matmul(a.att.data(), o.dx_mid.data(), g.wo, Q, D, T, true, false, 1.0f);  // dwo += att^T dx_mid
   matmul(a.xn1.data(), o.dq.data(), g.wq, D, Q, T, true, false, 1.0f);
   matmul(a.xn1.data(), o.dk.data(), g.wk, D, KV, T, true, false, 1.0f);
   matmul(a.xn1.data(), o.dv.data(), g.wv, D, KV, T, true, false, 1.0f);
 }
 
+// y = x_mid + MoE(xn2) on the real rows (padding rows get x_mid alone: they are not routed).
+void moe_block_forward(Model& m, int l, BlockActs& a, float* y) {
+  CPATTN_CHECK(m.moe != nullptr, "block_forward: a model with experts needs moe_begin_step before its forwards");
+  const int64_t D = m.dims.D;
+  const std::vector<int64_t>& rows = m.batch.real_rows;
+  const auto R = static_cast<int64_t>(rows.size());
+  a.moe_x.resize(static_cast<std::size_t>(R * D));
+  for (int64_t i = 0; i < R; ++i)
+    std::copy_n(a.xn2.begin() + rows[i] * D, D, a.moe_x.begin() + i * D);
+  a.moe = m.moe->forward(m.moe_weights[l], a.moe_x);
+  m.moe_aux += a.moe.aux_loss;
+  m.moe_dropped += a.moe.routing.dropped;
+  std::vector<int64_t>& load = m.moe_load[l];
+  for (std::size_t e = 0; e < load.size(); ++e) load[e] += a.moe.routing.routed[e];
+  std::copy(a.x_mid.begin(), a.x_mid.end(), y);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < D; ++j) y[rows[i] * D + j] += a.moe.y[i * D + j];
+}
+
+// scratch.dxn = d(xn2) from dres = dy through the MoE layer; the router's and this rank's
+// experts' gradients += into m.grads. Frees the forward's state.
+void moe_block_backward(Model& m, int l, BlockActs& a) {
+  const int64_t D = m.dims.D;
+  Scratch& s = m.scratch;
+  const std::vector<int64_t>& rows = m.batch.real_rows;
+  const auto R = static_cast<int64_t>(rows.size());
+  std::vector<float> dy(static_cast<std::size_t>(R * D));
+  for (int64_t i = 0; i < R; ++i) std::copy_n(s.dres.begin() + rows[i] * D, D, dy.begin() + i * D);
+  const MoeWeights& w = m.moe_weights[l];
+  const MoeEpBackward b = m.moe->backward(w, a.moe_x, a.moe, dy);
+  const BlockTensors<float> g = m.layout.block<float>(m.grads.data(), l);
+  const auto add = [](float* into, const std::vector<float>& v) {
+    for (std::size_t i = 0; i < v.size(); ++i) into[i] += v[i];
+  };
+  add(g.router, b.grads.router);
+  add(g.w1, b.grads.w_gate);  // this rank's experts only: the layout holds no other
+  add(g.w3, b.grads.w_up);
+  add(g.w2, b.grads.w_down);
+  std::fill(s.dxn.begin(), s.dxn.end(), 0.0f);
+  for (int64_t i = 0; i < R; ++i) std::copy_n(b.grads.dx.begin() + i * D, D, s.dxn.begin() + rows[i] * D);
+  a.moe = {};
+  a.moe_x = {};
+}
+
 }  // namespace
+
+void moe_begin_step(Model& m, int64_t step_groups) {
+  if (!m.config.moe()) return;
+  CPATTN_CHECK(step_groups >= 1, "moe_begin_step: a step has at least one routing group, got ", step_groups);
+  MoeConfig c = moe_config(m.config);
+  const int ep = m.ep_comm->size();
+  c.aux_loss_coeff *= static_cast<double>(ep) / static_cast<double>(step_groups);
+  m.moe = std::make_unique<MoeEpLayer>(*m.ep_comm, c);
+  const int first = m.moe->first_expert(), local = m.moe->local_experts();
+  const Dims& d = m.dims;
+  const int64_t D = d.D, E = m.config.experts, each = static_cast<int64_t>(d.D) * d.F;
+  m.moe_weights.resize(static_cast<std::size_t>(d.L));
+  for (int l = 0; l < d.L; ++l) {
+    const BlockTensors<const float> p = m.layout.block<const float>(m.params.data(), l);
+    MoeWeights& w = m.moe_weights[static_cast<std::size_t>(l)];
+    w.router.assign(p.router, p.router + D * E);
+    if (p.bias)
+      w.bias.assign(p.bias, p.bias + E);
+    else
+      w.bias.assign(static_cast<std::size_t>(E), 0.0f);
+    w.first_expert = first;
+    w.local_experts = local;
+    CPATTN_CHECK(first == m.layout.first_expert && local == m.layout.local_experts, "moe_begin_step: the layer's "
+                 "experts [", first, ", ", first + local, ") are not the ones the parameters hold");
+    w.w_gate.assign(p.w1, p.w1 + local * each);
+    w.w_up.assign(p.w3, p.w3 + local * each);
+    w.w_down.assign(p.w2, p.w2 + local * each);
+  }
+  m.moe_aux = 0;
+  m.moe_dropped = 0;
+  m.moe_load.assign(static_cast<std::size_t>(d.L), std::vector<int64_t>(static_cast<std::size_t>(E), 0));
+}
 
 void block_forward(Model& m, int l, const float* x, float* y) {
   const Dims& d = m.dims;
@@ -306,8 +480,12 @@ void block_forward(Model& m, int l, const float* x, float* y) {
   attention_forward(m, a);  // att [T, H*hd]
   std::copy(x, x + T * D, a.x_mid.begin());
   matmul(a.att.data(), p.wo, a.x_mid.data(), T, D, Q, false, false, 1.0f);  // x_mid += att @ wo
-  // MLP block.
+  // MLP block (or its mixture of experts).
   rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), p.ln2, T, D, d.eps);
+  if (m.config.moe()) {
+    moe_block_forward(m, l, a, y);
+    return;
+  }
   matmul(a.xn2.data(), p.w1, a.a.data(), T, F, D, false, false, 0.0f);  // gate [T, F]
   matmul(a.xn2.data(), p.w3, a.b.data(), T, F, D, false, false, 0.0f);  // up [T, F]
   swiglu_forward(a.h.data(), a.a.data(), a.b.data(), T * F);           // h [T, F]
@@ -346,15 +524,18 @@ void block_backward(Model& m, int l, const float* x, bool defer_weights) {
   BlockActs& a = m.acts.blocks[l];
   Scratch& s = m.scratch;
   BlockOutGrads& o = defer_weights ? a.deferred : s.out;
-  size_out_grads(o, d, T);
+  size_out_grads(o, d, m.config.moe() ? 0 : T, T);
   const float* cos_t = m.batch.rope_cos.data();
   const float* sin_t = m.batch.rope_sin.data();
-  // MLP block: y = x_mid + h @ w2, dres is dy.
-  std::copy(s.dres.begin(), s.dres.end(), o.dy.begin());
-  matmul(s.dres.data(), p.w2, s.dh.data(), T, F, D, false, true, 0.0f);  // dh = dy w2^T
-  swiglu_backward(o.da.data(), o.db.data(), s.dh.data(), a.a.data(), a.b.data(), T * F);
-  matmul(o.da.data(), p.w1, s.dxn.data(), T, D, F, false, true, 0.0f);   // dxn2 = da w1^T
-  matmul(o.db.data(), p.w3, s.dxn.data(), T, D, F, false, true, 1.0f);   //      + db w3^T
+  if (m.config.moe()) {  // y = x_mid + MoE(xn2): its weight gradients now, also when deferring
+    moe_block_backward(m, l, a);
+  } else {  // MLP block: y = x_mid + h @ w2, dres is dy.
+    std::copy(s.dres.begin(), s.dres.end(), o.dy.begin());
+    matmul(s.dres.data(), p.w2, s.dh.data(), T, F, D, false, true, 0.0f);  // dh = dy w2^T
+    swiglu_backward(o.da.data(), o.db.data(), s.dh.data(), a.a.data(), a.b.data(), T * F);
+    matmul(o.da.data(), p.w1, s.dxn.data(), T, D, F, false, true, 0.0f);   // dxn2 = da w1^T
+    matmul(o.db.data(), p.w3, s.dxn.data(), T, D, F, false, true, 1.0f);   //      + db w3^T
+  }
   rmsnorm_backward(s.dres.data(), g.ln2, s.dxn.data(), a.x_mid.data(), a.rstd2.data(), p.ln2, T, D);
   // Attention block: x_mid = x + att @ wo, dres is d(x_mid).
   std::copy(s.dres.begin(), s.dres.end(), o.dx_mid.begin());
@@ -381,7 +562,7 @@ void size_backward_scratch(Model& m) {
   Scratch& s = m.scratch;
   s.dres.resize(T * d.D);
   s.dxn.resize(T * d.D);
-  s.dh.resize(T * d.F);
+  s.dh.resize((m.config.moe() ? 0 : T) * d.F);
   s.datt.resize(T * d.H * d.hd);
 }
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cpattn/cp.hpp>
+#include <cpattn/moe_ep.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/train.hpp>
 
@@ -31,7 +32,8 @@ struct Dims {
 Dims model_dims(const ModelConfig& mc);
 
 // One block's parameter tensors, as pointers into a flat vector (the weights or their
-// gradients, same layout).
+// gradients, same layout). With experts (E = ModelConfig::experts), w1, w3 and w2 hold every
+// expert's matrices one after the other (MoeWeights' w_gate, w_up, w_down layout).
 template <class Float>
 struct BlockTensors {
   Float* ln1;  // [D]
@@ -40,16 +42,22 @@ struct BlockTensors {
   Float* wv;   // [D, KV*hd]
   Float* wo;   // [H*hd, D]
   Float* ln2;  // [D]
-  Float* w1;   // [D, F] gate
-  Float* w3;   // [D, F] up
-  Float* w2;   // [F, D]
+  Float* w1;   // [D, F] gate; experts: [E, D, F]
+  Float* w3;   // [D, F] up; experts: [E, D, F]
+  Float* w2;   // [F, D]; experts: [E, F, D]
+  Float* router;  // experts: [D, E]; dense: nullptr
+  Float* bias;    // sigmoid_bias router: [E], moved by moe_update_bias, never by a gradient; else nullptr
 };
 
 // Where every tensor lies in the flat parameter vector, in the order of `tensors`:
-// wte, then per block ln1 wq wk wv wo ln2 w1 w3 w2, then lnf, lm_head.
+// wte, then per block ln1 wq wk wv wo ln2 w1 w3 w2, then lnf, lm_head. With experts: wte, per
+// block ln1 wq wk wv wo ln2 moe.router [moe.bias], lnf, lm_head, and then the experts region
+// [experts_begin, count): per block moe.w1 moe.w3 moe.w2, each [local_experts, ...], the
+// experts [first_expert, first_expert + local_experts) that this rank holds under EP.
 struct ParamLayout {
   struct Block {
     int64_t ln1, wq, wk, wv, wo, ln2, w1, w3, w2;
+    int64_t router = -1, bias = -1;  // -1: none
   };
   std::vector<ParamTensor> tensors;
   int64_t count = 0;  // floats
@@ -57,18 +65,36 @@ struct ParamLayout {
   std::vector<Block> blocks;
   int64_t lnf = 0;      // [D]
   int64_t lm_head = 0;  // [D, V]
+  int64_t experts_begin = 0;  // = count without experts
+  int first_expert = 0, local_experts = 0;
 
   template <class Float>
   BlockTensors<Float> block(Float* base, int l) const {
     const Block& b = blocks[l];
     return {base + b.ln1, base + b.wq, base + b.wk, base + b.wv, base + b.wo,
-            base + b.ln2, base + b.w1, base + b.w3, base + b.w2};
+            base + b.ln2, base + b.w1, base + b.w3, base + b.w2,
+            b.router >= 0 ? base + b.router : nullptr, b.bias >= 0 ? base + b.bias : nullptr};
   }
 };
-ParamLayout param_layout(const Dims& d);
+// local_experts 0: all of them (the layout of a checkpoint file).
+ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert = 0, int local_experts = 0);
 
-// Deterministic initial weights (the same on every platform and rank): norms 1, matrices
-// normal(0, init_std), the residual projections wo and w2 normal(0, init_std / sqrt(2 L)).
+// Between the whole model (`global`, every expert: a checkpoint's layout) and one rank's
+// (`local`, the same model, its experts only): the replicated tensors are copied as they are,
+// `mine` = all's experts of local; `all` = mine's replicated tensors and the experts region
+// of every rank of the EP group, `gathered` = [ep, local's experts region] rank-major.
+void take_local_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> all,
+                        std::span<float> mine);
+void put_gathered_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> mine,
+                          std::span<const float> gathered, std::span<float> all);
+
+// The MoE layer's configuration of a model with experts (ModelConfig's fields, checked:
+// they name the errors), hidden = dim, ffn = ffn_dim().
+MoeConfig moe_config(const ModelConfig& mc);
+
+// Deterministic initial weights (the same on every platform and rank): norms 1 (the router's
+// selection bias 0), matrices normal(0, init_std), the residual projections wo and w2
+// normal(0, init_std / sqrt(2 L)). For the whole layout (all experts): Model takes its part.
 void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed, std::span<float> params);
 
 // This rank's part of one packed sequence: the plan (made once per batch, shared by every
@@ -78,6 +104,7 @@ struct Batch {
   TokenBatch local;  // [T] tokens, labels, positions, loss mask
   int64_t T = 0;
   std::vector<float> rope_cos, rope_sin;  // [T, hd/2]
+  std::vector<int64_t> real_rows;         // the local rows that are not padding, in order: what MoE routes
 };
 
 // The gradients at the outputs of a block's weight products, which its weight gradients read
@@ -98,7 +125,9 @@ struct BlockActs {
   std::vector<float> att;         // [T, H*hd] attention output
   std::vector<float> x_mid;       // [T, D] residual after attention
   std::vector<float> xn2, rstd2;  // [T, D], [T]
-  std::vector<float> a, b, h;     // [T, F] gate, up, silu(gate) * up
+  std::vector<float> a, b, h;     // [T, F] gate, up, silu(gate) * up (dense MLP)
+  std::vector<float> moe_x;       // experts: [R, D] xn2's real rows (Batch::real_rows)
+  MoeEpForward moe;               // experts: the MoE forward's state, for its backward
   // bf16 attention: the forward's q and out in bf16, which the attention backward reads again.
   std::vector<uint16_t> q16, o16;  // [T, H*hd]
   CpContext attn;                  // the attention forward's context (gathered K/V, lse)
@@ -125,8 +154,10 @@ struct Scratch {
 
 struct Model {
   // comm: the CP group. reduce_ranks: the ranks whose all-reduces grads goes through (the
-  // chunks of all_reduce_grads); 0: comm.size().
-  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed, int reduce_ranks = 0);
+  // chunks of all_reduce_grads); 0: comm.size(). ep: the EP group of a model with experts
+  // (borrowed; nullptr: comm).
+  Model(Communicator& comm, const ModelConfig& mc, const RunOptions& run, uint64_t seed, int reduce_ranks = 0,
+        Communicator* ep = nullptr);
 
   ModelConfig config;
   RunOptions run;
@@ -139,7 +170,23 @@ struct Model {
   Batch batch;
   Activations acts;
   Scratch scratch;
+  // Experts: the EP group, the layer (made by moe_begin_step), every block's router and
+  // this rank's experts copied from params, and what the forwards observed since then.
+  Communicator* ep_comm = nullptr;
+  std::unique_ptr<MoeEpLayer> moe;
+  std::vector<MoeWeights> moe_weights;           // [L]
+  double moe_aux = 0;                            // sum of the forwards' MoeEpForward::aux_loss
+  int64_t moe_dropped = 0;                       // assignments this rank's groups dropped
+  std::vector<std::vector<int64_t>> moe_load;    // [L][E] assignments this rank's groups routed
 };
+
+// Before the forwards of a step (or of loss()) with experts; collective over the EP group.
+// `step_groups`: the routing groups of one block in the whole step over the mesh (micro-
+// batches * cp). Makes the layer with aux_loss_coeff * ep / step_groups, so that the EP
+// forwards' aux_loss, each counted once (it is the same on the ep ranks of a call), add up to
+// aux_loss_coeff * the mean over the step's groups per block; copies the router and this
+// rank's experts from params; zeroes moe_aux, moe_dropped and moe_load. No-op without experts.
+void moe_begin_step(Model& m, int64_t step_groups);
 
 // The positions RoPE rotates this rank's rows by: each token's global position in its document
 // segment (the planner's `position_ids`, padding continuing its document's), or, with

@@ -3,6 +3,7 @@
 
 #include <cpattn/error.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 namespace cpattn::train {
@@ -10,7 +11,13 @@ namespace cpattn::train {
 void all_reduce_grads(Communicator& comm, std::span<float> grads) {
   const int cp = comm.size();
   if (cp == 1) return;
-  CPATTN_DASSERT(grads.size() % static_cast<std::size_t>(cp) == 0);
+  if (grads.size() % static_cast<std::size_t>(cp) != 0) {
+    std::vector<float> padded((grads.size() / cp + 1) * cp, 0.0f);
+    std::copy(grads.begin(), grads.end(), padded.begin());
+    all_reduce_grads(comm, padded);
+    std::copy_n(padded.begin(), grads.size(), grads.begin());
+    return;
+  }
   const std::size_t chunk = grads.size() / static_cast<std::size_t>(cp);
   std::vector<float> mine(chunk);
   comm.reduce_scatter_sum(grads, mine);

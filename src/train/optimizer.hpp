@@ -13,8 +13,8 @@
 namespace cpattn::train {
 
 // Sum of `grads` over the CP group: reduce-scatter in a fixed order, then all-gather, so that
-// every rank ends with bitwise the same sum on every run. grads.size() must be a multiple of
-// comm.size(). Collective.
+// every rank ends with bitwise the same sum on every run. A grads.size() that is not a
+// multiple of comm.size() goes through a zero-padded copy. Collective.
 void all_reduce_grads(Communicator& comm, std::span<float> grads);
 
 // sqrt(sum g^2), accumulated in double in index order.

@@ -49,23 +49,36 @@ const OptimConfig& checked(const OptimConfig& oc) {
 
 // The mesh's communicators for this rank, split from the world (include/cpattn/mesh.hpp's
 // layout). Checked on every rank alike: the sizes are the same everywhere.
+// ep: the EP group, ep consecutive ranks of dp_cp (MeshConfig::ep); edp: the ranks of dp_cp
+// that hold the same experts (the same rank in every EP group), which sum their gradients.
 struct MeshComms {
   MeshConfig config;
   int dp_rank = 0, pp_rank = 0;
-  Communicator cp, pp, dp_cp;
+  Communicator cp, pp, dp_cp, ep, edp;
 };
 
-MeshComms split_mesh(Communicator& world, const MeshConfig& mc) {
+MeshComms split_mesh(Communicator& world, const MeshConfig& mc, int experts) {
   CPATTN_CHECK(mc.dp >= 1 && mc.pp >= 1, "MeshConfig: dp and pp must be >= 1, got dp = ", mc.dp, ", pp = ", mc.pp);
   CPATTN_CHECK(world.size() % (mc.dp * mc.pp) == 0, "MeshConfig: dp * pp = ", mc.dp, "*", mc.pp, " = ", mc.dp * mc.pp,
                " does not divide the world's ", world.size(), " ranks");
+  const int stage_ranks = world.size() / mc.pp;  // dp * cp
+  CPATTN_CHECK(mc.ep >= 1, "MeshConfig: ep must be >= 1, got ", mc.ep);
+  CPATTN_CHECK(mc.ep == 1 || experts > 0, "MeshConfig: ep = ", mc.ep,
+               " needs a model with experts (ModelConfig::experts > 0)");
+  CPATTN_CHECK(stage_ranks % mc.ep == 0, "MeshConfig: ep = ", mc.ep, " must divide the dp * cp = ", stage_ranks,
+               " ranks of a pipeline stage");
+  CPATTN_CHECK(experts == 0 || experts % mc.ep == 0, "MeshConfig: ep = ", mc.ep,
+               " must divide ModelConfig::experts = ", experts);
   const Mesh mesh = make_mesh({.world = world.size(), .cp = world.size() / (mc.dp * mc.pp), .dp = mc.dp, .pp = mc.pp});
   const auto split = [&](MeshAxis axis) {
     const SplitColorKey ck = split_color_key(mesh, world.rank(), axis);
     return world.split(ck.color, ck.key);
   };
-  return {mc, mesh.coord(world.rank(), MeshAxis::dp), mesh.coord(world.rank(), MeshAxis::pp), split(MeshAxis::cp),
-          split(MeshAxis::pp), split(MeshAxis::dp_cp)};
+  Communicator cp = split(MeshAxis::cp), pp = split(MeshAxis::pp), dp_cp = split(MeshAxis::dp_cp);
+  Communicator ep = dp_cp.split(dp_cp.rank() / mc.ep, dp_cp.rank());
+  Communicator edp = dp_cp.split(dp_cp.rank() % mc.ep, dp_cp.rank());
+  return {mc, mesh.coord(world.rank(), MeshAxis::dp), mesh.coord(world.rank(), MeshAxis::pp), std::move(cp),
+          std::move(pp), std::move(dp_cp), std::move(ep), std::move(edp)};
 }
 
 }  // namespace
@@ -75,15 +88,19 @@ struct Trainer::Impl {
   OptimConfig oc;
   MeshComms mesh;
   Model model;
+  ParamLayout whole;  // the model with every expert: a checkpoint's layout (model.layout without experts)
   AdamW adam;
   double norm = 0;  // global gradient norm of the last backward
+  double aux = 0;   // MoE auxiliary loss of the last backward (StepStats::aux_loss)
+  int64_t dropped = 0;  // MoE assignments dropped in the last backward, all ranks
+  std::vector<int64_t> load;  // sigmoid_bias router: [L, E] the last backward's assignments, all ranks
   uint64_t seed = 0;
   int64_t skipped = 0;
 
   Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t sd,
        const MeshConfig& mesh_config)
-      : comm(c), oc(checked(optim)), mesh(split_mesh(c, mesh_config)), model(mesh.cp, mc, ro, sd, c.size()),
-        seed(sd) {
+      : comm(c), oc(checked(optim)), mesh(split_mesh(c, mesh_config, mc.experts)),
+        model(mesh.cp, mc, ro, sd, c.size(), &mesh.ep), whole(param_layout(model.dims, model.config)), seed(sd) {
     adam.m.assign(model.layout.count, 0.0f);
     adam.v.assign(model.layout.count, 0.0f);
   }
@@ -94,15 +111,27 @@ struct Trainer::Impl {
 
   // The mean loss of `seq` through the whole model on this rank's CP group (collective
   // over it; forward only, no pipeline).
+  // With experts, the EP groups span the DP replicas, which all run `seq`: collective over
+  // the world then, and the auxiliary loss is added (the mean over the dp * cp groups of
+  // each block).
   double forward(const PackedSequence& seq, int64_t& total) {
     prepare_batch(model, seq);
+    moe_begin_step(model, static_cast<int64_t>(mesh.config.dp) * mesh.cp.size());
     int64_t scored = 0;
     std::array<double, 2> s{model_forward(model, scored), 0.0};
     s[1] = static_cast<double>(scored);
     mesh.cp.all_reduce<double>(s, ReduceOp::sum);
     total = static_cast<int64_t>(s[1]);
     CPATTN_CHECK(total > 0, "the packed sequence has no token with a label");
-    return s[0] / s[1];
+    // Every stage ran every block here (no pipeline): each block's aux loss pp times.
+    return s[0] / s[1] + (model.config.moe() ? reduced_aux() / mesh.config.pp : 0.0);
+  }
+
+  // The forwards' auxiliary loss over the world: each EP call's value counted once.
+  double reduced_aux() {
+    std::array<double, 1> a{model.moe_aux / mesh.ep.size()};
+    comm.all_reduce<double>(a, ReduceOp::sum);
+    return a[0];
   }
 
   // The step's micro-batches through this replica's pipeline: the global mean loss, the
@@ -119,6 +148,7 @@ struct Trainer::Impl {
     const PipelineSpec spec{.stages = mc.pp, .micro = M / mc.dp, .schedule = mc.schedule,
                             .virtual_stages = mc.virtual_stages};
     const Schedule schedule = make_schedule(spec);
+    moe_begin_step(model, static_cast<int64_t>(M) * mesh.cp.size());
     PipelineModel stage(model, spec, mesh.pp_rank, micro.subspan(mesh.dp_rank * spec.micro, spec.micro), total);
     (void)run_pipeline(mesh.pp, schedule, stage);
     local_tokens = stage.local_tokens();
@@ -127,10 +157,56 @@ struct Trainer::Impl {
     if (model.run.testing_nan_at_step == adam.step && comm.rank() == 0)
       loss_sum[0] = std::numeric_limits<double>::quiet_NaN();
     comm.all_reduce<double>(loss_sum, ReduceOp::sum);
-    all_reduce_grads(mesh.dp_cp, model.grads);
-    all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers: exact
-    norm = grad_norm(grads());
+    aux = model.config.moe() ? reduced_aux() : 0.0;
+    if (model.config.moe()) {
+      std::array<int64_t, 1> d{model.moe_dropped};
+      comm.all_reduce<int64_t>(d, ReduceOp::sum);
+      dropped = d[0];
+    }
+    load.clear();
+    if (model.config.moe() && model.config.router == MoeRouter::sigmoid_bias) {
+      for (const std::vector<int64_t>& l : model.moe_load) load.insert(load.end(), l.begin(), l.end());
+      comm.all_reduce<int64_t>(load, ReduceOp::sum);
+    }
+    if (!model.config.moe()) {
+      all_reduce_grads(mesh.dp_cp, model.grads);
+      all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers: exact
+      norm = grad_norm(grads());
+      return loss_sum[0] / static_cast<double>(total);
+    }
+    // The replicated tensors over DP x CP, each rank's experts over the ranks holding them.
+    const std::span<float> g = std::span(model.grads).first(static_cast<std::size_t>(model.layout.count));
+    const auto eb = static_cast<std::size_t>(model.layout.experts_begin);
+    all_reduce_grads(mesh.dp_cp, g.first(eb));
+    all_reduce_grads(mesh.edp, g.subspan(eb));
+    all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers (the same experts): exact
+    // The norm over every expert once: the EP group's shards' squares, summed in rank order.
+    const double replicated = grad_norm(g.first(eb)), mine = grad_norm(g.subspan(eb));
+    std::vector<double> shards(static_cast<std::size_t>(mesh.ep.size()));
+    mesh.ep.all_gather<double>(std::span(&mine, 1), shards);
+    double ss = replicated * replicated;
+    for (const double e : shards) ss += e * e;
+    norm = std::sqrt(ss);
     return loss_sum[0] / static_cast<double>(total);
+  }
+
+  // `mine` (this rank's parameters or moments) in the whole layout: the EP group's experts
+  // gathered (collective over it). Without experts, `mine` itself.
+  std::vector<float> gather_whole(std::span<const float> mine) {
+    if (!model.config.moe()) return {mine.begin(), mine.end()};
+    const std::span<const float> experts = mine.subspan(static_cast<std::size_t>(model.layout.experts_begin));
+    std::vector<float> gathered(experts.size() * static_cast<std::size_t>(mesh.ep.size()));
+    mesh.ep.all_gather<float>(experts, gathered);
+    std::vector<float> all(static_cast<std::size_t>(whole.count));
+    put_gathered_experts(whole, model.layout, mine, gathered, all);
+    return all;
+  }
+  // This rank's part of a whole-layout vector.
+  std::vector<float> take_mine(const std::vector<float>& all) const {
+    if (!model.config.moe()) return all;
+    std::vector<float> mine(static_cast<std::size_t>(model.layout.count));
+    take_local_experts(whole, model.layout, all, mine);
+    return mine;
   }
 };
 
@@ -149,7 +225,9 @@ StepStats Trainer::step(std::span<const PackedSequence> micro) {
   st.lr = lr_at(s.oc, s.adam.step);
   st.loss = s.loss_and_grad(micro, st.tokens, st.local_tokens);
   st.grad_norm = s.norm;
-  if (!std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {  // the same values on every rank
+  st.aux_loss = s.aux;
+  st.dropped = s.dropped;
+  if (!std::isfinite(st.loss + st.aux_loss) || !std::isfinite(st.grad_norm)) {  // the same values on every rank
     if (!s.model.run.skip_nonfinite)
       throw Error("step " + std::to_string(st.step) + ": loss is " + number(st.loss) + ", gradient norm " +
                   number(st.grad_norm) + ": training stopped before this step's update (skip such steps with "
@@ -160,18 +238,29 @@ StepStats Trainer::step(std::span<const PackedSequence> micro) {
     return st;
   }
   adamw_update(s.oc, s.model.layout.tensors, s.model.params, s.grads(), s.norm, s.adam);
+  if (!s.load.empty()) {  // the sigmoid_bias router's balancing, from the whole step's load
+    const MoeConfig mc = moe_config(s.model.config);
+    const auto E = static_cast<std::size_t>(mc.num_experts);
+    for (int l = 0; l < s.model.dims.L; ++l)
+      moe_update_bias(mc, std::span(s.model.params.data() + s.model.layout.blocks[l].bias, E),
+                      std::span(s.load).subspan(static_cast<std::size_t>(l) * E, E));
+  }
   return st;
 }
 
 double Trainer::loss_and_grad(const PackedSequence& seq) {
   int64_t total = 0, local = 0;
-  return impl_->loss_and_grad(std::span(&seq, 1), total, local);
+  const double loss = impl_->loss_and_grad(std::span(&seq, 1), total, local);
+  return loss + impl_->aux;
 }
 
 double Trainer::loss(const PackedSequence& seq) {
   int64_t total = 0;
   const double loss = impl_->forward(seq, total);
-  for (BlockActs& a : impl_->model.acts.blocks) a.attn = CpContext();  // no backward follows
+  for (BlockActs& a : impl_->model.acts.blocks) {  // no backward follows
+    a.attn = CpContext();
+    a.moe = {};
+  }
   return loss;
 }
 
@@ -195,17 +284,23 @@ uint64_t data_identity(std::span<const Document> docs) {
 }
 
 namespace {
-CheckpointConfig checkpoint_config(const Model& m, const OptimConfig& oc, uint64_t seed, const RunIdentity& id) {
-  return {.model = m.config, .n_params = m.layout.count, .optim = oc, .seed = seed, .attn_dtype = m.run.attn_dtype,
+// n_params: the whole model's (every expert), whatever this rank holds.
+CheckpointConfig checkpoint_config(const Model& m, int64_t n_params, const OptimConfig& oc, uint64_t seed,
+                                   const RunIdentity& id) {
+  return {.model = m.config, .n_params = n_params, .optim = oc, .seed = seed, .attn_dtype = m.run.attn_dtype,
           .id = id};
 }
 }  // namespace
 
 void Trainer::save(const std::string& path, const DataPosition& data, const RunIdentity& id) const {
-  const Impl& s = *impl_;
+  Impl& s = *impl_;
+  // Rank 0's EP group holds every expert (the EP groups of a stage hold the same ones, and
+  // every stage holds the whole model).
+  const std::vector<float> p = s.gather_whole(s.model.params), m = s.gather_whole(s.adam.m),
+                           v = s.gather_whole(s.adam.v);
   on_every_rank(s.comm, [&] {
     if (s.comm.rank() == 0)
-      save_checkpoint(path, checkpoint_config(s.model, s.oc, s.seed, id), s.adam.step, data, s.model.params, s.adam.m, s.adam.v);
+      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data, p, m, v);
   });
 }
 
@@ -213,10 +308,10 @@ DataPosition Trainer::load(const std::string& path, const RunIdentity& id) {
   Impl& s = *impl_;
   DataPosition d;
   on_every_rank(s.comm, [&] {
-    CheckpointState c = load_checkpoint(path, checkpoint_config(s.model, s.oc, s.seed, id));
-    s.model.params = std::move(c.params);
-    s.adam.m = std::move(c.m);
-    s.adam.v = std::move(c.v);
+    CheckpointState c = load_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id));
+    s.model.params = s.take_mine(c.params);
+    s.adam.m = s.take_mine(c.m);
+    s.adam.v = s.take_mine(c.v);
     s.adam.step = c.step;
     d = c.data;
   });

@@ -347,13 +347,21 @@ TEST_F(CpA2aTest, A2aForwardMovesExactlyEachPeersHeads) {
 }
 
 // Head counts that cannot be split, and cp_inner values that do not fit: one message, the
-// same on every rank, from the constructor (before any communication).
+// same on every rank, from the constructor (before any communication), and the same message
+// from check_cp_attn_config without a communicator (what the Python module calls first).
 TEST_F(CpA2aTest, BadHeadCountsAndCpInnerAreRejectedOnEveryRank) {
   const int cp = comm.size();
   const auto expect_same_error = [&](const CpAttnConfig& c, const std::string& part) {
     const std::vector<std::string> m = check::error_on_every_rank(comm, [&] { CpAttention attn(comm, c); });
     for (const std::string& x : m) EXPECT_EQ(x, m[0]);
     EXPECT_THAT(m[0], HasSubstr(part));
+    std::string local = "no error";
+    try {
+      check_cp_attn_config(c, cp);
+    } catch (const Error& e) {
+      local = e.message();
+    }
+    EXPECT_THAT(local, HasSubstr(part));
   };
   const CpAttnConfig base{
       .num_heads_q = 12, .num_heads_k = 12, .head_dim_qk = 16, .head_dim_v = 16, .scheme = CpScheme::a2a};

@@ -8,12 +8,19 @@
 #include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
+#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, the bf16 dot-product step
+
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <map>
+#include <set>
+#include <sstream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -100,6 +107,14 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::f32, DType::f16, DType::bf16),
                        ::testing::Values(KernelPath::portable, KernelPath::avx2,
                                          KernelPath::avx512)),
+    table_name);
+
+// The bf16 paths differ from their base paths only for bf16 storage: their rows of the case
+// table run bf16 alone (avx512_bf16 where the CPU has AVX512_BF16, bf16_emulated on AVX2).
+INSTANTIATE_TEST_SUITE_P(
+    kernels_bf16_dot, kernel_table,
+    ::testing::Combine(::testing::Range<size_t>(0, attention_cases().size()), ::testing::Values(DType::bf16),
+                       ::testing::Values(KernelPath::avx512_bf16, KernelPath::bf16_emulated)),
     table_name);
 
 // ---- large scores ---------------------------------------------------------------------------
@@ -428,11 +443,12 @@ TEST_F(kernel_bad_params, Raise) {
   p = good();
   p.in.options.path = KernelPath::amx;
   expect_error(p, "amx is not implemented");
-  if (!kernel_path_supported(KernelPath::avx512)) {
-    p = good();
-    p.in.options.path = KernelPath::avx512;
-    expect_error(p, "not supported by this CPU");
-  }
+  for (const KernelPath path : {KernelPath::avx512, KernelPath::avx512_bf16})
+    if (!kernel_path_supported(path)) {
+      p = good();
+      p.in.options.path = path;
+      expect_error(p, "kernel path " + std::string(to_string(path)) + " is not supported by this CPU");
+    }
   WorkList w = pb.work;
   w.tasks[1].q_row = 10;  // 10 + 8 > 16
   p = good();
@@ -516,6 +532,253 @@ TEST(kernel_paths, DispatchTable) {
   EXPECT_FALSE(kernel_path_supported(KernelPath::amx));
   EXPECT_TRUE(kernel_path_supported(best_kernel_path()));
   EXPECT_NE(best_kernel_path(), KernelPath::automatic);
+  for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
+                             KernelPath::avx512_bf16, KernelPath::bf16_emulated, KernelPath::amx})
+    EXPECT_EQ(parse_kernel_path(to_string(p)), p);
+  EXPECT_THROW(parse_kernel_path("fast"), Error);
+}
+
+// The CPU's feature flags as the kernel reports them (/proc/cpuinfo), independent of the
+// library's CPUID code; empty when unreadable.
+std::set<std::string> cpuinfo_flags() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("flags", 0) == 0) {
+      std::istringstream is(line.substr(line.find(':') + 1));
+      std::set<std::string> flags;
+      for (std::string w; is >> w;) flags.insert(w);
+      return flags;
+    }
+  return {};
+}
+
+// The dispatch's choice on the running CPU, derived from its flags and the documented order
+// (docs/kernels.md): bf16 avx512_bf16 > avx512 > avx2 > portable, otherwise avx512 > avx2 >
+// portable.
+TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
+  const std::set<std::string> f = cpuinfo_flags();
+  if (f.empty()) GTEST_SKIP() << "/proc/cpuinfo has no flags line: cannot derive the CPU's features";
+  const auto has = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names)
+      if (!f.contains(n)) return false;
+    return true;
+  };
+  const bool avx2 = has({"avx2", "fma", "f16c"});
+  const bool avx512 = avx2 && has({"avx512f", "avx512bw", "avx512dq", "avx512vl"});
+  const bool bf16 = avx512 && has({"avx512_bf16"});
+  EXPECT_EQ(kernel_path_supported(KernelPath::avx2), avx2);
+  EXPECT_EQ(kernel_path_supported(KernelPath::bf16_emulated), avx2);
+  EXPECT_EQ(kernel_path_supported(KernelPath::avx512), avx512);
+  EXPECT_EQ(kernel_path_supported(KernelPath::avx512_bf16), bf16);
+  const KernelPath want = avx512 ? KernelPath::avx512 : avx2 ? KernelPath::avx2 : KernelPath::portable;
+  const KernelPath want_bf16 = bf16 ? KernelPath::avx512_bf16 : want;
+  EXPECT_EQ(best_kernel_path(), want);
+  EXPECT_EQ(best_kernel_path(DType::f32), want);
+  EXPECT_EQ(best_kernel_path(DType::f16), want);
+  EXPECT_EQ(best_kernel_path(DType::bf16), want_bf16);
+  if (std::getenv("CPATTN_KERNEL_PATH") != nullptr) return;  // the override is tested below
+  for (const DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    const KernelChoice c = resolve_kernel_path(KernelPath::automatic, dt);
+    EXPECT_EQ(c.path, dt == DType::bf16 ? want_bf16 : want) << to_string(dt);
+    EXPECT_FALSE(c.forced_by_env);
+    EXPECT_EQ(c.reason.rfind("chosen automatically: " + std::string(to_string(c.path)), 0), 0u) << c.reason;
+    EXPECT_NE(c.reason.find(dt == DType::bf16 ? "avx512_bf16 > avx512 > avx2 > portable" : "avx512 > avx2 > portable"),
+              std::string::npos) << c.reason;
+    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16) {
+      EXPECT_NE(c.reason.find("skipped avx512"), std::string::npos) << "names what the CPU lacks: " << c.reason;
+    }
+  }
+  EXPECT_EQ(resolve_kernel_path(KernelPath::portable, DType::bf16).path, KernelPath::portable);
+  EXPECT_EQ(resolve_kernel_path(KernelPath::portable, DType::bf16).reason, "forced by AttnOptions::path");
+}
+
+// Sets CPATTN_KERNEL_PATH for one scope and restores what was there.
+class EnvPath {
+ public:
+  explicit EnvPath(const char* value) {
+    if (const char* v = std::getenv("CPATTN_KERNEL_PATH")) old_ = v;
+    setenv("CPATTN_KERNEL_PATH", value, 1);
+  }
+  ~EnvPath() { old_ ? setenv("CPATTN_KERNEL_PATH", old_->c_str(), 1) : unsetenv("CPATTN_KERNEL_PATH"); }
+  EnvPath(const EnvPath&) = delete;
+  EnvPath& operator=(const EnvPath&) = delete;
+
+ private:
+  std::optional<std::string> old_;
+};
+
+TEST(kernel_paths, EnvironmentOverridesAutomaticAndIsValidated) {
+  const AttnCase c{"env", {33, 1, 20}, {33, 1, 20}, 2, 1, 24, 24, MaskType::causal};
+  const Problem pb(c, DType::bf16, 5);
+  const auto forward = [&](KernelPath path) {
+    Tensor out(DType::bf16, pb.out_shape());
+    std::vector<float> lse(pb.lse_size());
+    attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 1));
+    return out.values();
+  };
+  const std::vector<float> portable = forward(KernelPath::portable);
+  {
+    const EnvPath env("portable");
+    const KernelChoice ch = resolve_kernel_path(KernelPath::automatic, DType::bf16);
+    EXPECT_EQ(ch.path, KernelPath::portable);
+    EXPECT_TRUE(ch.forced_by_env);
+    EXPECT_NE(ch.reason.find("CPATTN_KERNEL_PATH=portable"), std::string::npos) << ch.reason;
+    EXPECT_EQ(forward(KernelPath::automatic), portable) << "automatic did not run the portable path";
+    // an explicit path is not overridden
+    EXPECT_EQ(resolve_kernel_path(KernelPath::avx2, DType::bf16).path, KernelPath::avx2);
+  }
+  {
+    const EnvPath env("automatic");  // no override
+    EXPECT_EQ(resolve_kernel_path(KernelPath::automatic, DType::bf16).path, best_kernel_path(DType::bf16));
+  }
+  // A path this CPU cannot run (amx never can) and a name that is no path: the call fails
+  // before any work, naming the variable.
+  for (const auto& [value, needle] : {std::pair<const char*, const char*>{"amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU"},
+                                      {"fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2"}}) {
+    const EnvPath env(value);
+    Tensor out(DType::bf16, pb.out_shape());
+    for (size_t i = 0; i < out.size(); ++i) out.set(i, 7.0f);
+    std::vector<float> lse(pb.lse_size(), 123.0f);
+    try {
+      attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1));
+      ADD_FAILURE() << "CPATTN_KERNEL_PATH=" << value << ": no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("attention_forward"), std::string::npos) << e.what();
+    }
+    for (float x : out.values()) ASSERT_EQ(x, 7.0f) << "output written before the error";
+    for (float x : lse) ASSERT_EQ(x, 123.0f) << "lse written before the error";
+    EXPECT_THROW(check_attention_config(AttnShape{.num_heads_q = 2, .num_heads_k = 1, .head_dim_qk = 8, .head_dim_v = 8},
+                                        AttnOptions{}, "CpAttention"),
+                 Error);
+    // an explicit path does not read the variable
+    EXPECT_NO_THROW(attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::portable, 1)));
+  }
+}
+
+// ---- the bf16 dot-product step (vdpbf16ps's documented semantics) --------------------------
+uint16_t bf(float x) {  // x must be a bf16 value
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  EXPECT_EQ(u & 0xffffu, 0u) << x << " is not a bf16 value";
+  return static_cast<uint16_t>(u >> 16);
+}
+uint32_t pair(uint16_t even, uint16_t odd) { return uint32_t{even} | uint32_t{odd} << 16; }
+
+struct DotLane {
+  const char* what;
+  float acc;
+  uint32_t a, b;
+  float want;
+};
+
+// Worked by hand from Intel's description: acc += a_odd b_odd, then acc += a_even b_even, each
+// rounded to nearest even in fp32; denormal inputs read as 0, denormal results flushed to 0.
+std::vector<DotLane> dot_lanes() {
+  const float p12 = std::ldexp(1.0f, -12), p15 = std::ldexp(1.0f, -15), p30 = std::ldexp(1.0f, -30);
+  const uint16_t denormal = 0x0001, two127 = bf(std::ldexp(1.0f, 127)), p64 = bf(std::ldexp(1.0f, -64));
+  return {
+      {"plain", 0.5f, pair(bf(1.5f), bf(-2.0f)), pair(bf(2.0f), bf(0.25f)), 3.0f},
+      // 1 + 2^-24 is a tie: rounds to 1 (even) twice; a fused sum would give 1 + 2^-23
+      {"two roundings", 1.0f, pair(bf(p12), bf(p12)), pair(bf(p12), bf(p12)), 1.0f},
+      // odd first: (1 - 1) + 2^-30 = 2^-30; even first would give (1 + 2^-30) - 1 = 0
+      {"odd before even", 1.0f, pair(bf(p15), bf(1.0f)), pair(bf(p15), bf(-1.0f)), p30},
+      // 1 + 1.5 * 2^-24 is above the tie: rounds up to 1 + 2^-23 (nearest, not truncation)
+      {"round to nearest", 1.0f, pair(0, bf(3 * p12)), pair(0, bf(std::ldexp(1.0f, -13))),
+       1.0f + std::ldexp(1.0f, -23)},
+      // a denormal bf16 input reads as 0: 2^-133 * 2^127 = 2^-6 is not added
+      {"denormal input", 1.0f, pair(denormal, 0), pair(two127, 0), 1.0f},
+      // 2^-64 * 2^-64 = 2^-128 is an fp32 denormal: flushed to 0
+      {"denormal result", 0.0f, pair(p64, 0), pair(p64, 0), 0.0f},
+      // a denormal accumulator reads as 0
+      {"denormal accumulator", std::ldexp(1.0f, -130), pair(0, 0), pair(0, 0), 0.0f},
+      {"exact products", -3.0f, pair(bf(0.75f), bf(1.25f)), pair(bf(-4.0f), bf(8.0f)), 4.0f},
+  };
+}
+
+void expect_dot_lanes(KernelPath path) {
+  const kernels::KernelTable* t = kernels::path_table(path);
+  ASSERT_NE(t, nullptr);
+  ASSERT_NE(t->bf16_dot, nullptr);
+  const std::vector<DotLane> lanes = dot_lanes();
+  constexpr int n = 32;  // two 16-lane steps, four 8-lane ones
+  std::vector<float> acc(n);
+  std::vector<uint32_t> a(n), b(n);
+  for (int i = 0; i < n; ++i) {
+    const DotLane& l = lanes[static_cast<size_t>(i) % lanes.size()];
+    acc[i] = l.acc;
+    a[i] = l.a;
+    b[i] = l.b;
+  }
+  t->bf16_dot(acc.data(), a.data(), b.data(), n);
+  for (int i = 0; i < n; ++i) {
+    const DotLane& l = lanes[static_cast<size_t>(i) % lanes.size()];
+    EXPECT_EQ(std::bit_cast<uint32_t>(acc[i]), std::bit_cast<uint32_t>(l.want))
+        << to_string(path) << " lane " << i << " (" << l.what << "): got " << acc[i] << ", want " << l.want;
+  }
+}
+
+TEST(kernel_bf16_dot, EmulationFollowsTheDocumentedSemantics) {
+  if (!kernel_path_supported(KernelPath::bf16_emulated))
+    GTEST_SKIP() << "kernel path bf16_emulated needs AVX2, FMA and F16C, which this CPU lacks";
+  expect_dot_lanes(KernelPath::bf16_emulated);
+}
+
+TEST(kernel_bf16_dot, InstructionFollowsTheDocumentedSemantics) {
+  if (!kernel_path_supported(KernelPath::avx512_bf16))
+    GTEST_SKIP() << "kernel path avx512_bf16 is not supported by this CPU (it needs AVX-512 and AVX512_BF16)";
+  expect_dot_lanes(KernelPath::avx512_bf16);
+}
+
+// Where the CPU has the instruction: the emulation is bitwise the instruction, on random
+// pairs over a wide exponent range, with zeros, denormals and signs mixed in.
+TEST(kernel_bf16_dot, EmulationIsBitwiseTheInstruction) {
+  if (!kernel_path_supported(KernelPath::avx512_bf16) || !kernel_path_supported(KernelPath::bf16_emulated))
+    GTEST_SKIP() << "kernel path avx512_bf16 is not supported by this CPU (it needs AVX-512 and AVX512_BF16): "
+                    "the emulation is checked against the worked examples alone";
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> expo(-70, 60), kind(0, 15);
+  std::uniform_int_distribution<uint32_t> man(0, 127), sign(0, 1);
+  const auto value = [&]() -> uint16_t {
+    const int k = kind(rng);
+    if (k == 0) return 0;
+    if (k == 1) return static_cast<uint16_t>(man(rng) | sign(rng) << 15);  // denormal
+    return static_cast<uint16_t>(sign(rng) << 15 | static_cast<uint32_t>(expo(rng) + 127) << 7 | man(rng));
+  };
+  constexpr int n = 4096;
+  std::vector<float> acc(n);
+  std::vector<uint32_t> a(n), b(n);
+  for (int i = 0; i < n; ++i) {
+    acc[i] = std::bit_cast<float>(uint32_t{value()} << 16 | man(rng) << 9);
+    a[i] = pair(value(), value());
+    b[i] = pair(value(), value());
+  }
+  std::vector<float> native = acc, emulated = acc;
+  kernels::path_table(KernelPath::avx512_bf16)->bf16_dot(native.data(), a.data(), b.data(), n);
+  kernels::path_table(KernelPath::bf16_emulated)->bf16_dot(emulated.data(), a.data(), b.data(), n);
+  for (int i = 0; i < n; ++i)
+    ASSERT_EQ(std::bit_cast<uint32_t>(native[i]), std::bit_cast<uint32_t>(emulated[i]))
+        << "lane " << i << ": acc " << acc[i] << " a " << std::hex << a[i] << " b " << b[i];
+}
+
+// The bf16 paths run bf16 dot products for bf16 storage (their results are not the FMA path's,
+// which converts to fp32 and rounds nothing) and the FMA code for fp32.
+TEST(kernel_bf16_dot, Bf16StorageRunsTheDotProductsAndFp32TheBasePath) {
+  if (!kernel_path_supported(KernelPath::bf16_emulated)) GTEST_SKIP() << "bf16_emulated needs AVX2, FMA and F16C";
+  const AttnCase c{"dot", {70, 1, 33}, {70, 1, 33}, 2, 1, 40, 40, MaskType::causal};
+  for (const DType dt : {DType::bf16, DType::f32}) {
+    const Problem pb(c, dt, 21);
+    const Results avx2 = run_kernels(pb, dt, KernelPath::avx2, 1);
+    const Results emu = run_kernels(pb, dt, KernelPath::bf16_emulated, 1);
+    if (dt == DType::f32) {
+      EXPECT_EQ(emu.out, avx2.out);
+      EXPECT_EQ(emu.dq, avx2.dq);
+      EXPECT_EQ(emu.dk, avx2.dk);
+    } else {
+      EXPECT_NE(emu.out, avx2.out) << "bf16 storage on bf16_emulated ran the fp32 products";
+      EXPECT_NE(emu.dk, avx2.dk) << "bf16 storage on bf16_emulated ran the fp32 products";
+    }
+  }
 }
 
 }  // namespace

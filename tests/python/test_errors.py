@@ -1,5 +1,7 @@
 """Every bad argument: a ValueError or TypeError naming the argument and the rule, never a crash."""
 
+import re
+
 import pytest
 import torch
 
@@ -78,9 +80,26 @@ def test_bad_cp_arguments():
     from mpi4py import MPI
     with pytest.raises(TypeError, match="comm must be an mpi4py MPI.Comm"):
         cpattn.ContextParallelAttention(object())
-    attn = cpattn.ContextParallelAttention(MPI.COMM_WORLD, scheme="no-such-scheme")
-    with pytest.raises(ValueError, match="scheme must be one of allgather, ring"):
-        attn(*qkv(), CU)
+    # The scheme's arguments fail at construction, before any communication (cp = 1 here; the
+    # same on every rank at 2 and 3 ranks: cp_script.py).
+    for kwargs, error, words in (
+            (dict(scheme="no-such-scheme"), ValueError, "scheme must be one of allgather, ring, pass-q, a2a, hybrid"),
+            (dict(scheme=3), TypeError, "scheme must be a str"),
+            (dict(scheme="hybrid"), ValueError, "cp_inner is required for scheme 'hybrid'"),
+            (dict(scheme="hybrid", cp_inner=2), ValueError, "cp_inner = 2 must divide cp = 1"),
+            (dict(scheme="hybrid", cp_inner=1.0), TypeError, "cp_inner must be an int"),
+            (dict(scheme="ring", cp_inner=1), ValueError, "cp_inner is the hybrid scheme's"),
+            (dict(scheme="hybrid", cp_inner=1, hybrid_outer="pass-q"), ValueError, "hybrid_outer must be allgather or ring"),
+            (dict(scheme="hybrid", cp_inner=1, hybrid_outer="x"), ValueError, "hybrid_outer must be one of"),
+            (dict(split="padding_free", scheme="pass-q"), ValueError, "scheme pass-q takes only the padded split"),
+            (dict(split="none"), ValueError, "split must be one of padded, padding-free"),
+            (dict(kv_mode="copy"), ValueError, "kv_mode must be one of runs, index"),
+            (dict(scheme="ring", kv_mode="index"), ValueError, "kv_mode index is the all-gather scheme's"),
+            (dict(plan_cache_capacity=-1), ValueError, "plan_cache_capacity must be >= 0")):
+        with pytest.raises(error, match=re.escape(words)):
+            cpattn.ContextParallelAttention(MPI.COMM_WORLD, **kwargs)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        cpattn.ContextParallelAttention(torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1))
     attn = cpattn.ContextParallelAttention(MPI.COMM_WORLD)
     with pytest.raises(ValueError, match="q must be \\[local_tokens"):
         attn(torch.zeros(8, 32), *qkv()[1:], CU)
@@ -103,8 +122,6 @@ def test_cp_check_finite_and_timeout():
     dout[2, 3, 0] = float("inf")
     with pytest.raises(ValueError, match="dout holds inf at token 2, head 3, dim 0"):
         out.backward(dout)
-    with pytest.raises(TypeError, match="check_finite must be a bool"):
-        cpattn.ContextParallelAttention(MPI.COMM_WORLD, check_finite=1)
     with pytest.raises(TypeError, match="timeout must be a number of seconds or None"):
         cpattn.ContextParallelAttention(MPI.COMM_WORLD, timeout="5")
     with pytest.raises(ValueError, match="timeout must be in \\(0, 1e\\+07\\] seconds, got -1"):

@@ -12,13 +12,15 @@ import cpattn
 CU = [0, 1, 8, 24, 25, 40]  # 1-token documents, odd lengths, padding at cp = 3
 
 
+@pytest.mark.parametrize("split", ["padded", "padding-free"])
 @pytest.mark.parametrize("cp", [1, 2, 3])
-def test_fields_match_the_cli_json(cli, cp):
+def test_fields_match_the_cli_json(cli, cp, split):
     report = json.loads(subprocess.run([str(cli), "plan", "--cu-seqlens", ",".join(map(str, CU)), "--cp", str(cp),
-                                        "--json"], check=True, capture_output=True, text=True, timeout=60).stdout)
+                                        "--split", split, "--json"], check=True, capture_output=True, text=True,
+                                       timeout=60).stdout)
     for want in report["ranks"]:
-        plan = cpattn.get_thd_load_balanced_cp_metadata(torch.tensor(CU, dtype=torch.int32), cp, want["rank"])
-        assert (plan.cp, plan.rank) == (cp, want["rank"])
+        plan = cpattn.get_thd_load_balanced_cp_metadata(torch.tensor(CU, dtype=torch.int32), cp, want["rank"], split)
+        assert (plan.cp, plan.rank, plan.split) == (cp, want["rank"], report["split"])
         np.testing.assert_array_equal(plan.cu_seqlens_padded, report["cu_seqlens_padded"])
         for field in ("local_tokens", "padding_tokens", "rect_work", "visible_pairs"):
             assert getattr(plan, field) == want[field], field
@@ -39,6 +41,26 @@ def test_worked_example_of_plan_hpp():
     np.testing.assert_array_equal(plan.actual_seq_qlen, [4, 8, 14, 20])
     np.testing.assert_array_equal(plan.actual_seq_kvlen, [4, 20, 26, 50])
     assert plan.padding_tokens == 0 and plan.docs["chunk"].tolist() == [4, 6]
+
+
+def test_padding_free_split_by_hand():
+    """Documents of 1 and 5 tokens at cp = 2 without padding: each cut into 2 * cp = 4 chunks of sizes
+    differing by at most one, every real token on exactly one rank, no padding row anywhere."""
+    cu = [0, 1, 6]
+    plans = [cpattn.get_thd_load_balanced_cp_metadata(cu, 2, r, split="padding-free") for r in range(2)]
+    assert [p.padding_tokens for p in plans] == [0, 0]
+    held = sorted(np.concatenate([p.real_token_index for p in plans]).tolist())
+    assert held == list(range(6))
+    assert sum(p.local_tokens for p in plans) == 6
+    tokens = torch.arange(10, 16)
+    batch = {"tokens": tokens, "labels": tokens + 100, "position_ids": torch.tensor([0, 0, 1, 2, 3, 4]),
+             "loss_mask": torch.ones(6)}
+    for p in plans:
+        local = cpattn.get_batch_on_this_cp_rank(batch, cu, 2, p.rank, split="padding-free")
+        assert torch.equal(local["tokens"], tokens[torch.from_numpy(p.real_token_index)])
+        assert torch.equal(cpattn.take_local_rows(tokens, p), local["tokens"])
+    with pytest.raises(ValueError, match="split must be one of padded, padding-free"):
+        cpattn.get_thd_load_balanced_cp_metadata(cu, 2, 0, split="ragged")
 
 
 def test_batch_on_this_cp_rank_by_hand():

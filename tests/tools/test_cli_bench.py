@@ -3,6 +3,7 @@
 and the old flag names exit 2 with one line listing the valid values; a failed check exits 1;
 `cpattn --version`."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,12 +19,13 @@ def check(cond, what):
         print("FAIL:", what, flush=True)
 
 
-def bench(*args):
-    return subprocess.run([CPATTN, "bench", "attention", *args], capture_output=True, text=True, timeout=120)
+def bench(*args, env=None):
+    return subprocess.run([CPATTN, "bench", "attention", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
 
 
-def bench_json(*args):
-    r = bench(*TINY, *args, "--json")
+def bench_json(*args, env=None):
+    r = bench(*TINY, *args, "--json", env=env)
     check(r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stderr[-1500:]}")
     return json.loads(r.stdout) if r.returncode == 0 else None
 
@@ -56,6 +58,31 @@ check(j is not None and j["kernel_path"] == "portable" and j["head_dim_qk"] == 1
 j = bench_json("--lengths", "20,7,21")
 check(j is not None and j["seq_len"] == 48 and j["documents"] == 3 and j["lengths"] == [20, 7, 21], f"--lengths: {j}")
 
+# Which path ran and why: the automatic choice (the measured order), the flag, the environment.
+NO_ENV = {k: v for k, v in os.environ.items() if k != "CPATTN_KERNEL_PATH"}
+for dtype in ("fp32", "bf16"):
+    j = bench_json("--dtype", dtype, env=NO_ENV)
+    order = "avx512_bf16 > avx512 > avx2 > portable" if dtype == "bf16" else "avx512 > avx2 > portable"
+    check(j is not None and j["kernel_path_reason"].startswith(f"chosen automatically: {j['kernel_path']} is the first")
+          and order in j["kernel_path_reason"], f"automatic reason ({dtype}): {j}")
+j = bench_json("--kernel-path", "portable", env=NO_ENV)
+check(j is not None and j["kernel_path_reason"] == "forced by --kernel-path portable", f"flag reason: {j}")
+j = bench_json("--dtype", "bf16", env={**NO_ENV, "CPATTN_KERNEL_PATH": "portable"})
+check(j is not None and j["kernel_path"] == "portable"
+      and j["kernel_path_reason"] == "forced by the environment (CPATTN_KERNEL_PATH=portable)", f"env reason: {j}")
+j = bench_json("--kernel-path", "avx2", env={**NO_ENV, "CPATTN_KERNEL_PATH": "portable"})
+check(j is None or j["kernel_path"] == "avx2", f"the flag beats the environment: {j}")
+r = bench(*TINY, env={**NO_ENV, "CPATTN_KERNEL_PATH": "portable"})
+check(r.returncode == 0 and "kernel path portable: forced by the environment (CPATTN_KERNEL_PATH=portable)" in r.stdout,
+      f"text report names the reason: {r.stdout}")
+for value, needle in (("fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2, avx512, avx512_bf16, "
+                               "bf16_emulated, amx (or unset), got 'fast'"),
+                      ("amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU")):
+    r = bench(*TINY, env={**NO_ENV, "CPATTN_KERNEL_PATH": value})
+    lines = r.stderr.strip().splitlines()
+    check(r.returncode == 2 and len(lines) == 1 and needle in lines[0],
+          f"CPATTN_KERNEL_PATH={value}: exit {r.returncode}, stderr {r.stderr!r}")
+
 # The text report passes its check and names the same values.
 r = bench(*TINY, "--dtype", "bfloat16", "--mask", "none")
 check(r.returncode == 0 and "attention bf16," in r.stdout and "mask none" in r.stdout
@@ -72,7 +99,8 @@ bad = [
     (["--dtype", "f64"], DTYPES + ", got 'f64'"),
     (["--dtype", "f32"], DTYPES + ", got 'f32'"),  # the old spelling
     (["--mask", "full"], "--mask must be one of causal, none, got 'full'"),
-    (["--kernel-path", "fast"], "--kernel-path must be one of automatic, portable, avx2, avx512, amx, got 'fast'"),
+    (["--kernel-path", "fast"],
+     "--kernel-path must be one of automatic, portable, avx2, avx512, avx512_bf16, bf16_emulated, amx, got 'fast'"),
     (["--kernel-path", "amx"], "--kernel-path amx cannot run on this CPU"),
     (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a positive multiple of --kv-heads (2)"),
     (["--seqlen", "48"], "--seqlen"),

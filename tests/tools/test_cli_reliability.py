@@ -1,7 +1,8 @@
 """`cpattn run`, `cpattn plan` (and `train`, `moe` where they share the rule) against bad input, memory and deadlines (docs/reliability.md):
 a NaN query and an fp32 value past fp16's range are refused naming the tensor and the element;
 with --no-check-finite the mismatch report names the worst row; a request past the memory is
-refused at once with both sizes; --timeout beats CPATTN_COMM_TIMEOUT_S beats 300 s, and the
+refused at once with both sizes (train's with experts counting this rank's share of them and
+the whole model once, the hybrid's by its --cp-inner groups); --timeout beats CPATTN_COMM_TIMEOUT_S beats 300 s, and the
 timeout line names both; rank 0's serial check longer than --timeout does not time the others
 out; `cpattn plan --json` past its bound is refused, not killed."""
 import json
@@ -88,6 +89,46 @@ r = subprocess.run([MPIEXEC, "-np", "1", CPATTN, "train", "--seq-len", "10000000
                    capture_output=True, text=True, timeout=60)
 check(r.returncode == 2 and "cpattn train at --seq-len 1000000000 and --cp 1 needs" in r.stderr
       and "available (" in r.stderr, f"train past memory: exit {r.returncode} {r.stderr[-400:]!r}")
+
+
+def format_bytes(n):  # memory.hpp's format_bytes
+    units, v, u = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"], float(n), 0
+    while v >= 1024.0 and u < 6:
+        v, u = v / 1024.0, u + 1
+    return f"{v:.0f} {units[u]}" if u == 0 else f"{v:.1f} {units[u]}"
+
+
+def train_np2(*args, env=None):
+    return subprocess.run([MPIEXEC, "-np", "2", "--oversubscribe", CPATTN, "train", "--steps", "1", "--seq-len", "32",
+                           "--layers", "1", "--dim", "16", "--heads", "2", "--kv-heads", "1", *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+# With experts under EP the parameters counted are this rank's: the model's header says how many
+# it holds (experts / ep of every block's), and the whole model (every expert) is counted once
+# more, gathered at initialisation and save: both figures from the model's own count.
+LIMIT = {"CPATTN_MEMORY_LIMIT_BYTES": "10000"}
+MOE_EP = ["--dp", "2", "--micro", "2", "--experts", "4", "--top-k", "2", "--ep", "2"]
+r = train_np2(*MOE_EP)
+head = [l for l in r.stdout.splitlines() if l.startswith("cpattn train:")]
+words = head[0].replace("(", " ").split() if head else []
+check(r.returncode == 0 and "on each rank: experts / ep)" in (head or [""])[0],
+      f"train with experts: exit {r.returncode} {r.stdout[:400]!r} {r.stderr[-400:]!r}")
+if r.returncode == 0 and head:
+    total, mine = int(words[words.index("parameters") - 1]), int(words[words.index("on") - 1])
+    r = train_np2(*MOE_EP, env=LIMIT)
+    check(r.returncode == 2 and f"parameters, gradients and moments {format_bytes(16 * mine)}, every expert "
+          f"gathered {format_bytes(4 * total)}, per rank" in r.stderr,
+          f"train with experts past memory ({mine} of {total} parameters): exit {r.returncode} {r.stderr[-500:]!r}")
+# The hybrid's estimate is of its --cp-inner groups: with one group of every rank it is the
+# all-to-all's, figure for figure.
+cp_attention = {}
+for scheme in (["--cp-scheme", "hybrid", "--cp-inner", "2"], ["--cp-scheme", "a2a"]):
+    r = train_np2("--cp", "2", *scheme, env=LIMIT)
+    text = r.stderr.split("CP attention ", 1)[1].split(",", 1)[0] if "CP attention " in r.stderr else None
+    check(r.returncode == 2 and text is not None, f"train {scheme} past memory: {r.stderr[-400:]!r}")
+    cp_attention[scheme[1]] = text
+check(cp_attention["hybrid"] == cp_attention["a2a"], f"hybrid at --cp-inner = --cp against a2a: {cp_attention}")
 r, elapsed = mpirun(2, "--seq-len", "100000000000", "--scheme", "all")
 check(r.returncode == 2 and "cpattn run of 100000000000 tokens needs" in r.stderr and elapsed < 20,
       f"huge --seq-len, every scheme: exit {r.returncode} {r.stderr[-600:]!r}")

@@ -158,7 +158,7 @@ for args, needle in ((("--dtype", "fp64"),
                      (("--dtype", "f32"), "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16)"),
                      (("--mask", "full"), "--mask must be one of causal, none, got 'full'"),
                      (("--kernel-path", "fast"), "--kernel-path must be one of automatic, portable, avx2, avx512, "
-                                                 "amx, got 'fast'"),
+                                                 "avx512_bf16, bf16_emulated, amx, got 'fast'"),
                      (("--kernel-path", "amx"), "--kernel-path amx cannot run on this CPU"),
                      (("--tokens", "100"), "--tokens"),
                      (("--lengths", "5,0"), "--lengths[1]"),

@@ -1,7 +1,7 @@
 """`cpattn train` end to end: a small run at cp = 1 and 2 with its JSON log, --compare,
 checkpoints through the command line (bitwise resume at cp = 1, cp 2 ring -> cp 1), and bad input:
 missing or empty data, a too short --seq-len, --cp different from the MPI world size (exit 2,
-one clear line, no hang); every documented spelling of --dtype (docs/cli.md); --cp-scheme ring and
+one clear line, no hang); every documented spelling of --dtype (docs/cli.md); --cp-scheme ring, hybrid and
 the attention masks (--window, --softcap, --alibi, all three at once) at CP=2 train to CP=1's curve
 (the ring with masks: train_test), the masks change the curve, a checkpoint records them and the
 ranks agree on them."""
@@ -43,11 +43,12 @@ with tempfile.TemporaryDirectory() as tmp:
     # the curve (they reach the attention). The ring with masks at cp 2 and 4: train_test.
     MASKS = ["--window", "16,0", "--softcap", "5", "--alibi"]
     runs = {"ring": (2, ["--cp", "2", "--cp-scheme", "ring"]), "masked1": (0, MASKS),
+            "hybrid": (2, ["--cp", "2", "--cp-scheme", "hybrid", "--cp-inner", "2"]),
             "masked2": (2, ["--cp", "2", *MASKS])}
     for name, (np_, args) in runs.items():
         r = train(np_, *SMALL, *args, "--steps", "6", "--json-log", p(name + ".jsonl"))
         check(r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stderr[-2000:]}")
-        scheme = "ring" if "ring" in args else "allgather"
+        scheme = "ring" if "ring" in args else "hybrid (all-to-all groups of 2)" if "hybrid" in args else "allgather"
         check(f"attention: causal, cp scheme {scheme}" + (", window 16,0, softcap 5, alibi" if "--alibi" in args else "")
               in r.stdout, f"{name}: the settings printed\n{r.stdout[:600]}")
     def same_curve(ref, got, what):
@@ -58,6 +59,7 @@ with tempfile.TemporaryDirectory() as tmp:
         for x, y in zip(a, b):
             check(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], f"{what} step {x['step']}: {x['loss']} vs {y['loss']}")
     same_curve("cp1.jsonl", "ring.jsonl", "cp 2 --cp-scheme ring vs cp 1")
+    same_curve("cp1.jsonl", "hybrid.jsonl", "cp 2 --cp-scheme hybrid --cp-inner 2 vs cp 1")  # every scheme: train_test
     if os.path.exists(p("ring.jsonl")) and r2.returncode == 0:  # the ring adds in another order than the all-gather
         check([x["loss"] for x in log(p("ring.jsonl"))] != [x["loss"] for x in log(p("cp2.jsonl"))],
               "--cp-scheme ring reached the attention (its curve is not bitwise the all-gather's)")
@@ -111,7 +113,10 @@ with tempfile.TemporaryDirectory() as tmp:
         (0, ["--attn-dtype", "bf16"], "--attn-dtype"),  # the old name is gone
         (2, ["--cp", "2", "--resume", p("missing.ckpt")], "cannot read"),
         (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, pass-q, a2a, hybrid, got 'zigzag'"),
-        (0, ["--cp-scheme", "hybrid"], "--cp-scheme hybrid needs an all-to-all group size"),
+        (0, ["--cp-scheme", "hybrid"], "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (1 = inner x outer), "
+                                       "got --cp-inner 0"),
+        (2, ["--cp", "2", "--cp-scheme", "hybrid", "--cp-inner", "3"], "N dividing --cp (2 = inner x outer)"),
+        (0, ["--cp-scheme", "ring", "--cp-inner", "1"], "--cp-inner is for --cp-scheme hybrid only"),
         (0, ["--window", "16"], "--window must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '16'"),
         (0, ["--softcap", "-1"], "--softcap must be finite and >= 0 (0 = off), got -1"),
     ]

@@ -300,7 +300,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   if (rank == 0) try {
     const Reference ref = single_process_reference(b, l.cfg.options);  // once, for every scheme
     const KernelPath path = l.cfg.options.path;
-    RunReport report{.args = a, .kernel_path = kernel_path_name(path == KernelPath::automatic ? best_kernel_path() : path),
+    RunReport report{.args = a, .kernel_path = kernel_path_name(resolve_kernel_path(path, b.dtype).path),
                      .cp = cp, .cp_groups = groups.count, .timeout_s = groups.world.timeout_s(), .batch = b,
                      .balance = balance_report(b.cu_seqlens, cp, parse_split(a.split)),
                      .single_process_s = ref.seconds, .schemes = {}};

@@ -41,6 +41,8 @@ struct CheckFailed : Error {
 struct AttnBenchResult {
   AttnBenchOptions opt;
   std::string path;            // the path that ran
+  std::string path_reason;     // why it ran (resolve_kernel_path's KernelChoice::reason)
+  bool path_forced_by_env = false;
   double fwd_flops = 0, bwd_flops = 0;
   double fwd_seconds = 0, bwd_seconds = 0;  // medians
   double fwd_gflops = 0, bwd_gflops = 0;

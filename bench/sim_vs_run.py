@@ -1,0 +1,70 @@
+"""The simulator against measured runs on this machine (docs/benchmarks.md, "The simulator"):
+calibrate, run every scheme (`cpattn run --scheme all`), calibrate again, and set the
+predictions from each calibration against the measured forward + backward step of the slowest
+rank. On a shared machine the two calibrations bracket the load the run met.
+
+    python3 bench/sim_vs_run.py build/ci/tools/cpattn 2 [--repeats 5] [extra cpattn run flags...]
+"""
+import json
+import subprocess
+import sys
+import tempfile
+
+cpattn, np_ = sys.argv[1], int(sys.argv[2])
+extra = sys.argv[3:]
+repeats = "5"
+if "--repeats" in extra:
+    i = extra.index("--repeats")
+    repeats = extra[i + 1]
+    del extra[i:i + 2]
+mpi = ["mpirun", "-np", str(np_), "--oversubscribe"]
+
+
+def sh(args):
+    r = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed: {r.stderr}")
+    return r.stdout
+
+
+def calibrate(lengths, run):
+    out = tempfile.mktemp(suffix=".json")
+    sh(mpi + [cpattn, "calibrate", "--dtypes", run["dtype"], "--lengths", ",".join(map(str, lengths)),
+              "--heads", str(run["heads"]), "--kv-heads", str(run["kv_heads"]), "--head-dim",
+              str(run["head_dim_qk"]), "--out", out])
+    return out
+
+
+def predict(profile, run, inner):
+    j = json.loads(sh([cpattn, "simulate", "--lengths", ",".join(map(str, run["lengths"])), "--cp", str(np_),
+                       "--cp-inner", str(inner), "--heads", str(run["heads"]), "--kv-heads", str(run["kv_heads"]),
+                       "--head-dim-qk", str(run["head_dim_qk"]), "--head-dim-v", str(run["head_dim_v"]),
+                       "--dtype", run["dtype"], "--profile", profile, "--json", "--no-breakeven"]))
+    return {s["scheme"]: s["step_s"] for s in j["schemes"] if s["valid"]}, json.load(open(profile))
+
+
+inner = 2 if np_ % 2 == 0 else 1
+# The run's batch first (its lengths come from --seed), so that calibrate times the same documents.
+probe = json.loads(sh(mpi + [cpattn, "run", "--scheme", "allgather", "--repeats", "1", "--json", *extra]))
+before = calibrate(probe["lengths"], probe)
+run = json.loads(sh(mpi + [cpattn, "run", "--scheme", "all", "--cp-inner", str(inner), "--repeats", repeats,
+                           "--json", *extra]))
+after = calibrate(run["lengths"], run)
+pa, prof_a = predict(before, run, inner)
+pb, prof_b = predict(after, run, inner)
+dt = run["dtype"]
+print(f"cp {np_}: {len(run['lengths'])} documents, {sum(run['lengths'])} tokens, Hq {run['heads']}, "
+      f"Hkv {run['kv_heads']}, D {run['head_dim_qk']}/{run['head_dim_v']}, {dt}")
+for name, p in (("before", prof_a), ("after", prof_b)):
+    print(f"  calibration {name}: fwd {p['compute']['fwd'][dt]:.2f} GFLOP/s, bwd {p['compute']['bwd'][dt]:.2f}, "
+          f"link {p['intra_node']['bandwidth_gbs']:.3f} GB/s, {p['intra_node']['latency_us']:.2f} us")
+print("| scheme | measured fwd+bwd s | predicted (calibration before) | error | predicted (after) | error | "
+      "predicted (mean) | error |")
+print("|---|---|---|---|---|---|---|---|")
+for s in run["schemes"]:
+    name = s["scheme"]
+    measured = max(f + b for f, b in zip(s["forward_s"], s["backward_s"]))
+    a, b = pa[name], pb[name]
+    m = (a + b) / 2
+    print(f"| {name} | {measured:.3f} | {a:.3f} | {100 * (a / measured - 1):+.0f}% | {b:.3f} | "
+          f"{100 * (b / measured - 1):+.0f}% | {m:.3f} | {100 * (m / measured - 1):+.0f}% |")

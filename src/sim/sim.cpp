@@ -1,0 +1,682 @@
+// The calibrated simulator (include/cpattn/sim.hpp, docs/simulate.md).
+#include <cpattn/sim.hpp>
+
+#include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
+#include <cpattn/plan.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+
+namespace cpattn {
+
+namespace {
+
+// The agreement all-gather of every CP call (src/comm/agree.cpp): [error length, field count,
+// names hash] and 48 inline int64 values per rank.
+constexpr int64_t kAgreementBlock = (3 + 48) * 8;
+
+bool valid_rate(double x) { return std::isfinite(x) && x > 0; }
+
+void check_link(const SimLink& l, const char* name) {
+  CPATTN_CHECK(std::isfinite(l.bandwidth_gbs) && l.bandwidth_gbs > 0, "profile.", name,
+               ".bandwidth_gbs must be a finite number > 0 (GB/s), got ", l.bandwidth_gbs);
+  CPATTN_CHECK(std::isfinite(l.latency_us) && l.latency_us >= 0, "profile.", name,
+               ".latency_us must be a finite number >= 0 (microseconds), got ", l.latency_us);
+}
+
+// Which CP ranks sit on which node: CP index i of the first CP group is world rank tp * i
+// (the mesh's tp-cp-dp-pp order, docs/mesh.md); every CP group has the same shape.
+struct Topology {
+  int tp = 1, rpn = 1;
+  int node(int world_rank) const { return world_rank / rpn; }
+  bool inter(int a_world, int b_world) const { return node(a_world) != node(b_world); }
+};
+
+// Bytes to and from a peer, on its link class.
+void add_bytes(SimBytes& b, bool inter, int64_t sent, int64_t received) {
+  (inter ? b.sent_inter : b.sent_intra) += sent;
+  (inter ? b.received_inter : b.received_intra) += received;
+}
+void add_bytes(SimBytes& a, const SimBytes& b) {
+  a.sent_intra += b.sent_intra;
+  a.sent_inter += b.sent_inter;
+  a.received_intra += b.received_intra;
+  a.received_inter += b.received_inter;
+}
+
+// What every scheme's model needs about one simulation.
+struct Ctx {
+  const SimInput& in;
+  int cp = 1;
+  int hq = 1, hk = 1;  // heads per TP rank
+  int dqk = 1, dv = 1;
+  int64_t es = 2;
+  int64_t t_loc = 0;  // local tokens per CP rank (the padded split: equal)
+  std::vector<int64_t> pairs;  // [cp] per-rank work (causal: the planner's visible pairs)
+  int64_t total_pairs = 0;     // of the whole batch, real positions only
+  int max_real_chunks = 0;     // the most chunks holding a real token, over documents
+  double fwd_rate = 0, bwd_rate = 0;  // FLOP/s
+  Topology topo;
+
+  int world(int cp_index) const { return topo.tp * cp_index; }
+  const SimLink& link(bool inter) const { return inter ? in.profile.inter : in.profile.intra; }
+  double send_time(int64_t bytes, bool inter) const {
+    const SimLink& l = link(inter);
+    return l.latency_us * 1e-6 + static_cast<double>(bytes) / (l.bandwidth_gbs * 1e9);
+  }
+  // A ring over the CP indices first, first + stride, ... (count ranks): whether any of its
+  // links crosses nodes (the ring collectives run at their slowest link).
+  bool ring_inter(int first, int stride, int count) const {
+    for (int i = 0; i < count; ++i)
+      if (topo.inter(world(first + i * stride), world(first + ((i + 1) % count) * stride))) return true;
+    return false;
+  }
+};
+
+// Work of CP rank r under mask none: every real query over its document's real keys.
+std::vector<int64_t> pairs_no_mask(std::span<const int64_t> cu, int cp) {
+  const SplitLayout layout = split_layout(cu, cp, CpSplit::padded);
+  std::vector<int64_t> pairs(static_cast<std::size_t>(cp), 0);
+  const int64_t n = chunks_per_document(cp);
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t len = cu[d + 1] - cu[d];
+    for (int64_t m = 0; m < n; ++m) {
+      const DocChunk& c = layout.chunks[d * n + m];
+      pairs[c.rank] += std::clamp<int64_t>(len - c.pos, 0, c.len) * len;
+    }
+  }
+  return pairs;
+}
+
+Ctx make_ctx(const SimInput& in) {
+  const SimModel& m = in.model;
+  Ctx c{.in = in, .pairs = {}, .topo = {}};
+  c.cp = in.mesh.cp;
+  c.hq = m.num_heads_q / in.mesh.tp;
+  c.hk = m.num_heads_k / in.mesh.tp;
+  c.dqk = m.head_dim_qk;
+  c.dv = m.head_dim_v;
+  c.es = static_cast<int64_t>(dtype_size(m.dtype));
+  c.topo = {.tp = in.mesh.tp, .rpn = in.profile.ranks_per_node};
+  const auto di = static_cast<std::size_t>(m.dtype);
+  c.fwd_rate = in.profile.fwd_gflops[di] * 1e9;
+  c.bwd_rate = in.profile.bwd_gflops[di] * 1e9;
+  // The planner's per-rank work (what `cpattn plan` reports).
+  const BalanceReport rep = balance_report(in.cu_seqlens, c.cp, CpSplit::padded);
+  c.t_loc = rep.padded_tokens / c.cp;
+  c.pairs.resize(static_cast<std::size_t>(c.cp));
+  if (m.mask == MaskType::causal) {
+    for (int r = 0; r < c.cp; ++r) c.pairs[r] = rep.ranks[r].balanced.visible_pairs;
+  } else {
+    c.pairs = pairs_no_mask(in.cu_seqlens, c.cp);
+  }
+  for (std::size_t d = 0; d + 1 < in.cu_seqlens.size(); ++d) {
+    const int64_t len = in.cu_seqlens[d + 1] - in.cu_seqlens[d];
+    int64_t doc = 0;  // the planner counted these without overflow (causal); L^2 may not fit
+    CPATTN_CHECK(!__builtin_mul_overflow(len, m.mask == MaskType::causal ? (len + 1) : len, &doc) &&
+                     !__builtin_add_overflow(c.total_pairs, m.mask == MaskType::causal ? doc / 2 : doc, &c.total_pairs),
+                 "work count overflows int64: documents are too long to count their attention pairs");
+    const int64_t chunk = padded_length(len, c.cp) / chunks_per_document(c.cp);
+    c.max_real_chunks = std::max<int>(c.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
+  }
+  return c;
+}
+
+// Whether CP rank q's queries see any key of CP rank b's block (pass-Q sends a full partial
+// only then). With the padded split, a document whose first n chunks hold real tokens lets
+// rank q see block b iff b < n and q < n and (q's back chunk 2cp-1-q < n or b <= q); the
+// condition only grows with n, so the document with the most real chunks decides.
+bool visible(const Ctx& c, int q, int b) {
+  const int n = c.max_real_chunks, cp = c.cp;
+  if (c.in.model.mask == MaskType::none) return q < n && b < n;
+  return b < n && q < n && (2 * cp - 1 - q < n || b <= q);
+}
+
+double flops_time(const Ctx& c, int64_t pairs, int heads, bool backward) {
+  return attention_flops(pairs, heads, c.dqk, c.dv, backward) / (backward ? c.bwd_rate : c.fwd_rate);
+}
+
+// The agreement before every call: a ring all-gather of kAgreementBlock bytes over `count`
+// ranks first, first + stride, ...
+void agreement(const Ctx& c, int r, int first, int stride, int count, SimBytes& bytes, double& time) {
+  if (count <= 1) return;
+  const int me = (r - first) / stride;
+  const int right = first + ((me + 1) % count) * stride, left = first + ((me + count - 1) % count) * stride;
+  const int64_t n = (count - 1) * kAgreementBlock;
+  (c.topo.inter(c.world(r), c.world(right)) ? bytes.sent_inter : bytes.sent_intra) += n;
+  (c.topo.inter(c.world(left), c.world(r)) ? bytes.received_inter : bytes.received_intra) += n;
+  time += (count - 1) * c.send_time(kAgreementBlock, c.ring_inter(first, stride, count));
+}
+
+// A ring collective (all-gather, reduce-scatter) or a chain of shifts on rank r: `steps`
+// transfers of `block` bytes to the right neighbour, from the left one.
+double ring_transfer(const Ctx& c, int r, int first, int stride, int count, int64_t steps, int64_t block,
+                     SimBytes& bytes) {
+  if (count <= 1 || steps == 0) return 0;
+  const int me = (r - first) / stride;
+  const int right = first + ((me + 1) % count) * stride, left = first + ((me + count - 1) % count) * stride;
+  (c.topo.inter(c.world(r), c.world(right)) ? bytes.sent_inter : bytes.sent_intra) += steps * block;
+  (c.topo.inter(c.world(left), c.world(r)) ? bytes.received_inter : bytes.received_intra) += steps * block;
+  return static_cast<double>(steps) * c.send_time(block, c.ring_inter(first, stride, count));
+}
+
+// An all-to-all of equal blocks over the group of `count` CP ranks first, first + 1, ...:
+// every peer's block posted at once, so each link class takes its own peers' messages.
+double all_to_all(const Ctx& c, int r, int first, int count, int64_t block, SimBytes& bytes) {
+  int peers[2] = {0, 0};
+  for (int j = first; j < first + count; ++j)
+    if (j != r) ++peers[c.topo.inter(c.world(r), c.world(j))];
+  add_bytes(bytes, false, peers[0] * block, peers[0] * block);
+  add_bytes(bytes, true, peers[1] * block, peers[1] * block);
+  double t = 0;
+  for (int k = 0; k < 2; ++k)
+    if (peers[k] > 0) t = std::max(t, peers[k] * c.send_time(block, k == 1));
+  return t;
+}
+
+// The heads of an all-to-all group of `inner` ranks (src/cp/a2a.hpp HeadSplit).
+struct Heads {
+  int hq_loc = 0, kv_loc = 0;
+};
+std::string head_rule(const Ctx& c, int inner, Heads& h) {
+  if (c.hq % inner != 0)
+    return "num_heads_q / tp = " + std::to_string(c.hq) + " must be divisible by the all-to-all group size " +
+           std::to_string(inner);
+  if (c.hk % inner != 0 && inner % c.hk != 0)
+    return "num_heads_k / tp = " + std::to_string(c.hk) + " must be divisible by the all-to-all group size " +
+           std::to_string(inner) + " (split KV heads) or divide it (replicated KV heads)";
+  h.hq_loc = c.hq / inner;
+  const int group = c.hq / c.hk;
+  h.kv_loc = (h.hq_loc - 1) / group + 1;
+  return "";
+}
+
+// The hybrid's default all-to-all group: the largest divisor of cp whose TP x group ranks fit a
+// node and whose heads split.
+int default_inner(const Ctx& c) {
+  int best = 1;
+  for (int i = 1; i <= c.cp; ++i) {
+    Heads h;
+    if (c.cp % i == 0 && int64_t{c.topo.tp} * i <= c.topo.rpn && head_rule(c, i, h).empty()) best = i;
+  }
+  return best;
+}
+
+// ---- The schemes, one call on CP rank r -----------------------------------------------------
+
+void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
+  const int cp = c.cp;
+  double t = 0;
+  agreement(c, r, 0, 1, cp, f.agreement, t);
+  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * c.es, f.payload);
+  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * c.es, f.payload);
+  f.exposed_s = t;
+  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  t = 0;
+  agreement(c, r, 0, 1, cp, b.agreement, t);
+  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * 4, b.payload);
+  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * 4, b.payload);
+  b.exposed_s = t;
+  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+}
+
+// The overlap of a ring of `cp` steps: step s computes while the next block travels
+// (transfer `xfer` per step, cp - 1 of them); compute is spread evenly over the steps.
+void overlap_steps(int cp, double compute, double xfer, SimCall& call) {
+  const double step = compute / cp;
+  call.exposed_s += (cp - 1) * std::max(0.0, xfer - step);
+  call.hidden_s += (cp - 1) * std::min(step, xfer);
+}
+
+void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
+  const int cp = c.cp;
+  const int64_t kv_block = c.t_loc * c.hk * (c.dqk + c.dv) * c.es;  // K and V, in flight together
+  const int64_t dkv_block = c.t_loc * c.hk * (c.dqk + c.dv) * 4;
+  double t = 0;
+  agreement(c, r, 0, 1, cp, f.agreement, t);
+  f.exposed_s = t;
+  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  SimBytes dummy;
+  const double kv_t = ring_transfer(c, r, 0, 1, cp, 1, kv_block, dummy);
+  ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, f.payload);
+  overlap_steps(cp, f.compute_s, kv_t, f);
+
+  t = 0;
+  agreement(c, r, 0, 1, cp, b.agreement, t);
+  b.exposed_s = t;
+  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, b.payload);
+  overlap_steps(cp, b.compute_s, kv_t, b);
+  // The dK/dV accumulator leaves after each step's compute and is waited on before the next:
+  // exposed (cp shifts, the last one home).
+  if (cp > 1) b.exposed_s += ring_transfer(c, r, 0, 1, cp, cp, dkv_block, b.payload);
+}
+
+// Pass-Q: blocks of `block` bytes around the ring, partials of `part` bytes back to their owners.
+void pass_q_call(const Ctx& c, int r, int64_t block, int64_t part, double compute, SimCall& call) {
+  const int cp = c.cp;
+  if (cp == 1) return;
+  ring_transfer(c, r, 0, 1, cp, cp - 1, block, call.payload);
+  SimBytes dummy;
+  const double block_t = ring_transfer(c, r, 0, 1, cp, 1, block, dummy);
+  double part_t = 0;  // the slowest partial's transfer
+  for (int s = 1; s < cp; ++s) {
+    const int owner = (r - s + cp) % cp, helper = (r + s) % cp;
+    if (visible(c, owner, r)) {
+      add_bytes(call.payload, c.topo.inter(c.world(r), c.world(owner)), part, 0);
+      part_t = std::max(part_t, c.send_time(part, c.topo.inter(c.world(r), c.world(owner))));
+    }
+    if (visible(c, r, helper)) add_bytes(call.payload, c.topo.inter(c.world(helper), c.world(r)), 0, part);
+  }
+  overlap_steps(cp, compute, block_t + part_t, call);
+  call.exposed_s += part_t;  // the last partial comes home after the last step
+}
+
+void pass_q_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
+  const int64_t n_lse = c.t_loc * c.hq;
+  double t = 0;
+  agreement(c, r, 0, 1, c.cp, f.agreement, t);
+  f.exposed_s = t;
+  f.compute_s = flops_time(c, c.pairs[r], c.hq, false);
+  pass_q_call(c, r, n_lse * c.dqk * c.es, n_lse * (1 + c.dv) * 4, f.compute_s, f);
+  t = 0;
+  agreement(c, r, 0, 1, c.cp, b.agreement, t);
+  b.exposed_s = t;
+  b.compute_s = flops_time(c, c.pairs[r], c.hq, true);
+  pass_q_call(c, r, n_lse * 4 + n_lse * (c.dqk + 2 * c.dv) * c.es, n_lse * c.dqk * 4, b.compute_s, b);
+}
+
+// a2a (inner = cp) and hybrid (inner < cp, the all-gather outer scheme over cp / inner groups).
+void a2a_calls(const Ctx& c, int r, int inner, const Heads& h, SimCall& f, SimCall& b) {
+  const int cp = c.cp, outer = cp / inner;
+  const int first = r / inner * inner, member = r % inner;
+  const int64_t t = c.t_loc, g = inner * t;
+  // Work: the group's members' queries over their causal prefixes, hq_loc heads.
+  int64_t pairs = 0;
+  if (outer == 1) {
+    pairs = c.total_pairs;
+  } else {
+    for (int i = 0; i < inner; ++i) pairs += c.pairs[first + i];
+  }
+  double time = 0;
+  agreement(c, r, 0, 1, cp, f.agreement, time);
+  f.exposed_s = time;
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dqk * c.es, f.payload);  // q
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dqk * c.es, f.payload);  // k
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dv * c.es, f.payload);   // v
+  if (outer > 1) {  // the outer layer's own agreement and K/V all-gather (counted in CpStats)
+    double ot = 0;
+    agreement(c, r, member, inner, outer, f.payload, ot);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dqk * c.es, f.payload);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dv * c.es, f.payload);
+    f.exposed_s += ot;
+  }
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dv * c.es, f.payload);  // out
+  f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * 4, f.payload);            // lse
+  f.compute_s = flops_time(c, pairs, h.hq_loc, false);
+
+  time = 0;
+  agreement(c, r, 0, 1, cp, b.agreement, time);
+  b.exposed_s = time;
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dv * c.es, b.payload);  // dout
+  if (outer > 1) {
+    double ot = 0;
+    agreement(c, r, member, inner, outer, b.payload, ot);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dqk * 4, b.payload);
+    ot += ring_transfer(c, r, member, inner, outer, outer - 1, g * h.kv_loc * c.dv * 4, b.payload);
+    b.exposed_s += ot;
+  }
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc * c.dqk * c.es, b.payload);  // dq
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dqk * c.es, b.payload);  // dk
+  b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc * c.dv * c.es, b.payload);   // dv
+  b.compute_s = flops_time(c, pairs, h.hq_loc, true);
+}
+
+// Bytes of attention state per rank and layer: what a forward leaves for its backward (the
+// caller's q, k, v, out and the scheme's context), and the backward's transient buffers.
+struct MemoryUse {
+  double saved = 0, transient = 0;
+};
+MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const Heads& h) {
+  const auto t = static_cast<double>(c.t_loc);
+  const double es = static_cast<double>(c.es);
+  const double kv_row = c.hk * (c.dqk + c.dv), q_row = c.hq * (c.dqk + c.dv);
+  MemoryUse m;
+  m.saved = t * (q_row + kv_row) * es + t * c.hq * 4;  // q, out, k, v; lse
+  switch (s) {
+    case CpScheme::allgather:
+      m.saved += c.cp * t * kv_row * es;                        // the gathered K/V
+      m.transient = c.cp * t * kv_row * 4 + t * kv_row * 4;     // fp32 dK/dV of every row, this rank's sums
+      break;
+    case CpScheme::ring:
+      m.saved += t * kv_row * es;                                // the local K/V copy
+      m.transient = 2 * t * kv_row * es + 2 * t * kv_row * 4 + t * c.hq * (c.dqk + 2 * c.dv) * 4.0;
+      break;
+    case CpScheme::pass_q:
+      m.saved += t * kv_row * es;
+      m.transient = 2 * t * (c.hq * 4 + c.hq * (c.dqk + 2 * c.dv) * es) + 4 * t * c.hq * c.dqk * 4.0 +
+                    t * kv_row * 4;
+      break;
+    case CpScheme::a2a:
+    case CpScheme::hybrid: {
+      const double g = inner * t, gathered = c.cp * t;  // group rows; the outer all-gather's rows
+      m.saved += g * h.hq_loc * (c.dqk + c.dv) * es + gathered * h.kv_loc * (c.dqk + c.dv) * es + g * h.hq_loc * 4;
+      m.transient = gathered * h.kv_loc * (c.dqk + c.dv) * 4 + 2 * g * (h.hq_loc + h.kv_loc) * (c.dqk + c.dv) * es;
+      break;
+    }
+  }
+  return m;
+}
+
+// Expert imbalance of a skewed router: expert e gets a share 1/(e+1)^skew, EP rank k holds
+// experts [k*E/ep, (k+1)*E/ep): max over mean of the ranks' shares.
+double expert_imbalance(const SimModel& m, int ep) {
+  if (m.experts == 0 || ep <= 1) return 1.0;
+  std::vector<double> load(static_cast<std::size_t>(ep), 0.0);
+  const int per = m.experts / ep;
+  for (int e = 0; e < m.experts; ++e) load[e / per] += std::pow(1.0 / (e + 1), m.expert_skew);
+  const double total = std::accumulate(load.begin(), load.end(), 0.0);
+  return *std::max_element(load.begin(), load.end()) / (total / ep);
+}
+
+SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
+  const SimInput& in = c.in;
+  const SimMesh& mesh = in.mesh;
+  const SimModel& model = in.model;
+  SchemePrediction p;
+  p.scheme = scheme;
+  const int cp = c.cp;
+  Heads h;
+  int inner = 0;
+  if (scheme == CpScheme::a2a) {
+    inner = cp;
+  } else if (scheme == CpScheme::hybrid) {
+    inner = inner_req > 0 ? inner_req : default_inner(c);
+    p.cp_inner = inner;
+  }
+  if (inner > 0) {
+    const std::string why = head_rule(c, inner, h);
+    if (!why.empty()) {
+      p.valid = false;
+      p.reason = std::string(to_string(scheme)) + ": " + why;
+      return p;
+    }
+  }
+  p.forward.resize(static_cast<std::size_t>(cp));
+  p.backward.resize(static_cast<std::size_t>(cp));
+  for (int r = 0; r < cp; ++r) {
+    SimCall& f = p.forward[r];
+    SimCall& b = p.backward[r];
+    switch (scheme) {
+      case CpScheme::allgather: allgather_calls(c, r, f, b); break;
+      case CpScheme::ring: ring_calls(c, r, f, b); break;
+      case CpScheme::pass_q: pass_q_calls(c, r, f, b); break;
+      case CpScheme::a2a:
+      case CpScheme::hybrid: a2a_calls(c, r, inner, h, f, b); break;
+    }
+  }
+  // The slowest CP rank sets the pace (every call ends in collectives over the group).
+  int slow = 0;
+  for (int r = 1; r < cp; ++r)
+    if (p.forward[r].time_s() + p.backward[r].time_s() >
+        p.forward[slow].time_s() + p.backward[slow].time_s())
+      slow = r;
+  const SimCall& f = p.forward[slow];
+  const SimCall& b = p.backward[slow];
+
+  // Per layer and micro-batch: attention, TP's all-reduces, EP's dispatch and combine.
+  const int hidden = model.hidden > 0 ? model.hidden : model.num_heads_q * model.head_dim_v;
+  const int64_t act = c.t_loc * hidden * c.es;  // one activation of one micro-batch on a CP rank
+  double tp_time = 0;
+  SimBytes tp_bytes;
+  if (mesh.tp > 1) {  // Megatron: two all-reduces forward (attention, MLP), two backward; ring
+    const bool inter = mesh.tp > in.profile.ranks_per_node;
+    const int64_t piece = act / mesh.tp;
+    const double one = 2.0 * (mesh.tp - 1) * c.send_time(piece, inter);
+    tp_time = 2 * one;  // per direction
+    add_bytes(tp_bytes, inter, 4 * 2 * (mesh.tp - 1) * piece, 4 * 2 * (mesh.tp - 1) * piece);
+  }
+  p.expert_imbalance = expert_imbalance(model, mesh.ep);
+  double ep_time = 0;
+  SimBytes ep_bytes;
+  if (model.experts > 0 && mesh.ep > 1) {
+    // Dispatch and combine, forward and backward: each an all-to-all of the rank's routed tokens;
+    // the busiest rank receives imbalance x the mean. EP ranks are tp apart (etp = tp).
+    const int64_t block = c.t_loc * model.top_k * hidden * c.es / mesh.ep;
+    int peers[2] = {0, 0};
+    for (int j = 1; j < mesh.ep; ++j) ++peers[c.topo.inter(0, j * mesh.tp)];
+    for (int k = 0; k < 2; ++k) {
+      const auto recv = static_cast<int64_t>(std::ceil(static_cast<double>(block) * p.expert_imbalance));
+      add_bytes(ep_bytes, k == 1, 4 * peers[k] * block, 4 * peers[k] * recv);
+      if (peers[k] > 0) ep_time = std::max(ep_time, 2 * peers[k] * c.send_time(recv, k == 1));
+    }
+  }
+  const double layers_per_stage = static_cast<double>(model.layers) / mesh.pp;
+  const double fwd = layers_per_stage * (f.time_s() + tp_time + ep_time);
+  const double bwd = layers_per_stage * (b.time_s() + tp_time + ep_time);
+  const bool pp_inter = int64_t{mesh.tp} * mesh.cp * mesh.dp >= in.profile.ranks_per_node;
+  const double transfer = mesh.pp > 1 ? c.send_time(act, pp_inter) : 0.0;
+  const Schedule sched = make_schedule({.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule});
+  const Simulation sim = simulate(sched, uniform_costs(mesh.pp, fwd, bwd, 0.0, transfer));
+  p.step_s = sim.makespan;
+  p.bubble_fraction = sim.bubble_fraction;
+  // Per action kind, how many the busiest stage runs (fill-drain runs no backward).
+  int n_f = 0, n_b = 0;
+  for (const Action& a : sched.actions[0]) (a.kind == ActionKind::forward ? n_f : n_b) += a.kind != ActionKind::weight;
+  p.compute_s = layers_per_stage * (n_f * f.compute_s + n_b * b.compute_s);
+  p.hidden_comm_s = layers_per_stage * (n_f * f.hidden_s + n_b * b.hidden_s);
+  p.exposed_comm_s = n_f * (fwd - layers_per_stage * f.compute_s) + n_b * (bwd - layers_per_stage * b.compute_s);
+  p.bubble_s = std::max(0.0, p.step_s - p.compute_s - p.exposed_comm_s);
+  const auto layers_i = static_cast<int64_t>(std::llround(layers_per_stage));
+  for (int k = 0; k < n_f; ++k) {
+    for (int64_t l = 0; l < layers_i; ++l) {
+      add_bytes(p.step_bytes, f.payload);
+      add_bytes(p.step_bytes, f.agreement);
+    }
+  }
+  for (int k = 0; k < n_b; ++k) {
+    for (int64_t l = 0; l < layers_i; ++l) {
+      add_bytes(p.step_bytes, b.payload);
+      add_bytes(p.step_bytes, b.agreement);
+    }
+  }
+  SimBytes per_layer;
+  add_bytes(per_layer, tp_bytes);
+  add_bytes(per_layer, ep_bytes);
+  for (int k = 0; k < mesh.micro * static_cast<int>(layers_i); ++k) add_bytes(p.step_bytes, per_layer);
+  if (mesh.pp > 1) {
+    const int64_t pp_bytes = 2 * int64_t{mesh.micro} * act;  // activation down, gradient up
+    add_bytes(p.step_bytes, pp_inter, pp_bytes, pp_bytes);
+  }
+  const MemoryUse mem = memory_use(c, scheme, inner, h);
+  int in_flight = 1;
+  for (const int a : sim.peak_activations) in_flight = std::max(in_flight, a);
+  p.peak_memory_gb = (layers_per_stage * in_flight * mem.saved + mem.transient) / 1e9;
+  p.fits_memory = p.peak_memory_gb <= in.profile.memory_gb;
+  return p;
+}
+
+void check_input(const SimInput& in) {
+  check_machine_profile(in.profile);
+  check_sim_mesh(in.mesh, in.model);
+  check_cu_seqlens(in.cu_seqlens);
+  const auto di = static_cast<std::size_t>(in.model.dtype);
+  CPATTN_CHECK(valid_rate(in.profile.fwd_gflops[di]) && valid_rate(in.profile.bwd_gflops[di]),
+               "profile has no compute rate for dtype ", to_string(in.model.dtype), ": profile.compute.fwd.",
+               to_string(in.model.dtype), " and profile.compute.bwd.", to_string(in.model.dtype),
+               " must be > 0 (GFLOP/s), got ", in.profile.fwd_gflops[di], " and ", in.profile.bwd_gflops[di]);
+}
+
+SchemePrediction predict_checked(const SimInput& in, CpScheme scheme) {
+  return predict(make_ctx(in), scheme, in.mesh.cp_inner);
+}
+
+// The same batch with every document's length scaled by f (at least 1 token).
+std::vector<int64_t> scaled(std::span<const int64_t> cu, double f) {
+  std::vector<int64_t> out{0};
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d)
+    out.push_back(out.back() + std::max<int64_t>(1, std::llround(static_cast<double>(cu[d + 1] - cu[d]) * f)));
+  return out;
+}
+
+// Step time at CP size `cp` (cp_inner clipped to a divisor of it for the hybrid).
+double step_at(SimInput in, CpScheme s, int cp) {
+  in.mesh.cp = cp;
+  if (in.mesh.cp_inner > 0) in.mesh.cp_inner = std::gcd(in.mesh.cp_inner, cp);
+  const SchemePrediction p = predict_checked(in, s);
+  return p.valid ? p.step_s : std::numeric_limits<double>::infinity();
+}
+
+// The scale x in [1/256, 256] (geometric bisection) where cp / 2 stops being slower than cp,
+// varying the batch's lengths (`length`) or both links' bandwidth; 0 when no crossing.
+double breakeven(const SimInput& in, CpScheme s, bool length) {
+  const int cp = in.mesh.cp;
+  if (cp < 2 || cp % 2 != 0) return 0;
+  std::vector<int64_t> cu;
+  const auto smaller_wins = [&](double x) {
+    SimInput v = in;
+    if (length) {
+      cu = scaled(in.cu_seqlens, x);
+      v.cu_seqlens = cu;
+    } else {
+      v.profile.intra.bandwidth_gbs *= x;
+      v.profile.inter.bandwidth_gbs *= x;
+    }
+    return step_at(v, s, cp / 2) < step_at(v, s, cp);
+  };
+  double lo = -8, hi = 8;  // log2 of the scale
+  const bool at_lo = smaller_wins(std::exp2(lo)), at_hi = smaller_wins(std::exp2(hi));
+  if (at_lo == at_hi) return 0;
+  for (int it = 0; it < 12; ++it) {
+    const double mid = (lo + hi) / 2;
+    (smaller_wins(std::exp2(mid)) == at_lo ? lo : hi) = mid;
+  }
+  return std::exp2((lo + hi) / 2);
+}
+
+}  // namespace
+
+double attention_flops(int64_t pairs, int heads, int head_dim_qk, int head_dim_v, bool backward) {
+  const double per = backward ? 2.0 * (3.0 * head_dim_qk + 2.0 * head_dim_v) : 2.0 * (head_dim_qk + head_dim_v);
+  return static_cast<double>(pairs) * heads * per;
+}
+
+void check_machine_profile(const MachineProfile& p) {
+  for (const DType t : {DType::f32, DType::f16, DType::bf16}) {
+    const auto i = static_cast<std::size_t>(t);
+    CPATTN_CHECK(std::isfinite(p.fwd_gflops[i]) && p.fwd_gflops[i] >= 0, "profile.compute.fwd.", to_string(t),
+                 " must be a finite number >= 0 (GFLOP/s; 0 = unknown), got ", p.fwd_gflops[i]);
+    CPATTN_CHECK(std::isfinite(p.bwd_gflops[i]) && p.bwd_gflops[i] >= 0, "profile.compute.bwd.", to_string(t),
+                 " must be a finite number >= 0 (GFLOP/s; 0 = unknown), got ", p.bwd_gflops[i]);
+  }
+  check_link(p.intra, "intra_node");
+  check_link(p.inter, "inter_node");
+  CPATTN_CHECK(p.ranks_per_node >= 1, "profile.ranks_per_node must be >= 1, got ", p.ranks_per_node);
+  CPATTN_CHECK(std::isfinite(p.memory_gb) && p.memory_gb > 0, "profile.memory_gb must be a finite number > 0 "
+               "(GB per rank), got ", p.memory_gb);
+}
+
+void check_sim_mesh(const SimMesh& m, const SimModel& model) {
+  CPATTN_CHECK(m.tp >= 1 && m.cp >= 1 && m.dp >= 1 && m.pp >= 1 && m.ep >= 1 && m.micro >= 1,
+               "mesh sizes must be >= 1: --tp ", m.tp, ", --cp ", m.cp, ", --dp ", m.dp, ", --pp ", m.pp, ", --ep ",
+               m.ep, ", --micro-batches ", m.micro);
+  CPATTN_CHECK(m.cp <= 65536, "--cp must be <= 65536, got ", m.cp);
+  CPATTN_CHECK(int64_t{m.tp} * m.cp * m.dp * m.pp <= (int64_t{1} << 20), "--tp x --cp x --dp x --pp = ",
+               int64_t{m.tp} * m.cp * m.dp * m.pp, " ranks must be <= 2^20");
+  CPATTN_CHECK(m.cp_inner >= 0 && (m.cp_inner == 0 || m.cp % m.cp_inner == 0), "--cp-inner = ", m.cp_inner,
+               " must divide --cp = ", m.cp, " (cp = cp_inner x cp_outer; 0 picks one)");
+  CPATTN_CHECK(model.layers >= 1 && model.layers % m.pp == 0, "--layers = ", model.layers,
+               " must be >= 1 and a multiple of --pp = ", m.pp, " (equal stages)");
+  CPATTN_CHECK(model.num_heads_q >= 1 && model.num_heads_k >= 1 && model.num_heads_q % model.num_heads_k == 0,
+               "--heads = ", model.num_heads_q, " must be a multiple of --kv-heads = ", model.num_heads_k);
+  CPATTN_CHECK(model.num_heads_k % m.tp == 0, "--kv-heads = ", model.num_heads_k, " must be divisible by --tp = ",
+               m.tp, " (each TP rank holds whole KV heads)");
+  CPATTN_CHECK(model.head_dim_qk >= 1 && model.head_dim_qk <= 256 && model.head_dim_v >= 1 && model.head_dim_v <= 256,
+               "--head-dim-qk and --head-dim-v must be in [1, 256], got ", model.head_dim_qk, " and ",
+               model.head_dim_v);
+  CPATTN_CHECK(model.hidden >= 0, "--hidden must be >= 0 (0: heads x head-dim-v), got ", model.hidden);
+  CPATTN_CHECK(model.mask == MaskType::causal || model.mask == MaskType::none, "--mask must be causal or none");
+  CPATTN_CHECK(model.experts >= 0, "--experts must be >= 0, got ", model.experts);
+  if (model.experts > 0) {
+    CPATTN_CHECK(model.experts % m.ep == 0, "--ep = ", m.ep, " must divide --experts = ", model.experts,
+                 " (each EP rank holds experts / ep experts)");
+    CPATTN_CHECK(model.top_k >= 1 && model.top_k <= model.experts, "--top-k must be in [1, --experts = ",
+                 model.experts, "], got ", model.top_k);
+    CPATTN_CHECK(std::isfinite(model.expert_skew) && model.expert_skew >= 0, "--expert-skew must be >= 0, got ",
+                 model.expert_skew);
+  } else {
+    CPATTN_CHECK(m.ep == 1, "--ep = ", m.ep, " needs --experts (a dense model has no expert parallelism)");
+  }
+  CPATTN_CHECK((int64_t{m.tp} * m.cp * m.dp) % m.ep == 0, "--ep = ", m.ep, " must divide tp x cp x dp = ",
+               int64_t{m.tp} * m.cp * m.dp, " (the ranks of a pipeline stage)");
+}
+
+SchemePrediction simulate_scheme(const SimInput& in, CpScheme scheme) {
+  check_input(in);
+  SchemePrediction p = predict_checked(in, scheme);
+  if (!p.valid) return p;
+  // The best power-of-two CP up to mesh.cp, and the crossings.
+  double best = p.step_s;
+  for (int c = 1; c < in.mesh.cp; c *= 2) {
+    const double t = step_at(in, scheme, c);
+    if (t < best) {
+      best = t;
+      p.faster_smaller_cp = c;
+    }
+  }
+  if (in.find_breakeven) {
+    p.breakeven_length_scale = breakeven(in, scheme, true);
+    p.breakeven_bandwidth_scale = breakeven(in, scheme, false);
+  }
+  return p;
+}
+
+SimReport simulate_step(const SimInput& in) {
+  check_input(in);
+  SimReport rep;
+  const Ctx c = make_ctx(in);
+  rep.tokens = in.cu_seqlens.back();
+  rep.padded_tokens = c.t_loc * c.cp;
+  rep.visible_pairs = c.pairs;
+  const double mean = std::accumulate(c.pairs.begin(), c.pairs.end(), 0.0) / c.cp;
+  rep.imbalance = mean > 0 ? static_cast<double>(*std::max_element(c.pairs.begin(), c.pairs.end())) / mean : 1.0;
+  double best = std::numeric_limits<double>::infinity();
+  for (const CpScheme s : kCpSchemes) {
+    rep.schemes.push_back(simulate_scheme(in, s));
+    const SchemePrediction& p = rep.schemes.back();
+    if (p.valid && p.step_s < best) {
+      best = p.step_s;
+      rep.best = s;
+    }
+  }
+  return rep;
+}
+
+std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, double mean, double sigma,
+                                 uint64_t seed) {
+  CPATTN_CHECK(tokens >= 1, "--tokens must be >= 1, got ", tokens);
+  CPATTN_CHECK(std::isfinite(mean) && mean >= 1, "--mean-length must be >= 1, got ", mean);
+  CPATTN_CHECK(std::isfinite(sigma) && sigma >= 0, "--sigma must be >= 0, got ", sigma);
+  CPATTN_CHECK(distribution == "fixed" || distribution == "uniform" || distribution == "lognormal",
+               "--distribution must be one of fixed, uniform, lognormal, got '", distribution, "'");
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> cu{0};
+  while (cu.back() < tokens) {
+    double len = mean;
+    if (distribution == "uniform") {
+      len = static_cast<double>(
+          std::uniform_int_distribution<int64_t>(1, std::max<int64_t>(1, std::llround(2 * mean - 1)))(rng));
+    } else if (distribution == "lognormal") {
+      len = std::lognormal_distribution<double>(std::log(mean) - sigma * sigma / 2, sigma)(rng);
+    }
+    const int64_t l = std::clamp<int64_t>(std::llround(len), 1, tokens - cu.back());
+    cu.push_back(cu.back() + l);
+  }
+  return cu;
+}
+
+}  // namespace cpattn

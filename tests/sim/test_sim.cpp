@@ -1,0 +1,306 @@
+// The simulator (include/cpattn/sim.hpp) against hand-worked cases, the planner, and its
+// monotonicity; bad profiles and meshes. No MPI (tests/sim/test_sim_bytes.cpp holds the bytes
+// against the real schemes).
+#include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
+#include <cpattn/plan.hpp>
+#include <cpattn/sim.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+namespace {
+
+// One node of two ranks: 1 GB/s and 10 us between them; 1 GFLOP/s forward, 0.5 backward.
+MachineProfile hand_profile() {
+  return {.name = "hand",
+          .fwd_gflops = {1, 1, 1},
+          .bwd_gflops = {0.5, 0.5, 0.5},
+          .intra = {.bandwidth_gbs = 1, .latency_us = 10},
+          .inter = {.bandwidth_gbs = 0.1, .latency_us = 100},
+          .ranks_per_node = 2,
+          .memory_gb = 1};
+}
+
+// docs/design.md section 4's batch: [0, 16, 40] at cp = 2, 218 visible pairs on each rank,
+// T_loc = 20. Two heads of dim 4, fp32.
+const std::vector<int64_t> kCu{0, 16, 40};
+SimInput hand_input() {
+  return {.cu_seqlens = kCu,
+          .model = {.num_heads_q = 2, .num_heads_k = 2, .head_dim_qk = 4, .head_dim_v = 4, .dtype = DType::f32},
+          .mesh = {.cp = 2},
+          .profile = hand_profile(),
+          .find_breakeven = false};
+}
+
+TEST(Sim, AllGatherOnOneLinkClassWithoutOverlapMatchesTheHandWorkedTimes) {
+  const SchemePrediction p = simulate_scheme(hand_input(), CpScheme::allgather);
+  // Forward: 218 pairs x 2 heads x 2 (4 + 4) = 6976 FLOP at 1 GFLOP/s = 6.976 us. Agreement: one
+  // ring step of 408 bytes, 10 us + 0.408 us; K then V: one step of 20 x 2 x 4 x 4 = 640 bytes
+  // each, 10.64 us. Nothing overlaps.
+  EXPECT_NEAR(p.forward[0].compute_s, 6.976e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].exposed_s, 10.408e-6 + 2 * 10.64e-6, 1e-15);
+  EXPECT_EQ(p.forward[0].hidden_s, 0.0);
+  // Backward: 218 x 2 x 2 (3*4 + 2*4) = 17440 FLOP at 0.5 GFLOP/s = 34.88 us; the fp32 dK and
+  // dV reduce-scatters are again one step of 640 bytes each.
+  EXPECT_NEAR(p.backward[1].compute_s, 34.88e-6, 1e-15);
+  EXPECT_NEAR(p.backward[1].exposed_s, 10.408e-6 + 2 * 10.64e-6, 1e-15);
+  // One layer, one micro-batch, no pipeline: the step is the two calls.
+  EXPECT_NEAR(p.step_s, 6.976e-6 + 34.88e-6 + 2 * (10.408e-6 + 21.28e-6), 1e-14);
+  EXPECT_NEAR(p.compute_s, 6.976e-6 + 34.88e-6, 1e-14);
+  EXPECT_NEAR(p.exposed_comm_s, 2 * (10.408e-6 + 21.28e-6), 1e-14);
+  EXPECT_NEAR(p.bubble_s, 0.0, 1e-15);
+  // Bytes: all on the one intra-node link, none inter-node.
+  EXPECT_EQ(p.forward[0].payload.sent_intra, 2 * 640);
+  EXPECT_EQ(p.forward[0].payload.sent_inter, 0);
+  EXPECT_EQ(p.forward[0].agreement.sent_intra, 408);
+}
+
+TEST(Sim, TheSameCallAcrossNodesUsesTheInterNodeLink) {
+  SimInput in = hand_input();
+  in.profile.ranks_per_node = 1;  // the two CP ranks on two nodes: 0.1 GB/s, 100 us
+  const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+  EXPECT_NEAR(p.forward[0].exposed_s, (100e-6 + 408e-8) + 2 * (100e-6 + 640e-8), 1e-14);
+  EXPECT_EQ(p.forward[0].payload.sent_inter, 2 * 640);
+  EXPECT_EQ(p.forward[0].payload.sent_intra, 0);
+}
+
+TEST(Sim, AllToAllPeersSplitByLinkClass) {
+  // cp 4 on nodes of 2 ranks: each rank has one peer on its node and two on the other. a2a with
+  // Hq = 4 (one head per rank), Hkv = 4: per peer q, k, v of T_loc = 10 rows x 1 head x 4 dims
+  // x 4 bytes = 160 bytes each, out the same, lse 10 x 4 = 40 bytes: 680 bytes per peer forward.
+  SimInput in = hand_input();
+  in.model.num_heads_q = in.model.num_heads_k = 4;
+  in.mesh.cp = 4;
+  const SchemePrediction p = simulate_scheme(in, CpScheme::a2a);
+  ASSERT_TRUE(p.valid) << p.reason;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(p.forward[r].payload.sent_intra, 680) << r;
+    EXPECT_EQ(p.forward[r].payload.sent_inter, 2 * 680) << r;
+    EXPECT_EQ(p.forward[r].payload.received_inter, 2 * 680) << r;
+  }
+  // The slower class decides each all-to-all: two inter-node messages of 100 us + 160 B / 0.1 GB/s.
+  const double q = 2 * (100e-6 + 160 / 0.1e9), lse = 2 * (100e-6 + 40 / 0.1e9);
+  const double ring_agreement = 3 * (100e-6 + 408 / 0.1e9);  // the ring crosses nodes
+  EXPECT_NEAR(p.forward[0].exposed_s, ring_agreement + 4 * q + lse, 1e-12);
+}
+
+TEST(Sim, RingHidesItsShiftsWhenComputeIsLonger) {
+  SimInput in = hand_input();
+  in.profile.intra = {.bandwidth_gbs = 1000, .latency_us = 0};  // a 1280-byte shift takes 1.28 ns
+  const SchemePrediction p = simulate_scheme(in, CpScheme::ring);
+  // Forward: two steps of 3.488 us compute; the one K/V shift (2 x 640 bytes) fully hidden.
+  EXPECT_NEAR(p.forward[0].hidden_s, 1.28e-9, 1e-18);
+  EXPECT_NEAR(p.forward[0].exposed_s, 408e-12, 1e-18);  // the agreement alone
+  EXPECT_NEAR(p.forward[0].time_s(), 6.976e-6 + 408e-12, 1e-15);
+  // Backward: the K/V shift hidden too; the dK/dV accumulators (2 shifts of 20 x 2 x 8 x 4 =
+  // 1280 bytes) are exposed.
+  EXPECT_NEAR(p.backward[0].hidden_s, 1.28e-9, 1e-18);
+  EXPECT_NEAR(p.backward[0].exposed_s, 408e-12 + 2 * 1.28e-9, 1e-18);
+}
+
+TEST(Sim, EqualPipelineStagesGiveTheFillDrainBubble) {
+  for (const PipelineSchedule sched : {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b}) {
+    for (const auto& [stages, micro] : {std::pair{4, 8}, std::pair{3, 1}, std::pair{2, 5}}) {
+      SimInput in = hand_input();
+      in.model.layers = 2 * stages;
+      in.mesh.pp = stages;
+      in.mesh.micro = micro;
+      in.mesh.schedule = sched;
+      in.profile.inter = {.bandwidth_gbs = 1e12, .latency_us = 0};  // stage transfers ~0
+      const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+      const double f = 2 * p.forward[0].time_s(), b = 2 * p.backward[0].time_s();  // two layers a stage
+      SCOPED_TRACE(::testing::Message() << pipeline_schedule_name(sched) << " S " << stages << " M " << micro);
+      EXPECT_NEAR(p.bubble_fraction, (stages - 1.0) / (micro + stages - 1.0), 1e-6);
+      EXPECT_NEAR(p.step_s, (micro + stages - 1) * (f + b), 1e-6 * p.step_s);
+      EXPECT_NEAR(p.bubble_s, (stages - 1) * (f + b), 1e-6 * p.step_s);
+    }
+  }
+}
+
+TEST(Sim, PerRankWorkIsThePlannersAndSetsTheComputeTime) {
+  const std::vector<int64_t> lengths{37, 100, 1, 64, 23, 9, 2};
+  const std::vector<int64_t> cu = cu_seqlens_from_lengths(lengths);
+  for (int cp = 1; cp <= 5; ++cp) {
+    SimInput in = hand_input();
+    in.cu_seqlens = cu;
+    in.mesh.cp = cp;
+    in.model.head_dim_qk = 7;
+    in.model.head_dim_v = 3;
+    const SimReport rep = simulate_step(in);
+    ASSERT_EQ(rep.visible_pairs.size(), static_cast<std::size_t>(cp));
+    int64_t sum = 0;
+    for (int r = 0; r < cp; ++r) {
+      const RankPlan plan = get_thd_load_balanced_cp_metadata(cu, cp, r);
+      EXPECT_EQ(rep.visible_pairs[r], plan.workload.visible_pairs) << "cp " << cp << " rank " << r;
+      sum += plan.workload.visible_pairs;
+      // allgather's and ring's forward compute: those pairs x 2 heads x 2 (7 + 3) FLOP at 1 GFLOP/s.
+      const double want = static_cast<double>(plan.workload.visible_pairs) * 2 * 2 * (7 + 3) / 1e9;
+      EXPECT_NEAR(rep.schemes[0].forward[r].compute_s, want, 1e-15);
+      EXPECT_NEAR(rep.schemes[1].forward[r].compute_s, want, 1e-15);
+    }
+    int64_t whole = 0;
+    for (const int64_t l : lengths) whole += l * (l + 1) / 2;
+    EXPECT_EQ(sum, whole);
+    // a2a: every rank runs Hq / cp heads over whole documents (Hq = 2: cp 1 and 2 only).
+    if (cp <= 2) {
+      const SchemePrediction& a2a = rep.schemes[3];
+      ASSERT_TRUE(a2a.valid);
+      EXPECT_NEAR(a2a.forward[0].compute_s, static_cast<double>(whole) * (2 / cp) * 2 * 10 / 1e9, 1e-15);
+    } else {
+      EXPECT_FALSE(rep.schemes[3].valid);
+      EXPECT_NE(rep.schemes[3].reason.find("num_heads_q"), std::string::npos) << rep.schemes[3].reason;
+    }
+  }
+}
+
+TEST(Sim, MoreBandwidthOrComputeNeverPredictsASlowerStep) {
+  const std::vector<int64_t> cu = cu_seqlens_from_lengths(std::vector<int64_t>{4000, 1, 300, 2500, 17, 900});
+  for (const int cp : {2, 3, 4, 8, 16})
+    for (const int rpn : {1, 2, 8}) {
+      SimInput in{.cu_seqlens = cu,
+                  .model = {.layers = 4, .num_heads_q = 16, .num_heads_k = 4, .head_dim_qk = 128, .head_dim_v = 128},
+                  .mesh = {.cp = cp, .pp = 2, .micro = 4},
+                  .profile = {.name = "m", .fwd_gflops = {50, 100, 100}, .bwd_gflops = {25, 50, 50},
+                              .intra = {.bandwidth_gbs = 50, .latency_us = 3},
+                              .inter = {.bandwidth_gbs = 5, .latency_us = 10},
+                              .ranks_per_node = rpn, .memory_gb = 80},
+                  .find_breakeven = false};
+      const SimReport base = simulate_step(in);
+      for (const double k : {1.5, 4.0, 100.0}) {
+        SimInput faster_links = in, faster_compute = in;
+        faster_links.profile.intra.bandwidth_gbs *= k;
+        faster_links.profile.inter.bandwidth_gbs *= k;
+        for (auto* r : {&faster_compute.profile.fwd_gflops, &faster_compute.profile.bwd_gflops})
+          for (double& x : *r) x *= k;
+        const SimReport a = simulate_step(faster_links), b = simulate_step(faster_compute);
+        for (std::size_t s = 0; s < base.schemes.size(); ++s) {
+          if (!base.schemes[s].valid) continue;
+          SCOPED_TRACE(::testing::Message() << to_string(base.schemes[s].scheme) << " cp " << cp << " rpn " << rpn
+                                            << " x" << k);
+          EXPECT_LE(a.schemes[s].step_s, base.schemes[s].step_s * (1 + 1e-12));
+          EXPECT_LE(b.schemes[s].step_s, base.schemes[s].step_s * (1 + 1e-12));
+          EXPECT_LT(b.schemes[s].compute_s, base.schemes[s].compute_s);
+        }
+      }
+    }
+}
+
+TEST(Sim, ExpertImbalanceIsTheRoutersSkewOverTheEpRanks) {
+  SimInput in = hand_input();
+  in.model.experts = 4;
+  in.model.top_k = 1;
+  in.mesh.ep = 2;
+  EXPECT_NEAR(simulate_scheme(in, CpScheme::allgather).expert_imbalance, 1.0, 1e-15);  // uniform router
+  in.model.expert_skew = 1;  // shares 1, 1/2, 1/3, 1/4: EP rank 0 holds 1.5, rank 1 7/12
+  EXPECT_NEAR(simulate_scheme(in, CpScheme::allgather).expert_imbalance, 1.5 / ((1.5 + 7.0 / 12) / 2), 1e-12);
+}
+
+TEST(Sim, WhereCpStopsPaying) {
+  // Without latency, the all-gather's bytes grow
+  // with the lengths and its compute with their squares, so a length scale and a bandwidth scale
+  // exist at which cp 4 and cp 8 cost the same.
+  SimInput in = hand_input();
+  in.mesh.cp = 8;
+  in.profile.ranks_per_node = 8;
+  // With 10 us per message, 40 tokens run fastest on one rank.
+  EXPECT_EQ(simulate_scheme(in, CpScheme::allgather).faster_smaller_cp, 1);
+  in.profile.intra.latency_us = 0;
+  in.find_breakeven = true;
+  const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+  ASSERT_GT(p.breakeven_length_scale, 0.0);
+  ASSERT_GT(p.breakeven_bandwidth_scale, 0.0);
+  const auto ratio = [&](double length, double bandwidth) {
+    const std::vector<int64_t> cu{0, static_cast<int64_t>(std::llround(16 * length)),
+                                  static_cast<int64_t>(std::llround(40 * length))};
+    SimInput at = in;
+    at.cu_seqlens = cu;
+    at.profile.intra.bandwidth_gbs *= bandwidth;
+    at.find_breakeven = false;
+    const double t8 = simulate_scheme(at, CpScheme::allgather).step_s;
+    at.mesh.cp = 4;
+    return t8 / simulate_scheme(at, CpScheme::allgather).step_s;
+  };
+  // Slower links favour cp 4; at the crossing the two cost the same; faster links favour cp 8.
+  EXPECT_GT(ratio(1, p.breakeven_bandwidth_scale / 2), 1.0);
+  EXPECT_NEAR(ratio(1, p.breakeven_bandwidth_scale), 1.0, 0.01);
+  EXPECT_LT(ratio(1, p.breakeven_bandwidth_scale * 2), 1.0);
+  // Longer documents favour cp 8 (lengths rounded to tokens: a looser crossing).
+  const double x = p.breakeven_length_scale;
+  EXPECT_GT(ratio(x / 2, 1), 1.0);
+  EXPECT_LT(ratio(x * 2, 1), 1.0);
+}
+
+void expect_error(const SimInput& in, const std::string& what) {
+  try {
+    (void)simulate_step(in);
+    ADD_FAILURE() << "no error, expected one naming " << what;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
+TEST(Sim, BadProfilesAndMeshesAreRejectedNamingTheField) {
+  SimInput in = hand_input();
+  in.profile.inter.bandwidth_gbs = -1;
+  expect_error(in, "profile.inter_node.bandwidth_gbs");
+  in = hand_input();
+  in.profile.intra.latency_us = -2;
+  expect_error(in, "profile.intra_node.latency_us");
+  in = hand_input();
+  in.profile.ranks_per_node = 0;
+  expect_error(in, "profile.ranks_per_node");
+  in = hand_input();
+  in.profile.memory_gb = 0;
+  expect_error(in, "profile.memory_gb");
+  in = hand_input();
+  in.model.dtype = DType::bf16;
+  in.profile.bwd_gflops[static_cast<int>(DType::bf16)] = 0;  // unknown for this dtype
+  expect_error(in, "profile.compute.bwd.bf16");
+  in = hand_input();
+  in.profile.fwd_gflops[0] = -3;
+  expect_error(in, "profile.compute.fwd.fp32");
+  in = hand_input();
+  in.mesh.cp = 4;
+  in.mesh.cp_inner = 3;
+  expect_error(in, "--cp-inner = 3 must divide --cp = 4");
+  in = hand_input();
+  in.model.experts = 6;
+  in.mesh.ep = 4;
+  expect_error(in, "--ep = 4 must divide --experts = 6");
+  in = hand_input();
+  in.mesh.ep = 2;
+  expect_error(in, "needs --experts");
+  in = hand_input();
+  in.mesh.pp = 2;
+  in.model.layers = 3;
+  expect_error(in, "--layers = 3 must be >= 1 and a multiple of --pp = 2");
+  in = hand_input();
+  in.mesh.tp = 4;  // 2 KV heads
+  expect_error(in, "--kv-heads = 2 must be divisible by --tp = 4");
+  in = hand_input();
+  in.mesh.cp = 0;
+  expect_error(in, "mesh sizes must be >= 1");
+  in = hand_input();
+  const std::vector<int64_t> bad{0, 5, 5};
+  in.cu_seqlens = bad;
+  expect_error(in, "cu_seqlens");
+}
+
+TEST(Sim, NamedLengthDistributionsFillTheTokens) {
+  for (const char* d : {"fixed", "uniform", "lognormal"}) {
+    const std::vector<int64_t> cu = sim_lengths(d, 10000, 300, 1.0, 7);
+    EXPECT_EQ(cu.back(), 10000) << d;
+    EXPECT_NO_THROW(check_cu_seqlens(cu)) << d;
+    EXPECT_EQ(cu, sim_lengths(d, 10000, 300, 1.0, 7)) << d;  // deterministic in the seed
+  }
+  EXPECT_EQ(sim_lengths("fixed", 1000, 300, 0, 1), (std::vector<int64_t>{0, 300, 600, 900, 1000}));
+  EXPECT_THROW(sim_lengths("zipf", 10, 3, 0, 1), Error);
+}
+
+}  // namespace
+}  // namespace cpattn

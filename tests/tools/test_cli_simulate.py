@@ -1,0 +1,141 @@
+"""`cpattn simulate` and `cpattn calibrate` end to end: the JSON's per-rank work against `cpattn
+plan`'s, its bytes against the all-gather's hand formula, the built-in profile against the
+documented example file, the SVG as XML, a calibrated profile read back, and exit code 2 with a
+line naming the field or flag for bad profiles and meshes; calibrate's --timeout beats
+CPATTN_COMM_TIMEOUT_S, and a bad value of either is refused naming it."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "profiles", "gpu-8x-nvlink-400g.json")
+failures = []
+
+
+def run(*args, mpi=0, env=None):
+    cmd = [CPATTN, *args]
+    if mpi:
+        cmd = [MPIEXEC, "-np", str(mpi), "--oversubscribe", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+
+
+def bad(args, *needles):
+    r = run(*args)
+    lines = r.stderr.strip().splitlines()
+    check(r.returncode == 2 and len(lines) == 1 and all(n in r.stderr for n in needles),
+          f"{args}: exit {r.returncode}, stderr {r.stderr!r}, want {needles}")
+
+
+tmp = tempfile.mkdtemp()
+lengths = [37, 100, 1, 64, 23, 9, 2]  # a 1-token document, some needing padding at cp 3
+lf = os.path.join(tmp, "lengths.txt")
+with open(lf, "w") as f:
+    f.write("# test batch\n" + "\n".join(map(str, lengths)) + "\n")
+
+# ---- per-rank work is the planner's; bytes follow the all-gather's formula -------------------
+for cp in (2, 3):
+    r = run("simulate", "--lengths-file", lf, "--cp", str(cp), "--heads", "6", "--kv-heads", "3",
+            "--head-dim-qk", "7", "--head-dim-v", "5", "--dtype", "fp16", "--profile", EXAMPLE, "--json")
+    check(r.returncode == 0, f"simulate cp {cp}: {r.stderr}")
+    j = json.loads(r.stdout)
+    plan = json.loads(run("plan", "--lengths-file", lf, "--cp", str(cp), "--json").stdout)
+    check(j["visible_pairs"] == [x["visible_pairs"] for x in plan["ranks"]], f"cp {cp}: pairs vs plan")
+    check([s["scheme"] for s in j["schemes"]] == ["allgather", "ring", "pass-q", "a2a", "hybrid"], "schemes")
+    ag = j["schemes"][0]
+    t_loc = plan["padded_tokens"] // cp
+    # forward: (cp-1) blocks of K and of V, fp16; backward: the same in fp32.
+    check(ag["forward"]["bytes_sent"] == [(cp - 1) * t_loc * 3 * (7 + 5) * 2] * cp, f"cp {cp}: allgather fwd bytes")
+    check(ag["backward"]["bytes_received"] == [(cp - 1) * t_loc * 3 * (7 + 5) * 4] * cp, f"cp {cp}: bwd bytes")
+    check(ag["forward"]["agreement_bytes_sent"] == [(cp - 1) * 408] * cp, "agreement bytes")
+    for s in j["schemes"]:
+        if s["valid"]:
+            check(abs(s["step_s"] - (s["compute_s"] + s["exposed_comm_s"] + s["bubble_s"])) <= 1e-9 * s["step_s"],
+                  f"{s['scheme']}: step = compute + exposed + bubble")
+    check(j["best"] in [s["scheme"] for s in j["schemes"] if s["valid"]], "best is a valid scheme")
+
+# ---- the built-in profile is the documented example's -----------------------------------------
+common = ["simulate", "--lengths", "4096,100,7", "--cp", "4", "--json", "--no-breakeven"]
+a, b = run(*common), run(*common, "--profile", EXAMPLE)
+ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+check([s.get("step_s") for s in ja["schemes"]] == [s.get("step_s") for s in jb["schemes"]],
+      "default profile differs from examples/profiles/gpu-8x-nvlink-400g.json")
+
+# ---- SVG: one line per scheme ------------------------------------------------------------------
+svg = os.path.join(tmp, "sim.svg")
+r = run("simulate", "--distribution", "lognormal", "--tokens", "65536", "--mean-length", "4096", "--cp", "16",
+        "--heads", "16", "--kv-heads", "4", "--pp", "2", "--layers", "4", "--micro-batches", "4", "--svg", svg)
+check(r.returncode == 0 and "best:" in r.stdout, f"simulate table: {r.stdout} {r.stderr}")
+root = ET.parse(svg).getroot()
+check(len([e for e in root.iter() if e.tag.endswith("polyline")]) == 5, "svg polylines")
+
+# ---- bad profiles and meshes -----------------------------------------------------------------
+with open(EXAMPLE) as f:
+    good = json.load(f)
+
+
+def write(name, obj):
+    p = os.path.join(tmp, name)
+    with open(p, "w") as f:
+        json.dump(obj, f)
+    return p
+
+
+missing = dict(good)
+del missing["intra_node"]
+neg = json.loads(json.dumps(good))
+neg["inter_node"]["latency_us"] = -1
+fp8 = json.loads(json.dumps(good))
+fp8["compute"]["fwd"]["fp8"] = 1000
+nobf16 = json.loads(json.dumps(good))
+del nobf16["compute"]["bwd"]["bf16"]
+base = ["simulate", "--lengths", "100,50", "--cp", "2"]
+bad(base + ["--profile", write("missing.json", missing)], "missing field profile.intra_node")
+bad(base + ["--profile", write("neg.json", neg)], "profile.inter_node.latency_us", ">= 0")
+bad(base + ["--profile", write("fp8.json", fp8)], "unknown dtype 'fp8'")
+bad(base + ["--profile", write("nobf16.json", nobf16)], "profile.compute.bwd.bf16")
+bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: cannot open")
+bad(["simulate", "--lengths", "100,50", "--cp", "4", "--cp-inner", "3"], "--cp-inner = 3 must divide --cp = 4")
+bad(base + ["--experts", "4", "--ep", "3"], "--ep = 3 must divide --experts = 4")
+bad(base + ["--pp", "2", "--layers", "3"], "--layers = 3", "multiple of --pp = 2")
+bad(base + ["--schedule", "zigzag"], "--schedule must be one of")
+bad(["simulate", "--lengths", "100", "--lengths-file", lf, "--cp", "2"], "give the batch once")
+
+# ---- calibrate: one process (links not measured), then two ranks (ring shifts) -----------------
+tiny = ["calibrate", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--repeats", "1",
+        "--iters", "3", "--sizes", "8,4096"]
+out = os.path.join(tmp, "calibrated.json")
+r = run(*tiny, "--json", "--out", out)
+check(r.returncode == 0, f"calibrate: {r.stderr}")
+p = json.loads(r.stdout)
+check(all(p["compute"][d][t] > 0 for d in ("fwd", "bwd") for t in ("fp32", "fp16", "bf16")), "rates")
+check("NOT measured" in p["source"] and p["ranks_per_node"] == 1, "one-rank source")
+r = run("simulate", "--lengths", "300,20", "--cp", "2", "--profile", out, "--json", "--no-breakeven")
+check(r.returncode == 0 and json.loads(r.stdout)["profile"] == "this-machine", f"read back: {r.stderr}")
+# --timeout beats CPATTN_COMM_TIMEOUT_S (whose bad value is then never read), and a bad --timeout
+# is refused naming the flag before any collective.
+r = run(*tiny, "--dtypes", "fp32", "--json", "--timeout", "60", mpi=2, env={"CPATTN_COMM_TIMEOUT_S": "-1"})
+check(r.returncode == 0, f"calibrate np 2: {r.stderr}")
+p2 = json.loads(r.stdout)
+check(p2["ranks_per_node"] == 2 and len(p2["measured"]["shifts"]) == 2, "np 2: shifts measured")
+check(p2["intra_node"]["latency_us"] > 0 and p2["intra_node"]["bandwidth_gbs"] > 0, "np 2: link figures")
+check(list(p2["compute"]["fwd"]) == ["fp32"], "only the asked dtype")
+bad(["calibrate", "--dtypes", "fp8"], "--dtypes: --dtype must be one of")
+r = run(*tiny, "--timeout", "-1", mpi=2)
+check(r.returncode == 2 and "--timeout must be in (0, 1e+07] seconds, got -1" in r.stderr,
+      f"calibrate --timeout -1: exit {r.returncode} {r.stderr[-400:]!r}")
+r = run(*tiny, mpi=2, env={"CPATTN_COMM_TIMEOUT_S": "-1"})
+check(r.returncode == 2 and "CPATTN_COMM_TIMEOUT_S" in r.stderr, f"calibrate with a bad variable: {r.stderr[-400:]!r}")
+
+if failures:
+    print("FAILED:\n  " + "\n  ".join(failures))
+    sys.exit(1)
+print("ok")

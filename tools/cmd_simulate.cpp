@@ -1,0 +1,459 @@
+// `cpattn simulate`: every CP scheme's predicted step on a mesh and a machine profile
+// (cpattn/sim.hpp, docs/simulate.md); `cpattn calibrate`: this machine's profile, measured.
+#include <cpattn/check/attention_bench.hpp>
+#include <cpattn/comm.hpp>
+#include <cpattn/error.hpp>
+#include <cpattn/layout.hpp>
+#include <cpattn/sim.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "sim_profile.hpp"
+#include "vocab.hpp"
+
+namespace cpattn::cli {
+namespace {
+
+// ---- simulate ----------------------------------------------------------------------------------
+
+struct SimulateArgs {
+  std::string lengths_file;
+  std::vector<int64_t> lengths;
+  std::string distribution;
+  int64_t tokens = 1 << 20;
+  double mean_length = 8192, sigma = 1.0;
+  uint64_t seed = 1;
+  int cp = 0, cp_inner = 0, tp = 1, dp = 1, pp = 1, ep = 1, micro = 1;
+  std::string schedule = "1f1b";
+  int layers = 1, heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0, hidden = 0;
+  int experts = 0, top_k = 1;
+  double expert_skew = 0;
+  std::string dtype = "bf16", mask = "causal";
+  std::string profile;
+  std::string svg;
+  bool json = false, no_breakeven = false;
+};
+
+nlohmann::json bytes_json(const SimBytes& b) {
+  return {{"sent_intra", b.sent_intra}, {"sent_inter", b.sent_inter},
+          {"received_intra", b.received_intra}, {"received_inter", b.received_inter}};
+}
+
+nlohmann::json call_json(const std::vector<SimCall>& calls) {
+  nlohmann::json j = {{"compute_s", nlohmann::json::array()}, {"exposed_s", nlohmann::json::array()},
+                      {"hidden_s", nlohmann::json::array()}, {"bytes_sent", nlohmann::json::array()},
+                      {"bytes_received", nlohmann::json::array()}, {"agreement_bytes_sent", nlohmann::json::array()}};
+  for (const SimCall& c : calls) {
+    j["compute_s"].push_back(c.compute_s);
+    j["exposed_s"].push_back(c.exposed_s);
+    j["hidden_s"].push_back(c.hidden_s);
+    j["bytes_sent"].push_back(c.payload.sent());
+    j["bytes_received"].push_back(c.payload.received());
+    j["agreement_bytes_sent"].push_back(c.agreement.sent());
+  }
+  return j;
+}
+
+// Predicted step time against CP size (powers of two up to `max_cp`), one line per scheme.
+void write_svg(const std::string& path, const SimInput& in, int max_cp) {
+  std::vector<int> sizes;
+  for (int c = 1; c <= max_cp; c *= 2) sizes.push_back(c);
+  if (sizes.back() != max_cp) sizes.push_back(max_cp);
+  std::vector<std::vector<double>> t;  // [scheme][size], <= 0: not valid
+  double lo = 1e300, hi = 0;
+  for (const CpScheme s : kCpSchemes) {
+    t.emplace_back();
+    for (const int c : sizes) {
+      SimInput v = in;
+      v.mesh.cp = c;
+      v.mesh.cp_inner = in.mesh.cp_inner > 0 ? std::gcd(in.mesh.cp_inner, c) : 0;
+      v.find_breakeven = false;
+      double x = 0;
+      try {
+        const SchemePrediction p = simulate_scheme(v, s);
+        x = p.valid ? p.step_s : 0;
+      } catch (const Error&) {
+        x = 0;  // a size this mesh cannot take (e.g. --ep not dividing it)
+      }
+      t.back().push_back(x);
+      if (x > 0) {
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+    }
+  }
+  CPATTN_CHECK(hi > 0, "--svg: no scheme is valid at any CP size up to ", max_cp);
+  const double W = 720, H = 440, L = 80, R = 160, T = 30, B = 50;
+  const double ly0 = std::floor(std::log10(lo)), ly1 = std::max(ly0 + 1, std::ceil(std::log10(hi)));
+  const auto xs = [&](std::size_t i) {
+    return L + (sizes.size() == 1 ? 0 : (W - L - R) * static_cast<double>(i) / static_cast<double>(sizes.size() - 1));
+  };
+  const auto ys = [&](double v) { return T + (H - T - B) * (ly1 - std::log10(v)) / (ly1 - ly0); };
+  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"};
+  std::ofstream o(path);
+  CPATTN_CHECK(o.good(), "--svg: cannot write '", path, "'");
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  o << "<text x=\"" << L << "\" y=\"18\">cpattn simulate: predicted step time (s, log) against CP size, profile "
+    << in.profile.name << "</text>\n";
+  for (double e = ly0; e <= ly1; e += 1) {
+    o << "<line x1=\"" << L << "\" x2=\"" << W - R << "\" y1=\"" << ys(std::pow(10, e)) << "\" y2=\""
+      << ys(std::pow(10, e)) << "\" stroke=\"#ddd\"/>\n<text x=\"" << L - 8 << "\" y=\"" << ys(std::pow(10, e)) + 4
+      << "\" text-anchor=\"end\">1e" << e << "</text>\n";
+  }
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    o << "<text x=\"" << xs(i) << "\" y=\"" << H - B + 18 << "\" text-anchor=\"middle\">" << sizes[i] << "</text>\n";
+  o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">CP size</text>\n";
+  for (std::size_t s = 0; s < t.size(); ++s) {
+    std::ostringstream pts;
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      if (t[s][i] > 0) pts << xs(i) << ',' << ys(t[s][i]) << ' ';
+    o << "<polyline fill=\"none\" stroke=\"" << colors[s] << "\" stroke-width=\"2\" points=\"" << pts.str()
+      << "\"/>\n<text x=\"" << W - R + 10 << "\" y=\"" << T + 20 + 18 * static_cast<double>(s) << "\" fill=\""
+      << colors[s] << "\">" << to_string(kCpSchemes[s]) << "</text>\n";
+  }
+  o << "</svg>\n";
+}
+
+void run_simulate(const SimulateArgs& a) {
+  std::vector<int64_t> cu;
+  const int sources = !a.lengths_file.empty() + !a.lengths.empty() + !a.distribution.empty();
+  CPATTN_CHECK(sources == 1, "give the batch once: --lengths-file FILE, --lengths L1,L2,... or --distribution "
+               "NAME (with --tokens, --mean-length, --sigma, --seed)");
+  if (!a.lengths_file.empty()) cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), "--lengths-file");
+  if (!a.lengths.empty()) cu = cu_seqlens_from_lengths(a.lengths, "--lengths");
+  if (!a.distribution.empty()) cu = sim_lengths(a.distribution, a.tokens, a.mean_length, a.sigma, a.seed);
+  const auto kind = parse_pipeline_schedule(a.schedule);
+  CPATTN_CHECK(kind.has_value(), "--schedule must be one of fill-drain, gpipe, 1f1b, interleaved, zb-h1, got '",
+               a.schedule, "'");
+  SimInput in{.cu_seqlens = cu,
+              .model = {.layers = a.layers,
+                        .num_heads_q = a.heads,
+                        .num_heads_k = a.kv_heads,
+                        .head_dim_qk = a.head_dim_qk > 0 ? a.head_dim_qk : a.head_dim,
+                        .head_dim_v = a.head_dim_v > 0 ? a.head_dim_v : a.head_dim,
+                        .hidden = a.hidden,
+                        .dtype = parse_dtype(a.dtype),
+                        .mask = parse_mask(a.mask),
+                        .experts = a.experts,
+                        .top_k = a.top_k,
+                        .expert_skew = a.expert_skew},
+              .mesh = {.tp = a.tp, .cp = a.cp, .cp_inner = a.cp_inner, .dp = a.dp, .pp = a.pp, .ep = a.ep,
+                       .micro = a.micro, .schedule = *kind},
+              .profile = a.profile.empty() ? default_profile() : read_profile(a.profile),
+              .find_breakeven = !a.no_breakeven};
+  const auto t0 = std::chrono::steady_clock::now();
+  const SimReport rep = simulate_step(in);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!a.svg.empty()) write_svg(a.svg, in, a.cp);
+  const int64_t world = int64_t{a.tp} * a.cp * a.dp * a.pp;
+  if (a.json) {
+    nlohmann::json j;
+    j["profile"] = in.profile.name;
+    j["tokens"] = rep.tokens;
+    j["padded_tokens"] = rep.padded_tokens;
+    j["documents"] = cu.size() - 1;
+    j["mesh"] = {{"tp", a.tp}, {"cp", a.cp}, {"cp_inner", a.cp_inner}, {"dp", a.dp}, {"pp", a.pp}, {"ep", a.ep},
+                 {"micro_batches", a.micro}, {"schedule", a.schedule}, {"world", world}};
+    j["model"] = {{"layers", a.layers}, {"heads", in.model.num_heads_q}, {"kv_heads", in.model.num_heads_k},
+                  {"head_dim_qk", in.model.head_dim_qk}, {"head_dim_v", in.model.head_dim_v},
+                  {"hidden", in.model.hidden}, {"dtype", a.dtype}, {"mask", a.mask}, {"experts", a.experts},
+                  {"top_k", a.top_k}};
+    j["visible_pairs"] = rep.visible_pairs;
+    j["imbalance"] = rep.imbalance;
+    j["best"] = to_string(rep.best);
+    j["simulate_seconds"] = seconds;
+    j["schemes"] = nlohmann::json::array();
+    for (const SchemePrediction& p : rep.schemes) {
+      nlohmann::json s = {{"scheme", to_string(p.scheme)}, {"valid", p.valid}};
+      if (!p.valid) {
+        s["reason"] = p.reason;
+        j["schemes"].push_back(s);
+        continue;
+      }
+      if (p.scheme == CpScheme::hybrid) s["cp_inner"] = p.cp_inner;
+      s["step_s"] = p.step_s;
+      s["compute_s"] = p.compute_s;
+      s["exposed_comm_s"] = p.exposed_comm_s;
+      s["hidden_comm_s"] = p.hidden_comm_s;
+      s["bubble_s"] = p.bubble_s;
+      s["bubble_fraction"] = p.bubble_fraction;
+      s["expert_imbalance"] = p.expert_imbalance;
+      s["step_bytes"] = bytes_json(p.step_bytes);
+      s["peak_memory_gb"] = p.peak_memory_gb;
+      s["fits_memory"] = p.fits_memory;
+      s["faster_smaller_cp"] = p.faster_smaller_cp;
+      s["breakeven_length_scale"] = p.breakeven_length_scale;
+      s["breakeven_bandwidth_scale"] = p.breakeven_bandwidth_scale;
+      s["forward"] = call_json(p.forward);
+      s["backward"] = call_json(p.backward);
+      j["schemes"].push_back(s);
+    }
+    std::cout << j.dump() << '\n';
+    return;
+  }
+  std::printf("cpattn simulate: %lld tokens (%lld padded) in %zu documents, profile %s\n",
+              static_cast<long long>(rep.tokens), static_cast<long long>(rep.padded_tokens), cu.size() - 1,
+              in.profile.name.c_str());
+  std::printf("mesh tp %d x cp %d x dp %d x pp %d = %lld ranks, ep %d, %d micro-batch(es), schedule %s; planner "
+              "imbalance %.4f\n",
+              a.tp, a.cp, a.dp, a.pp, static_cast<long long>(world), a.ep, a.micro, a.schedule.c_str(), rep.imbalance);
+  std::printf("%-10s %11s %11s %11s %11s %11s %9s %9s %8s %7s %7s %7s\n", "scheme", "step ms", "compute", "exposed",
+              "hidden", "bubble", "intra GB", "inter GB", "mem GB", "cp<", "len x", "bw x");
+  for (const SchemePrediction& p : rep.schemes) {
+    if (!p.valid) {
+      std::printf("%-10s not valid: %s\n", std::string(to_string(p.scheme)).c_str(), p.reason.c_str());
+      continue;
+    }
+    std::string name(to_string(p.scheme));
+    if (p.scheme == CpScheme::hybrid) name += "/" + std::to_string(p.cp_inner);
+    std::printf("%-10s %11.4f %11.4f %11.4f %11.4f %11.4f %9.4f %9.4f %7.2f%s %7d %7.3g %7.3g\n", name.c_str(),
+                1e3 * p.step_s, 1e3 * p.compute_s, 1e3 * p.exposed_comm_s, 1e3 * p.hidden_comm_s, 1e3 * p.bubble_s,
+                static_cast<double>(p.step_bytes.sent_intra) / 1e9, static_cast<double>(p.step_bytes.sent_inter) / 1e9,
+                p.peak_memory_gb, p.fits_memory ? " " : "!", p.faster_smaller_cp, p.breakeven_length_scale,
+                p.breakeven_bandwidth_scale);
+  }
+  std::printf("best: %s. Times per step in ms on the slowest rank; GB sent per rank and step; mem: attention state "
+              "per rank (! over the profile's memory); cp<: the fastest smaller power-of-two CP when one beats --cp (0: none); "
+              "len x / bw x: the scale of the documents' lengths / of the links' bandwidth below which cp/2 is "
+              "faster (0: no crossing within 1/256..256). Simulated in %.3f s.\n",
+              std::string(to_string(rep.best)).c_str(), seconds);
+}
+
+// ---- calibrate ---------------------------------------------------------------------------------
+
+struct CalibrateArgs {
+  std::string out;
+  int64_t seq_len = 2048;
+  int heads = 8, kv_heads = 2, head_dim = 128, threads = 1, repeats = 3;
+  std::vector<std::string> dtypes{"fp32", "fp16", "bf16"};
+  std::vector<int64_t> sizes{8, 4096, 65536, 1 << 20, 2 << 20};
+  std::vector<int64_t> lengths;  // the kernel case's documents (default: one of seq_len)
+  int iters = 20;
+  std::string name = "this-machine";
+  bool json = false;
+  std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
+};
+
+// Seconds of one ring shift of `bytes` (every rank sends to the next, receives from the previous),
+// the median of `iters` after a warm-up, the slowest rank's.
+double shift_seconds(Communicator& comm, int64_t bytes, int iters) {
+  std::vector<std::byte> send(static_cast<std::size_t>(bytes)), recv(send.size());
+  const int p = comm.size(), r = comm.rank();
+  std::vector<double> t;
+  for (int i = 0; i <= iters; ++i) {
+    comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    CommRequest req = comm.start_shift<std::byte>(send, (r + 1) % p, recv, (r + p - 1) % p);
+    comm.wait(req);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) t.push_back(s);
+  }
+  std::sort(t.begin(), t.end());
+  std::vector<double> med{t[t.size() / 2]};
+  comm.all_reduce<double>(med, ReduceOp::max);
+  return med[0];
+}
+
+void run_calibrate(const CalibrateArgs& a) {
+  CPATTN_CHECK(a.iters >= 1, "--iters must be >= 1, got ", a.iters);
+  CPATTN_CHECK(!a.sizes.empty(), "--sizes: give at least one message size");
+  for (const int64_t l : a.lengths) CPATTN_CHECK(l >= 1, "--lengths: every length must be >= 1, got ", l);
+  for (const int64_t s : a.sizes)
+    CPATTN_CHECK(s >= 1 && s <= (int64_t{1} << 30), "--sizes: every message size must be in [1, 2^30] bytes, got ", s);
+  std::vector<DType> dtypes;
+  for (const std::string& name : a.dtypes) {
+    try {
+      dtypes.push_back(parse_dtype(name));
+    } catch (const Error& e) {
+      throw Error("--dtypes: " + e.message());
+    }
+  }
+  const MpiSession mpi;  // finalizes only what it initialized
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
+  MachineProfile p;
+  p.name = a.name;
+  std::ostringstream src;
+  src << "cpattn calibrate on " << comm.size() << " rank(s): attention kernels ";
+  // Kernel rates: every rank runs the same case at once (as the ranks of a CP run do); the
+  // slowest rank's rate.
+  nlohmann::json kernels = nlohmann::json::array();
+  for (const DType t : dtypes) {
+    const std::string name(to_string(t));
+    check::AttnBenchOptions o;
+    o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
+    o.heads = a.heads;
+    o.kv_heads = a.kv_heads;
+    o.head_dim = a.head_dim;
+    o.dtype = t;
+    o.threads = a.threads;
+    o.repeats = a.repeats;
+    comm.barrier();
+    const check::AttnBenchResult r = check::run_attention_bench(o, nullptr);
+    std::vector<double> rate{r.fwd_gflops, r.bwd_gflops};
+    std::vector<double> neg{-rate[0], -rate[1]};
+    comm.all_reduce<double>(neg, ReduceOp::max);  // the minimum rate
+    p.fwd_gflops[static_cast<std::size_t>(t)] = -neg[0];
+    p.bwd_gflops[static_cast<std::size_t>(t)] = -neg[1];
+    kernels.push_back({{"dtype", name}, {"fwd_gflops", -neg[0]}, {"bwd_gflops", -neg[1]}, {"path", r.path}});
+  }
+  if (a.lengths.empty())
+    src << "(one " << a.seq_len << "-token causal document, ";
+  else
+    src << "(" << a.lengths.size() << " causal documents of " << std::accumulate(a.lengths.begin(), a.lengths.end(), int64_t{0})
+        << " tokens, ";
+  src << a.heads << "/" << a.kv_heads << " heads, dim "
+      << a.head_dim << ", " << a.threads << " thread(s), median of " << a.repeats << ", slowest rank); ";
+  // Links: ring shifts by message size. Latency: the smallest message; bandwidth: the largest,
+  // less that latency.
+  nlohmann::json links = nlohmann::json::array();
+  std::vector<int64_t> sizes = a.sizes;
+  std::sort(sizes.begin(), sizes.end());
+  double lat = 0, bw = 0;
+  if (comm.size() > 1) {
+    std::vector<double> secs;
+    for (const int64_t s : sizes) {
+      secs.push_back(shift_seconds(comm, s, a.iters));
+      links.push_back({{"bytes", s}, {"seconds", secs.back()},
+                       {"gbs", static_cast<double>(s) / secs.back() / 1e9}});
+    }
+    lat = secs.front();
+    bw = static_cast<double>(sizes.back()) / std::max(secs.back() - lat, 1e-12) / 1e9;
+    src << "links: ring shifts between the " << comm.size() << " ranks of one node (median of " << a.iters
+        << "; latency = the " << sizes.front() << "-byte shift, bandwidth = the " << sizes.back()
+        << "-byte one less that latency); inter_node = intra_node (one node: not measured)";
+  } else {
+    // One rank: no peer to measure. A memcpy bounds what a shared-memory transport moves.
+    std::vector<std::byte> x(static_cast<std::size_t>(sizes.back())), y(x.size());
+    double best = 1e300;
+    for (int i = 0; i < a.iters; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::copy(x.begin(), x.end(), y.begin());
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    bw = static_cast<double>(x.size()) / best / 1e9;
+    lat = 1e-6;
+    src << "links: NOT measured (one rank; run under mpirun -np 2): bandwidth = a " << sizes.back()
+        << "-byte memcpy, latency 1 us assumed; inter_node = intra_node";
+  }
+  p.intra = {.bandwidth_gbs = bw, .latency_us = lat * 1e6};
+  p.inter = p.intra;
+  p.ranks_per_node = comm.size();
+  const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  p.memory_gb = ram / 1e9 / comm.size();
+  check_machine_profile(p);
+  if (comm.rank() != 0) return;
+  nlohmann::json j = profile_json(p, src.str());
+  j["measured"] = {{"kernels", kernels}, {"shifts", links}};
+  if (!a.out.empty()) {
+    std::ofstream o(a.out);
+    CPATTN_CHECK(o.good(), "--out: cannot write '", a.out, "'");
+    o << j.dump(2) << '\n';
+  }
+  if (a.json) {
+    std::cout << j.dump() << '\n';
+    return;
+  }
+  std::printf("cpattn calibrate: %s\n", src.str().c_str());
+  for (const auto& k : kernels)
+    std::printf("  %-5s forward %8.2f GFLOP/s, backward %8.2f GFLOP/s (%s)\n", k["dtype"].get<std::string>().c_str(),
+                k["fwd_gflops"].get<double>(), k["bwd_gflops"].get<double>(), k["path"].get<std::string>().c_str());
+  for (const auto& l : links)
+    std::printf("  shift %10lld bytes: %10.2f us, %8.3f GB/s\n", static_cast<long long>(l["bytes"].get<int64_t>()),
+                l["seconds"].get<double>() * 1e6, l["gbs"].get<double>());
+  std::printf("  profile: latency %.2f us, bandwidth %.3f GB/s, %d rank(s) per node, %.1f GB per rank%s%s\n",
+              p.intra.latency_us, p.intra.bandwidth_gbs, p.ranks_per_node, p.memory_gb,
+              a.out.empty() ? "" : "; written to ", a.out.c_str());
+}
+
+}  // namespace
+
+void add_simulate_command(CLI::App& app) {
+  auto a = std::make_shared<SimulateArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "simulate", "Predict every CP scheme's step (compute, exposed and hidden communication, pipeline bubble, "
+                  "bytes per link class, memory) for a batch on a mesh and a machine profile. See docs/simulate.md.");
+  cmd->add_option("--lengths-file", a->lengths_file, "One document length per line ('#' comments)");
+  cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated")->delimiter(',');
+  cmd->add_option("--distribution", a->distribution, "A named length distribution: fixed, uniform or lognormal");
+  cmd->add_option("--tokens", a->tokens, "--distribution: tokens of the batch")->capture_default_str();
+  cmd->add_option("--mean-length", a->mean_length, "--distribution: mean document length")->capture_default_str();
+  cmd->add_option("--sigma", a->sigma, "--distribution lognormal: sigma of log(length)")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "--distribution: seed")->capture_default_str();
+  cmd->add_option("--cp", a->cp, "Context-parallel size")->required();
+  cmd->add_option("--cp-inner", a->cp_inner, "The hybrid's all-to-all group, dividing --cp (default: the largest "
+                                             "divisor whose tp x group ranks fit a node)");
+  cmd->add_option("--tp", a->tp, "Tensor-parallel size (divides the heads)")->capture_default_str();
+  cmd->add_option("--dp", a->dp, "Data-parallel size (identical replicas)")->capture_default_str();
+  cmd->add_option("--pp", a->pp, "Pipeline stages")->capture_default_str();
+  cmd->add_option("--ep", a->ep, "Expert-parallel size (needs --experts)")->capture_default_str();
+  cmd->add_option("--micro-batches", a->micro, "Micro-batches per step, each the given batch")->capture_default_str();
+  cmd->add_option("--schedule", a->schedule, "Pipeline schedule: fill-drain, gpipe, 1f1b, interleaved, zb-h1")
+      ->capture_default_str();
+  cmd->add_option("--layers", a->layers, "Attention layers of the model (a multiple of --pp)")->capture_default_str();
+  cmd->add_option("--heads", a->heads, "Query heads")->capture_default_str();
+  cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")->capture_default_str();
+  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->capture_default_str();
+  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA), overrides --head-dim");
+  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA), overrides --head-dim");
+  cmd->add_option("--hidden", a->hidden, "Model width (pipeline activations, TP all-reduces, EP tokens; default "
+                                         "heads x head-dim-v)");
+  cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")
+      ->transform(dtype_transformer())->capture_default_str();
+  cmd->add_option("--mask", a->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
+  cmd->add_option("--experts", a->experts, "MoE experts per layer (0: dense)")->capture_default_str();
+  cmd->add_option("--top-k", a->top_k, "Experts per token")->capture_default_str();
+  cmd->add_option("--expert-skew", a->expert_skew, "Router skew s: expert e gets a share 1/(e+1)^s")
+      ->capture_default_str();
+  cmd->add_option("--profile", a->profile, "Machine profile JSON (cpattn calibrate, examples/profiles/; default: "
+                                           "the nominal gpu-8x-nvlink-400g)");
+  cmd->add_option("--svg", a->svg, "Write a plot of predicted step time against CP size, per scheme");
+  cmd->add_flag("--no-breakeven", a->no_breakeven, "Skip the sweeps for where CP stops paying");
+  cmd->add_flag("--json", a->json, "Print one JSON object");
+  cmd->callback([a] { run_simulate(*a); });
+}
+
+void add_calibrate_command(CLI::App& app) {
+  auto a = std::make_shared<CalibrateArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "calibrate", "Measure this machine into a profile for simulate: attention kernel GFLOP/s by dtype, and (under "
+                   "mpirun -np 2 or more) ring-shift latency and bandwidth by message size. See docs/simulate.md.");
+  cmd->add_option("--out", a->out, "Write the profile JSON here");
+  cmd->add_option("--name", a->name, "The profile's name")->capture_default_str();
+  cmd->add_option("--seq-len", a->seq_len, "Kernel case: one causal document of this many tokens")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--lengths", a->lengths, "Kernel case: these document lengths instead (e.g. a batch to predict)")
+      ->delimiter(',');
+  cmd->add_option("--heads", a->heads, "Kernel case: query heads")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--kv-heads", a->kv_heads, "Kernel case: key/value heads")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--head-dim", a->head_dim, "Kernel case: head dimension")->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--threads", a->threads, "Kernel threads per rank")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--repeats", a->repeats, "Timed kernel runs per direction (median)")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--dtypes", a->dtypes, "Dtypes to measure, comma-separated")->delimiter(',')->capture_default_str();
+  cmd->add_option("--sizes", a->sizes, "Message sizes in bytes, comma-separated")->delimiter(',')->capture_default_str();
+  cmd->add_option("--iters", a->iters, "Timed shifts per size (median)")->capture_default_str();
+  cmd->add_flag("--json", a->json, "Print the profile as one JSON object");
+  add_timeout_option(cmd, a->timeout);
+  cmd->callback([a] { run_calibrate(*a); });
+}
+
+}  // namespace cpattn::cli

@@ -1,0 +1,135 @@
+// Machine profiles as JSON (sim_profile.hpp).
+#include "sim_profile.hpp"
+
+#include <cpattn/error.hpp>
+
+#include <fstream>
+#include <string>
+
+namespace cpattn::cli {
+
+namespace {
+
+constexpr DType kDtypes[] = {DType::f32, DType::f16, DType::bf16};
+
+const nlohmann::json& field(const nlohmann::json& obj, const char* key, const std::string& where,
+                            const std::string& path) {
+  CPATTN_CHECK(obj.contains(key), where, ": missing field profile.", path, key);
+  return obj.at(key);
+}
+
+double number(const nlohmann::json& obj, const char* key, const std::string& where, const std::string& path) {
+  const nlohmann::json& v = field(obj, key, where, path);
+  CPATTN_CHECK(v.is_number(), where, ": profile.", path, key, " must be a number, got ", v.dump());
+  return v.get<double>();
+}
+
+void only_keys(const nlohmann::json& obj, std::initializer_list<const char*> keys, const std::string& where,
+               const std::string& path) {
+  CPATTN_CHECK(obj.is_object(), where, ": profile", path.empty() ? "" : ".", path.substr(0, path.size() ? path.size() - 1 : 0),
+               " must be a JSON object, got ", obj.dump());
+  for (const auto& [k, v] : obj.items()) {
+    bool known = false;
+    for (const char* want : keys) known = known || k == want;
+    std::string names;
+    for (const char* want : keys) names += (names.empty() ? "" : ", ") + std::string(want);
+    CPATTN_CHECK(known, where, ": unknown field profile.", path, k, " (profile.", path, "* fields: ", names, ")");
+  }
+}
+
+SimLink parse_link(const nlohmann::json& j, const char* key, const std::string& where) {
+  const std::string path = std::string(key) + ".";
+  const nlohmann::json& l = field(j, key, where, "");
+  only_keys(l, {"bandwidth_gbs", "latency_us"}, where, path);
+  return {.bandwidth_gbs = number(l, "bandwidth_gbs", where, path), .latency_us = number(l, "latency_us", where, path)};
+}
+
+// {"fp32": x, "bf16": y, ...}: unknown dtypes are an error; absent ones stay 0 (unknown).
+void parse_rates(const nlohmann::json& j, const char* dir, const std::string& where, std::array<double, 3>& out) {
+  const std::string path = std::string("compute.") + dir + ".";
+  const nlohmann::json& r = field(j, dir, where, "compute.");
+  CPATTN_CHECK(r.is_object(), where, ": profile.compute.", dir, " must be an object of dtype: GFLOP/s, got ", r.dump());
+  for (const auto& [k, v] : r.items()) {
+    bool known = false;
+    for (const DType t : kDtypes)
+      if (k == to_string(t)) {
+        CPATTN_CHECK(v.is_number(), where, ": profile.", path, k, " must be a number (GFLOP/s), got ", v.dump());
+        out[static_cast<std::size_t>(t)] = v.get<double>();
+        known = true;
+      }
+    CPATTN_CHECK(known, where, ": profile.", path, k, ": unknown dtype '", k, "' (fp32, fp16, bf16)");
+  }
+}
+
+}  // namespace
+
+MachineProfile parse_profile(const nlohmann::json& j, const std::string& where) {
+  only_keys(j, {"name", "source", "compute", "intra_node", "inter_node", "ranks_per_node", "memory_gb", "measured"},
+            where, "");
+  MachineProfile p;
+  if (j.contains("name")) {
+    CPATTN_CHECK(j["name"].is_string(), where, ": profile.name must be a string");
+    p.name = j["name"].get<std::string>();
+  }
+  const nlohmann::json& c = field(j, "compute", where, "");
+  only_keys(c, {"fwd", "bwd"}, where, "compute.");
+  parse_rates(c, "fwd", where, p.fwd_gflops);
+  parse_rates(c, "bwd", where, p.bwd_gflops);
+  p.intra = parse_link(j, "intra_node", where);
+  p.inter = parse_link(j, "inter_node", where);
+  const nlohmann::json& rpn = field(j, "ranks_per_node", where, "");
+  CPATTN_CHECK(rpn.is_number_integer(), where, ": profile.ranks_per_node must be an integer, got ", rpn.dump());
+  CPATTN_CHECK(rpn.get<int64_t>() >= 1 && rpn.get<int64_t>() <= (1 << 20), where,
+               ": profile.ranks_per_node must be in [1, 2^20], got ", rpn.dump());
+  p.ranks_per_node = rpn.get<int>();
+  p.memory_gb = number(j, "memory_gb", where, "");
+  try {
+    check_machine_profile(p);
+  } catch (const Error& e) {
+    throw Error(where + ": " + e.message());
+  }
+  return p;
+}
+
+MachineProfile read_profile(const std::string& path) {
+  std::ifstream in(path);
+  CPATTN_CHECK(in.good(), "--profile: cannot open '", path, "'");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("--profile " + path + ": not valid JSON: " + e.what());
+  }
+  return parse_profile(j, "--profile " + path);
+}
+
+nlohmann::json profile_json(const MachineProfile& p, const std::string& source) {
+  nlohmann::json j;
+  j["name"] = p.name;
+  j["source"] = source;
+  nlohmann::json fwd = nlohmann::json::object(), bwd = nlohmann::json::object();
+  for (const DType t : kDtypes) {
+    const auto i = static_cast<std::size_t>(t);
+    if (p.fwd_gflops[i] > 0) fwd[std::string(to_string(t))] = p.fwd_gflops[i];
+    if (p.bwd_gflops[i] > 0) bwd[std::string(to_string(t))] = p.bwd_gflops[i];
+  }
+  j["compute"] = {{"fwd", fwd}, {"bwd", bwd}};
+  j["intra_node"] = {{"bandwidth_gbs", p.intra.bandwidth_gbs}, {"latency_us", p.intra.latency_us}};
+  j["inter_node"] = {{"bandwidth_gbs", p.inter.bandwidth_gbs}, {"latency_us", p.inter.latency_us}};
+  j["ranks_per_node"] = p.ranks_per_node;
+  j["memory_gb"] = p.memory_gb;
+  return j;
+}
+
+MachineProfile default_profile() {
+  // Nominal figures, see examples/profiles/gpu-8x-nvlink-400g.json's "source".
+  return {.name = "gpu-8x-nvlink-400g",
+          .fwd_gflops = {33500, 495000, 495000},
+          .bwd_gflops = {33500, 495000, 495000},
+          .intra = {.bandwidth_gbs = 450, .latency_us = 3},
+          .inter = {.bandwidth_gbs = 50, .latency_us = 5},
+          .ranks_per_node = 8,
+          .memory_gb = 80};
+}
+
+}  // namespace cpattn::cli

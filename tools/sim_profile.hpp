@@ -1,0 +1,24 @@
+// Machine profiles as JSON (docs/simulate.md "Profile format"): what `cpattn calibrate` writes
+// and `cpattn simulate --profile` reads.
+#pragma once
+
+#include <cpattn/sim.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+namespace cpattn::cli {
+
+// Reads and checks a profile; errors name the file and the field (profile.<path>) and the
+// rule: a missing or non-numeric field, an unknown key or dtype, a negative value.
+MachineProfile read_profile(const std::string& path);
+MachineProfile parse_profile(const nlohmann::json& j, const std::string& where);
+// The JSON form of `p` (rates of unknown dtypes left out), with `source` describing the numbers.
+nlohmann::json profile_json(const MachineProfile& p, const std::string& source);
+
+// The profile `simulate` uses without --profile: examples/profiles/gpu-8x-nvlink-400g.json's
+// nominal numbers (tests/tools/test_cli_simulate.py holds the two equal).
+MachineProfile default_profile();
+
+}  // namespace cpattn::cli
