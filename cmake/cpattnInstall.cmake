@@ -22,9 +22,9 @@ else()
       PATTERN cpattn.hpp EXCLUDE)
 endif()
 
-# train.hpp belongs to the training example (cpattn_train), which is not installed.
+# train.hpp and train_config.hpp belong to the training example (cpattn_train), which is not installed.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/cpattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
-        PATTERN train.hpp EXCLUDE PATTERN *.in EXCLUDE ${_cpattn_mpi_headers})
+        PATTERN train.hpp EXCLUDE PATTERN train_config.hpp EXCLUDE PATTERN *.in EXCLUDE ${_cpattn_mpi_headers})
 install(FILES ${PROJECT_BINARY_DIR}/include/cpattn/version.hpp
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/cpattn)
 

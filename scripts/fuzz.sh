@@ -8,7 +8,7 @@ seconds=${1:-30}
 cmake --preset fuzz >/dev/null
 cmake --build --preset fuzz --target fuzzers
 mkdir -p build/fuzz/crashes
-for t in fuzz_plan fuzz_npy fuzz_cli fuzz_profile; do
+for t in fuzz_plan fuzz_npy fuzz_cli fuzz_profile fuzz_lengths fuzz_checkpoint; do
   work=build/fuzz/corpus/$t
   mkdir -p "$work"
   echo "fuzz: $t for ${seconds}s"

@@ -5,6 +5,7 @@
 // then compares its own rows; the verdict is agreed over all ranks.
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/moe_ep.hpp>
 
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "vocab.hpp"
 
 namespace cpattn::cli {
 
@@ -38,7 +40,7 @@ struct MoeArgs {
   int hidden = 64, ffn = 128;
   uint64_t seed = 1;
   int repeat = 1;
-  double timeout = 120;
+  std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
   bool json = false;
 };
 
@@ -205,9 +207,33 @@ void print_report(const MoeArgs& a, const MoeLoadReport& r, const CheckResult& c
   }
 }
 
+// What a rank allocates at least, refused with both sizes before anything is when past the
+// available memory (the flags alone decide it: the same on every rank). fp32 values: every
+// expert's weights (W1, W3: hidden x ffn, W2: ffn x hidden) and the router, held by the
+// reference with its gradients and, for this rank's experts, by the layer with theirs; the
+// global batch x, dy and the reference's y, dx; each top-k assignment's expert activations
+// (3 x ffn + 2 x hidden) for the reference's whole batch and the layer's rows.
+void check_moe_memory(const MoeArgs& a) {
+  const auto e = static_cast<uint64_t>(a.experts), h = static_cast<uint64_t>(a.hidden);
+  const auto f = static_cast<uint64_t>(a.ffn), k = static_cast<uint64_t>(a.top_k);
+  const auto local = static_cast<uint64_t>(a.tokens), global = saturating_mul(local, static_cast<uint64_t>(a.ep));
+  const uint64_t weights = saturating_mul(saturating_add(saturating_mul(saturating_mul(3, h), f), h), e);
+  const uint64_t held = saturating_add(saturating_mul(weights, 2), saturating_mul(weights / static_cast<uint64_t>(a.ep), 2));
+  const uint64_t batch = saturating_mul(saturating_mul(global, h), 4);
+  const uint64_t per_assignment = saturating_add(saturating_mul(3, f), saturating_mul(2, h));
+  const uint64_t activations =
+      saturating_mul(saturating_mul(saturating_add(global, saturating_mul(local, 2)), k), per_assignment);
+  const uint64_t bytes = saturating_mul(saturating_add(saturating_add(held, batch), activations), sizeof(float));
+  check_memory(bytes, "cpattn moe of " + std::to_string(a.tokens) + " tokens per rank",
+               "weights and gradients " + format_bytes(saturating_mul(held, sizeof(float))) + ", batch " +
+                   format_bytes(saturating_mul(batch, sizeof(float))) + ", expert activations " +
+                   format_bytes(saturating_mul(activations, sizeof(float))) + ", per rank");
+}
+
 // Returns whether the check passed. Errors are the same on every rank (flags, agree()).
 bool run_moe(Communicator& comm, const MoeArgs& a) {
   const MoeConfig cfg = config_of(a, comm.size());
+  check_moe_memory(a);
   MoeEpLayer layer(comm, cfg);
   MoeWeights all = moe_init_weights(cfg, a.seed);
   const std::vector<float> x_all = make_batch(a, cfg, all);
@@ -245,7 +271,7 @@ bool run_moe(Communicator& comm, const MoeArgs& a) {
 
 void run(const MoeArgs& a) {
   const MpiSession mpi;  // finalizes only what it initialized
-  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   bool pass = false;
   try {
     pass = run_moe(comm, a);
@@ -292,7 +318,7 @@ void add_moe_command(CLI::App& app) {
   cmd->add_option("--ffn", a->ffn, "Each expert's SwiGLU width F")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Seed of the batch and the weights")->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "Forward+backward passes timed (medians reported)")->capture_default_str();
-  cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
+  add_timeout_option(cmd, a->timeout);
   cmd->add_flag("--json", a->json, "Print the report as one JSON object");
   cmd->callback([a] { run(*a); });
 }

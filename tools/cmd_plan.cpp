@@ -22,9 +22,15 @@ namespace cpattn::cli {
 std::vector<int64_t> read_lengths_file(const std::string& path) {
   std::ifstream in(path);
   CPATTN_CHECK(in.good(), "--lengths-file: cannot open '", path, "'");
+  std::vector<int64_t> lengths = parse_lengths_file(in, path);
+  CPATTN_CHECK(!in.bad(), "--lengths-file ", path, ": read error");
+  return lengths;
+}
+
+std::vector<int64_t> parse_lengths_file(std::istream& in, const std::string& path) {
   std::vector<int64_t> lengths;
   std::string line;
-  for (int line_no = 1; std::getline(in, line); ++line_no) {
+  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
     const auto hash = line.find('#');
     if (hash != std::string::npos) line.resize(hash);
     std::istringstream fields(line);
@@ -114,48 +120,76 @@ void print_table(const BalanceReport& b, const std::vector<int64_t>& cu) {
               b.imbalance_balanced, b.imbalance_contiguous);
 }
 
-void print_json(const BalanceReport& b, const std::vector<int64_t>& cu, const SplitSummary& both) {
-  nlohmann::json j;
-  j["cp"] = b.cp;
-  j["split"] = to_string(b.split);
-  j["cu_seqlens"] = cu;
-  j["cu_seqlens_padded"] = b.split == CpSplit::padded ? pad_cu_seqlens(cu, b.cp) : cu;
-  j["seq_len"] = b.real_tokens;
-  j["padded_tokens"] = b.padded_tokens;
-  j["padding_tokens"] = b.padding_tokens();
-  j["padding_percent"] = b.padding_percent();
-  j["ranks"] = nlohmann::json::array();
-  for (const RankBalance& r : b.ranks) {
-    const RankPlan p = get_thd_load_balanced_cp_metadata(cu, b.cp, r.rank, PlanOptions{.split = b.split});
-    nlohmann::json runs = nlohmann::json::array();
-    for (const AttnTask& t : p.work.tasks) {
-      nlohmann::json task_runs = nlohmann::json::array();
-      for (int64_t i = t.run_begin; i < t.run_end; ++i)
-        task_runs.push_back({{"row", p.work.runs[i].row}, {"len", p.work.runs[i].len},
-                             {"pos", p.work.runs[i].pos}});
-      runs.push_back(std::move(task_runs));
-    }
-    j["ranks"].push_back({{"rank", r.rank},
-                          {"local_tokens", r.local_tokens},
-                          {"padding_tokens", r.padding_tokens},
-                          {"tasks", r.tasks},
-                          {"rect_work", r.balanced.rect_work},
-                          {"visible_pairs", r.balanced.visible_pairs},
-                          {"contiguous_tokens", r.contiguous_tokens},
-                          {"contiguous_rect_work", r.contiguous.rect_work},
-                          {"contiguous_visible_pairs", r.contiguous.visible_pairs},
-                          {"global_token_index", p.global_token_index},
-                          {"actual_seq_qlen", p.actual_seq_qlen},
-                          {"actual_seq_kvlen", p.actual_seq_kvlen},
-                          {"kv_gather_index", p.kv_gather_index},
-                          {"kv_runs", std::move(runs)}});
+// One rank's metadata, as print_json writes it.
+nlohmann::json rank_json(const RankBalance& r, const RankPlan& p) {
+  nlohmann::json runs = nlohmann::json::array();
+  for (const AttnTask& t : p.work.tasks) {
+    nlohmann::json task_runs = nlohmann::json::array();
+    for (int64_t i = t.run_begin; i < t.run_end; ++i)
+      task_runs.push_back({{"row", p.work.runs[i].row}, {"len", p.work.runs[i].len}, {"pos", p.work.runs[i].pos}});
+    runs.push_back(std::move(task_runs));
   }
-  j["imbalance"] = {{"balanced", b.imbalance_balanced},
-                    {"contiguous", b.imbalance_contiguous},
-                    {"bound", b.imbalance_bound},
-                    {"lower_bound", b.imbalance_lower_bound}};
-  j["splits"] = splits_json(both);
-  std::cout << j.dump() << '\n';
+  return {{"rank", r.rank},
+          {"local_tokens", r.local_tokens},
+          {"padding_tokens", r.padding_tokens},
+          {"tasks", r.tasks},
+          {"rect_work", r.balanced.rect_work},
+          {"visible_pairs", r.balanced.visible_pairs},
+          {"contiguous_tokens", r.contiguous_tokens},
+          {"contiguous_rect_work", r.contiguous.rect_work},
+          {"contiguous_visible_pairs", r.contiguous.visible_pairs},
+          {"global_token_index", p.global_token_index},
+          {"actual_seq_qlen", p.actual_seq_qlen},
+          {"actual_seq_kvlen", p.actual_seq_kvlen},
+          {"kv_gather_index", p.kv_gather_index},
+          {"kv_runs", std::move(runs)}};
+}
+
+// Streamed one rank at a time: the output grows with cp times the batch (every rank's index
+// lists), the memory held only with one rank's plan (cp = 4096 with many documents is
+// gigabytes of text, never gigabytes of JSON objects). A failed write is an error.
+// The most index entries --json writes (about 1 GB of text): every rank lists its
+// global_token_index and kv_gather_index, together up to (cp + 1) times the padded batch,
+// which at cp = 4096 and many documents is terabytes.
+constexpr int64_t kMaxJsonEntries = int64_t{1} << 27;
+
+// Refuses --json past kMaxJsonEntries, from the boundaries alone (before the balance reports,
+// which at cp = 4096 and many documents take seconds themselves).
+void check_json_size(const std::vector<int64_t>& cu, int cp, CpSplit split) {
+  const int64_t tokens = split == CpSplit::padded ? pad_cu_seqlens(cu, cp).back() : cu.back();
+  const int64_t entries = tokens > kMaxJsonEntries / (cp + 1) ? kMaxJsonEntries + 1 : tokens * (cp + 1);
+  CPATTN_CHECK(entries <= kMaxJsonEntries, "--json: the plan of ", cu.size() - 1, " documents (", tokens,
+               split == CpSplit::padded ? " padded" : "", " tokens) at --cp ", cp, " lists up to (cp + 1) x ", tokens,
+               " index entries, past --json's bound of ", kMaxJsonEntries,
+               " (about 1 GB of text); the table (without --json) summarizes any size");
+}
+
+void print_json(const BalanceReport& b, const std::vector<int64_t>& cu, const SplitSummary& both) {
+  nlohmann::json head;
+  head["cp"] = b.cp;
+  head["split"] = to_string(b.split);
+  head["cu_seqlens"] = cu;
+  head["cu_seqlens_padded"] = b.split == CpSplit::padded ? pad_cu_seqlens(cu, b.cp) : cu;
+  head["seq_len"] = b.real_tokens;
+  head["padded_tokens"] = b.padded_tokens;
+  head["padding_tokens"] = b.padding_tokens();
+  head["padding_percent"] = b.padding_percent();
+  head["imbalance"] = {{"balanced", b.imbalance_balanced},
+                       {"contiguous", b.imbalance_contiguous},
+                       {"bound", b.imbalance_bound},
+                       {"lower_bound", b.imbalance_lower_bound}};
+  head["splits"] = splits_json(both);
+  std::string text = head.dump();
+  text.pop_back();  // the closing brace: "ranks" follows
+  std::cout << text << ",\"ranks\":[";
+  RankPlan p;  // reused: one rank's plan in memory at a time
+  for (const RankBalance& r : b.ranks) {
+    get_thd_load_balanced_cp_metadata(cu, b.cp, r.rank, PlanOptions{.split = b.split}, p);
+    std::cout << (r.rank == 0 ? "" : ",") << rank_json(r, p).dump();
+    CPATTN_CHECK(std::cout.good(), "--json: writing standard output failed at rank ", r.rank);
+  }
+  std::cout << "]}\n" << std::flush;
+  CPATTN_CHECK(std::cout.good(), "--json: writing standard output failed");
 }
 
 // One row per document (the first kMaxSvgDocs), its chunks coloured by rank and drawn to
@@ -236,6 +270,7 @@ void run_plan(const PlanArgs& a) {
   check_cp_size(a.cp, "--cp");
   const CpSplit split = parse_split(a.split);
   if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
+  if (a.json) check_json_size(cu, a.cp, split);
   const SplitSummary both{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
   const BalanceReport& b = split == CpSplit::padded ? both.padded : both.padding_free;
   if (a.json) {

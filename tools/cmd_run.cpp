@@ -82,7 +82,13 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")
       ->capture_default_str();
-  cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
+  add_timeout_option(cmd, a->timeout);
+  cmd->add_flag("!--no-check-finite", a->check_finite,
+                "Skip the check that q, k, v and dout are finite (by default a NaN or inf input is an error "
+                "naming the tensor and its first bad element)");
+  cmd->add_option("--testing-stall-s", a->testing_stall_s, "Testing only: this rank sleeps SECONDS before its "
+                                                          "first CP step (give it to one rank, mpirun's MPMD form)")
+      ->group("");
   cmd->add_flag("--json", a->json, "Print the report as one JSON object");
   cmd->callback([a] { run(*a); });
 }

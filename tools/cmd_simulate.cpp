@@ -18,6 +18,7 @@
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -279,6 +280,7 @@ struct CalibrateArgs {
   int iters = 20;
   std::string name = "this-machine";
   bool json = false;
+  std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
 };
 
 // Seconds of one ring shift of `bytes` (every rank sends to the next, receives from the previous),
@@ -316,7 +318,7 @@ void run_calibrate(const CalibrateArgs& a) {
     }
   }
   const MpiSession mpi;  // finalizes only what it initialized
-  Communicator comm(MPI_COMM_WORLD);
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   MachineProfile p;
   p.name = a.name;
   std::ostringstream src;
@@ -482,6 +484,7 @@ void add_calibrate_command(CLI::App& app) {
   cmd->add_option("--sizes", a->sizes, "Message sizes in bytes, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--iters", a->iters, "Timed shifts per size (median)")->capture_default_str();
   cmd->add_flag("--json", a->json, "Print the profile as one JSON object");
+  add_timeout_option(cmd, a->timeout);
   cmd->callback([a] { run_calibrate(*a); });
 }
 

@@ -5,7 +5,9 @@
 // curves side by side (train_compare.cpp).
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/file.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/pipeline.hpp>
 #include <cpattn/train.hpp>
 
@@ -67,7 +69,7 @@ struct TrainArgs {
   std::vector<std::string> compare;  // CP sizes ("4") or mesh shapes ("dp2xcp2xpp2")
   std::string compare_svg;           // --compare --svg FILE: the loss curves on one chart
   std::string mpirun = CPATTN_MPIEXEC;
-  double timeout = 300.0;
+  std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
   bool rope_local = false;  // hidden: RoPE on local offsets (for tests)
   int print_every = 1;
   int64_t save_every = 0;       // also save every N steps (0: only at the end)
@@ -139,7 +141,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--save (hash)", static_cast<int64_t>(hash_of(a.save))).add("--save-every", a.save_every);
   fp.add("--json-log (hash)", static_cast<int64_t>(hash_of(a.json_log)));
   fp.add("--skip-nonfinite", a.skip_nonfinite ? 1 : 0).add("--print-every", a.print_every);
-  fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout));
+  fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout.value_or(0.0)));
   fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
   fp.add("--dp", a.dp).add("--pp", a.pp).add("--micro", a.micro).add("--schedule (hash)", static_cast<int64_t>(hash_of(a.schedule)));
   fp.add("--virtual", a.virtual_stages.value_or(0));
@@ -322,16 +324,68 @@ void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
   std::printf("\n  %-28s %.2f\n", "total time (s)", total_s);
 }
 
+// What one rank allocates for training, at least, refused with both sizes before the model
+// exists when past the available memory: its stage's layers' activations kept for their
+// backward (about 16 x dim + 4 x ffn fp32 values per local token; with experts the MLP's 4 x
+// ffn becomes top_k x (4 x ffn + 2 x dim) + experts: each token's rows at its top_k experts
+// and back, under balanced routing) and the logits (3 x vocab per token) for each of its
+// replica's micro-batches (a pipeline keeps up to all of them alive), the CP attention of
+// those layers (cp_memory_estimate of --cp-scheme, --cp-inner and --split, one context per
+// layer and micro-batch), and the parameters with their gradients and two Adam moments
+// (ParamLayout's count: with experts, the router of every expert and experts / ep experts'
+// weights per block). With experts, the model's every expert is also held once, at
+// initialisation and when a checkpoint is saved or loaded (gathered over the EP group).
+void check_train_memory(const TrainArgs& a) {
+  const train::ModelConfig m = model_config(a);
+  const auto local = static_cast<uint64_t>((a.seq_len + a.cp - 1) / a.cp);
+  const auto layers = static_cast<uint64_t>((m.layers + a.pp - 1) / a.pp);  // this rank's stage
+  const auto micro = static_cast<uint64_t>(std::max(1, a.micro / std::max(1, a.dp)));  // this replica's
+  const auto dim = static_cast<uint64_t>(m.dim), ffn = static_cast<uint64_t>(m.ffn_dim());
+  const auto vocab = static_cast<uint64_t>(m.vocab), experts = static_cast<uint64_t>(std::max(0, m.experts));
+  const auto top_k = static_cast<uint64_t>(std::max(1, m.top_k)), ep = static_cast<uint64_t>(std::max(1, a.ep));
+  const uint64_t mlp_acts = m.moe() ? top_k * (4 * ffn + 2 * dim) + experts : 4 * ffn;
+  const uint64_t activations = saturating_mul(
+      saturating_mul(saturating_mul(local, micro),
+                     saturating_add(saturating_mul(layers, 16 * dim + mlp_acts), 3 * vocab)),
+      4);
+  const CpAttnConfig attn{.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(),
+                          .head_dim_v = m.head_dim(), .dtype = parse_train_dtype(a.dtype),
+                          .options = {.num_threads = a.threads},
+                          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
+                          .split = parse_split(a.split)};
+  const uint64_t cp = cp_memory_estimate(attn, a.cp, static_cast<int64_t>(local))
+                          .total(static_cast<int64_t>(saturating_mul(layers, micro)));
+  // Parameters per block as ParamLayout lays them out (norms, q/k/v/o, then the MLP or the
+  // router, its bias and the experts), `held` experts of them; wte, lnf and lm_head once.
+  const uint64_t q = static_cast<uint64_t>(m.heads) * static_cast<uint64_t>(m.head_dim());
+  const uint64_t kv = static_cast<uint64_t>(m.kv_heads) * static_cast<uint64_t>(m.head_dim());
+  const auto count = [&](uint64_t held) {
+    const uint64_t mlp = m.moe() ? dim * experts + (m.router == MoeRouter::sigmoid_bias ? experts : 0) +
+                                       held * 3 * dim * ffn
+                                 : 3 * dim * ffn;
+    return saturating_add(saturating_mul(layers, 2 * dim + 2 * dim * q + 2 * dim * kv + mlp),
+                          2 * vocab * dim + dim);
+  };
+  const uint64_t params = saturating_mul(count(experts / ep), 4 * 4);
+  const uint64_t gathered = m.moe() ? saturating_mul(count(experts), 4) : 0;
+  check_memory(saturating_add(saturating_add(saturating_add(activations, cp), params), gathered),
+               "cpattn train at --seq-len " + std::to_string(a.seq_len) + " and --cp " + std::to_string(a.cp),
+               "activations " + format_bytes(activations) + ", CP attention " + format_bytes(cp) +
+                   ", parameters, gradients and moments " + format_bytes(params) +
+                   (m.moe() ? ", every expert gathered " + format_bytes(gathered) : std::string()) + ", per rank");
+}
+
 void train_run(const TrainArgs& a) {
   check_args(a);
   const MpiSession mpi;  // finalizes only what it initialized
-  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   const int rank = comm.rank();
   const int ranks = a.dp * a.cp * a.pp;
   CPATTN_CHECK(ranks == comm.size(), "--dp ", a.dp, " * --cp ", a.cp, " * --pp ", a.pp, " = ", ranks,
                " does not match the MPI world size ", comm.size(), ": launch as mpirun -np ", ranks, " cpattn train");
   // Every rank runs the same settings, or every rank fails at once naming the field.
   agree(comm, settings_fingerprint(a), "cpattn train");
+  train::on_every_rank(comm, [&] { check_train_memory(a); });
   // Output paths before any work: a FIFO, a device, a folder or an unwritable folder is exit 2.
   train::on_every_rank(comm, [&] {
     if (rank != 0) return;
@@ -554,10 +608,11 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
                                 "--dtype", a.dtype, "--split", a.split, "--threads", std::to_string(a.threads),
                                 "--cp-scheme", a.cp_scheme, "--softcap", f(a.softcap),
-                                "--timeout", f(a.timeout), "--print-every", std::to_string(a.print_every),
+                                "--print-every", std::to_string(a.print_every),
                                 "--json-log", log, "--dp", std::to_string(a.dp), "--pp", std::to_string(a.pp),
                                 "--micro", std::to_string(a.micro), "--schedule", a.schedule};
   if (a.virtual_stages) v.insert(v.end(), {"--virtual", std::to_string(*a.virtual_stages)});
+  if (a.timeout) v.insert(v.end(), {"--timeout", f(*a.timeout)});
   if (a.model.moe()) {
     v.insert(v.end(), {"--experts", std::to_string(a.model.experts), "--top-k", std::to_string(a.model.top_k),
                        "--ep", std::to_string(a.ep), "--router", a.router, "--drop-policy", a.drop_policy,
@@ -677,7 +732,7 @@ void add_train_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--svg", a->compare_svg, "With --compare: draw every run's loss curve on one chart in FILE");
   cmd->add_option("--mpirun", a->mpirun, "mpirun used by --compare")->capture_default_str();
-  cmd->add_option("--timeout", a->timeout, "Deadline of each collective, seconds")->capture_default_str();
+  add_timeout_option(cmd, a->timeout);
   cmd->add_option("--print-every", a->print_every, "Print every Nth step")->capture_default_str();
   cmd->add_flag("--rope-local-offsets", a->rope_local,
                 "Testing only: RoPE on each token's local offset instead of its global position (wrong for cp > 1)")

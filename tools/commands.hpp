@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <iosfwd>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,8 @@ int run_app(CLI::App& app, int argc, const char* const* argv);
 // Parses one document length per line (blank lines and '#' comments skipped); errors name the
 // file and line.
 std::vector<int64_t> read_lengths_file(const std::string& path);
+// The same on the file's text (`path` names it in messages; fuzz_lengths feeds it bytes).
+std::vector<int64_t> parse_lengths_file(std::istream& text, const std::string& path);
 
 void add_plan_command(CLI::App& app);
 void add_run_command(CLI::App& app);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
@@ -209,6 +210,15 @@ inline CLI::Validator run_scheme_transformer() {
 inline CLI::Validator split_transformer() {
   return detail::vocab_transformer([](const std::string& v) { return std::string(to_string(parse_split(v))); },
                                    "{padded|padding-free}");
+}
+
+// --timeout SECONDS of the MPI commands (docs/cli.md, Deadlines). Unset, the deadline is
+// CPATTN_COMM_TIMEOUT_S, else 300 s: the Communicator resolves it (with CommOptions::timeout_name
+// "--timeout", so that its messages name the flag) and checks the value.
+inline CLI::Option* add_timeout_option(CLI::App* cmd, std::optional<double>& timeout) {
+  return cmd->add_option_function<double>(
+      "--timeout", [&timeout](const double& s) { timeout = s; },
+      "Deadline of each collective, seconds (beats the CPATTN_COMM_TIMEOUT_S variable; default 300)");
 }
 
 inline CLI::Validator kernel_path_transformer() {

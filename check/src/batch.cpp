@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 #include <utility>
+#include <vector>
 
 namespace cpattn::check {
 
@@ -79,10 +81,22 @@ Batch npy_batch(const std::string& dir, DType t, std::string_view what) {
                ": k must be [T, Hkv, Dqk] and v [T, Hkv, Dv]");
   CPATTN_CHECK(dout.shape[1] == s.heads_q && dout.shape[2] == s.head_dim_v, w,
                ": dout must be [T, Hq, Dv]");
-  b.q = Tensor::from(t, b.q_shape(), q.as_float());
-  b.k = Tensor::from(t, b.k_shape(), k.as_float());
-  b.v = Tensor::from(t, b.v_shape(), v.as_float());
-  b.dout = Tensor::from(t, b.out_shape(), dout.as_float());
+  // Stored as `t`: a finite value past t's range would become inf silently.
+  const auto stored = [&](const char* name, const NpyArray& arr, TensorShape shape) {
+    const std::vector<float> values = arr.as_float();
+    if (const std::optional<std::size_t> i = first_overflow(values.data(), values.size(), t)) {
+      const auto row = static_cast<int64_t>(*i / static_cast<std::size_t>(shape.row_elements()));
+      const auto in_row = static_cast<int64_t>(*i % static_cast<std::size_t>(shape.row_elements()));
+      const ElementIndex at{row, static_cast<int>(in_row / shape.dim), static_cast<int>(in_row % shape.dim)};
+      CPATTN_CHECK(false, w, ": ", describe_element(name, values[*i], row, at), ", finite in float32 but past ",
+                   to_string(t), "'s range (it would become inf; store it as fp32)");
+    }
+    return Tensor::from(t, shape, values);
+  };
+  b.q = stored("q.npy", q, b.q_shape());
+  b.k = stored("k.npy", k, b.k_shape());
+  b.v = stored("v.npy", v, b.v_shape());
+  b.dout = stored("dout.npy", dout, b.out_shape());
   return b;
 }
 

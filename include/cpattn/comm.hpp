@@ -20,7 +20,8 @@
 // default, MPI_Abort ends the whole job. TimeoutAction::throw_error throws cpattn::Error with
 // the same text instead (for tests and programs that end the job themselves); see poisoned().
 // The deadline is CommOptions::timeout_s when set, else the environment variable
-// CPATTN_COMM_TIMEOUT_S (seconds, > 0), else 300 s.
+// CPATTN_COMM_TIMEOUT_S (seconds, > 0), else 300 s; the timeout line names both ways to set it
+// (CommOptions::timeout_name: the CLI's --timeout flag).
 //
 // Large payloads. No single MPI call moves more than CommOptions::max_count_per_call elements
 // per rank block (default INT_MAX, MPI's int count limit); larger ones are split into several
@@ -104,6 +105,9 @@ class CommRequest {
 struct CommOptions {
   // Deadline of each collective, seconds (> 0). Unset: CPATTN_COMM_TIMEOUT_S, else 300.
   std::optional<double> timeout_s = std::nullopt;
+  // How this program's users set timeout_s, named in the timeout line and in the error for an
+  // invalid value (a command line passes its flag, "--timeout").
+  std::string timeout_name = "CommOptions::timeout_s";
   TimeoutAction on_timeout = TimeoutAction::abort;
   int abort_code = 3;  // the error code passed to MPI_Abort on timeout
   // Most elements one MPI call moves per rank block (1..INT_MAX); larger payloads are split.

@@ -8,6 +8,7 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/merge.hpp>
 #include <cpattn/mesh.hpp>
 #include <cpattn/moe.hpp>
@@ -16,5 +17,6 @@
 #include <cpattn/plan.hpp>
 #include <cpattn/reference.hpp>
 #include <cpattn/sim.hpp>
+#include <cpattn/tensor.hpp>
 #include <cpattn/version.hpp>
 #include <cpattn/worklist.hpp>

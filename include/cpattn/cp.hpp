@@ -90,6 +90,32 @@ CpScheme parse_cp_scheme(std::string_view name);
 void check_cp_scheme(const CpAttnConfig& cfg, int cp);
 void check_cp_attn_config(const CpAttnConfig& cfg, int cp);
 
+// What one rank's CpAttention forward + backward allocates, in bytes, from the configuration
+// and the plan's shapes, so that a caller can budget memory before the first call (the layer
+// itself refuses a new plan whose estimate exceeds available_memory(), on every rank, before
+// any payload moves: see memory.hpp). Upper estimates; the caller's own tensors (q, k, v, out,
+// dout, dq, dk, dv: local_tokens rows each) come on top.
+// Per scheme: allgather (cp blocks gathered, the padding-free split's global tokens), ring
+// and pass-Q (a copy of the local K/V kept, visiting blocks double-buffered), a2a and hybrid
+// (this member's heads of its group's tokens, plus the outer all-gather or ring over them).
+struct CpMemoryEstimate {
+  uint64_t context = 0;         // each CpContext until its backward: gathered K/V (allgather;
+                                // ring, pass-Q: a copy of the local block), lse, and a2a/hybrid's
+                                // group-layout q and out with the outer layer's context
+  uint64_t buffers = 0;         // the layer's reused buffers: fp32 dK/dV of every gathered row
+                                // (index mode: and of the copy; padding-free: the reduce-scatter's
+                                // blocks), the ring's and pass-Q's blocks and fp32 copies, the
+                                // all-to-all's blocks and the outer layer's buffers
+  uint64_t kernel_scratch = 0;  // attention_backward's own (attention_backward_scratch_bytes)
+  // One forward + backward with `contexts` contexts alive at once (a model's layers).
+  uint64_t total(int64_t contexts = 1) const;
+  std::string describe() const;  // "context X, buffers Y, kernel scratch Z", for messages
+};
+// Before a plan exists: `local_tokens` as the plan will have (at least ceil(tokens / cp));
+// the kernel's per-thread blocks are left out (they need the plan's longest task).
+CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, int cp, int64_t local_tokens);
+CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan);
+
 
 // Tensors are this rank's local rows, [local_tokens, heads, dim] in cfg.dtype. q, out, dout
 // and dq may be strided views (head_dim contiguous); k, v, dk and dv must be contiguous (they

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 namespace cpattn {
@@ -76,5 +77,10 @@ inline float round_to_dtype(DType t, float x) {
 // n elements of storage type `t` at `src` -> fp32, and back (rounding once).
 void to_float(const void* src, DType t, std::size_t n, float* dst);
 void from_float(const float* src, std::size_t n, DType t, void* dst);
+
+// The first of n fp32 values that is finite but becomes infinite once stored as `t` (|x| past
+// fp16's 65504 (rounding to inf), or past bf16's ~3.39e38), or nullopt: from_float turns such a
+// value into inf silently, so inputs converted from fp32 are checked with this first.
+std::optional<std::size_t> first_overflow(const float* src, std::size_t n, DType t);
 
 }  // namespace cpattn

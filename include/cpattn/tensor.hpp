@@ -15,6 +15,8 @@
 #include <cpattn/dtype.hpp>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <type_traits>
 
 namespace cpattn {
@@ -68,5 +70,20 @@ constexpr TensorView contiguous(float* data, int64_t rows, int heads, int dim) {
 constexpr ConstTensorView contiguous(const float* data, int64_t rows, int heads, int dim) {
   return {data, rows, heads, dim, DType::f32, 0, 0};
 }
+
+// One element of a view: (row, head, dim index).
+struct ElementIndex {
+  int64_t row = 0;  // token
+  int head = 0;
+  int dim = 0;
+};
+
+// The first NaN or infinite element of `t` in row, head, dim order (one pass, converted to
+// fp32 a row of a head at a time), or nullopt when every element is finite.
+std::optional<ElementIndex> first_nonfinite(ConstTensorView t);
+
+// "`name` holds <value> at token T, head H, dim D" for messages: `value` is what the element
+// holds (nan, inf, ...), `token` the row as the caller numbers it (e.g. the global token).
+std::string describe_element(const char* name, float value, int64_t token, const ElementIndex& at);
 
 }  // namespace cpattn

@@ -33,6 +33,7 @@
 #include <cpattn/moe.hpp>
 #include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
+#include <cpattn/train_config.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -43,9 +44,6 @@
 
 namespace cpattn::train {
 
-inline constexpr int kVocab = 257;              // bytes 0..255 and the end-of-document token
-inline constexpr int64_t kEndOfDocument = 256;  // ends every document; also the padding token
-inline constexpr const char* kDefaultDataDir = "/usr/share/common-licenses";
 
 // ---- Data ---------------------------------------------------------------------------------------
 
@@ -59,14 +57,6 @@ struct Document {
 // (symlinked duplicates skipped), empty files skipped. No paths: kDefaultDataDir. Throws
 // cpattn::Error for a missing path, an unreadable file or when no non-empty document is left.
 std::vector<Document> load_documents(std::span<const std::string> paths);
-
-// Where the stream stands: the next token is token `offset` of document `doc` in epoch `epoch`.
-struct DataPosition {
-  int64_t doc = 0;
-  int64_t offset = 0;
-  int64_t epoch = 0;
-  bool operator==(const DataPosition&) const = default;
-};
 
 // One packed sequence of the whole batch (global order, real tokens only).
 struct PackedSequence {
@@ -97,54 +87,6 @@ class DataStream {
 };
 
 // ---- Model and training -------------------------------------------------------------------------
-
-struct ModelConfig {
-  int vocab = kVocab;
-  int layers = 2;
-  int dim = 128;       // model width D = heads * head_dim
-  int heads = 4;       // query heads
-  int kv_heads = 2;    // key/value heads (GQA), divides heads
-  int ffn = 0;         // SwiGLU hidden width; 0: 8/3 * dim rounded up to a multiple of 32
-  float rope_theta = 10000.0f;
-  float norm_eps = 1e-5f;
-  float init_std = 0.02f;
-  // Attention's masks on top of causal, with AttnOptions' (FlashAttention's) semantics. They
-  // change the model, so a checkpoint records them. A query at position p of its document
-  // sees the keys p - window_left .. p (-1: unbounded); window_right is AttnOptions' right
-  // edge, which the causal mask makes moot (any value >= -1 gives the same model).
-  int64_t window_left = -1;
-  int64_t window_right = -1;
-  float softcap = 0.0f;  // logit soft cap: S = softcap * tanh(S / softcap); 0 = off
-  bool alibi = false;    // ALiBi with the standard slopes, cpattn::alibi_slopes(heads)
-  // Mixture of experts (docs/moe.md, docs/training.md "Mixture of experts"): experts > 0
-  // replaces every block's SwiGLU MLP by the MoE layer of include/cpattn/moe.hpp, `experts`
-  // SwiGLU experts of width ffn_dim() each, top_k of them per token (moe.hpp's MoeConfig
-  // fields, same meaning). Each rank's real tokens of one micro-batch are one routing group
-  // (capacity, drops and the auxiliary loss are decided per group; padding rows are not
-  // routed). 0: the dense MLP, and the fields below are ignored.
-  int experts = 0;
-  int top_k = 1;  // 1 .. experts
-  MoeRouter router = MoeRouter::softmax;
-  std::optional<double> capacity_factor = std::nullopt;  // > 0; unset: nothing dropped
-  MoeDropPolicy drop_policy = MoeDropPolicy::by_position;
-  // >= 0, softmax only: the Switch loss's weight; the step's auxiliary loss is, summed over the
-  // blocks, aux_loss_coeff * the mean over the step's groups of moe_aux_term (StepStats::aux_loss).
-  double aux_loss_coeff = 0;
-  double bias_update_rate = 1e-3;  // > 0, sigmoid_bias only: moe_update_bias's step, once per step
-  bool moe() const { return experts > 0; }
-  int head_dim() const { return dim / heads; }
-  int ffn_dim() const { return ffn > 0 ? ffn : (8 * dim / 3 + 31) / 32 * 32; }
-};
-
-struct OptimConfig {
-  float lr = 5e-4f;             // peak learning rate
-  int warmup = 10;              // steps of linear warm-up: lr * (step + 1) / warmup
-  float weight_decay = 0.1f;    // AdamW, decoupled, on matrices (not norms)
-  float clip = 1.0f;            // clip the global gradient norm to this (0: off)
-  float beta1 = 0.9f;
-  float beta2 = 0.95f;
-  float eps = 1e-8f;
-};
 
 struct RunOptions {
   DType attn_dtype = DType::f32;  // storage type of q, k, v in attention: f32 or bf16
@@ -204,13 +146,6 @@ struct MeshConfig {
   // of a group computes experts / ep of every block's experts for the group's tokens. Must
   // divide experts and dp * cp; 1 without experts. Exact: a checkpoint does not record it.
   int ep = 1;
-};
-
-// What a checkpoint records of the run besides the model and the optimizer (Trainer::save,
-// Trainer::load): both must match on resume. 0: not recorded (library use without them).
-struct RunIdentity {
-  int64_t seq_len = 0;
-  uint64_t data_hash = 0;  // data_identity() of the documents
 };
 
 // A 64-bit hash (FNV-1a) of every document's name and bytes, in order: the data's identity.

@@ -139,12 +139,18 @@ class ContextParallelAttention(torch.nn.Module):
     planner's; the padding-free split needs scheme allgather), kv_mode ("runs" or "index"),
     deterministic, check_finite, plan_cache_capacity. They are checked here, on every rank
     alike, before anything is sent. Dropout applies in training mode only, with a seed drawn
-    from rank 0's torch generator.
+    from rank 0's torch generator. check_finite=True makes a NaN or inf in q, k, v or the
+    incoming gradient a ValueError on every rank naming the tensor and its first bad element
+    (global token, head, dim) instead of a silent NaN (it costs a pass over the tensors).
+    timeout (seconds, > 0) is the deadline of each collective; None: the CPATTN_COMM_TIMEOUT_S
+    variable, else 300 s (docs/comm.md). A collective past it aborts the MPI job with a line
+    naming the operation and the rank.
     """
 
     def __init__(self, comm, *, scheme="allgather", cp_inner=None, hybrid_outer="allgather", split="padded",
                  kv_mode="runs", causal=True, softmax_scale=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, deterministic=True, check_finite=False, plan_cache_capacity=8):
+                 alibi_slopes=None, deterministic=True, check_finite=False, plan_cache_capacity=8,
+                 timeout=None):
         super().__init__()
         group = comm if _is_process_group(comm) else None
         size = _process_group_size(group) if group is not None else _mpi_comm(comm).Get_size()
@@ -160,6 +166,10 @@ class ContextParallelAttention(torch.nn.Module):
                              f"divisor of the group's size {size}")
         if plan_cache_capacity < 0:
             raise ValueError(f"plan_cache_capacity must be >= 0, got {plan_cache_capacity}")
+        if timeout is not None:  # its range is the Communicator's rule, checked before its duplicate
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+            timeout = float(timeout)
         self._scheme = _cpattn.SchemeArgs(scheme=scheme, cp_inner=0 if cp_inner is None else cp_inner,
                                           hybrid_outer=hybrid_outer, split=split, kv_mode=kv_mode,
                                           deterministic=bool(deterministic), check_finite=bool(check_finite),
@@ -176,6 +186,7 @@ class ContextParallelAttention(torch.nn.Module):
         self.causal, self.softmax_scale, self.dropout_p = causal, softmax_scale, dropout_p
         self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
         self.alibi_slopes = alibi(alibi_slopes)
+        self.timeout = timeout
         self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, dropout on) -> _cpattn.CpLayer
 
     def _layer(self, q, k, v, dropout):
@@ -185,7 +196,7 @@ class ContextParallelAttention(torch.nn.Module):
                                    self.window_size, self.softcap)
             self._layers[key] = _cpattn.make_cp_layer(
                 self._comm_address, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
-                self._scheme, options, self.alibi_slopes)
+                self._scheme, options, self.alibi_slopes, self.timeout)
         return self._layers[key]
 
     def forward(self, q, k, v, cu_seqlens):

@@ -308,8 +308,10 @@ MPI_Comm comm_handle(std::uintptr_t comm_handle_address) {
 // One CpAttention over its own duplicate of the caller's communicator, which it outlives.
 class CpLayer {
  public:
-  CpLayer(std::uintptr_t comm_handle_address, const CpAttnConfig& cfg)
-      : comm_(std::make_unique<Communicator>(comm_handle(comm_handle_address))), attn_(*comm_, cfg) {}
+  CpLayer(std::uintptr_t comm_handle_address, const CpAttnConfig& cfg, std::optional<double> timeout_s)
+      : comm_(std::make_unique<Communicator>(comm_handle(comm_handle_address),
+                                             CommOptions{.timeout_s = timeout_s, .timeout_name = "timeout"})),
+        attn_(*comm_, cfg) {}
 
   int size() const { return comm_->size(); }
   int rank() const { return comm_->rank(); }
@@ -379,7 +381,8 @@ int comm_size(std::uintptr_t comm_handle_address) {
 
 CpLayer* make_cp_layer(std::uintptr_t comm_handle_address, int num_heads_q, int num_heads_k, int head_dim_qk,
                        int head_dim_v, const std::string& dtype, const SchemeArgs& scheme,
-                       const AttnOptions& options, const std::optional<Array>& alibi) {
+                       const AttnOptions& options, const std::optional<Array>& alibi,
+                       std::optional<double> timeout_s) {
   CpAttnConfig cfg = scheme_config(scheme);
   cfg.num_heads_q = num_heads_q, cfg.num_heads_k = num_heads_k;
   cfg.head_dim_qk = head_dim_qk, cfg.head_dim_v = head_dim_v;
@@ -391,7 +394,7 @@ CpLayer* make_cp_layer(std::uintptr_t comm_handle_address, int num_heads_q, int 
   // sizes for the scheme (a2a's head counts) fail every rank alike with nothing sent.
   check_cp_attn_config(cfg, comm_size(comm_handle_address));
   nb::gil_scoped_release release;  // the communicator's duplicate is collective
-  return new CpLayer(comm_handle_address, cfg);
+  return new CpLayer(comm_handle_address, cfg, timeout_s);
 }
 
 }  // namespace
@@ -445,5 +448,5 @@ NB_MODULE(_cpattn, m) {
   m.def("check_scheme", &py::check_scheme, "cp"_a, "scheme"_a);
   m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,
         "head_dim_qk"_a, "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(),
-        nb::rv_policy::take_ownership);
+        "timeout_s"_a.none(), nb::rv_policy::take_ownership);
 }

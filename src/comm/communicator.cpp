@@ -50,7 +50,7 @@ constexpr double kMaxTimeoutS = 1e7;
 double resolve_timeout(const CommOptions& o) {
   if (o.timeout_s) {
     CPATTN_CHECK(*o.timeout_s > 0 && *o.timeout_s <= kMaxTimeoutS,
-                 "CommOptions::timeout_s must be in (0, ", kMaxTimeoutS, "] seconds, got ", *o.timeout_s);
+                 o.timeout_name, " must be in (0, ", kMaxTimeoutS, "] seconds, got ", *o.timeout_s);
     return *o.timeout_s;
   }
   const char* env = std::getenv(kTimeoutEnv);
@@ -173,8 +173,8 @@ struct Communicator::Impl {
     const bool abort = opts.on_timeout == TimeoutAction::abort;
     std::ostringstream os;
     os << "cpattn comm: timeout: " << op.name << " (call #" << op.call << ") on rank " << rank
-       << " of " << size << " did not complete within the deadline of " << timeout_s << " s ("
-       << kTimeoutEnv << " or CommOptions::timeout_s); "
+       << " of " << size << " did not complete within the deadline of " << timeout_s << " s (set by "
+       << opts.timeout_name << ", else " << kTimeoutEnv << ", else " << kDefaultTimeoutS << " s); "
        << (abort ? "aborting the job" : "throwing");
     const std::string msg = os.str();
     std::fprintf(stderr, "%s\n", msg.c_str());

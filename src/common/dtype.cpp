@@ -1,5 +1,6 @@
 #include <cpattn/dtype.hpp>
 
+#include <cmath>
 #include <cstring>
 
 namespace cpattn {
@@ -20,6 +21,13 @@ void from_float(const float* src, std::size_t n, DType t, void* dst) {
     case DType::f16: for (std::size_t i = 0; i < n; ++i) h[i] = f32_to_f16(src[i]); break;
     case DType::bf16: for (std::size_t i = 0; i < n; ++i) h[i] = f32_to_bf16(src[i]); break;
   }
+}
+
+std::optional<std::size_t> first_overflow(const float* src, std::size_t n, DType t) {
+  if (t == DType::f32) return std::nullopt;
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::isfinite(src[i]) && std::isinf(round_to_dtype(t, src[i]))) return i;
+  return std::nullopt;
 }
 
 }  // namespace cpattn

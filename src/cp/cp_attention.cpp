@@ -5,7 +5,9 @@
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/merge.hpp>
+#include <cpattn/tensor.hpp>
 
 #include "cp_internal.hpp"
 #include "pass_q.hpp"
@@ -114,17 +116,16 @@ void index_select(const std::byte* all, const std::vector<int64_t>& index, std::
     std::memcpy(rows.data() + i * row_bytes, all + index[i] * row_bytes, row_bytes);
 }
 
-// Whether every element of `t` is finite (one pass, converted in row pieces).
-bool all_finite(ConstTensorView t) {
-  std::vector<float> row(static_cast<std::size_t>(t.dim));
-  const std::size_t es = dtype_size(t.dtype);
-  for (int64_t i = 0; i < t.rows; ++i)
-    for (int h = 0; h < t.heads; ++h) {
-      to_float(static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, t.dtype, row.size(), row.data());
-      for (const float x : row)
-        if (!std::isfinite(x)) return false;
-    }
-  return true;
+// check_finite: throws naming `name`, the first bad element and its global token (local rows
+// of a plan; padding rows are the layer's own zeros, never bad).
+void check_finite(const char* fn, const char* name, ConstTensorView t, const RankPlan& plan) {
+  const std::optional<ElementIndex> bad = first_nonfinite(t);
+  if (!bad) return;
+  float value = 0;
+  to_float(static_cast<const std::byte*>(t.data) + (t.offset(bad->row, bad->head) + bad->dim) * dtype_size(t.dtype),
+           t.dtype, 1, &value);
+  CPATTN_CHECK(false, fn, ": ", describe_element(name, value, plan.real_token_index[bad->row], *bad),
+               " (local row ", bad->row, "; check_finite)");
 }
 
 // One tensor argument of forward/backward: present, [local_tokens, heads, dim] with the
@@ -276,6 +277,7 @@ struct CpAttention::State {
 
   std::shared_ptr<const PreparedWork> prepare(const std::shared_ptr<const RankPlan>& plan) {
     if (prepared && prepared->plan == plan) return prepared;
+    check_memory_for(*plan);
     auto w = std::make_shared<PreparedWork>();
     w->plan = plan;
     const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
@@ -362,8 +364,18 @@ struct CpAttention::State {
     stats.comm_s += seconds_since(t0);
   }
 
-  void note_peak() {
-    std::size_t bytes = *live_bytes;
+  // A new plan's forward + backward must fit in what the machine has, beside the buffers this
+  // layer already holds (reused) and the contexts alive (already allocated).
+  void check_memory_for(const RankPlan& plan) const {
+    const CpMemoryEstimate e = cp_memory_estimate(cfg, plan);
+    const uint64_t held = buffer_bytes();
+    const uint64_t needed = e.total() > held ? e.total() - held : 0;
+    check_memory(needed, "CpAttention: a forward and backward of " + std::to_string(plan.local_tokens) +
+                 " local tokens", e.describe() + (held > 0 ? ", less the " + format_bytes(held) + " of buffers held" : ""));
+  }
+
+  std::size_t buffer_bytes() const {
+    std::size_t bytes = 0;
     for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &dkb[0], &dkb[1], &dvb[0],
                                         &dvb[1], &qf, &kf, &vf, &of, &dof, &acc_out, &acc_lse, &part_out,
                                         &part_lse, &dq_acc, &dq_part})
@@ -371,8 +383,10 @@ struct CpAttention::State {
     for (const std::vector<std::byte>* b : {&kb[0], &kb[1], &vb[0], &vb[1]}) bytes += b->capacity();
     bytes += passq.bytes();
     if (a2a) bytes += a2a->buffer_bytes();
-    stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, bytes);
+    return bytes;
   }
+
+  void note_peak() { stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes()); }
 
   // The kernels' fp32 inputs for one ring step: q (fp32) over the visiting block `b` (storage
   // dtype, converted into kf/vf unless fp32).
@@ -652,9 +666,9 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     check_view(fn, "v", a.v, s.v_like(t), true);
     check_view(fn, "out", a.out, s.o_like(t), false);
     if (c.check_finite) {
-      CPATTN_CHECK(all_finite(a.q), fn, ": q holds a non-finite value");
-      CPATTN_CHECK(all_finite(a.k), fn, ": k holds a non-finite value");
-      CPATTN_CHECK(all_finite(a.v), fn, ": v holds a non-finite value");
+      check_finite(fn, "q", a.q, *ctx->plan);
+      check_finite(fn, "k", a.k, *ctx->plan);
+      check_finite(fn, "v", a.v, *ctx->plan);
     }
     ctx->work = s.prepare(ctx->plan);
   } catch (const Error& e) {
@@ -744,7 +758,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     check_view(fn, "dq", a.dq, s.q_like(t), false);
     check_view(fn, "dk", a.dk, s.k_like(t), true);
     check_view(fn, "dv", a.dv, s.v_like(t), true);
-    if (c.check_finite) CPATTN_CHECK(all_finite(a.dout), fn, ": dout holds a non-finite value");
+    if (c.check_finite) check_finite(fn, "dout", a.dout, *ctx.s_->plan);
   } catch (const Error& e) {
     err = e.message();
   } catch (const std::exception& e) {

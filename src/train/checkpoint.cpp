@@ -79,9 +79,9 @@ std::string shown(Kind k, int64_t v) {
     const double x = std::bit_cast<double>(v);
     if (x == 0 && k == Kind::capacity) return "none";
     std::snprintf(b, sizeof b, "%.17g", x);
-  } else if (k == Kind::router) {
+  } else if (k == Kind::router && (v == 0 || v == 1)) {  // a corrupt value is shown as its number
     return static_cast<MoeRouter>(v) == MoeRouter::softmax ? "softmax" : "sigmoid-bias";
-  } else if (k == Kind::drop_policy) {
+  } else if (k == Kind::drop_policy && (v == 0 || v == 1)) {
     return static_cast<MoeDropPolicy>(v) == MoeDropPolicy::by_position ? "position" : "probability";
   } else if (k == Kind::hash) {
     std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
@@ -103,23 +103,31 @@ uint64_t fnv1a64(std::span<const std::byte> bytes, uint64_t h) {
   return h;
 }
 
-void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
-                     std::span<const float> params, std::span<const float> m, std::span<const float> v) {
+std::vector<std::byte> format_checkpoint(const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
+                                         std::span<const float> params, std::span<const float> m,
+                                         std::span<const float> v) {
   const std::vector<int64_t> f = fields_of(cfg, step, data);
   std::vector<int64_t> head = {kVersion, kFieldCount};
   head.insert(head.end(), f.begin(), f.end());
   const std::size_t n = params.size();
-  CPATTN_CHECK(m.size() == n && v.size() == n, "checkpoint '", path, "': moments of another size");
+  CPATTN_CHECK(m.size() == n && v.size() == n, "format_checkpoint: m (", m.size(), ") and v (", v.size(),
+               ") must have the parameters' size ", n);
   std::vector<std::byte> out(sizeof kMagic + head.size() * 8 + 8 + 3 * n * sizeof(float));
   std::byte* p = out.data();
   std::memcpy(p, kMagic, sizeof kMagic);
   std::memcpy(p + 8, head.data(), head.size() * 8);
   std::byte* payload = p + 8 + head.size() * 8 + 8;
   for (std::size_t i = 0; const std::span<const float> a : {params, m, v})
-    std::memcpy(payload + (i++) * n * sizeof(float), a.data(), n * sizeof(float));
+    if (n > 0) std::memcpy(payload + (i++) * n * sizeof(float), a.data(), n * sizeof(float));
   uint64_t h = fnv1a64(std::span(p + 8, head.size() * 8));
   h = fnv1a64(std::span(payload, 3 * n * sizeof(float)), h);
   std::memcpy(p + 8 + head.size() * 8, &h, 8);
+  return out;
+}
+
+void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
+                     std::span<const float> params, std::span<const float> m, std::span<const float> v) {
+  const std::vector<std::byte> out = format_checkpoint(cfg, step, data, params, m, v);
   try {
     write_file_atomically(path, out);
   } catch (const Error& e) {
@@ -132,6 +140,10 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
   CPATTN_CHECK(in.good(), "checkpoint '", path, "': cannot read it");
   const std::vector<char> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CPATTN_CHECK(!in.bad(), "checkpoint '", path, "': read error");
+  return parse_checkpoint(std::as_bytes(std::span(file)), path, cfg);
+}
+
+CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::string& path, const CheckpointConfig& cfg) {
   const std::size_t size = file.size();
   CPATTN_CHECK(size >= 8 && std::memcmp(file.data(), kMagic, sizeof kMagic) == 0, "checkpoint '", path,
                "' is not a cpattn training checkpoint");
@@ -164,7 +176,7 @@ CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig&
                want_size);
   CPATTN_CHECK(size == want_size, "checkpoint '", path, "' has ", size - want_size,
                " trailing bytes after its data (", want_size, " bytes expected)");
-  const auto* bytes = reinterpret_cast<const std::byte*>(file.data());
+  const std::byte* bytes = file.data();
   uint64_t h = fnv1a64(std::span(bytes + 8, header - 16));
   h = fnv1a64(std::span(bytes + header, size - header), h);
   uint64_t stored = 0;

@@ -23,7 +23,10 @@
 // resumes at any ep.
 #pragma once
 
-#include <cpattn/train.hpp>
+#include <cpattn/dtype.hpp>
+#include <cpattn/train_config.hpp>
+
+#include <cstddef>
 
 #include <cstdint>
 #include <span>
@@ -50,12 +53,20 @@ struct CheckpointState {
 
 uint64_t fnv1a64(std::span<const std::byte> bytes, uint64_t h = 14695981039346656037ull);
 
-// Writes `path` through write_file_atomically. Throws cpattn::Error naming the file.
+// The file's bytes (the format above). Throws cpattn::Error when m or v differ in size from params.
+std::vector<std::byte> format_checkpoint(const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
+                                         std::span<const float> params, std::span<const float> m,
+                                         std::span<const float> v);
+// Writes format_checkpoint's bytes to `path` through write_file_atomically. Throws cpattn::Error
+// naming the file.
 void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
                      std::span<const float> params, std::span<const float> m, std::span<const float> v);
 
 // Reads and verifies `path` against `cfg` (cpattn::Error names the file and the first problem
 // or the first field that differs).
 CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig& cfg);
+// The same checks on a checkpoint's bytes, `path` naming it in messages (load_checkpoint reads
+// the file and calls this; the fuzzer feeds it bytes directly).
+CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::string& path, const CheckpointConfig& cfg);
 
 }  // namespace cpattn::train

@@ -106,3 +106,24 @@ def test_bad_cp_arguments():
         attn(torch.zeros(8, 32), *qkv()[1:], CU)
     with pytest.raises(ValueError, match="q must be \\[local_tokens = 8"):  # the plan holds 8 tokens
         attn(*qkv(t=7), CU)
+
+
+def test_cp_check_finite_and_timeout():
+    from mpi4py import MPI
+    q, k, v = qkv()
+    q[6, 1, 5] = float("nan")  # global token 6 (document 1), head 1, dim 5
+    # Off (the default): the NaN passes through as the kernels make of it.
+    cpattn.ContextParallelAttention(MPI.COMM_WORLD)(q, k, v, CU)
+    attn = cpattn.ContextParallelAttention(MPI.COMM_WORLD, check_finite=True, timeout=30)
+    with pytest.raises(ValueError, match="q holds nan at token 6, head 1, dim 5"):
+        attn(q, k, v, CU)
+    q[6, 1, 5] = 0.0
+    out = attn(q.requires_grad_(), k, v, CU)  # finite: runs, and its backward checks the gradient
+    dout = torch.zeros_like(out)
+    dout[2, 3, 0] = float("inf")
+    with pytest.raises(ValueError, match="dout holds inf at token 2, head 3, dim 0"):
+        out.backward(dout)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds or None"):
+        cpattn.ContextParallelAttention(MPI.COMM_WORLD, timeout="5")
+    with pytest.raises(ValueError, match="timeout must be in \\(0, 1e\\+07\\] seconds, got -1"):
+        cpattn.ContextParallelAttention(MPI.COMM_WORLD, timeout=-1)(*qkv(), CU)

@@ -1,7 +1,8 @@
 """`cpattn simulate` and `cpattn calibrate` end to end: the JSON's per-rank work against `cpattn
 plan`'s, its bytes against the all-gather's hand formula, the built-in profile against the
 documented example file, the SVG as XML, a calibrated profile read back, and exit code 2 with a
-line naming the field or flag for bad profiles and meshes."""
+line naming the field or flag for bad profiles and meshes; calibrate's --timeout beats
+CPATTN_COMM_TIMEOUT_S, and a bad value of either is refused naming it."""
 import json
 import os
 import subprocess
@@ -15,11 +16,11 @@ EXAMPLE = os.path.join(ROOT, "examples", "profiles", "gpu-8x-nvlink-400g.json")
 failures = []
 
 
-def run(*args, mpi=0):
+def run(*args, mpi=0, env=None):
     cmd = [CPATTN, *args]
     if mpi:
         cmd = [MPIEXEC, "-np", str(mpi), "--oversubscribe", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def check(cond, what):
@@ -129,13 +130,20 @@ check(all(p["compute"][d][t] > 0 for d in ("fwd", "bwd") for t in ("fp32", "fp16
 check("NOT measured" in p["source"] and p["ranks_per_node"] == 1, "one-rank source")
 r = run("simulate", "--lengths", "300,20", "--cp", "2", "--profile", out, "--json", "--no-breakeven")
 check(r.returncode == 0 and json.loads(r.stdout)["profile"] == "this-machine", f"read back: {r.stderr}")
-r = run(*tiny, "--dtypes", "fp32", "--json", mpi=2)
+# --timeout beats CPATTN_COMM_TIMEOUT_S (whose bad value is then never read), and a bad --timeout
+# is refused naming the flag before any collective.
+r = run(*tiny, "--dtypes", "fp32", "--json", "--timeout", "60", mpi=2, env={"CPATTN_COMM_TIMEOUT_S": "-1"})
 check(r.returncode == 0, f"calibrate np 2: {r.stderr}")
 p2 = json.loads(r.stdout)
 check(p2["ranks_per_node"] == 2 and len(p2["measured"]["shifts"]) == 2, "np 2: shifts measured")
 check(p2["intra_node"]["latency_us"] > 0 and p2["intra_node"]["bandwidth_gbs"] > 0, "np 2: link figures")
 check(list(p2["compute"]["fwd"]) == ["fp32"], "only the asked dtype")
 bad(["calibrate", "--dtypes", "fp8"], "--dtypes: --dtype must be one of")
+r = run(*tiny, "--timeout", "-1", mpi=2)
+check(r.returncode == 2 and "--timeout must be in (0, 1e+07] seconds, got -1" in r.stderr,
+      f"calibrate --timeout -1: exit {r.returncode} {r.stderr[-400:]!r}")
+r = run(*tiny, mpi=2, env={"CPATTN_COMM_TIMEOUT_S": "-1"})
+check(r.returncode == 2 and "CPATTN_COMM_TIMEOUT_S" in r.stderr, f"calibrate with a bad variable: {r.stderr[-400:]!r}")
 
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))

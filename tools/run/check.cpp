@@ -29,13 +29,16 @@ RunCheck check_against(const check::Batch& b, const Reference& reference, const 
     const char* name;
     const std::vector<float>* got;
     const std::vector<float>* ref;
-    int64_t row;
-  } tensors[] = {{"out", &got.out, &ref.out, b.out_shape().row_elements()},
-                 {"dq", &got.dq, &ref.dq, b.q_shape().row_elements()},
-                 {"dk", &got.dk, &ref.dk, b.k_shape().row_elements()},
-                 {"dv", &got.dv, &ref.dv, b.v_shape().row_elements()}};
+    check::TensorShape shape;
+  } tensors[] = {{"out", &got.out, &ref.out, b.out_shape()},
+                 {"dq", &got.dq, &ref.dq, b.q_shape()},
+                 {"dk", &got.dk, &ref.dk, b.k_shape()},
+                 {"dv", &got.dv, &ref.dv, b.v_shape()}};
   for (const auto& t : tensors) {
-    c.tensors.push_back(check::compare(t.name, *t.got, *t.ref, b.dtype, t.row));
+    // Rows of one head's dim values: the worst row is (global token, head).
+    c.tensors.push_back(check::compare(t.name, *t.got, *t.ref, b.dtype, t.shape.dim));
+    const int64_t row = std::max<int64_t>(c.tensors.back().worst_row, 0);
+    c.worst.push_back({row / t.shape.heads, static_cast<int>(row % t.shape.heads)});
     if (!c.tensors.back().pass) c.pass = false;
   }
   for (std::size_t i = 0; i < got.lse.size(); ++i)

@@ -21,6 +21,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "../commands.hpp"
@@ -122,38 +123,64 @@ std::vector<std::pair<CpScheme, int>> schemes_of(const RunArgs& a, int cp, const
   return out;
 }
 
+// The CP layer's configuration for the flags and the batch's shape (slopes: --alibi's, or null),
+// without a scheme: configs_of sets it.
+CpAttnConfig config_of(const RunArgs& a, const check::BatchShape& s, DType dtype, const float* slopes) {
+  const Window window = parse_window(a.window);
+  return {.num_heads_q = s.heads_q, .num_heads_k = s.heads_k, .head_dim_qk = s.head_dim_qk,
+          .head_dim_v = s.head_dim_v, .dtype = dtype,
+          .options = {.mask = parse_mask(a.mask), .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
+                      .path = parse_kernel_path(a.kernel_path), .window_size_left = window.left,
+                      .window_size_right = window.right, .softcap = a.softcap, .alibi_slopes = slopes},
+          .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
+          .split = parse_split(a.split)};
+}
+
+// One configuration per scheme the run measures (schemes_of), each a copy of `base`.
+std::vector<CpAttnConfig> configs_of(const RunArgs& a, const CpAttnConfig& base, int cp,
+                                     const check::BatchShape& shape) {
+  std::vector<CpAttnConfig> out;
+  for (const auto& [s, inner] : schemes_of(a, cp, shape)) {
+    if (base.split == CpSplit::padding_free && s != CpScheme::allgather && a.scheme == "all") continue;
+    CpAttnConfig c = base;
+    c.scheme = s;
+    c.cp_inner = s == CpScheme::hybrid ? inner : 0;
+    if (a.scheme == "all" && s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode: the all-gather's
+    out.push_back(c);
+  }
+  return out;
+}
+
+// The flags' request against this node's memory (`tokens`, `shape`: the flags', before the batch
+// exists, or --npy-in's once read), for every scheme the run measures.
+void check_memory_of(const RunArgs& a, int64_t tokens, const check::BatchShape& shape, DType dtype, int cp) {
+  check_run_memory(tokens, shape, configs_of(a, config_of(a, shape, dtype, nullptr), cp, shape), cp);
+}
+
 Local prepare(const RunArgs& a, Communicator& comm) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.repeats >= 1, "--repeats must be >= 1, got ", a.repeats);
-  const MaskType mask = parse_mask(a.mask);
-  const KernelPath path = parse_kernel_path(a.kernel_path);
-  check_kernel_path_supported(path);
+  parse_mask(a.mask);
+  check_kernel_path_supported(parse_kernel_path(a.kernel_path));
   CPATTN_CHECK(a.seq_len >= 1, "--seq-len must be >= 1, got ", a.seq_len);
   CPATTN_CHECK(a.dropout >= 0.0f && a.dropout < 1.0f, "--dropout must be in [0, 1), got ", a.dropout);
-  const Window window = parse_window(a.window);
+  parse_window(a.window);
   check_softcap(a.softcap);
   if (a.npy_in.empty())  // the files' shapes are CpAttention's to check
     CPATTN_CHECK(a.heads >= 1 && a.kv_heads >= 1 && a.heads % a.kv_heads == 0, "--heads (", a.heads,
                  ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
+  const DType dtype = parse_dtype(a.dtype);
+  if (a.npy_in.empty())  // before the batch exists; --npy-in's files are checked once read
+    check_memory_of(a, flag_tokens(a), flag_shape(a), dtype, comm.size());
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;
+  if (!a.npy_in.empty()) check_memory_of(a, b.tokens(), b.shape, dtype, comm.size());
+  if (a.check_finite) check_batch_finite(b);
   if (a.alibi) l.slopes = check::alibi_slopes(b.shape.heads_q);
-  l.cfg = {.num_heads_q = b.shape.heads_q, .num_heads_k = b.shape.heads_k, .head_dim_qk = b.shape.head_dim_qk,
-           .head_dim_v = b.shape.head_dim_v, .dtype = b.dtype,
-           .options = {.mask = mask, .dropout_p = a.dropout, .seed = a.seed, .num_threads = a.threads,
-                       .path = path, .window_size_left = window.left, .window_size_right = window.right,
-                       .softcap = a.softcap, .alibi_slopes = a.alibi ? l.slopes.data() : nullptr},
-           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
-           .split = parse_split(a.split)};
-  for (const auto& [s, inner] : schemes_of(a, comm.size(), b.shape)) {
-    if (l.cfg.split == CpSplit::padding_free && s != CpScheme::allgather && a.scheme == "all") continue;
-    CpAttnConfig c = l.cfg;
-    c.scheme = s;
-    c.cp_inner = s == CpScheme::hybrid ? inner : 0;
-    if (a.scheme == "all" && s != CpScheme::allgather) c.kv_mode = KvMode::runs;  // --mode: the all-gather's
+  l.cfg = config_of(a, b.shape, b.dtype, a.alibi ? l.slopes.data() : nullptr);
+  for (const CpAttnConfig& c : configs_of(a, l.cfg, comm.size(), b.shape))
     l.attns.push_back(std::make_unique<CpAttention>(comm, c));
-  }
   l.plan = l.attns.front()->plan(b.cu_seqlens);  // a plan serves every scheme
   l.q = check::local_rows(b.q, *l.plan);
   l.k = check::local_rows(b.k, *l.plan);
@@ -213,6 +240,30 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
   return m;
 }
 
+// The deadline of the wait for rank 0's serial check: the collectives' deadline plus 4 times
+// the serial work's estimate. The single-process run does the work of all cp ranks of its
+// group, with the same kernels and threads, so it takes about cp times the slowest rank's
+// step (of any scheme measured; it runs once, and each scheme's comparison is cheap beside
+// it); 4 is the margin (first-touch faults, the comparisons). The same on every rank (from
+// the all-gathered figures).
+double serial_check_deadline(double timeout_s, const std::vector<Measured>& measured) {
+  double slowest = 0;
+  std::size_t cp = 1;
+  for (const Measured& m : measured) {
+    cp = m.ranks.size();
+    for (const RankFigures& f : m.ranks) slowest = std::max(slowest, f.step_s);
+  }
+  return std::min(timeout_s + 4.0 * static_cast<double>(cp) * slowest, 1e7);
+}
+
+// A duplicate of `comm` whose collectives wait up to `timeout_s` (collective).
+Communicator with_deadline(const Communicator& comm, double timeout_s) {
+  CommOptions o = comm.options();
+  o.timeout_s = timeout_s;
+  o.timeout_name += " plus the serial check's allowance";
+  return Communicator(comm.mpi_comm(), o);
+}
+
 // Runs the check in this rank's CP group; true when every group passed.
 bool check_in_groups(Communicator& world, const RunArgs& a) {
   Groups groups(world, a.cp);
@@ -231,10 +282,16 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     local_error = std::string("unexpected error: ") + e.what();
   }
   agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
+  if (a.testing_stall_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(a.testing_stall_s));
   Local& l = *prepared;
   const check::Batch& b = l.b;
   std::vector<Measured> measured;
   for (const std::unique_ptr<CpAttention>& attn : l.attns) measured.push_back(measure(comm, a, l, *attn));
+
+  // Rank 0 of each group checks alone, while every other rank waits for its verdict: that
+  // wait gets a deadline sized for the serial check (serial_check_deadline), not the
+  // collectives' one, so that a long check cannot time the other ranks out.
+  Communicator verdict = with_deadline(groups.world, serial_check_deadline(groups.world.timeout_s(), measured));
 
   // Rank 0 checks and reports; the others wait for its verdict. Whatever rank 0 meets
   // (a failed check, an exception) reaches every rank, so that none is left waiting.
@@ -244,7 +301,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     const Reference ref = single_process_reference(b, l.cfg.options);  // once, for every scheme
     const KernelPath path = l.cfg.options.path;
     RunReport report{.args = a, .kernel_path = kernel_path_name(resolve_kernel_path(path, b.dtype).path),
-                     .cp = cp, .cp_groups = groups.count, .batch = b,
+                     .cp = cp, .cp_groups = groups.count, .timeout_s = groups.world.timeout_s(), .batch = b,
                      .balance = balance_report(b.cu_seqlens, cp, parse_split(a.split)),
                      .single_process_s = ref.seconds, .schemes = {}};
     for (std::size_t i = 0; i < measured.size(); ++i)
@@ -265,18 +322,14 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   } catch (const std::exception& e) {
     rank0_error = e.what();
   }
-  // Each group's rank 0 verdict reaches every rank of every group; any error is agreed on.
-  int64_t status[2] = {pass, static_cast<int64_t>(rank0_error.size())};
-  comm.broadcast<int64_t>(status, 0);
-  if (status[1] > 0) {
-    rank0_error.resize(static_cast<std::size_t>(status[1]));
-    comm.broadcast<std::byte>(std::as_writable_bytes(std::span(rank0_error)), 0);
-  }
-  agree(groups.world, {}, "cpattn run",
-        status[1] > 0 ? "the check on rank 0 of CP group " + std::to_string(groups.index) + " failed: " + rank0_error
-                      : std::string());
+  // Each group's rank 0 verdict reaches every rank of every group (the agreement carries every
+  // rank's error text; only the checkers have one).
+  agree(verdict, {}, "cpattn run",
+        rank0_error.empty() ? std::string()
+                            : "the check on rank 0 of CP group " + std::to_string(groups.index) + " failed: " + rank0_error);
+  const int64_t status[1] = {pass};
   std::vector<int64_t> passed(static_cast<std::size_t>(groups.world.size()));
-  groups.world.all_gather<int64_t>(std::span<const int64_t>(&status[0], 1), passed);
+  verdict.all_gather<int64_t>(std::span<const int64_t>(status, 1), passed);
   std::vector<int> failed;  // the groups whose check failed
   for (int g = 0; g < groups.count; ++g)
     if (passed[static_cast<std::size_t>(g) * groups.cp] == 0) failed.push_back(g);
@@ -295,7 +348,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
 // rank 0 prints it, and the barrier keeps the launcher from ending rank 0 (once another rank
 // has exited non-zero) before it has printed.
 bool run_distributed(const RunArgs& a) {
-  Communicator world(MPI_COMM_WORLD, {.timeout_s = a.timeout});
+  Communicator world(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   try {
     return check_in_groups(world, a);
   } catch (const Error& e) {

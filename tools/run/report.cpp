@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <string>
 
 namespace cpattn::cli::run_cmd {
 namespace {
@@ -26,7 +27,9 @@ double compute_imbalance(const std::vector<RankFigures>& ranks) {
 nlohmann::json scheme_json(const SchemeResult& x) {
   nlohmann::json j;
   j["scheme"] = x.scheme;
-  for (const check::TensorReport& t : x.check.tensors) {
+  for (std::size_t i = 0; i < x.check.tensors.size(); ++i) {
+    const check::TensorReport& t = x.check.tensors[i];
+    j["worst"][t.name] = {{"token", x.check.worst[i].token}, {"head", x.check.worst[i].head}};
     j["max_abs_err"][t.name] = t.max_abs;
     j["max_rel_err"][t.name] = t.max_rel;
     j["rel_l2_err"][t.name] = t.rel_l2;
@@ -53,6 +56,15 @@ double max_over_ranks(const std::vector<RankFigures>& ranks, double RankFigures:
   return m;
 }
 
+// " (dq at token 5, head 1)": the first failing tensor and its worst row, or "" (a pass).
+std::string first_failure(const RunCheck& c) {
+  for (std::size_t i = 0; i < c.tensors.size(); ++i)
+    if (!c.tensors[i].pass)
+      return " (" + c.tensors[i].name + (c.tensors[i].finite ? "" : ", NaN/Inf,") + " at token " +
+             std::to_string(c.worst[i].token) + ", head " + std::to_string(c.worst[i].head) + ")";
+  return "";
+}
+
 // --scheme all: one row per scheme and rank.
 void print_schemes(const RunReport& r) {
   std::printf("\nevery scheme on this batch (medians of %d steps; error: the worst rel_l2 of out, dq, dk, dv):\n",
@@ -65,7 +77,8 @@ void print_schemes(const RunReport& r) {
       std::printf("  %-10s %-5d %11.4f %11.4f %12.0f %12.0f %14.1f", i == 0 ? x.scheme.c_str() : "",
                   static_cast<int>(i), f.forward_s, f.backward_s, f.bytes_sent, f.bytes_received, f.peak_buffer_mb);
       if (i == 0)
-        std::printf(" %11.3e %s\n", x.check.worst_rel_l2(), x.check.pass ? "PASS" : "FAIL");
+        std::printf(" %11.3e %s%s\n", x.check.worst_rel_l2(), x.check.pass ? "PASS" : "FAIL",
+                    first_failure(x.check).c_str());
       else
         std::printf("\n");
     }
@@ -114,6 +127,7 @@ nlohmann::json report_json(const RunReport& r) {
   report["head_dim_v"] = b.shape.head_dim_v;
   report["repeats"] = a.repeats;
   report["single_process_s"] = r.single_process_s;
+  report["timeout_s"] = r.timeout_s;
   if (a.scheme != "all") {  // one scheme: its figures at the top level
     report.update(scheme_json(r.schemes[0]));
   } else {  // --scheme all: one object per scheme
@@ -152,9 +166,14 @@ void print_report(const RunReport& r) {
   const std::vector<RankFigures>& ranks = r.schemes[0].ranks;
   std::printf("scheme %s\n", r.schemes[0].scheme.c_str());
   std::printf("\ncheck against a single-process run of the whole batch (%.3f s):\n", r.single_process_s);
-  std::printf("  %-6s %14s %14s %14s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err");
-  for (const check::TensorReport& t : result.tensors)
-    std::printf("  %-6s %14.3e %14.3e %14.3e\n", t.name.c_str(), t.max_abs, t.max_rel, t.rel_l2);
+  std::printf("  %-6s %14s %14s %14s  %s\n", "tensor", "max_abs_err", "max_rel_err", "rel_l2_err",
+              "worst at (token, head)");
+  for (std::size_t i = 0; i < result.tensors.size(); ++i) {
+    const check::TensorReport& t = result.tensors[i];
+    std::printf("  %-6s %14.3e %14.3e %14.3e  (%lld, %d)%s\n", t.name.c_str(), t.max_abs, t.max_rel, t.rel_l2,
+                static_cast<long long>(result.worst[i].token), result.worst[i].head,
+                t.pass ? "" : t.finite ? "  FAIL" : "  FAIL (NaN/Inf)");
+  }
   std::printf("  result: %s (%s)\n", result.pass ? "PASS" : "FAIL",
               std::string(check::tolerance(b.dtype).rule).c_str());
   std::printf("\nper rank (medians of %d forward+backward steps):\n", a.repeats);

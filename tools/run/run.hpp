@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cpattn/attention.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/check/batch.hpp>
 #include <cpattn/check/compare.hpp>
 #include <cpattn/plan.hpp>
@@ -13,6 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -33,7 +36,9 @@ struct RunArgs {
   std::string window;   // --window LEFT,RIGHT (empty: unbounded)
   float softcap = 0.0f;  // --softcap (0: off)
   bool alibi = false;    // --alibi: slopes check::alibi_slopes(heads)
-  double timeout = 300.0;
+  std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
+  bool check_finite = true;       // --no-check-finite clears it
+  double testing_stall_s = 0;     // hidden --testing-stall-s
   std::string npy_in, npy_out;
   bool json = false;
 };
@@ -42,6 +47,29 @@ struct RunArgs {
 // The global batch of the flags: --npy-in, else --lengths, else the mix of --seq-len from --seed;
 // tensors from --seed.
 check::Batch make_batch(const RunArgs& a);
+// The batch's tokens and shape as the flags give them (without --npy-in), before it exists.
+int64_t flag_tokens(const RunArgs& a);
+check::BatchShape flag_shape(const RunArgs& a);
+// The first non-finite element of q, k, v or dout is an error naming the tensor, its global
+// token, head and dim (the default; --no-check-finite skips it).
+void check_batch_finite(const check::Batch& b);
+
+// ---- memory.cpp ----
+struct RunMemory {  // bytes
+  uint64_t batch = 0;      // every rank: the global q, k, v, dout
+  uint64_t cp = 0;         // every rank: its local tensors and the CP layer (cp_memory_estimate)
+  uint64_t results = 0;    // every rank: the results gathered in global order
+  uint64_t reference = 0;  // rank 0: the single-process run of the whole batch
+  uint64_t ranks_on_node = 1;
+  uint64_t node_bytes() const;  // this node's ranks together, and rank 0's check
+  std::string describe() const;
+};
+// `configs`: one per scheme run (--scheme all: several layers, each keeping its buffers, and
+// each scheme's gathered results kept for the check).
+RunMemory run_memory_estimate(int64_t tokens, const check::BatchShape& s, std::span<const CpAttnConfig> configs,
+                              int cp);
+// cpattn::Error with both sizes when this node has less than run_memory_estimate's node_bytes().
+void check_run_memory(int64_t tokens, const check::BatchShape& s, std::span<const CpAttnConfig> configs, int cp);
 
 // ---- check.cpp ----
 // A single-process run of the whole batch, made once for every scheme checked against it.
@@ -53,6 +81,11 @@ Reference single_process_reference(const check::Batch& b, const AttnOptions& opt
 
 struct RunCheck {
   std::vector<check::TensorReport> tensors;  // out, dq, dk, dv
+  struct Worst {
+    int64_t token = 0;  // global, of the real tokens
+    int head = 0;
+  };
+  std::vector<Worst> worst;                 // per tensor: where its worst error (or first NaN) is
   double lse_max_abs = 0;                   // max |lse - ref| (lse is reported, not judged)
   bool pass = true;                         // every tensor passes its dtype's rule
   double worst_rel_l2() const;              // over the tensors
@@ -75,6 +108,7 @@ struct RunReport {
   const RunArgs& args;
   std::string kernel_path;  // the path that ran
   int cp = 1, cp_groups = 1;
+  double timeout_s = 0;  // the collectives' deadline in effect (--timeout, CPATTN_COMM_TIMEOUT_S or 300)
   const check::Batch& batch;
   BalanceReport balance;
   double single_process_s = 0;

@@ -1,0 +1,179 @@
+// cp_memory_estimate: what cp_attention.cpp's forward and backward allocate, buffer by buffer
+// (keep the two in step: CpStats::peak_buffer_bytes measures what the estimate predicts, and
+// tests/cp compares them).
+#include <cpattn/attention.hpp>
+#include <cpattn/cp.hpp>
+#include <cpattn/memory.hpp>
+
+#include <algorithm>
+#include <string>
+
+namespace cpattn {
+namespace {
+
+// a * b * c * d, saturating (absurd requests must give a huge number, not a wrapped one).
+uint64_t product(uint64_t a, uint64_t b, uint64_t c = 1, uint64_t d = 1) {
+  return saturating_mul(saturating_mul(a, b), saturating_mul(c, d));
+}
+
+// The capacity of a vector resized to `first` bytes, then to `second`: libstdc++ grows to
+// max(2 x the old size, the new size).
+uint64_t grown(uint64_t first, uint64_t second) {
+  return second <= first ? first : std::max(saturating_mul(first, 2), second);
+}
+
+// attention_backward's scratch for `q_rows` queries over `k_rows` keys (clamped so that the
+// kernel's sum stays finite for absurd requests).
+uint64_t kernel_scratch(const CpAttnConfig& c, int64_t q_rows, uint64_t k_rows, int heads_q, int heads_k,
+                        const WorkList* work) {
+  const auto rows = static_cast<int64_t>(std::min<uint64_t>(k_rows, uint64_t{1} << 50));
+  const AttnBwdParams p{
+      .in = {.q = {nullptr, std::min<int64_t>(q_rows, int64_t{1} << 50), heads_q, c.head_dim_qk, c.dtype},
+             .k = {nullptr, rows, heads_k, c.head_dim_qk, c.dtype},
+             .v = {nullptr, rows, heads_k, c.head_dim_v, c.dtype},
+             .work = work,
+             .options = c.options}};
+  return attention_backward_scratch_bytes(p);
+}
+
+// The all-gather and the ring. `gathered`: the rows an all-gather collects (cp blocks of the
+// padded split's equal size, or the padding-free split's global tokens).
+CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tokens, uint64_t gathered,
+                                const WorkList* work) {
+  const auto t = static_cast<uint64_t>(local_tokens);
+  const uint64_t es = dtype_size(c.dtype), f = sizeof(float);
+  const auto hq = static_cast<uint64_t>(c.num_heads_q);
+  const auto kv_row = static_cast<uint64_t>(c.num_heads_k) * static_cast<uint64_t>(c.head_dim_qk + c.head_dim_v);
+  const uint64_t lse = product(t, hq, f);
+  const bool ring = c.scheme == CpScheme::ring;
+  const uint64_t kv_rows = ring ? t : gathered;  // the gathered keys
+  // Index mode copies each task's keys: a document's front and back chunks both read its
+  // first chunks, so the copy holds up to twice the gathered rows.
+  const bool index = !ring && c.kv_mode == KvMode::index;
+  const uint64_t read_rows = index ? saturating_mul(kv_rows, 2) : kv_rows;  // the keys a kernel call reads
+  CpMemoryEstimate e;
+  e.context = saturating_add(product(read_rows, kv_row, es), lse);
+  if (ring) {
+    // Double-buffered visiting blocks and their fp32 dK/dV; fp32 copies of q, the block, out,
+    // dout, the running merge and dq (cp_attention.cpp's qf ... dq_part).
+    const uint64_t copies = saturating_add(
+        product(t, hq, static_cast<uint64_t>(3 * c.head_dim_qk + 4 * c.head_dim_v + 2)), product(t, kv_row));
+    e.buffers = saturating_add(saturating_add(product(2, t, kv_row, es), product(2, t, kv_row, f)),
+                               saturating_mul(copies, f));
+  } else {
+    // dK/dV of every gathered row and this rank's share, fp32; index mode adds the copy's
+    // dK/dV and, during forward, the gathered buffer beside its copy.
+    e.buffers = saturating_add(product(kv_rows, kv_row, f), product(t, kv_row, f));
+    if (index)
+      e.buffers = saturating_add(e.buffers, saturating_add(product(read_rows, kv_row, f), product(kv_rows, kv_row, es)));
+    // The padding-free split's reduce-scatter receives cp blocks of this rank's dK/dV rows
+    // (reduce_scatter_rows' scratch, added in rank order).
+    if (c.split == CpSplit::padding_free) e.buffers = saturating_add(e.buffers, product(static_cast<uint64_t>(cp), t, kv_row, f));
+  }
+  e.kernel_scratch = kernel_scratch(c, local_tokens, read_rows, c.num_heads_q, c.num_heads_k, work);
+  return e;
+}
+
+// Pass-Q (pass_q.cpp): the context keeps this rank's K/V and lse; the buffers are the
+// double-buffered visiting block (backward's [lse | q | out | dout] the larger), the partials
+// sent and coming back (double-buffered), the owner's running result, and the fp32 copies and
+// dK/dV sums of PassQBuffers.
+CpMemoryEstimate pass_q(const CpAttnConfig& c, int64_t local_tokens, const WorkList* work) {
+  const auto t = static_cast<uint64_t>(local_tokens);
+  const uint64_t es = dtype_size(c.dtype), f = sizeof(float);
+  const auto hq = static_cast<uint64_t>(c.num_heads_q);
+  const auto dqk = static_cast<uint64_t>(c.head_dim_qk), dv = static_cast<uint64_t>(c.head_dim_v);
+  const auto kv_row = static_cast<uint64_t>(c.num_heads_k) * (dqk + dv);
+  CpMemoryEstimate e;
+  e.context = saturating_add(product(t, kv_row, es), product(t, hq, f));
+  // The visiting block and the partials: forward's size, then backward's (a vector resized up
+  // keeps max(2 x its old size, the new one): std::vector's growth).
+  const uint64_t visit = grown(product(t, hq, dqk, es),
+                               saturating_add(product(t, hq, f), product(t, hq, (dqk + 2 * dv), es)));
+  const uint64_t part = grown(product(t, hq, 1 + dv, f), product(t, hq, dqk, f));  // [lse | out], then dQ
+  const uint64_t acc = product(t, hq, std::max(1 + dv, dqk), f);                    // assigned: exact
+  e.buffers = saturating_add(saturating_add(saturating_mul(visit, 2), saturating_add(saturating_mul(part, 4), acc)),
+                             saturating_add(product(2, t, kv_row, f), product(t, hq, dqk + 2 * dv, f)));
+  e.kernel_scratch = kernel_scratch(c, local_tokens, t, c.num_heads_q, c.num_heads_k, work);
+  return e;
+}
+
+CpMemoryEstimate estimate(const CpAttnConfig& c, int cp, int64_t local_tokens, uint64_t gathered,
+                          const WorkList* work);
+
+// The a2a and hybrid schemes (a2a.cpp): the group layout of `inner` ranks' tokens holds this
+// member's heads (q, out kept for backward; k, v, dout, dq, dk, dv and lse as scratch), the
+// all-to-all's send and receive blocks and the fp32 sum of replicated dK/dV; the outer layer,
+// an all-gather or ring over cp / inner ranks on inner x local_tokens rows of those heads,
+// comes on top (its context in ours, its buffers and kernel scratch too).
+CpMemoryEstimate a2a(const CpAttnConfig& c, int cp, int64_t local_tokens) {
+  const auto hq = static_cast<uint64_t>(c.num_heads_q), hkv = static_cast<uint64_t>(c.num_heads_k);
+  const int inner = c.scheme == CpScheme::a2a ? cp : std::max(1, c.cp_inner);
+  const int outer = std::max(1, cp / inner);
+  const int group = std::max(1, c.num_heads_q / std::max(1, c.num_heads_k));  // query heads per KV head
+  const int hq_loc = std::max(1, c.num_heads_q / inner);
+  const int kv_loc = (hq_loc - 1) / group + 1;  // a2a.hpp's HeadSplit::kv_loc
+  const auto t = static_cast<uint64_t>(local_tokens);
+  const uint64_t g = saturating_mul(t, static_cast<uint64_t>(inner));
+  const uint64_t es = dtype_size(c.dtype), f = sizeof(float);
+  const auto dqk = static_cast<uint64_t>(c.head_dim_qk), dv = static_cast<uint64_t>(c.head_dim_v);
+  const uint64_t dmax = std::max(dqk, dv);
+  CpAttnConfig o = c;
+  o.num_heads_q = hq_loc;
+  o.num_heads_k = kv_loc;
+  o.scheme = c.scheme == CpScheme::hybrid ? c.hybrid_outer : CpScheme::allgather;
+  o.cp_inner = 0;
+  o.split = CpSplit::padded;
+  const auto g_rows = static_cast<int64_t>(std::min<uint64_t>(g, uint64_t{1} << 50));
+  const CpMemoryEstimate in = estimate(o, outer, g_rows, saturating_mul(g, static_cast<uint64_t>(outer)), nullptr);
+  const auto hql = static_cast<uint64_t>(hq_loc), kvl = static_cast<uint64_t>(kv_loc);
+  CpMemoryEstimate e;
+  e.context = saturating_add(saturating_add(product(g, hql, dqk + dv, es), product(t, hq, f)), in.context);
+  const uint64_t block = std::max({product(t, hq, dmax, es), product(g, kvl, dmax, es),
+                                   product(t, hq, f)});  // the largest all-to-all, each way
+  // The group layout's scratch: k, v, dk, dv (this member's KV heads), dout, dq (its query heads).
+  const uint64_t group_layout = saturating_add(product(2, g, kvl, dqk + dv), product(g, hql, dqk + dv));
+  e.buffers = saturating_add(saturating_add(saturating_mul(block, 2), saturating_mul(group_layout, es)),
+                             saturating_add(saturating_add(product(g, hql, f), product(t, hkv, dmax, f)),
+                                            saturating_add(saturating_mul(dmax, f), in.buffers)));
+  e.kernel_scratch = in.kernel_scratch;
+  return e;
+}
+
+CpMemoryEstimate estimate(const CpAttnConfig& c, int cp, int64_t local_tokens, uint64_t gathered,
+                          const WorkList* work) {
+  switch (c.scheme) {
+    case CpScheme::pass_q:
+      return pass_q(c, local_tokens, work);
+    case CpScheme::a2a:
+    case CpScheme::hybrid:
+      return a2a(c, cp, local_tokens);
+    default:
+      return gather_or_ring(c, cp, local_tokens, gathered, work);
+  }
+}
+
+}  // namespace
+
+uint64_t CpMemoryEstimate::total(int64_t contexts) const {
+  return saturating_add(saturating_mul(context, static_cast<uint64_t>(contexts < 1 ? 1 : contexts)),
+                        saturating_add(buffers, kernel_scratch));
+}
+
+std::string CpMemoryEstimate::describe() const {
+  return "context " + format_bytes(context) + ", buffers " + format_bytes(buffers) + ", kernel scratch " +
+         format_bytes(kernel_scratch);
+}
+
+CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, int cp, int64_t local_tokens) {
+  return estimate(cfg, cp, local_tokens, product(static_cast<uint64_t>(local_tokens), static_cast<uint64_t>(cp)),
+                  nullptr);
+}
+
+CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan) {
+  const auto gathered = static_cast<uint64_t>(plan.split == CpSplit::padded ? plan.local_tokens * plan.cp
+                                                                             : plan.layout.rank_begin.back());
+  return estimate(cfg, plan.cp, plan.local_tokens, gathered, &plan.work);
+}
+
+}  // namespace cpattn

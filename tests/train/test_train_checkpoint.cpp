@@ -1,0 +1,104 @@
+// The checkpoint format (src/train/checkpoint.hpp) against an independent writer: the fuzz
+// seeds that tests/fuzz/make_checkpoint_seeds.py writes by hand from the documented layout
+// (Python's struct and its own FNV-1a) must read as their names say, the valid version 4 ones
+// back to the exact bytes format_checkpoint writes, the valid version 3 one to the version 4
+// file of the same run. No MPI.
+#include <cpattn/error.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "checkpoint.hpp"
+#include "checkpoint_seed_configs.hpp"
+
+namespace cpattn::train {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// fuzz_checkpoint.cpp's and make_checkpoint_seeds.py's configurations: a dense model and one
+// with experts.
+const CheckpointConfig& kConfig = seed_configs::kDense;
+const CheckpointConfig& kMoe = seed_configs::kMoe;
+
+// A seed's file: its bytes after the fuzzer's mode byte.
+std::vector<std::byte> seed(const std::string& name) {
+  std::ifstream in(std::string(CPATTN_CHECKPOINT_SEEDS) + "/" + name, std::ios::binary);
+  EXPECT_TRUE(in.good()) << name;
+  const std::vector<char> all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> file;
+  for (std::size_t i = 1; i < all.size(); ++i) file.push_back(static_cast<std::byte>(all[i]));
+  return file;
+}
+
+std::string refusal(const std::string& name, const CheckpointConfig& cfg = kConfig) {
+  try {
+    (void)parse_checkpoint(seed(name), name, cfg);
+  } catch (const Error& e) {
+    return e.message();
+  }
+  ADD_FAILURE() << name << " was accepted";
+  return {};
+}
+
+void expect_seed_state(const CheckpointState& s) {
+  EXPECT_EQ(s.step, 5);
+  EXPECT_EQ(s.data, (DataPosition{.doc = 0, .offset = 17, .epoch = 0}));
+  EXPECT_THAT(s.params, ElementsAre(0.5f, -1.25f, 2.0f));
+  EXPECT_THAT(s.m, ElementsAre(0.01f, -0.02f, 0.03f));
+  EXPECT_THAT(s.v, ElementsAre(1e-4f, 0.0f, 2e-3f));
+}
+
+TEST(CheckpointFormat, TheHandWrittenValidSeedReadsAndFormatsBackToItsBytes) {
+  const std::vector<std::byte> file = seed("valid");
+  const CheckpointState s = parse_checkpoint(file, "valid", kConfig);
+  expect_seed_state(s);
+  EXPECT_EQ(format_checkpoint(kConfig, s.step, s.data, s.params, s.m, s.v), file);
+}
+
+TEST(CheckpointFormat, TheModelWithExpertsReadsAndFormatsBackToItsBytes) {
+  const std::vector<std::byte> file = seed("valid_moe");
+  const CheckpointState s = parse_checkpoint(file, "valid_moe", kMoe);
+  expect_seed_state(s);
+  EXPECT_EQ(format_checkpoint(kMoe, s.step, s.data, s.params, s.m, s.v), file);
+  // The same file is not the dense run's: the first MoE field is named.
+  EXPECT_THAT(refusal("valid_moe"), HasSubstr("holds a model with experts = 4, this run has 0"));
+}
+
+TEST(CheckpointFormat, AVersion3FileReadsAsTheDenseModelAndIsWrittenAsVersion4) {
+  const std::vector<std::byte> file = seed("valid_v3");
+  const CheckpointState s = parse_checkpoint(file, "valid_v3", kConfig);
+  expect_seed_state(s);
+  // The hand-written version 4 file of the same run, byte for byte.
+  EXPECT_EQ(format_checkpoint(kConfig, s.step, s.data, s.params, s.m, s.v), seed("valid"));
+}
+
+TEST(CheckpointFormat, EveryBadSeedIsRefusedNamingItsProblem) {
+  // Version 4: 8 (magic) + 8 x (2 + 35 fields) + 8 (checksum) + 36 (payload) = 348 bytes.
+  EXPECT_THAT(refusal("truncated"), HasSubstr("is truncated: 343 bytes, its header says 348"));
+  EXPECT_THAT(refusal("header_only"), HasSubstr("is truncated: 312 bytes, its header says 348"));
+  EXPECT_THAT(refusal("trailing"), HasSubstr("has 4 trailing bytes after its data (348 bytes expected)"));
+  EXPECT_THAT(refusal("bad_checksum"), HasSubstr("fails its checksum"));
+  EXPECT_THAT(refusal("version1"), HasSubstr("has version 1, this cpattn reads versions 3 and 4 (version 1 has no "
+                                             "checksum"));
+  EXPECT_THAT(refusal("version2"), HasSubstr("has version 2, this cpattn reads versions 3 and 4 (version 2 has no "
+                                             "attention masks"));
+  EXPECT_THAT(refusal("v3_count_of_v4"), HasSubstr("has 35 header fields, want 28"));
+  EXPECT_THAT(refusal("other_lr"), HasSubstr("has lr 0.001, this run 0.0005"));
+  EXPECT_THAT(refusal("moe_other_router", kMoe), HasSubstr("holds a model with router = sigmoid-bias, this run has "
+                                                           "softmax"));
+  EXPECT_THAT(refusal("dense_against_moe", kMoe), HasSubstr("holds a model with experts = 0, this run has 4"));
+  EXPECT_THAT(refusal("negative_step"), HasSubstr("has a negative step (-1)"));
+  EXPECT_THAT(refusal("nan_weight"), HasSubstr("has a non-finite weight at parameter 1"));
+  EXPECT_THAT(refusal("negative_moment"), HasSubstr("has a negative second moment at parameter 1"));
+  EXPECT_THAT(refusal("not_a_checkpoint"), HasSubstr("is not a cpattn training checkpoint"));
+}
+
+}  // namespace
+}  // namespace cpattn::train
