@@ -75,6 +75,7 @@ struct TrainArgs {
   int64_t save_every = 0;       // also save every N steps (0: only at the end)
   bool skip_nonfinite = false;  // skip a non-finite step instead of stopping
   int64_t testing_nan_at_step = -1;  // hidden: NaN loss at this step (for tests)
+  int64_t testing_log_full_at_step = -1;  // hidden: the JSON log's disk is full from this step on
   // Mixture of experts (docs/training.md): model.experts and model.top_k, the EP size, and
   // the layer's options as cpattn moe names them.
   int ep = 1;
@@ -178,6 +179,12 @@ struct JsonLog {
   }
   void sync() {
     CPATTN_CHECK(fd < 0 || ::fsync(fd) == 0, "--json-log: fsync of '", path, "' failed: ", std::strerror(errno));
+  }
+  // For tests: every later write goes to /dev/full, so it fails with ENOSPC like a full disk.
+  void fill_disk() {
+    const int full = ::open("/dev/full", O_WRONLY | O_CLOEXEC);
+    CPATTN_CHECK(full >= 0 && ::dup2(full, fd) >= 0, "--testing-log-full-at-step: cannot open /dev/full");
+    ::close(full);
   }
 };
 
@@ -499,6 +506,7 @@ void train_run(const TrainArgs& a) {
         std::printf("\n");
         std::fflush(stdout);
       }
+      if (log.fd >= 0 && st.step == a.testing_log_full_at_step) log.fill_disk();
       if (log.fd >= 0) {
         const nlohmann::json j = {{"step", st.step},          {"loss", st.loss},
                                   {"grad_norm", st.grad_norm}, {"lr", st.lr},
@@ -724,6 +732,9 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--skip-nonfinite", a->skip_nonfinite,
                 "Skip the update of a step whose loss or gradient norm is not finite (and count it) "
                 "instead of stopping with an error");
+  cmd->add_option("--testing-log-full-at-step", a->testing_log_full_at_step,
+                  "Testing only: the --json-log disk is full (writes fail with ENOSPC) from this step on")
+      ->group("");
   cmd->add_option("--testing-nan-at-step", a->testing_nan_at_step, "Testing only: a NaN loss at this step")
       ->group("");
   cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)");

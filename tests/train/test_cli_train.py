@@ -126,6 +126,16 @@ with tempfile.TemporaryDirectory() as tmp:
         check(msg in r.stderr and r.stderr.count("cpattn: error:") == 1,
               f"{args}: stderr should say '{msg}' once:\n{r.stderr[-1500:]}")
 
+    # The JSON log's disk full mid-run (its writes go to /dev/full from step 3 on: ENOSPC from
+    # write()): exit 2 on every rank with one line naming the flag, the path and the error; the
+    # lines written before stay whole.
+    r = train(2, *SMALL, "--cp", "2", "--steps", "5", "--json-log", p("full.jsonl"), "--testing-log-full-at-step", "3")
+    check(r.returncode == 2 and r.stderr.count("cpattn: error:") == 1
+          and f"cpattn: error: --json-log: '{p('full.jsonl')}': write failed" in r.stderr
+          and "No space left on device" in r.stderr, f"full disk under --json-log: exit {r.returncode}\n{r.stderr[-1500:]}")
+    if os.path.exists(p("full.jsonl")):
+        check([x["step"] for x in log(p("full.jsonl"))] == [0, 1, 2], "the log keeps the steps before the full disk")
+
     # Non-finite steps: an error naming the step, exit 1, one line, on every rank alike; or,
     # with --skip-nonfinite, the step skipped and counted.
     for np_, extra in ((0, []), (2, ["--cp", "2"])):
