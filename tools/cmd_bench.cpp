@@ -20,6 +20,26 @@
 #include "vocab.hpp"
 
 namespace cpattn::cli {
+
+// What the benchmark allocates, refused before it does when past the available memory: the
+// inputs and outputs (check::Tensors: fp32 values plus fp16/bf16 storage), a reference run's
+// outputs as many again, and the backward kernel's scratch.
+void check_bench_memory(const check::AttnBenchOptions& o, const std::string& what) {
+  uint64_t tokens = 0;
+  for (const int64_t l : o.lengths) tokens = saturating_add(tokens, static_cast<uint64_t>(l));
+  const auto per_token = static_cast<uint64_t>(2 * (o.heads + o.kv_heads) * (o.head_dim + o.head_dim_v));
+  const uint64_t tensor_bytes = 4 + (o.dtype == DType::f32 ? 0 : dtype_size(o.dtype));
+  const auto rows = static_cast<int64_t>(std::min<uint64_t>(tokens, uint64_t{1} << 50));
+  const AttnBwdParams p{.in = {.q = {nullptr, rows, o.heads, o.head_dim, o.dtype},
+                               .k = {nullptr, rows, o.kv_heads, o.head_dim, o.dtype},
+                               .v = {nullptr, rows, o.kv_heads, o.head_dim_v, o.dtype},
+                               .options = {.num_threads = o.threads}}};
+  const uint64_t tensors = saturating_mul(saturating_mul(tokens, per_token), 2 * tensor_bytes);
+  const uint64_t scratch = attention_backward_scratch_bytes(p);
+  check_memory(saturating_add(tensors, scratch), what + " of " + std::to_string(tokens) + " tokens",
+               "tensors and their reference " + format_bytes(tensors) + ", kernel scratch " + format_bytes(scratch));
+}
+
 namespace {
 
 struct BenchAttnArgs {
@@ -33,25 +53,6 @@ struct BenchAttnArgs {
   bool json = false;
   bool fail_check = false;  // hidden, for tests: corrupt the result so that its check fails
 };
-
-// What the benchmark allocates, refused before it does when past the available memory: the
-// inputs and outputs (check::Tensors: fp32 values plus fp16/bf16 storage), a reference run's
-// outputs as many again, and the backward kernel's scratch.
-void check_bench_memory(const check::AttnBenchOptions& o) {
-  uint64_t tokens = 0;
-  for (const int64_t l : o.lengths) tokens = saturating_add(tokens, static_cast<uint64_t>(l));
-  const auto per_token = static_cast<uint64_t>(2 * (o.heads + o.kv_heads) * (o.head_dim + o.head_dim_v));
-  const uint64_t tensor_bytes = 4 + (o.dtype == DType::f32 ? 0 : dtype_size(o.dtype));
-  const auto rows = static_cast<int64_t>(std::min<uint64_t>(tokens, uint64_t{1} << 50));
-  const AttnBwdParams p{.in = {.q = {nullptr, rows, o.heads, o.head_dim, o.dtype},
-                               .k = {nullptr, rows, o.kv_heads, o.head_dim, o.dtype},
-                               .v = {nullptr, rows, o.kv_heads, o.head_dim_v, o.dtype},
-                               .options = {.num_threads = o.threads}}};
-  const uint64_t tensors = saturating_mul(saturating_mul(tokens, per_token), 2 * tensor_bytes);
-  const uint64_t scratch = attention_backward_scratch_bytes(p);
-  check_memory(saturating_add(tensors, scratch), "cpattn bench attention of " + std::to_string(tokens) + " tokens",
-               "tensors and their reference " + format_bytes(tensors) + ", kernel scratch " + format_bytes(scratch));
-}
 
 void run_bench_attention(const BenchAttnArgs& a) {
   check::AttnBenchOptions o;
@@ -76,7 +77,7 @@ void run_bench_attention(const BenchAttnArgs& a) {
   check_kernel_path_supported(o.path);
   (void)resolve_kernel_path(o.path, o.dtype);  // a bad CPATTN_KERNEL_PATH is bad input (exit 2)
   o.fail_check_for_testing = a.fail_check;
-  check_bench_memory(o);
+  check_bench_memory(o, "cpattn bench attention");
   check::AttnBenchResult r;
   try {
     r = check::run_attention_bench(o, a.json ? nullptr : &std::cerr);

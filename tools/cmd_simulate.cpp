@@ -317,6 +317,16 @@ void run_calibrate(const CalibrateArgs& a) {
       throw Error("--dtypes: " + e.message());
     }
   }
+  for (const DType t : dtypes) {  // before MPI starts: a case past memory is refused on every rank alike
+    check::AttnBenchOptions o;
+    o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
+    o.heads = a.heads;
+    o.kv_heads = a.kv_heads;
+    o.head_dim = a.head_dim;
+    o.dtype = t;
+    o.threads = a.threads;
+    check_bench_memory(o, "cpattn calibrate's " + std::string(to_string(t)) + " kernel case");
+  }
   const MpiSession mpi;  // finalizes only what it initialized
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   MachineProfile p;

@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+namespace cpattn::check {
+struct AttnBenchOptions;
+}
+
 namespace cpattn::cli {
 
 // Thrown by a subcommand to end the program with `code` after printing what it had to.
@@ -24,6 +28,10 @@ int run_app(CLI::App& app, int argc, const char* const* argv);
 std::vector<int64_t> read_lengths_file(const std::string& path);
 // The same on the file's text (`path` names it in messages; fuzz_lengths feeds it bytes).
 std::vector<int64_t> parse_lengths_file(std::istream& text, const std::string& path);
+
+// Refuses an attention benchmark case (check::run_attention_bench) past the available memory,
+// naming `what` and both sizes (cmd_bench.cpp; cpattn bench attention and cpattn calibrate).
+void check_bench_memory(const check::AttnBenchOptions& o, const std::string& what);
 
 void add_plan_command(CLI::App& app);
 void add_run_command(CLI::App& app);

@@ -139,6 +139,9 @@ check(p2["ranks_per_node"] == 2 and len(p2["measured"]["shifts"]) == 2, "np 2: s
 check(p2["intra_node"]["latency_us"] > 0 and p2["intra_node"]["bandwidth_gbs"] > 0, "np 2: link figures")
 check(list(p2["compute"]["fwd"]) == ["fp32"], "only the asked dtype")
 bad(["calibrate", "--dtypes", "fp8"], "--dtypes: --dtype must be one of")
+# A kernel case past memory: refused before anything is allocated, with both sizes.
+bad(["calibrate", "--seq-len", "10000000000"], "cpattn calibrate's fp32 kernel case of 10000000000 tokens needs",
+    "available")
 r = run(*tiny, "--timeout", "-1", mpi=2)
 check(r.returncode == 2 and "--timeout must be in (0, 1e+07] seconds, got -1" in r.stderr,
       f"calibrate --timeout -1: exit {r.returncode} {r.stderr[-400:]!r}")
