@@ -317,7 +317,7 @@ void run_calibrate(const CalibrateArgs& a) {
       throw Error("--dtypes: " + e.message());
     }
   }
-  for (const DType t : dtypes) {  // before MPI starts: a case past memory is refused on every rank alike
+  const auto kernel_case = [&a](DType t) {
     check::AttnBenchOptions o;
     o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
     o.heads = a.heads;
@@ -325,8 +325,12 @@ void run_calibrate(const CalibrateArgs& a) {
     o.head_dim = a.head_dim;
     o.dtype = t;
     o.threads = a.threads;
-    check_bench_memory(o, "cpattn calibrate's " + std::string(to_string(t)) + " kernel case");
-  }
+    o.repeats = a.repeats;
+    return o;
+  };
+  // Before MPI starts: a case past memory is refused on every rank alike.
+  for (const DType t : dtypes)
+    check_bench_memory(kernel_case(t), "cpattn calibrate's " + std::string(to_string(t)) + " kernel case");
   const MpiSession mpi;  // finalizes only what it initialized
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   MachineProfile p;
@@ -338,16 +342,8 @@ void run_calibrate(const CalibrateArgs& a) {
   nlohmann::json kernels = nlohmann::json::array();
   for (const DType t : dtypes) {
     const std::string name(to_string(t));
-    check::AttnBenchOptions o;
-    o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;
-    o.heads = a.heads;
-    o.kv_heads = a.kv_heads;
-    o.head_dim = a.head_dim;
-    o.dtype = t;
-    o.threads = a.threads;
-    o.repeats = a.repeats;
     comm.barrier();
-    const check::AttnBenchResult r = check::run_attention_bench(o, nullptr);
+    const check::AttnBenchResult r = check::run_attention_bench(kernel_case(t), nullptr);
     std::vector<double> rate{r.fwd_gflops, r.bwd_gflops};
     std::vector<double> neg{-rate[0], -rate[1]};
     comm.all_reduce<double>(neg, ReduceOp::max);  // the minimum rate
