@@ -33,6 +33,9 @@ bool cpu_has_avx512() {
 
 // AVX512_BF16: CPUID leaf 7 sub-leaf 1, EAX bit 5 (the OS's zmm state is checked by avx512f).
 bool cpu_has_avx512_bf16() {
+#if defined(__clang__)
+  return false;  // kernel_avx512_bf16.cpp is built by GCC only
+#endif
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!cpu_has_avx512() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
   return (a & (1u << 5)) != 0;

@@ -18,6 +18,14 @@
 #include <limits>
 #include <vector>
 
+#if defined(__clang__)
+// clang (the fuzz preset's compiler) ignores GCC's target pragma, which this file's intrinsic
+// needs: the path is built by GCC only. Under clang its table is empty and
+// kernel_path_supported(avx512_bf16) is false (attention.cpp).
+namespace cpattn::kernels::avx512_bf16 {
+const KernelTable table{.forward = nullptr, .backward = nullptr};
+}  // namespace cpattn::kernels::avx512_bf16
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 #define CPATTN_KNS avx512_bf16
@@ -29,3 +37,4 @@
 namespace cpattn::kernels::avx512_bf16 {
 const KernelTable table{.forward = forward_impl, .backward = backward_impl, .bf16_dot = bf16_dot_lanes};
 }  // namespace cpattn::kernels::avx512_bf16
+#endif  // __clang__
