@@ -76,28 +76,6 @@ void select_row(const MoeConfig& cfg, const float* score, const float* bias, int
   }
 }
 
-// Marks the assignments each expert keeps under r.capacity, by the policy.
-void apply_capacity(const MoeConfig& cfg, MoeRouting& r) {
-  const int64_t K = cfg.top_k, n = r.tokens * K;
-  r.kept.assign(static_cast<std::size_t>(n), 1);
-  if (r.capacity < 0) return;
-  std::vector<int64_t> slots(static_cast<std::size_t>(n));
-  std::iota(slots.begin(), slots.end(), 0);  // (token, slot) order: the by_position priority
-  if (cfg.drop_policy == MoeDropPolicy::by_probability)
-    std::stable_sort(slots.begin(), slots.end(),
-                     [&](int64_t l, int64_t s) { return r.weight[l] > r.weight[s]; });
-  std::vector<int64_t> taken(static_cast<std::size_t>(cfg.num_experts), 0);
-  for (const int64_t s : slots) {
-    int64_t& t = taken[static_cast<std::size_t>(r.expert[s])];
-    if (t < r.capacity) {
-      ++t;
-    } else {
-      r.kept[s] = 0;
-      ++r.dropped;
-    }
-  }
-}
-
 // r.order and r.expert_counts from r.kept: a counting sort by expert, stable in (token, slot).
 void build_order(const MoeConfig& cfg, MoeRouting& r) {
   const int E = cfg.num_experts;
@@ -193,7 +171,7 @@ MoeWeights moe_slice_experts(const MoeWeights& all, int first, int count) {
           .w_down = slice(all.w_down, f, c, each)};
 }
 
-MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, int64_t tokens) {
+MoeRouting moe_route_tokens(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, int64_t tokens) {
   const int D = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
   CPATTN_CHECK(tokens >= 0 && x.size() == static_cast<std::size_t>(tokens * D),
                "moe: x must be [tokens, hidden] = [", tokens, ", ", D, "], got ", x.size(), " values");
@@ -211,23 +189,86 @@ MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const 
                &r.weight[static_cast<std::size_t>(t * K)]);
     for (int k = 0; k < K; ++k) ++r.routed[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(t * K + k)])];
   }
-  if (cfg.capacity_factor)
-    r.capacity = static_cast<int64_t>(std::ceil(*cfg.capacity_factor * static_cast<double>(tokens * K) / E));
-  apply_capacity(cfg, r);
+  r.group.tokens = tokens;
+  r.group.routed = r.routed;
+  r.group.score_sum.assign(static_cast<std::size_t>(E), 0.0);
+  for (int e = 0; e < E; ++e)  // each expert's sum over the tokens in order
+    for (int64_t t = 0; t < tokens; ++t)
+      r.group.score_sum[static_cast<std::size_t>(e)] += r.scores[static_cast<std::size_t>(t * E + e)];
+  r.kept.assign(static_cast<std::size_t>(tokens * K), 1);
   build_order(cfg, r);
   return r;
 }
 
+int64_t moe_capacity(const MoeConfig& cfg, int64_t group_tokens) {
+  if (!cfg.capacity_factor) return -1;
+  return static_cast<int64_t>(
+      std::ceil(*cfg.capacity_factor * static_cast<double>(group_tokens * cfg.top_k) / cfg.num_experts));
+}
+
+std::vector<MoeAssignment> moe_assignments(const MoeRouting& r, std::span<const int64_t> positions) {
+  CPATTN_CHECK(positions.size() == static_cast<std::size_t>(r.tokens), "moe_assignments: positions must have the ",
+               r.tokens, " tokens' values, got ", positions.size());
+  const std::size_t K = r.tokens ? r.expert.size() / static_cast<std::size_t>(r.tokens) : 0;
+  std::vector<MoeAssignment> a(r.expert.size());
+  for (std::size_t s = 0; s < a.size(); ++s)
+    a[s] = {.key = positions[s / K] * static_cast<int64_t>(K) + static_cast<int64_t>(s % K),
+            .expert = r.expert[s], .weight = r.weight[s]};
+  return a;
+}
+
+std::vector<std::uint8_t> moe_keep(const MoeConfig& cfg, std::span<const MoeAssignment> group, int64_t capacity) {
+  std::vector<std::uint8_t> kept(group.size(), 1);
+  if (capacity < 0) return kept;
+  std::vector<std::size_t> prio(group.size());
+  std::iota(prio.begin(), prio.end(), std::size_t{0});
+  const auto by_key = [&](std::size_t l, std::size_t r) {
+    return group[l].key < group[r].key || (group[l].key == group[r].key && l < r);
+  };
+  if (cfg.drop_policy == MoeDropPolicy::by_probability)
+    std::sort(prio.begin(), prio.end(), [&](std::size_t l, std::size_t r) {
+      return group[l].weight > group[r].weight || (group[l].weight == group[r].weight && by_key(l, r));
+    });
+  else
+    std::sort(prio.begin(), prio.end(), by_key);
+  std::vector<int64_t> taken(static_cast<std::size_t>(cfg.num_experts), 0);
+  for (const std::size_t i : prio) {
+    int64_t& t = taken[static_cast<std::size_t>(group[i].expert)];
+    if (t < capacity)
+      ++t;
+    else
+      kept[i] = 0;
+  }
+  return kept;
+}
+
+void moe_set_kept(const MoeConfig& cfg, MoeRouting& r, int64_t capacity, std::span<const std::uint8_t> kept) {
+  CPATTN_CHECK(kept.size() == r.expert.size(), "moe_set_kept: kept must be [tokens, top_k] = ", r.expert.size(),
+               " values, got ", kept.size());
+  r.capacity = capacity;
+  r.kept.assign(kept.begin(), kept.end());
+  r.dropped = std::count(r.kept.begin(), r.kept.end(), std::uint8_t{0});
+  build_order(cfg, r);
+}
+
+MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, int64_t tokens) {
+  MoeRouting r = moe_route_tokens(cfg, w, x, tokens);
+  if (!cfg.capacity_factor) return r;
+  std::vector<int64_t> positions(static_cast<std::size_t>(tokens));  // the group in token order
+  std::iota(positions.begin(), positions.end(), int64_t{0});
+  const int64_t capacity = moe_capacity(cfg, tokens);
+  moe_set_kept(cfg, r, capacity, moe_keep(cfg, moe_assignments(r, positions), capacity));
+  return r;
+}
+
 double moe_aux_term(const MoeConfig& cfg, const MoeRouting& r) {
-  if (r.tokens == 0) return 0;
+  const MoeGroupStats& g = r.group;
+  if (g.tokens == 0) return 0;
   const int E = cfg.num_experts;
   double sum = 0;
-  for (int e = 0; e < E; ++e) {
-    double p = 0;
-    for (int64_t t = 0; t < r.tokens; ++t) p += r.scores[static_cast<std::size_t>(t * E + e)];
-    sum += static_cast<double>(r.routed[static_cast<std::size_t>(e)]) / static_cast<double>(r.tokens * cfg.top_k) *
-           (p / static_cast<double>(r.tokens));
-  }
+  for (int e = 0; e < E; ++e)
+    sum += static_cast<double>(g.routed[static_cast<std::size_t>(e)]) / static_cast<double>(g.tokens * cfg.top_k) *
+           (g.score_sum[static_cast<std::size_t>(e)] / static_cast<double>(g.tokens));
   return E * sum;
 }
 
@@ -398,13 +439,15 @@ void moe_router_backward(const MoeConfig& cfg, const MoeWeights& w, const MoeRou
     float* dl = &dlogits[static_cast<std::size_t>(t * E)];
     std::vector<float> dscore(static_cast<std::size_t>(E), 0.0f);
     if (cfg.router == MoeRouter::softmax) {
-      // w_k = p_{e_k}; the aux loss adds aux_scale * E * f_e / T to every dp_e.
+      // w_k = p_{e_k}; the aux loss adds aux_scale * E * f_e / T_g to every dp_e (the group's f_e, T_g).
       for (int64_t k = 0; k < K; ++k) dscore[static_cast<std::size_t>(ex[k])] += dw[k];
-      if (aux_scale != 0)
+      if (aux_scale != 0) {
+        const auto Tg = static_cast<double>(r.group.tokens);
         for (int64_t e = 0; e < E; ++e)
           dscore[static_cast<std::size_t>(e)] += static_cast<float>(
-              aux_scale * static_cast<double>(E) * static_cast<double>(r.routed[static_cast<std::size_t>(e)]) /
-              static_cast<double>(T * K) / static_cast<double>(T));
+              aux_scale * static_cast<double>(E) * static_cast<double>(r.group.routed[static_cast<std::size_t>(e)]) /
+              (Tg * static_cast<double>(K)) / Tg);
+      }
       float dot = 0;  // softmax backward: dl = p * (dp - <p, dp>)
       for (int64_t e = 0; e < E; ++e) dot += p[e] * dscore[static_cast<std::size_t>(e)];
       for (int64_t e = 0; e < E; ++e) dl[e] = p[e] * (dscore[static_cast<std::size_t>(e)] - dot);

@@ -208,7 +208,7 @@ ParamLayout local_layout(const Dims& d, const ModelConfig& mc, const Communicato
 Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks,
              Communicator* ep)
     : config(mc), run(ro), dims(model_dims(mc)), layout(local_layout(dims, mc, ep ? *ep : comm)),
-      cp(comm.size()),
+      cp(comm.size()), cp_comm(&comm),
       attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})),
       ep_comm(ep ? ep : &comm) {
   const int64_t chunks = reduce_ranks > 0 ? reduce_ranks : cp;
@@ -264,8 +264,12 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
   rope_tables(b.rope_cos, b.rope_sin, rope_positions(plan, b.local.position_ids, m.run.rope_local_offsets), d.hd,
               m.config.rope_theta);
   b.real_rows.clear();
+  b.real_positions.clear();
   for (int64_t i = 0; i < T; ++i)
-    if (plan.real_token_index[static_cast<std::size_t>(i)] >= 0) b.real_rows.push_back(i);
+    if (const int64_t g = plan.real_token_index[static_cast<std::size_t>(i)]; g >= 0) {
+      b.real_rows.push_back(i);
+      b.real_positions.push_back(g);
+    }
   const int64_t mlp_rows = m.config.moe() ? 0 : T;  // the dense MLP's [T, F] tensors
 
   Activations& a = m.acts;
@@ -393,7 +397,7 @@ void moe_block_forward(Model& m, int l, BlockActs& a, float* y) {
   a.moe_x.resize(static_cast<std::size_t>(R * D));
   for (int64_t i = 0; i < R; ++i)
     std::copy_n(a.xn2.begin() + rows[i] * D, D, a.moe_x.begin() + i * D);
-  a.moe = m.moe->forward(m.moe_weights[l], a.moe_x);
+  a.moe = m.moe->forward(m.moe_weights[l], a.moe_x, m.batch.real_positions);
   m.moe_aux += a.moe.aux_loss;
   m.moe_dropped += a.moe.routing.dropped;
   std::vector<int64_t>& load = m.moe_load[l];
@@ -436,7 +440,7 @@ void moe_begin_step(Model& m, int64_t step_groups) {
   MoeConfig c = moe_config(m.config);
   const int ep = m.ep_comm->size();
   c.aux_loss_coeff *= static_cast<double>(ep) / static_cast<double>(step_groups);
-  m.moe = std::make_unique<MoeEpLayer>(*m.ep_comm, c);
+  m.moe = std::make_unique<MoeEpLayer>(*m.ep_comm, c, m.cp_comm);
   const int first = m.moe->first_expert(), local = m.moe->local_experts();
   const Dims& d = m.dims;
   const int64_t D = d.D, E = m.config.experts, each = static_cast<int64_t>(d.D) * d.F;

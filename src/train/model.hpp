@@ -105,6 +105,7 @@ struct Batch {
   int64_t T = 0;
   std::vector<float> rope_cos, rope_sin;  // [T, hd/2]
   std::vector<int64_t> real_rows;         // the local rows that are not padding, in order: what MoE routes
+  std::vector<int64_t> real_positions;    // [real_rows] their places in the sequence (the MoE group's order)
 };
 
 // The gradients at the outputs of a block's weight products, which its weight gradients read
@@ -165,6 +166,7 @@ struct Model {
   ParamLayout layout;
   std::vector<float> params;  // [layout.count]
   int cp = 1;                 // ranks of the CP group
+  Communicator* cp_comm;      // the CP group (borrowed): a sequence's MoE routing group
   std::vector<float> grads;   // [layout.count padded to a multiple of reduce_ranks] (the all-reduce's chunks)
   CpAttention attn;           // one for every block: the contexts in acts hold each block's state
   Batch batch;
@@ -180,12 +182,15 @@ struct Model {
   std::vector<std::vector<int64_t>> moe_load;    // [L][E] assignments this rank's groups routed
 };
 
-// Before the forwards of a step (or of loss()) with experts; collective over the EP group.
-// `step_groups`: the routing groups of one block in the whole step over the mesh (micro-
-// batches * cp). Makes the layer with aux_loss_coeff * ep / step_groups, so that the EP
-// forwards' aux_loss, each counted once (it is the same on the ep ranks of a call), add up to
-// aux_loss_coeff * the mean over the step's groups per block; copies the router and this
-// rank's experts from params; zeroes moe_aux, moe_dropped and moe_load. No-op without experts.
+// Before the forwards of a step (or of loss()) with experts; collective over the EP and CP
+// groups. A routing group is one sequence: the real tokens of its CP group's ranks, in sequence
+// order (Batch::real_positions), as on one process. `step_groups`: the (sequence, CP rank)
+// pairs of one block in the whole step over the mesh (micro-batches * cp). Makes the layer with
+// aux_loss_coeff * ep / step_groups, so that the EP forwards' aux_loss, each counted once (it
+// is the same on the ep ranks of a call), add up to aux_loss_coeff * the mean over the step's
+// sequences per block (each sequence's term is held by its cp ranks), and the backward's
+// objective is that; copies the router and this rank's experts from params; zeroes moe_aux,
+// moe_dropped and moe_load. No-op without experts.
 void moe_begin_step(Model& m, int64_t step_groups);
 
 // The positions RoPE rotates this rank's rows by: each token's global position in its document
