@@ -4,8 +4,7 @@ Checked per step, 1e-5 relative (fp32), against the one-process run with the sam
   - with a capacity factor that drops assignments (by position, and by probability) and the
     Switch auxiliary loss (a routing group is one sequence, as on one process, whatever the
     mesh; at cp > 1 its statistics and drops are decided over the CP group): DP=2 x EP=2,
-    CP=2 x EP=2 (both policies), DP=2 x CP=2 x EP=4 (two sequences' groups in one EP group),
-    and with 6 experts on documents of 1 to 300 bytes CP=3 x EP=3 (by position) and CP=3
+    CP=2 x EP=2 (both policies), and with 6 experts on documents of 1 to 300 bytes CP=3 x EP=3 (by position) and CP=3
     alone (EP=1, by probability); the dropped count is the same integer;
   - without a capacity factor (routing per token, so the CP split does not matter): CP=2 x
     EP=2, DP=2 x CP=2 x EP=4, DP=2 x CP=2 x EP=2 (each expert's gradient summed over two
@@ -14,8 +13,8 @@ Checked per step, 1e-5 relative (fp32), against the one-process run with the sam
     and padding rows are not routed);
   - the sigmoid-bias router (bias moved once per step from the whole step's load) at DP=2 x
     EP=2, and a larger bias step changes the curve;
-  - a checkpoint saved at DP=2 x EP=2 (experts sharded) resumes at one process and
-    continues the curve; a resume with another --top-k is refused naming top_k.
+  - a checkpoint saved at DP=2 x CP=2 x EP=2 (experts sharded, gathered on the writer
+    alone) resumes at one process and continues the curve; a resume with another --top-k is refused naming top_k.
 Bad arguments exit 2 naming the flag and the rule, before MPI starts (so one process shows it,
 whatever the mesh the flags name); ranks launched
 with another --experts or --top-k fail together naming it."""
@@ -77,8 +76,7 @@ with tempfile.TemporaryDirectory() as tmp:
           "dropping by probability drops as many assignments as by position, other ones")
     # At cp > 1 a sequence's routing group spans its CP ranks: the same drops and aux loss.
     for np_, flags, ref_run, policy in [(2, ["--cp", "2", "--ep", "2"], one, "position"),
-                                        (2, ["--cp", "2", "--ep", "2"], prob, "probability"),
-                                        (4, ["--dp", "2", "--cp", "2", "--ep", "4"], prob, "probability")]:
+                                        (2, ["--cp", "2", "--ep", "2"], prob, "probability")]:
         name = f"capacity by {policy}, {' '.join(flags)}"
         same_curve(ref_run, run(np_, CAP + ["--drop-policy", policy] + flags, p(f"cap_{policy}_{np_}.jsonl"), name),
                    name, aux=True)
@@ -113,13 +111,14 @@ with tempfile.TemporaryDirectory() as tmp:
     check(sig and slow and sig[0]["loss"] == slow[0]["loss"] and sig[-1]["loss"] != slow[-1]["loss"],
           "the bias step changes the curve after the first step only")
 
-    # A checkpoint of sharded experts (DP=2 x EP=2) resumes at one process.
-    r = train(2, *TINY, *CAP, "--dp", "2", "--ep", "2", "--steps", "2", "--save", p("ck"))
-    check(r.returncode == 0, f"save at dp2 x ep2: exit {r.returncode}\n{r.stderr[-2000:]}")
+    # A checkpoint of sharded experts (DP=2 x CP=2 x EP=2: two EP groups, the writer's gathers
+    # its experts, the other sends nothing) resumes at one process.
+    r = train(4, *TINY, *CAP, "--dp", "2", "--cp", "2", "--ep", "2", "--steps", "2", "--save", p("ck"))
+    check(r.returncode == 0, f"save at dp2 x cp2 x ep2: exit {r.returncode}\n{r.stderr[-2000:]}")
     r = train(0, *TINY, *CAP, "--steps", str(STEPS), "--resume", p("ck"), "--json-log", p("resumed.jsonl"))
     check(r.returncode == 0, f"resume at one process: exit {r.returncode}\n{r.stderr[-2000:]}")
     if r.returncode == 0:
-        same_curve(one[2:], log(p("resumed.jsonl")), "dp2 x ep2 -> one process resume", aux=True)
+        same_curve(one[2:], log(p("resumed.jsonl")), "dp2 x cp2 x ep2 -> one process resume", aux=True)
     r = train(0, *TINY, "--experts", "4", "--top-k", "1", "--capacity-factor", "1.0", "--aux-loss-coeff", "0.01",
               "--steps", str(STEPS), "--resume", p("ck"))
     check(r.returncode == 2 and "holds a model with top_k = 2, this run has 1" in r.stderr,
