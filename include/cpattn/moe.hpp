@@ -18,9 +18,10 @@
 //   cpattn::MoeForward f = cpattn::moe_forward(cfg, w, x, groups);       // f.y: [12, D]
 //   cpattn::MoeGrads g = cpattn::moe_backward(cfg, w, x, f, dy);         // dx, dW
 //
-// Deterministic: the same inputs give bitwise the same outputs. Matrix products are plain
-// loops whose per-row arithmetic does not depend on how many rows share a call, so an expert
-// computes a token's row the same way whichever rank or batch holds it.
+// Deterministic: the same inputs give bitwise the same outputs. The matrix products are
+// blocked loops whose arithmetic for each output element (its products added in a fixed order)
+// does not depend on how many rows share a call or where a row sits, so an expert computes a
+// token's row the same way whichever rank or batch holds it.
 #pragma once
 
 #include <cstdint>

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -14,33 +15,88 @@ namespace {
 
 using std::int64_t;
 
-// C[m, n] += A[m, k] @ B[k, n]. Row i of C depends on row i of A only, summed over k in order:
-// the same bits whatever m is (moe.hpp's determinism promise).
-void gemm_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
-  for (int64_t i = 0; i < m; ++i)
+// The matrix products. Each output element is its own sequence of float operations, the same
+// whatever m is and wherever the row sits: C[i, j] gets + A(i, 0) B[0, j], then + A(i, 1) B[1, j],
+// ... in p order (gemm_kernel), or a sum s from 0 in p order added once (gemm_nt_acc). The
+// blocked paths only choose which elements advance together (4 rows x 8 columns held in
+// registers while p runs, so each B row is loaded once per 4 rows and each C block once per
+// call), never the order of an element's additions: the blocks and the plain remainder loops
+// (which alone serve a call of fewer than 4 rows) give the same bits (moe.hpp's determinism
+// promise, which moe.ExpertRowsAreBitwiseTheSameInAnyBatch checks; src/moe/CMakeLists.txt
+// turns off fused multiply-adds, which would differ between the paths).
+
+// Four floats, element-wise IEEE arithmetic (GCC and Clang vector extensions): the same
+// operations as four scalar ones.
+using V4 = float __attribute__((vector_size(16)));
+
+// C[m, n] += sum over p of A(i, p) * B[p, n], A(i, p) = a[i * ai + p * ap].
+void gemm_kernel(const float* a, int64_t ai, int64_t ap, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t R = 4, J = 8;
+  int64_t i = 0;
+  for (; i + R <= m; i += R) {
+    int64_t j = 0;
+    for (; j + J <= n; j += J) {
+      V4 acc[R][2];
+      for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(&acc[r][0], c + (i + r) * n + j, sizeof(V4));
+        std::memcpy(&acc[r][1], c + (i + r) * n + j + 4, sizeof(V4));
+      }
+      for (int64_t p = 0; p < k; ++p) {
+        V4 b0, b1;
+        std::memcpy(&b0, b + p * n + j, sizeof(V4));
+        std::memcpy(&b1, b + p * n + j + 4, sizeof(V4));
+        for (int64_t r = 0; r < R; ++r) {
+          const float x = a[(i + r) * ai + p * ap];
+          const V4 av = {x, x, x, x};
+          acc[r][0] += av * b0;
+          acc[r][1] += av * b1;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(c + (i + r) * n + j, &acc[r][0], sizeof(V4));
+        std::memcpy(c + (i + r) * n + j + 4, &acc[r][1], sizeof(V4));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)  // the columns past the last block of J
+      for (int64_t p = 0; p < k; ++p) {
+        const float av = a[(i + r) * ai + p * ap];
+        for (int64_t q = j; q < n; ++q) c[(i + r) * n + q] += av * b[p * n + q];
+      }
+  }
+  for (; i < m; ++i)  // the rows past the last block of R
     for (int64_t p = 0; p < k; ++p) {
-      const float av = a[i * k + p];
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] += av * b[p * n + j];
+      const float av = a[i * ai + p * ap];
+      for (int64_t q = 0; q < n; ++q) c[i * n + q] += av * b[p * n + q];
     }
 }
 
-// C[m, n] += A[m, k] @ B[n, k]^T.
-void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      float s = 0;
-      for (int64_t p = 0; p < k; ++p) s += a[i * k + p] * b[j * k + p];
-      c[i * n + j] += s;
-    }
+// C[m, n] += A[m, k] @ B[k, n].
+void gemm_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+  gemm_kernel(a, k, 1, b, c, m, n, k);
 }
 
 // C[m, n] += A[k, m]^T @ B[k, n]: rows of A and B summed in order (weight gradients).
 void gemm_tn_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
-  for (int64_t p = 0; p < k; ++p)
-    for (int64_t i = 0; i < m; ++i) {
-      const float av = a[p * m + i];
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] += av * b[p * n + j];
-    }
+  gemm_kernel(a, 1, m, b, c, m, n, k);
+}
+
+// C[m, n] += A[m, k] @ B[n, k]^T: each element's dot product s from 0 in p order, then c += s.
+// From 4 rows on, B is transposed once and the sums run through gemm_kernel into zeros.
+void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+  if (m < 4) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        float s = 0;
+        for (int64_t p = 0; p < k; ++p) s += a[i * k + p] * b[j * k + p];
+        c[i * n + j] += s;
+      }
+    return;
+  }
+  std::vector<float> bt(static_cast<std::size_t>(k * n)), sums(static_cast<std::size_t>(m * n), 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[j * k + p];
+  gemm_kernel(a, k, 1, bt.data(), sums.data(), m, n, k);
+  for (std::size_t e = 0; e < sums.size(); ++e) c[e] += sums[e];
 }
 
 float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
