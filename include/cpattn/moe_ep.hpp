@@ -89,10 +89,10 @@ class MoeEpLayer {
 
   // Collective over the EP group (and the routing group, with a capacity factor or the aux
   // loss). x: this rank's tokens [T_r, D] (T_r may differ between ranks, 0 included); w: the
-  // router and this rank's experts (moe_slice_experts). positions [T_r] (with a routing group;
-  // else ignored): each token's place in the group's order, >= 0, distinct over the group
-  // (equal ones rank by group rank, then local order); the by_position drops and every tie go
-  // by them.
+  // router and this rank's experts (moe_slice_experts). positions [T_r] (with a routing group
+  // and a capacity factor or the aux loss; else ignored, and the group exchanges nothing):
+  // each token's place in the group's order, >= 0, distinct over the group (equal ones rank by
+  // group rank, then local order); the by_position drops and every tie go by them.
   MoeEpForward forward(const MoeWeights& w, std::span<const float> x,
                        std::span<const std::int64_t> positions = {});
   // Collective over the EP group. The gradients of sum(dy * y) + aux_loss_coeff / ep * (this

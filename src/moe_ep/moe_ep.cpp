@@ -86,7 +86,6 @@ MoeRouting MoeEpLayer::route_in_group(const MoeWeights& w, std::span<const float
                                       std::span<const int64_t> positions) {
   const int64_t D = cfg_.hidden, E = cfg_.num_experts;
   MoeRouting r = moe_route_tokens(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
-  if (!cfg_.capacity_factor && cfg_.aux_loss_coeff == 0) return r;  // per token: nothing to share
   // The group's figures: its tokens and routed counts, and the scores' sums, over its ranks.
   std::vector<int64_t> counts(r.group.routed);
   counts.push_back(r.group.tokens);
@@ -122,12 +121,16 @@ MoeRouting MoeEpLayer::route_in_group(const MoeWeights& w, std::span<const float
 
 MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x, std::span<const int64_t> positions) {
   const int64_t D = cfg_.hidden;
+  // The routing group takes part only when it decides something (the constructor agreed on
+  // cfg over it, so its ranks choose alike).
+  const bool grouped = group_ && (cfg_.capacity_factor || cfg_.aux_loss_coeff > 0);
   const std::string err = local_error([&] {
     CPATTN_CHECK(x.size() % static_cast<std::size_t>(D) == 0, "moe forward: x must be [tokens, hidden = ", D,
                  "], got ", x.size(), " values");
-    CPATTN_CHECK(!group_ || (positions.size() == x.size() / static_cast<std::size_t>(D) &&
+    CPATTN_CHECK(!grouped || (positions.size() == x.size() / static_cast<std::size_t>(D) &&
                              std::ranges::all_of(positions, [](int64_t p) { return p >= 0; })),
-                 "moe forward: with a routing group, positions must hold one value >= 0 per token (",
+                 "moe forward: with a routing group (and a capacity factor or the aux loss), positions must hold "
+                 "one value >= 0 per token (",
                  x.size() / static_cast<std::size_t>(D), "), got ", positions.size(), " values");
     CPATTN_CHECK(w.first_expert == first_ && w.local_experts == local_, "moe forward: this rank holds experts [",
                  first_, ", ", first_ + local_, "), the weights hold [", w.first_expert, ", ",
@@ -136,11 +139,11 @@ MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x, 
                      w.w_gate.size() == static_cast<std::size_t>(local_ * D * cfg_.ffn),
                  "moe forward: the weights' shapes do not match the config");
   });
-  if (group_) agree(*group_, Fingerprint{}, "moe forward (routing group)", err);
+  if (grouped) agree(*group_, Fingerprint{}, "moe forward (routing group)", err);
   agree(*comm_, Fingerprint{}, "moe forward", err);
   MoeEpForward f;
   double clock = now_s();
-  f.routing = group_ ? route_in_group(w, x, positions) : moe_route(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
+  f.routing = grouped ? route_in_group(w, x, positions) : moe_route(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
   const std::vector<float> rows = moe_dispatch_rows(f.routing, x, cfg_.hidden);
   if (cfg_.aux_loss_coeff > 0) {
     // Every rank's group's term gathered and summed in rank order, as the single-process layer

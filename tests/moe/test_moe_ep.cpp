@@ -292,8 +292,8 @@ TEST(MoeEpGroup, BadPositionsOnOneRankFailEveryRank) {
   } catch (const Error& e) {
     msg = e.message();
   }
-  EXPECT_NE(msg.find(cat("[rank ", W - 1, "] moe forward: with a routing group, positions must hold one value >= 0 "
-                         "per token (3), got 2 values")), std::string::npos) << msg;
+  EXPECT_NE(msg.find(cat("[rank ", W - 1, "] moe forward: with a routing group (and a capacity factor or the aux "
+                         "loss), positions must hold one value >= 0 per token (3), got 2 values")), std::string::npos) << msg;
 }
 
 // The same message on every rank (hashes compared with plain MPI), containing `part`.
