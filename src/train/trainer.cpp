@@ -197,17 +197,14 @@ struct Trainer::Impl {
   // The parameters and both moments in the whole layout, on the writing rank (world rank 0;
   // empty elsewhere): the other ranks of its EP group send it their experts, every other EP
   // group only takes part in one all-reduce that finds the writer's. Collective over the EP
-  // groups. Without experts, the writer's own vectors.
+  // groups. A model without experts is whole already: nothing to gather (empty everywhere).
   struct Whole {
     std::vector<float> p, m, v;
   };
   Whole gather_to_writer() {
     const bool writer = comm.rank() == 0;
     Whole w;
-    if (!model.config.moe()) {
-      if (writer) w = {model.params, adam.m, adam.v};
-      return w;
-    }
+    if (!model.config.moe()) return w;
     std::array<int64_t, 1> at{writer ? mesh.ep.rank() + 1 : 0};  // the writer's EP rank + 1, or 0
     mesh.ep.all_reduce<int64_t>(at, ReduceOp::max);
     if (at[0] == 0) return w;  // the writer's experts are in another, identical EP group
@@ -335,10 +332,11 @@ void Trainer::save(const std::string& path, const DataPosition& data, const RunI
   // Rank 0's EP group holds every expert (the EP groups of a stage hold the same ones, and
   // every stage holds the whole model): gathered on rank 0 alone, which writes.
   const Impl::Whole w = s.gather_to_writer();
+  const bool moe = s.model.config.moe();
   on_every_rank(s.comm, [&] {
     if (s.comm.rank() == 0)
-      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data, w.p, w.m,
-                      w.v);
+      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data,
+                      moe ? w.p : s.model.params, moe ? w.m : s.adam.m, moe ? w.v : s.adam.v);
   });
 }
 
