@@ -341,7 +341,7 @@ void print_summary(const std::vector<StepRow>& rows, int cp, double total_s) {
 // layer and micro-batch), and the parameters with their gradients and two Adam moments
 // (ParamLayout's count: with experts, the router of every expert and experts / ep experts'
 // weights per block). With experts, the model's every expert is also held once, at
-// initialisation and when a checkpoint is saved or loaded (gathered over the EP group).
+// initialisation, when a checkpoint is loaded and, on rank 0, when one is saved.
 void check_train_memory(const TrainArgs& a) {
   const train::ModelConfig m = model_config(a);
   const auto local = static_cast<uint64_t>((a.seq_len + a.cp - 1) / a.cp);
@@ -430,7 +430,8 @@ void train_run(const TrainArgs& a) {
   install_stop_handlers();
 
   if (rank == 0) {
-    const auto mine = static_cast<int64_t>(trainer.params().size());  // with experts: this rank's share
+    int64_t mine = 0;  // with experts: this rank's share (params() also holds the all-reduce's alignment)
+    for (const train::ParamTensor& t : trainer.tensors()) mine += t.size;
     const int64_t experts = int64_t{3} * a.model.layers * a.model.dim * a.model.ffn_dim() * a.model.experts;
     const int64_t params = mine + experts / a.ep * (a.ep - 1);
     std::printf("cpattn train: cp = %d, %d layers, dim %d, %d heads / %d kv heads, ffn %d, %lld parameters",

@@ -7,7 +7,9 @@
 // the layer's output is y_t = sum over the kept slots k of token t of w_{t,k} * o_{e_{t,k}}(x_t)
 // (no residual). Routing works per *group* of consecutive tokens (GShard's groups): capacity,
 // drops and the auxiliary loss are decided inside a group; in the expert-parallel layer each
-// rank's tokens are one group, so a single-process run over the same groups equals it.
+// rank's tokens are one group, or a group is spread over several ranks (a sequence split by
+// context parallelism: MoeEpLayer's routing group), and a single-process run over the same
+// groups, each holding its tokens in the group's order, equals it.
 //
 //   cpattn::MoeConfig cfg{.hidden = 16, .ffn = 32, .num_experts = 4, .top_k = 2,
 //                         .capacity_factor = 1.25};
@@ -16,9 +18,10 @@
 //   cpattn::MoeForward f = cpattn::moe_forward(cfg, w, x, groups);       // f.y: [12, D]
 //   cpattn::MoeGrads g = cpattn::moe_backward(cfg, w, x, f, dy);         // dx, dW
 //
-// Deterministic: the same inputs give bitwise the same outputs. Matrix products are plain
-// loops whose per-row arithmetic does not depend on how many rows share a call, so an expert
-// computes a token's row the same way whichever rank or batch holds it.
+// Deterministic: the same inputs give bitwise the same outputs. The matrix products are
+// blocked loops whose arithmetic for each output element (its products added in a fixed order)
+// does not depend on how many rows share a call or where a row sits, so an expert computes a
+// token's row the same way whichever rank or batch holds it.
 #pragma once
 
 #include <cstdint>
@@ -81,7 +84,15 @@ MoeWeights moe_init_weights(const MoeConfig& cfg, std::uint64_t seed);
 // The router, bias and experts [first, first + count) of `all` (which holds every expert).
 MoeWeights moe_slice_experts(const MoeWeights& all, int first, int count);
 
-// Routing of one group of tokens.
+// What a routing group's capacity and auxiliary loss read of the whole group. On one process
+// the group's own; for a group spread over several ranks, the sums over its ranks' parts.
+struct MoeGroupStats {
+  std::int64_t tokens = 0;            // T_g
+  std::vector<std::int64_t> routed;   // [E] assignments chosen per expert, before drops
+  std::vector<double> score_sum;      // [E] sum over the group's tokens of each expert's score
+};
+
+// Routing of one group of tokens (or of this rank's part of a group spread over ranks).
 struct MoeRouting {
   std::int64_t tokens = 0;
   std::vector<float> scores;         // [T, E]: softmax probabilities or sigmoid scores
@@ -95,14 +106,50 @@ struct MoeRouting {
   // token rows are dispatched in. expert_counts[e]: how many of them go to expert e.
   std::vector<std::int64_t> order;
   std::vector<std::int64_t> expert_counts;  // [E]
+  MoeGroupStats group;  // the whole group's (= tokens, routed and the scores' sums on one process)
 };
 
-// Routes tokens x [T, D] of one group.
+// Routes tokens x [T, D] of one group: moe_route_tokens, then (with a capacity factor) the
+// capacity decision of moe_keep over the group's assignments in (token, slot) order.
 MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x,
                      std::int64_t tokens);
 
-// This group's Switch loss term E * sum_e f_e * P_e, f_e = routed[e] / (T K), P_e = mean_t p_{t,e}
-// (0 for an empty group). The layer's loss is aux_loss_coeff * the mean over groups.
+// ---- Routing a group spread over several processes (what moe_route does in one call) -------
+// 1. moe_route_tokens on each part; 2. sum the parts' r.group into every part's; 3. gather the
+// parts' moe_assignments (positions: each token's place in the group); 4. moe_keep on the
+// gathered list, on every part alike; 5. moe_set_kept with the part's own slice of the result.
+
+// Scores, top-k and weights of each token; nothing dropped yet (capacity -1, every slot kept,
+// the order built); r.group = these tokens' own figures.
+MoeRouting moe_route_tokens(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x,
+                            std::int64_t tokens);
+
+// ceil(capacity_factor * group_tokens * K / E); -1 without a capacity factor.
+std::int64_t moe_capacity(const MoeConfig& cfg, std::int64_t group_tokens);
+
+// One assignment of a token to an expert, as the capacity decision sees it.
+struct MoeAssignment {
+  std::int64_t key = 0;     // position * K + slot; position: the token's place in its group
+  std::int32_t expert = 0;
+  float weight = 0;         // the combine weight
+};
+
+// r's assignments in (token, slot) order; positions [r.tokens] (on one process 0 .. T-1).
+std::vector<MoeAssignment> moe_assignments(const MoeRouting& r, std::span<const std::int64_t> positions);
+
+// Which of a group's assignments its experts keep, 1 per kept entry in the order of `group`:
+// each expert keeps its first `capacity` assignments in the drop policy's order (by_position:
+// key; by_probability: weight, larger first, then key); equal keys go to the earlier entry.
+std::vector<std::uint8_t> moe_keep(const MoeConfig& cfg, std::span<const MoeAssignment> group,
+                                   std::int64_t capacity);
+
+// Sets r's kept slots ([T, K]) and capacity, then its dropped count and dispatch order.
+void moe_set_kept(const MoeConfig& cfg, MoeRouting& r, std::int64_t capacity,
+                  std::span<const std::uint8_t> kept);
+
+// The group's Switch loss term E * sum_e f_e * P_e, f_e = routed[e] / (T_g K),
+// P_e = score_sum[e] / T_g, from r.group (0 for an empty group). The layer's loss is
+// aux_loss_coeff * the mean over groups.
 double moe_aux_term(const MoeConfig& cfg, const MoeRouting& r);
 
 // The bias rule of the sigmoid_bias router: b_e += rate * sign(mean(load) - load[e]), load =
@@ -157,7 +204,8 @@ std::vector<float> moe_combine_backward(const MoeRouting& r, std::span<const flo
                                         std::vector<float>& d_weight);
 
 // The router's backward: from d_weight [T, K] (and the aux loss, with aux_scale = coeff / groups
-// for a softmax router) to += g.router and += g.dx (x: this group's rows, dx: its rows of g.dx).
+// for a softmax router: each token's dp_e gets aux_scale * E * f_e / T_g of r.group) to
+// += g.router and += g.dx (x: this group's rows, dx: its rows of g.dx).
 void moe_router_backward(const MoeConfig& cfg, const MoeWeights& w, const MoeRouting& r,
                          std::span<const float> x, std::span<const float> d_weight, double aux_scale,
                          std::span<float> dx, MoeGrads& g);

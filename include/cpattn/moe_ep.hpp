@@ -6,6 +6,13 @@
 // same groups (every rank's tokens in rank order): the same rows reach each expert in the same
 // order, so the outputs and gradients are bitwise those of the single-process layer.
 //
+// A routing group may instead span several ranks (a `group` communicator: the CP ranks that
+// share one sequence): each rank passes its tokens' positions in the group, the capacity and the
+// aux loss are decided over the whole group, and the result equals moe_forward on one process
+// over one group holding the group's tokens in position order (y and dx to float rounding of
+// the aux statistics' sums; the experts see their rows in another order, so their gradients
+// equal up to the order of additions). The group's ranks need not be in one EP group.
+//
 //   cpattn::Communicator ep(MPI_COMM_WORLD);
 //   cpattn::MoeEpLayer layer(ep, cfg);                 // collective: agrees on cfg
 //   cpattn::MoeWeights mine = cpattn::moe_slice_experts(all, layer.first_expert(),
@@ -35,8 +42,10 @@ struct MoePhaseTimes {
 // What the forward keeps for the backward, and its figures.
 struct MoeEpForward {
   std::vector<float> y;  // [T_r, D]
-  double aux_loss = 0;   // the whole layer's (all ranks' groups), the same on every rank
-  MoeRouting routing;    // this rank's group
+  // aux_loss_coeff / ep * the sum over the EP ranks of their groups' moe_aux_term (the mean
+  // over groups when each rank is its group), the same on every rank of the EP group.
+  double aux_loss = 0;
+  MoeRouting routing;    // this rank's tokens (routing.group: its whole routing group's figures)
   std::vector<std::int64_t> send_counts, recv_counts;  // [ep] rows to / from each rank
   MoeExpertState experts;                              // the rows this rank's experts received
   std::vector<float> out;                              // [T_r's dispatched rows, D], back home
@@ -66,26 +75,42 @@ struct MoeLoadReport {
 
 class MoeEpLayer {
  public:
-  // Collective over `comm` (the EP group, ep = comm.size()): validates cfg and that ep divides
-  // num_experts, then agrees on every field of cfg. Any rank's error, or ranks disagreeing,
-  // throws the same cpattn::Error on every rank before any other communication.
-  MoeEpLayer(Communicator& comm, const MoeConfig& cfg);
+  // Collective over `comm` (the EP group, ep = comm.size()) and `group` (this rank's routing
+  // group, borrowed; nullptr or one rank: the rank's tokens are their own group): validates cfg
+  // and that ep divides num_experts, then agrees on every field of cfg over the group, then
+  // over the EP group. Any rank's error, or ranks disagreeing, throws the same cpattn::Error on
+  // every rank before any other communication.
+  MoeEpLayer(Communicator& comm, const MoeConfig& cfg, Communicator* group = nullptr);
 
   int first_expert() const { return first_; }
   int local_experts() const { return local_; }
   const MoeConfig& config() const { return cfg_; }
+  int group_size() const { return group_ ? group_->size() : 1; }
 
-  // Collective. x: this rank's tokens [T_r, D] (T_r may differ between ranks, 0 included);
-  // w: the router and this rank's experts (moe_slice_experts).
-  MoeEpForward forward(const MoeWeights& w, std::span<const float> x);
-  // Collective. Gradients of sum over ranks of sum(dy * y) + aux_loss.
+  // Collective over the EP group (and the routing group, with a capacity factor or the aux
+  // loss). x: this rank's tokens [T_r, D] (T_r may differ between ranks, 0 included); w: the
+  // router and this rank's experts (moe_slice_experts). positions [T_r] (with a routing group
+  // and a capacity factor or the aux loss; else ignored, and the group exchanges nothing):
+  // each token's place in the group's order, >= 0, distinct over the group (equal ones rank by
+  // group rank, then local order); the by_position drops and every tie go by them.
+  MoeEpForward forward(const MoeWeights& w, std::span<const float> x,
+                       std::span<const std::int64_t> positions = {});
+  // Collective over the EP group. The gradients of sum(dy * y) + aux_loss_coeff / ep * (this
+  // rank's group's moe_aux_term), summed over every rank that runs the layer: without routing
+  // groups, sum over ranks of sum(dy * y), plus aux_loss; with them, each group's term counts
+  // once per rank it spans (so aux_loss_coeff = the wanted coefficient * ep / the number of
+  // ranks running the layer makes the aux part that coefficient * the mean over the groups).
   MoeEpBackward backward(const MoeWeights& w, std::span<const float> x, const MoeEpForward& f,
                          std::span<const float> dy);
   // Collective: every rank's figures, gathered; the same report on every rank.
   MoeLoadReport report(const MoeEpForward& f, const MoeEpBackward& b);
 
  private:
+  // The routing of a group spread over group_'s ranks (moe.hpp's five steps).
+  MoeRouting route_in_group(const MoeWeights& w, std::span<const float> x, std::span<const std::int64_t> positions);
+
   Communicator* comm_;
+  Communicator* group_ = nullptr;  // nullptr: the rank's tokens are their own group
   MoeConfig cfg_;
   int first_ = 0, local_ = 0;
 };

@@ -43,16 +43,17 @@ struct ModelConfig {
   // Mixture of experts (docs/moe.md, docs/training.md "Mixture of experts"): experts > 0
   // replaces every block's SwiGLU MLP by the MoE layer of include/cpattn/moe.hpp, `experts`
   // SwiGLU experts of width ffn_dim() each, top_k of them per token (moe.hpp's MoeConfig
-  // fields, same meaning). Each rank's real tokens of one micro-batch are one routing group
-  // (capacity, drops and the auxiliary loss are decided per group; padding rows are not
-  // routed). 0: the dense MLP, and the fields below are ignored.
+  // fields, same meaning). Each micro-batch (sequence) is one routing group, its real tokens in
+  // sequence order as on one process, also when CP splits it (capacity, drops and the
+  // auxiliary loss are decided over the whole sequence; padding rows are not routed). 0: the
+  // dense MLP, and the fields below are ignored.
   int experts = 0;
   int top_k = 1;  // 1 .. experts
   MoeRouter router = MoeRouter::softmax;
   std::optional<double> capacity_factor = std::nullopt;  // > 0; unset: nothing dropped
   MoeDropPolicy drop_policy = MoeDropPolicy::by_position;
   // >= 0, softmax only: the Switch loss's weight; the step's auxiliary loss is, summed over the
-  // blocks, aux_loss_coeff * the mean over the step's groups of moe_aux_term (StepStats::aux_loss).
+  // blocks, aux_loss_coeff * the mean over the step's sequences of moe_aux_term (StepStats::aux_loss).
   double aux_loss_coeff = 0;
   double bias_update_rate = 1e-3;  // > 0, sigmoid_bias only: moe_update_bias's step, once per step
   bool moe() const { return experts > 0; }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -14,33 +15,88 @@ namespace {
 
 using std::int64_t;
 
-// C[m, n] += A[m, k] @ B[k, n]. Row i of C depends on row i of A only, summed over k in order:
-// the same bits whatever m is (moe.hpp's determinism promise).
-void gemm_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
-  for (int64_t i = 0; i < m; ++i)
+// The matrix products. Each output element is its own sequence of float operations, the same
+// whatever m is and wherever the row sits: C[i, j] gets + A(i, 0) B[0, j], then + A(i, 1) B[1, j],
+// ... in p order (gemm_kernel), or a sum s from 0 in p order added once (gemm_nt_acc). The
+// blocked paths only choose which elements advance together (4 rows x 8 columns held in
+// registers while p runs, so each B row is loaded once per 4 rows and each C block once per
+// call), never the order of an element's additions: the blocks and the plain remainder loops
+// (which alone serve a call of fewer than 4 rows) give the same bits (moe.hpp's determinism
+// promise, which moe.ExpertRowsAreBitwiseTheSameInAnyBatch checks; src/moe/CMakeLists.txt
+// turns off fused multiply-adds, which would differ between the paths).
+
+// Four floats, element-wise IEEE arithmetic (GCC and Clang vector extensions): the same
+// operations as four scalar ones.
+using V4 = float __attribute__((vector_size(16)));
+
+// C[m, n] += sum over p of A(i, p) * B[p, n], A(i, p) = a[i * ai + p * ap].
+void gemm_kernel(const float* a, int64_t ai, int64_t ap, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t R = 4, J = 8;
+  int64_t i = 0;
+  for (; i + R <= m; i += R) {
+    int64_t j = 0;
+    for (; j + J <= n; j += J) {
+      V4 acc[R][2];
+      for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(&acc[r][0], c + (i + r) * n + j, sizeof(V4));
+        std::memcpy(&acc[r][1], c + (i + r) * n + j + 4, sizeof(V4));
+      }
+      for (int64_t p = 0; p < k; ++p) {
+        V4 b0, b1;
+        std::memcpy(&b0, b + p * n + j, sizeof(V4));
+        std::memcpy(&b1, b + p * n + j + 4, sizeof(V4));
+        for (int64_t r = 0; r < R; ++r) {
+          const float x = a[(i + r) * ai + p * ap];
+          const V4 av = {x, x, x, x};
+          acc[r][0] += av * b0;
+          acc[r][1] += av * b1;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(c + (i + r) * n + j, &acc[r][0], sizeof(V4));
+        std::memcpy(c + (i + r) * n + j + 4, &acc[r][1], sizeof(V4));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)  // the columns past the last block of J
+      for (int64_t p = 0; p < k; ++p) {
+        const float av = a[(i + r) * ai + p * ap];
+        for (int64_t q = j; q < n; ++q) c[(i + r) * n + q] += av * b[p * n + q];
+      }
+  }
+  for (; i < m; ++i)  // the rows past the last block of R
     for (int64_t p = 0; p < k; ++p) {
-      const float av = a[i * k + p];
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] += av * b[p * n + j];
+      const float av = a[i * ai + p * ap];
+      for (int64_t q = 0; q < n; ++q) c[i * n + q] += av * b[p * n + q];
     }
 }
 
-// C[m, n] += A[m, k] @ B[n, k]^T.
-void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      float s = 0;
-      for (int64_t p = 0; p < k; ++p) s += a[i * k + p] * b[j * k + p];
-      c[i * n + j] += s;
-    }
+// C[m, n] += A[m, k] @ B[k, n].
+void gemm_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+  gemm_kernel(a, k, 1, b, c, m, n, k);
 }
 
 // C[m, n] += A[k, m]^T @ B[k, n]: rows of A and B summed in order (weight gradients).
 void gemm_tn_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
-  for (int64_t p = 0; p < k; ++p)
-    for (int64_t i = 0; i < m; ++i) {
-      const float av = a[p * m + i];
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] += av * b[p * n + j];
-    }
+  gemm_kernel(a, 1, m, b, c, m, n, k);
+}
+
+// C[m, n] += A[m, k] @ B[n, k]^T: each element's dot product s from 0 in p order, then c += s.
+// From 4 rows on, B is transposed once and the sums run through gemm_kernel into zeros.
+void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+  if (m < 4) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        float s = 0;
+        for (int64_t p = 0; p < k; ++p) s += a[i * k + p] * b[j * k + p];
+        c[i * n + j] += s;
+      }
+    return;
+  }
+  std::vector<float> bt(static_cast<std::size_t>(k * n)), sums(static_cast<std::size_t>(m * n), 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[j * k + p];
+  gemm_kernel(a, k, 1, bt.data(), sums.data(), m, n, k);
+  for (std::size_t e = 0; e < sums.size(); ++e) c[e] += sums[e];
 }
 
 float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
@@ -73,28 +129,6 @@ void select_row(const MoeConfig& cfg, const float* score, const float* bias, int
   for (int k = 0; k < K; ++k) {
     expert[k] = idx[static_cast<std::size_t>(k)];
     weight[k] = cfg.router == MoeRouter::sigmoid_bias ? score[expert[k]] / sum : score[expert[k]];
-  }
-}
-
-// Marks the assignments each expert keeps under r.capacity, by the policy.
-void apply_capacity(const MoeConfig& cfg, MoeRouting& r) {
-  const int64_t K = cfg.top_k, n = r.tokens * K;
-  r.kept.assign(static_cast<std::size_t>(n), 1);
-  if (r.capacity < 0) return;
-  std::vector<int64_t> slots(static_cast<std::size_t>(n));
-  std::iota(slots.begin(), slots.end(), 0);  // (token, slot) order: the by_position priority
-  if (cfg.drop_policy == MoeDropPolicy::by_probability)
-    std::stable_sort(slots.begin(), slots.end(),
-                     [&](int64_t l, int64_t s) { return r.weight[l] > r.weight[s]; });
-  std::vector<int64_t> taken(static_cast<std::size_t>(cfg.num_experts), 0);
-  for (const int64_t s : slots) {
-    int64_t& t = taken[static_cast<std::size_t>(r.expert[s])];
-    if (t < r.capacity) {
-      ++t;
-    } else {
-      r.kept[s] = 0;
-      ++r.dropped;
-    }
   }
 }
 
@@ -193,7 +227,7 @@ MoeWeights moe_slice_experts(const MoeWeights& all, int first, int count) {
           .w_down = slice(all.w_down, f, c, each)};
 }
 
-MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, int64_t tokens) {
+MoeRouting moe_route_tokens(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, int64_t tokens) {
   const int D = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
   CPATTN_CHECK(tokens >= 0 && x.size() == static_cast<std::size_t>(tokens * D),
                "moe: x must be [tokens, hidden] = [", tokens, ", ", D, "], got ", x.size(), " values");
@@ -211,23 +245,86 @@ MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const 
                &r.weight[static_cast<std::size_t>(t * K)]);
     for (int k = 0; k < K; ++k) ++r.routed[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(t * K + k)])];
   }
-  if (cfg.capacity_factor)
-    r.capacity = static_cast<int64_t>(std::ceil(*cfg.capacity_factor * static_cast<double>(tokens * K) / E));
-  apply_capacity(cfg, r);
+  r.group.tokens = tokens;
+  r.group.routed = r.routed;
+  r.group.score_sum.assign(static_cast<std::size_t>(E), 0.0);
+  for (int e = 0; e < E; ++e)  // each expert's sum over the tokens in order
+    for (int64_t t = 0; t < tokens; ++t)
+      r.group.score_sum[static_cast<std::size_t>(e)] += r.scores[static_cast<std::size_t>(t * E + e)];
+  r.kept.assign(static_cast<std::size_t>(tokens * K), 1);
   build_order(cfg, r);
   return r;
 }
 
+int64_t moe_capacity(const MoeConfig& cfg, int64_t group_tokens) {
+  if (!cfg.capacity_factor) return -1;
+  return static_cast<int64_t>(
+      std::ceil(*cfg.capacity_factor * static_cast<double>(group_tokens * cfg.top_k) / cfg.num_experts));
+}
+
+std::vector<MoeAssignment> moe_assignments(const MoeRouting& r, std::span<const int64_t> positions) {
+  CPATTN_CHECK(positions.size() == static_cast<std::size_t>(r.tokens), "moe_assignments: positions must have the ",
+               r.tokens, " tokens' values, got ", positions.size());
+  const std::size_t K = r.tokens ? r.expert.size() / static_cast<std::size_t>(r.tokens) : 0;
+  std::vector<MoeAssignment> a(r.expert.size());
+  for (std::size_t s = 0; s < a.size(); ++s)
+    a[s] = {.key = positions[s / K] * static_cast<int64_t>(K) + static_cast<int64_t>(s % K),
+            .expert = r.expert[s], .weight = r.weight[s]};
+  return a;
+}
+
+std::vector<std::uint8_t> moe_keep(const MoeConfig& cfg, std::span<const MoeAssignment> group, int64_t capacity) {
+  std::vector<std::uint8_t> kept(group.size(), 1);
+  if (capacity < 0) return kept;
+  std::vector<std::size_t> prio(group.size());
+  std::iota(prio.begin(), prio.end(), std::size_t{0});
+  const auto by_key = [&](std::size_t l, std::size_t r) {
+    return group[l].key < group[r].key || (group[l].key == group[r].key && l < r);
+  };
+  if (cfg.drop_policy == MoeDropPolicy::by_probability)
+    std::sort(prio.begin(), prio.end(), [&](std::size_t l, std::size_t r) {
+      return group[l].weight > group[r].weight || (group[l].weight == group[r].weight && by_key(l, r));
+    });
+  else
+    std::sort(prio.begin(), prio.end(), by_key);
+  std::vector<int64_t> taken(static_cast<std::size_t>(cfg.num_experts), 0);
+  for (const std::size_t i : prio) {
+    int64_t& t = taken[static_cast<std::size_t>(group[i].expert)];
+    if (t < capacity)
+      ++t;
+    else
+      kept[i] = 0;
+  }
+  return kept;
+}
+
+void moe_set_kept(const MoeConfig& cfg, MoeRouting& r, int64_t capacity, std::span<const std::uint8_t> kept) {
+  CPATTN_CHECK(kept.size() == r.expert.size(), "moe_set_kept: kept must be [tokens, top_k] = ", r.expert.size(),
+               " values, got ", kept.size());
+  r.capacity = capacity;
+  r.kept.assign(kept.begin(), kept.end());
+  r.dropped = std::count(r.kept.begin(), r.kept.end(), std::uint8_t{0});
+  build_order(cfg, r);
+}
+
+MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, int64_t tokens) {
+  MoeRouting r = moe_route_tokens(cfg, w, x, tokens);
+  if (!cfg.capacity_factor) return r;
+  std::vector<int64_t> positions(static_cast<std::size_t>(tokens));  // the group in token order
+  std::iota(positions.begin(), positions.end(), int64_t{0});
+  const int64_t capacity = moe_capacity(cfg, tokens);
+  moe_set_kept(cfg, r, capacity, moe_keep(cfg, moe_assignments(r, positions), capacity));
+  return r;
+}
+
 double moe_aux_term(const MoeConfig& cfg, const MoeRouting& r) {
-  if (r.tokens == 0) return 0;
+  const MoeGroupStats& g = r.group;
+  if (g.tokens == 0) return 0;
   const int E = cfg.num_experts;
   double sum = 0;
-  for (int e = 0; e < E; ++e) {
-    double p = 0;
-    for (int64_t t = 0; t < r.tokens; ++t) p += r.scores[static_cast<std::size_t>(t * E + e)];
-    sum += static_cast<double>(r.routed[static_cast<std::size_t>(e)]) / static_cast<double>(r.tokens * cfg.top_k) *
-           (p / static_cast<double>(r.tokens));
-  }
+  for (int e = 0; e < E; ++e)
+    sum += static_cast<double>(g.routed[static_cast<std::size_t>(e)]) / static_cast<double>(g.tokens * cfg.top_k) *
+           (g.score_sum[static_cast<std::size_t>(e)] / static_cast<double>(g.tokens));
   return E * sum;
 }
 
@@ -398,13 +495,15 @@ void moe_router_backward(const MoeConfig& cfg, const MoeWeights& w, const MoeRou
     float* dl = &dlogits[static_cast<std::size_t>(t * E)];
     std::vector<float> dscore(static_cast<std::size_t>(E), 0.0f);
     if (cfg.router == MoeRouter::softmax) {
-      // w_k = p_{e_k}; the aux loss adds aux_scale * E * f_e / T to every dp_e.
+      // w_k = p_{e_k}; the aux loss adds aux_scale * E * f_e / T_g to every dp_e (the group's f_e, T_g).
       for (int64_t k = 0; k < K; ++k) dscore[static_cast<std::size_t>(ex[k])] += dw[k];
-      if (aux_scale != 0)
+      if (aux_scale != 0) {
+        const auto Tg = static_cast<double>(r.group.tokens);
         for (int64_t e = 0; e < E; ++e)
           dscore[static_cast<std::size_t>(e)] += static_cast<float>(
-              aux_scale * static_cast<double>(E) * static_cast<double>(r.routed[static_cast<std::size_t>(e)]) /
-              static_cast<double>(T * K) / static_cast<double>(T));
+              aux_scale * static_cast<double>(E) * static_cast<double>(r.group.routed[static_cast<std::size_t>(e)]) /
+              (Tg * static_cast<double>(K)) / Tg);
+      }
       float dot = 0;  // softmax backward: dl = p * (dp - <p, dp>)
       for (int64_t e = 0; e < E; ++e) dot += p[e] * dscore[static_cast<std::size_t>(e)];
       for (int64_t e = 0; e < E; ++e) dl[e] = p[e] * (dscore[static_cast<std::size_t>(e)] - dot);

@@ -58,7 +58,8 @@ double max_over_mean(std::span<const int64_t> v) {
 
 }  // namespace
 
-MoeEpLayer::MoeEpLayer(Communicator& comm, const MoeConfig& cfg) : comm_(&comm), cfg_(cfg) {
+MoeEpLayer::MoeEpLayer(Communicator& comm, const MoeConfig& cfg, Communicator* group)
+    : comm_(&comm), group_(group && group->size() > 1 ? group : nullptr), cfg_(cfg) {
   const int ep = comm.size();
   const std::string err = local_error([&] {
     moe_validate(cfg);
@@ -75,16 +76,62 @@ MoeEpLayer::MoeEpLayer(Communicator& comm, const MoeConfig& cfg) : comm_(&comm),
       .add("drop_policy", static_cast<int64_t>(cfg.drop_policy))
       .add("aux_loss_coeff", bits(cfg.aux_loss_coeff))
       .add("bias_update_rate", bits(cfg.bias_update_rate));
+  if (group_) agree(*group_, fp, "moe layer (routing group)", err);
   agree(comm, fp, "moe layer", err);
   local_ = cfg.num_experts / ep;
   first_ = comm.rank() * local_;
 }
 
-MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x) {
+MoeRouting MoeEpLayer::route_in_group(const MoeWeights& w, std::span<const float> x,
+                                      std::span<const int64_t> positions) {
+  const int64_t D = cfg_.hidden, E = cfg_.num_experts;
+  MoeRouting r = moe_route_tokens(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
+  // The group's figures: its tokens and routed counts, and the scores' sums, over its ranks.
+  std::vector<int64_t> counts(r.group.routed);
+  counts.push_back(r.group.tokens);
+  group_->all_reduce<int64_t>(counts, ReduceOp::sum);
+  r.group.tokens = counts.back();
+  r.group.routed.assign(counts.begin(), counts.begin() + E);
+  group_->all_reduce<double>(r.group.score_sum, ReduceOp::sum);
+  if (!cfg_.capacity_factor) return r;
+  // Every part's assignments (key, expert and weight bits), in group rank order; each rank
+  // decides over all of them as one process does and keeps its own slice.
+  const std::vector<MoeAssignment> mine = moe_assignments(r, positions);
+  std::vector<int64_t> packed(2 * mine.size());
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    packed[2 * i] = mine[i].key;
+    packed[2 * i + 1] = (static_cast<int64_t>(mine[i].expert) << 32) |
+                        static_cast<int64_t>(std::bit_cast<std::uint32_t>(mine[i].weight));
+  }
+  const std::vector<int64_t> sizes = group_->all_gather_counts(static_cast<int64_t>(packed.size()));
+  std::vector<int64_t> all_packed(static_cast<std::size_t>(std::accumulate(sizes.begin(), sizes.end(), int64_t{0})));
+  group_->all_gather_v<int64_t>(packed, sizes, all_packed);
+  std::vector<MoeAssignment> all(all_packed.size() / 2);
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const int64_t v = all_packed[2 * i + 1];
+    all[i] = {.key = all_packed[2 * i], .expert = static_cast<std::int32_t>(v >> 32),
+              .weight = std::bit_cast<float>(static_cast<std::uint32_t>(v & 0xffffffff))};
+  }
+  const int64_t capacity = moe_capacity(cfg_, r.group.tokens);
+  const std::vector<std::uint8_t> kept = moe_keep(cfg_, all, capacity);
+  const int64_t at = std::accumulate(sizes.begin(), sizes.begin() + group_->rank(), int64_t{0}) / 2;
+  moe_set_kept(cfg_, r, capacity, std::span(kept).subspan(static_cast<std::size_t>(at), mine.size()));
+  return r;
+}
+
+MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x, std::span<const int64_t> positions) {
   const int64_t D = cfg_.hidden;
+  // The routing group takes part only when it decides something (the constructor agreed on
+  // cfg over it, so its ranks choose alike).
+  const bool grouped = group_ && (cfg_.capacity_factor || cfg_.aux_loss_coeff > 0);
   const std::string err = local_error([&] {
     CPATTN_CHECK(x.size() % static_cast<std::size_t>(D) == 0, "moe forward: x must be [tokens, hidden = ", D,
                  "], got ", x.size(), " values");
+    CPATTN_CHECK(!grouped || (positions.size() == x.size() / static_cast<std::size_t>(D) &&
+                             std::ranges::all_of(positions, [](int64_t p) { return p >= 0; })),
+                 "moe forward: with a routing group (and a capacity factor or the aux loss), positions must hold "
+                 "one value >= 0 per token (",
+                 x.size() / static_cast<std::size_t>(D), "), got ", positions.size(), " values");
     CPATTN_CHECK(w.first_expert == first_ && w.local_experts == local_, "moe forward: this rank holds experts [",
                  first_, ", ", first_ + local_, "), the weights hold [", w.first_expert, ", ",
                  w.first_expert + w.local_experts, ")");
@@ -92,13 +139,15 @@ MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x) 
                      w.w_gate.size() == static_cast<std::size_t>(local_ * D * cfg_.ffn),
                  "moe forward: the weights' shapes do not match the config");
   });
+  if (grouped) agree(*group_, Fingerprint{}, "moe forward (routing group)", err);
   agree(*comm_, Fingerprint{}, "moe forward", err);
   MoeEpForward f;
   double clock = now_s();
-  f.routing = moe_route(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
+  f.routing = grouped ? route_in_group(w, x, positions) : moe_route(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
   const std::vector<float> rows = moe_dispatch_rows(f.routing, x, cfg_.hidden);
   if (cfg_.aux_loss_coeff > 0) {
-    // Every group's term gathered and summed in rank order, as the single-process layer does.
+    // Every rank's group's term gathered and summed in rank order, as the single-process layer
+    // sums its groups' terms.
     std::vector<double> terms(static_cast<std::size_t>(comm_->size()));
     const double mine = moe_aux_term(cfg_, f.routing);
     comm_->all_gather<double>(std::span(&mine, 1), terms);
@@ -159,8 +208,9 @@ MoeEpBackward MoeEpLayer::backward(const MoeWeights& w, std::span<const float> x
   lap(clock, b.times.combine);
 
   moe_add_dispatched(f.routing, d_home, cfg_.hidden, b.grads.dx);
-  moe_router_backward(cfg_, w, f.routing, x, d_weight, cfg_.aux_loss_coeff / static_cast<double>(comm_->size()),
-                      b.grads.dx, b.grads);
+  // The group's term is counted once per rank of the group (backward's objective).
+  moe_router_backward(cfg_, w, f.routing, x, d_weight,
+                      cfg_.aux_loss_coeff / static_cast<double>(comm_->size()) * group_size(), b.grads.dx, b.grads);
   lap(clock, b.times.routing);
   return b;
 }

@@ -18,8 +18,8 @@
 // The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
 // both are refused, as are version 1 (no checksum, no configuration) and version 2 (no
 // attention masks). Version 3 (no mixture-of-experts fields) is read as a model without
-// experts. Every expert of every block is in the payload (gathered over the EP group before
-// rank 0 writes; each rank holds only its E/ep experts in training), so a file saved at one ep
+// experts. Every expert of every block is in the payload (sent to rank 0 by its EP group before
+// it writes; each rank holds only its E/ep experts in training), so a file saved at one ep
 // resumes at any ep.
 #pragma once
 

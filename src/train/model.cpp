@@ -97,7 +97,8 @@ MoeConfig moe_config(const ModelConfig& mc) {
   return c;
 }
 
-ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert, int local_experts) {
+ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert, int local_experts, int64_t align) {
+  CPATTN_CHECK(align >= 1, "param_layout: align must be >= 1, got ", align);
   ParamLayout p;
   if (mc.moe() && local_experts == 0) local_experts = mc.experts;
   CPATTN_CHECK(!mc.moe() || (first_expert >= 0 && local_experts >= 1 && first_expert + local_experts <= mc.experts),
@@ -136,16 +137,22 @@ ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert,
   }
   p.lnf = add("lnf", {D}, false);
   p.lm_head = add("lm_head", {D, d.V}, true);
-  p.experts_begin = p.count;
-  if (mc.moe())  // the experts after everything replicated: one region that EP shards
-    for (int l = 0; l < d.L; ++l) {
-      const std::string n = "layer" + std::to_string(l) + ".moe.";
-      const int64_t X = p.local_experts;
-      ParamLayout::Block& b = p.blocks[static_cast<std::size_t>(l)];
-      b.w1 = add(n + "w1", {X, D, F}, true);
-      b.w3 = add(n + "w3", {X, D, F}, true);
-      b.w2 = add(n + "w2", {X, F, D}, true);
-    }
+  p.replicated = p.count;
+  if (!mc.moe()) {
+    p.experts_begin = p.count;
+    return p;
+  }
+  const auto round_up = [align](int64_t n) { return (n + align - 1) / align * align; };
+  p.count = p.experts_begin = round_up(p.count);
+  for (int l = 0; l < d.L; ++l) {  // the experts after everything replicated: one region that EP shards
+    const std::string n = "layer" + std::to_string(l) + ".moe.";
+    const int64_t X = p.local_experts;
+    ParamLayout::Block& b = p.blocks[static_cast<std::size_t>(l)];
+    b.w1 = add(n + "w1", {X, D, F}, true);
+    b.w3 = add(n + "w3", {X, D, F}, true);
+    b.w2 = add(n + "w2", {X, F, D}, true);
+  }
+  p.count = p.experts_begin + round_up(p.count - p.experts_begin);
   return p;
 }
 
@@ -162,7 +169,7 @@ void for_expert_tensors(const ParamLayout& global, const ParamLayout& local, F&&
 
 void take_local_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> all,
                         std::span<float> mine) {
-  std::copy_n(all.begin(), local.experts_begin, mine.begin());
+  std::copy_n(all.begin(), local.replicated, mine.begin());
   for_expert_tensors(global, local, [&](const ParamTensor& g, const ParamTensor& l) {
     const int64_t each = l.size / local.local_experts;
     std::copy_n(all.begin() + g.offset + local.first_expert * each, l.size, mine.begin() + l.offset);
@@ -171,7 +178,7 @@ void take_local_experts(const ParamLayout& global, const ParamLayout& local, std
 
 void put_gathered_experts(const ParamLayout& global, const ParamLayout& local, std::span<const float> mine,
                           std::span<const float> gathered, std::span<float> all) {
-  std::copy_n(mine.begin(), local.experts_begin, all.begin());
+  std::copy_n(mine.begin(), local.replicated, all.begin());
   const int64_t region = local.count - local.experts_begin;
   const int64_t ranks = static_cast<int64_t>(gathered.size()) / std::max<int64_t>(region, 1);
   for_expert_tensors(global, local, [&](const ParamTensor& g, const ParamTensor& l) {
@@ -195,20 +202,22 @@ void init_params(const ParamLayout& layout, const ModelConfig& mc, uint64_t seed
 }
 
 namespace {
-// This rank's experts under EP: [first, first + count) of `experts`, one block per EP rank.
-ParamLayout local_layout(const Dims& d, const ModelConfig& mc, const Communicator& ep) {
+// This rank's experts under EP: [first, first + count) of `experts`, one block per EP rank;
+// aligned to the all-reduce's chunks.
+ParamLayout local_layout(const Dims& d, const ModelConfig& mc, const Communicator& ep, int chunks) {
   if (!mc.moe()) return param_layout(d, mc);
   CPATTN_CHECK(mc.experts % ep.size() == 0, "MeshConfig: ep = ", ep.size(), " must divide ModelConfig::experts = ",
                mc.experts);
   const int local = mc.experts / ep.size();
-  return param_layout(d, mc, ep.rank() * local, local);
+  return param_layout(d, mc, ep.rank() * local, local, chunks);
 }
 }  // namespace
 
 Model::Model(Communicator& comm, const ModelConfig& mc, const RunOptions& ro, uint64_t seed, int reduce_ranks,
              Communicator* ep)
-    : config(mc), run(ro), dims(model_dims(mc)), layout(local_layout(dims, mc, ep ? *ep : comm)),
-      cp(comm.size()),
+    : config(mc), run(ro), dims(model_dims(mc)),
+      layout(local_layout(dims, mc, ep ? *ep : comm, reduce_ranks > 0 ? reduce_ranks : comm.size())),
+      cp(comm.size()), cp_comm(&comm),
       attn(comm, attention_config(dims, mc, ro, mc.alibi ? alibi_slopes(dims.H) : std::vector<float>{})),
       ep_comm(ep ? ep : &comm) {
   const int64_t chunks = reduce_ranks > 0 ? reduce_ranks : cp;
@@ -264,8 +273,12 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
   rope_tables(b.rope_cos, b.rope_sin, rope_positions(plan, b.local.position_ids, m.run.rope_local_offsets), d.hd,
               m.config.rope_theta);
   b.real_rows.clear();
+  b.real_positions.clear();
   for (int64_t i = 0; i < T; ++i)
-    if (plan.real_token_index[static_cast<std::size_t>(i)] >= 0) b.real_rows.push_back(i);
+    if (const int64_t g = plan.real_token_index[static_cast<std::size_t>(i)]; g >= 0) {
+      b.real_rows.push_back(i);
+      b.real_positions.push_back(g);
+    }
   const int64_t mlp_rows = m.config.moe() ? 0 : T;  // the dense MLP's [T, F] tensors
 
   Activations& a = m.acts;
@@ -393,7 +406,7 @@ void moe_block_forward(Model& m, int l, BlockActs& a, float* y) {
   a.moe_x.resize(static_cast<std::size_t>(R * D));
   for (int64_t i = 0; i < R; ++i)
     std::copy_n(a.xn2.begin() + rows[i] * D, D, a.moe_x.begin() + i * D);
-  a.moe = m.moe->forward(m.moe_weights[l], a.moe_x);
+  a.moe = m.moe->forward(m.moe_weights[l], a.moe_x, m.batch.real_positions);
   m.moe_aux += a.moe.aux_loss;
   m.moe_dropped += a.moe.routing.dropped;
   std::vector<int64_t>& load = m.moe_load[l];
@@ -436,7 +449,7 @@ void moe_begin_step(Model& m, int64_t step_groups) {
   MoeConfig c = moe_config(m.config);
   const int ep = m.ep_comm->size();
   c.aux_loss_coeff *= static_cast<double>(ep) / static_cast<double>(step_groups);
-  m.moe = std::make_unique<MoeEpLayer>(*m.ep_comm, c);
+  m.moe = std::make_unique<MoeEpLayer>(*m.ep_comm, c, m.cp_comm);
   const int first = m.moe->first_expert(), local = m.moe->local_experts();
   const Dims& d = m.dims;
   const int64_t D = d.D, E = m.config.experts, each = static_cast<int64_t>(d.D) * d.F;

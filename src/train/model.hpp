@@ -53,7 +53,10 @@ struct BlockTensors {
 // wte, then per block ln1 wq wk wv wo ln2 w1 w3 w2, then lnf, lm_head. With experts: wte, per
 // block ln1 wq wk wv wo ln2 moe.router [moe.bias], lnf, lm_head, and then the experts region
 // [experts_begin, count): per block moe.w1 moe.w3 moe.w2, each [local_experts, ...], the
-// experts [first_expert, first_expert + local_experts) that this rank holds under EP.
+// experts [first_expert, first_expert + local_experts) that this rank holds under EP. A layout
+// made with `align` > 1 has zero floats in no tensor between the replicated tensors and the
+// experts region and after it, so that experts_begin and count - experts_begin are multiples
+// of `align`: the two regions are summed over groups whose sizes divide it in place.
 struct ParamLayout {
   struct Block {
     int64_t ln1, wq, wk, wv, wo, ln2, w1, w3, w2;
@@ -65,7 +68,8 @@ struct ParamLayout {
   std::vector<Block> blocks;
   int64_t lnf = 0;      // [D]
   int64_t lm_head = 0;  // [D, V]
-  int64_t experts_begin = 0;  // = count without experts
+  int64_t replicated = 0;     // floats of the replicated tensors: [0, replicated)
+  int64_t experts_begin = 0;  // = count without experts; >= replicated
   int first_expert = 0, local_experts = 0;
 
   template <class Float>
@@ -76,8 +80,10 @@ struct ParamLayout {
             b.router >= 0 ? base + b.router : nullptr, b.bias >= 0 ? base + b.bias : nullptr};
   }
 };
-// local_experts 0: all of them (the layout of a checkpoint file).
-ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert = 0, int local_experts = 0);
+// local_experts 0: all of them (the layout of a checkpoint file, align 1). align >= 1: see
+// ParamLayout (applies to a model with experts only).
+ParamLayout param_layout(const Dims& d, const ModelConfig& mc, int first_expert = 0, int local_experts = 0,
+                         int64_t align = 1);
 
 // Between the whole model (`global`, every expert: a checkpoint's layout) and one rank's
 // (`local`, the same model, its experts only): the replicated tensors are copied as they are,
@@ -105,6 +111,7 @@ struct Batch {
   int64_t T = 0;
   std::vector<float> rope_cos, rope_sin;  // [T, hd/2]
   std::vector<int64_t> real_rows;         // the local rows that are not padding, in order: what MoE routes
+  std::vector<int64_t> real_positions;    // [real_rows] their places in the sequence (the MoE group's order)
 };
 
 // The gradients at the outputs of a block's weight products, which its weight gradients read
@@ -165,7 +172,10 @@ struct Model {
   ParamLayout layout;
   std::vector<float> params;  // [layout.count]
   int cp = 1;                 // ranks of the CP group
-  std::vector<float> grads;   // [layout.count padded to a multiple of reduce_ranks] (the all-reduce's chunks)
+  Communicator* cp_comm;      // the CP group (borrowed): a sequence's MoE routing group
+  // [layout.count padded to a multiple of reduce_ranks] (the all-reduce's chunks); with experts
+  // the layout is aligned to reduce_ranks, so that its two regions need no padded copy either.
+  std::vector<float> grads;
   CpAttention attn;           // one for every block: the contexts in acts hold each block's state
   Batch batch;
   Activations acts;
@@ -180,12 +190,15 @@ struct Model {
   std::vector<std::vector<int64_t>> moe_load;    // [L][E] assignments this rank's groups routed
 };
 
-// Before the forwards of a step (or of loss()) with experts; collective over the EP group.
-// `step_groups`: the routing groups of one block in the whole step over the mesh (micro-
-// batches * cp). Makes the layer with aux_loss_coeff * ep / step_groups, so that the EP
-// forwards' aux_loss, each counted once (it is the same on the ep ranks of a call), add up to
-// aux_loss_coeff * the mean over the step's groups per block; copies the router and this
-// rank's experts from params; zeroes moe_aux, moe_dropped and moe_load. No-op without experts.
+// Before the forwards of a step (or of loss()) with experts; collective over the EP and CP
+// groups. A routing group is one sequence: the real tokens of its CP group's ranks, in sequence
+// order (Batch::real_positions), as on one process. `step_groups`: the (sequence, CP rank)
+// pairs of one block in the whole step over the mesh (micro-batches * cp). Makes the layer with
+// aux_loss_coeff * ep / step_groups, so that the EP forwards' aux_loss, each counted once (it
+// is the same on the ep ranks of a call), add up to aux_loss_coeff * the mean over the step's
+// sequences per block (each sequence's term is held by its cp ranks), and the backward's
+// objective is that; copies the router and this rank's experts from params; zeroes moe_aux,
+// moe_dropped and moe_load. No-op without experts.
 void moe_begin_step(Model& m, int64_t step_groups);
 
 // The positions RoPE rotates this rank's rows by: each token's global position in its document

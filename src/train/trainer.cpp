@@ -12,6 +12,7 @@
 #include <cpattn/executor.hpp>
 #include <cpattn/mesh.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -174,9 +175,12 @@ struct Trainer::Impl {
       norm = grad_norm(grads());
       return loss_sum[0] / static_cast<double>(total);
     }
-    // The replicated tensors over DP x CP, each rank's experts over the ranks holding them.
+    // The replicated tensors over DP x CP, each rank's experts over the ranks holding them; the
+    // layout is aligned to the world size, so both regions divide into the groups' chunks.
     const std::span<float> g = std::span(model.grads).first(static_cast<std::size_t>(model.layout.count));
     const auto eb = static_cast<std::size_t>(model.layout.experts_begin);
+    CPATTN_DASSERT(eb % static_cast<std::size_t>(mesh.dp_cp.size()) == 0 &&
+                   (g.size() - eb) % static_cast<std::size_t>(mesh.edp.size()) == 0);
     all_reduce_grads(mesh.dp_cp, g.first(eb));
     all_reduce_grads(mesh.edp, g.subspan(eb));
     all_reduce_grads(mesh.pp, model.grads);  // stages' disjoint layers (the same experts): exact
@@ -190,16 +194,47 @@ struct Trainer::Impl {
     return loss_sum[0] / static_cast<double>(total);
   }
 
-  // `mine` (this rank's parameters or moments) in the whole layout: the EP group's experts
-  // gathered (collective over it). Without experts, `mine` itself.
-  std::vector<float> gather_whole(std::span<const float> mine) {
-    if (!model.config.moe()) return {mine.begin(), mine.end()};
-    const std::span<const float> experts = mine.subspan(static_cast<std::size_t>(model.layout.experts_begin));
-    std::vector<float> gathered(experts.size() * static_cast<std::size_t>(mesh.ep.size()));
-    mesh.ep.all_gather<float>(experts, gathered);
-    std::vector<float> all(static_cast<std::size_t>(whole.count));
-    put_gathered_experts(whole, model.layout, mine, gathered, all);
-    return all;
+  // The parameters and both moments in the whole layout, on the writing rank (world rank 0;
+  // empty elsewhere): the other ranks of its EP group send it their experts, every other EP
+  // group only takes part in one all-reduce that finds the writer's. Collective over the EP
+  // groups. A model without experts is whole already: nothing to gather (empty everywhere).
+  struct Whole {
+    std::vector<float> p, m, v;
+  };
+  Whole gather_to_writer() {
+    const bool writer = comm.rank() == 0;
+    Whole w;
+    if (!model.config.moe()) return w;
+    std::array<int64_t, 1> at{writer ? mesh.ep.rank() + 1 : 0};  // the writer's EP rank + 1, or 0
+    mesh.ep.all_reduce<int64_t>(at, ReduceOp::max);
+    if (at[0] == 0) return w;  // the writer's experts are in another, identical EP group
+    const int root = static_cast<int>(at[0] - 1), ep = mesh.ep.size();
+    const auto eb = static_cast<std::size_t>(model.layout.experts_begin);
+    const std::size_t region = static_cast<std::size_t>(model.layout.count) - eb;
+    const std::span<const float> mine[3] = {model.params, adam.m, adam.v};
+    if (!writer) {
+      CommRequest sent[3];
+      for (int i = 0; i < 3; ++i) sent[i] = mesh.ep.start_send<float>(mine[i].subspan(eb), root);
+      for (CommRequest& r : sent) mesh.ep.wait(r);
+      return w;
+    }
+    std::vector<float>* out[3] = {&w.p, &w.m, &w.v};
+    std::vector<std::vector<float>> gathered(3, std::vector<float>(region * static_cast<std::size_t>(ep)));
+    std::vector<CommRequest> received;
+    for (int q = 0; q < ep; ++q)  // each source's three messages arrive in the order they were sent
+      for (int i = 0; i < 3; ++i) {
+        const std::span<float> to = std::span(gathered[static_cast<std::size_t>(i)]).subspan(static_cast<std::size_t>(q) * region, region);
+        if (q == root)
+          std::copy_n(mine[i].begin() + static_cast<std::ptrdiff_t>(eb), region, to.begin());
+        else
+          received.push_back(mesh.ep.start_recv<float>(to, q));
+      }
+    for (CommRequest& r : received) mesh.ep.wait(r);
+    for (int i = 0; i < 3; ++i) {
+      out[i]->resize(static_cast<std::size_t>(whole.count));
+      put_gathered_experts(whole, model.layout, mine[i], gathered[static_cast<std::size_t>(i)], *out[i]);
+    }
+    return w;
   }
   // This rank's part of a whole-layout vector.
   std::vector<float> take_mine(const std::vector<float>& all) const {
@@ -295,12 +330,13 @@ CheckpointConfig checkpoint_config(const Model& m, int64_t n_params, const Optim
 void Trainer::save(const std::string& path, const DataPosition& data, const RunIdentity& id) const {
   Impl& s = *impl_;
   // Rank 0's EP group holds every expert (the EP groups of a stage hold the same ones, and
-  // every stage holds the whole model).
-  const std::vector<float> p = s.gather_whole(s.model.params), m = s.gather_whole(s.adam.m),
-                           v = s.gather_whole(s.adam.v);
+  // every stage holds the whole model): gathered on rank 0 alone, which writes.
+  const Impl::Whole w = s.gather_to_writer();
+  const bool moe = s.model.config.moe();
   on_every_rank(s.comm, [&] {
     if (s.comm.rank() == 0)
-      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data, p, m, v);
+      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data,
+                      moe ? w.p : s.model.params, moe ? w.m : s.adam.m, moe ? w.v : s.adam.v);
   });
 }
 

@@ -27,6 +27,9 @@ inline MoeConfig moe_config(int experts, int top_k, MoeRouter router = MoeRouter
   return {.hidden = 8, .ffn = 6, .num_experts = experts, .top_k = top_k, .router = router};
 }
 
+// hidden 13, ffn 19, 3 experts, top-2: every path of the blocked expert products.
+inline MoeConfig wide_config() { return {.hidden = 13, .ffn = 19, .num_experts = 3, .top_k = 2}; }
+
 inline MoeConfig with_capacity(MoeConfig c, double factor, MoeDropPolicy policy) {
   c.capacity_factor = factor;
   c.drop_policy = policy;
@@ -45,6 +48,8 @@ inline std::vector<MoeCase> single_process_cases() {
       {"sigmoid_k2_drop", with_capacity(moe_config(6, 2, MoeRouter::sigmoid_bias), 0.5, by_probability), {7, 4}, true},
       {"softmax_k2_aux_e3", aux, {1, 8}, false},
       {"softmax_k_equals_e", moe_config(3, 3), {4}, false},
+      // Wider odd sizes: the expert products' 4 x 8 blocks with rows and columns left over.
+      {"wide_d13_f19", wide_config(), {9, 1, 14}, false},
   };
 }
 

@@ -97,6 +97,28 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeCaseTest, testing::ValuesIn(moe_test::single_
                          [](const auto& p) { return p.param.name; });
 
 // The Switch loss alone (dy = 0): its router gradient against finite differences.
+// moe.hpp's promise, which expert parallelism's bitwise equality rests on: a token's output
+// and input gradient do not depend on which other tokens share the experts' products (how
+// many rows an expert gets, where the row sits in the blocks). Each token alone against the
+// same token in a batch of 23 (experts get 4-row blocks and rows left over), bitwise.
+TEST(Moe, ExpertRowsAreBitwiseTheSameInAnyBatch) {
+  const MoeConfig cfg = moe_test::wide_config();
+  const std::int64_t D = cfg.hidden, T = 23;
+  const MoeWeights w = moe_init_weights(cfg, 9);
+  const std::vector<float> x = random_values(static_cast<std::size_t>(T * D), 10), dy = random_values(x.size(), 12);
+  const MoeForward all = moe_forward(cfg, w, x, {});
+  const MoeGrads g_all = moe_backward(cfg, w, x, all, dy);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const auto row = [&](const std::vector<float>& v) {
+      return std::span(v).subspan(static_cast<std::size_t>(t * D), static_cast<std::size_t>(D));
+    };
+    const MoeForward one = moe_forward(cfg, w, row(x), {});
+    const MoeGrads g_one = moe_backward(cfg, w, row(x), one, row(dy));
+    EXPECT_TRUE(std::ranges::equal(one.y, row(all.y))) << "y of token " << t;
+    EXPECT_TRUE(std::ranges::equal(g_one.dx, row(g_all.dx))) << "dx of token " << t;
+  }
+}
+
 TEST(Moe, AuxLossGradientMatchesFiniteDifferences) {
   const MoeConfig cfg{.hidden = 6, .ffn = 4, .num_experts = 5, .top_k = 2, .aux_loss_coeff = 0.3};
   MoeWeights w = moe_init_weights(cfg, 21);

@@ -12,6 +12,8 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "moe/moe_cases.hpp"
 #include "moe/moe_naive.hpp"
@@ -141,6 +143,157 @@ std::string cat(const Parts&... parts) {
   std::ostringstream os;
   (os << ... << parts);
   return os.str();
+}
+
+// ---- Routing groups spread over ranks (a sequence split by CP) --------------------------------
+
+// A routing group's tokens over its g ranks: the last rank holds one token (position n / 2),
+// the others the rest two by two in turn; odd ranks list theirs backwards (the layer must not
+// care about the local order, only the positions).
+std::vector<std::int64_t> group_part(std::int64_t n, int g, int j) {
+  std::vector<std::int64_t> mine;
+  std::int64_t i = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (t == n / 2) {
+      if (j == g - 1) mine.push_back(t);
+      continue;
+    }
+    if ((i++ / 2) % (g - 1) == j) mine.push_back(t);
+  }
+  if (j % 2 == 1) std::reverse(mine.begin(), mine.end());
+  return mine;
+}
+
+// World = groups of g consecutive ranks (each group one sequence of 13 + 4 * index tokens),
+// and EP groups of ep consecutive ranks; the layer over both against moe_forward over the
+// sequences as groups, their tokens in position order. The layer's aux coefficient is the
+// wanted one * ep / world (MoeEpLayer::backward's objective: each group's term once per rank).
+void check_spread_groups(MoeConfig cfg, int ep, int g) {
+  Communicator comm = world();
+  const int W = comm.size(), rank = comm.rank();
+  Communicator ep_comm = comm.split(rank / ep, rank), group = comm.split(rank / g, rank);
+  Communicator same_experts = comm.split(rank % ep, rank);  // the ranks holding this rank's experts
+  const std::int64_t D = cfg.hidden, K = cfg.top_k;
+  std::vector<std::int64_t> sizes, first;  // per group: tokens, first row in the reference
+  std::int64_t T = 0;
+  for (int q = 0; q < W / g; ++q) {
+    first.push_back(T);
+    sizes.push_back(13 + 4 * q);
+    T += sizes.back();
+  }
+  const MoeWeights all = moe_init_weights(cfg, 31);
+  const std::vector<float> x = random_values(static_cast<std::size_t>(T * D), 37), dy = random_values(x.size(), 41);
+  const MoeForward ref = moe_forward(cfg, all, x, sizes);
+  const MoeGrads ref_g = moe_backward(cfg, all, x, ref, dy);
+
+  const int q = rank / g;
+  const std::vector<std::int64_t> pos = group_part(sizes[static_cast<std::size_t>(q)], g, rank % g);
+  const auto n = static_cast<std::int64_t>(pos.size());
+  std::vector<float> x_mine(static_cast<std::size_t>(n * D)), dy_mine(x_mine.size());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t row = first[static_cast<std::size_t>(q)] + pos[static_cast<std::size_t>(i)];
+    std::copy_n(x.begin() + row * D, D, x_mine.begin() + i * D);
+    std::copy_n(dy.begin() + row * D, D, dy_mine.begin() + i * D);
+  }
+  MoeConfig layer_cfg = cfg;
+  layer_cfg.aux_loss_coeff = cfg.aux_loss_coeff * ep / W;
+  MoeEpLayer layer(ep_comm, layer_cfg, &group);
+  ASSERT_EQ(layer.group_size(), g);
+  const MoeWeights w = moe_slice_experts(all, layer.first_expert(), layer.local_experts());
+  const MoeEpForward f = layer.forward(w, x_mine, pos);
+  const MoeEpBackward b = layer.backward(w, x_mine, f, dy_mine);
+
+  const MoeRouting& rr = ref.routing[static_cast<std::size_t>(q)];
+  EXPECT_EQ(f.routing.capacity, rr.capacity);
+  EXPECT_EQ(f.routing.group.tokens, rr.tokens);
+  EXPECT_EQ(f.routing.group.routed, rr.routed);
+  std::vector<float> y_ref(x_mine.size()), dx_ref(x_mine.size());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t p = pos[static_cast<std::size_t>(i)], row = first[static_cast<std::size_t>(q)] + p;
+    std::copy_n(ref.y.begin() + row * D, D, y_ref.begin() + i * D);
+    std::copy_n(ref_g.dx.begin() + row * D, D, dx_ref.begin() + i * D);
+    for (std::int64_t k = 0; k < K; ++k)
+      EXPECT_EQ(f.routing.kept[static_cast<std::size_t>(i * K + k)], rr.kept[static_cast<std::size_t>(p * K + k)])
+          << "token at position " << p << ", slot " << k;
+  }
+  expect_close(f.y, y_ref, "y");
+  expect_close(b.grads.dx, dx_ref, "dx");
+  // Each group's term is held by its g ranks: the EP groups' aux_loss sum to the wanted one.
+  std::vector<double> aux{f.aux_loss / ep};
+  comm.all_reduce<double>(aux, ReduceOp::sum);
+  EXPECT_NEAR(aux[0], ref.aux_loss, 1e-12 * std::max(1.0, ref.aux_loss));
+  std::vector<std::int64_t> dropped{f.routing.dropped};
+  comm.all_reduce<std::int64_t>(dropped, ReduceOp::sum);
+  std::int64_t ref_dropped = 0;
+  for (const MoeRouting& r : ref.routing) ref_dropped += r.dropped;
+  EXPECT_EQ(dropped[0], ref_dropped);
+  if (cfg.capacity_factor) {
+    EXPECT_GT(ref_dropped, 0) << "the capacity must drop for this test to mean anything";
+  }
+  std::vector<float> router = b.grads.router;
+  comm.all_reduce<float>(router, ReduceOp::sum);
+  expect_close(router, ref_g.router, "router");
+  const std::int64_t m = D * cfg.ffn;
+  for (auto [mine, whole, what] : {std::tuple{b.grads.w_gate, &ref_g.w_gate, "w_gate"},
+                                   std::tuple{b.grads.w_up, &ref_g.w_up, "w_up"},
+                                   std::tuple{b.grads.w_down, &ref_g.w_down, "w_down"}}) {
+    same_experts.all_reduce<float>(mine, ReduceOp::sum);
+    expect_close(mine, part(*whole, layer.first_expert(), layer.local_experts(), m), what);
+  }
+}
+
+// (ep, g) pairs dividing the world, g > 1: cp = g, EP inside a group, equal to it or spanning
+// several (dp x cp x ep), and ep = 1.
+std::vector<std::pair<int, int>> spread_shapes(int W) {
+  std::vector<std::pair<int, int>> v;
+  for (int ep = 1; ep <= W; ++ep)
+    for (int g = 2; g <= W; ++g)
+      if (W % ep == 0 && W % g == 0) v.emplace_back(ep, g);
+  return v;
+}
+
+TEST(MoeEpGroup, SpreadGroupEqualsOneProcessWithCapacityAndAux) {
+  const int W = mpi_test::world_size();
+  if (W == 1) GTEST_SKIP() << "a group spread over ranks needs two";
+  for (const MoeDropPolicy policy : {MoeDropPolicy::by_position, MoeDropPolicy::by_probability})
+    for (const auto& [ep, g] : spread_shapes(W)) {
+      SCOPED_TRACE(cat("ep ", ep, ", group of ", g, " ranks, policy ", static_cast<int>(policy)));
+      MoeConfig cfg = moe_test::with_capacity(moe_test::moe_config(2 * W, 2), 1.0, policy);
+      cfg.aux_loss_coeff = 0.01;
+      check_spread_groups(cfg, ep, g);
+    }
+}
+
+TEST(MoeEpGroup, SpreadGroupAuxLossWithoutCapacityAndTopKEqualsE) {
+  const int W = mpi_test::world_size();
+  if (W == 1) GTEST_SKIP() << "a group spread over ranks needs two";
+  for (const auto& [ep, g] : spread_shapes(W)) {
+    SCOPED_TRACE(cat("ep ", ep, ", group of ", g, " ranks"));
+    MoeConfig cfg = moe_test::moe_config(W, W);  // every expert for every token
+    cfg.aux_loss_coeff = 0.5;
+    check_spread_groups(cfg, ep, g);
+  }
+}
+
+TEST(MoeEpGroup, BadPositionsOnOneRankFailEveryRank) {
+  const int W = mpi_test::world_size();
+  if (W == 1) GTEST_SKIP() << "a group spread over ranks needs two";
+  Communicator comm = world();
+  Communicator alone = comm.split(comm.rank(), 0);  // ep = 1: only the group links the ranks
+  const MoeConfig cfg = moe_test::with_capacity(moe_test::moe_config(2, 1), 1.0, MoeDropPolicy::by_position);
+  const MoeWeights w = moe_init_weights(cfg, 3);
+  const std::vector<float> x = random_values(static_cast<std::size_t>(3 * cfg.hidden), 5);
+  std::vector<std::int64_t> pos{3 * comm.rank(), 3 * comm.rank() + 1, 3 * comm.rank() + 2};
+  if (comm.rank() == W - 1) pos.pop_back();
+  std::string msg = "no error";
+  try {
+    MoeEpLayer layer(alone, cfg, &comm);
+    (void)layer.forward(w, x, pos);
+  } catch (const Error& e) {
+    msg = e.message();
+  }
+  EXPECT_NE(msg.find(cat("[rank ", W - 1, "] moe forward: with a routing group (and a capacity factor or the aux "
+                         "loss), positions must hold one value >= 0 per token (3), got 2 values")), std::string::npos) << msg;
 }
 
 // The same message on every rank (hashes compared with plain MPI), containing `part`.

@@ -2,8 +2,10 @@
 block's MLP replaced by the expert-parallel MoE layer trains to the curve of one process.
 Checked per step, 1e-5 relative (fp32), against the one-process run with the same --micro:
   - with a capacity factor that drops assignments (by position, and by probability) and the
-    Switch auxiliary loss: DP=2 x EP=2 (each rank's micro-batch is one routing group, as on
-    one process); the dropped count is the same integer;
+    Switch auxiliary loss (a routing group is one sequence, as on one process, whatever the
+    mesh; at cp > 1 its statistics and drops are decided over the CP group): DP=2 x EP=2,
+    CP=2 x EP=2 (both policies), and with 6 experts on documents of 1 to 300 bytes CP=3 x EP=3 (by position) and CP=3
+    alone (EP=1, by probability); the dropped count is the same integer;
   - without a capacity factor (routing per token, so the CP split does not matter): CP=2 x
     EP=2, DP=2 x CP=2 x EP=4, DP=2 x CP=2 x EP=2 (each expert's gradient summed over two
     ranks), CP=3 x EP=3 (6 experts, top-3), CP=2 x PP=2 x EP=2 (zb-h1),
@@ -11,9 +13,10 @@ Checked per step, 1e-5 relative (fp32), against the one-process run with the sam
     and padding rows are not routed);
   - the sigmoid-bias router (bias moved once per step from the whole step's load) at DP=2 x
     EP=2, and a larger bias step changes the curve;
-  - a checkpoint saved at DP=2 x EP=2 (experts sharded) resumes at one process and
-    continues the curve; a resume with another --top-k is refused naming top_k.
-Bad arguments exit 2 naming the flag and the rule, before any communication; ranks launched
+  - a checkpoint saved at DP=2 x CP=2 x EP=2 (experts sharded, gathered on the writer
+    alone) resumes at one process and continues the curve; a resume with another --top-k is refused naming top_k.
+Bad arguments exit 2 naming the flag and the rule, before MPI starts (so one process shows it,
+whatever the mesh the flags name); ranks launched
 with another --experts or --top-k fail together naming it."""
 import os
 import subprocess
@@ -71,6 +74,19 @@ with tempfile.TemporaryDirectory() as tmp:
                "drop by probability, dp2 x ep2", aux=True)
     check(prob and one and prob[0]["dropped"] == one[0]["dropped"] and prob[0]["loss"] != one[0]["loss"],
           "dropping by probability drops as many assignments as by position, other ones")
+    # At cp > 1 a sequence's routing group spans its CP ranks: the same drops and aux loss.
+    for np_, flags, ref_run, policy in [(2, ["--cp", "2", "--ep", "2"], one, "position"),
+                                        (2, ["--cp", "2", "--ep", "2"], prob, "probability")]:
+        name = f"capacity by {policy}, {' '.join(flags)}"
+        same_curve(ref_run, run(np_, CAP + ["--drop-policy", policy] + flags, p(f"cap_{policy}_{np_}.jsonl"), name),
+                   name, aux=True)
+    SIXCAP = ["--experts", "6", "--top-k", "2", "--capacity-factor", "1.0", "--aux-loss-coeff", "0.01"] + DATA
+    for policy, flags, what in [("position", ["--cp", "3", "--ep", "3"], "cp3 x ep3"), ("probability", ["--cp", "3"], "cp3")]:
+        name = f"6 experts, capacity {policy}, {what}"
+        six_ref = run(0, SIXCAP + ["--drop-policy", policy], p(f"sixcap_{policy}.jsonl"), name + ", one process")
+        check(any(j["dropped"] > 0 for j in six_ref), f"{name}: the capacity drops: {[j['dropped'] for j in six_ref]}")
+        same_curve(six_ref, run(3, SIXCAP + ["--drop-policy", policy] + flags, p(f"sixcap_{policy}3.jsonl"), name),
+                   name, aux=True)
     nocap = run(0, MOE + ["--aux-loss-coeff", "0.01"], p("nocap.jsonl"), "no capacity, one process")
     check(nocap and one and nocap[0]["loss"] != one[0]["loss"] and nocap[0]["dropped"] == 0,
           "dropping assignments changes the loss")
@@ -95,31 +111,35 @@ with tempfile.TemporaryDirectory() as tmp:
     check(sig and slow and sig[0]["loss"] == slow[0]["loss"] and sig[-1]["loss"] != slow[-1]["loss"],
           "the bias step changes the curve after the first step only")
 
-    # A checkpoint of sharded experts (DP=2 x EP=2) resumes at one process.
-    r = train(2, *TINY, *CAP, "--dp", "2", "--ep", "2", "--steps", "2", "--save", p("ck"))
-    check(r.returncode == 0, f"save at dp2 x ep2: exit {r.returncode}\n{r.stderr[-2000:]}")
+    # A checkpoint of sharded experts (DP=2 x CP=2 x EP=2: two EP groups, the writer's gathers
+    # its experts, the other sends nothing) resumes at one process.
+    r = train(4, *TINY, *CAP, "--dp", "2", "--cp", "2", "--ep", "2", "--steps", "2", "--save", p("ck"))
+    check(r.returncode == 0, f"save at dp2 x cp2 x ep2: exit {r.returncode}\n{r.stderr[-2000:]}")
     r = train(0, *TINY, *CAP, "--steps", str(STEPS), "--resume", p("ck"), "--json-log", p("resumed.jsonl"))
     check(r.returncode == 0, f"resume at one process: exit {r.returncode}\n{r.stderr[-2000:]}")
     if r.returncode == 0:
-        same_curve(one[2:], log(p("resumed.jsonl")), "dp2 x ep2 -> one process resume", aux=True)
+        same_curve(one[2:], log(p("resumed.jsonl")), "dp2 x cp2 x ep2 -> one process resume", aux=True)
     r = train(0, *TINY, "--experts", "4", "--top-k", "1", "--capacity-factor", "1.0", "--aux-loss-coeff", "0.01",
               "--steps", str(STEPS), "--resume", p("ck"))
     check(r.returncode == 2 and "holds a model with top_k = 2, this run has 1" in r.stderr,
           f"resume with another --top-k: exit {r.returncode}, {r.stderr[-600:]!r}")
 
-    # Bad arguments: exit 2, the flag and the rule named, no hang.
-    for np_, flags, text in [
-            (2, ["--experts", "4", "--top-k", "5"], "--top-k must be in 1..--experts = 4, got 5"),
-            (2, ["--experts", "6", "--cp", "2", "--ep", "4"], "--ep 4 must divide --experts 6"),
-            (2, ["--experts", "4", "--cp", "2", "--ep", "4"], "--ep 4 must divide --dp * --cp = 1 * 2 = 2"),
-            (2, ["--experts", "4", "--cp", "2", "--ep", "2", "--capacity-factor", "0"],
+    # Bad arguments: exit 2, the flag and the rule named, no hang. The flags are checked before
+    # MPI starts, the same on every rank, so one process (no mpiexec) shows the error even for
+    # a --cp 2 run (the world size would be checked after them).
+    for flags, text in [
+            (["--experts", "4", "--top-k", "5"], "--top-k must be in 1..--experts = 4, got 5"),
+            (["--experts", "6", "--cp", "2", "--ep", "4"], "--ep 4 must divide --experts 6"),
+            (["--experts", "4", "--cp", "2", "--ep", "4"], "--ep 4 must divide --dp * --cp = 1 * 2 = 2"),
+            (["--experts", "4", "--cp", "2", "--ep", "2", "--capacity-factor", "0"],
              "--capacity-factor must be > 0, got 0"),
-            (2, ["--cp", "2", "--ep", "2"], "need --experts E"),
-            (0, ["--experts", "4", "--router", "sigmoid-bias", "--aux-loss-coeff", "0.1"],
+            (["--cp", "2", "--ep", "2"], "need --experts E"),
+            (["--experts", "4", "--router", "sigmoid-bias", "--aux-loss-coeff", "0.1"],
              "--aux-loss-coeff needs --router softmax"),
-            (0, ["--experts", "4", "--router", "topk"], "--router must be softmax or sigmoid-bias, got 'topk'")]:
-        r = train(np_, *TINY, *flags, "--steps", "1")
-        check(r.returncode == 2 and text in r.stderr, f"{flags}: exit {r.returncode}, stderr {r.stderr[-600:]!r}")
+            (["--experts", "4", "--router", "topk"], "--router must be softmax or sigmoid-bias, got 'topk'")]:
+        r = train(0, *TINY, *flags, "--steps", "1")
+        check(r.returncode == 2 and text in r.stderr and "MPI world size" not in r.stderr,
+              f"{flags}: exit {r.returncode}, stderr {r.stderr[-600:]!r}")
 
     # Ranks launched with other MoE settings (mpirun's MPMD form) fail together, naming the flag.
     for args1, msg in [(["--experts", "4", "--top-k", "1"], "ranks disagree on cpattn train: --top-k: rank 0 has 2, rank 1 has 1"),

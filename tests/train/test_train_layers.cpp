@@ -3,7 +3,7 @@
 // through RMSNorm and RoPE exactly as a single process's rows do. RMSNorm forward and backward
 // are bitwise the dense result row by row; RoPE with the plan's global positions is bitwise the
 // dense result, and with local offsets it is not (the test shows both); RoPE's backward against
-// finite differences.
+// finite differences. And the expert-sharded parameter layout's alignment.
 #include "layers.hpp"
 #include "model.hpp"
 
@@ -166,6 +166,47 @@ TEST(SequenceParallel, RopeBackwardMatchesFiniteDifferences) {
     xm[i] -= h;
     const double fd = (loss(xp) - loss(xm)) / (static_cast<double>(xp[i]) - xm[i]);
     EXPECT_NEAR(grad[i], fd, 1e-4) << "element " << i;
+  }
+}
+
+// The expert-sharded parameter layout aligned for the gradient all-reduce: both regions are
+// multiples of `align` (so they reduce in place), the tensors are those of the unaligned
+// layout, and take_local_experts / put_gathered_experts move every value between the whole
+// model and the shards with the padding left zero. Odd sizes: dim 6, ffn 5, 3 experts per rank.
+TEST(ParamLayoutAlign, RegionsAreMultiplesAndShardsRoundTrip) {
+  const ModelConfig mc{.layers = 2, .dim = 6, .heads = 3, .kv_heads = 1, .ffn = 5, .experts = 6, .top_k = 2};
+  const Dims d = model_dims(mc);
+  const ParamLayout whole = param_layout(d, mc);
+  std::vector<float> all(static_cast<std::size_t>(whole.count));
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<float>(i + 1);  // every value distinct, none 0
+  for (const int64_t align : {1, 4, 7}) {
+    std::vector<ParamLayout> shards;
+    std::vector<std::vector<float>> mine;
+    for (int r = 0; r < 2; ++r) {
+      const ParamLayout plain = param_layout(d, mc, 3 * r, 3), local = param_layout(d, mc, 3 * r, 3, align);
+      EXPECT_EQ(local.experts_begin % align, 0) << align;
+      EXPECT_EQ((local.count - local.experts_begin) % align, 0) << align;
+      EXPECT_EQ(local.replicated, plain.experts_begin);
+      ASSERT_EQ(local.tensors.size(), plain.tensors.size());
+      for (std::size_t i = 0; i < local.tensors.size(); ++i) {
+        EXPECT_EQ(local.tensors[i].name, plain.tensors[i].name);
+        EXPECT_EQ(local.tensors[i].size, plain.tensors[i].size);
+        const int64_t shift = plain.tensors[i].offset >= plain.experts_begin ? local.experts_begin - plain.experts_begin : 0;
+        EXPECT_EQ(local.tensors[i].offset, plain.tensors[i].offset + shift) << local.tensors[i].name;
+      }
+      std::vector<float> m(static_cast<std::size_t>(local.count), 0.0f);
+      take_local_experts(whole, local, all, m);
+      int64_t in_tensors = 0;
+      for (const ParamTensor& t : local.tensors) in_tensors += t.size;
+      EXPECT_EQ(std::count(m.begin(), m.end(), 0.0f), local.count - in_tensors) << "the padding stays zero";
+      shards.push_back(local);
+      mine.push_back(std::move(m));
+    }
+    std::vector<float> gathered;
+    for (const std::vector<float>& m : mine) gathered.insert(gathered.end(), m.begin() + shards[0].experts_begin, m.end());
+    std::vector<float> back(all.size(), 0.0f);
+    put_gathered_experts(whole, shards[0], mine[0], gathered, back);
+    EXPECT_EQ(back, all) << "align " << align;
   }
 }
 
