@@ -20,3 +20,11 @@ if(CPATTN_BUILD_FUZZERS)
     -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -g)
   target_link_options(cpattn_build_options INTERFACE -fsanitize=address,undefined)
 endif()
+
+# Code that only drives the libraries (the command line's parsing, JSON and reports; the
+# tests' setup and assertions) builds at -O1 whatever the build type: the work it starts runs
+# in the libraries, which keep the build type's optimization. At -O3 these header-heavy files
+# (CLI11, nlohmann-json, GoogleTest) were most of an optimized build's compile time, and CI's
+# budget (docs/design.md, "Build time").
+add_library(cpattn_driver_options INTERFACE)
+target_compile_options(cpattn_driver_options INTERFACE $<$<NOT:$<CONFIG:Debug>>:-O1>)
