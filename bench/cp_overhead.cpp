@@ -10,14 +10,19 @@
 //             see, read as one run of the global batch in document order (what
 //             attention_forward/backward are given without CP), dK/dV written.
 //
+//   document order  (thread CPU time only) the kernel calls as CpAttention makes them now: the
+//             gathered K/V in document order, one key run per task, dK/dV accumulated in fp32.
+//
 // cp / one - 1 is the CP overhead on the compute (target: within 3%); in place / one - 1 what
-// the split key runs cost the kernel.
+// the split key runs cost the kernel. The kernel phases are also timed in thread CPU seconds,
+// steadier on a shared machine (they make no MPI call; the CP phase's CPU time would count
+// MPI's busy waits, so it has wall-clock time only).
 //
 //   mpirun -np 2 --bind-to core build/release/bench/cp_overhead [--seq-len 8192] [--dtype fp32|bf16]
 //          [--repeats 5] [--heads 16] [--kv-heads 4] [--head-dim 128] [--seed 1] [--only-cp 1]
 //
 // The batch is `cpattn run`'s default mix (check::document_mix, --seed). Every rank checks that
-// the three give the same out and dq to rounding (dK/dV: the reduced rows are the CP tests'),
+// cp, document order and one give the same out and dq to rounding (dK/dV: the CP tests'),
 // then rank 0 prints one Markdown row per rank (medians of --repeats after one untimed round).
 // --only-cp 1 times CpAttention alone (for a profiler).
 #include <cpattn/attention.hpp>
@@ -34,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <string>
 #include <vector>
@@ -44,6 +50,14 @@ using namespace cpattn;
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// This thread's CPU seconds: the kernel-only phases timed so do not count the time the shared
+// machine gave to other processes.
+double thread_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -131,6 +145,22 @@ int main(int argc, char** argv) {
     task.run_end = task.run_begin + 1;
   }
 
+  // The kernel calls as CpAttention makes them now: the gathered K/V in document order
+  // (document d's rows at docs[d].padded_begin, padding rows zero), one key run per task, dK/dV
+  // accumulated in fp32 over all t_all rows.
+  std::vector<std::byte> k_doc(k_all.size()), v_doc(v_all.size());
+  for (const DocSplit& d : p.docs) {
+    std::memcpy(k_doc.data() + static_cast<std::size_t>(d.padded_begin) * k_row,
+                static_cast<const std::byte*>(b.k.data()) + static_cast<std::size_t>(d.begin) * k_row,
+                static_cast<std::size_t>(d.len) * k_row);
+    std::memcpy(v_doc.data() + static_cast<std::size_t>(d.padded_begin) * k_row,
+                static_cast<const std::byte*>(b.v.data()) + static_cast<std::size_t>(d.begin) * k_row,
+                static_cast<std::size_t>(d.len) * k_row);
+  }
+  WorkList doc_work = one_work;
+  for (std::size_t i = 0; i < doc_work.runs.size(); ++i)
+    doc_work.runs[i].row = p.docs[doc_work.tasks[i].doc].padded_begin;
+
   const auto view = [&](void* d, int64_t rows, int heads, DType dt) {
     return contiguous(d, rows, heads, a.head_dim, dt);
   };
@@ -141,7 +171,7 @@ int main(int argc, char** argv) {
   std::vector<float> dk_acc(static_cast<std::size_t>(t_all) * a.kv_heads * a.head_dim), dv_acc(dk_acc.size());
   const auto inf = -std::numeric_limits<float>::infinity();
 
-  std::vector<double> t_cp, t_kernel, t_one;
+  std::vector<double> t_cp, t_kernel, t_one, c_kernel, c_one, c_doc;
   for (int i = 0; i < a.repeats + 1; ++i) {  // the first round warms up, untimed
     attn.reset_stats();
     comm.barrier();
@@ -152,52 +182,73 @@ int main(int argc, char** argv) {
     if (i > 0) t_cp.push_back(attn.stats().compute_s);
     if (a.only_cp) continue;
 
+    // CpAttention's kernel calls over kb/vb (the rank-major buffer or its document order): lse
+    // from -inf, dK/dV accumulated into zeroed fp32 rows.
+    const auto cp_kernel_calls = [&](const std::vector<std::byte>& kb, const std::vector<std::byte>& vb,
+                                     const WorkList& w) {
+      const AttnInputs in{.q = q.view(), .k = contiguous(kb.data(), t_all, a.kv_heads, a.head_dim, a.dtype),
+                          .v = contiguous(vb.data(), t_all, a.kv_heads, a.head_dim, a.dtype), .work = &w};
+      std::fill(lse_k.begin(), lse_k.end(), inf);
+      attention_forward({.in = in, .out = out_k.view(), .lse = lse_k.data()});
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
+      attention_backward({.in = in, .out = out_k.view(), .lse = lse_k.data(), .dout = dout.view(),
+                          .dq = dq_k.view(), .dk = view(dk_acc.data(), t_all, a.kv_heads, DType::f32),
+                          .dv = view(dv_acc.data(), t_all, a.kv_heads, DType::f32),
+                          .grad_mode = GradMode::accumulate});
+    };
     comm.barrier();
-    const AttnInputs in_k{.q = q.view(), .k = view(k_all.data(), t_all, a.kv_heads, a.dtype),
-                          .v = view(v_all.data(), t_all, a.kv_heads, a.dtype), .work = &cp_work};
     auto t0 = Clock::now();
-    std::fill(lse_k.begin(), lse_k.end(), inf);
-    attention_forward({.in = in_k, .out = out_k.view(), .lse = lse_k.data()});
-    std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
-    std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
-    attention_backward({.in = in_k, .out = out_k.view(), .lse = lse_k.data(), .dout = dout.view(),
-                        .dq = dq_k.view(), .dk = view(dk_acc.data(), t_all, a.kv_heads, DType::f32),
-                        .dv = view(dv_acc.data(), t_all, a.kv_heads, DType::f32),
-                        .grad_mode = GradMode::accumulate});
+    double c0 = thread_cpu_s();
+    cp_kernel_calls(k_all, v_all, cp_work);
     if (i > 0) t_kernel.push_back(since(t0));
+    if (i > 0) c_kernel.push_back(thread_cpu_s() - c0);
+
+    comm.barrier();
+    c0 = thread_cpu_s();
+    cp_kernel_calls(k_doc, v_doc, doc_work);
+    if (i > 0) c_doc.push_back(thread_cpu_s() - c0);
 
     comm.barrier();
     const AttnInputs in_1{.q = q.view(), .k = b.k.view(), .v = b.v.view(), .work = &one_work};
     t0 = Clock::now();
+    c0 = thread_cpu_s();
     attention_forward({.in = in_1, .out = out_1.view(), .lse = lse_1.data()});
     attention_backward({.in = in_1, .out = out_1.view(), .lse = lse_1.data(), .dout = dout.view(),
                         .dq = dq_1.view(), .dk = dk_1.view(), .dv = dv_1.view()});
     if (i > 0) t_one.push_back(since(t0));
+    if (i > 0) c_one.push_back(thread_cpu_s() - c0);
   }
 
   if (a.only_cp) {
     std::printf("rank %d: cp compute %.3f s (median of %d)\n", rank, median(t_cp), a.repeats);
     return 0;
   }
-  // The three compute the same function: out and dq agree to rounding (the key runs differ in
-  // how they are blocked, so not bitwise), and lse too (padding rows: -inf everywhere or not
-  // written by `one`, so compared on real rows only through out).
+  // They compute the same function: out and dq agree to rounding (the key runs differ in how
+  // they are blocked, so not bitwise). out_k/dq_k hold the document-order phase's results (it
+  // runs after the in-place one, into the same buffers), so cp, document order and one are
+  // compared.
   const float d_out = std::max(max_diff(out_cp.view(), out_k.view()), max_diff(out_cp.view(), out_1.view()));
   const float d_dq = std::max(max_diff(dq_cp.view(), dq_k.view()), max_diff(dq_cp.view(), dq_1.view()));
   const float tol = a.dtype == DType::f32 ? 1e-4f : 5e-2f;
   const bool ok = d_out <= tol && d_dq <= tol;
 
-  const std::vector<double> mine{median(t_cp), median(t_kernel), median(t_one), ok ? 1.0 : 0.0, d_out, d_dq};
+  const std::vector<double> mine{median(t_cp), median(t_kernel), median(t_one), ok ? 1.0 : 0.0, d_out, d_dq,
+                                 median(c_kernel), median(c_one), median(c_doc)};
   std::vector<double> all(mine.size() * cp);
   comm.all_gather<double>(mine, all);
   if (rank == 0) {
     std::printf("| dtype | rank | cp compute s | in place s | one process, same work s | "
-                "cp / one | in place / one | check (max |diff| out, dq) |\n|---|---|---|---|---|---|---|---|\n");
+                "cp / one | in place / one | CPU s: in place, document order, one | in place / one, CPU | "
+                "document order / one, CPU | check (max |diff| out, dq) |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int r = 0; r < cp; ++r) {
       const double* f = &all[r * mine.size()];
-      std::printf("| %s | %d | %.3f | %.3f | %.3f | %+.1f%% | %+.1f%% | %s (%.1e, %.1e) |\n",
+      std::printf("| %s | %d | %.3f | %.3f | %.3f | %+.1f%% | %+.1f%% | %.3f, %.3f, %.3f | %+.1f%% | %+.1f%% | "
+                  "%s (%.1e, %.1e) |\n",
                   std::string(to_string(a.dtype)).c_str(), r, f[0], f[1], f[2], 100 * (f[0] / f[2] - 1),
-                  100 * (f[1] / f[2] - 1), f[3] > 0 ? "ok" : "FAILED", f[4], f[5]);
+                  100 * (f[1] / f[2] - 1), f[6], f[8], f[7], 100 * (f[6] / f[7] - 1), 100 * (f[8] / f[7] - 1),
+                  f[3] > 0 ? "ok" : "FAILED", f[4], f[5]);
     }
   }
   return ok ? 0 : 1;

@@ -358,7 +358,8 @@ struct CpAttention::State {
       // Each task's keys as one run of the document-ordered K/V: read in place from the
       // rank-major buffer, they are up to 2 cp runs cut at chunk boundaries that fall inside
       // the kernel's key blocks, and the kernel runs the partial blocks at both ends of every
-      // run (issue 15: about 10% of a rank's compute at cp = 2).
+      // run (issue 15: a median 11% more kernel time per rank at cp = 2 in fp32, 2.5% in
+      // bf16; docs/benchmarks.md).
       w->doc_order = document_order_moves(*plan);
       w->work = w->doc_order.empty() ? keys : in_document_order(*plan, keys);
     }
@@ -790,7 +791,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       index_select(v_all.data(), ctx->work->copy_index, s.v_row() * es, ctx->v);
       ctx->total_k = static_cast<int64_t>(ctx->work->copy_index.size());
     } else if (!ctx->work->doc_order.empty()) {
-      // Every row is written by one move: no zeroing needed, but std::vector has no uninitialized resize.
+      // Every row gets one move (resize still zeroes them first: std::vector has no other way).
       ctx->k.resize(k_all.size());
       ctx->v.resize(v_all.size());
       move_rows(ctx->work->doc_order, true, k_all.data(), ctx->k.data(), static_cast<std::size_t>(s.k_row()) * es);
