@@ -100,8 +100,11 @@ void padding_free_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) 
   // The cut, the slots' work and their order depend on the document's length alone, and a
   // batch of many documents repeats lengths: each length up to `kMemo` is worked out once
   // (issue 15: the cuts and the slots' sort were half of the planning time of 10,000
-  // documents at cp = 8). Longer documents, few in any batch, are worked out each time.
+  // documents at cp = 8). Longer documents, few in any batch, are worked out each time, and
+  // so is every new length once the memo holds kMemoSlots slots (3 MiB at most, whatever cp
+  // is: the simulator plans cp = 65536; 16384 lengths at cp <= 16 fit).
   constexpr int64_t kMemo = 1 << 14;
+  constexpr std::size_t kMemoSlots = std::size_t{1} << 18;
   int64_t longest = 0;
   for (std::size_t d = 0; d < docs; ++d) longest = std::max(longest, cu[d + 1] - cu[d]);
   std::vector<int32_t> memo_of_len(static_cast<std::size_t>(std::min(longest, kMemo - 1) + 1), -1);
@@ -132,7 +135,7 @@ void padding_free_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) 
       insertion_sort(slots, [&](int a, int b) { return work[a] > work[b]; });
       w = work.data();
       order = slots.data();
-      if (known) {
+      if (known && memo_work.size() + k <= kMemoSlots) {
         memo_of_len[static_cast<std::size_t>(len)] = static_cast<int32_t>(memo.size());
         memo.push_back(cut);  // its spread is in max_doc_spread already
         memo_work.insert(memo_work.end(), work.begin(), work.end());

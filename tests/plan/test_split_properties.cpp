@@ -294,6 +294,14 @@ TEST(SplitPaddingFree, SameChunkTableAsTheFirstPlanner) {
     expect_reference_layout(cu, cp);
     if (::testing::Test::HasFailure()) return;
   }
+  // More lengths than the memo holds at cp = 64 (262144 slots: 4096 lengths): the lengths past
+  // it are worked out every time, in shuffled order, and then repeated.
+  std::vector<int64_t> lengths;
+  for (int64_t len = 1; len <= 4400; ++len) lengths.push_back(len);
+  std::shuffle(lengths.begin(), lengths.end(), rng);
+  lengths.insert(lengths.end(), lengths.begin(), lengths.begin() + 400);
+  SCOPED_TRACE("cp 64, 4400 lengths");
+  expect_reference_layout(cu_seqlens_from_lengths(lengths), 64);
 }
 
 TEST(SplitPaddingFree, CpOneIsThePaddedPlan) {
