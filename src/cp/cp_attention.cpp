@@ -108,6 +108,70 @@ void copy_form(const WorkList& w, std::vector<int64_t>& index, WorkList& copy) {
   }
 }
 
+// One copy of `len` rows from the all-gather's rank-major buffer (row `gathered`) to the
+// document-ordered one (row `ordered`).
+struct RowMove {
+  int64_t gathered = 0, ordered = 0, len = 0;
+};
+
+// Where every chunk's rows go when the rank-major gathered buffer is put in document order:
+// document d's rows at docs[d].padded_begin (its padded rows under the padded split, its real
+// ones under the padding-free split), each chunk at its position. Chunks adjacent in both
+// buffers are one move. Empty when the gathered buffer already is in document order (cp = 1).
+std::vector<RowMove> document_order_moves(const RankPlan& plan) {
+  const SplitLayout& layout = plan.layout;
+  const int64_t n = chunks_per_document(plan.cp);
+  std::vector<RowMove> moves;
+  bool identity = true;
+  for (std::size_t d = 0; d < plan.docs.size(); ++d)
+    for (int64_t m = 0; m < n; ++m) {
+      const DocChunk& c = layout.chunks[d * n + m];
+      if (c.len == 0) continue;  // an empty padding-free chunk
+      const RowMove mv{.gathered = layout.gathered_row(c), .ordered = plan.docs[d].padded_begin + c.pos, .len = c.len};
+      identity = identity && mv.gathered == mv.ordered;
+      if (!moves.empty() && moves.back().gathered + moves.back().len == mv.gathered &&
+          moves.back().ordered + moves.back().len == mv.ordered)
+        moves.back().len += mv.len;
+      else
+        moves.push_back(mv);
+    }
+  if (identity) moves.clear();
+  return moves;
+}
+
+// `keys` (tasks over the rank-major gathered buffer) over the document-ordered buffer: a run
+// at position pos of document d is at row docs[d].padded_begin + pos there, so a task's runs,
+// consecutive positions, become one run (as one process's varlen call has it).
+WorkList in_document_order(const RankPlan& plan, const WorkList& keys) {
+  WorkList w;
+  w.tasks = keys.tasks;
+  for (AttnTask& t : w.tasks) {
+    const int64_t base = plan.docs[t.doc].padded_begin;
+    const int64_t begin = static_cast<int64_t>(w.runs.size());
+    for (int64_t r = t.run_begin; r < t.run_end; ++r) {
+      const KeyRun k{.row = base + keys.runs[r].pos, .len = keys.runs[r].len, .pos = keys.runs[r].pos};
+      if (static_cast<int64_t>(w.runs.size()) > begin && w.runs.back().row + w.runs.back().len == k.row)
+        w.runs.back().len += k.len;
+      else
+        w.runs.push_back(k);
+    }
+    t.run_begin = begin;
+    t.run_end = static_cast<int64_t>(w.runs.size());
+  }
+  return w;
+}
+
+// The gathered rows into document order (to_ordered) or back (dK/dV before the
+// reduce-scatter), rows of `row_bytes`.
+void move_rows(const std::vector<RowMove>& moves, bool to_ordered, const std::byte* src, std::byte* dst,
+               std::size_t row_bytes) {
+  for (const RowMove& m : moves) {
+    const int64_t from = to_ordered ? m.gathered : m.ordered, to = to_ordered ? m.ordered : m.gathered;
+    std::memcpy(dst + static_cast<std::size_t>(to) * row_bytes, src + static_cast<std::size_t>(from) * row_bytes,
+                static_cast<std::size_t>(m.len) * row_bytes);
+  }
+}
+
 // rows[i] = all[index[i]], rows of `row_bytes`.
 void index_select(const std::byte* all, const std::vector<int64_t>& index, std::size_t row_bytes,
                   std::vector<std::byte>& rows) {
@@ -171,6 +235,9 @@ struct PreparedWork {
   std::shared_ptr<const RankPlan> plan;  // held, so that its address is never reused
   WorkList work;
   std::vector<int64_t> copy_index;  // index mode: gathered row of each copied key row
+  // Runs mode: the moves that put the gathered K/V in document order, where `work` reads them
+  // (one key run per task); empty when the all-gather leaves them in that order (cp = 1).
+  std::vector<RowMove> doc_order;
   // Ring: per step s, the tasks over the visiting block of rank (rank - s) mod cp, key rows
   // local to that block; a step with no task is skipped.
   std::vector<WorkList> steps;
@@ -287,8 +354,15 @@ struct CpAttention::State {
       w->passq = pass_q_work(*plan, cfg.options);
     else if (indexed())
       copy_form(keys, w->copy_index, w->work);
-    else
-      w->work = keys;
+    else {
+      // Each task's keys as one run of the document-ordered K/V: read in place from the
+      // rank-major buffer, they are up to 2 cp runs cut at chunk boundaries that fall inside
+      // the kernel's key blocks, and the kernel runs the partial blocks at both ends of every
+      // run (issue 15: a median 11% more kernel time per rank at cp = 2 in fp32, 2.5% in
+      // bf16; docs/benchmarks.md).
+      w->doc_order = document_order_moves(*plan);
+      w->work = w->doc_order.empty() ? keys : in_document_order(*plan, keys);
+    }
     prepared = std::move(w);
     return prepared;
   }
@@ -716,6 +790,13 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       index_select(k_all.data(), ctx->work->copy_index, s.k_row() * es, ctx->k);
       index_select(v_all.data(), ctx->work->copy_index, s.v_row() * es, ctx->v);
       ctx->total_k = static_cast<int64_t>(ctx->work->copy_index.size());
+    } else if (!ctx->work->doc_order.empty()) {
+      // Every row gets one move (resize still zeroes them first: std::vector has no other way).
+      ctx->k.resize(k_all.size());
+      ctx->v.resize(v_all.size());
+      move_rows(ctx->work->doc_order, true, k_all.data(), ctx->k.data(), static_cast<std::size_t>(s.k_row()) * es);
+      move_rows(ctx->work->doc_order, true, v_all.data(), ctx->v.data(), static_cast<std::size_t>(s.v_row()) * es);
+      ctx->total_k = t_all;
     } else {
       ctx->k = std::move(k_all);
       ctx->v = std::move(v_all);
@@ -790,16 +871,25 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const int64_t k_row = s.k_row(), v_row = s.v_row();
   const int64_t t_all = plan.layout.rank_begin.back();
   // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums. In index
-  // mode the kernel adds into the copy's rows, and index_add_ moves them here.
-  s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
-  s.dv_all.assign(static_cast<std::size_t>(t_all * v_row), 0.0f);
+  // mode the kernel adds into the copy's rows, and index_add_ moves them here; in runs mode
+  // with the K/V in document order, into rows in that order, moved back here.
+  const std::vector<RowMove>& doc_order = cs->work->doc_order;
+  const bool reordered = !s.indexed() && !doc_order.empty();
+  if (reordered) {  // every row of dk_all gets one move: resized, not zeroed
+    s.dk_all.resize(static_cast<std::size_t>(t_all * k_row));
+    s.dv_all.resize(static_cast<std::size_t>(t_all * v_row));
+  } else {
+    s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
+    s.dv_all.assign(static_cast<std::size_t>(t_all * v_row), 0.0f);
+  }
   float* dkp = s.dk_all.data();
   float* dvp = s.dv_all.data();
   const std::vector<int64_t>& index = cs->work->copy_index;
   const auto n_idx = static_cast<int64_t>(index.size());
-  if (s.indexed()) {
-    s.dkx.assign(static_cast<std::size_t>(n_idx * k_row), 0.0f);
-    s.dvx.assign(static_cast<std::size_t>(n_idx * v_row), 0.0f);
+  if (s.indexed() || reordered) {
+    const int64_t rows = s.indexed() ? n_idx : t_all;
+    s.dkx.assign(static_cast<std::size_t>(rows * k_row), 0.0f);
+    s.dvx.assign(static_cast<std::size_t>(rows * v_row), 0.0f);
     dkp = s.dkx.data();
     dvp = s.dvx.data();
   }
@@ -819,6 +909,10 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
       for (int64_t e = 0; e < k_row; ++e) s.dk_all[g * k_row + e] += s.dkx[i * k_row + e];
       for (int64_t e = 0; e < v_row; ++e) s.dv_all[g * v_row + e] += s.dvx[i * v_row + e];
     }
+  } else if (reordered) {
+    const auto as_bytes = [](std::vector<float>& f) { return reinterpret_cast<std::byte*>(f.data()); };
+    move_rows(doc_order, false, as_bytes(s.dkx), as_bytes(s.dk_all), static_cast<std::size_t>(k_row) * sizeof(float));
+    move_rows(doc_order, false, as_bytes(s.dvx), as_bytes(s.dv_all), static_cast<std::size_t>(v_row) * sizeof(float));
   }
   s.stats.compute_s += seconds_since(t0);
 

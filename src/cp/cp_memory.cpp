@@ -62,9 +62,10 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
                                saturating_mul(copies, f));
   } else {
     // dK/dV of every gathered row and this rank's share, fp32; index mode adds the copy's
-    // dK/dV and, during forward, the gathered buffer beside its copy.
+    // dK/dV and, during forward, the gathered buffer beside its copy; so does runs mode at
+    // cp > 1, whose copy is the gathered K/V in document order (one key run per task).
     e.buffers = saturating_add(product(kv_rows, kv_row, f), product(t, kv_row, f));
-    if (index)
+    if (index || cp > 1)
       e.buffers = saturating_add(e.buffers, saturating_add(product(read_rows, kv_row, f), product(kv_rows, kv_row, es)));
     // The padding-free split's reduce-scatter receives cp blocks of this rank's dK/dV rows
     // (reduce_scatter_rows' scratch, added in rank order).

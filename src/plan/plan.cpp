@@ -29,14 +29,22 @@ void split_documents_into(std::span<const int64_t> cu_seqlens, int cp, CpSplit s
   }
 }
 
-// This rank's chunks of document d, in document order (front, back; one at cp = 1).
+// This rank's chunks of document d, in document order (front, back; one at cp = 1). Both
+// splits give every rank one slot s of every document, its chunks s and n-1-s (the padded
+// split's s = rank), so the rank's front chunk is found among the first cp without a branch
+// on the data (a search that stops at the match mispredicts about once per document).
 int rank_chunks(const SplitLayout& layout, std::size_t d, int rank, std::array<int64_t, 2>& mine) {
   const int64_t n = chunks_per_document(layout.cp);
+  if (n == 1) {
+    mine[0] = 0;
+    return 1;
+  }
   const DocChunk* ch = layout.chunks.data() + d * n;
-  int found = 0;
-  for (int64_t m = 0; m < n && found < 2; ++m)
-    if (ch[m].rank == rank) mine[found++] = m;
-  return found;
+  int64_t s = 0;
+  for (int64_t m = 0; m < layout.cp; ++m) s = ch[m].rank == rank ? m : s;
+  CPATTN_DASSERT(ch[s].rank == rank && ch[n - 1 - s].rank == rank);
+  mine = {s, n - 1 - s};
+  return 2;
 }
 
 // Keys of a task over chunk j: the document up to the end of chunk j (none for an empty chunk).

@@ -24,17 +24,21 @@ struct EvenCut {
 
 // Slot s (chunks s and n-1-s) visible pairs under `cut`, into `work`; returns max - min.
 // Plain arithmetic: every count is at most the document's L(L+1)/2, which even_cut checks.
+// The front chunks, then the back ones: no branch on the chunk's half.
 int64_t slot_work(const EvenCut& cut, int cp, std::span<int64_t> work) {
   const int64_t n = 2 * int64_t{cp};
-  int64_t pos = 0, lo = 0, hi = 0;
-  for (int64_t m = 0; m < n; ++m) {  // chunk m: c queries at pos.. see pos + 1 .. pos + c keys
+  int64_t pos = 0;
+  for (int64_t m = 0; m < cp; ++m) {  // chunk m: c queries at pos.. see pos + 1 .. pos + c keys
     const int64_t c = cut.len(m);
-    const int64_t pairs = c * pos + c * (c + 1) / 2;
-    const int64_t s = m < cp ? m : n - 1 - m;
-    work[s] = m < cp ? pairs : work[s] + pairs;
+    work[m] = c * pos + c * (c + 1) / 2;
     pos += c;
   }
-  lo = hi = work[0];
+  for (int64_t m = cp; m < n; ++m) {
+    const int64_t c = cut.len(m);
+    work[n - 1 - m] += c * pos + c * (c + 1) / 2;
+    pos += c;
+  }
+  int64_t lo = work[0], hi = work[0];
   for (int s = 1; s < cp; ++s) {
     lo = std::min(lo, work[s]);
     hi = std::max(hi, work[s]);
@@ -64,19 +68,6 @@ EvenCut even_cut(int64_t len, int cp, std::span<int64_t> work, std::span<int64_t
   return best;
 }
 
-// Stable insertion sort of cp indices by `before`: cp is small, and std::stable_sort would
-// allocate a buffer for every document.
-template <class Before>
-void sort_indices(std::vector<int>& idx, Before before) {
-  std::iota(idx.begin(), idx.end(), 0);
-  for (std::size_t i = 1; i < idx.size(); ++i) {
-    const int x = idx[i];
-    std::size_t j = i;
-    for (; j > 0 && before(x, idx[j - 1]); --j) idx[j] = idx[j - 1];
-    idx[j] = x;
-  }
-}
-
 void padded_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) {
   const int64_t n = chunks_per_document(cp);
   int64_t local = 0;  // the same on every rank
@@ -90,23 +81,75 @@ void padded_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) {
   for (int s = 0; s <= cp; ++s) out.rank_begin[s] = s * local;
 }
 
+// Stable insertion sort of `idx` as it is, by `before`: cp is small, and std::stable_sort
+// would allocate a buffer for every document.
+template <class Before>
+void insertion_sort(std::vector<int>& idx, Before before) {
+  for (std::size_t i = 1; i < idx.size(); ++i) {
+    const int x = idx[i];
+    std::size_t j = i;
+    for (; j > 0 && before(x, idx[j - 1]); --j) idx[j] = idx[j - 1];
+    idx[j] = x;
+  }
+}
+
 void padding_free_layout(std::span<const int64_t> cu, int cp, SplitLayout& out) {
   const int64_t n = chunks_per_document(cp);
-  // Per-document scratch of cp entries; planning is per batch, so these few small vectors
-  // cost nothing next to the chunk table.
-  std::vector<int64_t> load(cp, 0), rows(cp, 0), work(cp), tmp(cp);
-  std::vector<int> slots(cp), ranks(cp), rank_of_slot(cp);
-  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
-    int64_t spread = 0;
-    const EvenCut cut = even_cut(cu[d + 1] - cu[d], cp, work, tmp, spread);
-    out.max_doc_spread = std::max(out.max_doc_spread, spread);
+  const auto k = static_cast<std::size_t>(cp);
+  const std::size_t docs = cu.size() - 1;
+  // The cut, the slots' work and their order depend on the document's length alone, and a
+  // batch of many documents repeats lengths: each length up to `kMemo` is worked out once
+  // (issue 15: the cuts and the slots' sort were half of the planning time of 10,000
+  // documents at cp = 8). Longer documents, few in any batch, are worked out each time, and
+  // so is every new length once the memo holds kMemoSlots slots (3 MiB at most, whatever cp
+  // is: the simulator plans cp = 65536; 16384 lengths at cp <= 16 fit).
+  constexpr int64_t kMemo = 1 << 14;
+  constexpr std::size_t kMemoSlots = std::size_t{1} << 18;
+  int64_t longest = 0;
+  for (std::size_t d = 0; d < docs; ++d) longest = std::max(longest, cu[d + 1] - cu[d]);
+  std::vector<int32_t> memo_of_len(static_cast<std::size_t>(std::min(longest, kMemo - 1) + 1), -1);
+  // Per length seen: its cut, its slots' work and the slots heaviest first (ties: the lower slot).
+  std::vector<EvenCut> memo;
+  std::vector<int64_t> memo_work;  // [memo.size() * cp]
+  std::vector<int> memo_slots;     // [memo.size() * cp]
+  // Per-document scratch of cp entries.
+  std::vector<int64_t> load(k, 0), rows(k, 0), work(k), tmp(k);
+  std::vector<int> slots(k), ranks(k), rank_of_slot(k);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  for (std::size_t d = 0; d < docs; ++d) {
+    const int64_t len = cu[d + 1] - cu[d];
+    const int32_t* known = len < kMemo ? &memo_of_len[static_cast<std::size_t>(len)] : nullptr;
+    EvenCut cut;
+    const int64_t* w = nullptr;
+    const int* order = nullptr;
+    if (known && *known >= 0) {
+      const auto i = static_cast<std::size_t>(*known);
+      cut = memo[i];
+      w = memo_work.data() + i * k;
+      order = memo_slots.data() + i * k;
+    } else {
+      int64_t spread = 0;
+      cut = even_cut(len, cp, work, tmp, spread);
+      out.max_doc_spread = std::max(out.max_doc_spread, spread);
+      std::iota(slots.begin(), slots.end(), 0);
+      insertion_sort(slots, [&](int a, int b) { return work[a] > work[b]; });
+      w = work.data();
+      order = slots.data();
+      if (known && memo_work.size() + k <= kMemoSlots) {
+        memo_of_len[static_cast<std::size_t>(len)] = static_cast<int32_t>(memo.size());
+        memo.push_back(cut);  // its spread is in max_doc_spread already
+        memo_work.insert(memo_work.end(), work.begin(), work.end());
+        memo_slots.insert(memo_slots.end(), slots.begin(), slots.end());
+      }
+    }
     // The heaviest slot to the least-loaded rank: after every document the ranks' loads then
     // differ by at most the largest spread so far (the sorted pairing never widens a gap).
-    sort_indices(slots, [&](int a, int b) { return work[a] > work[b]; });
-    sort_indices(ranks, [&](int a, int b) { return load[a] < load[b]; });
-    for (int i = 0; i < cp; ++i) {
-      rank_of_slot[slots[i]] = ranks[i];
-      detail::checked_add(load[ranks[i]], work[slots[i]]);
+    // Sorted from the last document's order (the same result as a stable sort of 0..cp-1:
+    // ties go by index), which the pairing disturbs less than a fresh start.
+    insertion_sort(ranks, [&](int a, int b) { return load[a] < load[b] || (load[a] == load[b] && a < b); });
+    for (std::size_t i = 0; i < k; ++i) {
+      rank_of_slot[order[i]] = ranks[i];
+      detail::checked_add(load[ranks[i]], w[order[i]]);
     }
     DocChunk* ch = out.chunks.data() + d * n;
     for (int64_t m = 0; m < n; ++m) {  // in document order: a rank's front chunk, then its back

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -207,6 +208,100 @@ TEST(SplitPaddingFree, OneTokenDocumentsAndOneHugeOne) {
     many.push_back(many.back() + 5000);  // one long document after the 1-token ones
     check_split(many, cp);
   }
+}
+
+// The first padding-free planner, kept as the reference of the faster one (which works each
+// document length out once, and sorts the ranks from the last document's order): for every
+// document, the three cuts (extras at the front, the middle, the back: the most even slot work,
+// ties to the earlier), the slots heaviest first to the ranks least loaded first, both by stable
+// sorts from 0..cp-1.
+SplitLayout reference_padding_free_layout(const std::vector<int64_t>& cu, int cp) {
+  const int64_t n = 2 * int64_t{cp};
+  SplitLayout out;
+  out.split = CpSplit::padding_free;
+  out.cp = cp;
+  std::vector<int64_t> load(cp, 0), rows(cp, 0);
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t len = cu[d + 1] - cu[d], b = len / n, e = len % n;
+    // Chunk m's length and position when the e longer chunks start at chunk e0.
+    const auto chunk_len = [&](int64_t e0, int64_t m) { return b + (m >= e0 && m < e0 + e ? 1 : 0); };
+    const auto slot_work = [&](int64_t e0) {
+      std::vector<int64_t> w(cp, 0);
+      for (int64_t m = 0, pos = 0; m < n; pos += chunk_len(e0, m), ++m)
+        for (int64_t i = 0; i < chunk_len(e0, m); ++i) w[std::min(m, n - 1 - m)] += pos + i + 1;
+      return w;
+    };
+    const auto spread = [](const std::vector<int64_t>& w) {
+      return *std::max_element(w.begin(), w.end()) - *std::min_element(w.begin(), w.end());
+    };
+    int64_t best_e0 = 0;
+    std::vector<int64_t> work = slot_work(0);
+    if (e != 0)
+      for (const int64_t e0 : {(n - e) / 2, n - e})
+        if (const std::vector<int64_t> w = slot_work(e0); spread(w) < spread(work)) {
+          work = w;
+          best_e0 = e0;
+        }
+    out.max_doc_spread = std::max(out.max_doc_spread, spread(work));
+    std::vector<int> slots(cp), ranks(cp), rank_of_slot(cp);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::iota(ranks.begin(), ranks.end(), 0);
+    std::stable_sort(slots.begin(), slots.end(), [&](int x, int y) { return work[x] > work[y]; });
+    std::stable_sort(ranks.begin(), ranks.end(), [&](int x, int y) { return load[x] < load[y]; });
+    for (int i = 0; i < cp; ++i) {
+      rank_of_slot[slots[i]] = ranks[i];
+      load[ranks[i]] += work[slots[i]];
+    }
+    for (int64_t m = 0, pos = 0; m < n; ++m) {
+      const int r = rank_of_slot[std::min(m, n - 1 - m)];
+      const int64_t c = chunk_len(best_e0, m);
+      out.chunks.push_back(DocChunk{.pos = pos, .len = c, .local_row = rows[r], .rank = r});
+      rows[r] += c;
+      pos += c;
+    }
+  }
+  out.rank_begin.assign(1, 0);
+  for (int r = 0; r < cp; ++r) out.rank_begin.push_back(out.rank_begin.back() + rows[r]);
+  return out;
+}
+
+void expect_reference_layout(const std::vector<int64_t>& cu, int cp) {
+  const SplitLayout got = split_layout(cu, cp, CpSplit::padding_free), want = reference_padding_free_layout(cu, cp);
+  ASSERT_EQ(got.chunks.size(), want.chunks.size());
+  for (std::size_t i = 0; i < got.chunks.size(); ++i) {
+    const DocChunk &g = got.chunks[i], &w = want.chunks[i];
+    ASSERT_TRUE(g.pos == w.pos && g.len == w.len && g.local_row == w.local_row && g.rank == w.rank)
+        << "chunk " << i << " (document " << i / (2 * cp) << "): got pos " << g.pos << " len " << g.len << " row "
+        << g.local_row << " rank " << g.rank << ", the first planner's pos " << w.pos << " len " << w.len << " row "
+        << w.local_row << " rank " << w.rank;
+  }
+  EXPECT_EQ(got.rank_begin, want.rank_begin);
+  EXPECT_EQ(got.max_doc_spread, want.max_doc_spread);
+}
+
+TEST(SplitPaddingFree, SameChunkTableAsTheFirstPlanner) {
+  std::mt19937_64 rng(15);
+  for (int cp = 2; cp <= 16; ++cp) {
+    SCOPED_TRACE(::testing::Message() << "cp " << cp);
+    for (int b = 0; b < 6; ++b) expect_reference_layout(random_boundaries(rng, 400, 3000.0), cp);
+    // Lengths repeated many times (each worked out once), 1-token documents among them, and
+    // documents past the lengths worked out once (16384 tokens) between them.
+    std::vector<int64_t> cu{0};
+    for (int d = 0; d < 600; ++d) {
+      const int64_t len = d % 97 == 0 ? 16384 + static_cast<int64_t>(rng() % 40000) : 1 + static_cast<int64_t>(rng() % 40);
+      cu.push_back(cu.back() + len);
+    }
+    expect_reference_layout(cu, cp);
+    if (::testing::Test::HasFailure()) return;
+  }
+  // More lengths than the memo holds at cp = 64 (262144 slots: 4096 lengths): the lengths past
+  // it are worked out every time, in shuffled order, and then repeated.
+  std::vector<int64_t> lengths;
+  for (int64_t len = 1; len <= 4400; ++len) lengths.push_back(len);
+  std::shuffle(lengths.begin(), lengths.end(), rng);
+  lengths.insert(lengths.end(), lengths.begin(), lengths.begin() + 400);
+  SCOPED_TRACE("cp 64, 4400 lengths");
+  expect_reference_layout(cu_seqlens_from_lengths(lengths), 64);
 }
 
 TEST(SplitPaddingFree, CpOneIsThePaddedPlan) {
