@@ -342,6 +342,46 @@ TEST(TrainCp, EverySchemeMatchesCp1Within1e5) {
   }
 }
 
+// Hidden dropout (ModelConfig::dropout) draws its masks by document and global position, so
+// CP training with dropout follows the CP=1 curve with dropout: at cp = world size, and at
+// 4 ranks also cp = 3 on ranks 0..2 (so 2, 3 and 4 are covered by the 2- and 4-rank runs).
+// The dropout changes the curve (it reaches every block).
+TEST(TrainCp, HiddenDropoutMatchesCp1Within1e5) {
+  ModelConfig m = kSmall;
+  m.dropout = 0.2f;
+  const int steps = kSanitize ? 2 : 4;
+  const Curve ref = reference(m, {}, kSmallSeq, steps);
+  const Curve plain = reference(kSmall, {}, kSmallSeq, steps);
+  const auto worst = [&](const Curve& got) {
+    double d = 0;
+    for (int s = 0; s < steps; ++s) d = std::max({d, rel(got.loss[s], ref.loss[s]), rel(got.gnorm[s], ref.gnorm[s])});
+    return d;
+  };
+  double d_plain = 0;
+  for (int s = 0; s < steps; ++s) d_plain = std::max(d_plain, rel(plain.loss[s], ref.loss[s]));
+  EXPECT_GT(d_plain, 1e-4) << "dropout made no difference";
+  const double d = worst(run(MPI_COMM_WORLD, m, {}, kSmallSeq, steps));
+  EXPECT_LE(d, 1e-5);
+  if (world_size() == 1) {
+    EXPECT_EQ(d, 0.0);
+  }
+  if (world_rank() == 0)
+    std::printf("[ info ] cp %d with dropout vs cp 1: max relative difference %.3e (dropout vs none: %.3e)\n",
+                world_size(), d, d_plain);
+  if (world_size() == 4) {  // cp = 3 on ranks 0..2 (odd cp: chunks of 6 per document)
+    MPI_Comm three = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, world_rank() < 3 ? 0 : MPI_UNDEFINED, world_rank(), &three);
+    if (three != MPI_COMM_NULL) {
+      const double d3 = worst(run(three, m, {.cp_scheme = CpScheme::ring}, kSmallSeq, steps));
+      EXPECT_LE(d3, 1e-5);
+      if (world_rank() == 0)
+        std::printf("[ info ] cp 3 (ring) with dropout vs cp 1: max relative difference %.3e\n", d3);
+      MPI_Comm_free(&three);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
 // ---- Learning --------------------------------------------------------------------------------------
 
 // The default model on the default data: the loss falls from ln 257 = 5.55 well below it.
