@@ -6,7 +6,6 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/memory.hpp>
-#include <cpattn/merge.hpp>
 #include <cpattn/tensor.hpp>
 
 #include "cp_internal.hpp"
