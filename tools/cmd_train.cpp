@@ -136,6 +136,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--cp-scheme (hash)", static_cast<int64_t>(hash_of(a.cp_scheme))).add("--cp-inner", a.cp_inner);
   fp.add("--window (left)", m.window_left).add("--window (right)", m.window_right);
   fp.add("--softcap (float bits)", fbits(a.softcap)).add("--alibi", a.alibi ? 1 : 0);
+  fp.add("--dropout (float bits)", fbits(a.model.dropout));
   fp.add("--split (hash)", static_cast<int64_t>(hash_of(a.split)));
   fp.add("--data (hash)", static_cast<int64_t>(hash_of(data)));
   fp.add("--resume (hash)", static_cast<int64_t>(hash_of(a.resume)));
@@ -297,6 +298,10 @@ void check_args(const TrainArgs& a) {
                a.cp_inner);
   parse_window(a.window);
   check_softcap(a.softcap);
+  CPATTN_CHECK(a.model.dropout >= 0.0f && a.model.dropout < 1.0f, "--dropout must be in [0, 1) (0 = off), got ",
+               a.model.dropout);
+  CPATTN_CHECK(a.model.dropout == 0.0f || a.model.experts == 0, "--dropout is the dense MLP's hidden dropout: "
+               "with --experts ", a.model.experts, " it must be 0, got ", a.model.dropout);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into ", train::min_seq_len(a.cp),
@@ -456,6 +461,7 @@ void train_run(const TrainArgs& a) {
     if (a.cp_inner != 0) std::printf(" (all-to-all groups of %d)", a.cp_inner);
     if (!a.window.empty()) std::printf(", window %s", a.window.c_str());
     if (a.softcap > 0.0f) std::printf(", softcap %g", static_cast<double>(a.softcap));
+    if (a.model.dropout > 0.0f) std::printf(", dropout %g", static_cast<double>(a.model.dropout));
     std::printf("%s\n", a.alibi ? ", alibi" : "");
     std::fflush(stdout);
   }
@@ -616,7 +622,7 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
                                 "--lr", f(a.optim.lr), "--warmup", std::to_string(a.optim.warmup),
                                 "--weight-decay", f(a.optim.weight_decay), "--clip", f(a.optim.clip),
                                 "--dtype", a.dtype, "--split", a.split, "--threads", std::to_string(a.threads),
-                                "--cp-scheme", a.cp_scheme, "--softcap", f(a.softcap),
+                                "--cp-scheme", a.cp_scheme, "--softcap", f(a.softcap), "--dropout", f(a.model.dropout),
                                 "--print-every", std::to_string(a.print_every),
                                 "--json-log", log, "--dp", std::to_string(a.dp), "--pp", std::to_string(a.pp),
                                 "--micro", std::to_string(a.micro), "--schedule", a.schedule};
@@ -721,6 +727,10 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--window", a->window, "Sliding attention window LEFT,RIGHT (FlashAttention's window_size; "
                                          "-1 = unbounded; RIGHT has no effect under the causal mask)");
   cmd->add_option("--softcap", a->softcap, "Attention logit soft cap (0 = off): scores become X * tanh(s / X)")
+      ->capture_default_str();
+  cmd->add_option("--dropout", a->model.dropout, "Hidden dropout of each block's attention and MLP outputs before "
+                  "their residual adds, in [0, 1) (0 = off; training steps only), masks keyed by each token's "
+                  "document and global position: every --cp drops the same entries")
       ->capture_default_str();
   cmd->add_flag("--alibi", a->alibi, "ALiBi attention biases with the standard slopes 2^(-8 (h + 1) / heads)");
   cmd->add_option("--threads", a->threads, "BLAS and attention threads per rank")->capture_default_str();

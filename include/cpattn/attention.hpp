@@ -69,6 +69,21 @@ enum class KernelPath {
 enum class GradMode {
   write,       // dk/dv are written in the storage dtype
   accumulate,  // dk/dv are fp32 views that get dK/dV added (+=) to their contents
+  // dq, dk and dv are fp32 views that get dQ, dK and dV added: a caller that splits the key
+  // set over calls (the ring CP scheme: one call per visiting K/V block) sums dQ in the
+  // kernel, in call order, instead of in a separate buffer.
+  accumulate_all,
+};
+
+// How attention_forward delivers out and lse.
+enum class OutMode {
+  write,  // out (in.dtype()) and the optional lse are written
+  // out (fp32) and lse (required) hold the result of earlier calls over other keys of the same
+  // queries (lse -inf, out 0: none yet); this call's keys join them, as merge_partial_softmax
+  // of the two parts would, through the kernel's online softmax: out and lse start its running
+  // state (max = lse, sum = 1), so no partial result is stored and no merge runs. Rows of no
+  // task keep their contents. A key set split over calls in a fixed order gives a fixed result.
+  accumulate,
 };
 
 // How a call runs, apart from its tensors: what forward and backward must agree on.
@@ -133,11 +148,14 @@ struct AttnInputs {
 
 struct AttnFwdParams {
   AttnInputs in = {};
-  TensorView out = {};        // [total_q, num_heads_q, head_dim_v], in.dtype(), written
+  // [total_q, num_heads_q, head_dim_v]: out_mode write: in.dtype(), written; accumulate: fp32,
+  // read and updated (see OutMode).
+  TensorView out = {};
   // Optional [total_q, num_heads_q] fp32, contiguous, token-major (NOT FlashAttention's
   // [num_heads, total_q] softmax_lse): natural log; -inf for a query that sees no key (its out
-  // row is 0).
+  // row is 0). Required in OutMode::accumulate, where it is read and updated.
   float* lse = nullptr;
+  OutMode out_mode = OutMode::write;
 };
 
 struct AttnBwdParams {
@@ -145,9 +163,11 @@ struct AttnBwdParams {
   ConstTensorView out = {};         // [total_q, num_heads_q, head_dim_v], the forward's out
   const float* lse = nullptr;  // [total_q, num_heads_q] fp32 contiguous, the forward's lse
   ConstTensorView dout = {};        // [total_q, num_heads_q, head_dim_v]
-  TensorView dq = {};               // [total_q, num_heads_q, head_dim_qk], in.dtype(), written
+  // [total_q, num_heads_q, head_dim_qk]: in.dtype(), written; grad_mode accumulate_all: fp32, added to.
+  TensorView dq = {};
   // [total_k, num_heads_k, head_dim_qk] and [total_k, num_heads_k, head_dim_v]: grad_mode
-  // write: in.dtype(), written; accumulate: fp32, dK and dV added (+=) to their contents.
+  // write: in.dtype(), written; accumulate, accumulate_all: fp32, dK and dV added (+=) to
+  // their contents.
   TensorView dk = {};
   TensorView dv = {};
   GradMode grad_mode = GradMode::write;

@@ -40,6 +40,12 @@ struct ModelConfig {
   int64_t window_right = -1;
   float softcap = 0.0f;  // logit soft cap: S = softcap * tanh(S / softcap); 0 = off
   bool alibi = false;    // ALiBi with the standard slopes, cpattn::alibi_slopes(heads)
+  // Hidden (residual) dropout in [0, 1), training forwards only: each block's attention and
+  // MLP outputs are dropped before their residual add, elementwise, with the mask of
+  // attention dropout's generator keyed by the token's document and global position
+  // (dropout_rows in src/train/layers.hpp), so that every CP split drops what one process
+  // drops. Dense MLP only (not with experts). 0 = off.
+  float dropout = 0.0f;
   // Mixture of experts (docs/moe.md, docs/training.md "Mixture of experts"): experts > 0
   // replaces every block's SwiGLU MLP by the MoE layer of include/cpattn/moe.hpp, `experts`
   // SwiGLU experts of width ffn_dim() each, top_k of them per token (moe.hpp's MoeConfig

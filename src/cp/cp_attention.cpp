@@ -6,7 +6,6 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/memory.hpp>
-#include <cpattn/merge.hpp>
 #include <cpattn/tensor.hpp>
 
 #include "cp_internal.hpp"
@@ -239,8 +238,11 @@ struct PreparedWork {
   // (one key run per task); empty when the all-gather leaves them in that order (cp = 1).
   std::vector<RowMove> doc_order;
   // Ring: per step s, the tasks over the visiting block of rank (rank - s) mod cp, key rows
-  // local to that block; a step with no task is skipped.
+  // local to that block; a step with no task is skipped. returns[s]: whether rank
+  // (rank + s) mod cp's queries see this rank's block, i.e. whether the partial dK/dV it sends
+  // home in backward is full (else empty).
   std::vector<WorkList> steps;
+  std::vector<char> returns;
   PassQWork passq;  // pass-Q: the visiting query blocks' tasks over this rank's K/V
 };
 
@@ -251,6 +253,18 @@ std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, con
   std::vector<WorkList> steps;
   for (int st = 0; st < cp; ++st) steps.push_back(work_on_block(plan, keys, o, (plan.rank - st + cp) % cp));
   return steps;
+}
+
+// Whether rank (rank + s) mod cp has work on this rank's block at its step s, for s = 0 .. cp-1
+// (every rank can plan every rank).
+std::vector<char> ring_returns(const RankPlan& plan, const AttnOptions& o) {
+  const int cp = plan.cp;
+  std::vector<char> returns;
+  for (int st = 0; st < cp; ++st) {
+    const RankPlan p = get_thd_load_balanced_cp_metadata(plan.cu_seqlens, cp, (plan.rank + st) % cp);
+    returns.push_back(!work_on_block(p, without_padding(p, keys_for_mask(p, o.mask)), o, plan.rank).tasks.empty());
+  }
+  return returns;
 }
 
 }  // namespace
@@ -308,11 +322,11 @@ struct CpAttention::State {
   // Backward's buffers, kept across calls (one backward runs at a time): fp32 dK/dV of every
   // key row the kernel reads, the gathered rows' sums in index mode, this rank's share.
   std::vector<float> dk_all, dv_all, dkx, dvx, dk_loc, dv_loc;
-  // The ring's buffers: the visiting K/V blocks (storage dtype, double buffered), their dK/dV
-  // accumulators (fp32, double buffered), fp32 conversions and the running merge.
-  std::vector<std::byte> kb[2], vb[2];
-  std::vector<float> dkb[2], dvb[2];
-  std::vector<float> qf, kf, vf, of, dof, acc_out, acc_lse, part_out, part_lse, dq_acc, dq_part;
+  // The ring's buffers: the visiting [K | V] blocks (storage dtype, double buffered) and the
+  // partial dK/dV (fp32) going home and coming back; the running result (fp32 out and lse, the
+  // kernel's accumulate mode), dQ (fp32, accumulated by the kernel) and this rank's dK/dV sums.
+  HomeRingBuffers ring;
+  std::vector<float> acc_out, acc_lse, dq_acc, dkv_home;
 
   PassQBuffers passq;  // the pass-Q scheme's
 
@@ -348,9 +362,10 @@ struct CpAttention::State {
     auto w = std::make_shared<PreparedWork>();
     w->plan = plan;
     const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
-    if (cfg.scheme == CpScheme::ring)
+    if (cfg.scheme == CpScheme::ring) {
       w->steps = ring_steps(*plan, keys, cfg.options);
-    else if (cfg.scheme == CpScheme::pass_q)
+      w->returns = ring_returns(*plan, cfg.options);
+    } else if (cfg.scheme == CpScheme::pass_q)
       w->passq = pass_q_work(*plan, cfg.options);
     else if (indexed())
       copy_form(keys, w->copy_index, w->work);
@@ -450,37 +465,26 @@ struct CpAttention::State {
 
   std::size_t buffer_bytes() const {
     std::size_t bytes = 0;
-    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &dkb[0], &dkb[1], &dvb[0],
-                                        &dvb[1], &qf, &kf, &vf, &of, &dof, &acc_out, &acc_lse, &part_out,
-                                        &part_lse, &dq_acc, &dq_part})
+    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &acc_out, &acc_lse, &dq_acc,
+                                        &dkv_home})
       bytes += f->capacity() * sizeof(float);
-    for (const std::vector<std::byte>* b : {&kb[0], &kb[1], &vb[0], &vb[1]}) bytes += b->capacity();
-    bytes += passq.bytes();
+    bytes += ring.bytes() + passq.bytes();
     if (a2a) bytes += a2a->buffer_bytes();
     return bytes;
   }
 
   void note_peak() { stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes()); }
 
-  // The kernels' fp32 inputs for one ring step: q (fp32) over the visiting block `b` (storage
-  // dtype, converted into kf/vf unless fp32).
-  AttnInputs ring_inputs(const float* q, int64_t t, const std::vector<std::byte>& k, const std::vector<std::byte>& v,
-                         const WorkList& w, uint64_t seed) {
+  // The kernels' inputs for one ring step: the caller's q (storage dtype, as it is) over the
+  // visiting block [K | V] (storage dtype, as it arrived: the kernel converts while it packs).
+  AttnInputs ring_inputs(ConstTensorView q, const std::byte* block, const WorkList& w, uint64_t seed) const {
     AttnOptions o = cfg.options;
     o.seed = seed;
-    const float* kp = reinterpret_cast<const float*>(k.data());
-    const float* vp = reinterpret_cast<const float*>(v.data());
-    if (cfg.dtype != DType::f32) {
-      kf.resize(static_cast<std::size_t>(t * k_row()));
-      vf.resize(static_cast<std::size_t>(t * v_row()));
-      to_float(k.data(), cfg.dtype, kf.size(), kf.data());
-      to_float(v.data(), cfg.dtype, vf.size(), vf.data());
-      kp = kf.data();
-      vp = vf.data();
-    }
-    return {.q = contiguous(q, t, cfg.num_heads_q, cfg.head_dim_qk),
-            .k = contiguous(kp, t, cfg.num_heads_k, cfg.head_dim_qk),
-            .v = contiguous(vp, t, cfg.num_heads_k, cfg.head_dim_v),
+    const int64_t t = q.rows;
+    return {.q = q,
+            .k = contiguous(block, t, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
+            .v = contiguous(block + static_cast<std::size_t>(t * k_row()) * dtype_size(cfg.dtype), t, cfg.num_heads_k,
+                            cfg.head_dim_v, cfg.dtype),
             .work = &w,
             .options = o};
   }
@@ -517,57 +521,39 @@ struct CpAttention::State {
   }
 
   // Ring forward: step s computes this rank's queries over rank (rank - s) mod cp's block
-  // while the next block travels, and merges the partial (out, lse) into the running result.
+  // while the next block travels. The kernel's accumulate mode carries the online softmax
+  // from step to step in fp32 out and lse (no partial result, no merge), steps in order 0, 1,
+  // ..., cp-1 whatever the timing.
   void ring_forward(const CpForwardArgs& a, CpContext::State& ctx) {
     const RankPlan& plan = *ctx.plan;
     const int cp = comm.size(), r = comm.rank();
     const int right = (r + 1) % cp, left = (r + cp - 1) % cp;
     const int64_t t = plan.local_tokens;
-    const std::size_t es = dtype_size(cfg.dtype);
-    const auto k_bytes = static_cast<std::size_t>(t * k_row()) * es;
-    const auto v_bytes = static_cast<std::size_t>(t * v_row()) * es;
     auto t0 = Clock::now();
     keep_local_kv(a, ctx);  // the ring sends from its own buffers
-    for (int i = 0; i < 2; ++i) {
-      kb[i].resize(k_bytes);
-      vb[i].resize(v_bytes);
-    }
-    std::memcpy(kb[0].data(), ctx.k.data(), k_bytes);
-    std::memcpy(vb[0].data(), ctx.v.data(), v_bytes);
-    const float* q = as_f32(a.q, qf);
+    fill_own_block(ctx);
     const std::size_t n_lse = static_cast<std::size_t>(t) * cfg.num_heads_q;
-    const std::size_t n_out = n_lse * cfg.head_dim_v;
-    acc_out.assign(n_out, 0.0f);
+    acc_out.assign(n_lse * cfg.head_dim_v, 0.0f);
     acc_lse.assign(n_lse, -std::numeric_limits<float>::infinity());
-    part_out.resize(n_out);
-    part_lse.resize(n_lse);
     stats.compute_s += seconds_since(t0);
     for (int st = 0; st < cp; ++st) {
       const int cur = st % 2, nxt = 1 - cur;
-      CommRequest rk, rv;
+      CommRequest rq;
       if (st + 1 < cp) {  // the next block in flight while this one is computed
         t0 = Clock::now();
-        rk = start_block_shift(comm, cfg.dtype, kb[cur], right, kb[nxt], left);
-        rv = start_block_shift(comm, cfg.dtype, vb[cur], right, vb[nxt], left);
+        rq = start_block_shift(comm, cfg.dtype, ring.visit[cur], right, ring.visit[nxt], left);
         stats.comm_s += seconds_since(t0);
       }
       const WorkList& w = ctx.work->steps[static_cast<std::size_t>(st)];
       if (!w.tasks.empty()) {  // skipped when no pair of this block is visible
         t0 = Clock::now();
-        std::fill(part_lse.begin(), part_lse.end(), -std::numeric_limits<float>::infinity());
-        std::fill(part_out.begin(), part_out.end(), 0.0f);
-        attention_forward({.in = ring_inputs(q, t, kb[cur], vb[cur], w, ctx.seed),
-                           .out = contiguous(part_out.data(), t, cfg.num_heads_q, cfg.head_dim_v),
-                           .lse = part_lse.data()});
-        const float* lse_parts[2] = {acc_lse.data(), part_lse.data()};
-        const float* out_parts[2] = {acc_out.data(), part_out.data()};
-        merge_partial_softmax({.num_parts = 2, .rows = t, .num_heads = cfg.num_heads_q, .head_dim = cfg.head_dim_v,
-                               .lse_parts = lse_parts, .out_parts = out_parts, .lse = acc_lse.data(),
-                               .out = acc_out.data()});
+        attention_forward({.in = ring_inputs(a.q, ring.visit[cur].data(), w, ctx.seed),
+                           .out = contiguous(acc_out.data(), t, cfg.num_heads_q, cfg.head_dim_v),
+                           .lse = acc_lse.data(),
+                           .out_mode = OutMode::accumulate});
         stats.compute_s += seconds_since(t0);
       }
-      ring_wait(rk);
-      ring_wait(rv);
+      ring_wait(rq);
     }
     t0 = Clock::now();
     store_f32(acc_out.data(), a.out);  // padding rows: 0 (no task writes them)
@@ -576,75 +562,48 @@ struct CpAttention::State {
     stats.compute_s += seconds_since(t0);
   }
 
-  // Ring backward: the blocks travel as in forward, each with its fp32 dK/dV accumulator;
-  // step s adds this rank's part to the visiting block's accumulator and passes it on, so
-  // that after cp steps it is home, summed in the ranks' fixed order b, b+1, ..., b+cp-1.
+  // ring.visit[0] = this rank's [K | V] (the context's copy), visit[1] sized alike.
+  void fill_own_block(const CpContext::State& ctx) {
+    ring.visit[0].resize(ctx.k.size() + ctx.v.size());
+    std::memcpy(ring.visit[0].data(), ctx.k.data(), ctx.k.size());
+    std::memcpy(ring.visit[0].data() + ctx.k.size(), ctx.v.data(), ctx.v.size());
+    ring.visit[1].resize(ring.visit[0].size());
+  }
+
+  // Ring backward: the blocks travel as in forward; step s computes the dK/dV of the visiting
+  // block's keys from this rank's queries (fp32) and sends it home at once, under the next
+  // step's compute; an owner adds its own part (step 0, in place) and the parts that come back
+  // in step order 1, ..., cp-1, whatever the timing. dQ adds up in the kernel (accumulate_all)
+  // over the steps in order. q, out and dout are read in their storage dtype.
   void ring_backward(const CpBackwardArgs& a, const CpContext::State& ctx) {
-    const RankPlan& plan = *ctx.plan;
-    const int cp = comm.size(), r = comm.rank();
-    const int right = (r + 1) % cp, left = (r + cp - 1) % cp;
-    const int64_t t = plan.local_tokens;
+    const int64_t t = ctx.plan->local_tokens;
+    const auto n_k = static_cast<std::size_t>(t * k_row()), n_kv = n_k + static_cast<std::size_t>(t * v_row());
     auto t0 = Clock::now();
-    for (int i = 0; i < 2; ++i) {
-      kb[i].resize(ctx.k.size());
-      vb[i].resize(ctx.v.size());
-      dkb[i].resize(static_cast<std::size_t>(t * k_row()));
-      dvb[i].resize(static_cast<std::size_t>(t * v_row()));
-    }
-    std::memcpy(kb[0].data(), ctx.k.data(), ctx.k.size());
-    std::memcpy(vb[0].data(), ctx.v.data(), ctx.v.size());
-    std::fill(dkb[0].begin(), dkb[0].end(), 0.0f);
-    std::fill(dvb[0].begin(), dvb[0].end(), 0.0f);
-    const float* q = as_f32(a.q, qf);
-    const float* o = as_f32(a.out, of);
-    const float* dout = as_f32(a.dout, dof);
-    const std::size_t n_dq = static_cast<std::size_t>(t) * cfg.num_heads_q * cfg.head_dim_qk;
-    dq_acc.assign(n_dq, 0.0f);
-    dq_part.resize(n_dq);
+    fill_own_block(ctx);
+    dkv_home.assign(n_kv, 0.0f);  // [dK | dV] of this rank's keys
+    dq_acc.assign(static_cast<std::size_t>(t) * cfg.num_heads_q * cfg.head_dim_qk, 0.0f);
     stats.compute_s += seconds_since(t0);
-    CommRequest rdk, rdv;  // the accumulators of this step's block, arriving from the left
-    for (int st = 0; st < cp; ++st) {
-      const int cur = st % 2, nxt = 1 - cur;
-      ring_wait(rdk);
-      ring_wait(rdv);
-      CommRequest rk, rv;
-      if (st + 1 < cp) {
-        t0 = Clock::now();
-        rk = start_block_shift(comm, cfg.dtype, kb[cur], right, kb[nxt], left);
-        rv = start_block_shift(comm, cfg.dtype, vb[cur], right, vb[nxt], left);
-        stats.comm_s += seconds_since(t0);
-      }
-      const WorkList& w = ctx.work->steps[static_cast<std::size_t>(st)];
-      if (!w.tasks.empty()) {
-        t0 = Clock::now();
-        std::fill(dq_part.begin(), dq_part.end(), 0.0f);
-        attention_backward({.in = ring_inputs(q, t, kb[cur], vb[cur], w, ctx.seed),
-                            .out = contiguous(o, t, cfg.num_heads_q, cfg.head_dim_v),
-                            .lse = ctx.lse.data(),
-                            .dout = contiguous(dout, t, cfg.num_heads_q, cfg.head_dim_v),
-                            .dq = contiguous(dq_part.data(), t, cfg.num_heads_q, cfg.head_dim_qk),
-                            .dk = contiguous(dkb[cur].data(), t, cfg.num_heads_k, cfg.head_dim_qk),
-                            .dv = contiguous(dvb[cur].data(), t, cfg.num_heads_k, cfg.head_dim_v),
-                            .grad_mode = GradMode::accumulate});
-        for (std::size_t i = 0; i < n_dq; ++i) dq_acc[i] += dq_part[i];  // steps in order 0..cp-1
-        stats.compute_s += seconds_since(t0);
-      }
-      if (cp > 1) {  // the accumulator moves on: after step cp-1 it reaches its owner
-        t0 = Clock::now();
-        rdk = comm.start_shift<float>(dkb[cur], right, dkb[nxt], left);
-        rdv = comm.start_shift<float>(dvb[cur], right, dvb[nxt], left);
-        stats.comm_s += seconds_since(t0);
-      }
-      ring_wait(rk);
-      ring_wait(rv);
-    }
-    ring_wait(rdk);
-    ring_wait(rdv);
+    const auto compute = [&](int s, const std::byte* block, float* part) {
+      float* dkv = part ? part : dkv_home.data();
+      if (part) std::fill_n(part, n_kv, 0.0f);
+      attention_backward({.in = ring_inputs(a.q, block, ctx.work->steps[static_cast<std::size_t>(s)], ctx.seed),
+                          .out = a.out,
+                          .lse = ctx.lse.data(),
+                          .dout = a.dout,
+                          .dq = contiguous(dq_acc.data(), t, cfg.num_heads_q, cfg.head_dim_qk),
+                          .dk = contiguous(dkv, t, cfg.num_heads_k, cfg.head_dim_qk),
+                          .dv = contiguous(dkv + n_k, t, cfg.num_heads_k, cfg.head_dim_v),
+                          .grad_mode = GradMode::accumulate_all});
+    };
+    const auto take = [&](const float* part) {
+      for (std::size_t i = 0; i < n_kv; ++i) dkv_home[i] += part[i];
+    };
+    SchemeEnv e = env();
+    run_home_ring(e, ring, ctx.work->steps, ctx.work->returns, n_kv, true, compute, take);
     t0 = Clock::now();
-    const int home = cp == 1 ? 0 : cp % 2;  // where the last shift (or, at cp = 1, step 0) left this rank's own accumulator
-    store_f32(dq_acc.data(), a.dq);
-    from_float(dkb[home].data(), dkb[home].size(), cfg.dtype, a.dk.data);
-    from_float(dvb[home].data(), dvb[home].size(), cfg.dtype, a.dv.data);
+    store_f32(dq_acc.data(), a.dq);  // padding rows: 0 (no task has a padding query)
+    from_float(dkv_home.data(), n_k, cfg.dtype, a.dk.data);
+    from_float(dkv_home.data() + n_k, n_kv - n_k, cfg.dtype, a.dv.data);
     stats.compute_s += seconds_since(t0);
   }
 };

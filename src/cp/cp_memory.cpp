@@ -54,12 +54,11 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
   CpMemoryEstimate e;
   e.context = saturating_add(product(read_rows, kv_row, es), lse);
   if (ring) {
-    // Double-buffered visiting blocks and their fp32 dK/dV; fp32 copies of q, the block, out,
-    // dout, the running merge and dq (cp_attention.cpp's qf ... dq_part).
-    const uint64_t copies = saturating_add(
-        product(t, hq, static_cast<uint64_t>(3 * c.head_dim_qk + 4 * c.head_dim_v + 2)), product(t, kv_row));
-    e.buffers = saturating_add(saturating_add(product(2, t, kv_row, es), product(2, t, kv_row, f)),
-                               saturating_mul(copies, f));
+    // Double-buffered visiting [K | V] blocks; fp32 partial dK/dV, two going home and two
+    // coming back, and this rank's dK/dV sums; the running fp32 out and lse, and dQ
+    // (cp_attention.cpp's ring, acc_out ... dkv_home).
+    e.buffers = saturating_add(saturating_add(product(2, t, kv_row, es), product(5, t, kv_row, f)),
+                               product(t, hq, static_cast<uint64_t>(c.head_dim_qk + c.head_dim_v + 1), f));
   } else {
     // dK/dV of every gathered row and this rank's share, fp32; index mode adds the copy's
     // dK/dV and, during forward, the gathered buffer beside its copy; so does runs mode at

@@ -15,15 +15,27 @@ namespace {
 constexpr int kTagPartial = 11;  // the partials' start_send/start_recv stream (shifts have their own)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The ring both directions share. At step s the visiting block b.visit[s % 2] (rank
-// (r - s) mod cp's) is shifted on while `compute(s, block, part)` writes this rank's partial
-// (n_part floats) for its owner, only when the step has a visible pair; the partial goes to the
-// owner (empty when there was none), and the owner hands its own part (step 0) and the parts
-// coming back (steps 1..cp-1) to `take` in step order. One partial per direction is in flight
-// per buffer: a buffer is reused two steps later, after its send or receive completed.
-void run_ring(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, std::size_t n_part,
-              const std::function<void(int, const std::byte*, float*)>& compute,
-              const std::function<void(const float*)>& take) {
+// The kernels' fp32 inputs of one step: the visiting queries over this rank's K/V.
+AttnInputs step_inputs(const SchemeEnv& env, const float* q, int64_t t, const float* k, const float* v,
+                       const WorkList& work, uint64_t seed) {
+  const CpAttnConfig& c = env.cfg;
+  AttnOptions o = c.options;
+  o.seed = seed;  // dropout is keyed by document and positions: the owner's plan gives both
+  return {.q = contiguous(q, t, c.num_heads_q, c.head_dim_qk),
+          .k = contiguous(k, t, c.num_heads_k, c.head_dim_qk),
+          .v = contiguous(v, t, c.num_heads_k, c.head_dim_v),
+          .work = &work,
+          .options = o};
+}
+
+}  // namespace
+
+// One partial per direction is in flight per buffer: a buffer is reused two steps later, after
+// its send or receive completed.
+void run_home_ring(SchemeEnv& env, HomeRingBuffers& b, std::span<const WorkList> visiting,
+                   std::span<const char> returns, std::size_t n_part, bool own_in_place,
+                   const std::function<void(int, const std::byte*, float*)>& compute,
+                   const std::function<void(const float*)>& take) {
   Communicator& comm = env.comm;
   const int cp = comm.size(), r = comm.rank();
   const int right = (r + 1) % cp, left = (r + cp - 1) % cp;
@@ -40,7 +52,7 @@ void run_ring(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, std::size_t n
   CommRequest sent[2], got[2];
   const auto take_back = [&](int s) {  // the partial of step s, received into back[s % 2]
     env.wait(got[s % 2]);
-    if (w.returns[s]) timed_take(b.back[s % 2].data());
+    if (returns[s]) timed_take(b.back[s % 2].data());
   };
   for (int s = 0; s < cp; ++s) {
     const int cur = s % 2, nxt = 1 - cur;
@@ -48,18 +60,18 @@ void run_ring(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, std::size_t n
     CommRequest rq;
     if (s + 1 < cp) rq = start_block_shift(comm, env.cfg.dtype, b.visit[cur], right, b.visit[nxt], left);
     if (s >= 1)
-      got[cur] = comm.start_recv<float>(std::span(b.back[cur]).first(w.returns[s] ? n_part : 0), (r + s) % cp,
+      got[cur] = comm.start_recv<float>(std::span(b.back[cur]).first(returns[s] ? n_part : 0), (r + s) % cp,
                                         kTagPartial);
     env.stats.comm_s += seconds_since(t0);
     env.wait(sent[cur]);  // part[cur]'s send of step s - 2
-    const bool any = !w.visiting[s].tasks.empty();
+    const bool any = !visiting[s].tasks.empty();
     if (any) {  // skipped when no pair of the visiting block is visible here
       t0 = Clock::now();
-      compute(s, b.visit[cur].data(), b.part[cur].data());
+      compute(s, b.visit[cur].data(), s == 0 && own_in_place ? nullptr : b.part[cur].data());
       env.stats.compute_s += seconds_since(t0);
     }
     if (s == 0) {
-      if (any) timed_take(b.part[0].data());
+      if (any && !own_in_place) timed_take(b.part[0].data());
     } else {
       t0 = Clock::now();
       sent[cur] = comm.start_send<float>(std::span<const float>(b.part[cur]).first(any ? n_part : 0),
@@ -73,21 +85,6 @@ void run_ring(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, std::size_t n
   env.wait(sent[0]);
   env.wait(sent[1]);
 }
-
-// The kernels' fp32 inputs of one step: the visiting queries over this rank's K/V.
-AttnInputs step_inputs(const SchemeEnv& env, const float* q, int64_t t, const float* k, const float* v,
-                       const WorkList& work, uint64_t seed) {
-  const CpAttnConfig& c = env.cfg;
-  AttnOptions o = c.options;
-  o.seed = seed;  // dropout is keyed by document and positions: the owner's plan gives both
-  return {.q = contiguous(q, t, c.num_heads_q, c.head_dim_qk),
-          .k = contiguous(k, t, c.num_heads_k, c.head_dim_qk),
-          .v = contiguous(v, t, c.num_heads_k, c.head_dim_v),
-          .work = &work,
-          .options = o};
-}
-
-}  // namespace
 
 PassQWork pass_q_work(const RankPlan& plan, const AttnOptions& o) {
   const MaskType mask = o.mask;
@@ -107,10 +104,15 @@ PassQWork pass_q_work(const RankPlan& plan, const AttnOptions& o) {
   return w;
 }
 
-std::size_t PassQBuffers::bytes() const {
+std::size_t HomeRingBuffers::bytes() const {
   std::size_t n = visit[0].capacity() + visit[1].capacity();
-  for (const std::vector<float>* f : {&part[0], &part[1], &back[0], &back[1], &acc, &kf, &vf, &qf, &of, &dof, &dk, &dv})
-    n += f->capacity() * sizeof(float);
+  for (const std::vector<float>* f : {&part[0], &part[1], &back[0], &back[1]}) n += f->capacity() * sizeof(float);
+  return n;
+}
+
+std::size_t PassQBuffers::bytes() const {
+  std::size_t n = HomeRingBuffers::bytes();
+  for (const std::vector<float>* f : {&acc, &kf, &vf, &qf, &of, &dof, &dk, &dv}) n += f->capacity() * sizeof(float);
   return n;
 }
 
@@ -143,7 +145,7 @@ void pass_q_forward(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, uint64_
                            .lse_parts = lse_parts, .out_parts = out_parts, .lse = b.acc.data(),
                            .out = b.acc.data() + n_lse});
   };
-  run_ring(env, b, w, n_part, compute, take);
+  run_home_ring(env, b, w.visiting, w.returns, n_part, false, compute, take);
   t0 = Clock::now();
   store_f32(b.acc.data() + n_lse, out);  // padding rows: 0 (no task writes them)
   std::copy_n(b.acc.begin(), n_lse, lse.begin());
@@ -191,7 +193,7 @@ void pass_q_backward(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, uint64
   const auto take = [&](const float* dq) {
     for (std::size_t i = 0; i < n_dq; ++i) b.acc[i] += dq[i];
   };
-  run_ring(env, b, w, n_dq, compute, take);
+  run_home_ring(env, b, w.visiting, w.returns, n_dq, false, compute, take);
   t0 = Clock::now();
   store_f32(b.acc.data(), a.dq);  // padding rows: 0 (no task has a padding query)
   from_float(b.dk.data(), b.dk.size(), c.dtype, a.dk.data);

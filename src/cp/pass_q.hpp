@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -35,11 +36,29 @@ struct PassQWork {
 };
 PassQWork pass_q_work(const RankPlan& plan, const AttnOptions& o);
 
-// The scheme's buffers, kept across calls (one forward or backward runs at a time).
-struct PassQBuffers {
+// The buffers of a ring whose partials go home: pass-Q both ways, and the ring scheme's
+// backward (visiting K/V, partial dK/dV).
+struct HomeRingBuffers {
   std::vector<std::byte> visit[2];    // the visiting block, storage dtype, double buffered
   std::vector<float> part[2];         // this rank's partial for the visiting block's owner
   std::vector<float> back[2];         // an owner's partial coming back
+  std::size_t bytes() const;
+};
+
+// At step s = 0 .. cp-1 the visiting block visit[s % 2] (rank (r - s) mod cp's; visit[0] is
+// this rank's own, filled by the caller) is shifted on while `compute(s, block, part)` writes
+// this rank's partial (n_part floats) for its owner, only when visiting[s] has a task; the
+// partial goes to the owner (an empty message when there was none), and the owner hands its
+// own part (step 0) and the parts coming back (steps 1..cp-1, full where returns[s]) to `take`
+// in step order, whatever the timing. With own_in_place, step 0 gets part = nullptr (the
+// caller adds its own block's part straight into its result) and is not taken.
+void run_home_ring(SchemeEnv& env, HomeRingBuffers& b, std::span<const WorkList> visiting,
+                   std::span<const char> returns, std::size_t n_part, bool own_in_place,
+                   const std::function<void(int, const std::byte*, float*)>& compute,
+                   const std::function<void(const float*)>& take);
+
+// The scheme's buffers, kept across calls (one forward or backward runs at a time).
+struct PassQBuffers : HomeRingBuffers {
   std::vector<float> acc;             // the owner's running result: [lse | out] or dQ
   std::vector<float> kf, vf, qf, of, dof, dk, dv;  // fp32 conversions and dK/dV sums
   std::size_t bytes() const;

@@ -485,7 +485,10 @@ void forward_impl(const AttnFwdParams& p) {
   const int64_t q_rs = in.q.row_step(), q_hs = in.q.head_step();
   void* const out_data = p.out.data;
   const int64_t out_rs = p.out.row_step(), out_hs = p.out.head_step();
-  float* const lse = p.lse;  // optional
+  float* const lse = p.lse;  // optional, but for OutMode::accumulate
+  // OutMode::accumulate: fp32 out and lse are the running result the online softmax resumes.
+  const bool resume = p.out_mode == OutMode::accumulate;
+  const DType out_dtype = p.out.dtype;
   const Visibility vz = visibility(opt);
   const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
   const float scale = in.softmax_scale();
@@ -541,6 +544,19 @@ void forward_impl(const AttnFwdParams& p) {
     }
     std::fill(S.m.begin(), S.m.end(), kNegInf);
     std::fill(S.l.begin(), S.l.end(), 0.0f);
+    if (resume) {
+      // The earlier result (out, lse) as the state (o, m, l) with o / l = out and
+      // m + log2(l) = lse / ln 2: m = lse * log2(e), l = 1 (lse -inf: nothing yet, l = 0).
+      for (int g = 0; g < nh; ++g)
+        for (int r = 0; r < m; ++r) {
+          const float prev = lse[(row0 + r) * hq + h0 + g];
+          if (prev == kNegInf) continue;
+          ld_row(out_data, DType::f32, (row0 + r) * out_rs + (h0 + g) * out_hs, head_dim_v, dvp,
+                 S.o.data() + (g * BQ + r) * dvp);
+          S.m[g * BQ + r] = prev * kLog2e;
+          S.l[g * BQ + r] = 1.0f;
+        }
+    }
 
     const int64_t qp_last = qp0 + m - 1;
     for_each_piece<FBK>(w, t, vz, qp0, qp_last, [&](Piece pc) {
@@ -640,7 +656,7 @@ void forward_impl(const AttnFwdParams& p) {
       for (int r = 0; r < m; ++r) {
         const float l = S.l[g * BQ + r];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        st_row(out_data, dtype, (row0 + r) * out_rs + h * out_hs, head_dim_v,
+        st_row(out_data, out_dtype, (row0 + r) * out_rs + h * out_hs, head_dim_v,
                S.o.data() + (g * BQ + r) * dvp, inv);
         if (lse) lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[g * BQ + r] * kLn2 + std::log(l) : kNegInf;
       }
@@ -859,9 +875,15 @@ void backward_impl(const AttnBwdParams& p) {
           for (int d = 0; d < dvp; d += W) vstore(gvr + d, vload(gvr + d) + vload(tv + d));
         }
       });
-      for (int64_t i = 0; i < nq; ++i)
-        st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk,
-               S.dq.data() + i * dp, scale);
+      for (int64_t i = 0; i < nq; ++i) {
+        const float* src = S.dq.data() + i * dp;
+        if (p.grad_mode == GradMode::accumulate_all) {  // fp32 view: added to
+          float* o = static_cast<float*>(dq_data) + (t.q_row + i) * dq_rs + h * dq_hs;
+          for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * scale;
+        } else {
+          st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, scale);
+        }
+      }
     }
   });
 

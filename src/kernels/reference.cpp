@@ -113,6 +113,20 @@ void forward_impl(const AttnFwdParams& p) {
           const Acc pij = std::exp(e.s - lse) * e.keep;
           for (int d = 0; d < dv; ++d) o[d] += pij * x.v(e.row, h / group, d);
         }
+        if (p.out_mode == OutMode::accumulate) {
+          // merge with the earlier result: weights exp(lse_prev - tot), exp(lse - tot)
+          float* prev_out = static_cast<float*>(p.out.data) + p.out.offset(qrow, h);
+          float& prev_lse = p.lse[qrow * hq + h];
+          if (vis.empty()) continue;  // nothing new: the earlier result stays
+          const Acc lp = static_cast<Acc>(prev_lse);
+          const Acc tot = lp == -std::numeric_limits<Acc>::infinity()
+                              ? lse : std::max(lp, lse) + std::log1p(std::exp(-std::abs(lp - lse)));
+          const Acc wp = std::exp(lp - tot), wn = std::exp(lse - tot);
+          for (int d = 0; d < dv; ++d)
+            prev_out[d] = static_cast<float>(wp * static_cast<Acc>(prev_out[d]) + wn * o[d]);
+          prev_lse = static_cast<float>(tot);
+          continue;
+        }
         for (int d = 0; d < dv; ++d)
           store_elem(p.out.data, p.out.dtype, p.out.offset(qrow, h) + d, static_cast<float>(o[d]));
         if (p.lse) p.lse[qrow * hq + h] = static_cast<float>(lse);
@@ -162,11 +176,14 @@ void backward_impl(const AttnBwdParams& p) {
             dk[(e.row * hk_n + hk) * dqk + d] += scale * ds * x.q(qrow, h, d);
           }
         }
-        for (int d = 0; d < dqk; ++d)
-          store_elem(p.dq.data, p.dq.dtype, p.dq.offset(qrow, h) + d, static_cast<float>(dq[d]));
+        for (int d = 0; d < dqk; ++d) {
+          const int64_t at = p.dq.offset(qrow, h) + d;
+          if (p.grad_mode == GradMode::accumulate_all) static_cast<float*>(p.dq.data)[at] += static_cast<float>(dq[d]);
+          else store_elem(p.dq.data, p.dq.dtype, at, static_cast<float>(dq[d]));
+        }
       }
     }
-  // write: store in the storage dtype; accumulate: dk/dv are fp32 views, +=
+  // write: store in the storage dtype; accumulate, accumulate_all: dk/dv are fp32 views, +=
   auto deliver = [&](const TensorView& out, int64_t r, int hk, int d, float g) {
     const int64_t i = out.offset(r, hk) + d;
     if (p.grad_mode == GradMode::write) store_elem(out.data, out.dtype, i, g);

@@ -163,8 +163,16 @@ void validate(const AttnFwdParams& p) {
   check_inputs(fn, p.in);
   const AttnShape s = p.in.shape();
   check_q_like(fn, "out", s, p.out, {s.head_dim_v, "head_dim_v = v.dim"});
-  check_dtype(fn, "out", p.out, p.in.dtype());
-  // lse is optional: null skips it
+  CPATTN_CHECK(p.out_mode == OutMode::write || p.out_mode == OutMode::accumulate, fn,
+               ": out_mode must be write or accumulate, got ", static_cast<int>(p.out_mode));
+  if (p.out_mode == OutMode::write) {
+    check_dtype(fn, "out", p.out, p.in.dtype());
+  } else {
+    CPATTN_CHECK(p.out.dtype == DType::f32 && p.lse != nullptr, fn,
+                 ": out_mode accumulate needs an fp32 out and an lse (the running result), got out ",
+                 to_string(p.out.dtype), (p.lse ? "" : " and no lse"));
+  }
+  // lse is optional in write mode: null skips it
   check_work(fn, p.in.work, s.total_q, s.total_k);
 }
 
@@ -184,13 +192,20 @@ void validate(const AttnBwdParams& p) {
   CPATTN_CHECK(p.lse != nullptr, fn, ": lse must not be null");
   check_dtype(fn, "out", p.out, dt);
   check_dtype(fn, "dout", p.dout, dt);
-  check_dtype(fn, "dq", p.dq, dt);
+  CPATTN_CHECK(p.grad_mode == GradMode::write || p.grad_mode == GradMode::accumulate ||
+                   p.grad_mode == GradMode::accumulate_all,
+               fn, ": grad_mode must be write, accumulate or accumulate_all, got ", static_cast<int>(p.grad_mode));
+  if (p.grad_mode == GradMode::accumulate_all)
+    CPATTN_CHECK(p.dq.dtype == DType::f32, fn, ": grad_mode accumulate_all needs an fp32 dq, got ",
+                 to_string(p.dq.dtype));
+  else
+    check_dtype(fn, "dq", p.dq, dt);
   if (p.grad_mode == GradMode::write) {
     check_dtype(fn, "dk", p.dk, dt);
     check_dtype(fn, "dv", p.dv, dt);
   } else {
     CPATTN_CHECK(p.dk.dtype == DType::f32 && p.dv.dtype == DType::f32, fn,
-                 ": grad_mode accumulate needs fp32 dk and dv, got dk ", to_string(p.dk.dtype),
+                 ": grad_mode accumulate and accumulate_all need fp32 dk and dv, got dk ", to_string(p.dk.dtype),
                  ", dv ", to_string(p.dv.dtype));
   }
   check_work(fn, p.in.work, s.total_q, s.total_k);

@@ -280,6 +280,25 @@ void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
 }
 
+// Partials of `part` bytes going home over a ring's steps: full to every rank of [to) but r,
+// from every rank of [from) but r (empty messages otherwise; both sets are intervals of CP
+// indices). Returns the slowest partial's transfer.
+double partials_home(const Ctx& c, int r, std::pair<int64_t, int64_t> to, std::pair<int64_t, int64_t> from,
+                     int64_t part, SimBytes& bytes) {
+  const auto [to_lo, to_hi] = to;
+  const auto [from_lo, from_hi] = from;
+  const int64_t sends = std::max<int64_t>(0, to_hi - to_lo) - (to_lo <= r && r < to_hi);
+  const int64_t receives = std::max<int64_t>(0, from_hi - from_lo) - (from_lo <= r && r < from_hi);
+  const int64_t sends_intra = c.topo.same_node(r, to_lo, to_hi);
+  const int64_t receives_intra = c.topo.same_node(r, from_lo, from_hi);
+  add_bytes(bytes, false, sends_intra * part, receives_intra * part);
+  add_bytes(bytes, true, (sends - sends_intra) * part, (receives - receives_intra) * part);
+  double t = 0;
+  if (sends_intra > 0) t = c.send_time(part, false);
+  if (sends > sends_intra) t = std::max(t, c.send_time(part, true));
+  return t;
+}
+
 // The overlap of a ring of `cp` steps: step s computes while the next block travels
 // (transfer `xfer` per step, cp - 1 of them); compute is spread evenly over the steps.
 void overlap_steps(int cp, double compute, double xfer, SimCall& call) {
@@ -305,11 +324,15 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   agreement(c, r, 0, 1, cp, b.agreement, t);
   b.exposed_s = t;
   b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  // The blocks travel again; each step's partial dK/dV goes home to the block's owner under
+  // the next step's compute, the last one exposed.
+  if (cp == 1) return;
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, b.payload);
-  overlap_steps(cp, b.compute_s, kv_t, b);
-  // The dK/dV accumulator leaves after each step's compute and is waited on before the next:
-  // exposed (cp shifts, the last one home).
-  if (cp > 1) b.exposed_s += ring_transfer(c, r, 0, 1, cp, cp, dkv_block, b.payload);
+  const double part_t = partials_home(c, r, visible_blocks(c, r), visible_queries(c, r), dkv_block, b.payload);
+  // cp - 1 shifts and cp - 1 partials: all but the last partial (sent after the last step,
+  // exposed) travel under a later step, spread evenly over the cp - 1 overlapped steps.
+  overlap_steps(cp, b.compute_s, kv_t + part_t * (cp - 2) / (cp - 1), b);
+  b.exposed_s += part_t;
 }
 
 // Pass-Q: blocks of `block` bytes around the ring, partials of `part` bytes back to their owners.
@@ -321,18 +344,8 @@ void pass_q_call(const Ctx& c, int r, int64_t block, int64_t part, double comput
   const double block_t = ring_transfer(c, r, 0, 1, cp, 1, block, dummy);
   // Over the cp - 1 steps, rank r hosts every other rank's queries once (a partial back to
   // each owner whose queries see r's block) and sends its own to every other rank (a partial
-  // from each helper whose block they see); both sets are intervals of CP indices.
-  const auto [own_lo, own_hi] = visible_queries(c, r);
-  const auto [help_lo, help_hi] = visible_blocks(c, r);
-  const int64_t owners = std::max<int64_t>(0, own_hi - own_lo) - (own_lo <= r && r < own_hi);
-  const int64_t helpers = std::max<int64_t>(0, help_hi - help_lo) - (help_lo <= r && r < help_hi);
-  const int64_t owners_intra = c.topo.same_node(r, own_lo, own_hi);
-  const int64_t helpers_intra = c.topo.same_node(r, help_lo, help_hi);
-  add_bytes(call.payload, false, owners_intra * part, helpers_intra * part);
-  add_bytes(call.payload, true, (owners - owners_intra) * part, (helpers - helpers_intra) * part);
-  double part_t = 0;  // the slowest partial's transfer
-  if (owners_intra > 0) part_t = c.send_time(part, false);
-  if (owners > owners_intra) part_t = std::max(part_t, c.send_time(part, true));
+  // from each helper whose block they see).
+  const double part_t = partials_home(c, r, visible_queries(c, r), visible_blocks(c, r), part, call.payload);
   overlap_steps(cp, compute, block_t + part_t, call);
   call.exposed_s += part_t;  // the last partial comes home after the last step
 }
@@ -415,7 +428,9 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       break;
     case CpScheme::ring:
       m.saved += t * kv_row * es;                                // the local K/V copy
-      m.transient = 2 * t * kv_row * es + 2 * t * kv_row * 4 + t * c.hq * (c.dqk + 2 * c.dv) * 4.0;
+      // Double-buffered [K | V] blocks; partial dK/dV (two out, two back) and the sums, fp32;
+      // the running fp32 out, lse and dQ (cp_memory.cpp's ring).
+      m.transient = 2 * t * kv_row * es + 5 * t * kv_row * 4 + t * c.hq * (c.dqk + c.dv + 1) * 4.0;
       break;
     case CpScheme::pass_q:
       m.saved += t * kv_row * es;

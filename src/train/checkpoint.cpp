@@ -17,7 +17,7 @@ namespace cpattn::train {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'P', 'A', 'T', 'T', 'N', 'T', 'R'};
-constexpr int64_t kVersion = 4;
+constexpr int64_t kVersion = 5;
 
 // model_real64: a double's bits; capacity: the same, 0 shown as "none" (an unset capacity
 // factor); router and drop_policy: the enums, shown by name.
@@ -37,15 +37,30 @@ constexpr FieldName kFields[] = {
     {"experts", Kind::model},       {"top_k", Kind::model},        {"router", Kind::router},
     {"capacity_factor", Kind::capacity}, {"drop_policy", Kind::drop_policy},
     {"aux_loss_coeff", Kind::model_real64},  {"bias_update_rate", Kind::model_real64},
+    {"dropout", Kind::model_real},
     {"lr", Kind::real},             {"warmup", Kind::integer},     {"weight_decay", Kind::real},
     {"clip", Kind::real},           {"beta1", Kind::real},         {"beta2", Kind::real},
     {"eps", Kind::real},            {"seed", Kind::integer},       {"attention dtype", Kind::dtype},
     {"seq_len", Kind::integer},     {"data", Kind::hash},          {"step", Kind::state},
     {"data doc", Kind::state},      {"data offset", Kind::state},  {"data epoch", Kind::state}};
 constexpr int64_t kFieldCount = std::size(kFields);
-constexpr int64_t kConfigFields = 31;  // before the state
+constexpr int64_t kConfigFields = 32;  // before the state
 constexpr int64_t kParamsField = 8;
 constexpr int64_t kMoeFirst = 13, kMoeFields = 7;  // experts .. bias_update_rate, new in version 4
+constexpr int64_t kDropoutField = 20;               // new in version 5
+
+// Whether field i (of kFields) is in a file of `version` (3, 4 or 5): version 4 has no
+// dropout, version 3 no MoE fields either. A missing field reads as 0 (no experts, no dropout).
+bool in_version(int64_t i, int64_t version) {
+  if (i == kDropoutField) return version >= 5;
+  if (i >= kMoeFirst && i < kMoeFirst + kMoeFields) return version >= 4;
+  return true;
+}
+int64_t fields_in_version(int64_t version) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < kFieldCount; ++i) n += in_version(i, version);
+  return n;
+}
 
 int64_t bits(float x) { return std::bit_cast<int32_t>(x); }
 int64_t bits64(double x) { return std::bit_cast<int64_t>(x); }
@@ -60,7 +75,7 @@ std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const Da
           m.window_left,   m.window_right, bits(m.softcap), m.alibi ? 1 : 0,
           moe ? m.experts : 0, moe ? m.top_k : 0, moe ? static_cast<int64_t>(m.router) : 0,
           moe ? bits64(m.capacity_factor.value_or(0.0)) : 0, moe ? static_cast<int64_t>(m.drop_policy) : 0,
-          moe ? bits64(m.aux_loss_coeff) : 0, moe ? bits64(m.bias_update_rate) : 0,
+          moe ? bits64(m.aux_loss_coeff) : 0, moe ? bits64(m.bias_update_rate) : 0, bits(m.dropout),
           bits(o.lr),      o.warmup,   bits(o.weight_decay), bits(o.clip), bits(o.beta1),
           bits(o.beta2),   bits(o.eps), static_cast<int64_t>(c.seed), static_cast<int64_t>(c.attn_dtype),
           c.id.seq_len,    static_cast<int64_t>(c.id.data_hash),
@@ -154,20 +169,22 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   };
   CPATTN_CHECK(size >= 24, "checkpoint '", path, "' is truncated (", size, " bytes)");
   const int64_t version = at(0);
-  // Version 3 is version 4 without the mixture-of-experts fields: read as a model without
-  // experts (what version 4 records for one), so that its runs resume.
-  CPATTN_CHECK(version == kVersion || version == 3, "checkpoint '", path, "' has version ", version,
-               ", this cpattn reads versions 3 and ", kVersion,
+  // Version 4 is version 5 without dropout, version 3 without the mixture-of-experts fields
+  // too: read as a model without dropout (and experts), what version 5 records for one, so
+  // that their runs resume.
+  CPATTN_CHECK(version >= 3 && version <= kVersion, "checkpoint '", path, "' has version ", version,
+               ", this cpattn reads versions 3 to ", kVersion,
                version == 1   ? " (version 1 has no checksum and no configuration: train again)"
                : version == 2 ? " (version 2 has no attention masks in its configuration: train again)"
                               : "");
-  const int64_t file_fields = version == 3 ? kFieldCount - kMoeFields : kFieldCount;
+  const int64_t file_fields = fields_in_version(version);
   CPATTN_CHECK(at(1) == file_fields, "checkpoint '", path, "' has ", at(1), " header fields, want ", file_fields);
   const std::size_t header = 8 + 8 * (2 + file_fields) + 8;
   CPATTN_CHECK(size >= header, "checkpoint '", path, "' is truncated (", size, " bytes, its header alone is ", header,
                ")");
   std::vector<int64_t> got(kFieldCount, 0);
-  for (int64_t i = 0; i < file_fields; ++i) got[version == 3 && i >= kMoeFirst ? i + kMoeFields : i] = at(2 + i);
+  for (int64_t i = 0, j = 0; i < kFieldCount; ++i)
+    if (in_version(i, version)) got[i] = at(2 + j++);
   const int64_t n_file = got[kParamsField];
   CPATTN_CHECK(n_file >= 0 && n_file < (int64_t{1} << 40), "checkpoint '", path, "' has a parameter count of ",
                n_file);

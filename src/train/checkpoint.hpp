@@ -3,23 +3,24 @@
 // here: the Trainer decides which rank writes and makes every rank agree on errors. Internal
 // to cpattn_train (not installed).
 //
-// Format (version 4), native byte order:
+// Format (version 5), native byte order:
 //   "CPATTNTR"                     8 bytes, the magic
-//   version = 4, field count F     int64 each
+//   version = 5, field count F     int64 each
 //   F int64 fields                 kFields order (checkpoint.cpp): the configuration, which
 //                                  must match on resume (model with its attention masks
 //                                  and its mixture of experts: experts, top_k, router,
 //                                  capacity_factor, drop_policy, aux_loss_coeff,
-//                                  bias_update_rate; 0 without experts), optimizer, seed, attention dtype, seq_len, data hash;
+//                                  bias_update_rate; 0 without experts; dropout), optimizer, seed, attention dtype, seq_len, data hash;
 //                                  floats as their bits), then the state (step, data doc,
 //                                  offset, epoch)
 //   checksum                       uint64 FNV-1a 64 over the version, count, fields and payload
 //   payload                        params, m, v (fp32, the parameter count each)
 // The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
 // both are refused, as are version 1 (no checksum, no configuration) and version 2 (no
-// attention masks). Version 3 (no mixture-of-experts fields) is read as a model without
-// experts. Every expert of every block is in the payload (sent to rank 0 by its EP group before
-// it writes; each rank holds only its E/ep experts in training), so a file saved at one ep
+// attention masks). Version 4 (no dropout) is read as a model without dropout, version 3
+// (no mixture-of-experts fields either) as one without experts and dropout. Every expert of
+// every block is in the payload (sent to rank 0 by its EP group before it writes; each rank
+// holds only its E/ep experts in training), so a file saved at one ep
 // resumes at any ep.
 #pragma once
 

@@ -2,6 +2,7 @@
 // run computes bitwise the same values; matrix products go to cblas_sgemm.
 #include "layers.hpp"
 
+#include <cpattn/attention.hpp>
 #include <cpattn/plan.hpp>
 
 #include <cblas.h>
@@ -83,6 +84,16 @@ void rope_tables(std::vector<float>& cos_t, std::vector<float>& sin_t, std::span
       cos_t[t * half + i] = static_cast<float>(std::cos(ang));
       sin_t[t * half + i] = static_cast<float>(std::sin(ang));
     }
+}
+
+void dropout_rows(float* x, std::span<const int64_t> doc, std::span<const int64_t> pos, int D, float p,
+                  uint64_t seed, int64_t site) {
+  const float scale = 1.0f / (1.0f - p);
+  for (std::size_t t = 0; t < doc.size(); ++t) {
+    if (doc[t] < 0) continue;
+    float* row = x + static_cast<int64_t>(t) * D;
+    for (int j = 0; j < D; ++j) row[j] = dropout_keep(seed, site, doc[t], pos[t], j, p) ? row[j] * scale : 0.0f;
+  }
 }
 
 void rope(float* x, const float* cos_t, const float* sin_t, int64_t T, int heads, int hd, bool inverse) {

@@ -45,6 +45,15 @@ void rope_tables(std::vector<float>& cos_t, std::vector<float>& sin_t, std::span
 // x: [T, heads, hd]. inverse: rotate back (the backward of a rotation is the opposite one).
 void rope(float* x, const float* cos_t, const float* sin_t, int64_t T, int heads, int hd, bool inverse);
 
+// Hidden dropout on local rows, keyed by global position (sequence parallel): x[t, j] is
+// scaled by 1 / (1 - p), or set to 0 when dropped, the decision of attention dropout's
+// generator cpattn::dropout_keep(seed, site, doc[t], pos[t], j, p) (site in the head's place,
+// the feature j in the key position's), so a row draws the same mask on whichever rank holds
+// it, given its document and its position in the document. Rows with doc[t] < 0 (padding) are
+// left as they are. x: [T, D]; doc, pos: [T]. Its own backward: the same call on the gradient.
+void dropout_rows(float* x, std::span<const int64_t> doc, std::span<const int64_t> pos, int D, float p,
+                  uint64_t seed, int64_t site);
+
 // SwiGLU's gate: h = silu(a) * b, elementwise over n = T * F values.
 void swiglu_forward(float* h, const float* a, const float* b, int64_t n);
 // da = dh * b * silu'(a), db = dh * silu(a) (written).

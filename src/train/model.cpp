@@ -81,6 +81,10 @@ Dims model_dims(const ModelConfig& mc) {
   CPATTN_CHECK(d.F >= 1, "ModelConfig::ffn must be >= 1 (0: the default width), got ", d.F);
   CPATTN_CHECK(mc.experts >= 0, "ModelConfig::experts must be >= 0 (0: the dense MLP), got ", mc.experts);
   if (mc.moe()) (void)moe_config(mc);
+  CPATTN_CHECK(mc.dropout >= 0.0f && mc.dropout < 1.0f, "ModelConfig::dropout must be in [0, 1) (0: off), got ",
+               mc.dropout);
+  CPATTN_CHECK(mc.dropout == 0.0f || !mc.moe(), "ModelConfig::dropout is the dense MLP's: a model with experts (",
+               mc.experts, ") takes dropout 0");
   return d;
 }
 
@@ -246,7 +250,14 @@ std::vector<int64_t> rope_positions(const RankPlan& plan, std::span<const int64_
   return pos;
 }
 
-void prepare_batch(Model& m, const PackedSequence& seq) {
+uint64_t dropout_stream(uint64_t seed, int64_t step, int64_t micro) {
+  Rng a{seed ^ 0x64726f706f7574ull};  // "dropout": apart from the initialization's stream
+  Rng b{a.next() ^ static_cast<uint64_t>(step)};
+  Rng c{b.next() ^ static_cast<uint64_t>(micro)};
+  return c.next();
+}
+
+void prepare_batch(Model& m, const PackedSequence& seq, std::optional<uint64_t> dropout_seed) {
   const Dims& d = m.dims;
   const auto n = static_cast<int64_t>(seq.tokens.size());
   CPATTN_CHECK(n >= 1 && seq.labels.size() == seq.tokens.size() && seq.positions.size() == seq.tokens.size(),
@@ -279,6 +290,13 @@ void prepare_batch(Model& m, const PackedSequence& seq) {
       b.real_rows.push_back(i);
       b.real_positions.push_back(g);
     }
+  b.dropout_seed = m.config.dropout > 0.0f ? dropout_seed : std::nullopt;
+  b.row_doc.assign(static_cast<std::size_t>(T), -1);
+  for (const int64_t i : b.real_rows) {  // the document of the row's global token
+    const int64_t g = plan.real_token_index[static_cast<std::size_t>(i)];
+    b.row_doc[static_cast<std::size_t>(i)] =
+        std::upper_bound(plan.cu_seqlens.begin(), plan.cu_seqlens.end(), g) - plan.cu_seqlens.begin() - 1;
+  }
   const int64_t mlp_rows = m.config.moe() ? 0 : T;  // the dense MLP's [T, F] tensors
 
   Activations& a = m.acts;
@@ -441,6 +459,13 @@ void moe_block_backward(Model& m, int l, BlockActs& a) {
   a.moe_x = {};
 }
 
+// Hidden dropout of block l's `site` (0: attention output, 1: MLP output) on x [T, D], when
+// this batch drops.
+void hidden_dropout(const Model& m, int l, int site, float* x) {
+  const Batch& b = m.batch;
+  dropout_rows(x, b.row_doc, b.local.position_ids, m.dims.D, m.config.dropout, *b.dropout_seed, 2 * l + site);
+}
+
 }  // namespace
 
 void moe_begin_step(Model& m, int64_t step_groups) {
@@ -491,8 +516,15 @@ void block_forward(Model& m, int l, const float* x, float* y) {
   rope(a.q.data(), cos_t, sin_t, T, d.H, d.hd, false);
   rope(a.k.data(), cos_t, sin_t, T, d.KV, d.hd, false);
   attention_forward(m, a);  // att [T, H*hd]
-  std::copy(x, x + T * D, a.x_mid.begin());
-  matmul(a.att.data(), p.wo, a.x_mid.data(), T, D, Q, false, false, 1.0f);  // x_mid += att @ wo
+  const bool drop = m.batch.dropout_seed.has_value();
+  if (drop) {  // x_mid = x + dropout(att @ wo)
+    matmul(a.att.data(), p.wo, a.x_mid.data(), T, D, Q, false, false, 0.0f);
+    hidden_dropout(m, l, 0, a.x_mid.data());
+    for (int64_t i = 0; i < T * D; ++i) a.x_mid[i] += x[i];
+  } else {
+    std::copy(x, x + T * D, a.x_mid.begin());
+    matmul(a.att.data(), p.wo, a.x_mid.data(), T, D, Q, false, false, 1.0f);  // x_mid += att @ wo
+  }
   // MLP block (or its mixture of experts).
   rmsnorm_forward(a.xn2.data(), a.rstd2.data(), a.x_mid.data(), p.ln2, T, D, d.eps);
   if (m.config.moe()) {
@@ -502,6 +534,12 @@ void block_forward(Model& m, int l, const float* x, float* y) {
   matmul(a.xn2.data(), p.w1, a.a.data(), T, F, D, false, false, 0.0f);  // gate [T, F]
   matmul(a.xn2.data(), p.w3, a.b.data(), T, F, D, false, false, 0.0f);  // up [T, F]
   swiglu_forward(a.h.data(), a.a.data(), a.b.data(), T * F);           // h [T, F]
+  if (drop) {  // y = x_mid + dropout(h @ w2)
+    matmul(a.h.data(), p.w2, y, T, D, F, false, false, 0.0f);
+    hidden_dropout(m, l, 1, y);
+    for (int64_t i = 0; i < T * D; ++i) y[i] += a.x_mid[i];
+    return;
+  }
   std::copy(a.x_mid.begin(), a.x_mid.end(), y);
   matmul(a.h.data(), p.w2, y, T, D, F, false, false, 1.0f);  // y = x_mid + h @ w2
 }
@@ -542,17 +580,19 @@ void block_backward(Model& m, int l, const float* x, bool defer_weights) {
   const float* sin_t = m.batch.rope_sin.data();
   if (m.config.moe()) {  // y = x_mid + MoE(xn2): its weight gradients now, also when deferring
     moe_block_backward(m, l, a);
-  } else {  // MLP block: y = x_mid + h @ w2, dres is dy.
+  } else {  // MLP block: y = x_mid + dropout(h @ w2), dres is dy.
     std::copy(s.dres.begin(), s.dres.end(), o.dy.begin());
-    matmul(s.dres.data(), p.w2, s.dh.data(), T, F, D, false, true, 0.0f);  // dh = dy w2^T
+    if (m.batch.dropout_seed) hidden_dropout(m, l, 1, o.dy.data());  // d(h @ w2): the same mask
+    matmul(o.dy.data(), p.w2, s.dh.data(), T, F, D, false, true, 0.0f);  // dh = d(h @ w2) w2^T
     swiglu_backward(o.da.data(), o.db.data(), s.dh.data(), a.a.data(), a.b.data(), T * F);
     matmul(o.da.data(), p.w1, s.dxn.data(), T, D, F, false, true, 0.0f);   // dxn2 = da w1^T
     matmul(o.db.data(), p.w3, s.dxn.data(), T, D, F, false, true, 1.0f);   //      + db w3^T
   }
   rmsnorm_backward(s.dres.data(), g.ln2, s.dxn.data(), a.x_mid.data(), a.rstd2.data(), p.ln2, T, D);
-  // Attention block: x_mid = x + att @ wo, dres is d(x_mid).
+  // Attention block: x_mid = x + dropout(att @ wo), dres is d(x_mid); o.dx_mid = d(att @ wo).
   std::copy(s.dres.begin(), s.dres.end(), o.dx_mid.begin());
-  matmul(s.dres.data(), p.wo, s.datt.data(), T, Q, D, false, true, 0.0f);  // datt = dx_mid wo^T
+  if (m.batch.dropout_seed) hidden_dropout(m, l, 0, o.dx_mid.data());
+  matmul(o.dx_mid.data(), p.wo, s.datt.data(), T, Q, D, false, true, 0.0f);  // datt = d(att @ wo) wo^T
   attention_backward(m, a, o);                                             // dq, dk, dv
   rope(o.dq.data(), cos_t, sin_t, T, d.H, d.hd, true);
   rope(o.dk.data(), cos_t, sin_t, T, d.KV, d.hd, true);

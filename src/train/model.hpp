@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -112,6 +113,10 @@ struct Batch {
   std::vector<float> rope_cos, rope_sin;  // [T, hd/2]
   std::vector<int64_t> real_rows;         // the local rows that are not padding, in order: what MoE routes
   std::vector<int64_t> real_positions;    // [real_rows] their places in the sequence (the MoE group's order)
+  // Hidden dropout (ModelConfig::dropout): each row's document in the packed sequence (-1:
+  // padding) and the key of this batch's masks; unset for a forward without dropout (eval).
+  std::vector<int64_t> row_doc;  // [T]
+  std::optional<uint64_t> dropout_seed;
 };
 
 // The gradients at the outputs of a block's weight products, which its weight gradients read
@@ -119,9 +124,9 @@ struct Batch {
 // gradient; a backward that defers the weight gradients (zero-bubble pipelines) keeps them
 // until block_weight_backward.
 struct BlockOutGrads {
-  std::vector<float> dy;          // [T, D] gradient of the block's output (w2)
+  std::vector<float> dy;          // [T, D] gradient of h @ w2 (the block's output, dropout applied)
   std::vector<float> da, db;      // [T, F] gate and up (w1, w3)
-  std::vector<float> dx_mid;      // [T, D] gradient of the residual after attention (wo)
+  std::vector<float> dx_mid;      // [T, D] gradient of att @ wo (the residual after attention, dropout applied)
   std::vector<float> dq, dk, dv;  // [T, H*hd], [T, KV*hd], [T, KV*hd] before RoPE (wq, wk, wv)
 };
 
@@ -210,10 +215,18 @@ std::vector<int64_t> rope_positions(const RankPlan& plan, std::span<const int64_
 // Plans `seq` for this rank (once: every block's attention gets that plan), takes the local
 // arrays and RoPE tables, sizes the activations. Checks the sequence (PackedSequence's fields
 // and min_seq_len name the errors).
-void prepare_batch(Model& m, const PackedSequence& seq);
+// dropout_seed: the key of the hidden dropout masks of a training forward (dropout_stream);
+// unset (eval) or ModelConfig::dropout = 0: no dropout.
+void prepare_batch(Model& m, const PackedSequence& seq, std::optional<uint64_t> dropout_seed = std::nullopt);
 
-// x [T, D] -> y [T, D]:  x_mid = x + Wo . Attn(RoPE(Wq . rms(x)), RoPE(Wk . rms(x)), Wv . rms(x))
-//                        y = x_mid + W2 . (silu(W1 . rms(x_mid)) * (W3 . rms(x_mid)))
+// The hidden dropout key of micro-batch `micro` (counted over the whole step, every replica's)
+// of optimizer step `step` of a run seeded `seed`: the same on every rank, whatever cp, so a CP
+// run drops what one process drops.
+uint64_t dropout_stream(uint64_t seed, int64_t step, int64_t micro);
+
+// x [T, D] -> y [T, D]:  x_mid = x + drop(Wo . Attn(RoPE(Wq . rms(x)), RoPE(Wk . rms(x)), Wv . rms(x)))
+//                        y = x_mid + drop(W2 . (silu(W1 . rms(x_mid)) * (W3 . rms(x_mid))))
+// (drop: hidden dropout, only when the batch has a dropout_seed)
 void block_forward(Model& m, int l, const float* x, float* y);
 // The block's backward: m.scratch.dres holds dy [T, D] on entry and dx on return; adds the
 // block's weight gradients into m.grads, or with `defer_weights` only its norms' and keeps

@@ -21,18 +21,23 @@ int64_t labeled_rows(std::span<const PackedSequence> seqs) {
 }
 
 PipelineModel::PipelineModel(Model& m, const PipelineSpec& spec, int stage, std::span<const PackedSequence> micro,
-                             int64_t total)
+                             int64_t total, std::span<const uint64_t> dropout_seeds)
     : m_(m), stages_(spec.stages), chunks_(spec.virtual_stages), stage_(stage), total_(total),
       micro_(micro.size()) {
   CPATTN_CHECK(std::ssize(micro) == spec.micro, "PipelineModel: ", micro.size(), " sequences for ", spec.micro,
                " micro-batches");
   CPATTN_CHECK(stage >= 0 && stage < spec.stages, "PipelineModel: stage ", stage, " outside [0, ", spec.stages, ")");
   CPATTN_CHECK(total >= 1, "PipelineModel: the step has no labeled token");
+  CPATTN_CHECK(dropout_seeds.empty() || dropout_seeds.size() == micro.size(), "PipelineModel: ",
+               dropout_seeds.size(), " dropout seeds for ", micro.size(), " micro-batches");
   for (MicroState& st : micro_) {
     st.acts.resid.resize(m.dims.L + 1);
     st.acts.blocks.resize(m.dims.L);
   }
-  for (int mb = 0; mb < spec.micro; ++mb) with_micro(mb, [&] { prepare_batch(m_, micro[mb]); });
+  for (int mb = 0; mb < spec.micro; ++mb)
+    with_micro(mb, [&] {
+      prepare_batch(m_, micro[mb], dropout_seeds.empty() ? std::nullopt : std::optional(dropout_seeds[mb]));
+    });
   std::fill(m.grads.begin(), m.grads.end(), 0.0f);
 }
 

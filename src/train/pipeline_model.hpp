@@ -39,8 +39,10 @@ class PipelineModel final : public PipelineStage {
   // and zeroes m.grads. `stage`: this rank's pipeline stage. `total`: the labeled rows of the
   // whole step (all micro-batches, all ranks that share it): each backward takes the gradient
   // of (sum of row losses) / total, so the micro-batches' gradients add up to the step's.
+  // dropout_seeds: the hidden dropout key of each micro-batch (dropout_stream), or empty for
+  // none.
   PipelineModel(Model& m, const PipelineSpec& spec, int stage, std::span<const PackedSequence> micro,
-                int64_t total);
+                int64_t total, std::span<const uint64_t> dropout_seeds = {});
 
   int64_t boundary_floats(int micro) const override;  // [T of the micro-batch, D]
   void forward(int chunk, int micro, std::span<const float> in, std::span<float> out) override;

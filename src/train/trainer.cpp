@@ -150,7 +150,9 @@ struct Trainer::Impl {
                             .virtual_stages = mc.virtual_stages};
     const Schedule schedule = make_schedule(spec);
     moe_begin_step(model, static_cast<int64_t>(M) * mesh.cp.size());
-    PipelineModel stage(model, spec, mesh.pp_rank, micro.subspan(mesh.dp_rank * spec.micro, spec.micro), total);
+    std::vector<uint64_t> drop;  // each micro-batch's hidden dropout key, by its index in the step
+    for (int mb = 0; mb < spec.micro; ++mb) drop.push_back(dropout_stream(seed, adam.step, mesh.dp_rank * spec.micro + mb));
+    PipelineModel stage(model, spec, mesh.pp_rank, micro.subspan(mesh.dp_rank * spec.micro, spec.micro), total, drop);
     (void)run_pipeline(mesh.pp, schedule, stage);
     local_tokens = stage.local_tokens();
     // Only the last stage has losses: the others add zeros.

@@ -18,6 +18,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -430,23 +431,41 @@ TEST_F(CpAttentionTest, RingRejectsIndexMode) {
   EXPECT_EQ(to_string(CpScheme::allgather), "allgather");
 }
 
+// Whether rank q's real queries see a real key of rank b's block (causal), counted naively
+// from the plans' tokens: what decides whether the ring's partial dK/dV of that pair is full.
+bool sees_block(const std::vector<int64_t>& cu, int cp, int q, int b) {
+  const RankPlan pq = get_thd_load_balanced_cp_metadata(cu, cp, q), pb = get_thd_load_balanced_cp_metadata(cu, cp, b);
+  const auto doc_of = [&](int64_t g) { return std::upper_bound(cu.begin(), cu.end(), g) - cu.begin() - 1; };
+  for (const int64_t gq : pq.real_token_index)
+    for (const int64_t gk : pb.real_token_index)
+      if (gq >= 0 && gk >= 0 && doc_of(gq) == doc_of(gk) && gk <= gq) return true;
+  return false;
+}
+
 TEST_F(CpAttentionTest, RingMovesOnlyNeighbourBlocks) {
-  // Forward: cp - 1 shifts of the K/V blocks; backward: the same plus cp shifts of the fp32
-  // dK/dV accumulators; counted by the communicator (the agreement's all-gathers on top).
+  // Forward: cp - 1 shifts of the K/V blocks; backward: the same plus, per step s >= 1, the
+  // partial fp32 dK/dV of the visiting block going home to rank r - s: full when r's queries
+  // see that block, else an empty message; counted by the communicator (the agreement's
+  // all-gathers on top).
   SmallBatch b(comm.size(), comm.rank());
   CpAttnConfig c = b.config();
   c.scheme = CpScheme::ring;
   CpAttention attn(comm, c);
-  const int cp = comm.size();
+  const int cp = comm.size(), r = comm.rank();
   const int64_t kv = b.t_loc * b.s.hkv * (b.s.dqk + b.s.dv) * 4;
+  int64_t sends = 0, receives = 0;
+  for (int st = 1; st < cp; ++st) {
+    sends += sees_block(b.cu, cp, r, (r - st + cp) % cp);
+    receives += sees_block(b.cu, cp, (r + st) % cp, r);
+  }
   const int64_t s0 = comm.bytes_sent(), r0 = comm.bytes_received();
   CpContext ctx = attn.forward(b.fwd());
   attn.backward(ctx, b.bwd());
   const int64_t sent = comm.bytes_sent() - s0, recv = comm.bytes_received() - r0;
-  const int64_t payload = cp == 1 ? 0 : 2 * (cp - 1) * kv + cp * kv;
-  EXPECT_GE(sent, payload);
-  EXPECT_LT(sent, payload + 4096 * cp);  // agreement fingerprints are small
-  EXPECT_EQ(sent, recv);
+  const int64_t shifts = cp == 1 ? 0 : 2 * (cp - 1) * kv;
+  EXPECT_GE(sent, shifts + sends * kv);
+  EXPECT_LT(sent, shifts + sends * kv + 4096 * cp);  // agreement fingerprints are small
+  EXPECT_EQ(sent - sends * kv, recv - receives * kv);
 }
 
 }  // namespace

@@ -8,7 +8,8 @@
 #include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
-#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, the bf16 dot-product step
+#include "../src/kernels/common.hpp"
+#include "error_of.hpp"  // KernelTable::bf16_dot, the bf16 dot-product step
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -284,6 +285,169 @@ TEST(kernel_attention, AccumulateAddsIntoExistingBuffersAndSharesKeyRows) {
   bp.dq = dq.view();
   attention_backward(bp);
   for (size_t i = 0; i < twice.size(); i += 97) EXPECT_NEAR(twice[i] - dk_acc[i], g[i], 1e-5);
+}
+
+// ---- a key set split over calls: OutMode::accumulate and GradMode::accumulate_all ----------
+// Each task's key run cut in two at `at` of its length: the first parts and the second parts,
+// two work lists whose union is `w` (what the ring CP scheme's steps are to one call).
+std::pair<WorkList, WorkList> split_keys(const WorkList& w, double at) {
+  std::pair<WorkList, WorkList> parts;
+  for (const AttnTask& t : w.tasks)
+    for (int64_t r = t.run_begin; r < t.run_end; ++r) {
+      const KeyRun& k = w.runs[r];
+      const int64_t n1 = std::max<int64_t>(1, static_cast<int64_t>(at * static_cast<double>(k.len)));
+      const KeyRun pieces[2] = {{.row = k.row, .len = n1, .pos = k.pos},
+                                {.row = k.row + n1, .len = k.len - n1, .pos = k.pos + n1}};
+      for (int i = 0; i < 2; ++i) {
+        if (pieces[i].len == 0) continue;
+        WorkList& part = i == 0 ? parts.first : parts.second;
+        AttnTask nt = t;
+        nt.run_begin = static_cast<int64_t>(part.runs.size());
+        part.runs.push_back(pieces[i]);
+        nt.run_end = nt.run_begin + 1;
+        part.tasks.push_back(nt);
+      }
+    }
+  return parts;
+}
+
+// Documents of 1, 37 and 130 tokens, GQA, odd head dims, dropout: the forward over the two
+// halves of every key run, accumulated into fp32 out and lse from "nothing yet", equals the
+// float64 reference over the whole key set (fp32 and bf16 storage, read as stored).
+TEST(kernel_attention, OutModeAccumulateOverASplitKeySetIsTheWholeForward) {
+  for (const MaskType mask : {MaskType::causal, MaskType::none})
+    for (const DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(to_string(dt)) + (mask == MaskType::causal ? " causal" : " no mask"));
+      AttnCase c{"split", {1, 37, 130}, {1, 37, 130}, 4, 2, 33, 17, mask};
+      c.dropout_p = 0.15f;
+      const Problem pb(c, dt, 21);
+      const auto [w1, w2] = split_keys(pb.work, 0.4);
+      const float inf = std::numeric_limits<float>::infinity();
+      Tensor out(DType::f32, pb.out_shape()), ref(DType::f32, pb.out_shape());
+      std::vector<float> lse(pb.lse_size(), -inf), ref_lse(pb.lse_size(), -inf);
+      for (const WorkList* w : {&w1, &w2}) {
+        AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 2, w);
+        fp.out_mode = OutMode::accumulate;
+        attention_forward(fp);
+      }
+      AttnFwdParams whole = pb.fwd(pb.q, pb.k, pb.v, ref, ref_lse.data(), KernelPath::automatic, 1);
+      whole.out_mode = OutMode::accumulate;  // fp32 out from nothing: the whole result in fp32
+      attention_forward_reference(whole);
+      EXPECT_LE(rel_norm_error(out.f, ref.f), tolerance(DType::f32).rel_norm);
+      EXPECT_LE(rel_norm_error(lse, ref_lse), 1e-6);
+      // The reference's accumulation agrees with itself split the same way.
+      Tensor ref2(DType::f32, pb.out_shape());
+      std::vector<float> ref2_lse(pb.lse_size(), -inf);
+      for (const WorkList* w : {&w1, &w2}) {
+        AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, ref2, ref2_lse.data(), KernelPath::automatic, 1, w);
+        fp.out_mode = OutMode::accumulate;
+        attention_forward_reference(fp);
+      }
+      EXPECT_LE(rel_norm_error(ref2.f, ref.f), 1e-6);
+      // Repeated: bitwise the same.
+      Tensor again(DType::f32, pb.out_shape());
+      std::vector<float> again_lse(pb.lse_size(), -inf);
+      for (const WorkList* w : {&w1, &w2}) {
+        AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, again, again_lse.data(), KernelPath::automatic, 1, w);
+        fp.out_mode = OutMode::accumulate;
+        attention_forward(fp);
+      }
+      EXPECT_EQ(again.f, out.f);
+      EXPECT_EQ(again_lse, lse);
+    }
+}
+
+// Rows of no task keep what they held; a row whose earlier part saw nothing (lse -inf) takes
+// the new part alone.
+TEST(kernel_attention, OutModeAccumulateLeavesRowsOfNoTaskAlone) {
+  const AttnCase c{"rows", {8}, {8}, 2, 1, 16, 16, MaskType::causal};
+  const Problem pb(c, DType::f32, 5);
+  WorkList w;  // queries 4..7 only
+  w.runs.push_back({.row = 0, .len = 8, .pos = 0});
+  w.tasks.push_back({.q_row = 4, .q_len = 4, .q_pos = 4, .doc = 0, .run_begin = 0, .run_end = 1});
+  Tensor out(DType::f32, pb.out_shape());
+  for (std::size_t i = 0; i < out.f.size(); ++i) out.f[i] = 0.125f * static_cast<float>(i % 9);
+  std::vector<float> lse(pb.lse_size(), 3.0f);
+  for (std::size_t i = 8; i < lse.size(); ++i) lse[i] = -std::numeric_limits<float>::infinity();  // rows 4..7
+  const Tensor before = out;
+  AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1, &w);
+  fp.out_mode = OutMode::accumulate;
+  attention_forward(fp);
+  const std::size_t row = static_cast<std::size_t>(c.num_heads_q * c.head_dim_v);
+  for (std::size_t i = 0; i < 4 * row; ++i) EXPECT_EQ(out.f[i], before.f[i]);
+  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(lse[i], 3.0f);
+  // Rows 4..7 started empty: the ordinary forward of the task.
+  Tensor plain(DType::f32, pb.out_shape());
+  std::vector<float> plain_lse(pb.lse_size());
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, plain, plain_lse.data(), KernelPath::automatic, 1, &w));
+  EXPECT_LE(rel_norm_error(std::vector<float>(out.f.begin() + 4 * row, out.f.end()),
+                           std::vector<float>(plain.f.begin() + 4 * row, plain.f.end())), 1e-6);
+}
+
+// dQ, dK and dV over the two halves of every key run, accumulated into fp32 buffers that
+// already hold values, with the whole forward's out and lse: the start plus the whole
+// backward's gradients (float64 reference), storage read as stored.
+TEST(kernel_attention, GradModeAccumulateAllOverASplitKeySetIsTheWholeBackward) {
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(to_string(dt));
+    AttnCase c{"split", {1, 37, 130}, {1, 37, 130}, 4, 2, 33, 17, MaskType::causal};
+    c.dropout_p = 0.15f;
+    const Problem pb(c, dt, 22);
+    const auto [w1, w2] = split_keys(pb.work, 0.6);
+    Tensor out(dt, pb.out_shape());
+    std::vector<float> lse(pb.lse_size());
+    attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1));
+    std::vector<float> dq(pb.q.size()), dk(pb.dk_size()), dv(pb.dv_size());
+    for (std::size_t i = 0; i < dq.size(); ++i) dq[i] = 0.01f * static_cast<float>(i % 11);
+    for (std::size_t i = 0; i < dk.size(); ++i) dk[i] = -0.02f * static_cast<float>(i % 7);
+    const std::vector<float> dq0 = dq, dk0 = dk, dv0 = dv;
+    Tensor dq_t(dt, pb.q_shape()), dk_t(dt, pb.k_shape()), dv_t(dt, pb.v_shape());
+    for (const WorkList* w : {&w1, &w2}) {
+      AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq_t, dk_t, dv_t, KernelPath::automatic, 2, w);
+      bp.grad_mode = GradMode::accumulate_all;
+      bp.dq = contiguous(dq.data(), c.total_q(), c.num_heads_q, c.head_dim_qk);
+      bp.dk = contiguous(dk.data(), c.total_k(), c.num_heads_k, c.head_dim_qk);
+      bp.dv = contiguous(dv.data(), c.total_k(), c.num_heads_k, c.head_dim_v);
+      attention_backward(bp);
+    }
+    // The whole backward in float64, into fp32 buffers holding the same start.
+    std::vector<float> rq = dq0, rk = dk0, rv = dv0;
+    AttnBwdParams whole = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq_t, dk_t, dv_t, KernelPath::automatic, 1);
+    whole.grad_mode = GradMode::accumulate_all;
+    whole.dq = contiguous(rq.data(), c.total_q(), c.num_heads_q, c.head_dim_qk);
+    whole.dk = contiguous(rk.data(), c.total_k(), c.num_heads_k, c.head_dim_qk);
+    whole.dv = contiguous(rv.data(), c.total_k(), c.num_heads_k, c.head_dim_v);
+    attention_backward_reference(whole);
+    const auto minus = [](std::vector<float> a, const std::vector<float>& b) {
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] -= b[i];
+      return a;
+    };
+    EXPECT_LE(rel_norm_error(minus(dq, dq0), minus(rq, dq0)), 1e-5);
+    EXPECT_LE(rel_norm_error(minus(dk, dk0), minus(rk, dk0)), 1e-5);
+    EXPECT_LE(rel_norm_error(minus(dv, dv0), minus(rv, dv0)), 1e-5);
+  }
+}
+
+TEST(kernel_attention, AccumulateModesRefuseOutputsTheyCannotAddInto) {
+  const AttnCase c{"bad", {5}, {5}, 2, 1, 8, 8, MaskType::causal};
+  const Problem pb(c, DType::bf16, 3);
+  Tensor out(DType::bf16, pb.out_shape());
+  std::vector<float> lse(pb.lse_size());
+  AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1);
+  fp.out_mode = OutMode::accumulate;  // a bf16 out cannot hold the running result
+  EXPECT_NE(error_of([&] { attention_forward(fp); }).find("out_mode accumulate needs an fp32 out"), std::string::npos);
+  Tensor out32(DType::f32, pb.out_shape());
+  fp.out = out32.view();
+  fp.lse = nullptr;
+  EXPECT_NE(error_of([&] { attention_forward(fp); }).find("and no lse"), std::string::npos);
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1));
+  Tensor dq(DType::bf16, pb.q_shape()), dk(DType::bf16, pb.k_shape()), dv(DType::bf16, pb.v_shape());
+  std::vector<float> dk32(pb.dk_size()), dv32(pb.dv_size());
+  AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
+  bp.grad_mode = GradMode::accumulate_all;
+  bp.dk = contiguous(dk32.data(), c.total_k(), c.num_heads_k, c.head_dim_qk);
+  bp.dv = contiguous(dv32.data(), c.total_k(), c.num_heads_k, c.head_dim_v);
+  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_mode accumulate_all needs an fp32 dq"), std::string::npos);
 }
 
 // ---- tasks whose queries see no key --------------------------------------------------------

@@ -1,6 +1,8 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 
+#include "error_of.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,17 +15,7 @@ namespace {
 using ::testing::HasSubstr;
 using V = std::vector<int64_t>;
 
-// Runs `f`, expects cpattn::Error, and returns its message.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "no cpattn::Error thrown";
-  return {};
-}
+using testing::error_of;
 
 TEST(Layout, BothSpellingsGiveTheSameBoundaries) {
   EXPECT_EQ(cu_seqlens_from_ends(V{16, 40}), (V{0, 16, 40}));

@@ -119,6 +119,9 @@ with tempfile.TemporaryDirectory() as tmp:
         (0, ["--cp-scheme", "ring", "--cp-inner", "1"], "--cp-inner is for --cp-scheme hybrid only"),
         (0, ["--window", "16"], "--window must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '16'"),
         (0, ["--softcap", "-1"], "--softcap must be finite and >= 0 (0 = off), got -1"),
+        (2, ["--cp", "2", "--dropout", "1"], "--dropout must be in [0, 1) (0 = off), got 1"),
+        (0, ["--dropout", "0.1", "--experts", "2"], "--dropout is the dense MLP's hidden dropout: with --experts 2 it "
+                                                    "must be 0, got 0.1"),
     ]
     for np_, args, msg in bad:
         r = train(np_, *SMALL[:-4], *args, "--steps", "2", timeout=120)
@@ -186,7 +189,8 @@ with tempfile.TemporaryDirectory() as tmp:
     # The masks are part of the model a checkpoint records (the scheme is not: above, a cp 2
     # ring checkpoint resumed at cp 1 with the all-gather).
     for args, msg in ((["--window", "16,0"], "holds a model with window_left = -1, this run has 16"),
-                      (["--softcap", "2.5"], "holds a model with softcap = 0, this run has 2.5")):
+                      (["--softcap", "2.5"], "holds a model with softcap = 0, this run has 2.5"),
+                      (["--dropout", "0.1"], "holds a model with dropout = 0, this run has 0.1")):
         r = train(0, *SMALL, "--steps", "6", "--resume", p("a.ckpt"), *args)
         check(r.returncode == 2 and msg in r.stderr, f"--resume with {args}: exit {r.returncode}\n{r.stderr[-800:]}")
     with open(p("a.ckpt"), "rb") as f:

@@ -1,8 +1,8 @@
 // The checkpoint format (src/train/checkpoint.hpp) against an independent writer: the fuzz
 // seeds that tests/fuzz/make_checkpoint_seeds.py writes by hand from the documented layout
-// (Python's struct and its own FNV-1a) must read as their names say, the valid version 4 ones
-// back to the exact bytes format_checkpoint writes, the valid version 3 one to the version 4
-// file of the same run. No MPI.
+// (Python's struct and its own FNV-1a) must read as their names say, the valid version 5 ones
+// back to the exact bytes format_checkpoint writes, the valid version 3 and 4 ones to the
+// version 5 file of the same run. No MPI.
 #include <cpattn/error.hpp>
 
 #include <gmock/gmock.h>
@@ -71,25 +71,41 @@ TEST(CheckpointFormat, TheModelWithExpertsReadsAndFormatsBackToItsBytes) {
   EXPECT_THAT(refusal("valid_moe"), HasSubstr("holds a model with experts = 4, this run has 0"));
 }
 
-TEST(CheckpointFormat, AVersion3FileReadsAsTheDenseModelAndIsWrittenAsVersion4) {
-  const std::vector<std::byte> file = seed("valid_v3");
-  const CheckpointState s = parse_checkpoint(file, "valid_v3", kConfig);
+TEST(CheckpointFormat, Versions3And4ReadAsTheDenseModelWithoutDropoutAndAreWrittenAsVersion5) {
+  for (const char* name : {"valid_v3", "valid_v4"}) {
+    SCOPED_TRACE(name);
+    const CheckpointState s = parse_checkpoint(seed(name), name, kConfig);
+    expect_seed_state(s);
+    // The hand-written version 5 file of the same run, byte for byte.
+    EXPECT_EQ(format_checkpoint(kConfig, s.step, s.data, s.params, s.m, s.v), seed("valid"));
+    // No dropout recorded: a run with dropout does not resume from it.
+    CheckpointConfig with_dropout = kConfig;
+    with_dropout.model.dropout = 0.25f;
+    EXPECT_THROW((void)parse_checkpoint(seed(name), name, with_dropout), Error);
+  }
+}
+
+TEST(CheckpointFormat, TheDropoutIsPartOfTheModel) {
+  EXPECT_THAT(refusal("other_dropout"), HasSubstr("holds a model with dropout = 0.25, this run has 0"));
+  CheckpointConfig with_dropout = kConfig;
+  with_dropout.model.dropout = 0.25f;
+  const CheckpointState s = parse_checkpoint(seed("other_dropout"), "other_dropout", with_dropout);
   expect_seed_state(s);
-  // The hand-written version 4 file of the same run, byte for byte.
-  EXPECT_EQ(format_checkpoint(kConfig, s.step, s.data, s.params, s.m, s.v), seed("valid"));
+  EXPECT_EQ(format_checkpoint(with_dropout, s.step, s.data, s.params, s.m, s.v), seed("other_dropout"));
 }
 
 TEST(CheckpointFormat, EveryBadSeedIsRefusedNamingItsProblem) {
-  // Version 4: 8 (magic) + 8 x (2 + 35 fields) + 8 (checksum) + 36 (payload) = 348 bytes.
-  EXPECT_THAT(refusal("truncated"), HasSubstr("is truncated: 343 bytes, its header says 348"));
-  EXPECT_THAT(refusal("header_only"), HasSubstr("is truncated: 312 bytes, its header says 348"));
-  EXPECT_THAT(refusal("trailing"), HasSubstr("has 4 trailing bytes after its data (348 bytes expected)"));
+  // Version 5: 8 (magic) + 8 x (2 + 36 fields) + 8 (checksum) + 36 (payload) = 356 bytes.
+  EXPECT_THAT(refusal("truncated"), HasSubstr("is truncated: 351 bytes, its header says 356"));
+  EXPECT_THAT(refusal("header_only"), HasSubstr("is truncated: 320 bytes, its header says 356"));
+  EXPECT_THAT(refusal("trailing"), HasSubstr("has 4 trailing bytes after its data (356 bytes expected)"));
   EXPECT_THAT(refusal("bad_checksum"), HasSubstr("fails its checksum"));
-  EXPECT_THAT(refusal("version1"), HasSubstr("has version 1, this cpattn reads versions 3 and 4 (version 1 has no "
+  EXPECT_THAT(refusal("version1"), HasSubstr("has version 1, this cpattn reads versions 3 to 5 (version 1 has no "
                                              "checksum"));
-  EXPECT_THAT(refusal("version2"), HasSubstr("has version 2, this cpattn reads versions 3 and 4 (version 2 has no "
+  EXPECT_THAT(refusal("version2"), HasSubstr("has version 2, this cpattn reads versions 3 to 5 (version 2 has no "
                                              "attention masks"));
   EXPECT_THAT(refusal("v3_count_of_v4"), HasSubstr("has 35 header fields, want 28"));
+  EXPECT_THAT(refusal("v4_count_of_v5"), HasSubstr("has 36 header fields, want 35"));
   EXPECT_THAT(refusal("other_lr"), HasSubstr("has lr 0.001, this run 0.0005"));
   EXPECT_THAT(refusal("moe_other_router", kMoe), HasSubstr("holds a model with router = sigmoid-bias, this run has "
                                                            "softmax"));

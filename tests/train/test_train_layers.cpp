@@ -2,11 +2,13 @@
 // MPI: each rank's local rows under the symmetric split (the planner's plan for cp ranks) run
 // through RMSNorm and RoPE exactly as a single process's rows do. RMSNorm forward and backward
 // are bitwise the dense result row by row; RoPE with the plan's global positions is bitwise the
-// dense result, and with local offsets it is not (the test shows both); RoPE's backward against
-// finite differences. And the expert-sharded parameter layout's alignment.
+// dense result, and with local offsets it is not (the test shows both); so does hidden dropout's
+// mask; RoPE's backward against finite differences. And the expert-sharded parameter layout's
+// alignment.
 #include "layers.hpp"
 #include "model.hpp"
 
+#include <cpattn/attention.hpp>
 #include <cpattn/plan.hpp>
 
 #include <gtest/gtest.h>
@@ -50,6 +52,13 @@ std::vector<float> local_rows(const std::vector<float>& dense, int width, const 
   for (int64_t i = 0; i < plan.local_tokens; ++i)
     if (plan.real_token_index[i] < 0) std::fill_n(local.begin() + i * width, width, pad);
   return local;
+}
+
+// This rank's part of a batch with these positions (tokens, labels and loss mask unused).
+TokenBatch local_positions(const std::vector<int64_t>& positions, const RankPlan& plan) {
+  return get_batch_on_this_cp_rank({.tokens = std::vector<int64_t>(kT), .labels = std::vector<int64_t>(kT),
+                                    .position_ids = positions, .loss_mask = std::vector<float>(kT)},
+                                   plan);
 }
 
 // Local row i is bitwise dense row plan.real_token_index[i], for every real row.
@@ -117,10 +126,7 @@ TEST(SequenceParallel, RopeOnShardedTokensNeedsTheGlobalPositionsOfThePlan) {
     for (int rank = 0; rank < cp; ++rank) {
       const RankPlan plan = get_thd_load_balanced_cp_metadata(kCuSeqlens, cp, rank);
       const int64_t T = plan.local_tokens;
-      const TokenBatch local = get_batch_on_this_cp_rank(
-          {.tokens = std::vector<int64_t>(kT), .labels = std::vector<int64_t>(kT), .position_ids = positions,
-           .loss_mask = std::vector<float>(kT)},
-          plan);
+      const TokenBatch local = local_positions(positions, plan);
       for (const bool local_offsets : {false, true}) {
         std::vector<float> ql = local_rows(q, W, plan, 0.0f);
         rope_tables(cos_t, sin_t, rope_positions(plan, local.position_ids, local_offsets), hd, theta);
@@ -138,6 +144,64 @@ TEST(SequenceParallel, RopeOnShardedTokensNeedsTheGlobalPositionsOfThePlan) {
       EXPECT_EQ(worst_local, 0.0f) << "one rank: a local offset is the global position";
     else
       EXPECT_GT(worst_local, 0.1f) << "cp " << cp << ": local offsets should rotate split documents wrongly";
+  }
+}
+
+// Hidden dropout (dropout_rows) on each rank's rows with the plan's documents and global
+// positions drops bitwise what the dense run drops; with local offsets in place of the
+// positions it does not (at cp > 1). The mask itself is attention dropout's generator
+// (cpattn::dropout_keep), checked element by element, and a dropped share near p.
+TEST(SequenceParallel, ShardedDropoutMaskIsTheDenseMaskWithGlobalPositionsOnly) {
+  constexpr int D = 20;
+  constexpr float p = 0.3f;
+  constexpr uint64_t seed = 99;
+  constexpr int64_t site = 3;
+  const std::vector<float> x = normals(kT * D, 7);
+  const std::vector<int64_t> positions = document_positions();
+  std::vector<int64_t> doc(kT);
+  for (std::size_t d = 0; d + 1 < kCuSeqlens.size(); ++d)
+    for (int64_t t = kCuSeqlens[d]; t < kCuSeqlens[d + 1]; ++t) doc[t] = static_cast<int64_t>(d);
+  std::vector<float> dense = x;
+  dropout_rows(dense.data(), doc, positions, D, p, seed, site);
+  int64_t dropped = 0;
+  for (int64_t t = 0; t < kT; ++t)
+    for (int j = 0; j < D; ++j) {
+      const bool keep = dropout_keep(seed, site, doc[t], positions[t], j, p);
+      EXPECT_EQ(dense[t * D + j], keep ? x[t * D + j] * (1.0f / (1.0f - p)) : 0.0f) << "token " << t << " feature " << j;
+      dropped += !keep;
+    }
+  EXPECT_NEAR(static_cast<double>(dropped) / (kT * D), p, 0.06);
+
+  for (const int cp : kCps) {
+    int64_t differ = 0;  // real elements local offsets drop differently
+    for (int rank = 0; rank < cp; ++rank) {
+      const RankPlan plan = get_thd_load_balanced_cp_metadata(kCuSeqlens, cp, rank);
+      const int64_t T = plan.local_tokens;
+      const TokenBatch local = local_positions(positions, plan);
+      std::vector<int64_t> local_doc(T, -1);  // padding rows: -1, left alone
+      for (int64_t i = 0; i < T; ++i)
+        if (const int64_t t = plan.real_token_index[i]; t >= 0) local_doc[i] = doc[t];
+      for (const bool local_offsets : {false, true}) {
+        std::vector<float> xl = local_rows(x, D, plan, 0.5f);
+        const std::vector<float> padded = xl;
+        dropout_rows(xl.data(), local_doc, rope_positions(plan, local.position_ids, local_offsets), D, p, seed, site);
+        for (int64_t i = 0; i < T; ++i) {
+          if (plan.real_token_index[i] >= 0) continue;
+          EXPECT_EQ(std::memcmp(xl.data() + i * D, padded.data() + i * D, sizeof(float) * D), 0) << "padding row";
+        }
+        if (!local_offsets) {
+          expect_rows_bitwise(xl, dense, D, plan, "dropout with global positions");
+          continue;
+        }
+        for (int64_t i = 0; i < T; ++i)
+          if (const int64_t t = plan.real_token_index[i]; t >= 0)
+            for (int j = 0; j < D; ++j) differ += xl[i * D + j] != dense[t * D + j];
+      }
+    }
+    if (cp == 1)
+      EXPECT_EQ(differ, 0) << "one rank: a local offset is the global position";
+    else
+      EXPECT_GT(differ, 20) << "cp " << cp << ": local offsets should draw another mask for split documents";
   }
 }
 

@@ -342,6 +342,46 @@ TEST(TrainCp, EverySchemeMatchesCp1Within1e5) {
   }
 }
 
+// Hidden dropout (ModelConfig::dropout) draws its masks by document and global position, so
+// CP training with dropout follows the CP=1 curve with dropout: at cp = world size, and at
+// 4 ranks also cp = 3 on ranks 0..2 (so 2, 3 and 4 are covered by the 2- and 4-rank runs).
+// The dropout changes the curve (it reaches every block).
+TEST(TrainCp, HiddenDropoutMatchesCp1Within1e5) {
+  ModelConfig m = kSmall;
+  m.dropout = 0.2f;
+  const int steps = kSanitize ? 2 : 4;
+  const Curve ref = reference(m, {}, kSmallSeq, steps);
+  const Curve plain = reference(kSmall, {}, kSmallSeq, steps);
+  const auto worst = [&](const Curve& got) {
+    double d = 0;
+    for (int s = 0; s < steps; ++s) d = std::max({d, rel(got.loss[s], ref.loss[s]), rel(got.gnorm[s], ref.gnorm[s])});
+    return d;
+  };
+  double d_plain = 0;
+  for (int s = 0; s < steps; ++s) d_plain = std::max(d_plain, rel(plain.loss[s], ref.loss[s]));
+  EXPECT_GT(d_plain, 1e-4) << "dropout made no difference";
+  const double d = worst(run(MPI_COMM_WORLD, m, {}, kSmallSeq, steps));
+  EXPECT_LE(d, 1e-5);
+  if (world_size() == 1) {
+    EXPECT_EQ(d, 0.0);
+  }
+  if (world_rank() == 0)
+    std::printf("[ info ] cp %d with dropout vs cp 1: max relative difference %.3e (dropout vs none: %.3e)\n",
+                world_size(), d, d_plain);
+  if (world_size() == 4) {  // cp = 3 on ranks 0..2 (odd cp: chunks of 6 per document)
+    MPI_Comm three = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, world_rank() < 3 ? 0 : MPI_UNDEFINED, world_rank(), &three);
+    if (three != MPI_COMM_NULL) {
+      const double d3 = worst(run(three, m, {.cp_scheme = CpScheme::ring}, kSmallSeq, steps));
+      EXPECT_LE(d3, 1e-5);
+      if (world_rank() == 0)
+        std::printf("[ info ] cp 3 (ring) with dropout vs cp 1: max relative difference %.3e\n", d3);
+      MPI_Comm_free(&three);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
 // ---- Learning --------------------------------------------------------------------------------------
 
 // The default model on the default data: the loss falls from ln 257 = 5.55 well below it.
@@ -514,8 +554,8 @@ TEST(TrainNonFinite, AHugeLearningRateDivergesIntoAnErrorNotANanRun) {
 // ---- Checkpoint verification ----------------------------------------------------------------------
 
 // The format's checksum (FNV-1a 64), rewritten into a corrupted copy so that the field checks
-// behind it are reached. Offsets: magic 8, version and count 16, 35 fields, checksum, payload.
-constexpr std::size_t kStepAt = 8 + 16 + 31 * 8, kChecksumAt = 8 + 16 + 35 * 8, kPayloadAt = kChecksumAt + 8;
+// behind it are reached. Offsets: magic 8, version and count 16, 36 fields, checksum, payload.
+constexpr std::size_t kStepAt = 8 + 16 + 32 * 8, kChecksumAt = 8 + 16 + 36 * 8, kPayloadAt = kChecksumAt + 8;
 
 uint64_t fnv(const std::string& b, std::size_t from, std::size_t to, uint64_t h = 14695981039346656037ull) {
   for (std::size_t i = from; i < to; ++i) h = (h ^ static_cast<uint8_t>(b[i])) * 1099511628211ull;
@@ -588,18 +628,24 @@ TEST(TrainCheckpoint, CorruptOrForeignCheckpointsAreRefusedNamingTheProblem) {
     const int64_t v1 = 1;
     b.replace(8, 8, reinterpret_cast<const char*>(&v1), 8);
     return b;
-  }, false, "has version 1, this cpattn reads versions 3 and 4");
-  // Version 3 (no mixture-of-experts fields; this file's model has none): the same run resumes.
-  refused([](std::string b) {
-    constexpr std::size_t moe_at = 8 + 16 + 13 * 8, moe_bytes = 7 * 8;
-    for (std::size_t i = moe_at; i < moe_at + moe_bytes; ++i) EXPECT_EQ(b[i], 0) << "a MoE field of a dense model";
-    b.erase(moe_at, moe_bytes);
-    const int64_t head[2] = {3, 28};
-    b.replace(8, 16, reinterpret_cast<const char*>(head), 16);
-    constexpr std::size_t sum_at = kChecksumAt - moe_bytes;
-    const uint64_t h = fnv(b, sum_at + 8, b.size(), fnv(b, 8, sum_at));
-    return b.replace(sum_at, 8, reinterpret_cast<const char*>(&h), 8);
-  }, false, "no error");
+  }, false, "has version 1, this cpattn reads versions 3 to 5");
+  // Version 4 (no dropout field) and version 3 (no mixture-of-experts fields either; this
+  // file's model has neither): the same run resumes. The fields [at, at + bytes) go, which
+  // are zeros for this model.
+  const auto older = [](int64_t version, std::size_t at, std::size_t bytes) {
+    return [=](std::string b) {
+      for (std::size_t i = at; i < at + bytes; ++i) EXPECT_EQ(b[i], 0) << "a field version " << version << " lacks";
+      b.erase(at, bytes);
+      const int64_t head[2] = {version, 36 - static_cast<int64_t>(bytes / 8)};
+      b.replace(8, 16, reinterpret_cast<const char*>(head), 16);
+      const std::size_t sum_at = kChecksumAt - bytes;
+      const uint64_t h = fnv(b, sum_at + 8, b.size(), fnv(b, 8, sum_at));
+      return b.replace(sum_at, 8, reinterpret_cast<const char*>(&h), 8);
+    };
+  };
+  constexpr std::size_t moe_at = 8 + 16 + 13 * 8, dropout_at = moe_at + 7 * 8;  // the MoE fields, then dropout
+  refused(older(4, dropout_at, 8), false, "no error");
+  refused(older(3, moe_at, 8 * 8), false, "no error");
   refused(same, false, "has lr 0.0005, this run 0.001", {.lr = 1e-3f, .warmup = 3});
   refused(same, false, "has warmup 3, this run 10", {});
   refused(same, false, "has seed 7, this run 8", {.warmup = 3}, 8);
