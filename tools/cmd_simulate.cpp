@@ -1,6 +1,8 @@
 // `cpattn simulate`: every CP scheme's predicted step on a mesh and a machine profile
 // (cpattn/sim.hpp, docs/simulate.md); `cpattn calibrate`: this machine's profile, measured.
 #include <cpattn/check/attention_bench.hpp>
+#include <cpattn/check/batch.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
@@ -87,11 +89,12 @@ nlohmann::json bytes_json(const SimBytes& b) {
 }
 
 nlohmann::json call_json(const std::vector<SimCall>& calls) {
-  nlohmann::json j = {{"compute_s", nlohmann::json::array()}, {"exposed_s", nlohmann::json::array()},
+  nlohmann::json j = {{"compute_s", nlohmann::json::array()}, {"overhead_s", nlohmann::json::array()}, {"exposed_s", nlohmann::json::array()},
                       {"hidden_s", nlohmann::json::array()}, {"bytes_sent", nlohmann::json::array()},
                       {"bytes_received", nlohmann::json::array()}, {"agreement_bytes_sent", nlohmann::json::array()}};
   for (const SimCall& c : calls) {
     j["compute_s"].push_back(c.compute_s);
+    j["overhead_s"].push_back(c.overhead_s);
     j["exposed_s"].push_back(c.exposed_s);
     j["hidden_s"].push_back(c.hidden_s);
     j["bytes_sent"].push_back(c.payload.sent());
@@ -281,7 +284,68 @@ struct CalibrateArgs {
   std::string name = "this-machine";
   bool json = false;
   std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
+  int64_t overhead_tokens = 2048;  // per rank, of the CP overhead's own batch; 0: not measured
+  uint64_t overhead_seed = 2;      // its document mix (check::document_mix)
 };
+
+// The CP overhead's measurement (docs/simulate.md, "cpattn calibrate"): every scheme's real
+// forward and backward on every rank at once (cp = the world size), on a batch of its own
+// (document_mix of overhead_tokens per rank), against the simulator's prediction for the same
+// batch and scheme with the kernel rates measured on that batch and the links just measured.
+// The overhead is the fraction of the kernel time at which the model meets the measured call.
+struct OverheadBatch {
+  check::Batch b;
+  std::shared_ptr<const RankPlan> plan;
+  check::Tensor q, k, v, dout;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The slowest rank's median forward and backward seconds of `attn` on the batch.
+std::pair<double, double> time_cp_call(Communicator& comm, CpAttention& attn, const OverheadBatch& o, int repeats) {
+  const RankPlan& p = *o.plan;
+  const check::BatchShape& s = o.b.shape;
+  check::Tensor out(o.b.dtype, {p.local_tokens, s.heads_q, s.head_dim_v}), dq(o.b.dtype, o.q.shape),
+      dk(o.b.dtype, o.k.shape), dv(o.b.dtype, o.v.shape);
+  std::vector<double> fwd, bwd;
+  for (int i = 0; i <= repeats; ++i) {  // the first one warms up (plan cache, buffers)
+    comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    CpContext ctx = attn.forward({.plan = o.plan, .q = o.q.view(), .k = o.k.view(), .v = o.v.view(), .out = out.view()});
+    const auto t1 = std::chrono::steady_clock::now();
+    attn.backward(ctx, {.q = o.q.view(), .out = out.view(), .dout = o.dout.view(), .dq = dq.view(), .dk = dk.view(),
+                        .dv = dv.view()});
+    const auto t2 = std::chrono::steady_clock::now();
+    if (i == 0) continue;
+    fwd.push_back(std::chrono::duration<double>(t1 - t0).count());
+    bwd.push_back(std::chrono::duration<double>(t2 - t1).count());
+  }
+  std::vector<double> med{median_of(fwd), median_of(bwd)};
+  comm.all_reduce<double>(med, ReduceOp::max);
+  return {med[0], med[1]};
+}
+
+// The smallest overhead x >= 0 (bisection to 1e-4 of the kernel time, relative above 1) at
+// which the model's call (`predict_at(x)`: the slowest rank's forward or backward) reaches
+// `measured`; 0 when the model without overhead already does. The model's call grows with x
+// (the kernel time times 1 + x), so doubling finds an upper end.
+template <class F>
+double fit_overhead(F&& predict_at, double measured) {
+  if (predict_at(0.0) >= measured) return 0.0;
+  double lo = 0, hi = 1;
+  for (int i = 0; i < 64 && predict_at(hi) < measured; ++i) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > 1e-4 * std::max(1.0, lo)) {
+    const double mid = (lo + hi) / 2;
+    (predict_at(mid) < measured ? lo : hi) = mid;
+  }
+  return hi;
+}
 
 // Seconds of one ring shift of `bytes` (every rank sends to the next, receives from the previous),
 // the median of `iters` after a warm-up, the slowest rank's.
@@ -396,9 +460,83 @@ void run_calibrate(const CalibrateArgs& a) {
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
   p.memory_gb = ram / 1e9 / comm.size();
   check_machine_profile(p);
+  nlohmann::json overheads = nlohmann::json::array();
+  std::vector<int64_t> overhead_lengths;  // the overhead's batch
+  if (a.overhead_tokens > 0) {
+    const int cp = comm.size();
+    overhead_lengths = check::document_mix(a.overhead_tokens * cp, a.overhead_seed);
+    const std::vector<int64_t> cu = cu_seqlens_from_lengths(overhead_lengths);
+    for (const DType t : dtypes) {
+      const auto di = static_cast<std::size_t>(t);
+      // The bare kernel on the same documents, every rank at once: the rates the model prices them at.
+      check::AttnBenchOptions kc = kernel_case(t);
+      kc.lengths.assign(cu.size() - 1, 0);
+      for (std::size_t d = 0; d + 1 < cu.size(); ++d) kc.lengths[d] = cu[d + 1] - cu[d];
+      comm.barrier();
+      const check::AttnBenchResult r = check::run_attention_bench(kc, nullptr);
+      std::vector<double> neg{-r.fwd_gflops, -r.bwd_gflops};
+      comm.all_reduce<double>(neg, ReduceOp::max);
+      MachineProfile bare = p;
+      bare.fwd_gflops[di] = -neg[0];
+      bare.bwd_gflops[di] = -neg[1];
+      OverheadBatch o;
+      o.b = check::random_batch(cu, {.heads_q = a.heads, .heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
+                                     .head_dim_v = a.head_dim}, t, a.overhead_seed);
+      for (const CpScheme s : kCpSchemes) {
+        // a2a over the whole world, the hybrid over the largest group the heads split over
+        // (the world on this one node); a scheme the heads cannot run keeps 0.
+        int inner = 0;
+        if (s == CpScheme::a2a && !head_split_error(a.heads, a.kv_heads, cp).empty()) continue;
+        if (s == CpScheme::hybrid)
+          for (int i = 1; i <= cp; ++i)
+            if (cp % i == 0 && head_split_error(a.heads, a.kv_heads, i).empty()) inner = i;
+        CpAttnConfig cfg{.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
+                         .head_dim_v = a.head_dim, .dtype = t, .options = {.num_threads = a.threads},
+                         .scheme = s, .cp_inner = inner};
+        CpAttention attn(comm, cfg);
+        o.plan = attn.plan(cu);
+        o.q = check::local_rows(o.b.q, *o.plan);
+        o.k = check::local_rows(o.b.k, *o.plan);
+        o.v = check::local_rows(o.b.v, *o.plan);
+        o.dout = check::local_rows(o.b.dout, *o.plan);
+        const auto [fwd_s, bwd_s] = time_cp_call(comm, attn, o, a.repeats);
+        SimInput in{.cu_seqlens = cu,
+                    .model = {.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
+                              .head_dim_v = a.head_dim, .dtype = t},
+                    .mesh = {.cp = cp, .cp_inner = inner},
+                    .profile = bare,
+                    .find_breakeven = false};
+        const auto call_at = [&](double x, bool backward) {
+          (backward ? in.profile.bwd_overhead : in.profile.fwd_overhead)[di][static_cast<std::size_t>(s)] = x;
+          const SchemePrediction pr = simulate_scheme(in, s);
+          double slowest = 0;
+          for (const SimCall& c : backward ? pr.backward : pr.forward) slowest = std::max(slowest, c.time_s());
+          return slowest;
+        };
+        const double model_fwd = call_at(0, false), model_bwd = call_at(0, true);
+        const double fo = fit_overhead([&](double x) { return call_at(x, false); }, fwd_s);
+        const double bo = fit_overhead([&](double x) { return call_at(x, true); }, bwd_s);
+        p.fwd_overhead[di][static_cast<std::size_t>(s)] = fo;
+        p.bwd_overhead[di][static_cast<std::size_t>(s)] = bo;
+        overheads.push_back({{"dtype", to_string(t)}, {"scheme", to_string(s)}, {"cp_inner", inner},
+                             {"measured_fwd_s", fwd_s}, {"measured_bwd_s", bwd_s}, {"model_fwd_s", model_fwd},
+                             {"model_bwd_s", model_bwd}, {"fwd", fo}, {"bwd", bo},
+                             {"kernel_fwd_gflops", -neg[0]}, {"kernel_bwd_gflops", -neg[1]}});
+      }
+    }
+    src << "; cp_overhead: every scheme's forward and backward at cp " << cp << " (hybrid: its largest group the "
+        << "heads split over) on its own batch (" << cu.size() - 1 << " documents, " << cu.back()
+        << " tokens, document mix seed " << a.overhead_seed << "; median of " << a.repeats << ", slowest rank) "
+        << "against the model with the bare kernel's rates on that batch: the fraction of the kernel time that "
+        << "meets the measured call (0 when the model is not below it)";
+  } else {
+    src << "; cp_overhead: not measured (--overhead-tokens 0)";
+  }
+  check_machine_profile(p);
   if (comm.rank() != 0) return;
   nlohmann::json j = profile_json(p, src.str());
-  j["measured"] = {{"kernels", kernels}, {"shifts", links}};
+  j["measured"] = {{"kernels", kernels}, {"shifts", links}, {"cp_overhead", overheads}};
+  if (!overhead_lengths.empty()) j["measured"]["cp_overhead_lengths"] = overhead_lengths;
   if (!a.out.empty()) {
     std::ofstream o(a.out);
     CPATTN_CHECK(o.good(), "--out: cannot write '", a.out, "'");
@@ -412,6 +550,11 @@ void run_calibrate(const CalibrateArgs& a) {
   for (const auto& k : kernels)
     std::printf("  %-5s forward %8.2f GFLOP/s, backward %8.2f GFLOP/s (%s)\n", k["dtype"].get<std::string>().c_str(),
                 k["fwd_gflops"].get<double>(), k["bwd_gflops"].get<double>(), k["path"].get<std::string>().c_str());
+  for (const auto& o : overheads)
+    std::printf("  %-5s %-9s forward %.3f s (model %.3f s): overhead %.3f; backward %.3f s (model %.3f s): %.3f\n",
+                o["dtype"].get<std::string>().c_str(), o["scheme"].get<std::string>().c_str(),
+                o["measured_fwd_s"].get<double>(), o["model_fwd_s"].get<double>(), o["fwd"].get<double>(),
+                o["measured_bwd_s"].get<double>(), o["model_bwd_s"].get<double>(), o["bwd"].get<double>());
   for (const auto& l : links)
     std::printf("  shift %10lld bytes: %10.2f us, %8.3f GB/s\n", static_cast<long long>(l["bytes"].get<int64_t>()),
                 l["seconds"].get<double>() * 1e6, l["gbs"].get<double>());
@@ -490,6 +633,11 @@ void add_calibrate_command(CLI::App& app) {
   cmd->add_option("--sizes", a->sizes, "Message sizes in bytes, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--iters", a->iters, "Timed shifts per size (median)")->capture_default_str();
   cmd->add_flag("--json", a->json, "Print the profile as one JSON object");
+  cmd->add_option("--overhead-tokens", a->overhead_tokens, "CP overhead: tokens per rank of its own batch (every "
+                  "scheme's forward and backward against the model; 0 skips it)")->check(CLI::Range(int64_t{0}, int64_t{1} << 16))
+      ->capture_default_str();
+  cmd->add_option("--overhead-seed", a->overhead_seed, "CP overhead: the seed of its batch's document mix")
+      ->capture_default_str();
   add_timeout_option(cmd, a->timeout);
   cmd->callback([a] { run_calibrate(*a); });
 }

@@ -202,8 +202,14 @@ std::pair<int64_t, int64_t> visible_blocks(const Ctx& c, int q) {
   return {0, std::min<int64_t>(hi, int64_t{q} + 1)};
 }
 
-double flops_time(const Ctx& c, int64_t pairs, int heads, bool backward) {
-  return attention_flops(pairs, heads, c.dqk, c.dv, backward) / (backward ? c.bwd_rate : c.fwd_rate);
+// A call's compute: the kernel's FLOPs at the profile's rate, and the scheme's overhead on that
+// kernel time (MachineProfile::fwd_overhead / bwd_overhead; 0 prices the kernel alone).
+void set_compute(const Ctx& c, CpScheme s, int64_t pairs, int heads, bool backward, SimCall& call) {
+  const double kernel =
+      attention_flops(pairs, heads, c.dqk, c.dv, backward) / (backward ? c.bwd_rate : c.fwd_rate);
+  const auto& over = backward ? c.in.profile.bwd_overhead : c.in.profile.fwd_overhead;
+  call.overhead_s = kernel * over[static_cast<std::size_t>(c.in.model.dtype)][static_cast<std::size_t>(s)];
+  call.compute_s = kernel + call.overhead_s;
 }
 
 // The agreement before every call: a ring all-gather of kAgreementBlockBytes bytes over `count`
@@ -271,13 +277,13 @@ void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * c.es, f.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * c.es, f.payload);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
+  set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, false, f);
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * 4, b.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * 4, b.payload);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, true, b);
 }
 
 // The overlap of a ring of `cp` steps: step s computes while the next block travels
@@ -295,7 +301,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
+  set_compute(c, CpScheme::ring, c.work->pairs[r], c.hq, false, f);
   SimBytes dummy;
   const double kv_t = ring_transfer(c, r, 0, 1, cp, 1, kv_block, dummy);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, f.payload);
@@ -304,7 +310,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  set_compute(c, CpScheme::ring, c.work->pairs[r], c.hq, true, b);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, b.payload);
   overlap_steps(cp, b.compute_s, kv_t, b);
   // The dK/dV accumulator leaves after each step's compute and is waited on before the next:
@@ -342,17 +348,17 @@ void pass_q_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, c.cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
+  set_compute(c, CpScheme::pass_q, c.work->pairs[r], c.hq, false, f);
   pass_q_call(c, r, n_lse * c.dqk * c.es, n_lse * (1 + c.dv) * 4, f.compute_s, f);
   t = 0;
   agreement(c, r, 0, 1, c.cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  set_compute(c, CpScheme::pass_q, c.work->pairs[r], c.hq, true, b);
   pass_q_call(c, r, n_lse * 4 + n_lse * (c.dqk + 2 * c.dv) * c.es, n_lse * c.dqk * 4, b.compute_s, b);
 }
 
 // a2a (inner = cp) and hybrid (inner < cp, the all-gather outer scheme over cp / inner groups).
-void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, SimCall& b) {
+void a2a_calls(const Ctx& c, CpScheme s, int r, int inner, const HeadSplit& h, SimCall& f, SimCall& b) {
   const int cp = c.cp, outer = cp / inner;
   const int first = r / inner * inner, member = r % inner;
   const int64_t t = c.t_loc, g = inner * t;
@@ -378,7 +384,7 @@ void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, S
   }
   f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dv * c.es, f.payload);  // out
   f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * 4, f.payload);            // lse
-  f.compute_s = flops_time(c, pairs, h.hq_loc(), false);
+  set_compute(c, s, pairs, h.hq_loc(), false, f);
 
   time = 0;
   agreement(c, r, 0, 1, cp, b.agreement, time);
@@ -394,7 +400,7 @@ void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, S
   b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dqk * c.es, b.payload);  // dq
   b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dqk * c.es, b.payload);  // dk
   b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dv * c.es, b.payload);   // dv
-  b.compute_s = flops_time(c, pairs, h.hq_loc(), true);
+  set_compute(c, s, pairs, h.hq_loc(), true, b);
 }
 
 // Bytes of attention state per rank and layer: what a forward leaves for its backward (the
@@ -478,7 +484,7 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
       case CpScheme::ring: ring_calls(c, r, f, b); break;
       case CpScheme::pass_q: pass_q_calls(c, r, f, b); break;
       case CpScheme::a2a:
-      case CpScheme::hybrid: a2a_calls(c, r, inner, h, f, b); break;
+      case CpScheme::hybrid: a2a_calls(c, scheme, r, inner, h, f, b); break;
     }
   }
   // The slowest CP rank sets the pace (every call ends in collectives over the group).
@@ -659,6 +665,13 @@ void check_machine_profile(const MachineProfile& p) {
     CPATTN_CHECK(std::isfinite(p.bwd_gflops[i]) && p.bwd_gflops[i] >= 0, "profile.compute.bwd.", to_string(t),
                  " must be a finite number >= 0 (GFLOP/s; 0 = unknown), got ", p.bwd_gflops[i]);
   }
+  for (const DType t : {DType::f32, DType::f16, DType::bf16})
+    for (const CpScheme s : kCpSchemes)
+      for (const bool bwd : {false, true}) {
+        const double x = (bwd ? p.bwd_overhead : p.fwd_overhead)[static_cast<std::size_t>(t)][static_cast<std::size_t>(s)];
+        CPATTN_CHECK(std::isfinite(x) && x >= 0, "profile.cp_overhead.", bwd ? "bwd." : "fwd.", to_string(t), ".",
+                     to_string(s), " must be a finite number >= 0 (a fraction of the kernel time), got ", x);
+      }
   check_link(p.intra, "intra_node");
   check_link(p.inter, "inter_node");
   CPATTN_CHECK(p.ranks_per_node >= 1, "profile.ranks_per_node must be >= 1, got ", p.ranks_per_node);
