@@ -6,6 +6,7 @@
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/sim.hpp>
 
 #include <nlohmann/json.hpp>
@@ -172,8 +173,28 @@ void run_simulate(const SimulateArgs& a) {
                "NAME (with --tokens, --mean-length, --sigma, --seed)");
   if (!a.lengths_file.empty()) cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), "--lengths-file");
   if (!a.lengths.empty()) cu = cu_seqlens_from_lengths(a.lengths, "--lengths");
-  if (!a.distribution.empty())
+  if (!a.distribution.empty()) {
+    // Before the lengths exist: the boundaries sim_lengths grows (up to twice their size while
+    // growing) and the simulation's own (sim_memory_bytes) for the documents --tokens makes.
+    const int64_t docs = sim_lengths_documents(a.tokens, a.mean_length);
+    const uint64_t lengths = saturating_mul(static_cast<uint64_t>(docs) + 1, 2 * sizeof(int64_t));
+    const uint64_t sim = sim_memory_bytes(docs, a.cp);
+    std::ostringstream mean;
+    mean << a.mean_length;
+    check_memory(saturating_add(lengths, sim),
+                 "cpattn simulate --distribution " + a.distribution + " --tokens " + std::to_string(a.tokens) +
+                     " (about " + std::to_string(docs) + " documents of --mean-length " + mean.str() +
+                     ") at --cp " + std::to_string(a.cp),
+                 "lengths " + format_bytes(lengths) + ", planner and predictions " + format_bytes(sim));
     cu = with_flags([&] { return sim_lengths(a.distribution, a.tokens, a.mean_length, a.sigma, a.seed); });
+  } else {
+    const auto docs = static_cast<int64_t>(cu.size()) - 1;
+    const uint64_t sim = sim_memory_bytes(docs, a.cp);
+    check_memory(sim, "cpattn simulate of " + std::to_string(docs) + " documents (" +
+                          (a.lengths_file.empty() ? "--lengths" : "--lengths-file " + a.lengths_file) + ") at --cp " +
+                          std::to_string(a.cp),
+                 "planner and predictions " + format_bytes(sim));
+  }
   const auto kind = parse_pipeline_schedule(a.schedule);
   CPATTN_CHECK(kind.has_value(), "--schedule must be one of fill-drain, gpipe, 1f1b, interleaved, zb-h1, got '",
                a.schedule, "'");

@@ -167,4 +167,15 @@ double attention_flops(int64_t pairs, int heads, int head_dim_qk, int head_dim_v
 // lognormal: exp(N(log(mean) - sigma^2/2, sigma)), at least 1. Returns cu_seqlens.
 std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, double mean, double sigma,
                                  uint64_t seed);
+// About how many documents sim_lengths makes for `tokens` of mean length `mean`, before it runs
+// (every distribution's mean length is `mean`; x 1.25 + 64 for the draw, at most `tokens`):
+// for a memory budget. 1 for arguments sim_lengths refuses (its own error then names them).
+int64_t sim_lengths_documents(int64_t tokens, double mean);
+// What simulate_step allocates for a batch of `documents` documents at SimMesh::cp = `cp` (clamped to
+// [1, 65536]), in bytes, an upper estimate: the planner's chunk table at the largest CP size
+// (documents x 2cp chunks, each CP size planned in turn), the length sweep's scaled copies of
+// the boundaries, the per-rank work of every CP size kept and the predictions' per-rank calls.
+// The caller's cu_seqlens (documents + 1 int64) is not in it.
+uint64_t sim_memory_bytes(int64_t documents, int cp);
+
 }  // namespace cpattn

@@ -4,6 +4,7 @@
 #include <cpattn/agreement.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/plan.hpp>
 
 #include <algorithm>
@@ -768,6 +769,28 @@ SimReport simulate_step(const SimInput& in) {
     }
   }
   return rep;
+}
+
+int64_t sim_lengths_documents(int64_t tokens, double mean) {
+  if (tokens < 1 || !std::isfinite(mean) || mean < 1) return 1;
+  const double docs = static_cast<double>(tokens) / mean * 1.25 + 64;
+  return docs >= static_cast<double>(tokens) ? tokens : static_cast<int64_t>(docs);
+}
+
+uint64_t sim_memory_bytes(int64_t documents, int cp) {
+  const auto d = static_cast<uint64_t>(std::max<int64_t>(documents, 1));
+  const auto c = static_cast<uint64_t>(std::clamp(cp, 1, 65536));
+  // The chunk table of one planning (split_layout; pairs_no_mask's the same), one at a time.
+  const uint64_t chunks = saturating_mul(saturating_mul(d, 2 * c), sizeof(DocChunk));
+  // The length sweep's scaled boundaries and total_pairs' copy of them.
+  const uint64_t scaled = saturating_mul(saturating_add(d, 1), 2 * sizeof(int64_t));
+  // Per CP size kept (cp and every power of two below it): pairs and prefix; balance_report's ranks.
+  uint64_t sizes = 2;
+  for (uint64_t x = 1; x < c; x *= 2) ++sizes;
+  const uint64_t work = sizes * (2 * c + 1) * sizeof(int64_t) + c * sizeof(RankBalance);
+  // Every scheme's prediction kept and one more being made: forward and backward calls per rank.
+  const uint64_t calls = (std::size(kCpSchemes) + 1) * 2 * c * sizeof(SimCall);
+  return saturating_add(saturating_add(chunks, scaled), work + calls);
 }
 
 std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, double mean, double sigma,

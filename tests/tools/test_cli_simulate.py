@@ -140,6 +140,13 @@ over["cp_overhead"] = {"bwd": {"bf16": {"ring": -0.5}}}
 bad(base + ["--profile", write("negover.json", over)], "profile.cp_overhead.bwd.bf16.ring must be a finite number >= 0")
 over["cp_overhead"] = {"bwd": {"fp8": {"ring": 0.5}}}
 bad(base + ["--profile", write("fp8over.json", over)], "profile.cp_overhead.bwd.fp8: unknown dtype 'fp8'")
+# A --tokens far past memory: refused with both sizes, naming the flag, before the lengths exist
+# (1e15 tokens would take 2 TiB of lengths alone; the check costs nothing).
+bad(["simulate", "--distribution", "lognormal", "--tokens", "1000000000000000", "--cp", "1024"],
+    "--tokens 1000000000000000 (about", "at --cp 1024 needs", "PiB", "available")
+# A given batch past memory at its CP size (the chunk table, documents x 2cp): the same.
+bad(["simulate", "--lengths", "5,6,7", "--cp", "65536"], "3 documents (--lengths) at --cp 65536 needs", "MiB",
+    "more than the 976.6 KiB available (CPATTN_MEMORY_LIMIT_BYTES)", env={"CPATTN_MEMORY_LIMIT_BYTES": "1000000"})
 # The library names SimModel's fields in a scheme's reason; the command line names its flags.
 r = run("simulate", "--lengths", "100,50", "--cp", "3", "--json", "--no-breakeven")
 a2a = json.loads(r.stdout)["schemes"][3] if r.returncode == 0 else {}
