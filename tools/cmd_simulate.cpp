@@ -2,6 +2,8 @@
 // (cpattn/sim.hpp, docs/simulate.md); `cpattn calibrate`: this machine's profile, measured.
 #include <cpattn/check/attention_bench.hpp>
 #include <cpattn/check/batch.hpp>
+#include <cpattn/check/cases.hpp>
+#include <cpattn/check/problem.hpp>
 #include <cpattn/cp.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
@@ -312,12 +314,24 @@ struct CalibrateArgs {
 // The CP overhead's measurement (docs/simulate.md, "cpattn calibrate"): every scheme's real
 // forward and backward on every rank at once (cp = the world size), on a batch of its own
 // (document_mix of overhead_tokens per rank), against the simulator's prediction for the same
-// batch and scheme with the kernel rates measured on that batch and the links just measured.
-// The overhead is the fraction of the kernel time at which the model meets the measured call.
-struct OverheadBatch {
-  check::Batch b;
-  std::shared_ptr<const RankPlan> plan;
-  check::Tensor q, k, v, dout;
+// batch and scheme priced at the bare kernels' rates on that batch and the links just measured.
+// The bare kernels run right before each CP call, in the same repeat, so that a machine whose
+// load changes between schemes (a shared one) loads both alike.
+struct OverheadRun {
+  check::Problem pb;  // the batch's whole documents: the bare kernels' case, and the CP layer's global tensors
+  check::Tensor out, dq, dk, dv;
+  std::vector<float> lse;
+  AttnFwdParams fp;
+  AttnBwdParams bp;
+  OverheadRun(const check::AttnCase& c, DType t, uint64_t seed, int threads)
+      : pb(c, t, seed), out(t, pb.out_shape()), dq(t, pb.q_shape()), dk(t, pb.k_shape()), dv(t, pb.v_shape()),
+        lse(pb.lse_size()),
+        fp(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, threads)),
+        bp(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, threads)) {}
+};
+
+struct OverheadTimes {  // the slowest rank's medians, seconds
+  double kernel_fwd = 0, kernel_bwd = 0, cp_fwd = 0, cp_bwd = 0;
 };
 
 double median_of(std::vector<double> v) {
@@ -325,28 +339,41 @@ double median_of(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The slowest rank's median forward and backward seconds of `attn` on the batch.
-std::pair<double, double> time_cp_call(Communicator& comm, CpAttention& attn, const OverheadBatch& o, int repeats) {
-  const RankPlan& p = *o.plan;
-  const check::BatchShape& s = o.b.shape;
-  check::Tensor out(o.b.dtype, {p.local_tokens, s.heads_q, s.head_dim_v}), dq(o.b.dtype, o.q.shape),
-      dk(o.b.dtype, o.k.shape), dv(o.b.dtype, o.v.shape);
-  std::vector<double> fwd, bwd;
+// `repeats` times (after a warm-up): the bare kernels on the whole batch, then `attn`'s forward
+// and backward on this rank's rows of it.
+OverheadTimes time_overhead(Communicator& comm, CpAttention& attn, const OverheadRun& o, int repeats) {
+  using Clock = std::chrono::steady_clock;
+  const std::vector<int64_t> cu = o.pb.c.cu_seqlens_q();
+  const std::shared_ptr<const RankPlan> plan = attn.plan(cu);
+  const check::Tensor q = check::local_rows(o.pb.q, *plan), k = check::local_rows(o.pb.k, *plan),
+                      v = check::local_rows(o.pb.v, *plan), dout = check::local_rows(o.pb.dout, *plan);
+  check::Tensor out(o.pb.dtype, {plan->local_tokens, o.pb.c.num_heads_q, o.pb.c.head_dim_v}), dq(o.pb.dtype, q.shape),
+      dk(o.pb.dtype, k.shape), dv(o.pb.dtype, v.shape);
+  const auto secs = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  std::vector<double> kf, kb, cf, cb;
   for (int i = 0; i <= repeats; ++i) {  // the first one warms up (plan cache, buffers)
     comm.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
-    CpContext ctx = attn.forward({.plan = o.plan, .q = o.q.view(), .k = o.k.view(), .v = o.v.view(), .out = out.view()});
-    const auto t1 = std::chrono::steady_clock::now();
-    attn.backward(ctx, {.q = o.q.view(), .out = out.view(), .dout = o.dout.view(), .dq = dq.view(), .dk = dk.view(),
+    const auto t0 = Clock::now();
+    attention_forward(o.fp);
+    const auto t1 = Clock::now();
+    attention_backward(o.bp);
+    const auto t2 = Clock::now();
+    comm.barrier();
+    const auto t3 = Clock::now();
+    CpContext ctx = attn.forward({.plan = plan, .q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()});
+    const auto t4 = Clock::now();
+    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
                         .dv = dv.view()});
-    const auto t2 = std::chrono::steady_clock::now();
+    const auto t5 = Clock::now();
     if (i == 0) continue;
-    fwd.push_back(std::chrono::duration<double>(t1 - t0).count());
-    bwd.push_back(std::chrono::duration<double>(t2 - t1).count());
+    kf.push_back(secs(t0, t1));
+    kb.push_back(secs(t1, t2));
+    cf.push_back(secs(t3, t4));
+    cb.push_back(secs(t4, t5));
   }
-  std::vector<double> med{median_of(fwd), median_of(bwd)};
+  std::vector<double> med{median_of(kf), median_of(kb), median_of(cf), median_of(cb)};
   comm.all_reduce<double>(med, ReduceOp::max);
-  return {med[0], med[1]};
+  return {med[0], med[1], med[2], med[3]};
 }
 
 // The smallest overhead x >= 0 (bisection to 1e-4 of the kernel time, relative above 1) at
@@ -487,22 +514,27 @@ void run_calibrate(const CalibrateArgs& a) {
     const int cp = comm.size();
     overhead_lengths = check::document_mix(a.overhead_tokens * cp, a.overhead_seed);
     const std::vector<int64_t> cu = cu_seqlens_from_lengths(overhead_lengths);
+    // The bare kernel on the same documents, every rank at once: the rates the model prices them at.
+    const auto overhead_case = [&](DType t) {
+      check::AttnBenchOptions kc = kernel_case(t);
+      kc.lengths = overhead_lengths;
+      return kc;
+    };
+    // Its size needs the world's: checked here, agreed so that every rank refuses alike.
+    std::string too_big;
+    try {
+      for (const DType t : dtypes)
+        check_bench_memory(overhead_case(t), "cpattn calibrate's " + std::string(to_string(t)) + " CP overhead case "
+                           "(--overhead-tokens x " + std::to_string(cp) + " ranks)");
+    } catch (const Error& e) {
+      too_big = e.message();
+    }
+    agree(comm, {}, "cpattn calibrate", too_big);
+    const check::AttnCase c =
+        check::bench_case(overhead_lengths, a.heads, a.kv_heads, a.head_dim, a.head_dim, MaskType::causal);
     for (const DType t : dtypes) {
       const auto di = static_cast<std::size_t>(t);
-      // The bare kernel on the same documents, every rank at once: the rates the model prices them at.
-      check::AttnBenchOptions kc = kernel_case(t);
-      kc.lengths.assign(cu.size() - 1, 0);
-      for (std::size_t d = 0; d + 1 < cu.size(); ++d) kc.lengths[d] = cu[d + 1] - cu[d];
-      comm.barrier();
-      const check::AttnBenchResult r = check::run_attention_bench(kc, nullptr);
-      std::vector<double> neg{-r.fwd_gflops, -r.bwd_gflops};
-      comm.all_reduce<double>(neg, ReduceOp::max);
-      MachineProfile bare = p;
-      bare.fwd_gflops[di] = -neg[0];
-      bare.bwd_gflops[di] = -neg[1];
-      OverheadBatch o;
-      o.b = check::random_batch(cu, {.heads_q = a.heads, .heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
-                                     .head_dim_v = a.head_dim}, t, a.overhead_seed);
+      const OverheadRun o(c, t, a.overhead_seed, a.threads);
       for (const CpScheme s : kCpSchemes) {
         // a2a over the whole world, the hybrid over the largest group the heads split over
         // (the world on this one node); a scheme the heads cannot run keeps 0.
@@ -511,44 +543,41 @@ void run_calibrate(const CalibrateArgs& a) {
         if (s == CpScheme::hybrid)
           for (int i = 1; i <= cp; ++i)
             if (cp % i == 0 && head_split_error(a.heads, a.kv_heads, i).empty()) inner = i;
-        CpAttnConfig cfg{.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
-                         .head_dim_v = a.head_dim, .dtype = t, .options = {.num_threads = a.threads},
-                         .scheme = s, .cp_inner = inner};
-        CpAttention attn(comm, cfg);
-        o.plan = attn.plan(cu);
-        o.q = check::local_rows(o.b.q, *o.plan);
-        o.k = check::local_rows(o.b.k, *o.plan);
-        o.v = check::local_rows(o.b.v, *o.plan);
-        o.dout = check::local_rows(o.b.dout, *o.plan);
-        const auto [fwd_s, bwd_s] = time_cp_call(comm, attn, o, a.repeats);
+        CpAttention attn(comm, {.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
+                                .head_dim_v = a.head_dim, .dtype = t, .options = {.num_threads = a.threads},
+                                .scheme = s, .cp_inner = inner});
+        const OverheadTimes tm = time_overhead(comm, attn, o, a.repeats);
         SimInput in{.cu_seqlens = cu,
                     .model = {.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
                               .head_dim_v = a.head_dim, .dtype = t},
                     .mesh = {.cp = cp, .cp_inner = inner},
-                    .profile = bare,
+                    .profile = p,
                     .find_breakeven = false};
+        in.profile.fwd_gflops[di] = c.fwd_flops() / tm.kernel_fwd / 1e9;  // the bare kernels' rates, this repeat's
+        in.profile.bwd_gflops[di] = c.bwd_flops() / tm.kernel_bwd / 1e9;
         const auto call_at = [&](double x, bool backward) {
           (backward ? in.profile.bwd_overhead : in.profile.fwd_overhead)[di][static_cast<std::size_t>(s)] = x;
           const SchemePrediction pr = simulate_scheme(in, s);
           double slowest = 0;
-          for (const SimCall& c : backward ? pr.backward : pr.forward) slowest = std::max(slowest, c.time_s());
+          for (const SimCall& call : backward ? pr.backward : pr.forward) slowest = std::max(slowest, call.time_s());
           return slowest;
         };
         const double model_fwd = call_at(0, false), model_bwd = call_at(0, true);
-        const double fo = fit_overhead([&](double x) { return call_at(x, false); }, fwd_s);
-        const double bo = fit_overhead([&](double x) { return call_at(x, true); }, bwd_s);
+        const double fo = fit_overhead([&](double x) { return call_at(x, false); }, tm.cp_fwd);
+        const double bo = fit_overhead([&](double x) { return call_at(x, true); }, tm.cp_bwd);
         p.fwd_overhead[di][static_cast<std::size_t>(s)] = fo;
         p.bwd_overhead[di][static_cast<std::size_t>(s)] = bo;
         overheads.push_back({{"dtype", to_string(t)}, {"scheme", to_string(s)}, {"cp_inner", inner},
-                             {"measured_fwd_s", fwd_s}, {"measured_bwd_s", bwd_s}, {"model_fwd_s", model_fwd},
+                             {"measured_fwd_s", tm.cp_fwd}, {"measured_bwd_s", tm.cp_bwd}, {"model_fwd_s", model_fwd},
                              {"model_bwd_s", model_bwd}, {"fwd", fo}, {"bwd", bo},
-                             {"kernel_fwd_gflops", -neg[0]}, {"kernel_bwd_gflops", -neg[1]}});
+                             {"kernel_fwd_gflops", in.profile.fwd_gflops[di]},
+                             {"kernel_bwd_gflops", in.profile.bwd_gflops[di]}});
       }
     }
     src << "; cp_overhead: every scheme's forward and backward at cp " << cp << " (hybrid: its largest group the "
         << "heads split over) on its own batch (" << cu.size() - 1 << " documents, " << cu.back()
         << " tokens, document mix seed " << a.overhead_seed << "; median of " << a.repeats << ", slowest rank) "
-        << "against the model with the bare kernel's rates on that batch: the fraction of the kernel time that "
+        << "against the model at the bare kernels' rates on that batch, timed in the same repeats: the fraction of the kernel time that "
         << "meets the measured call (0 when the model is not below it)";
   } else {
     src << "; cp_overhead: not measured (--overhead-tokens 0)";

@@ -75,13 +75,15 @@ void parse_overhead(const nlohmann::json& j, const std::string& where, MachinePr
     CPATTN_CHECK(by_dtype.is_object(), where, ": profile.cp_overhead.", dir,
                  " must be an object of dtype: {scheme: fraction}, got ", by_dtype.dump());
     for (const auto& [k, by_scheme] : by_dtype.items()) {
-      const DType* t = std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](DType d) { return k == to_string(d); });
+      const std::string dtype = k;  // a copy: lambdas capture no structured binding before clang 16
+      const DType* t = std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](DType d) { return dtype == to_string(d); });
       CPATTN_CHECK(t != std::end(kDtypes), where, ": profile.", path, k, ": unknown dtype '", k, "' (fp32, fp16, bf16)");
       CPATTN_CHECK(by_scheme.is_object(), where, ": profile.", path, k,
                    " must be an object of scheme: fraction of the kernel time, got ", by_scheme.dump());
       for (const auto& [name, v] : by_scheme.items()) {
+        const std::string scheme = name;
         const CpScheme* s = std::find_if(std::begin(kCpSchemes), std::end(kCpSchemes),
-                                         [&](CpScheme x) { return name == to_string(x); });
+                                         [&](CpScheme x) { return scheme == to_string(x); });
         CPATTN_CHECK(s != std::end(kCpSchemes), where, ": profile.", path, k, ".", name, ": unknown scheme '", name,
                      "' (allgather, ring, pass-q, a2a, hybrid)");
         CPATTN_CHECK(v.is_number(), where, ": profile.", path, k, ".", name,
