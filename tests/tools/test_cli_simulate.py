@@ -203,6 +203,11 @@ bad(["calibrate", "--dtypes", "fp8"], "--dtypes: --dtype must be one of")
 # A kernel case past memory: refused before anything is allocated, with both sizes.
 bad(["calibrate", "--seq-len", "10000000000"], "cpattn calibrate's fp32 kernel case of 10000000000 tokens needs",
     "available")
+# The CP overhead's case needs the world size: refused after MPI starts, on every rank alike.
+r = run("calibrate", "--seq-len", "16", "--dtypes", "fp32", "--overhead-tokens", "65536", "--sizes", "8", mpi=2,
+        env={"CPATTN_MEMORY_LIMIT_BYTES": "100000000"})
+check(r.returncode == 2 and "fp32 CP overhead case (--overhead-tokens x 2 ranks) of 131072 tokens needs" in r.stderr,
+      f"calibrate's overhead case past memory: exit {r.returncode} {r.stderr[-400:]!r}")
 r = run(*tiny, "--timeout", "-1", mpi=2)
 check(r.returncode == 2 and "--timeout must be in (0, 1e+07] seconds, got -1" in r.stderr,
       f"calibrate --timeout -1: exit {r.returncode} {r.stderr[-400:]!r}")
