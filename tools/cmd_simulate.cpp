@@ -1,9 +1,14 @@
 // `cpattn simulate`: every CP scheme's predicted step on a mesh and a machine profile
 // (cpattn/sim.hpp, docs/simulate.md); `cpattn calibrate`: this machine's profile, measured.
 #include <cpattn/check/attention_bench.hpp>
+#include <cpattn/check/batch.hpp>
+#include <cpattn/check/cases.hpp>
+#include <cpattn/check/problem.hpp>
+#include <cpattn/cp.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/sim.hpp>
 
 #include <nlohmann/json.hpp>
@@ -87,11 +92,12 @@ nlohmann::json bytes_json(const SimBytes& b) {
 }
 
 nlohmann::json call_json(const std::vector<SimCall>& calls) {
-  nlohmann::json j = {{"compute_s", nlohmann::json::array()}, {"exposed_s", nlohmann::json::array()},
+  nlohmann::json j = {{"compute_s", nlohmann::json::array()}, {"overhead_s", nlohmann::json::array()}, {"exposed_s", nlohmann::json::array()},
                       {"hidden_s", nlohmann::json::array()}, {"bytes_sent", nlohmann::json::array()},
                       {"bytes_received", nlohmann::json::array()}, {"agreement_bytes_sent", nlohmann::json::array()}};
   for (const SimCall& c : calls) {
     j["compute_s"].push_back(c.compute_s);
+    j["overhead_s"].push_back(c.overhead_s);
     j["exposed_s"].push_back(c.exposed_s);
     j["hidden_s"].push_back(c.hidden_s);
     j["bytes_sent"].push_back(c.payload.sent());
@@ -169,8 +175,28 @@ void run_simulate(const SimulateArgs& a) {
                "NAME (with --tokens, --mean-length, --sigma, --seed)");
   if (!a.lengths_file.empty()) cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), "--lengths-file");
   if (!a.lengths.empty()) cu = cu_seqlens_from_lengths(a.lengths, "--lengths");
-  if (!a.distribution.empty())
+  if (!a.distribution.empty()) {
+    // Before the lengths exist: the boundaries sim_lengths grows (up to twice their size while
+    // growing) and the simulation's own (sim_memory_bytes) for the documents --tokens makes.
+    const int64_t docs = sim_lengths_documents(a.tokens, a.mean_length);
+    const uint64_t lengths = saturating_mul(static_cast<uint64_t>(docs) + 1, 2 * sizeof(int64_t));
+    const uint64_t sim = sim_memory_bytes(docs, a.cp);
+    std::ostringstream mean;
+    mean << a.mean_length;
+    check_memory(saturating_add(lengths, sim),
+                 "cpattn simulate --distribution " + a.distribution + " --tokens " + std::to_string(a.tokens) +
+                     " (about " + std::to_string(docs) + " documents of --mean-length " + mean.str() +
+                     ") at --cp " + std::to_string(a.cp),
+                 "lengths " + format_bytes(lengths) + ", planner and predictions " + format_bytes(sim));
     cu = with_flags([&] { return sim_lengths(a.distribution, a.tokens, a.mean_length, a.sigma, a.seed); });
+  } else {
+    const auto docs = static_cast<int64_t>(cu.size()) - 1;
+    const uint64_t sim = sim_memory_bytes(docs, a.cp);
+    check_memory(sim, "cpattn simulate of " + std::to_string(docs) + " documents (" +
+                          (a.lengths_file.empty() ? "--lengths" : "--lengths-file " + a.lengths_file) + ") at --cp " +
+                          std::to_string(a.cp),
+                 "planner and predictions " + format_bytes(sim));
+  }
   const auto kind = parse_pipeline_schedule(a.schedule);
   CPATTN_CHECK(kind.has_value(), "--schedule must be one of fill-drain, gpipe, 1f1b, interleaved, zb-h1, got '",
                a.schedule, "'");
@@ -281,7 +307,93 @@ struct CalibrateArgs {
   std::string name = "this-machine";
   bool json = false;
   std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
+  int64_t overhead_tokens = 2048;  // per rank, of the CP overhead's own batch; 0: not measured
+  uint64_t overhead_seed = 2;      // its document mix (check::document_mix)
 };
+
+// The CP overhead's measurement (docs/simulate.md, "cpattn calibrate"): every scheme's real
+// forward and backward on every rank at once (cp = the world size), on a batch of its own
+// (document_mix of overhead_tokens per rank), against the simulator's prediction for the same
+// batch and scheme priced at the bare kernels' rates on that batch and the links just measured.
+// The bare kernels run right before each CP call, in the same repeat, so that a machine whose
+// load changes between schemes (a shared one) loads both alike.
+struct OverheadRun {
+  check::Problem pb;  // the batch's whole documents: the bare kernels' case, and the CP layer's global tensors
+  check::Tensor out, dq, dk, dv;
+  std::vector<float> lse;
+  AttnFwdParams fp;
+  AttnBwdParams bp;
+  OverheadRun(const check::AttnCase& c, DType t, uint64_t seed, int threads)
+      : pb(c, t, seed), out(t, pb.out_shape()), dq(t, pb.q_shape()), dk(t, pb.k_shape()), dv(t, pb.v_shape()),
+        lse(pb.lse_size()),
+        fp(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, threads)),
+        bp(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, threads)) {}
+};
+
+struct OverheadTimes {  // the slowest rank's medians, seconds
+  double kernel_fwd = 0, kernel_bwd = 0, cp_fwd = 0, cp_bwd = 0;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// `repeats` times (after a warm-up): the bare kernels on the whole batch, then `attn`'s forward
+// and backward on this rank's rows of it.
+OverheadTimes time_overhead(Communicator& comm, CpAttention& attn, const OverheadRun& o, int repeats) {
+  using Clock = std::chrono::steady_clock;
+  const std::vector<int64_t> cu = o.pb.c.cu_seqlens_q();
+  const std::shared_ptr<const RankPlan> plan = attn.plan(cu);
+  const check::Tensor q = check::local_rows(o.pb.q, *plan), k = check::local_rows(o.pb.k, *plan),
+                      v = check::local_rows(o.pb.v, *plan), dout = check::local_rows(o.pb.dout, *plan);
+  check::Tensor out(o.pb.dtype, {plan->local_tokens, o.pb.c.num_heads_q, o.pb.c.head_dim_v}), dq(o.pb.dtype, q.shape),
+      dk(o.pb.dtype, k.shape), dv(o.pb.dtype, v.shape);
+  const auto secs = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  std::vector<double> kf, kb, cf, cb;
+  for (int i = 0; i <= repeats; ++i) {  // the first one warms up (plan cache, buffers)
+    comm.barrier();
+    const auto t0 = Clock::now();
+    attention_forward(o.fp);
+    const auto t1 = Clock::now();
+    attention_backward(o.bp);
+    const auto t2 = Clock::now();
+    comm.barrier();
+    const auto t3 = Clock::now();
+    CpContext ctx = attn.forward({.plan = plan, .q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()});
+    const auto t4 = Clock::now();
+    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
+                        .dv = dv.view()});
+    const auto t5 = Clock::now();
+    if (i == 0) continue;
+    kf.push_back(secs(t0, t1));
+    kb.push_back(secs(t1, t2));
+    cf.push_back(secs(t3, t4));
+    cb.push_back(secs(t4, t5));
+  }
+  std::vector<double> med{median_of(kf), median_of(kb), median_of(cf), median_of(cb)};
+  comm.all_reduce<double>(med, ReduceOp::max);
+  return {med[0], med[1], med[2], med[3]};
+}
+
+// The smallest overhead x >= 0 (bisection to 1e-4 of the kernel time, relative above 1) at
+// which the model's call (`predict_at(x)`: the slowest rank's forward or backward) reaches
+// `measured`; 0 when the model without overhead already does. The model's call grows with x
+// (the kernel time times 1 + x), so doubling finds an upper end.
+template <class F>
+double fit_overhead(F&& predict_at, double measured) {
+  if (predict_at(0.0) >= measured) return 0.0;
+  double lo = 0, hi = 1;
+  for (int i = 0; i < 64 && predict_at(hi) < measured; ++i) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > 1e-4 * std::max(1.0, lo)) {
+    const double mid = (lo + hi) / 2;
+    (predict_at(mid) < measured ? lo : hi) = mid;
+  }
+  return hi;
+}
 
 // Seconds of one ring shift of `bytes` (every rank sends to the next, receives from the previous),
 // the median of `iters` after a warm-up, the slowest rank's.
@@ -396,9 +508,85 @@ void run_calibrate(const CalibrateArgs& a) {
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
   p.memory_gb = ram / 1e9 / comm.size();
   check_machine_profile(p);
+  nlohmann::json overheads = nlohmann::json::array();
+  std::vector<int64_t> overhead_lengths;  // the overhead's batch
+  if (a.overhead_tokens > 0) {
+    const int cp = comm.size();
+    overhead_lengths = check::document_mix(a.overhead_tokens * cp, a.overhead_seed);
+    const std::vector<int64_t> cu = cu_seqlens_from_lengths(overhead_lengths);
+    // The bare kernel on the same documents, every rank at once: the rates the model prices them at.
+    const auto overhead_case = [&](DType t) {
+      check::AttnBenchOptions kc = kernel_case(t);
+      kc.lengths = overhead_lengths;
+      return kc;
+    };
+    // Its size needs the world's: checked here, agreed so that every rank refuses alike.
+    std::string too_big;
+    try {
+      for (const DType t : dtypes)
+        check_bench_memory(overhead_case(t), "cpattn calibrate's " + std::string(to_string(t)) + " CP overhead case "
+                           "(--overhead-tokens x " + std::to_string(cp) + " ranks)");
+    } catch (const Error& e) {
+      too_big = e.message();
+    }
+    agree(comm, {}, "cpattn calibrate", too_big);
+    const check::AttnCase c =
+        check::bench_case(overhead_lengths, a.heads, a.kv_heads, a.head_dim, a.head_dim, MaskType::causal);
+    for (const DType t : dtypes) {
+      const auto di = static_cast<std::size_t>(t);
+      const OverheadRun o(c, t, a.overhead_seed, a.threads);
+      for (const CpScheme s : kCpSchemes) {
+        // a2a over the whole world, the hybrid over the largest group the heads split over
+        // (the world on this one node); a scheme the heads cannot run keeps 0.
+        int inner = 0;
+        if (s == CpScheme::a2a && !head_split_error(a.heads, a.kv_heads, cp).empty()) continue;
+        if (s == CpScheme::hybrid)
+          for (int i = 1; i <= cp; ++i)
+            if (cp % i == 0 && head_split_error(a.heads, a.kv_heads, i).empty()) inner = i;
+        CpAttention attn(comm, {.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
+                                .head_dim_v = a.head_dim, .dtype = t, .options = {.num_threads = a.threads},
+                                .scheme = s, .cp_inner = inner});
+        const OverheadTimes tm = time_overhead(comm, attn, o, a.repeats);
+        SimInput in{.cu_seqlens = cu,
+                    .model = {.num_heads_q = a.heads, .num_heads_k = a.kv_heads, .head_dim_qk = a.head_dim,
+                              .head_dim_v = a.head_dim, .dtype = t},
+                    .mesh = {.cp = cp, .cp_inner = inner},
+                    .profile = p,
+                    .find_breakeven = false};
+        in.profile.fwd_gflops[di] = c.fwd_flops() / tm.kernel_fwd / 1e9;  // the bare kernels' rates, this repeat's
+        in.profile.bwd_gflops[di] = c.bwd_flops() / tm.kernel_bwd / 1e9;
+        const auto call_at = [&](double x, bool backward) {
+          (backward ? in.profile.bwd_overhead : in.profile.fwd_overhead)[di][static_cast<std::size_t>(s)] = x;
+          const SchemePrediction pr = simulate_scheme(in, s);
+          double slowest = 0;
+          for (const SimCall& call : backward ? pr.backward : pr.forward) slowest = std::max(slowest, call.time_s());
+          return slowest;
+        };
+        const double model_fwd = call_at(0, false), model_bwd = call_at(0, true);
+        const double fo = fit_overhead([&](double x) { return call_at(x, false); }, tm.cp_fwd);
+        const double bo = fit_overhead([&](double x) { return call_at(x, true); }, tm.cp_bwd);
+        p.fwd_overhead[di][static_cast<std::size_t>(s)] = fo;
+        p.bwd_overhead[di][static_cast<std::size_t>(s)] = bo;
+        overheads.push_back({{"dtype", to_string(t)}, {"scheme", to_string(s)}, {"cp_inner", inner},
+                             {"measured_fwd_s", tm.cp_fwd}, {"measured_bwd_s", tm.cp_bwd}, {"model_fwd_s", model_fwd},
+                             {"model_bwd_s", model_bwd}, {"fwd", fo}, {"bwd", bo},
+                             {"kernel_fwd_gflops", in.profile.fwd_gflops[di]},
+                             {"kernel_bwd_gflops", in.profile.bwd_gflops[di]}});
+      }
+    }
+    src << "; cp_overhead: every scheme's forward and backward at cp " << cp << " (hybrid: its largest group the "
+        << "heads split over) on its own batch (" << cu.size() - 1 << " documents, " << cu.back()
+        << " tokens, document mix seed " << a.overhead_seed << "; median of " << a.repeats << ", slowest rank) "
+        << "against the model at the bare kernels' rates on that batch, timed in the same repeats: the fraction of the kernel time that "
+        << "meets the measured call (0 when the model is not below it)";
+  } else {
+    src << "; cp_overhead: not measured (--overhead-tokens 0)";
+  }
+  check_machine_profile(p);
   if (comm.rank() != 0) return;
   nlohmann::json j = profile_json(p, src.str());
-  j["measured"] = {{"kernels", kernels}, {"shifts", links}};
+  j["measured"] = {{"kernels", kernels}, {"shifts", links}, {"cp_overhead", overheads}};
+  if (!overhead_lengths.empty()) j["measured"]["cp_overhead_lengths"] = overhead_lengths;
   if (!a.out.empty()) {
     std::ofstream o(a.out);
     CPATTN_CHECK(o.good(), "--out: cannot write '", a.out, "'");
@@ -412,6 +600,11 @@ void run_calibrate(const CalibrateArgs& a) {
   for (const auto& k : kernels)
     std::printf("  %-5s forward %8.2f GFLOP/s, backward %8.2f GFLOP/s (%s)\n", k["dtype"].get<std::string>().c_str(),
                 k["fwd_gflops"].get<double>(), k["bwd_gflops"].get<double>(), k["path"].get<std::string>().c_str());
+  for (const auto& o : overheads)
+    std::printf("  %-5s %-9s forward %.3f s (model %.3f s): overhead %.3f; backward %.3f s (model %.3f s): %.3f\n",
+                o["dtype"].get<std::string>().c_str(), o["scheme"].get<std::string>().c_str(),
+                o["measured_fwd_s"].get<double>(), o["model_fwd_s"].get<double>(), o["fwd"].get<double>(),
+                o["measured_bwd_s"].get<double>(), o["model_bwd_s"].get<double>(), o["bwd"].get<double>());
   for (const auto& l : links)
     std::printf("  shift %10lld bytes: %10.2f us, %8.3f GB/s\n", static_cast<long long>(l["bytes"].get<int64_t>()),
                 l["seconds"].get<double>() * 1e6, l["gbs"].get<double>());
@@ -490,6 +683,11 @@ void add_calibrate_command(CLI::App& app) {
   cmd->add_option("--sizes", a->sizes, "Message sizes in bytes, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--iters", a->iters, "Timed shifts per size (median)")->capture_default_str();
   cmd->add_flag("--json", a->json, "Print the profile as one JSON object");
+  cmd->add_option("--overhead-tokens", a->overhead_tokens, "CP overhead: tokens per rank of its own batch (every "
+                  "scheme's forward and backward against the model; 0 skips it)")->check(CLI::Range(int64_t{0}, int64_t{1} << 16))
+      ->capture_default_str();
+  cmd->add_option("--overhead-seed", a->overhead_seed, "CP overhead: the seed of its batch's document mix")
+      ->capture_default_str();
   add_timeout_option(cmd, a->timeout);
   cmd->callback([a] { run_calibrate(*a); });
 }

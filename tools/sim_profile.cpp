@@ -3,7 +3,9 @@
 
 #include <cpattn/error.hpp>
 
+#include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 namespace cpattn::cli {
@@ -61,10 +63,42 @@ void parse_rates(const nlohmann::json& j, const char* dir, const std::string& wh
   }
 }
 
+// {"fwd": {"fp32": {"allgather": x, ...}, ...}, "bwd": {...}}: optional at every level (absent:
+// 0, the kernels alone); unknown directions, dtypes and schemes are errors.
+void parse_overhead(const nlohmann::json& j, const std::string& where, MachineProfile& p) {
+  if (!j.contains("cp_overhead")) return;
+  const nlohmann::json& o = j.at("cp_overhead");
+  only_keys(o, {"fwd", "bwd"}, where, "cp_overhead.");
+  for (const auto& [dir, by_dtype] : o.items()) {
+    auto& out = dir == "fwd" ? p.fwd_overhead : p.bwd_overhead;
+    const std::string path = "cp_overhead." + dir + ".";
+    CPATTN_CHECK(by_dtype.is_object(), where, ": profile.cp_overhead.", dir,
+                 " must be an object of dtype: {scheme: fraction}, got ", by_dtype.dump());
+    for (const auto& [k, by_scheme] : by_dtype.items()) {
+      const std::string dtype = k;  // a copy: lambdas capture no structured binding before clang 16
+      const DType* t = std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](DType d) { return dtype == to_string(d); });
+      CPATTN_CHECK(t != std::end(kDtypes), where, ": profile.", path, k, ": unknown dtype '", k, "' (fp32, fp16, bf16)");
+      CPATTN_CHECK(by_scheme.is_object(), where, ": profile.", path, k,
+                   " must be an object of scheme: fraction of the kernel time, got ", by_scheme.dump());
+      for (const auto& [name, v] : by_scheme.items()) {
+        const std::string scheme = name;
+        const CpScheme* s = std::find_if(std::begin(kCpSchemes), std::end(kCpSchemes),
+                                         [&](CpScheme x) { return scheme == to_string(x); });
+        CPATTN_CHECK(s != std::end(kCpSchemes), where, ": profile.", path, k, ".", name, ": unknown scheme '", name,
+                     "' (allgather, ring, pass-q, a2a, hybrid)");
+        CPATTN_CHECK(v.is_number(), where, ": profile.", path, k, ".", name,
+                     " must be a number (a fraction of the kernel time), got ", v.dump());
+        out[static_cast<std::size_t>(*t)][static_cast<std::size_t>(*s)] = v.get<double>();
+      }
+    }
+  }
+}
+
 }  // namespace
 
 MachineProfile parse_profile(const nlohmann::json& j, const std::string& where) {
-  only_keys(j, {"name", "source", "compute", "intra_node", "inter_node", "ranks_per_node", "memory_gb", "measured"},
+  only_keys(j, {"name", "source", "compute", "intra_node", "inter_node", "ranks_per_node", "memory_gb", "cp_overhead",
+             "measured"},
             where, "");
   MachineProfile p;
   if (j.contains("name")) {
@@ -83,6 +117,7 @@ MachineProfile parse_profile(const nlohmann::json& j, const std::string& where) 
                ": profile.ranks_per_node must be in [1, 2^20], got ", rpn.dump());
   p.ranks_per_node = rpn.get<int>();
   p.memory_gb = number(j, "memory_gb", where, "");
+  parse_overhead(j, where, p);
   try {
     check_machine_profile(p);
   } catch (const Error& e) {
@@ -118,6 +153,19 @@ nlohmann::json profile_json(const MachineProfile& p, const std::string& source) 
   j["inter_node"] = {{"bandwidth_gbs", p.inter.bandwidth_gbs}, {"latency_us", p.inter.latency_us}};
   j["ranks_per_node"] = p.ranks_per_node;
   j["memory_gb"] = p.memory_gb;
+  // The overheads of a dtype with any nonzero one (every scheme's, 0 included); none: left out.
+  nlohmann::json over = nlohmann::json::object();
+  for (const bool backward : {false, true}) {
+    const auto& o = backward ? p.bwd_overhead : p.fwd_overhead;
+    for (const DType t : kDtypes) {
+      const auto& row = o[static_cast<std::size_t>(t)];
+      if (std::all_of(row.begin(), row.end(), [](double x) { return x == 0; })) continue;
+      for (const CpScheme s : kCpSchemes)
+        over[backward ? "bwd" : "fwd"][std::string(to_string(t))][std::string(to_string(s))] =
+            row[static_cast<std::size_t>(s)];
+    }
+  }
+  if (!over.empty()) j["cp_overhead"] = over;
   return j;
 }
 

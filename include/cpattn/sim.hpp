@@ -44,7 +44,16 @@ struct MachineProfile {
   SimLink inter;                                 // between nodes
   int ranks_per_node = 1;                        // >= 1
   double memory_gb = 0;                          // per rank, > 0 (GB = 1e9 bytes)
+  // The CP layer's own work beyond the kernels (copies into and out of the gathered buffers,
+  // conversions, merges, fingerprints, smaller kernel tasks), as a fraction of the same call's
+  // kernel time, by storage dtype (indexed by DType) and scheme (indexed by CpScheme, as
+  // kCpSchemes): a call's compute_s = kernel time x (1 + overhead). cpattn calibrate measures
+  // it (docs/simulate.md); 0, the default and what a profile leaving it out means, prices the
+  // kernels alone. Finite and >= 0.
+  std::array<std::array<double, 5>, 3> fwd_overhead = {};
+  std::array<std::array<double, 5>, 3> bwd_overhead = {};
 };
+static_assert(std::size(kCpSchemes) == 5, "MachineProfile::*_overhead has one entry per scheme");
 // Throws cpattn::Error naming the first bad field (profile.<field>) and the rule it breaks.
 void check_machine_profile(const MachineProfile& p);
 
@@ -87,7 +96,8 @@ struct SimBytes {
 
 // One CP attention call (forward or backward) on one rank.
 struct SimCall {
-  double compute_s = 0;      // kernel time
+  double compute_s = 0;      // kernel time plus overhead_s
+  double overhead_s = 0;     // of compute_s, the CP layer's own work (MachineProfile::*_overhead)
   double exposed_s = 0;      // communication the rank waits on
   double hidden_s = 0;       // communication overlapped with compute
   SimBytes payload;          // what CpStats::bytes_sent/bytes_received count for the call
@@ -157,5 +167,15 @@ double attention_flops(int64_t pairs, int heads, int head_dim_qk, int head_dim_v
 // lognormal: exp(N(log(mean) - sigma^2/2, sigma)), at least 1. Returns cu_seqlens.
 std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, double mean, double sigma,
                                  uint64_t seed);
+// About how many documents sim_lengths makes for `tokens` of mean length `mean`, before it runs
+// (every distribution's mean length is `mean`; x 1.25 + 64 for the draw, at most `tokens`):
+// for a memory budget. 1 for arguments sim_lengths refuses (its own error then names them).
+int64_t sim_lengths_documents(int64_t tokens, double mean);
+// What simulate_step allocates for a batch of `documents` documents at SimMesh::cp = `cp` (clamped to
+// [1, 65536]), in bytes, an upper estimate: the planner's chunk table at the largest CP size
+// (documents x 2cp chunks, each CP size planned in turn), the length sweep's scaled copies of
+// the boundaries, the per-rank work of every CP size kept and the predictions' per-rank calls.
+// The caller's cu_seqlens (documents + 1 int64) is not in it.
+uint64_t sim_memory_bytes(int64_t documents, int cp);
 
 }  // namespace cpattn

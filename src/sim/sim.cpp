@@ -4,6 +4,7 @@
 #include <cpattn/agreement.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/plan.hpp>
 
 #include <algorithm>
@@ -202,8 +203,14 @@ std::pair<int64_t, int64_t> visible_blocks(const Ctx& c, int q) {
   return {0, std::min<int64_t>(hi, int64_t{q} + 1)};
 }
 
-double flops_time(const Ctx& c, int64_t pairs, int heads, bool backward) {
-  return attention_flops(pairs, heads, c.dqk, c.dv, backward) / (backward ? c.bwd_rate : c.fwd_rate);
+// A call's compute: the kernel's FLOPs at the profile's rate, and the scheme's overhead on that
+// kernel time (MachineProfile::fwd_overhead / bwd_overhead; 0 prices the kernel alone).
+void set_compute(const Ctx& c, CpScheme s, int64_t pairs, int heads, bool backward, SimCall& call) {
+  const double kernel =
+      attention_flops(pairs, heads, c.dqk, c.dv, backward) / (backward ? c.bwd_rate : c.fwd_rate);
+  const auto& over = backward ? c.in.profile.bwd_overhead : c.in.profile.fwd_overhead;
+  call.overhead_s = kernel * over[static_cast<std::size_t>(c.in.model.dtype)][static_cast<std::size_t>(s)];
+  call.compute_s = kernel + call.overhead_s;
 }
 
 // The agreement before every call: a ring all-gather of kAgreementBlockBytes bytes over `count`
@@ -271,13 +278,13 @@ void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * c.es, f.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * c.es, f.payload);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
+  set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, false, f);
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * 4, b.payload);
   t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * 4, b.payload);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, true, b);
 }
 
 // Partials of `part` bytes going home over a ring's steps: full to every rank of [to) but r,
@@ -314,7 +321,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
+  set_compute(c, CpScheme::ring, c.work->pairs[r], c.hq, false, f);
   SimBytes dummy;
   const double kv_t = ring_transfer(c, r, 0, 1, cp, 1, kv_block, dummy);
   ring_transfer(c, r, 0, 1, cp, cp - 1, kv_block, f.payload);
@@ -323,7 +330,7 @@ void ring_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   t = 0;
   agreement(c, r, 0, 1, cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  set_compute(c, CpScheme::ring, c.work->pairs[r], c.hq, true, b);
   // The blocks travel again; each step's partial dK/dV goes home to the block's owner under
   // the next step's compute, the last one exposed.
   if (cp == 1) return;
@@ -355,17 +362,17 @@ void pass_q_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   double t = 0;
   agreement(c, r, 0, 1, c.cp, f.agreement, t);
   f.exposed_s = t;
-  f.compute_s = flops_time(c, c.work->pairs[r], c.hq, false);
+  set_compute(c, CpScheme::pass_q, c.work->pairs[r], c.hq, false, f);
   pass_q_call(c, r, n_lse * c.dqk * c.es, n_lse * (1 + c.dv) * 4, f.compute_s, f);
   t = 0;
   agreement(c, r, 0, 1, c.cp, b.agreement, t);
   b.exposed_s = t;
-  b.compute_s = flops_time(c, c.work->pairs[r], c.hq, true);
+  set_compute(c, CpScheme::pass_q, c.work->pairs[r], c.hq, true, b);
   pass_q_call(c, r, n_lse * 4 + n_lse * (c.dqk + 2 * c.dv) * c.es, n_lse * c.dqk * 4, b.compute_s, b);
 }
 
 // a2a (inner = cp) and hybrid (inner < cp, the all-gather outer scheme over cp / inner groups).
-void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, SimCall& b) {
+void a2a_calls(const Ctx& c, CpScheme s, int r, int inner, const HeadSplit& h, SimCall& f, SimCall& b) {
   const int cp = c.cp, outer = cp / inner;
   const int first = r / inner * inner, member = r % inner;
   const int64_t t = c.t_loc, g = inner * t;
@@ -391,7 +398,7 @@ void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, S
   }
   f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dv * c.es, f.payload);  // out
   f.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * 4, f.payload);            // lse
-  f.compute_s = flops_time(c, pairs, h.hq_loc(), false);
+  set_compute(c, s, pairs, h.hq_loc(), false, f);
 
   time = 0;
   agreement(c, r, 0, 1, cp, b.agreement, time);
@@ -407,7 +414,7 @@ void a2a_calls(const Ctx& c, int r, int inner, const HeadSplit& h, SimCall& f, S
   b.exposed_s += all_to_all(c, r, first, inner, t * h.hq_loc() * c.dqk * c.es, b.payload);  // dq
   b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dqk * c.es, b.payload);  // dk
   b.exposed_s += all_to_all(c, r, first, inner, t * h.kv_loc() * c.dv * c.es, b.payload);   // dv
-  b.compute_s = flops_time(c, pairs, h.hq_loc(), true);
+  set_compute(c, s, pairs, h.hq_loc(), true, b);
 }
 
 // Bytes of attention state per rank and layer: what a forward leaves for its backward (the
@@ -493,7 +500,7 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
       case CpScheme::ring: ring_calls(c, r, f, b); break;
       case CpScheme::pass_q: pass_q_calls(c, r, f, b); break;
       case CpScheme::a2a:
-      case CpScheme::hybrid: a2a_calls(c, r, inner, h, f, b); break;
+      case CpScheme::hybrid: a2a_calls(c, scheme, r, inner, h, f, b); break;
     }
   }
   // The slowest CP rank sets the pace (every call ends in collectives over the group).
@@ -674,6 +681,13 @@ void check_machine_profile(const MachineProfile& p) {
     CPATTN_CHECK(std::isfinite(p.bwd_gflops[i]) && p.bwd_gflops[i] >= 0, "profile.compute.bwd.", to_string(t),
                  " must be a finite number >= 0 (GFLOP/s; 0 = unknown), got ", p.bwd_gflops[i]);
   }
+  for (const DType t : {DType::f32, DType::f16, DType::bf16})
+    for (const CpScheme s : kCpSchemes)
+      for (const bool bwd : {false, true}) {
+        const double x = (bwd ? p.bwd_overhead : p.fwd_overhead)[static_cast<std::size_t>(t)][static_cast<std::size_t>(s)];
+        CPATTN_CHECK(std::isfinite(x) && x >= 0, "profile.cp_overhead.", bwd ? "bwd." : "fwd.", to_string(t), ".",
+                     to_string(s), " must be a finite number >= 0 (a fraction of the kernel time), got ", x);
+      }
   check_link(p.intra, "intra_node");
   check_link(p.inter, "inter_node");
   CPATTN_CHECK(p.ranks_per_node >= 1, "profile.ranks_per_node must be >= 1, got ", p.ranks_per_node);
@@ -770,6 +784,28 @@ SimReport simulate_step(const SimInput& in) {
     }
   }
   return rep;
+}
+
+int64_t sim_lengths_documents(int64_t tokens, double mean) {
+  if (tokens < 1 || !std::isfinite(mean) || mean < 1) return 1;
+  const double docs = static_cast<double>(tokens) / mean * 1.25 + 64;
+  return docs >= static_cast<double>(tokens) ? tokens : static_cast<int64_t>(docs);
+}
+
+uint64_t sim_memory_bytes(int64_t documents, int cp) {
+  const auto d = static_cast<uint64_t>(std::max<int64_t>(documents, 1));
+  const auto c = static_cast<uint64_t>(std::clamp(cp, 1, 65536));
+  // The chunk table of one planning (split_layout; pairs_no_mask's the same), one at a time.
+  const uint64_t chunks = saturating_mul(saturating_mul(d, 2 * c), sizeof(DocChunk));
+  // The length sweep's scaled boundaries and total_pairs' copy of them.
+  const uint64_t scaled = saturating_mul(saturating_add(d, 1), 2 * sizeof(int64_t));
+  // Per CP size kept (cp and every power of two below it): pairs and prefix; balance_report's ranks.
+  uint64_t sizes = 2;
+  for (uint64_t x = 1; x < c; x *= 2) ++sizes;
+  const uint64_t work = sizes * (2 * c + 1) * sizeof(int64_t) + c * sizeof(RankBalance);
+  // Every scheme's prediction kept and one more being made: forward and backward calls per rank.
+  const uint64_t calls = (std::size(kCpSchemes) + 1) * 2 * c * sizeof(SimCall);
+  return saturating_add(saturating_add(chunks, scaled), work + calls);
 }
 
 std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, double mean, double sigma,

@@ -18,7 +18,8 @@ bool same(const cpattn::MachineProfile& a, const cpattn::MachineProfile& b) {
   return a.name == b.name && a.fwd_gflops == b.fwd_gflops && a.bwd_gflops == b.bwd_gflops &&
          a.intra.bandwidth_gbs == b.intra.bandwidth_gbs && a.intra.latency_us == b.intra.latency_us &&
          a.inter.bandwidth_gbs == b.inter.bandwidth_gbs && a.inter.latency_us == b.inter.latency_us &&
-         a.ranks_per_node == b.ranks_per_node && a.memory_gb == b.memory_gb;
+         a.ranks_per_node == b.ranks_per_node && a.memory_gb == b.memory_gb && a.fwd_overhead == b.fwd_overhead &&
+         a.bwd_overhead == b.bwd_overhead;
 }
 
 }  // namespace

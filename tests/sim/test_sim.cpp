@@ -103,6 +103,68 @@ TEST(Sim, RingHidesItsShiftsWhenComputeIsLonger) {
   EXPECT_NEAR(p.backward[0].exposed_s, 408e-12 + 1.28e-9, 1e-18);
 }
 
+// The CP overhead (MachineProfile::fwd_overhead / bwd_overhead, a fraction of the kernel time)
+// adds to compute: with it 0 the hand-worked cases above hold (the profile leaves it 0); with
+// it set, each call's compute grows by exactly the fraction of its kernel time, and a step
+// without overlap by exactly that over its calls and layers.
+TEST(Sim, CpOverheadAddsItsFractionOfTheKernelTimeToCompute) {
+  const std::size_t f32 = static_cast<std::size_t>(DType::f32);
+  for (const CpScheme s : kCpSchemes) {
+    SimInput in = hand_input();
+    in.model.layers = 3;
+    in.profile.intra = {.bandwidth_gbs = 1000, .latency_us = 0};  // the ring hides its shifts, before and after
+    const SchemePrediction base = simulate_scheme(in, s);
+    ASSERT_TRUE(base.valid) << base.reason;
+    for (const SimCall& c : base.forward) EXPECT_EQ(c.overhead_s, 0.0);
+    const auto si = static_cast<std::size_t>(s);
+    in.profile.fwd_overhead[f32][si] = 0.25;
+    in.profile.bwd_overhead[f32][si] = 0.5;
+    in.profile.fwd_overhead[f32][(si + 1) % 5] = 7;  // another scheme's: no effect on this one
+    in.profile.fwd_overhead[static_cast<std::size_t>(DType::bf16)][si] = 9;  // another dtype's: none either
+    const SchemePrediction p = simulate_scheme(in, s);
+    SCOPED_TRACE(std::string(to_string(s)));
+    double added = 0;
+    for (int r = 0; r < 2; ++r) {
+      const double kf = base.forward[r].compute_s, kb = base.backward[r].compute_s;
+      EXPECT_NEAR(p.forward[r].overhead_s, 0.25 * kf, 1e-18);
+      EXPECT_NEAR(p.forward[r].compute_s, 1.25 * kf, 1e-18);
+      EXPECT_NEAR(p.backward[r].overhead_s, 0.5 * kb, 1e-18);
+      EXPECT_NEAR(p.backward[r].compute_s, 1.5 * kb, 1e-18);
+      EXPECT_NEAR(p.forward[r].exposed_s, base.forward[r].exposed_s, 1e-18);
+      EXPECT_NEAR(p.backward[r].exposed_s, base.backward[r].exposed_s, 1e-18);
+      if (r == 0) added = 3 * (0.25 * kf + 0.5 * kb);  // both ranks do the same work here
+    }
+    EXPECT_NEAR(p.step_s, base.step_s + added, 1e-15);
+    EXPECT_NEAR(p.compute_s, base.compute_s + added, 1e-15);
+    EXPECT_NEAR(p.exposed_comm_s, base.exposed_comm_s, 1e-15);
+  }
+  // By hand, the all-gather of the first case: forward kernel 6.976 us, backward 34.88 us; a
+  // quarter and a half of them on top.
+  SimInput in = hand_input();
+  in.profile.fwd_overhead[f32][static_cast<std::size_t>(CpScheme::allgather)] = 0.25;
+  in.profile.bwd_overhead[f32][static_cast<std::size_t>(CpScheme::allgather)] = 0.5;
+  const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+  EXPECT_NEAR(p.forward[0].compute_s, 6.976e-6 + 1.744e-6, 1e-15);
+  EXPECT_NEAR(p.backward[1].compute_s, 34.88e-6 + 17.44e-6, 1e-15);
+  EXPECT_NEAR(p.step_s, 6.976e-6 + 34.88e-6 + 1.744e-6 + 17.44e-6 + 2 * (10.408e-6 + 21.28e-6), 1e-14);
+}
+
+// With overlap, the overhead is compute too: the ring hides more of a transfer longer than its
+// steps' compute, so the step grows by less than the overhead (never by more, never shrinks).
+TEST(Sim, CpOverheadHidesMoreOfTheRingsTransfers) {
+  SimInput in = hand_input();
+  in.profile.intra = {.bandwidth_gbs = 0.1, .latency_us = 0};  // a 1280-byte shift: 12.8 us > 3.488 us of compute
+  const SchemePrediction base = simulate_scheme(in, CpScheme::ring);
+  in.profile.fwd_overhead[static_cast<std::size_t>(DType::f32)][static_cast<std::size_t>(CpScheme::ring)] = 1;
+  const SchemePrediction p = simulate_scheme(in, CpScheme::ring);
+  // Forward: one step's compute 3.488 us (6.976 us over 2 steps) becomes 6.976 us, hiding that
+  // much more of the 12.8 us shift: the call time grows by 6.976 - 3.488 us.
+  EXPECT_NEAR(p.forward[0].hidden_s, base.forward[0].hidden_s + 3.488e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].time_s(), base.forward[0].time_s() + 3.488e-6, 1e-15);
+  EXPECT_GT(p.step_s, base.step_s);
+  EXPECT_LT(p.step_s, base.step_s + 6.976e-6);
+}
+
 TEST(Sim, EqualPipelineStagesGiveTheFillDrainBubble) {
   for (const PipelineSchedule sched : {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b}) {
     for (const auto& [stages, micro] : {std::pair{4, 8}, std::pair{3, 1}, std::pair{2, 5}}) {
@@ -264,6 +326,12 @@ TEST(Sim, BadProfilesAndMeshesAreRejectedNamingTheField) {
   in = hand_input();
   in.profile.fwd_gflops[0] = -3;
   expect_error(in, "profile.compute.fwd.fp32");
+  in = hand_input();
+  in.profile.bwd_overhead[static_cast<std::size_t>(DType::f16)][static_cast<std::size_t>(CpScheme::pass_q)] = -0.1;
+  expect_error(in, "profile.cp_overhead.bwd.fp16.pass-q must be a finite number >= 0");
+  in = hand_input();
+  in.profile.fwd_overhead[0][0] = std::nan("");
+  expect_error(in, "profile.cp_overhead.fwd.fp32.allgather");
   in = hand_input();
   in.mesh.cp = 4;
   in.mesh.cp_inner = 3;

@@ -28,8 +28,8 @@ def check(cond, what):
         failures.append(what)
 
 
-def bad(args, *needles):
-    r = run(*args)
+def bad(args, *needles, env=None):
+    r = run(*args, env=env)
     lines = r.stderr.strip().splitlines()
     check(r.returncode == 2 and len(lines) == 1 and all(n in r.stderr for n in needles),
           f"{args}: exit {r.returncode}, stderr {r.stderr!r}, want {needles}")
@@ -68,6 +68,29 @@ a, b = run(*common), run(*common, "--profile", EXAMPLE)
 ja, jb = json.loads(a.stdout), json.loads(b.stdout)
 check([s.get("step_s") for s in ja["schemes"]] == [s.get("step_s") for s in jb["schemes"]],
       "default profile differs from examples/profiles/gpu-8x-nvlink-400g.json")
+
+# ---- the CP overhead: a fraction of each call's kernel time, added to its compute -------------
+with open(EXAMPLE) as f:
+    prof = json.load(f)
+prof["cp_overhead"] = {"fwd": {"bf16": {"allgather": 0.5}}, "bwd": {"bf16": {"allgather": 0.25, "ring": 1}}}
+po = os.path.join(tmp, "overhead.json")
+with open(po, "w") as f:
+    json.dump(prof, f)
+args = ["simulate", "--lengths-file", lf, "--cp", "3", "--heads", "6", "--kv-heads", "3", "--json", "--no-breakeven"]
+j0 = json.loads(run(*args, "--profile", EXAMPLE).stdout)
+j1 = json.loads(run(*args, "--profile", po).stdout)
+for s0, s1 in zip(j0["schemes"], j1["schemes"]):
+    for d, x in (("forward", 0.5 if s0["scheme"] == "allgather" else 0),
+                 ("backward", {"allgather": 0.25, "ring": 1}.get(s0["scheme"], 0))):
+        if not s0["valid"]:
+            continue
+        k0, c1, o1 = s0[d]["compute_s"], s1[d]["compute_s"], s1[d]["overhead_s"]
+        check(all(abs(o - x * k) <= 1e-12 * k and abs(c - (1 + x) * k) <= 1e-12 * k for k, c, o in zip(k0, c1, o1)),
+              f"{s0['scheme']} {d}: overhead {x} of the kernel time: {k0} -> {c1}, {o1}")
+ag0, ag1 = j0["schemes"][0], j1["schemes"][0]  # no overlap: the step grows by the overhead alone
+slow = max(range(3), key=lambda r: ag0["forward"]["compute_s"][r] + ag0["backward"]["compute_s"][r])
+added = 0.5 * ag0["forward"]["compute_s"][slow] + 0.25 * ag0["backward"]["compute_s"][slow]
+check(abs(ag1["step_s"] - (ag0["step_s"] + added)) <= 1e-9 * ag1["step_s"], f"allgather step + overhead {added}")
 
 # ---- SVG: one line per scheme ------------------------------------------------------------------
 svg = os.path.join(tmp, "sim.svg")
@@ -110,6 +133,20 @@ bad(base + ["--schedule", "zigzag"], "--schedule must be one of")
 bad(["simulate", "--lengths", "100", "--lengths-file", lf, "--cp", "2"], "give the batch once")
 bad(base + ["--kv-heads", "3"], "--heads = 8 must be a multiple of --kv-heads = 3")
 bad(["simulate", "--distribution", "lognormal", "--mean-length", "0", "--cp", "2"], "--mean-length must be >= 1")
+over = json.loads(json.dumps(good))
+over["cp_overhead"] = {"fwd": {"bf16": {"zigzag": 0.1}}}
+bad(base + ["--profile", write("zigzag.json", over)], "profile.cp_overhead.fwd.bf16.zigzag: unknown scheme 'zigzag'")
+over["cp_overhead"] = {"bwd": {"bf16": {"ring": -0.5}}}
+bad(base + ["--profile", write("negover.json", over)], "profile.cp_overhead.bwd.bf16.ring must be a finite number >= 0")
+over["cp_overhead"] = {"bwd": {"fp8": {"ring": 0.5}}}
+bad(base + ["--profile", write("fp8over.json", over)], "profile.cp_overhead.bwd.fp8: unknown dtype 'fp8'")
+# A --tokens far past memory: refused with both sizes, naming the flag, before the lengths exist
+# (1e15 tokens would take 2 TiB of lengths alone; the check costs nothing).
+bad(["simulate", "--distribution", "lognormal", "--tokens", "1000000000000000", "--cp", "1024"],
+    "--tokens 1000000000000000 (about", "at --cp 1024 needs", "PiB", "available")
+# A given batch past memory at its CP size (the chunk table, documents x 2cp): the same.
+bad(["simulate", "--lengths", "5,6,7", "--cp", "65536"], "3 documents (--lengths) at --cp 65536 needs", "MiB",
+    "more than the 976.6 KiB available (CPATTN_MEMORY_LIMIT_BYTES)", env={"CPATTN_MEMORY_LIMIT_BYTES": "1000000"})
 # The library names SimModel's fields in a scheme's reason; the command line names its flags.
 r = run("simulate", "--lengths", "100,50", "--cp", "3", "--json", "--no-breakeven")
 a2a = json.loads(r.stdout)["schemes"][3] if r.returncode == 0 else {}
@@ -121,7 +158,7 @@ check(r.returncode == 0 and all(s["valid"] for s in json.loads(r.stdout)["scheme
 
 # ---- calibrate: one process (links not measured), then two ranks (ring shifts) -----------------
 tiny = ["calibrate", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--repeats", "1",
-        "--iters", "3", "--sizes", "8,4096"]
+        "--iters", "3", "--sizes", "8,4096", "--overhead-tokens", "96"]
 out = os.path.join(tmp, "calibrated.json")
 r = run(*tiny, "--json", "--out", out)
 check(r.returncode == 0, f"calibrate: {r.stderr}")
@@ -138,10 +175,39 @@ p2 = json.loads(r.stdout)
 check(p2["ranks_per_node"] == 2 and len(p2["measured"]["shifts"]) == 2, "np 2: shifts measured")
 check(p2["intra_node"]["latency_us"] > 0 and p2["intra_node"]["bandwidth_gbs"] > 0, "np 2: link figures")
 check(list(p2["compute"]["fwd"]) == ["fp32"], "only the asked dtype")
+# The CP overhead: every scheme at cp 2 on its own batch; the fraction written is the measured
+# one, and the model with it (at the bare kernel's rates on that batch) meets the measured call.
+ov = p2["measured"]["cp_overhead"]
+check([o["scheme"] for o in ov] == ["allgather", "ring", "pass-q", "a2a", "hybrid"], f"overheads measured: {ov}")
+check(sum(p2["measured"]["cp_overhead_lengths"]) == 2 * 96, "the overhead's batch: 96 tokens per rank")
+for o in ov:
+    for d, name in (("fwd", "forward"), ("bwd", "backward")):
+        written = p2.get("cp_overhead", {}).get(d, {}).get("fp32", {}).get(o["scheme"], 0)
+        check(written == o[d] and o[d] >= 0, f"{o['scheme']} {d}: written {written}, measured {o[d]}")
+        check((o[d] == 0) == (o[f"model_{d}_s"] >= o[f"measured_{d}_s"]), f"{o['scheme']} {d}: 0 iff the model is not below")
+        if o[d] == 0:
+            continue
+        at = json.loads(json.dumps(p2))
+        at["compute"] = {"fwd": {"fp32": o["kernel_fwd_gflops"]}, "bwd": {"fp32": o["kernel_bwd_gflops"]}}
+        pf = os.path.join(tmp, "fit.json")
+        with open(pf, "w") as f:
+            json.dump(at, f)
+        r = run("simulate", "--lengths", ",".join(map(str, p2["measured"]["cp_overhead_lengths"])), "--cp", "2",
+                "--cp-inner", str(o["cp_inner"] or 2), "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                "--dtype", "fp32", "--profile", pf, "--json", "--no-breakeven")
+        s = [x for x in json.loads(r.stdout)["schemes"] if x["scheme"] == o["scheme"]][0]
+        t = max(c + e for c, e in zip(s[name]["compute_s"], s[name]["exposed_s"]))
+        check(abs(t - o[f"measured_{d}_s"]) <= 1e-3 * o[f"measured_{d}_s"],
+              f"{o['scheme']} {d}: the fitted model's call {t} vs measured {o[f'measured_{d}_s']}")
 bad(["calibrate", "--dtypes", "fp8"], "--dtypes: --dtype must be one of")
 # A kernel case past memory: refused before anything is allocated, with both sizes.
 bad(["calibrate", "--seq-len", "10000000000"], "cpattn calibrate's fp32 kernel case of 10000000000 tokens needs",
     "available")
+# The CP overhead's case needs the world size: refused after MPI starts, on every rank alike.
+r = run("calibrate", "--seq-len", "16", "--dtypes", "fp32", "--overhead-tokens", "65536", "--sizes", "8", mpi=2,
+        env={"CPATTN_MEMORY_LIMIT_BYTES": "100000000"})
+check(r.returncode == 2 and "fp32 CP overhead case (--overhead-tokens x 2 ranks) of 131072 tokens needs" in r.stderr,
+      f"calibrate's overhead case past memory: exit {r.returncode} {r.stderr[-400:]!r}")
 r = run(*tiny, "--timeout", "-1", mpi=2)
 check(r.returncode == 2 and "--timeout must be in (0, 1e+07] seconds, got -1" in r.stderr,
       f"calibrate --timeout -1: exit {r.returncode} {r.stderr[-400:]!r}")
