@@ -31,11 +31,12 @@ finish() {  # waits for target $1 and reports it
     echo "fuzz: $t ran ${seconds}s"
     grep -E '^(stat::number_of_executed_units|stat::new_units_added)' "build/fuzz/$t.log" || true
   else
-    tail -n 40 "build/fuzz/$t.log"
+    tail -n 40 "build/fuzz/$t.log" || true
     echo "fuzz: $t FAILED; inputs in build/fuzz/crashes/"
     failed+=("$t")
   fi
 }
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # an interrupted run leaves no fuzzer behind
 started=()
 for t in "${targets[@]}"; do
   if ((${#started[@]} >= slots)); then  # a slot frees when the oldest running target ends

@@ -432,6 +432,9 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
     case CpScheme::allgather:
       m.saved += c.cp * t * kv_row * es;                        // the gathered K/V
       m.transient = c.cp * t * kv_row * 4 + t * kv_row * 4;     // fp32 dK/dV of every row, this rank's sums
+      // At cp > 1 the gathered K/V are copied into document order (one key run per task): the
+      // copy's fp32 dK/dV, and in forward the gathered buffer beside its copy (cp_memory.cpp).
+      if (c.cp > 1) m.transient += c.cp * t * kv_row * (4 + es);
       break;
     case CpScheme::ring:
       m.saved += t * kv_row * es;                                // the local K/V copy
@@ -449,6 +452,7 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       const double g = inner * t, gathered = c.cp * t;  // group rows; the outer all-gather's rows
       m.saved += g * h.hq_loc() * (c.dqk + c.dv) * es + gathered * h.kv_loc() * (c.dqk + c.dv) * es + g * h.hq_loc() * 4;
       m.transient = gathered * h.kv_loc() * (c.dqk + c.dv) * 4 + 2 * g * (h.hq_loc() + h.kv_loc()) * (c.dqk + c.dv) * es;
+      if (c.cp > inner) m.transient += gathered * h.kv_loc() * (c.dqk + c.dv) * (4 + es);  // the outer all-gather's document-order copy
       break;
     }
   }

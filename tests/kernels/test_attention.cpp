@@ -8,8 +8,8 @@
 #include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
-#include "../src/kernels/common.hpp"
-#include "error_of.hpp"  // KernelTable::bf16_dot, the bf16 dot-product step
+#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, the bf16 dot-product step
+#include "error_of.hpp"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>

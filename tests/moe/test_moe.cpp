@@ -96,7 +96,6 @@ TEST_P(MoeCaseTest, Deterministic) {
 INSTANTIATE_TEST_SUITE_P(Cases, MoeCaseTest, testing::ValuesIn(moe_test::single_process_cases()),
                          [](const auto& p) { return p.param.name; });
 
-// The Switch loss alone (dy = 0): its router gradient against finite differences.
 // moe.hpp's promise, which expert parallelism's bitwise equality rests on: a token's output
 // and input gradient do not depend on which other tokens share the experts' products (how
 // many rows an expert gets, where the row sits in the blocks). Each token alone against the
@@ -119,6 +118,7 @@ TEST(Moe, ExpertRowsAreBitwiseTheSameInAnyBatch) {
   }
 }
 
+// The Switch loss alone (dy = 0): its router gradient against finite differences.
 TEST(Moe, AuxLossGradientMatchesFiniteDifferences) {
   const MoeConfig cfg{.hidden = 6, .ffn = 4, .num_experts = 5, .top_k = 2, .aux_loss_coeff = 0.3};
   MoeWeights w = moe_init_weights(cfg, 21);
