@@ -25,6 +25,12 @@ endif()
 # tests' setup and assertions) builds at -O1 whatever the build type: the work it starts runs
 # in the libraries, which keep the build type's optimization. At -O3 these header-heavy files
 # (CLI11, nlohmann-json, GoogleTest) were most of an optimized build's compile time, and CI's
-# budget (docs/design.md, "Build time").
+# budget (docs/design.md, "Build time"). Under a sanitizer they build at -O0: instrumented
+# template code is where a sanitizer build's time goes (cmd_simulate.cpp under ASan: 63 s at -O1,
+# 23 s at -O0), and the libraries the tests exercise keep their optimization.
 add_library(cpattn_driver_options INTERFACE)
-target_compile_options(cpattn_driver_options INTERFACE $<$<NOT:$<CONFIG:Debug>>:-O1>)
+if(CPATTN_SANITIZE)
+  target_compile_options(cpattn_driver_options INTERFACE -O0)
+else()
+  target_compile_options(cpattn_driver_options INTERFACE $<$<NOT:$<CONFIG:Debug>>:-O1>)
+endif()
