@@ -15,6 +15,8 @@
 #include <cpattn/plan.hpp>
 #include <cpattn/tensor.hpp>
 
+#include "error_of.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -35,16 +37,7 @@ using ::testing::HasSubstr;
 
 constexpr check::BatchShape kShape{.heads_q = 4, .heads_k = 2, .head_dim_qk = 16, .head_dim_v = 8};
 
-// The message of the cpattn::Error that f throws (a failure when it throws none).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "no cpattn::Error";
-  return {};
-}
+using cpattn::testing::error_of;
 
 // One rank's tensors of a batch (the inputs under `plan`, the outputs zero).
 struct Local {
