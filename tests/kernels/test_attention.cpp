@@ -323,35 +323,29 @@ TEST(kernel_attention, OutModeAccumulateOverASplitKeySetIsTheWholeForward) {
       const Problem pb(c, dt, 21);
       const auto [w1, w2] = split_keys(pb.work, 0.4);
       const float inf = std::numeric_limits<float>::infinity();
-      Tensor out(DType::f32, pb.out_shape()), ref(DType::f32, pb.out_shape());
-      std::vector<float> lse(pb.lse_size(), -inf), ref_lse(pb.lse_size(), -inf);
-      for (const WorkList* w : {&w1, &w2}) {
-        AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 2, w);
-        fp.out_mode = OutMode::accumulate;
-        attention_forward(fp);
-      }
+      // The two halves accumulated into fp32 out and lse from "nothing yet".
+      const auto split_forward = [&](bool reference, int threads) {
+        std::pair<Tensor, std::vector<float>> r{Tensor(DType::f32, pb.out_shape()),
+                                                std::vector<float>(pb.lse_size(), -inf)};
+        for (const WorkList* w : {&w1, &w2}) {
+          AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, r.first, r.second.data(), KernelPath::automatic, threads, w);
+          fp.out_mode = OutMode::accumulate;
+          reference ? attention_forward_reference(fp) : attention_forward(fp);
+        }
+        return r;
+      };
+      const auto [out, lse] = split_forward(false, 2);
+      Tensor ref(DType::f32, pb.out_shape());
+      std::vector<float> ref_lse(pb.lse_size(), -inf);
       AttnFwdParams whole = pb.fwd(pb.q, pb.k, pb.v, ref, ref_lse.data(), KernelPath::automatic, 1);
       whole.out_mode = OutMode::accumulate;  // fp32 out from nothing: the whole result in fp32
       attention_forward_reference(whole);
       EXPECT_LE(rel_norm_error(out.f, ref.f), tolerance(DType::f32).rel_norm);
       EXPECT_LE(rel_norm_error(lse, ref_lse), 1e-6);
       // The reference's accumulation agrees with itself split the same way.
-      Tensor ref2(DType::f32, pb.out_shape());
-      std::vector<float> ref2_lse(pb.lse_size(), -inf);
-      for (const WorkList* w : {&w1, &w2}) {
-        AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, ref2, ref2_lse.data(), KernelPath::automatic, 1, w);
-        fp.out_mode = OutMode::accumulate;
-        attention_forward_reference(fp);
-      }
-      EXPECT_LE(rel_norm_error(ref2.f, ref.f), 1e-6);
-      // Repeated: bitwise the same.
-      Tensor again(DType::f32, pb.out_shape());
-      std::vector<float> again_lse(pb.lse_size(), -inf);
-      for (const WorkList* w : {&w1, &w2}) {
-        AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, again, again_lse.data(), KernelPath::automatic, 1, w);
-        fp.out_mode = OutMode::accumulate;
-        attention_forward(fp);
-      }
+      EXPECT_LE(rel_norm_error(split_forward(true, 1).first.f, ref.f), 1e-6);
+      // Repeated (one thread): bitwise the same.
+      const auto [again, again_lse] = split_forward(false, 1);
       EXPECT_EQ(again.f, out.f);
       EXPECT_EQ(again_lse, lse);
     }
