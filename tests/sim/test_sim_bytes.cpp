@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "sim/sim_profile.hpp"
+
 #include <cstddef>
 #include <vector>
 
@@ -24,16 +26,6 @@ struct Case {
   std::vector<int64_t> lengths;
 };
 
-MachineProfile some_profile() {
-  return {.name = "test",
-          .fwd_gflops = {10, 10, 10},
-          .bwd_gflops = {5, 5, 5},
-          .intra = {.bandwidth_gbs = 10, .latency_us = 1},
-          .inter = {.bandwidth_gbs = 1, .latency_us = 5},
-          .ranks_per_node = 2,
-          .memory_gb = 16};
-}
-
 void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int cp_inner) {
   const int cp = comm.size(), rank = comm.rank();
   SCOPED_TRACE(::testing::Message() << "scheme " << to_string(scheme) << " cp_inner " << cp_inner << " cp " << cp
@@ -44,7 +36,7 @@ void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int 
               .model = {.num_heads_q = k.hq, .num_heads_k = k.hkv, .head_dim_qk = k.dqk, .head_dim_v = k.dv,
                         .dtype = k.dtype, .mask = k.mask},
               .mesh = {.cp = cp, .cp_inner = scheme == CpScheme::hybrid ? cp_inner : 0},
-              .profile = some_profile(),
+              .profile = cpattn::testing::hand_profile(),
               .find_breakeven = false};
   const SchemePrediction p = simulate_scheme(in, scheme);
   ASSERT_TRUE(p.valid) << p.reason;
