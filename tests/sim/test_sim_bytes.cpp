@@ -86,6 +86,13 @@ void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int 
   EXPECT_EQ(comm.bytes_sent() - w0, b.agreement.sent() + (payload_on_world ? b.payload.sent() : 0))
       << "backward bytes sent on the CP communicator (agreement included)";
   EXPECT_EQ(comm.bytes_received() - v0, b.agreement.received() + (payload_on_world ? b.payload.received() : 0));
+  // Memory: past the caller's q, k, v and out, the simulator's peak (one layer, one micro-batch)
+  // is the layer's estimate without the kernel's scratch, which bounds what the layer held.
+  const CpMemoryEstimate e = cp_memory_estimate(attn.config(), *plan);
+  const double caller = static_cast<double>(t) * (k.hq + k.hkv) * (k.dqk + k.dv) * static_cast<double>(es);
+  const auto layer = static_cast<double>(e.context + e.buffers);
+  EXPECT_NEAR(p.peak_memory_gb * 1e9, caller + layer, 1e-9 * layer) << "simulated peak memory, " << e.describe();
+  EXPECT_LE(attn.stats().peak_buffer_bytes, e.context + e.buffers) << "measured buffers, " << e.describe();
 }
 
 class SimBytesTest : public ::testing::Test {
