@@ -225,25 +225,28 @@ struct Communicator::Impl {
   template <class T>
   void post_send(const Op& op, const T* buf, std::int64_t count, int peer, int tag,
                  std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
-    if (piece == 0) piece = chunk();
     bytes_sent += count * static_cast<std::int64_t>(sizeof(T));
-    for (std::int64_t off = 0; off < count; off += piece) {
-      const int len = static_cast<int>(std::min(piece, count - off));
-      reqs.emplace_back();
-      check(MPI_Isend(buf + off, len, mpi_type<T>(), peer, tag, comm, &reqs.back()), op,
-            "MPI_Isend");
-    }
+    post_pieces(op, buf, count, piece, reqs, "MPI_Isend", [&](const T* at, int len, MPI_Request* req) {
+      return MPI_Isend(at, len, mpi_type<T>(), peer, tag, comm, req);
+    });
   }
   template <class T>
   void post_recv(const Op& op, T* buf, std::int64_t count, int peer, int tag,
                  std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
-    if (piece == 0) piece = chunk();
     bytes_received += count * static_cast<std::int64_t>(sizeof(T));
+    post_pieces(op, buf, count, piece, reqs, "MPI_Irecv", [&](T* at, int len, MPI_Request* req) {
+      return MPI_Irecv(at, len, mpi_type<T>(), peer, tag, comm, req);
+    });
+  }
+  // The split both share: post(at, len, request) is MPI call `fn` on `len` elements at `at`.
+  template <class T, class Post>
+  void post_pieces(const Op& op, T* buf, std::int64_t count, std::int64_t piece, std::vector<MPI_Request>& reqs,
+                   const char* fn, Post post) {
+    if (piece == 0) piece = chunk();
     for (std::int64_t off = 0; off < count; off += piece) {
       const int len = static_cast<int>(std::min(piece, count - off));
       reqs.emplace_back();
-      check(MPI_Irecv(buf + off, len, mpi_type<T>(), peer, tag, comm, &reqs.back()), op,
-            "MPI_Irecv");
+      check(post(buf + off, len, &reqs.back()), op, fn);
     }
   }
 
