@@ -104,16 +104,9 @@ std::vector<AttnCase> attention_cases() {
 }
 
 AttnCase bench_case(std::vector<int64_t> lens, int hq, int hk, int dqk, int dv, MaskType m) {
-  AttnCase c;
-  c.name = "bench";
-  c.q_lens = lens;
-  c.k_lens = std::move(lens);
-  c.num_heads_q = hq;
-  c.num_heads_k = hk;
-  c.head_dim_qk = dqk;
-  c.head_dim_v = dv;
-  c.mask = m;
-  return c;
+  // A braced list runs in order: q_lens copies lens before k_lens takes it.
+  return {.name = "bench", .q_lens = lens, .k_lens = std::move(lens), .num_heads_q = hq, .num_heads_k = hk,
+          .head_dim_qk = dqk, .head_dim_v = dv, .mask = m};
 }
 
 }  // namespace cpattn::check

@@ -129,6 +129,26 @@ struct Communicator::Impl {
                                               std::chrono::duration<double>(timeout_s))};
   }
 
+  // begin() for start_send / start_recv (`name`), after checking the other rank (`peer`,
+  // the argument `peer_arg`) and the user's tag.
+  Op begin_p2p(const char* name, const char* peer_arg, int peer, int tag) {
+    const Op op = begin(name);
+    CPATTN_CHECK(peer >= 0 && peer < size && peer != rank, name, ": ", peer_arg, " (", peer,
+                 ") must be another rank in [0, ", size, "), this is rank ", rank);
+    CPATTN_CHECK(tag >= 0 && tag < 1000, name, ": tag must be in [0, 1000), got ", tag);
+    return op;
+  }
+
+  // A request for `op`, to be completed by Communicator::wait under op's deadline.
+  CommRequest request(const Op& op) {
+    CommRequest r;
+    r.impl_ = this;
+    r.name_ = op.name;
+    r.call_ = op.call;
+    r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+    return r;
+  }
+
   void check(int rc, const Op& op, const char* fn) const {
     if (rc == MPI_SUCCESS) return;
     char text[MPI_MAX_ERROR_STRING];
@@ -205,25 +225,28 @@ struct Communicator::Impl {
   template <class T>
   void post_send(const Op& op, const T* buf, std::int64_t count, int peer, int tag,
                  std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
-    if (piece == 0) piece = chunk();
     bytes_sent += count * static_cast<std::int64_t>(sizeof(T));
-    for (std::int64_t off = 0; off < count; off += piece) {
-      const int len = static_cast<int>(std::min(piece, count - off));
-      reqs.emplace_back();
-      check(MPI_Isend(buf + off, len, mpi_type<T>(), peer, tag, comm, &reqs.back()), op,
-            "MPI_Isend");
-    }
+    post_pieces(op, buf, count, piece, reqs, "MPI_Isend", [&](const T* at, int len, MPI_Request* req) {
+      return MPI_Isend(at, len, mpi_type<T>(), peer, tag, comm, req);
+    });
   }
   template <class T>
   void post_recv(const Op& op, T* buf, std::int64_t count, int peer, int tag,
                  std::vector<MPI_Request>& reqs, std::int64_t piece = 0) {
-    if (piece == 0) piece = chunk();
     bytes_received += count * static_cast<std::int64_t>(sizeof(T));
+    post_pieces(op, buf, count, piece, reqs, "MPI_Irecv", [&](T* at, int len, MPI_Request* req) {
+      return MPI_Irecv(at, len, mpi_type<T>(), peer, tag, comm, req);
+    });
+  }
+  // The split both share: post(at, len, request) is MPI call `fn` on `len` elements at `at`.
+  template <class T, class Post>
+  void post_pieces(const Op& op, T* buf, std::int64_t count, std::int64_t piece, std::vector<MPI_Request>& reqs,
+                   const char* fn, Post post) {
+    if (piece == 0) piece = chunk();
     for (std::int64_t off = 0; off < count; off += piece) {
       const int len = static_cast<int>(std::min(piece, count - off));
       reqs.emplace_back();
-      check(MPI_Irecv(buf + off, len, mpi_type<T>(), peer, tag, comm, &reqs.back()), op,
-            "MPI_Irecv");
+      check(post(buf + off, len, &reqs.back()), op, fn);
     }
   }
 
@@ -610,11 +633,7 @@ CommRequest Communicator::start_shift(std::span<const T> send, int dest, std::sp
                ") and source (", source, ") must be ranks in [0, ", im.size, ")");
   CPATTN_CHECK(!overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()),
                "shift: send and recv must not overlap");
-  CommRequest r;
-  r.impl_ = &im;
-  r.name_ = op.name;
-  r.call_ = op.call;
-  r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+  CommRequest r = im.request(op);
   if (dest == im.rank && source == im.rank) {
     CPATTN_CHECK(send.size() == recv.size(), "shift: to itself, send.size() (", send.size(),
                  ") must equal recv.size() (", recv.size(), ")");
@@ -629,15 +648,8 @@ CommRequest Communicator::start_shift(std::span<const T> send, int dest, std::sp
 template <CommElement T>
 CommRequest Communicator::start_send(std::span<const T> send, int dest, int tag) {
   Impl& im = *impl_;
-  const auto op = im.begin("send");
-  CPATTN_CHECK(dest >= 0 && dest < im.size && dest != im.rank, "send: dest (", dest,
-               ") must be another rank in [0, ", im.size, "), this is rank ", im.rank);
-  CPATTN_CHECK(tag >= 0 && tag < 1000, "send: tag must be in [0, 1000), got ", tag);
-  CommRequest r;
-  r.impl_ = &im;
-  r.name_ = op.name;
-  r.call_ = op.call;
-  r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+  const auto op = im.begin_p2p("send", "dest", dest, tag);
+  CommRequest r = im.request(op);
   im.post_send(op, send.data(), static_cast<std::int64_t>(send.size()), dest, kTagUser + tag, r.reqs_);
   return r;
 }
@@ -645,15 +657,8 @@ CommRequest Communicator::start_send(std::span<const T> send, int dest, int tag)
 template <CommElement T>
 CommRequest Communicator::start_recv(std::span<T> recv, int source, int tag) {
   Impl& im = *impl_;
-  const auto op = im.begin("recv");
-  CPATTN_CHECK(source >= 0 && source < im.size && source != im.rank, "recv: source (", source,
-               ") must be another rank in [0, ", im.size, "), this is rank ", im.rank);
-  CPATTN_CHECK(tag >= 0 && tag < 1000, "recv: tag must be in [0, 1000), got ", tag);
-  CommRequest r;
-  r.impl_ = &im;
-  r.name_ = op.name;
-  r.call_ = op.call;
-  r.deadline_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(op.deadline.time_since_epoch()).count();
+  const auto op = im.begin_p2p("recv", "source", source, tag);
+  CommRequest r = im.request(op);
   im.post_recv(op, recv.data(), static_cast<std::int64_t>(recv.size()), source, kTagUser + tag, r.reqs_);
   return r;
 }

@@ -80,9 +80,16 @@ void gemm_tn_acc(const float* a, const float* b, float* c, int64_t m, int64_t n,
   gemm_kernel(a, 1, m, b, c, m, n, k);
 }
 
+// gemm_nt_acc's buffers, which its caller keeps across calls (one backward allocates them once,
+// at their largest): B transposed [k, n] and the sums [m, n].
+struct NtScratch {
+  std::vector<float> bt, sums;
+};
+
 // C[m, n] += A[m, k] @ B[n, k]^T: each element's dot product s from 0 in p order, then c += s.
-// From 4 rows on, B is transposed once and the sums run through gemm_kernel into zeros.
-void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k) {
+// From 4 rows on, B is transposed once into `scratch` and the sums run through gemm_kernel into
+// zeros there.
+void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, NtScratch& scratch) {
   if (m < 4) {
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) {
@@ -92,7 +99,10 @@ void gemm_nt_acc(const float* a, const float* b, float* c, int64_t m, int64_t n,
       }
     return;
   }
-  std::vector<float> bt(static_cast<std::size_t>(k * n)), sums(static_cast<std::size_t>(m * n), 0.0f);
+  std::vector<float>& bt = scratch.bt;
+  std::vector<float>& sums = scratch.sums;
+  bt.resize(static_cast<std::size_t>(k * n));
+  sums.assign(static_cast<std::size_t>(m * n), 0.0f);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[j * k + p];
   gemm_kernel(a, k, 1, bt.data(), sums.data(), m, n, k);
@@ -420,6 +430,7 @@ std::vector<float> moe_experts_backward(const MoeConfig& cfg, const MoeWeights& 
   CPATTN_CHECK(d_out.size() == static_cast<std::size_t>(n * D), "moe: d_out must be [", n, ", ", D, "]");
   std::vector<float> d_rows(static_cast<std::size_t>(n * D), 0.0f);
   const auto rows = rows_of_experts(s, w.local_experts);
+  NtScratch scratch;
   for (std::size_t e = 0; e < rows.size(); ++e) {
     const auto ne = static_cast<int64_t>(rows[e].size());
     const auto nf = static_cast<std::size_t>(ne * F);
@@ -431,7 +442,7 @@ std::vector<float> moe_experts_backward(const MoeConfig& cfg, const MoeWeights& 
     gather(s.b.data(), rows[e], F, b.data());
     for (std::size_t i = 0; i < nf; ++i) h[i] = a[i] * sigmoid(a[i]) * b[i];
     gemm_tn_acc(h.data(), dout.data(), &g.w_down[e * m], F, D, ne);  // dWd += h^T dout
-    gemm_nt_acc(dout.data(), &w.w_down[e * m], dh.data(), ne, F, D); // dh = dout Wd^T
+    gemm_nt_acc(dout.data(), &w.w_down[e * m], dh.data(), ne, F, D, scratch);  // dh = dout Wd^T
     for (std::size_t i = 0; i < nf; ++i) {
       const float sg = sigmoid(a[i]);
       db[i] = dh[i] * a[i] * sg;
@@ -439,8 +450,8 @@ std::vector<float> moe_experts_backward(const MoeConfig& cfg, const MoeWeights& 
     }
     gemm_tn_acc(x.data(), da.data(), &g.w_gate[e * m], D, F, ne);    // dWg += x^T da
     gemm_tn_acc(x.data(), db.data(), &g.w_up[e * m], D, F, ne);      // dWu += x^T db
-    gemm_nt_acc(da.data(), &w.w_gate[e * m], dx.data(), ne, D, F);   // dx = da Wg^T + db Wu^T
-    gemm_nt_acc(db.data(), &w.w_up[e * m], dx.data(), ne, D, F);
+    gemm_nt_acc(da.data(), &w.w_gate[e * m], dx.data(), ne, D, F, scratch);  // dx = da Wg^T + db Wu^T
+    gemm_nt_acc(db.data(), &w.w_up[e * m], dx.data(), ne, D, F, scratch);
     scatter(dx.data(), rows[e], D, d_rows.data());
   }
   return d_rows;
@@ -521,7 +532,8 @@ void moe_router_backward(const MoeConfig& cfg, const MoeWeights& w, const MoeRou
     }
   }
   gemm_tn_acc(x.data(), dlogits.data(), g.router.data(), D, E, T);   // dWr += x^T dlogits
-  gemm_nt_acc(dlogits.data(), w.router.data(), dx.data(), T, D, E);  // dx += dlogits Wr^T
+  NtScratch scratch;  // this function makes one call
+  gemm_nt_acc(dlogits.data(), w.router.data(), dx.data(), T, D, E, scratch);  // dx += dlogits Wr^T
 }
 
 MoeForward moe_forward(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x,

@@ -418,7 +418,9 @@ void a2a_calls(const Ctx& c, CpScheme s, int r, int inner, const HeadSplit& h, S
 }
 
 // Bytes of attention state per rank and layer: what a forward leaves for its backward (the
-// caller's q, k, v, out and the scheme's context), and the backward's transient buffers.
+// caller's q, k, v, out and the scheme's context), and the backward's transient buffers. Past
+// the caller's tensors these are cp_memory_estimate's context and buffers (the kernel's scratch
+// left out) for the padded split in runs mode: tests/sim/test_sim_bytes.cpp holds them equal.
 struct MemoryUse {
   double saved = 0, transient = 0;
 };
@@ -442,17 +444,37 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       // the running fp32 out, lse and dQ (cp_memory.cpp's ring).
       m.transient = 2 * t * kv_row * es + 5 * t * kv_row * 4 + t * c.hq * (c.dqk + c.dv + 1) * 4.0;
       break;
-    case CpScheme::pass_q:
+    case CpScheme::pass_q: {
       m.saved += t * kv_row * es;
-      m.transient = 2 * t * (c.hq * 4 + c.hq * (c.dqk + 2 * c.dv) * es) + 4 * t * c.hq * c.dqk * 4.0 +
-                    t * kv_row * 4;
+      // The double-buffered visiting block and the partials (two out, two back), each sized for
+      // forward, then grown for backward as a std::vector grows; the owner's running result; the
+      // fp32 dK/dV sums and copies of q, out and dout (cp_memory.cpp's pass_q).
+      const auto grown = [](double first, double second) {
+        return second <= first ? first : std::max(2 * first, second);
+      };
+      const double visit = grown(t * c.hq * c.dqk * es, t * c.hq * (4 + (c.dqk + 2 * c.dv) * es));
+      const double part = grown(t * c.hq * (1 + c.dv) * 4, t * c.hq * c.dqk * 4.0);
+      const double acc = t * c.hq * std::max(1 + c.dv, c.dqk) * 4.0;
+      m.transient = 2 * visit + 4 * part + acc + 2 * t * kv_row * 4 + t * c.hq * (c.dqk + 2 * c.dv) * 4.0;
       break;
+    }
     case CpScheme::a2a:
     case CpScheme::hybrid: {
+      // This member's heads of its group's g rows, and the outer all-gather over cp / inner
+      // groups of them (cp_memory.cpp's a2a over its gather_or_ring).
       const double g = inner * t, gathered = c.cp * t;  // group rows; the outer all-gather's rows
-      m.saved += g * h.hq_loc() * (c.dqk + c.dv) * es + gathered * h.kv_loc() * (c.dqk + c.dv) * es + g * h.hq_loc() * 4;
-      m.transient = gathered * h.kv_loc() * (c.dqk + c.dv) * 4 + 2 * g * (h.hq_loc() + h.kv_loc()) * (c.dqk + c.dv) * es;
-      if (c.cp > inner) m.transient += gathered * h.kv_loc() * (c.dqk + c.dv) * (4 + es);  // the outer all-gather's document-order copy
+      const double hq_loc = h.hq_loc(), kv_loc = h.kv_loc(), dmax = std::max(c.dqk, c.dv);
+      const double kv_row_loc = kv_loc * (c.dqk + c.dv);
+      m.saved += g * hq_loc * (c.dqk + c.dv) * es + gathered * kv_row_loc * es + g * hq_loc * 4;
+      // The largest all-to-all block, each way; the group layout's k, v, dk, dv, dout and dq; the
+      // fp32 lse of the group's rows, the sum of replicated dK/dV and its one-row spare.
+      const double block = std::max({t * c.hq * dmax * es, g * kv_loc * dmax * es, t * c.hq * 4.0});
+      const double group_layout = (2 * g * kv_row_loc + g * hq_loc * (c.dqk + c.dv)) * es;
+      m.transient = 2 * block + group_layout + g * hq_loc * 4 + t * c.hk * dmax * 4 + dmax * 4;
+      // The outer layer: fp32 dK/dV of every gathered row and of this member's rows; past one
+      // group, the gathered K/V's document-order copy and its fp32 dK/dV.
+      m.transient += gathered * kv_row_loc * 4 + g * kv_row_loc * 4;
+      if (c.cp > inner) m.transient += gathered * kv_row_loc * (4 + es);
       break;
     }
   }

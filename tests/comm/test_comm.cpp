@@ -4,6 +4,8 @@
 // injection (a raw trio and messages that hold a rank back) outside the Communicator under test.
 #include <gtest/gtest.h>
 
+#include "error_of.hpp"
+
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -32,14 +34,14 @@ struct Setup {
   std::int64_t max_count_per_call;
 };
 
-std::string setup_name(const testing::TestParamInfo<Setup>& info) {
+std::string setup_name(const ::testing::TestParamInfo<Setup>& info) {
   return std::string(info.param.algorithm == CommAlgorithm::ring ? "ring" : "mpi") + "_chunk" +
          (info.param.max_count_per_call == INT_MAX
               ? std::string("Max")
               : std::to_string(info.param.max_count_per_call));
 }
 
-class Collectives : public testing::TestWithParam<Setup> {
+class Collectives : public ::testing::TestWithParam<Setup> {
  protected:
   Communicator make() const {
     return Communicator(MPI_COMM_WORLD,
@@ -325,9 +327,18 @@ TEST_P(Collectives, SendRecvOnTagsAlongTheLine) {
     for (int i = 0; i < 5; ++i) EXPECT_EQ(ra[i], (r - 1) + 0.25 * i);
     for (int i = 0; i < 3; ++i) EXPECT_EQ(rb[i], -(r - 1) - 0.5 * i);
   }
-  EXPECT_THROW(comm.start_send<double>(a, r, 0), Error);      // not to itself
-  EXPECT_THROW(comm.start_recv<double>(ra, p, 0), Error);     // no such rank
-  EXPECT_THROW(comm.start_send<double>(a, (r + 1) % p, 1000), Error);  // tag out of range
+  // Bad arguments: the error names the call, the argument and the rule.
+  using cpattn::testing::error_of;
+  const std::string others =
+      "must be another rank in [0, " + std::to_string(p) + "), this is rank " + std::to_string(r);
+  const std::string to_itself = error_of([&] { (void)comm.start_send<double>(a, r, 0); });
+  const std::string no_rank = error_of([&] { (void)comm.start_recv<double>(ra, p, 0); });
+  const std::string tag_high = error_of([&] { (void)comm.start_send<double>(a, (r + 1) % p, 1000); });
+  const std::string tag_low = error_of([&] { (void)comm.start_recv<double>(ra, (r + 1) % p, -1); });
+  EXPECT_NE(to_itself.find("send: dest (" + std::to_string(r) + ") " + others), std::string::npos) << to_itself;
+  EXPECT_NE(no_rank.find("recv: source (" + std::to_string(p) + ") " + others), std::string::npos) << no_rank;
+  EXPECT_NE(tag_high.find("send: tag must be in [0, 1000), got 1000"), std::string::npos) << tag_high;
+  EXPECT_NE(tag_low.find("recv: tag must be in [0, 1000), got -1"), std::string::npos) << tag_low;
   comm.barrier();
 }
 
@@ -342,7 +353,7 @@ TEST_P(Collectives, BadSizesThrowBeforeCommunicating) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Comm, Collectives,
-                         testing::Values(Setup{CommAlgorithm::ring, INT_MAX},
+                         ::testing::Values(Setup{CommAlgorithm::ring, INT_MAX},
                                          Setup{CommAlgorithm::mpi, INT_MAX},
                                          Setup{CommAlgorithm::ring, 3},
                                          Setup{CommAlgorithm::mpi, 3},

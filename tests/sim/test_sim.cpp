@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include "sim/sim_profile.hpp"
+
 #include <cmath>
 #include <string>
 #include <vector>
@@ -15,16 +17,7 @@
 namespace cpattn {
 namespace {
 
-// One node of two ranks: 1 GB/s and 10 us between them; 1 GFLOP/s forward, 0.5 backward.
-MachineProfile hand_profile() {
-  return {.name = "hand",
-          .fwd_gflops = {1, 1, 1},
-          .bwd_gflops = {0.5, 0.5, 0.5},
-          .intra = {.bandwidth_gbs = 1, .latency_us = 10},
-          .inter = {.bandwidth_gbs = 0.1, .latency_us = 100},
-          .ranks_per_node = 2,
-          .memory_gb = 1};
-}
+using cpattn::testing::hand_profile;
 
 // docs/design.md section 4's batch: [0, 16, 40] at cp = 2, 218 visible pairs on each rank,
 // T_loc = 20. Two heads of dim 4, fp32.

@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "sim/sim_profile.hpp"
+
 #include <cstddef>
 #include <vector>
 
@@ -24,16 +26,6 @@ struct Case {
   std::vector<int64_t> lengths;
 };
 
-MachineProfile some_profile() {
-  return {.name = "test",
-          .fwd_gflops = {10, 10, 10},
-          .bwd_gflops = {5, 5, 5},
-          .intra = {.bandwidth_gbs = 10, .latency_us = 1},
-          .inter = {.bandwidth_gbs = 1, .latency_us = 5},
-          .ranks_per_node = 2,
-          .memory_gb = 16};
-}
-
 void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int cp_inner) {
   const int cp = comm.size(), rank = comm.rank();
   SCOPED_TRACE(::testing::Message() << "scheme " << to_string(scheme) << " cp_inner " << cp_inner << " cp " << cp
@@ -44,7 +36,7 @@ void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int 
               .model = {.num_heads_q = k.hq, .num_heads_k = k.hkv, .head_dim_qk = k.dqk, .head_dim_v = k.dv,
                         .dtype = k.dtype, .mask = k.mask},
               .mesh = {.cp = cp, .cp_inner = scheme == CpScheme::hybrid ? cp_inner : 0},
-              .profile = some_profile(),
+              .profile = cpattn::testing::hand_profile(),
               .find_breakeven = false};
   const SchemePrediction p = simulate_scheme(in, scheme);
   ASSERT_TRUE(p.valid) << p.reason;
@@ -94,6 +86,13 @@ void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int 
   EXPECT_EQ(comm.bytes_sent() - w0, b.agreement.sent() + (payload_on_world ? b.payload.sent() : 0))
       << "backward bytes sent on the CP communicator (agreement included)";
   EXPECT_EQ(comm.bytes_received() - v0, b.agreement.received() + (payload_on_world ? b.payload.received() : 0));
+  // Memory: past the caller's q, k, v and out, the simulator's peak (one layer, one micro-batch)
+  // is the layer's estimate without the kernel's scratch, which bounds what the layer held.
+  const CpMemoryEstimate e = cp_memory_estimate(attn.config(), *plan);
+  const double caller = static_cast<double>(t) * (k.hq + k.hkv) * (k.dqk + k.dv) * static_cast<double>(es);
+  const auto layer = static_cast<double>(e.context + e.buffers);
+  EXPECT_NEAR(p.peak_memory_gb * 1e9, caller + layer, 1e-9 * layer) << "simulated peak memory, " << e.describe();
+  EXPECT_LE(attn.stats().peak_buffer_bytes, e.context + e.buffers) << "measured buffers, " << e.describe();
 }
 
 class SimBytesTest : public ::testing::Test {

@@ -8,20 +8,14 @@ import re
 import subprocess
 import sys
 
-CPATTN = sys.argv[1]
-failures = []
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import CPATTN, check, finish, job
+
 TINY = ["--seq-len", "48", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--repeats", "1"]
 
 
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
-
 def bench(*args, env=None):
-    return subprocess.run([CPATTN, "bench", "attention", *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+    return job(0, "bench", "attention", *args, timeout=120, env=env)
 
 
 def bench_json(*args, env=None):
@@ -123,7 +117,4 @@ r = bench(*TINY, "--testing-fail-check")
 check(r.returncode == 1 and "cpattn: check failed: bench attention: lse does not match the float64 reference"
       in r.stderr, f"failed check: exit {r.returncode}, {r.stderr[-800:]!r}")
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("cli bench: all checks passed")
+finish()

@@ -2,22 +2,16 @@
 as well-formed XML with one block per action, and exit code 2 with one line for bad flags."""
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-CPATTN = sys.argv[1]
-failures = []
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, job
 
 
 def run(*args):
-    return subprocess.run([CPATTN, *args], capture_output=True, text=True, timeout=60)
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
+    return job(0, *args, timeout=60)
 
 
 # ---- mesh: world 16 = tp 2 x cp 4 x pp 2, nodes of 8 -------------------------------------
@@ -136,7 +130,5 @@ h = run("pipeline", "--help")
 for flag in ("--stages", "--micro", "--schedule", "--virtual", "--costs", "--transfer", "--json", "--svg"):
     check(flag in h.stdout, f"pipeline help lacks {flag}")
 
-if failures:
-    print("FAILED:\n  " + "\n  ".join(failures))
-    sys.exit(1)
+finish()
 print("cli mesh/pipeline: all checks passed")

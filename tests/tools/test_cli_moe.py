@@ -1,21 +1,15 @@
 """`cpattn moe` under mpirun: the JSON report's counts add up against hand-derived totals, a
 skewed router favours expert 0, and bad flags exit 2 with one line naming the flag."""
 import json
-import subprocess
+import os
 import sys
 
-CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
-failures = []
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, job
 
 
-def run(np, *args):
-    return subprocess.run([MPIEXEC, "-n", str(np), "--oversubscribe", CPATTN, "moe", *args],
-                          capture_output=True, text=True, timeout=120)
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
+def run(np_, *args):
+    return job(np_, "moe", *args, timeout=120)
 
 
 SMALL = ["--tokens", "16", "--hidden", "8", "--ffn", "8"]
@@ -56,7 +50,4 @@ for np, args, text in [
     check(r.stderr.count("cpattn: error") == 1 and text in r.stderr,
           f"{args}: stderr {r.stderr!r}")
 
-if failures:
-    print("\n".join(failures))
-    sys.exit(1)
-print("ok")
+finish()

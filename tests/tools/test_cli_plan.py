@@ -2,21 +2,15 @@
 input spelling, and exit code 2 with one line for bad flags and values."""
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-CPATTN = sys.argv[1]
-failures = []
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, job
 
 
 def run(*args):
-    return subprocess.run([CPATTN, *args], capture_output=True, text=True, timeout=60)
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
+    return job(0, *args, timeout=60)
 
 
 # The worked example, value by value.
@@ -137,7 +131,5 @@ for args, needle in bad.items():
     check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2")
     check(len(lines) == 1 and needle in lines[0], f"{args}: stderr {r.stderr!r} lacks {needle!r}")
 
-if failures:
-    print("FAILED:\n  " + "\n  ".join(failures))
-    sys.exit(1)
+finish()
 print("cli plan: all checks passed")

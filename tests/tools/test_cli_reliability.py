@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from cli_run_lib import CPATTN, MPIEXEC, check, failures
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import CPATTN, MPIEXEC, check, finish, last_json
 
 
 def mpirun(np_, *args, env=None, timeout=120):
@@ -22,10 +23,6 @@ def mpirun(np_, *args, env=None, timeout=120):
     start = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     return r, time.monotonic() - start
-
-
-def last_json(r):
-    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
 
 TINY = ["--lengths", "37,1,20", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]
@@ -195,5 +192,4 @@ with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
     check(r.returncode == 2 and "past --json's bound of 134217728" in r.stderr and time.monotonic() - start < 20,
           f"plan --json at cp 4096: exit {r.returncode} {r.stderr[-400:]!r}")
 
-print(f"{len(failures)} failure(s)")
-sys.exit(1 if failures else 0)
+finish()

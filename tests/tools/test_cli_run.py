@@ -1,7 +1,6 @@
 """`mpirun -np N cpattn run` end to end: the built-in default, every dtype and mode at
 cp = 2 and 3, --npy-in/--npy-out against an independent float64 NumPy attention, every
 documented spelling of --dtype, --mask and --kernel-path (docs/cli.md), exit codes."""
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,8 @@ import time
 
 import numpy as np
 
-from cli_run_lib import CPATTN, MPIEXEC, check, failures, run, run_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import CPATTN, MPIEXEC, check, finish, run, run_json
 
 # The default batch, the main job.
 r = run(2)
@@ -214,7 +214,5 @@ with tempfile.TemporaryDirectory() as din3:
 check(r.returncode == 2 and r.stderr.count("[rank 1]") == 1 and "num_heads_q must be a multiple of num_heads_k, got 3 and 2" in r.stderr and elapsed < 30,
       f"CpAttention's check on rank 1 only: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
 
-if failures:
-    print(f"{len(failures)} checks failed")
-    sys.exit(1)
+finish()
 print("cli run: all checks passed")

@@ -1,9 +1,11 @@
 """`mpirun -np N cpattn run --scheme a2a|hybrid [--cp-inner N]` end to end: exact against the
 single-process run (cpattn run's own check), byte counts in the JSON, and the flags' errors
 (exit 2 naming the flag). Few small jobs: the CI budget."""
+import os
 import sys
 
-from cli_run_lib import check, failures, run, run_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, run, run_json
 
 SMALL = ("--lengths", "37,1,100,3", "--head-dim-qk", "48", "--head-dim-v", "32")
 # (ranks, flags): a2a with split KV heads, a2a with one replicated KV head and no mask,
@@ -31,7 +33,5 @@ for np_, flags, flag in ((4, ("--scheme", "hybrid", "--cp-inner", "3"), "--cp-in
     check(r.returncode == 2 and flag in r.stderr and f"[ranks {every}]" in r.stderr,
           f"{flags}: exit {r.returncode} {r.stderr[-800:]}")
 
-if failures:
-    print(f"{len(failures)} failures")
-    sys.exit(1)
+finish()
 print("all passed")

@@ -5,27 +5,19 @@ line naming the field or flag for bad profiles and meshes; calibrate's --timeout
 CPATTN_COMM_TIMEOUT_S, and a bad value of either is refused naming it."""
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "profiles", "gpu-8x-nvlink-400g.json")
-failures = []
 
 
 def run(*args, mpi=0, env=None):
-    cmd = [CPATTN, *args]
-    if mpi:
-        cmd = [MPIEXEC, "-np", str(mpi), "--oversubscribe", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
+    return job(mpi, *args, timeout=120, env={**os.environ, **(env or {})})
 
 
 def bad(args, *needles, env=None):
@@ -214,7 +206,4 @@ check(r.returncode == 2 and "--timeout must be in (0, 1e+07] seconds, got -1" in
 r = run(*tiny, mpi=2, env={"CPATTN_COMM_TIMEOUT_S": "-1"})
 check(r.returncode == 2 and "CPATTN_COMM_TIMEOUT_S" in r.stderr, f"calibrate with a bad variable: {r.stderr[-400:]!r}")
 
-if failures:
-    print("FAILED:\n  " + "\n  ".join(failures))
-    sys.exit(1)
-print("ok")
+finish()

@@ -4,24 +4,12 @@ against a single process at 2 and 3 ranks, `cpattn train --cp 2 --split padding-
 CP=1's losses (fp32, 1e-5 relative), and bad values exit 2 naming --split."""
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-CPATTN, MPIEXEC = sys.argv[1], sys.argv[2]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
-
-def run(np_, *args, timeout=300):
-    cmd = ([MPIEXEC, "-np", str(np_), "--oversubscribe"] if np_ else []) + [CPATTN, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, job
 
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -29,7 +17,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # plan: docs/planner.md's example [0, 5, 10] at cp = 2, by hand: the padded split pads both
     # documents to 8 (6 padding tokens), the padding-free split none, with 15 pairs per rank.
-    r = run(0, "plan", "--lengths", "5,5", "--cp", "2", "--split", "padding-free", "--json")
+    r = job(0, "plan", "--lengths", "5,5", "--cp", "2", "--split", "padding-free", "--json")
     check(r.returncode == 0, f"plan json: {r.stderr}")
     if r.returncode == 0:
         j = json.loads(r.stdout)
@@ -43,7 +31,7 @@ with tempfile.TemporaryDirectory() as tmp:
         check(splits["padding-free"]["imbalance"] == 1.0, "balanced exactly")
         check(abs(splits["padding-free"]["imbalance_bound"] - (1 + 1 / 30)) < 1e-12, "bound 1 + spread/pairs")
     # The table names both; the SVG is well-formed and holds one rectangle per non-empty chunk.
-    r = run(0, "plan", "--lengths", "5,1,30", "--cp", "3", "--split", "padding_free", "--svg", p("plan.svg"))
+    r = job(0, "plan", "--lengths", "5,1,30", "--cp", "3", "--split", "padding_free", "--svg", p("plan.svg"))
     check(r.returncode == 0 and "padding-free" in r.stdout and "padded " in r.stdout,
           f"plan table: {r.returncode}\n{r.stdout}\n{r.stderr}")
     if os.path.exists(p("plan.svg")):
@@ -53,28 +41,28 @@ with tempfile.TemporaryDirectory() as tmp:
         check(len(rects) == 12, f"svg chunks: {len(rects)}")
     else:
         check(False, "--svg wrote no file")
-    r = run(0, "plan", "--split", "nopad")
+    r = job(0, "plan", "--split", "nopad")
     check(r.returncode == 2 and "--split" in r.stderr and "padding-free" in r.stderr, f"bad --split: {r.stderr}")
-    r = run(0, "plan", "--svg", p("missing/dir/x.svg"))
+    r = job(0, "plan", "--svg", p("missing/dir/x.svg"))
     check(r.returncode == 2 and "--svg" in r.stderr, f"--svg into a missing folder: {r.stderr}")
 
     # run: the distributed run checks itself against a single process (exit 1 when it fails).
     for np_ in (2, 3):
-        r = run(np_, "run", "--split", "padding-free", "--lengths", "37,1,100,2,23", "--heads", "4",
+        r = job(np_, "run", "--split", "padding-free", "--lengths", "37,1,100,2,23", "--heads", "4",
                 "--kv-heads", "2", "--head-dim", "32", "--json")
         check(r.returncode == 0, f"run np {np_}: exit {r.returncode}\n{r.stderr[-1500:]}")
         if r.returncode == 0:
             j = json.loads(r.stdout)
             check(j["split"] == "padding-free" and j["padded_tokens"] == 163, f"run np {np_} report")
-    r = run(2, "run", "--split", "padding-free", "--scheme", "ring", "--lengths", "9,9")
+    r = job(2, "run", "--split", "padding-free", "--scheme", "ring", "--lengths", "9,9")
     check(r.returncode == 2 and r.stderr.count("padding-free split needs scheme allgather") >= 1,
           f"ring refuses the padding-free split: {r.returncode} {r.stderr[-800:]}")
 
     # train: CP=2 with the padding-free split on the training example's data is CP=1's curve.
     small = ["train", "--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
              "--warmup", "2", "--steps", "4"]
-    r1 = run(0, *small, "--json-log", p("cp1.jsonl"))
-    r2 = run(2, *small, "--cp", "2", "--split", "padding-free", "--json-log", p("cp2.jsonl"))
+    r1 = job(0, *small, "--json-log", p("cp1.jsonl"))
+    r2 = job(2, *small, "--cp", "2", "--split", "padding-free", "--json-log", p("cp2.jsonl"))
     check(r1.returncode == 0 and r2.returncode == 0, f"train: {r1.returncode} {r2.returncode}\n{r2.stderr[-1500:]}")
     if r1.returncode == 0 and r2.returncode == 0:
         load = lambda f: [json.loads(line) for line in open(f) if line.strip()]
@@ -83,10 +71,8 @@ with tempfile.TemporaryDirectory() as tmp:
         for x, y in zip(a, b):
             check(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], f"step {x['step']}: {x['loss']} vs {y['loss']}")
             check(abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"], f"grad norm step {x['step']}")
-    r = run(0, *small, "--split", "even")
+    r = job(0, *small, "--split", "even")
     check(r.returncode == 2 and "--split" in r.stderr, f"train bad --split: {r.stderr}")
 
-if failures:
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1)
+finish()
 print("ok")

@@ -8,7 +8,8 @@ import os
 import sys
 import tempfile
 
-from cli_common import check, failures, log, train
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, log, train
 
 BASE = ["--layers", "3", "--dim", "32", "--heads", "2", "--kv-heads", "1", "--seq-len", "64",
         "--warmup", "1"]
@@ -75,7 +76,5 @@ with tempfile.TemporaryDirectory() as tmp:
         r = train(np_, *BASE, *(flags if "--micro" in flags else flags + ["--micro", "4"]), "--steps", "1")
         check(r.returncode == 2 and text in r.stderr, f"{flags}: exit {r.returncode}, stderr {r.stderr[-600:]!r}")
 
-if failures:
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1)
+finish()
 print("all mesh training checks passed")

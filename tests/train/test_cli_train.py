@@ -5,7 +5,6 @@ one clear line, no hang); every documented spelling of --dtype (docs/cli.md); --
 the attention masks (--window, --softcap, --alibi, all three at once) at CP=2 train to CP=1's curve
 (the ring with masks: train_test), the masks change the curve, a checkpoint records them and the
 ranks agree on them."""
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,8 @@ import time
 import sys
 import tempfile
 
-from cli_common import CPATTN, MPIEXEC, check, failures, log, train
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import CPATTN, MPIEXEC, check, finish, log, train
 
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
          "--warmup", "2"]
@@ -241,7 +241,5 @@ with tempfile.TemporaryDirectory() as tmp:
         check(r.returncode == 2 and r.stderr.count(msg) == 1 and elapsed < 30,
               f"{args1} on rank 1 only: exit {r.returncode} in {elapsed:.1f} s\n{r.stderr[-800:]}")
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
+finish()
 print("all checks passed")

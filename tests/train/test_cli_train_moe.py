@@ -23,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 
-from cli_common import CPATTN, MPIEXEC, check, failures, log, train
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import CPATTN, MPIEXEC, check, finish, log, train
 
 TINY = ["--layers", "2", "--dim", "24", "--heads", "2", "--kv-heads", "1", "--seq-len", "48",
         "--warmup", "1", "--micro", "2"]
@@ -149,7 +150,5 @@ with tempfile.TemporaryDirectory() as tmp:
                            capture_output=True, text=True, timeout=120)
         check(r.returncode == 2 and msg in r.stderr, f"{args1} on rank 1 only: exit {r.returncode}\n{r.stderr[-800:]}")
 
-if failures:
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1)
+finish()
 print("all mixture-of-experts training checks passed")
