@@ -1,12 +1,11 @@
-// The fast attention kernels, written once and compiled once per ISA by kernel_<isa>.cpp,
-// each of which defines CPATTN_KNS (its namespace) and CPATTN_VW (floats per vector) and
-// switches the target with `#pragma GCC target` *after* including every header (standard
-// ones, common.hpp, blocking.hpp, cpattn/dtype.hpp), so that no out-of-line function of
-// them is compiled for a wider ISA than the baseline, and restores it with
-// `#pragma GCC pop_options` after this file. Everything here has internal linkage for the
-// same reason (no ODR merging across ISAs); the path's entry points are its KernelTable,
-// defined by kernel_<isa>.cpp. The blocking constants (PAD, BQ, BQB, BK, FBK, GH, MR) are
-// blocking.hpp's.
+// The fast attention kernels, written once and compiled once per ISA by kernel_<isa>.cpp
+// through kernel_isa.inc, which defines CPATTN_KNS (the path's namespace) and CPATTN_VW
+// (floats per vector), switches the target with `#pragma GCC target` *after* including every
+// header (standard ones, common.hpp, blocking.hpp, cpattn/dtype.hpp), so that no out-of-line
+// function of them is compiled for a wider ISA than the baseline, restores it with
+// `#pragma GCC pop_options` after this file, and defines the path's KernelTable. Everything
+// here has internal linkage for the same reason (no ODR merging across ISAs). The blocking
+// constants (PAD, BQ, BQB, BK, FBK, GH, MR) are blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and
@@ -197,7 +196,6 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
 // Everything else (packing, blocking, softmax) is shared, so the emulated path tests the
 // algorithm the avx512_bf16 path runs.
 #ifdef CPATTN_BF16_DOT
-constexpr bool kBf16Dot = true;
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 inline vu vload_u(const uint32_t* p) {
   vu v;
@@ -306,19 +304,260 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
 void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes) {
   for (int i = 0; i < lanes; i += W) vstore(acc + i, Bf16Dot::dot(vload(acc + i), vload_u(a + i), vload_u(b + i)));
 }
-#else
-constexpr bool kBf16Dot = false;
 #endif
 
-// The one call of every product: gemm, or gemm_bf16 where the path has bf16 dot products and
-// the call's storage is bf16 (bf16_dot).
+// ---- AMX tiles (the amx paths) ---------------------------------------------------------------
+// A kernel_<isa>.cpp that defines CPATTN_AMX runs the products of bf16-storage calls (and of
+// fp16-storage calls where tiles_fp16() holds) on AMX tiles: TDPBF16PS / TDPFP16PS,
+// C[16 x 16 fp32] += A[16 rows x 32 16-bit elements] . B[16 rows of 16 pairs], B in the VNNI
+// layout (B(k, n) at row k / 2, element 2 n + k % 2). Operands are rounded to the storage
+// format (P and dS as the bf16 paths do, fp16 for fp16 storage), the reduction dimension is
+// zero padded to 32 elements per tile, rows to 16 (gemm_tiles). Intel's documented semantics
+// (the SDM's pseudo-code), which the emulator below follows exactly: per row m and column n,
+// one instruction keeps two fp32 partial sums from 0, the even and the odd elements of the
+// pairs, each step an fp32 FMA rounded to nearest even with denormal results flushed; then
+// C(m, n) += (even + odd), each sum rounded and flushed. bf16 denormal inputs read as zero;
+// fp16 denormal inputs are converted exactly (they are normal fp32 numbers); a denormal C
+// reads as zero. The tile interface, Tiles, has two implementations:
+//   CPATTN_AMX == 1: the instructions (inline assembly; GCC 12 has no AMX-FP16 intrinsic),
+//   CPATTN_AMX == 2: an exact emulator in plain C++ (the amx_emulated path, any AVX2 CPU),
+// so that the kernel case table runs the tiling, padding and layout logic of the amx path on
+// every x86-64 CPU with AVX2. Tiles 0, 1, 2 hold C, A, B.
+// x with a denormal (exponent bits 0) replaced by a zero of its sign.
+inline float ftz(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  return (u & 0x7f800000u) == 0 ? std::bit_cast<float>(u & 0x80000000u) : x;
+}
+
+// a . b over n elements (n even) in the order and rounding of the tile products: per 32
+// elements, even and odd partial sums, then added to the total (tile_dot_emulated).
+inline float dot_tile_order(const float* a, const float* b, int n) {
+  float acc = 0.0f;
+  for (int k0 = 0; k0 < n; k0 += 32) {
+    float e = 0.0f, o = 0.0f;
+    for (int k = k0; k < std::min(n, k0 + 32); k += 2) {
+      e = ftz(std::fma(a[k], b[k], e));
+      o = ftz(std::fma(a[k + 1], b[k + 1], o));
+    }
+    acc = ftz(acc + ftz(e + o));
+  }
+  return acc;
+}
+
+#ifdef CPATTN_AMX
+struct TileShape {
+  int rows, colsb;  // rows <= 16, bytes per row <= 64
+};
+
+// TDPBF16PS (fp16 false) / TDPFP16PS (fp16 true) on tile registers of 16 rows of 64 bytes:
+// C's first `rows` rows, `cols` fp32 columns, `pairs` pairs along k (the SDM's pseudo-code).
+template <bool F16>
+void tile_dot_emulated(float* c, const uint16_t* a, const uint16_t* b, int rows, int pairs, int cols) {
+  const auto widen = [](uint16_t h) { return F16 ? f16_to_f32(h) : ftz(bf16_to_f32(h)); };
+  float be[16][16], bo[16][16];  // B's even and odd elements, widened: [pair][column]
+  for (int k = 0; k < pairs; ++k)
+    for (int n = 0; n < cols; ++n) {
+      be[k][n] = widen(b[k * 32 + 2 * n]);
+      bo[k][n] = widen(b[k * 32 + 2 * n + 1]);
+    }
+  for (int m = 0; m < rows; ++m) {
+    float te[16] = {}, to[16] = {};
+    for (int k = 0; k < pairs; ++k) {
+      const float ae = widen(a[m * 32 + 2 * k]), ao = widen(a[m * 32 + 2 * k + 1]);
+      for (int n = 0; n < cols; ++n) {
+        te[n] = ftz(std::fma(ae, be[k][n], te[n]));
+        to[n] = ftz(std::fma(ao, bo[k][n], to[n]));
+      }
+    }
+    for (int n = 0; n < cols; ++n) c[m * 16 + n] = ftz(ftz(c[m * 16 + n]) + ftz(te[n] + to[n]));
+  }
+}
+
+#if CPATTN_AMX == 1
+// The instructions. LDTILECFG's 64-byte operand: palette 1, bytes per row and rows per tile.
+struct Tiles {
+  struct alignas(64) Config {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  };
+  static_assert(sizeof(Config) == 64);
+  static void configure(const TileShape (&t)[3]) {
+    Config c{};
+    c.palette = 1;
+    for (int i = 0; i < 3; ++i) {
+      c.colsb[i] = static_cast<uint16_t>(t[i].colsb);
+      c.rows[i] = static_cast<uint8_t>(t[i].rows);
+    }
+    asm volatile("ldtilecfg %0" ::"m"(c));
+  }
+  template <int T>
+  static void load(const void* p, int64_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
+  }
+  template <int T>
+  static void store(void* p, int64_t stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
+  }
+  template <int T>
+  static void zero() {
+    asm volatile("tilezero %%tmm%c0" ::"i"(T));
+  }
+  template <int C, int A, int B>
+  static void dot(bool fp16) {
+    if (fp16)
+      asm volatile("tdpfp16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+    else
+      asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+  }
+  static void release() { asm volatile("tilerelease" ::: "memory"); }
+};
+// fp16 tiles need AMX-FP16 (attention.cpp's CPUID check); without it fp16 runs the FMA code.
+inline bool tiles_fp16() { return cpu_has_amx_fp16(); }
+#elif CPATTN_AMX == 2
+// The emulator: eight tile registers of 16 rows x 64 bytes per thread, with their shapes.
+struct Tiles {
+  struct State {
+    TileShape shape[8];
+    alignas(64) unsigned char reg[8][16 * 64];
+  };
+  static State& state() {
+    thread_local State s{};
+    return s;
+  }
+  static void configure(const TileShape (&t)[3]) {  // LDTILECFG zeroes every tile
+    State& s = state();
+    std::memset(&s, 0, sizeof s);
+    for (int i = 0; i < 3; ++i) s.shape[i] = t[i];
+  }
+  template <int T>
+  static void load(const void* p, int64_t stride) {  // rows past the shape read as zero
+    State& s = state();
+    std::memset(s.reg[T], 0, sizeof s.reg[T]);
+    for (int r = 0; r < s.shape[T].rows; ++r)
+      std::memcpy(s.reg[T] + r * 64, static_cast<const unsigned char*>(p) + r * stride, s.shape[T].colsb);
+  }
+  template <int T>
+  static void store(void* p, int64_t stride) {
+    const State& s = state();
+    for (int r = 0; r < s.shape[T].rows; ++r)
+      std::memcpy(static_cast<unsigned char*>(p) + r * stride, s.reg[T] + r * 64, s.shape[T].colsb);
+  }
+  template <int T>
+  static void zero() {
+    std::memset(state().reg[T], 0, sizeof state().reg[T]);
+  }
+  template <int C, int A, int B>
+  static void dot(bool fp16) {
+    State& s = state();
+    float c[16 * 16];
+    uint16_t a[16 * 32], b[16 * 32];
+    std::memcpy(c, s.reg[C], sizeof c);
+    std::memcpy(a, s.reg[A], sizeof a);
+    std::memcpy(b, s.reg[B], sizeof b);
+    const int rows = s.shape[C].rows, pairs = s.shape[A].colsb / 4, cols = s.shape[C].colsb / 4;
+    if (fp16)
+      tile_dot_emulated<true>(c, a, b, rows, pairs, cols);
+    else
+      tile_dot_emulated<false>(c, a, b, rows, pairs, cols);
+    std::memcpy(s.reg[C], c, sizeof c);
+  }
+  static void release() { std::memset(&state(), 0, sizeof(State)); }
+};
+inline bool tiles_fp16() { return true; }  // the emulator has both instructions
+#else
+#error "CPATTN_AMX must be 1 (instructions) or 2 (emulated)"
+#endif
+
+// gemm's contract (same operands, same strides; N a multiple of PAD) on tiles: A is rounded
+// to the 16-bit format into [Mp][Kp] (rows zero padded to 16, K to 32), B into the VNNI layout
+// [Kp / 2][N][2]; each 16 x 16 block of C is one C tile over Kp / 32 products. A last block of
+// fewer than 16 rows goes through a 16 x 16 staging buffer, so no row of C past M is touched.
 template <bool Zero>
-inline void mm(bool bf16_dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
+__attribute__((noinline)) void gemm_tiles(bool fp16, int M, int N, int K, const float* A, int64_t ars,
+                                          int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C,
+                                          int64_t ldc) {
+  constexpr int TK = 32;  // 16-bit elements per A tile row (64 bytes)
+  thread_local std::vector<uint16_t, LineAligned<uint16_t>> a16, b16;
+  const int Kp = (K + TK - 1) / TK * TK, Mp = (M + 15) / 16 * 16;
+  const auto cvt = [fp16](float x) { return fp16 ? f32_to_f16(x) : f32_to_bf16(x); };
+  a16.assign(static_cast<size_t>(Mp) * Kp, 0);
+  for (int r = 0; r < M; ++r)
+    for (int k = 0; k < K; ++k) a16[static_cast<size_t>(r) * Kp + k] = cvt(A[r * ars + k * acs]);
+  b16.assign(static_cast<size_t>(Kp) * N, 0);
+  for (int k = 0; k < K; ++k)
+    for (int n = 0; n < N; ++n)
+      b16[(static_cast<size_t>(k / 2) * N + n) * 2 + k % 2] = cvt(B[(n / PAD) * bps + k * ldb + n % PAD]);
+  Tiles::configure({{16, 64}, {16, 64}, {16, 64}});
+  alignas(64) float stage[16 * 16];
+  for (int m0 = 0; m0 < M; m0 += 16) {
+    const int rows = std::min(16, M - m0);
+    for (int n0 = 0; n0 < N; n0 += 16) {
+      float* c = C + m0 * ldc + n0;
+      if (rows < 16) {
+        for (int r = 0; r < 16; ++r)
+          for (int j = 0; j < 16; ++j) stage[r * 16 + j] = !Zero && r < rows ? c[r * ldc + j] : 0.0f;
+        Tiles::load<0>(stage, 64);
+      } else if (Zero) {
+        Tiles::zero<0>();
+      } else {
+        Tiles::load<0>(c, ldc * 4);
+      }
+      for (int k0 = 0; k0 < Kp; k0 += TK) {
+        Tiles::load<1>(a16.data() + static_cast<size_t>(m0) * Kp + k0, Kp * 2);
+        Tiles::load<2>(b16.data() + (static_cast<size_t>(k0 / 2) * N + n0) * 2, N * 4);
+        Tiles::dot<0, 1, 2>(fp16);
+      }
+      if (rows < 16) {
+        Tiles::store<0>(stage, 64);
+        for (int r = 0; r < rows; ++r) std::memcpy(c + r * ldc, stage + r * 16, 16 * sizeof(float));
+      } else {
+        Tiles::store<0>(c, ldc * 4);
+      }
+    }
+  }
+  Tiles::release();
+}
+
+// One tile product alone: C[m x n] += A[m x 2 k2] B, C row-major (n floats a row), A row-major
+// 16-bit elements, B VNNI [k2][n][2]; m, k2, n <= 16. The KernelTable's tile_dot, for tests.
+void tile_dot_one(float* c, const uint16_t* a, const uint16_t* b, int m, int k2, int n, bool fp16) {
+  Tiles::configure({{m, n * 4}, {m, k2 * 4}, {k2, n * 4}});
+  Tiles::load<0>(c, n * 4);
+  Tiles::load<1>(a, k2 * 4);
+  Tiles::load<2>(b, n * 4);
+  Tiles::dot<0, 1, 2>(fp16);
+  Tiles::store<0>(c, n * 4);
+  Tiles::release();
+}
+#endif  // CPATTN_AMX
+
+// How a call's products run: fp32 FMA (gemm), bf16 pairs (gemm_bf16) or tiles (gemm_tiles).
+enum class Dot { fma, bf16_pairs, bf16_tiles, fp16_tiles };
+inline Dot dot_for(DType dtype) {
+#if defined(CPATTN_BF16_DOT)
+  if (dtype == DType::bf16) return Dot::bf16_pairs;
+#elif defined(CPATTN_AMX)
+  if (dtype == DType::bf16) return Dot::bf16_tiles;
+  if (dtype == DType::f16 && tiles_fp16()) return Dot::fp16_tiles;
+#endif
+  (void)dtype;
+  return Dot::fma;
+}
+
+// The one call of every product: gemm, or the products of the call's Dot (dot_for).
+template <bool Zero>
+inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
 #ifdef CPATTN_BF16_DOT
-  if (bf16_dot) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+  if (dot == Dot::bf16_pairs) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 #endif
-  (void)bf16_dot;
+#ifdef CPATTN_AMX
+  if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
+    return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+#endif
+  (void)dot;
   gemm<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
 
@@ -496,7 +735,7 @@ void forward_impl(const AttnFwdParams& p) {
   const bool dropout = opt.dropout_p > 0.0f;
   const uint32_t thr = dropout_threshold(opt.dropout_p);
   const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
-  const bool bd = kBf16Dot && dtype == DType::bf16;  // bf16 dot products (mm)
+  const Dot bd = dot_for(dtype);  // how the products run (mm)
 
   Packed pk;
   pack_kv(in, false, pk);
@@ -700,7 +939,7 @@ void backward_impl(const AttnBwdParams& p) {
   const bool dropout = opt.dropout_p > 0.0f;
   const uint32_t thr = dropout_threshold(opt.dropout_p);
   const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
-  const bool bd = kBf16Dot && dtype == DType::bf16;  // bf16 dot products (mm)
+  const Dot bd = dot_for(dtype);  // how the products run (mm)
 
   Packed pk;
   pack_kv(in, true, pk);
@@ -755,7 +994,7 @@ void backward_impl(const AttnBwdParams& p) {
         for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
         for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
         float delta = 0.0f;  // dout_i . out_i
-        if (bd) {  // in the order of the bf16 dot products (odd, then even element of each pair)
+        if (bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
           // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
           // (a query that sees one key: out = v, dP = dout . v)
           // (std::fma, not `delta += a * b` twice per pair: GCC 12.2 at -O3 vectorizes that
@@ -764,6 +1003,8 @@ void backward_impl(const AttnBwdParams& p) {
             delta = std::fma(dor[d + 1], orow[d + 1], delta);
             delta = std::fma(dor[d], orow[d], delta);
           }
+        } else if (bd == Dot::bf16_tiles || bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
+          delta = dot_tile_order(dor, orow.data(), dvp);
         } else {
           for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
         }
