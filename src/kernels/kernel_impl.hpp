@@ -708,6 +708,27 @@ inline float transform_score(float x, float cap, float slope, int64_t qp, int64_
   return x - slope * static_cast<float>(dist);
 }
 
+// The per-call constants of the masks, scores, dropout and products: forward_impl's and
+// backward_impl's alike.
+struct CallRules {
+  Visibility vz;
+  bool scored;      // per-element score transforms (soft cap, ALiBi)
+  float scale, cl;  // the softmax scale, and it times log2(e)
+  bool dropout;
+  uint32_t thr;     // dropout_threshold(dropout_p)
+  float inv_keep;   // 1 / (1 - dropout_p)
+  Dot bd;           // how the products run (mm)
+  CallRules(const AttnInputs& in, const AttnOptions& opt)
+      : vz(visibility(opt)),
+        scored(vz.softcap || vz.alibi),
+        scale(in.softmax_scale()),
+        cl(scale * kLog2e),
+        dropout(opt.dropout_p > 0.0f),
+        thr(dropout_threshold(opt.dropout_p)),
+        inv_keep(1.0f / (1.0f - opt.dropout_p)),
+        bd(dot_for(in.dtype())) {}
+};
+
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
   fvec q, o, s, m, l;
@@ -728,14 +749,7 @@ void forward_impl(const AttnFwdParams& p) {
   // OutMode::accumulate: fp32 out and lse are the running result the online softmax resumes.
   const bool resume = p.out_mode == OutMode::accumulate;
   const DType out_dtype = p.out.dtype;
-  const Visibility vz = visibility(opt);
-  const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
-  const float scale = in.softmax_scale();
-  const float cl = scale * kLog2e;
-  const bool dropout = opt.dropout_p > 0.0f;
-  const uint32_t thr = dropout_threshold(opt.dropout_p);
-  const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
-  const Dot bd = dot_for(dtype);  // how the products run (mm)
+  const CallRules cr(in, opt);
 
   Packed pk;
   pack_kv(in, false, pk);
@@ -798,12 +812,12 @@ void forward_impl(const AttnFwdParams& p) {
     }
 
     const int64_t qp_last = qp0 + m - 1;
-    for_each_piece<FBK>(w, t, vz, qp0, qp_last, [&](Piece pc) {
+    for_each_piece<FBK>(w, t, cr.vz, qp0, qp_last, [&](Piece pc) {
       // Columns past the last row's right limit (causal or window) are masked for every row:
       // not computed.
-      if (vz.hi_bounded)
+      if (cr.vz.hi_bounded)
         pc.a1 = static_cast<int>(
-            std::min<int64_t>(pc.a1, (pc.c0 + (qp_last + vz.hi - pc.p_lo) + PAD) / PAD * PAD));
+            std::min<int64_t>(pc.a1, (pc.c0 + (qp_last + cr.vz.hi - pc.p_lo) + PAD) / PAD * PAD));
       const int n = pc.a1 - pc.a0;
       const int64_t k0 = pc.b * FBK + pc.a0;  // first physical key row computed
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
@@ -822,7 +836,7 @@ void forward_impl(const AttnFwdParams& p) {
         float* m_g = S.m.data() + g * BQ;
         float* l_g = S.l.data() + g * BQ;
         // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
-        mm<true>(bd, m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
+        mm<true>(cr.bd, m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
                    S.s.data() + pc.a0, FBK);
         for (int r = 0; r < m; ++r) {
           if (g == 0) {
@@ -832,8 +846,8 @@ void forward_impl(const AttnFwdParams& p) {
               __builtin_prefetch(next_v(ln), 0, 1);
           }
           float* s = S.s.data() + r * FBK;
-          const int ve = visible_end(pc, vz, qp0 + r);
-          const int vb = visible_begin(pc, vz, qp0 + r);
+          const int ve = visible_end(pc, cr.vz, qp0 + r);
+          const int vb = visible_begin(pc, cr.vz, qp0 + r);
           if (ve <= vb) {  // nothing visible in this piece for this row
             for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
             continue;
@@ -844,21 +858,21 @@ void forward_impl(const AttnFwdParams& p) {
           // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
           vf mx = vset(kNegInf);
           float mul = 1.0f;
-          if (scored) {
-            const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+          if (cr.scored) {
+            const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
             float dcap;
             for (int c = pc.a0; c < pc.a1; ++c)
               s[c] = c >= vb && c < ve
-                         ? transform_score(s[c] * scale, opt.softcap, slope, qp0 + r,
+                         ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r,
                                            pc.p_lo + (c - pc.c0), dcap) * kLog2e
                          : kNegInf;
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
           } else if (full && vb == pc.c0 && ve == pc.c1) {
-            mul = cl;
-            const vf cv = vset(cl);
+            mul = cr.cl;
+            const vf cv = vset(cr.cl);
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
           } else {
-            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cl));
+            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
             for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
             for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
@@ -879,14 +893,14 @@ void forward_impl(const AttnFwdParams& p) {
             float* o = o_g + r * dvp;
             for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
           }
-          if (dropout) {
+          if (cr.dropout) {
             const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
             for (int c = vb; c < ve; ++c)
-              s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
+              s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? s[c] * cr.inv_keep : 0.0f;
           }
         }
         // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
-        mm<false>(bd, m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
+        mm<false>(cr.bd, m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
       }
     });
 
@@ -932,14 +946,7 @@ void backward_impl(const AttnBwdParams& p) {
   void* const dv_data = p.dv.data;
   const int64_t dv_rs = p.dv.row_step(), dv_hs = p.dv.head_step();
   const float* const lse = p.lse;
-  const Visibility vz = visibility(opt);
-  const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
-  const float scale = in.softmax_scale();
-  const float cl = scale * kLog2e;
-  const bool dropout = opt.dropout_p > 0.0f;
-  const uint32_t thr = dropout_threshold(opt.dropout_p);
-  const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
-  const Dot bd = dot_for(dtype);  // how the products run (mm)
+  const CallRules cr(in, opt);
 
   Packed pk;
   pack_kv(in, true, pk);
@@ -994,7 +1001,7 @@ void backward_impl(const AttnBwdParams& p) {
         for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
         for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
         float delta = 0.0f;  // dout_i . out_i
-        if (bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
+        if (cr.bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
           // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
           // (a query that sees one key: out = v, dP = dout . v)
           // (std::fma, not `delta += a * b` twice per pair: GCC 12.2 at -O3 vectorizes that
@@ -1003,7 +1010,7 @@ void backward_impl(const AttnBwdParams& p) {
             delta = std::fma(dor[d + 1], orow[d + 1], delta);
             delta = std::fma(dor[d], orow[d], delta);
           }
-        } else if (bd == Dot::bf16_tiles || bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
+        } else if (cr.bd == Dot::bf16_tiles || cr.bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
           delta = dot_tile_order(dor, orow.data(), dvp);
         } else {
           for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
@@ -1013,25 +1020,25 @@ void backward_impl(const AttnBwdParams& p) {
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
 
-      for_each_piece<BK>(w, t, vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
+      for_each_piece<BK>(w, t, cr.vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
         const int n = pc.a1 - pc.a0;
         std::fill(S.dk.begin(), S.dk.end(), 0.0f);
         std::fill(S.dv.begin(), S.dv.end(), 0.0f);
         // first query block that sees the piece
         int64_t qb0 = 0;
-        if (vz.hi_bounded && pc.p_lo - vz.hi > t.q_pos) qb0 = (pc.p_lo - vz.hi - t.q_pos) / BQB;
+        if (cr.vz.hi_bounded && pc.p_lo - cr.vz.hi > t.q_pos) qb0 = (pc.p_lo - cr.vz.hi - t.q_pos) / BQB;
         // the last key position of the piece: query blocks past its left window end the loop
         const int64_t p_hi = pc.p_lo + (pc.c1 - pc.c0) - 1;
         for (int64_t qb = qb0; qb * BQB < nq; ++qb) {
           const int64_t i0 = qb * BQB, qp0 = t.q_pos + i0;
-          if (vz.lo_bounded && qp0 - vz.lo > p_hi) break;
+          if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
           const int m = static_cast<int>(std::min<int64_t>(BQB, nq - i0));
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          mm<true>(bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
+          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
                      dp * PAD, S.s.data() + pc.a0, BK);
-          mm<true>(bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
+          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
                      dvp * PAD, S.dp.data() + pc.a0, BK);
           // The next query block's Q, dO and their panels come from L3 (per-task buffers of
           // max_q rows): fetch them while this block's softmax and products run.
@@ -1050,17 +1057,17 @@ void backward_impl(const AttnBwdParams& p) {
             float* s = S.s.data() + r * BK;   // -> P, then dS
             float* dpr = S.dp.data() + r * BK;
             float* pd = S.pd.data() + r * BK;  // P after dropout
-            const int ve = visible_end(pc, vz, qp0 + r);
-            const int vb = visible_begin(pc, vz, qp0 + r);
+            const int ve = visible_end(pc, cr.vz, qp0 + r);
+            const int vb = visible_begin(pc, cr.vz, qp0 + r);
             const float l2 = S.lse2[i0 + r];
             if (ve <= vb || l2 == kNegInf) {
               for (int c = pc.a0; c < pc.a1; ++c) s[c] = pd[c] = 0.0f;
               continue;
             }
-            if (scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
-              const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+            if (cr.scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
+              const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
               const float dl = S.delta[i0 + r];
-              const uint64_t key = dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
+              const uint64_t key = cr.dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
               for (int c = pc.a0; c < pc.a1; ++c) {
                 if (c < vb || c >= ve) {
                   s[c] = pd[c] = 0.0f;
@@ -1068,19 +1075,19 @@ void backward_impl(const AttnBwdParams& p) {
                 }
                 const int64_t kp = pc.p_lo + (c - pc.c0);
                 float dcap;
-                const float x = transform_score(s[c] * scale, opt.softcap, slope, qp0 + r, kp, dcap);
+                const float x = transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r, kp, dcap);
                 const float pv = std::exp2(x * kLog2e - l2);
-                const float kf = !dropout ? 1.0f : dropout_keep_row(key, kp, thr) ? inv_keep : 0.0f;
+                const float kf = !cr.dropout ? 1.0f : dropout_keep_row(key, kp, cr.thr) ? cr.inv_keep : 0.0f;
                 pd[c] = pv * kf;
                 s[c] = pv * (dpr[c] * kf - dl) * dcap;
               }
               continue;
             }
-            const vf lv = vset(l2), cv = vset(cl), dl = vset(S.delta[i0 + r]);
+            const vf lv = vset(l2), cv = vset(cr.cl), dl = vset(S.delta[i0 + r]);
             for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * cv - lv);
             for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
             for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
-            if (!dropout) {
+            if (!cr.dropout) {
               for (int c = pc.a0; c < pc.a1; c += W) {
                 const vf pv = vexp2(vload(s + c));
                 vstore(pd + c, pv);
@@ -1091,18 +1098,18 @@ void backward_impl(const AttnBwdParams& p) {
               for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
               for (int c = pc.a0; c < pc.a1; ++c) {
                 const bool vis = c >= vb && c < ve;
-                const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? inv_keep : 0.0f;
+                const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? cr.inv_keep : 0.0f;
                 pd[c] = s[c] * kf;
                 s[c] = s[c] * (dpr[c] * kf - S.delta[i0 + r]);
               }
             }
           }
           // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1)
-          mm<false>(bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
+          mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dv.data() + pc.a0 * dvp, dvp);
-          mm<false>(bd, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
+          mm<false>(cr.bd, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dk.data() + pc.a0 * dp, dp);
-          mm<false>(bd, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
+          mm<false>(cr.bd, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
                       BK * PAD, S.dq.data() + i0 * dp, dp);
         }
         // add the piece's rows to this head's dK/dV
@@ -1120,9 +1127,9 @@ void backward_impl(const AttnBwdParams& p) {
         const float* src = S.dq.data() + i * dp;
         if (p.grad_mode == GradMode::accumulate_all) {  // fp32 view: added to
           float* o = static_cast<float*>(dq_data) + (t.q_row + i) * dq_rs + h * dq_hs;
-          for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * scale;
+          for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * cr.scale;
         } else {
-          st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, scale);
+          st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, cr.scale);
         }
       }
     }
@@ -1144,12 +1151,12 @@ void backward_impl(const AttnBwdParams& p) {
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
         if (p.grad_mode == GradMode::write) {
-          st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, ak.data(), scale);
+          st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, ak.data(), cr.scale);
           st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, av.data(), 1.0f);
         } else {  // fp32 views
           float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
           float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
-          for (int d = 0; d < head_dim_qk; ++d) ok[d] += ak[d] * scale;
+          for (int d = 0; d < head_dim_qk; ++d) ok[d] += ak[d] * cr.scale;
           for (int d = 0; d < head_dim_v; ++d) ov[d] += av[d];
         }
       }
