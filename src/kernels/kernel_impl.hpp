@@ -322,7 +322,8 @@ void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes)
 //   CPATTN_AMX == 1: the instructions (inline assembly; GCC 12 has no AMX-FP16 intrinsic),
 //   CPATTN_AMX == 2: an exact emulator in plain C++ (the amx_emulated path, any AVX2 CPU),
 // so that the kernel case table runs the tiling, padding and layout logic of the amx path on
-// every x86-64 CPU with AVX2. Tiles 0, 1, 2 hold C, A, B.
+// every x86-64 CPU with AVX2. gemm_tiles holds a 2 x 2 block of C in tiles 0-3 (2 i + j), the
+// block's two A tiles in 4, 5 and its two B tiles in 6, 7; tile_dot_one uses 0, 1, 2.
 // x with a denormal (exponent bits 0) replaced by a zero of its sign.
 inline float ftz(float x) {
   const uint32_t u = std::bit_cast<uint32_t>(x);
@@ -383,10 +384,12 @@ struct Tiles {
     uint8_t rows[16];
   };
   static_assert(sizeof(Config) == 64);
-  static void configure(const TileShape (&t)[3]) {
+  template <size_t N>
+  static void configure(const TileShape (&t)[N]) {  // tiles 0 .. N-1
+    static_assert(N <= 8);
     Config c{};
     c.palette = 1;
-    for (int i = 0; i < 3; ++i) {
+    for (size_t i = 0; i < N; ++i) {
       c.colsb[i] = static_cast<uint16_t>(t[i].colsb);
       c.rows[i] = static_cast<uint8_t>(t[i].rows);
     }
@@ -426,10 +429,12 @@ struct Tiles {
     thread_local State s{};
     return s;
   }
-  static void configure(const TileShape (&t)[3]) {  // LDTILECFG zeroes every tile
+  template <size_t N>
+  static void configure(const TileShape (&t)[N]) {  // tiles 0 .. N-1; LDTILECFG zeroes every tile
+    static_assert(N <= 8);
     State& s = state();
     std::memset(&s, 0, sizeof s);
-    for (int i = 0; i < 3; ++i) s.shape[i] = t[i];
+    for (size_t i = 0; i < N; ++i) s.shape[i] = t[i];
   }
   template <int T>
   static void load(const void* p, int64_t stride) {  // rows past the shape read as zero
@@ -470,10 +475,66 @@ inline bool tiles_fp16() { return true; }  // the emulator has both instructions
 #error "CPATTN_AMX must be 1 (instructions) or 2 (emulated)"
 #endif
 
+// C tile (I, J) of a 2 x 2 block (tile 2 I + J) at c: loaded, or zeroed when Zero, before the
+// block's products, and stored after them. A tile of fewer than 16 valid rows (the last rows
+// of C) goes through a 16 x 16 staging buffer, so no row of C past them is read or written.
+template <bool Zero, int I, int J>
+inline void c_tile_begin(float* c, int64_t ldc, int valid, float* stage) {
+  constexpr int T = 2 * I + J;
+  float* ct = c + I * 16 * ldc + J * 16;
+  if (valid < 16) {
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < 16; ++j) stage[r * 16 + j] = !Zero && r < valid ? ct[r * ldc + j] : 0.0f;
+    Tiles::load<T>(stage, 64);
+  } else if (Zero) {
+    Tiles::zero<T>();
+  } else {
+    Tiles::load<T>(ct, ldc * 4);
+  }
+}
+template <int I, int J>
+inline void c_tile_end(float* c, int64_t ldc, int valid, float* stage) {
+  constexpr int T = 2 * I + J;
+  float* ct = c + I * 16 * ldc + J * 16;
+  if (valid < 16) {
+    Tiles::store<T>(stage, 64);
+    for (int r = 0; r < valid; ++r) std::memcpy(ct + r * ldc, stage + r * 16, 16 * sizeof(float));
+  } else {
+    Tiles::store<T>(ct, ldc * 4);
+  }
+}
+
+// An MT x NT block of C tiles (MT, NT in {1, 2}) at c, `rows` valid rows (16 (MT - 1) < rows
+// <= 16 MT), over the Kp / 32 products of A rows a (a_stride bytes apart) and B pair rows b
+// (b_stride bytes apart): per step, MT A tiles and NT B tiles are loaded for MT NT products.
+template <bool Zero, int MT, int NT>
+void tile_block(bool fp16, int rows, const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride,
+                int Kp, float* c, int64_t ldc) {
+  alignas(64) float stage[2][16 * 16];
+  const int last = rows - 16 * (MT - 1);  // valid rows of the last row of tiles
+  c_tile_begin<Zero, 0, 0>(c, ldc, MT == 1 ? last : 16, stage[0]);
+  if constexpr (NT == 2) c_tile_begin<Zero, 0, 1>(c, ldc, MT == 1 ? last : 16, stage[1]);
+  if constexpr (MT == 2) c_tile_begin<Zero, 1, 0>(c, ldc, last, stage[0]);
+  if constexpr (MT == 2 && NT == 2) c_tile_begin<Zero, 1, 1>(c, ldc, last, stage[1]);
+  for (int k0 = 0; k0 < Kp; k0 += 32) {
+    Tiles::load<4>(a + k0, a_stride);
+    if constexpr (MT == 2) Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
+    Tiles::load<6>(b + k0 / 2 * b_stride / 2, b_stride);
+    if constexpr (NT == 2) Tiles::load<7>(b + k0 / 2 * b_stride / 2 + 32, b_stride);
+    Tiles::dot<0, 4, 6>(fp16);
+    if constexpr (NT == 2) Tiles::dot<1, 4, 7>(fp16);
+    if constexpr (MT == 2) Tiles::dot<2, 5, 6>(fp16);
+    if constexpr (MT == 2 && NT == 2) Tiles::dot<3, 5, 7>(fp16);
+  }
+  c_tile_end<0, 0>(c, ldc, MT == 1 ? last : 16, stage[0]);
+  if constexpr (NT == 2) c_tile_end<0, 1>(c, ldc, MT == 1 ? last : 16, stage[1]);
+  if constexpr (MT == 2) c_tile_end<1, 0>(c, ldc, last, stage[0]);
+  if constexpr (MT == 2 && NT == 2) c_tile_end<1, 1>(c, ldc, last, stage[1]);
+}
+
 // gemm's contract (same operands, same strides; N a multiple of PAD) on tiles: A is rounded
 // to the 16-bit format into [Mp][Kp] (rows zero padded to 16, K to 32), B into the VNNI layout
-// [Kp / 2][N][2]; each 16 x 16 block of C is one C tile over Kp / 32 products. A last block of
-// fewer than 16 rows goes through a 16 x 16 staging buffer, so no row of C past M is touched.
+// [Kp / 2][N][2]; C runs in blocks of 2 x 2 tiles (32 x 32), smaller at the edges (tile_block).
 template <bool Zero>
 __attribute__((noinline)) void gemm_tiles(bool fp16, int M, int N, int K, const float* A, int64_t ars,
                                           int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C,
@@ -489,32 +550,20 @@ __attribute__((noinline)) void gemm_tiles(bool fp16, int M, int N, int K, const 
   for (int k = 0; k < K; ++k)
     for (int n = 0; n < N; ++n)
       b16[(static_cast<size_t>(k / 2) * N + n) * 2 + k % 2] = cvt(B[(n / PAD) * bps + k * ldb + n % PAD]);
-  Tiles::configure({{16, 64}, {16, 64}, {16, 64}});
-  alignas(64) float stage[16 * 16];
-  for (int m0 = 0; m0 < M; m0 += 16) {
-    const int rows = std::min(16, M - m0);
-    for (int n0 = 0; n0 < N; n0 += 16) {
+  constexpr TileShape full{16, 64};
+  Tiles::configure({full, full, full, full, full, full, full, full});
+  const int64_t as = int64_t{Kp} * 2, bs = int64_t{N} * 4;  // tile row strides, bytes
+  for (int m0 = 0; m0 < M; m0 += 32) {
+    const int rows = std::min(32, M - m0);
+    const uint16_t* a = a16.data() + static_cast<size_t>(m0) * Kp;
+    for (int n0 = 0; n0 < N; n0 += 32) {
+      const uint16_t* b = b16.data() + static_cast<size_t>(n0) * 2;
       float* c = C + m0 * ldc + n0;
-      if (rows < 16) {
-        for (int r = 0; r < 16; ++r)
-          for (int j = 0; j < 16; ++j) stage[r * 16 + j] = !Zero && r < rows ? c[r * ldc + j] : 0.0f;
-        Tiles::load<0>(stage, 64);
-      } else if (Zero) {
-        Tiles::zero<0>();
-      } else {
-        Tiles::load<0>(c, ldc * 4);
-      }
-      for (int k0 = 0; k0 < Kp; k0 += TK) {
-        Tiles::load<1>(a16.data() + static_cast<size_t>(m0) * Kp + k0, Kp * 2);
-        Tiles::load<2>(b16.data() + (static_cast<size_t>(k0 / 2) * N + n0) * 2, N * 4);
-        Tiles::dot<0, 1, 2>(fp16);
-      }
-      if (rows < 16) {
-        Tiles::store<0>(stage, 64);
-        for (int r = 0; r < rows; ++r) std::memcpy(c + r * ldc, stage + r * 16, 16 * sizeof(float));
-      } else {
-        Tiles::store<0>(c, ldc * 4);
-      }
+      const bool two_m = rows > 16, two_n = N - n0 > 16;
+      if (two_m && two_n) tile_block<Zero, 2, 2>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+      else if (two_m) tile_block<Zero, 2, 1>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+      else if (two_n) tile_block<Zero, 1, 2>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+      else tile_block<Zero, 1, 1>(fp16, rows, a, as, b, bs, Kp, c, ldc);
     }
   }
   Tiles::release();
