@@ -34,7 +34,7 @@ inline std::string kernel_path_name(KernelPath p) { return std::string(to_string
 inline constexpr KernelPath kAllKernelPaths[] = {KernelPath::automatic,   KernelPath::portable,
                                                  KernelPath::avx2,        KernelPath::avx512,
                                                  KernelPath::avx512_bf16, KernelPath::bf16_emulated,
-                                                 KernelPath::amx};
+                                                 KernelPath::amx,         KernelPath::amx_emulated};
 
 inline constexpr DType kAllDtypes[] = {DType::f32, DType::f16, DType::bf16};
 inline constexpr DType kTrainDtypes[] = {DType::f32, DType::bf16};  // what cpattn train supports
@@ -148,7 +148,8 @@ inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = 
 // A forced path this CPU cannot run is bad input too (exit 2), caught before any kernel runs.
 inline void check_kernel_path_supported(KernelPath p, std::string_view flag = "--kernel-path") {
   CPATTN_CHECK(kernel_path_supported(p), flag, " ", to_string(p), " cannot run on this CPU (",
-               p == KernelPath::amx ? "no AMX path is built" : "the CPU lacks its instructions",
+               p == KernelPath::amx ? "it needs AMX-TILE, AMX-BF16 and the OS's permission for tile data"
+                                    : "the CPU lacks its instructions",
                "; automatic picks ", to_string(best_kernel_path()), ")");
 }
 

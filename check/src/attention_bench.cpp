@@ -200,7 +200,10 @@ AttnBenchResult run_attention_bench(const AttnBenchOptions& o, std::ostream* log
   res.fwd_gflops_per_cpu_s = res.fwd_flops / res.fwd_cpu_seconds / 1e9;
   res.bwd_gflops_per_cpu_s = res.bwd_flops / res.bwd_cpu_seconds / 1e9;
   res.fma_peak_gflops = measure_fma_peak_gflops(&res.fma_peak_gflops_per_cpu_s);
-  res.amx_absent_reason = "no AMX path is built (this CPU has no AMX; see docs/kernels.md)";
+  res.amx_absent_reason = kernel_path_supported(KernelPath::amx)
+                              ? "no AMX peak loop is built yet (the amx path runs here; see docs/kernels.md)"
+                              : "this CPU cannot run the amx path (no AMX-TILE/AMX-BF16, or Linux denied tile data; "
+                                "see docs/kernels.md)";
   return res;
 }
 

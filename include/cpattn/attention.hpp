@@ -62,7 +62,12 @@ enum class KernelPath {
                   // storage as avx512
   bf16_emulated,  // avx512_bf16's algorithm with vdpbf16ps emulated exactly on AVX2 (for
                   // testing it on any AVX2 CPU; slow, never chosen automatically)
-  amx,            // listed for the dispatch table; not implemented: forcing it throws
+  amx,            // avx512 + AMX tiles: bf16 storage's products as TDPBF16PS tile products
+                  // (P and dS rounded to bf16, as avx512_bf16), fp16 storage's as TDPFP16PS
+                  // where the CPU has AMX-FP16 (else as avx512), fp32 as avx512; needs Linux's
+                  // permission for tile data (asked for once per process)
+  amx_emulated,   // amx's algorithm with the tile instructions emulated exactly in plain C++
+                  // (for testing it on any AVX2 CPU; slow, never chosen automatically)
 };
 
 // How attention_backward delivers dK and dV.
@@ -202,11 +207,13 @@ WorkList varlen_worklist(std::span<const int32_t> cu_seqlens_q,
                          MaskType mask = MaskType::causal);
 
 // The fastest path this CPU supports for `dtype` storage: the first this CPU runs of the
-// measured preference order (docs/kernels.md, "Paths and dispatch"): bf16: avx512_bf16 >
-// avx512 > avx2 > portable; fp32 and fp16: avx512 > avx2 > portable. Never automatic,
-// bf16_emulated or amx. Ignores CPATTN_KERNEL_PATH (resolve_kernel_path reads it).
+// preference order (docs/kernels.md, "Paths and dispatch"): bf16: amx > avx512_bf16 > avx512
+// > avx2 > portable; fp16: amx > avx512 > avx2 > portable; fp32: avx512 > avx2 > portable.
+// Never automatic, bf16_emulated or amx_emulated. Ignores CPATTN_KERNEL_PATH
+// (resolve_kernel_path reads it).
 KernelPath best_kernel_path(DType dtype = DType::f32);
-// Whether `path` can run here (automatic and portable: always; amx: never, not implemented).
+// Whether `path` can run here (automatic and portable: always; amx: AMX-TILE, AMX-BF16 and
+// the OS's permission for tile data).
 bool kernel_path_supported(KernelPath path);
 std::string_view to_string(KernelPath path);
 // The KernelPath called `name` (to_string's spelling); throws cpattn::Error listing the names.

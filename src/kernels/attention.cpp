@@ -6,6 +6,8 @@
 #include <cpattn/error.hpp>
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,12 +43,32 @@ bool cpu_has_avx512_bf16() {
   return (a & (1u << 5)) != 0;
 }
 
+// AMX: CPUID leaf 7 sub-leaf 0 EDX bits 24 (AMX-TILE) and 22 (AMX-BF16); the OS's tile state
+// in XCR0 (bits 17 XTILECFG, 18 XTILEDATA, read by XGETBV once OSXSAVE says it may be); and
+// Linux's permission for this process to use tile data, asked for once per process
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; Linux 5.16 and later grant it unless
+// the process's signal stack limit forbids it). Without the permission the first tile
+// instruction would fault, so the path is refused. The amx path's fp32 code is AVX-512's.
+bool cpu_has_amx() {
+#if defined(__clang__)
+  return false;  // kernel_amx.cpp is built by GCC only
+#endif
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!cpu_has_avx512() || !__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  asm volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
 bool always() { return true; }
-bool never() { return false; }
 
 // The kernel paths, in KernelPath order: what each is called, whether this CPU runs it (and
 // what it needs, in words), and its entry points (none for automatic, which resolves to
-// another row, and for amx).
+// another row).
 struct PathInfo {
   KernelPath path;
   std::string_view name;
@@ -63,7 +85,13 @@ constexpr PathInfo kPaths[] = {
      &kernels::avx512_bf16::table},
     {KernelPath::bf16_emulated, "bf16_emulated", cpu_has_avx2_fma_f16c, "AVX2, FMA and F16C",
      &kernels::bf16_emulated::table},
-    {KernelPath::amx, "amx", never, "an AMX kernel, which is not built", nullptr},
+    {KernelPath::amx, "amx", cpu_has_amx,
+     "AVX-512F/BW/DQ/VL, AMX-TILE and AMX-BF16, the OS's tile state (XCR0 XTILECFG and XTILEDATA) and "
+     "Linux's permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 or later; refused when "
+     "the OS denies it, since the first tile instruction would then fault)",
+     &kernels::amx::table},
+    {KernelPath::amx_emulated, "amx_emulated", cpu_has_avx2_fma_f16c, "AVX2, FMA and F16C",
+     &kernels::amx_emulated::table},
 };
 
 constexpr bool in_enum_order() {
@@ -71,7 +99,7 @@ constexpr bool in_enum_order() {
     if (kPaths[i].path != static_cast<KernelPath>(i)) return false;
   return true;
 }
-static_assert(in_enum_order() && std::size(kPaths) == static_cast<size_t>(KernelPath::amx) + 1);
+static_assert(in_enum_order() && std::size(kPaths) == static_cast<size_t>(KernelPath::amx_emulated) + 1);
 
 const PathInfo* find_path(KernelPath path) {
   const auto i = static_cast<size_t>(path);
@@ -81,13 +109,19 @@ const PathInfo* find_path(KernelPath path) {
 // What `automatic` prefers, fastest first, by what was measured (docs/kernels.md, "Paths and
 // dispatch"): avx512 over avx2 from issue 14's Zen 4 runs (every kernel test passes, 2-4%
 // faster); avx512_bf16 over avx512 for bf16 storage from vdpbf16ps doing two fp32 FMAs' work
-// per instruction (not yet measured on a CPU that has it). portable runs everywhere.
-constexpr KernelPath kPreferBf16[] = {KernelPath::avx512_bf16, KernelPath::avx512, KernelPath::avx2,
-                                      KernelPath::portable};
+// per instruction (not yet measured on a CPU that has it); amx first for bf16 and fp16 storage
+// by the documented throughput of a tile product (TDPBF16PS / TDPFP16PS: 16 x 16 x 32
+// multiply-adds, 16 times a zmm FMA's work per instruction), not measured here (no CPU with
+// AMX was at hand). On an AMX CPU without AMX-FP16 the amx path runs fp16 as avx512 does.
+// portable runs everywhere.
+constexpr KernelPath kPreferBf16[] = {KernelPath::amx, KernelPath::avx512_bf16, KernelPath::avx512,
+                                      KernelPath::avx2, KernelPath::portable};
+constexpr KernelPath kPreferF16[] = {KernelPath::amx, KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 constexpr KernelPath kPreferOther[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 
 std::span<const KernelPath> preference(DType dtype) {
   if (dtype == DType::bf16) return kPreferBf16;
+  if (dtype == DType::f16) return kPreferF16;
   return kPreferOther;
 }
 
@@ -155,6 +189,12 @@ WorkList varlen_worklist_impl(std::span<const Int> cu_q, std::span<const Int> cu
 }  // namespace
 
 namespace kernels {
+bool cpu_has_amx_fp16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!cpu_has_amx() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return (a & (1u << 21)) != 0;
+}
+
 void check_scratch_bound(size_t used_floats, size_t bound_floats) {
   CPATTN_CHECK(used_floats <= bound_floats, "internal: attention_backward allocated ",
                used_floats, " floats of scratch, more than the ", bound_floats,

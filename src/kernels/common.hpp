@@ -106,6 +106,12 @@ struct KernelTable {
   // the two products of the bf16 pairs a[i], b[i] (even element in the low half), `lanes` a
   // multiple of 16. nullptr on the other paths.
   void (*bf16_dot)(float* acc, const uint32_t* a, const uint32_t* b, int lanes) = nullptr;
+  // The amx paths' tile product alone (kernel_impl.hpp, Tiles), for its tests: one TDPBF16PS
+  // (fp16 false) or TDPFP16PS (fp16 true) on tiles configured to the call's shapes, C[m x n]
+  // += A[m x 2 k2] B: c row-major fp32 (n a row), a row-major 16-bit elements (2 k2 a row),
+  // b in the VNNI layout [k2][n][2] (B(k, j) at b[(k / 2) * 2 n + 2 j + k % 2]); m, k2, n in
+  // [1, 16]. nullptr on the other paths.
+  void (*tile_dot)(float* c, const uint16_t* a, const uint16_t* b, int m, int k2, int n, bool fp16) = nullptr;
 };
 namespace portable {
 extern const KernelTable table;
@@ -122,8 +128,18 @@ extern const KernelTable table;
 namespace bf16_emulated {
 extern const KernelTable table;
 }  // namespace bf16_emulated
+namespace amx {
+extern const KernelTable table;
+}  // namespace amx
+namespace amx_emulated {
+extern const KernelTable table;
+}  // namespace amx_emulated
 
-// The table of a path (nullptr for automatic and amx): attention.cpp's path table.
+// Whether the amx path runs fp16 storage on tiles: AMX-FP16 (CPUID leaf 7 sub-leaf 1, EAX
+// bit 21) on top of what the amx path needs (attention.cpp).
+bool cpu_has_amx_fp16();
+
+// The table of a path (nullptr for automatic): attention.cpp's path table.
 const KernelTable* path_table(KernelPath path);
 
 

@@ -2,29 +2,9 @@
 // accumulation for bf16 storage) with vdpbf16ps emulated in plain vector arithmetic
 // (CPATTN_BF16_DOT 2) on 8-float AVX2 vectors, so that the kernel case table checks the
 // bf16-rounding algorithm on CPUs without AVX512_BF16. Never chosen by `automatic` (it is
-// slower than avx2); fp32/fp16 storage runs the avx2 path's code. Every header is included
-// before the target switch (see kernel_impl.hpp).
-#include "blocking.hpp"
-#include "common.hpp"
-
-#include <cpattn/dtype.hpp>
-
-#include <algorithm>
-#include <bit>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+// slower than avx2); fp32/fp16 storage runs the avx2 path's code.
 #define CPATTN_KNS bf16_emulated
 #define CPATTN_VW 8
+#define CPATTN_TARGET "avx2,fma,f16c"
 #define CPATTN_BF16_DOT 2
-#include "kernel_impl.hpp"
-#pragma GCC pop_options
-
-namespace cpattn::kernels::bf16_emulated {
-const KernelTable table{.forward = forward_impl, .backward = backward_impl, .bf16_dot = bf16_dot_lanes};
-}  // namespace cpattn::kernels::bf16_emulated
+#include "kernel_isa.inc"

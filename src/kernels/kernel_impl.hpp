@@ -1,12 +1,11 @@
-// The fast attention kernels, written once and compiled once per ISA by kernel_<isa>.cpp,
-// each of which defines CPATTN_KNS (its namespace) and CPATTN_VW (floats per vector) and
-// switches the target with `#pragma GCC target` *after* including every header (standard
-// ones, common.hpp, blocking.hpp, cpattn/dtype.hpp), so that no out-of-line function of
-// them is compiled for a wider ISA than the baseline, and restores it with
-// `#pragma GCC pop_options` after this file. Everything here has internal linkage for the
-// same reason (no ODR merging across ISAs); the path's entry points are its KernelTable,
-// defined by kernel_<isa>.cpp. The blocking constants (PAD, BQ, BQB, BK, FBK, GH, MR) are
-// blocking.hpp's.
+// The fast attention kernels, written once and compiled once per ISA by kernel_<isa>.cpp
+// through kernel_isa.inc, which defines CPATTN_KNS (the path's namespace) and CPATTN_VW
+// (floats per vector), switches the target with `#pragma GCC target` *after* including every
+// header (standard ones, common.hpp, blocking.hpp, cpattn/dtype.hpp), so that no out-of-line
+// function of them is compiled for a wider ISA than the baseline, restores it with
+// `#pragma GCC pop_options` after this file, and defines the path's KernelTable. Everything
+// here has internal linkage for the same reason (no ODR merging across ISAs). The blocking
+// constants (PAD, BQ, BQB, BK, FBK, GH, MR) are blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and
@@ -197,7 +196,6 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
 // Everything else (packing, blocking, softmax) is shared, so the emulated path tests the
 // algorithm the avx512_bf16 path runs.
 #ifdef CPATTN_BF16_DOT
-constexpr bool kBf16Dot = true;
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 inline vu vload_u(const uint32_t* p) {
   vu v;
@@ -306,19 +304,309 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
 void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes) {
   for (int i = 0; i < lanes; i += W) vstore(acc + i, Bf16Dot::dot(vload(acc + i), vload_u(a + i), vload_u(b + i)));
 }
-#else
-constexpr bool kBf16Dot = false;
 #endif
 
-// The one call of every product: gemm, or gemm_bf16 where the path has bf16 dot products and
-// the call's storage is bf16 (bf16_dot).
+// ---- AMX tiles (the amx paths) ---------------------------------------------------------------
+// A kernel_<isa>.cpp that defines CPATTN_AMX runs the products of bf16-storage calls (and of
+// fp16-storage calls where tiles_fp16() holds) on AMX tiles: TDPBF16PS / TDPFP16PS,
+// C[16 x 16 fp32] += A[16 rows x 32 16-bit elements] . B[16 rows of 16 pairs], B in the VNNI
+// layout (B(k, n) at row k / 2, element 2 n + k % 2). Operands are rounded to the storage
+// format (P and dS as the bf16 paths do, fp16 for fp16 storage), the reduction dimension is
+// zero padded to 32 elements per tile, rows to 16 (gemm_tiles). Intel's documented semantics
+// (the SDM's pseudo-code), which the emulator below follows exactly: per row m and column n,
+// one instruction keeps two fp32 partial sums from 0, the even and the odd elements of the
+// pairs, each step an fp32 FMA rounded to nearest even with denormal results flushed; then
+// C(m, n) += (even + odd), each sum rounded and flushed. bf16 denormal inputs read as zero;
+// fp16 denormal inputs are converted exactly (they are normal fp32 numbers); a denormal C
+// reads as zero. The tile interface, Tiles, has two implementations:
+//   CPATTN_AMX == 1: the instructions (inline assembly; GCC 12 has no AMX-FP16 intrinsic),
+//   CPATTN_AMX == 2: an exact emulator in plain C++ (the amx_emulated path, any AVX2 CPU),
+// so that the kernel case table runs the tiling, padding and layout logic of the amx path on
+// every x86-64 CPU with AVX2. gemm_tiles holds a 2 x 2 block of C in tiles 0-3 (2 i + j), the
+// block's two A tiles in 4, 5 and its two B tiles in 6, 7; tile_dot_one uses 0, 1, 2.
+// x with a denormal (exponent bits 0) replaced by a zero of its sign.
+inline float ftz(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  return (u & 0x7f800000u) == 0 ? std::bit_cast<float>(u & 0x80000000u) : x;
+}
+
+// a . b over n elements (n even) in the order and rounding of the tile products: per 32
+// elements, even and odd partial sums, then added to the total (tile_dot_emulated).
+inline float dot_tile_order(const float* a, const float* b, int n) {
+  float acc = 0.0f;
+  for (int k0 = 0; k0 < n; k0 += 32) {
+    float e = 0.0f, o = 0.0f;
+    for (int k = k0; k < std::min(n, k0 + 32); k += 2) {
+      e = ftz(std::fma(a[k], b[k], e));
+      o = ftz(std::fma(a[k + 1], b[k + 1], o));
+    }
+    acc = ftz(acc + ftz(e + o));
+  }
+  return acc;
+}
+
+#ifdef CPATTN_AMX
+struct TileShape {
+  int rows, colsb;  // rows <= 16, bytes per row <= 64
+};
+
+// TDPBF16PS (fp16 false) / TDPFP16PS (fp16 true) on tile registers of 16 rows of 64 bytes:
+// C's first `rows` rows, `cols` fp32 columns, `pairs` pairs along k (the SDM's pseudo-code).
+template <bool F16>
+void tile_dot_emulated(float* c, const uint16_t* a, const uint16_t* b, int rows, int pairs, int cols) {
+  const auto widen = [](uint16_t h) { return F16 ? f16_to_f32(h) : ftz(bf16_to_f32(h)); };
+  float be[16][16], bo[16][16];  // B's even and odd elements, widened: [pair][column]
+  for (int k = 0; k < pairs; ++k)
+    for (int n = 0; n < cols; ++n) {
+      be[k][n] = widen(b[k * 32 + 2 * n]);
+      bo[k][n] = widen(b[k * 32 + 2 * n + 1]);
+    }
+  for (int m = 0; m < rows; ++m) {
+    float te[16] = {}, to[16] = {};
+    for (int k = 0; k < pairs; ++k) {
+      const float ae = widen(a[m * 32 + 2 * k]), ao = widen(a[m * 32 + 2 * k + 1]);
+      for (int n = 0; n < cols; ++n) {
+        te[n] = ftz(std::fma(ae, be[k][n], te[n]));
+        to[n] = ftz(std::fma(ao, bo[k][n], to[n]));
+      }
+    }
+    for (int n = 0; n < cols; ++n) c[m * 16 + n] = ftz(ftz(c[m * 16 + n]) + ftz(te[n] + to[n]));
+  }
+}
+
+#if CPATTN_AMX == 1
+// The instructions. LDTILECFG's 64-byte operand: palette 1, bytes per row and rows per tile.
+struct Tiles {
+  struct alignas(64) Config {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  };
+  static_assert(sizeof(Config) == 64);
+  template <size_t N>
+  static void configure(const TileShape (&t)[N]) {  // tiles 0 .. N-1
+    static_assert(N <= 8);
+    Config c{};
+    c.palette = 1;
+    for (size_t i = 0; i < N; ++i) {
+      c.colsb[i] = static_cast<uint16_t>(t[i].colsb);
+      c.rows[i] = static_cast<uint8_t>(t[i].rows);
+    }
+    asm volatile("ldtilecfg %0" ::"m"(c));
+  }
+  template <int T>
+  static void load(const void* p, int64_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
+  }
+  template <int T>
+  static void store(void* p, int64_t stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
+  }
+  template <int T>
+  static void zero() {
+    asm volatile("tilezero %%tmm%c0" ::"i"(T));
+  }
+  template <int C, int A, int B>
+  static void dot(bool fp16) {
+    if (fp16)
+      asm volatile("tdpfp16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+    else
+      asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+  }
+  static void release() { asm volatile("tilerelease" ::: "memory"); }
+};
+// fp16 tiles need AMX-FP16 (attention.cpp's CPUID check); without it fp16 runs the FMA code.
+inline bool tiles_fp16() { return cpu_has_amx_fp16(); }
+#elif CPATTN_AMX == 2
+// The emulator: eight tile registers of 16 rows x 64 bytes per thread, with their shapes.
+struct Tiles {
+  struct State {
+    TileShape shape[8];
+    alignas(64) unsigned char reg[8][16 * 64];
+  };
+  static State& state() {
+    thread_local State s{};
+    return s;
+  }
+  template <size_t N>
+  static void configure(const TileShape (&t)[N]) {  // tiles 0 .. N-1; LDTILECFG zeroes every tile
+    static_assert(N <= 8);
+    State& s = state();
+    std::memset(&s, 0, sizeof s);
+    for (size_t i = 0; i < N; ++i) s.shape[i] = t[i];
+  }
+  template <int T>
+  static void load(const void* p, int64_t stride) {  // rows past the shape read as zero
+    State& s = state();
+    std::memset(s.reg[T], 0, sizeof s.reg[T]);
+    for (int r = 0; r < s.shape[T].rows; ++r)
+      std::memcpy(s.reg[T] + r * 64, static_cast<const unsigned char*>(p) + r * stride, s.shape[T].colsb);
+  }
+  template <int T>
+  static void store(void* p, int64_t stride) {
+    const State& s = state();
+    for (int r = 0; r < s.shape[T].rows; ++r)
+      std::memcpy(static_cast<unsigned char*>(p) + r * stride, s.reg[T] + r * 64, s.shape[T].colsb);
+  }
+  template <int T>
+  static void zero() {
+    std::memset(state().reg[T], 0, sizeof state().reg[T]);
+  }
+  template <int C, int A, int B>
+  static void dot(bool fp16) {
+    State& s = state();
+    float c[16 * 16];
+    uint16_t a[16 * 32], b[16 * 32];
+    std::memcpy(c, s.reg[C], sizeof c);
+    std::memcpy(a, s.reg[A], sizeof a);
+    std::memcpy(b, s.reg[B], sizeof b);
+    const int rows = s.shape[C].rows, pairs = s.shape[A].colsb / 4, cols = s.shape[C].colsb / 4;
+    if (fp16)
+      tile_dot_emulated<true>(c, a, b, rows, pairs, cols);
+    else
+      tile_dot_emulated<false>(c, a, b, rows, pairs, cols);
+    std::memcpy(s.reg[C], c, sizeof c);
+  }
+  static void release() { std::memset(&state(), 0, sizeof(State)); }
+};
+inline bool tiles_fp16() { return true; }  // the emulator has both instructions
+#else
+#error "CPATTN_AMX must be 1 (instructions) or 2 (emulated)"
+#endif
+
+// C tile (I, J) of a 2 x 2 block (tile 2 I + J) at c: loaded, or zeroed when Zero, before the
+// block's products, and stored after them. A tile of fewer than 16 valid rows (the last rows
+// of C) goes through a 16 x 16 staging buffer, so no row of C past them is read or written.
+template <bool Zero, int I, int J>
+inline void c_tile_begin(float* c, int64_t ldc, int valid, float* stage) {
+  constexpr int T = 2 * I + J;
+  float* ct = c + I * 16 * ldc + J * 16;
+  if (valid < 16) {
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < 16; ++j) stage[r * 16 + j] = !Zero && r < valid ? ct[r * ldc + j] : 0.0f;
+    Tiles::load<T>(stage, 64);
+  } else if (Zero) {
+    Tiles::zero<T>();
+  } else {
+    Tiles::load<T>(ct, ldc * 4);
+  }
+}
+template <int I, int J>
+inline void c_tile_end(float* c, int64_t ldc, int valid, float* stage) {
+  constexpr int T = 2 * I + J;
+  float* ct = c + I * 16 * ldc + J * 16;
+  if (valid < 16) {
+    Tiles::store<T>(stage, 64);
+    for (int r = 0; r < valid; ++r) std::memcpy(ct + r * ldc, stage + r * 16, 16 * sizeof(float));
+  } else {
+    Tiles::store<T>(ct, ldc * 4);
+  }
+}
+
+// An MT x NT block of C tiles (MT, NT in {1, 2}) at c, `rows` valid rows (16 (MT - 1) < rows
+// <= 16 MT), over the Kp / 32 products of A rows a (a_stride bytes apart) and B pair rows b
+// (b_stride bytes apart): per step, MT A tiles and NT B tiles are loaded for MT NT products.
+template <bool Zero, int MT, int NT>
+void tile_block(bool fp16, int rows, const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride,
+                int Kp, float* c, int64_t ldc) {
+  alignas(64) float stage[2][16 * 16];
+  const int last = rows - 16 * (MT - 1);  // valid rows of the last row of tiles
+  c_tile_begin<Zero, 0, 0>(c, ldc, MT == 1 ? last : 16, stage[0]);
+  if constexpr (NT == 2) c_tile_begin<Zero, 0, 1>(c, ldc, MT == 1 ? last : 16, stage[1]);
+  if constexpr (MT == 2) c_tile_begin<Zero, 1, 0>(c, ldc, last, stage[0]);
+  if constexpr (MT == 2 && NT == 2) c_tile_begin<Zero, 1, 1>(c, ldc, last, stage[1]);
+  for (int k0 = 0; k0 < Kp; k0 += 32) {
+    Tiles::load<4>(a + k0, a_stride);
+    if constexpr (MT == 2) Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
+    Tiles::load<6>(b + k0 / 2 * b_stride / 2, b_stride);
+    if constexpr (NT == 2) Tiles::load<7>(b + k0 / 2 * b_stride / 2 + 32, b_stride);
+    Tiles::dot<0, 4, 6>(fp16);
+    if constexpr (NT == 2) Tiles::dot<1, 4, 7>(fp16);
+    if constexpr (MT == 2) Tiles::dot<2, 5, 6>(fp16);
+    if constexpr (MT == 2 && NT == 2) Tiles::dot<3, 5, 7>(fp16);
+  }
+  c_tile_end<0, 0>(c, ldc, MT == 1 ? last : 16, stage[0]);
+  if constexpr (NT == 2) c_tile_end<0, 1>(c, ldc, MT == 1 ? last : 16, stage[1]);
+  if constexpr (MT == 2) c_tile_end<1, 0>(c, ldc, last, stage[0]);
+  if constexpr (MT == 2 && NT == 2) c_tile_end<1, 1>(c, ldc, last, stage[1]);
+}
+
+// gemm's contract (same operands, same strides; N a multiple of PAD) on tiles: A is rounded
+// to the 16-bit format into [Mp][Kp] (rows zero padded to 16, K to 32), B into the VNNI layout
+// [Kp / 2][N][2]; C runs in blocks of 2 x 2 tiles (32 x 32), smaller at the edges (tile_block).
 template <bool Zero>
-inline void mm(bool bf16_dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
+__attribute__((noinline)) void gemm_tiles(bool fp16, int M, int N, int K, const float* A, int64_t ars,
+                                          int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C,
+                                          int64_t ldc) {
+  constexpr int TK = 32;  // 16-bit elements per A tile row (64 bytes)
+  thread_local std::vector<uint16_t, LineAligned<uint16_t>> a16, b16;
+  const int Kp = (K + TK - 1) / TK * TK, Mp = (M + 15) / 16 * 16;
+  const auto cvt = [fp16](float x) { return fp16 ? f32_to_f16(x) : f32_to_bf16(x); };
+  a16.assign(static_cast<size_t>(Mp) * Kp, 0);
+  for (int r = 0; r < M; ++r)
+    for (int k = 0; k < K; ++k) a16[static_cast<size_t>(r) * Kp + k] = cvt(A[r * ars + k * acs]);
+  b16.assign(static_cast<size_t>(Kp) * N, 0);
+  for (int k = 0; k < K; ++k)
+    for (int n = 0; n < N; ++n)
+      b16[(static_cast<size_t>(k / 2) * N + n) * 2 + k % 2] = cvt(B[(n / PAD) * bps + k * ldb + n % PAD]);
+  constexpr TileShape full{16, 64};
+  Tiles::configure({full, full, full, full, full, full, full, full});
+  const int64_t as = int64_t{Kp} * 2, bs = int64_t{N} * 4;  // tile row strides, bytes
+  for (int m0 = 0; m0 < M; m0 += 32) {
+    const int rows = std::min(32, M - m0);
+    const uint16_t* a = a16.data() + static_cast<size_t>(m0) * Kp;
+    for (int n0 = 0; n0 < N; n0 += 32) {
+      const uint16_t* b = b16.data() + static_cast<size_t>(n0) * 2;
+      float* c = C + m0 * ldc + n0;
+      const bool two_m = rows > 16, two_n = N - n0 > 16;
+      if (two_m && two_n) tile_block<Zero, 2, 2>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+      else if (two_m) tile_block<Zero, 2, 1>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+      else if (two_n) tile_block<Zero, 1, 2>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+      else tile_block<Zero, 1, 1>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+    }
+  }
+  Tiles::release();
+}
+
+// One tile product alone: C[m x n] += A[m x 2 k2] B, C row-major (n floats a row), A row-major
+// 16-bit elements, B VNNI [k2][n][2]; m, k2, n <= 16. The KernelTable's tile_dot, for tests.
+void tile_dot_one(float* c, const uint16_t* a, const uint16_t* b, int m, int k2, int n, bool fp16) {
+  Tiles::configure({{m, n * 4}, {m, k2 * 4}, {k2, n * 4}});
+  Tiles::load<0>(c, n * 4);
+  Tiles::load<1>(a, k2 * 4);
+  Tiles::load<2>(b, n * 4);
+  Tiles::dot<0, 1, 2>(fp16);
+  Tiles::store<0>(c, n * 4);
+  Tiles::release();
+}
+#endif  // CPATTN_AMX
+
+// How a call's products run: fp32 FMA (gemm), bf16 pairs (gemm_bf16) or tiles (gemm_tiles).
+enum class Dot { fma, bf16_pairs, bf16_tiles, fp16_tiles };
+inline Dot dot_for(DType dtype) {
+#if defined(CPATTN_BF16_DOT)
+  if (dtype == DType::bf16) return Dot::bf16_pairs;
+#elif defined(CPATTN_AMX)
+  if (dtype == DType::bf16) return Dot::bf16_tiles;
+  if (dtype == DType::f16 && tiles_fp16()) return Dot::fp16_tiles;
+#endif
+  (void)dtype;
+  return Dot::fma;
+}
+
+// The one call of every product: gemm, or the products of the call's Dot (dot_for).
+template <bool Zero>
+inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
 #ifdef CPATTN_BF16_DOT
-  if (bf16_dot) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+  if (dot == Dot::bf16_pairs) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 #endif
-  (void)bf16_dot;
+#ifdef CPATTN_AMX
+  if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
+    return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+#endif
+  (void)dot;
   gemm<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
 
@@ -469,6 +757,27 @@ inline float transform_score(float x, float cap, float slope, int64_t qp, int64_
   return x - slope * static_cast<float>(dist);
 }
 
+// The per-call constants of the masks, scores, dropout and products: forward_impl's and
+// backward_impl's alike.
+struct CallRules {
+  Visibility vz;
+  bool scored;      // per-element score transforms (soft cap, ALiBi)
+  float scale, cl;  // the softmax scale, and it times log2(e)
+  bool dropout;
+  uint32_t thr;     // dropout_threshold(dropout_p)
+  float inv_keep;   // 1 / (1 - dropout_p)
+  Dot bd;           // how the products run (mm)
+  CallRules(const AttnInputs& in, const AttnOptions& opt)
+      : vz(visibility(opt)),
+        scored(vz.softcap || vz.alibi),
+        scale(in.softmax_scale()),
+        cl(scale * kLog2e),
+        dropout(opt.dropout_p > 0.0f),
+        thr(dropout_threshold(opt.dropout_p)),
+        inv_keep(1.0f / (1.0f - opt.dropout_p)),
+        bd(dot_for(in.dtype())) {}
+};
+
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
   fvec q, o, s, m, l;
@@ -489,14 +798,7 @@ void forward_impl(const AttnFwdParams& p) {
   // OutMode::accumulate: fp32 out and lse are the running result the online softmax resumes.
   const bool resume = p.out_mode == OutMode::accumulate;
   const DType out_dtype = p.out.dtype;
-  const Visibility vz = visibility(opt);
-  const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
-  const float scale = in.softmax_scale();
-  const float cl = scale * kLog2e;
-  const bool dropout = opt.dropout_p > 0.0f;
-  const uint32_t thr = dropout_threshold(opt.dropout_p);
-  const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
-  const bool bd = kBf16Dot && dtype == DType::bf16;  // bf16 dot products (mm)
+  const CallRules cr(in, opt);
 
   Packed pk;
   pack_kv(in, false, pk);
@@ -559,12 +861,12 @@ void forward_impl(const AttnFwdParams& p) {
     }
 
     const int64_t qp_last = qp0 + m - 1;
-    for_each_piece<FBK>(w, t, vz, qp0, qp_last, [&](Piece pc) {
+    for_each_piece<FBK>(w, t, cr.vz, qp0, qp_last, [&](Piece pc) {
       // Columns past the last row's right limit (causal or window) are masked for every row:
       // not computed.
-      if (vz.hi_bounded)
+      if (cr.vz.hi_bounded)
         pc.a1 = static_cast<int>(
-            std::min<int64_t>(pc.a1, (pc.c0 + (qp_last + vz.hi - pc.p_lo) + PAD) / PAD * PAD));
+            std::min<int64_t>(pc.a1, (pc.c0 + (qp_last + cr.vz.hi - pc.p_lo) + PAD) / PAD * PAD));
       const int n = pc.a1 - pc.a0;
       const int64_t k0 = pc.b * FBK + pc.a0;  // first physical key row computed
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
@@ -583,7 +885,7 @@ void forward_impl(const AttnFwdParams& p) {
         float* m_g = S.m.data() + g * BQ;
         float* l_g = S.l.data() + g * BQ;
         // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
-        mm<true>(bd, m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
+        mm<true>(cr.bd, m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
                    S.s.data() + pc.a0, FBK);
         for (int r = 0; r < m; ++r) {
           if (g == 0) {
@@ -593,8 +895,8 @@ void forward_impl(const AttnFwdParams& p) {
               __builtin_prefetch(next_v(ln), 0, 1);
           }
           float* s = S.s.data() + r * FBK;
-          const int ve = visible_end(pc, vz, qp0 + r);
-          const int vb = visible_begin(pc, vz, qp0 + r);
+          const int ve = visible_end(pc, cr.vz, qp0 + r);
+          const int vb = visible_begin(pc, cr.vz, qp0 + r);
           if (ve <= vb) {  // nothing visible in this piece for this row
             for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
             continue;
@@ -605,21 +907,21 @@ void forward_impl(const AttnFwdParams& p) {
           // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
           vf mx = vset(kNegInf);
           float mul = 1.0f;
-          if (scored) {
-            const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+          if (cr.scored) {
+            const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
             float dcap;
             for (int c = pc.a0; c < pc.a1; ++c)
               s[c] = c >= vb && c < ve
-                         ? transform_score(s[c] * scale, opt.softcap, slope, qp0 + r,
+                         ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r,
                                            pc.p_lo + (c - pc.c0), dcap) * kLog2e
                          : kNegInf;
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
           } else if (full && vb == pc.c0 && ve == pc.c1) {
-            mul = cl;
-            const vf cv = vset(cl);
+            mul = cr.cl;
+            const vf cv = vset(cr.cl);
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
           } else {
-            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cl));
+            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
             for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
             for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
             for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
@@ -640,14 +942,14 @@ void forward_impl(const AttnFwdParams& p) {
             float* o = o_g + r * dvp;
             for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
           }
-          if (dropout) {
+          if (cr.dropout) {
             const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
             for (int c = vb; c < ve; ++c)
-              s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? s[c] * inv_keep : 0.0f;
+              s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? s[c] * cr.inv_keep : 0.0f;
           }
         }
         // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
-        mm<false>(bd, m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
+        mm<false>(cr.bd, m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
       }
     });
 
@@ -693,14 +995,7 @@ void backward_impl(const AttnBwdParams& p) {
   void* const dv_data = p.dv.data;
   const int64_t dv_rs = p.dv.row_step(), dv_hs = p.dv.head_step();
   const float* const lse = p.lse;
-  const Visibility vz = visibility(opt);
-  const bool scored = vz.softcap || vz.alibi;  // per-element score transforms
-  const float scale = in.softmax_scale();
-  const float cl = scale * kLog2e;
-  const bool dropout = opt.dropout_p > 0.0f;
-  const uint32_t thr = dropout_threshold(opt.dropout_p);
-  const float inv_keep = 1.0f / (1.0f - opt.dropout_p);
-  const bool bd = kBf16Dot && dtype == DType::bf16;  // bf16 dot products (mm)
+  const CallRules cr(in, opt);
 
   Packed pk;
   pack_kv(in, true, pk);
@@ -755,7 +1050,7 @@ void backward_impl(const AttnBwdParams& p) {
         for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
         for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
         float delta = 0.0f;  // dout_i . out_i
-        if (bd) {  // in the order of the bf16 dot products (odd, then even element of each pair)
+        if (cr.bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
           // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
           // (a query that sees one key: out = v, dP = dout . v)
           // (std::fma, not `delta += a * b` twice per pair: GCC 12.2 at -O3 vectorizes that
@@ -764,6 +1059,8 @@ void backward_impl(const AttnBwdParams& p) {
             delta = std::fma(dor[d + 1], orow[d + 1], delta);
             delta = std::fma(dor[d], orow[d], delta);
           }
+        } else if (cr.bd == Dot::bf16_tiles || cr.bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
+          delta = dot_tile_order(dor, orow.data(), dvp);
         } else {
           for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
         }
@@ -772,25 +1069,25 @@ void backward_impl(const AttnBwdParams& p) {
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
 
-      for_each_piece<BK>(w, t, vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
+      for_each_piece<BK>(w, t, cr.vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
         const int n = pc.a1 - pc.a0;
         std::fill(S.dk.begin(), S.dk.end(), 0.0f);
         std::fill(S.dv.begin(), S.dv.end(), 0.0f);
         // first query block that sees the piece
         int64_t qb0 = 0;
-        if (vz.hi_bounded && pc.p_lo - vz.hi > t.q_pos) qb0 = (pc.p_lo - vz.hi - t.q_pos) / BQB;
+        if (cr.vz.hi_bounded && pc.p_lo - cr.vz.hi > t.q_pos) qb0 = (pc.p_lo - cr.vz.hi - t.q_pos) / BQB;
         // the last key position of the piece: query blocks past its left window end the loop
         const int64_t p_hi = pc.p_lo + (pc.c1 - pc.c0) - 1;
         for (int64_t qb = qb0; qb * BQB < nq; ++qb) {
           const int64_t i0 = qb * BQB, qp0 = t.q_pos + i0;
-          if (vz.lo_bounded && qp0 - vz.lo > p_hi) break;
+          if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
           const int m = static_cast<int>(std::min<int64_t>(BQB, nq - i0));
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          mm<true>(bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
+          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
                      dp * PAD, S.s.data() + pc.a0, BK);
-          mm<true>(bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
+          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
                      dvp * PAD, S.dp.data() + pc.a0, BK);
           // The next query block's Q, dO and their panels come from L3 (per-task buffers of
           // max_q rows): fetch them while this block's softmax and products run.
@@ -809,17 +1106,17 @@ void backward_impl(const AttnBwdParams& p) {
             float* s = S.s.data() + r * BK;   // -> P, then dS
             float* dpr = S.dp.data() + r * BK;
             float* pd = S.pd.data() + r * BK;  // P after dropout
-            const int ve = visible_end(pc, vz, qp0 + r);
-            const int vb = visible_begin(pc, vz, qp0 + r);
+            const int ve = visible_end(pc, cr.vz, qp0 + r);
+            const int vb = visible_begin(pc, cr.vz, qp0 + r);
             const float l2 = S.lse2[i0 + r];
             if (ve <= vb || l2 == kNegInf) {
               for (int c = pc.a0; c < pc.a1; ++c) s[c] = pd[c] = 0.0f;
               continue;
             }
-            if (scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
-              const float slope = vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+            if (cr.scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
+              const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
               const float dl = S.delta[i0 + r];
-              const uint64_t key = dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
+              const uint64_t key = cr.dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
               for (int c = pc.a0; c < pc.a1; ++c) {
                 if (c < vb || c >= ve) {
                   s[c] = pd[c] = 0.0f;
@@ -827,19 +1124,19 @@ void backward_impl(const AttnBwdParams& p) {
                 }
                 const int64_t kp = pc.p_lo + (c - pc.c0);
                 float dcap;
-                const float x = transform_score(s[c] * scale, opt.softcap, slope, qp0 + r, kp, dcap);
+                const float x = transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r, kp, dcap);
                 const float pv = std::exp2(x * kLog2e - l2);
-                const float kf = !dropout ? 1.0f : dropout_keep_row(key, kp, thr) ? inv_keep : 0.0f;
+                const float kf = !cr.dropout ? 1.0f : dropout_keep_row(key, kp, cr.thr) ? cr.inv_keep : 0.0f;
                 pd[c] = pv * kf;
                 s[c] = pv * (dpr[c] * kf - dl) * dcap;
               }
               continue;
             }
-            const vf lv = vset(l2), cv = vset(cl), dl = vset(S.delta[i0 + r]);
+            const vf lv = vset(l2), cv = vset(cr.cl), dl = vset(S.delta[i0 + r]);
             for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * cv - lv);
             for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
             for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
-            if (!dropout) {
+            if (!cr.dropout) {
               for (int c = pc.a0; c < pc.a1; c += W) {
                 const vf pv = vexp2(vload(s + c));
                 vstore(pd + c, pv);
@@ -850,18 +1147,18 @@ void backward_impl(const AttnBwdParams& p) {
               for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
               for (int c = pc.a0; c < pc.a1; ++c) {
                 const bool vis = c >= vb && c < ve;
-                const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), thr) ? inv_keep : 0.0f;
+                const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? cr.inv_keep : 0.0f;
                 pd[c] = s[c] * kf;
                 s[c] = s[c] * (dpr[c] * kf - S.delta[i0 + r]);
               }
             }
           }
           // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1)
-          mm<false>(bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
+          mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dv.data() + pc.a0 * dvp, dvp);
-          mm<false>(bd, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
+          mm<false>(cr.bd, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dk.data() + pc.a0 * dp, dp);
-          mm<false>(bd, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
+          mm<false>(cr.bd, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
                       BK * PAD, S.dq.data() + i0 * dp, dp);
         }
         // add the piece's rows to this head's dK/dV
@@ -879,9 +1176,9 @@ void backward_impl(const AttnBwdParams& p) {
         const float* src = S.dq.data() + i * dp;
         if (p.grad_mode == GradMode::accumulate_all) {  // fp32 view: added to
           float* o = static_cast<float*>(dq_data) + (t.q_row + i) * dq_rs + h * dq_hs;
-          for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * scale;
+          for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * cr.scale;
         } else {
-          st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, scale);
+          st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, cr.scale);
         }
       }
     }
@@ -903,12 +1200,12 @@ void backward_impl(const AttnBwdParams& p) {
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
         if (p.grad_mode == GradMode::write) {
-          st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, ak.data(), scale);
+          st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, ak.data(), cr.scale);
           st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, av.data(), 1.0f);
         } else {  // fp32 views
           float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
           float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
-          for (int d = 0; d < head_dim_qk; ++d) ok[d] += ak[d] * scale;
+          for (int d = 0; d < head_dim_qk; ++d) ok[d] += ak[d] * cr.scale;
           for (int d = 0; d < head_dim_v; ++d) ov[d] += av[d];
         }
       }

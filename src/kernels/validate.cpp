@@ -47,9 +47,6 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
                    "] must be finite, got ", o.alibi_slopes[h]);
   CPATTN_CHECK(o.dropout_head_offset >= 0, fn, ": dropout_head_offset must be >= 0, got ", o.dropout_head_offset);
   CPATTN_CHECK(o.num_threads >= 1, fn, ": num_threads must be >= 1, got ", o.num_threads);
-  CPATTN_CHECK(o.path != KernelPath::amx, fn,
-               ": kernel path amx is not implemented (no AMX path is built; use automatic, "
-               "portable, avx2, avx512 or avx512_bf16)");
   CPATTN_CHECK(kernel_path_supported(o.path), fn, ": kernel path ", to_string(o.path),
                " is not supported by this CPU (best is ", to_string(best_kernel_path()), ")");
   if (o.path == KernelPath::automatic) {  // CPATTN_KERNEL_PATH, which automatic follows

@@ -8,7 +8,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
-#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, the bf16 dot-product step
+#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot and tile_dot, the dot-product steps
 #include "error_of.hpp"
 
 #include <gtest/gtest.h>
@@ -22,6 +22,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <random>
 #include <string>
 #include <tuple>
@@ -85,7 +86,10 @@ void expect_close(const char* what, const std::vector<float>& got, const std::ve
 TEST_P(kernel_table, MatchesReference) {
   const auto [ci, dt, path] = GetParam();
   if (!kernel_path_supported(path))
-    GTEST_SKIP() << "kernel path " << to_string(path) << " is not supported by this CPU";
+    GTEST_SKIP() << "kernel path " << to_string(path) << " is not supported by this CPU"
+                 << (path == KernelPath::amx ? " (it needs AVX-512, AMX-TILE, AMX-BF16 and Linux's permission for "
+                                               "tile data; amx_emulated runs its algorithm here)"
+                                             : "");
   const Truth& t = truth(ci, dt);
   const Problem pb(cases()[ci], dt, 1234 + ci);
   const Results fwd_only = run_kernels(pb, dt, path, 2);
@@ -116,6 +120,39 @@ INSTANTIATE_TEST_SUITE_P(
     kernels_bf16_dot, kernel_table,
     ::testing::Combine(::testing::Range<size_t>(0, attention_cases().size()), ::testing::Values(DType::bf16),
                        ::testing::Values(KernelPath::avx512_bf16, KernelPath::bf16_emulated)),
+    table_name);
+
+// The amx paths differ from their base paths only for bf16 and fp16 storage: their rows run
+// those (amx where the CPU has AMX and the OS grants tile data, amx_emulated on AVX2). The
+// emulated fp16 rows differ from the bf16 ones only in the 16-bit format (the tiling is the
+// same code), so they run on the awkward cases alone, keeping the emulator's share of the
+// suite small: 1-token documents, head dims 16, 59, 111, MLA, GQA, cross-attention, dropout.
+std::vector<size_t> cases_named(std::initializer_list<std::string_view> names) {
+  std::vector<size_t> idx;
+  for (const std::string_view n : names) {
+    for (size_t i = 0; i < attention_cases().size(); ++i)
+      if (attention_cases()[i].name == n) idx.push_back(i);
+    if (idx.empty() || attention_cases()[idx.back()].name != n)  // a renamed case must not drop out silently
+      throw std::invalid_argument("cases_named: the case table has no case named " + std::string(n));
+  }
+  return idx;
+}
+INSTANTIATE_TEST_SUITE_P(
+    kernels_amx, kernel_table,
+    ::testing::Combine(::testing::Range<size_t>(0, attention_cases().size()),
+                       ::testing::Values(DType::f16, DType::bf16), ::testing::Values(KernelPath::amx)),
+    table_name);
+INSTANTIATE_TEST_SUITE_P(
+    kernels_amx_emulated, kernel_table,
+    ::testing::Combine(::testing::Range<size_t>(0, attention_cases().size()), ::testing::Values(DType::bf16),
+                       ::testing::Values(KernelPath::amx_emulated)),
+    table_name);
+INSTANTIATE_TEST_SUITE_P(
+    kernels_amx_emulated_fp16, kernel_table,
+    ::testing::Combine(::testing::ValuesIn(cases_named({"one_token_docs", "seqlen_1_dim16", "fewer_queries_gqa8",
+                                                        "mla_192_128", "no_mask_dim59", "no_mask_more_queries",
+                                                        "win_none_mla_gqa_dropout"})),
+                       ::testing::Values(DType::f16), ::testing::Values(KernelPath::amx_emulated)),
     table_name);
 
 // ---- large scores ---------------------------------------------------------------------------
@@ -599,9 +636,7 @@ TEST_F(kernel_bad_params, Raise) {
   p.in.q.row_stride = 10;
   expect_error(p, "q.row_stride");
   p = good();
-  p.in.options.path = KernelPath::amx;
-  expect_error(p, "amx is not implemented");
-  for (const KernelPath path : {KernelPath::avx512, KernelPath::avx512_bf16})
+  for (const KernelPath path : {KernelPath::avx512, KernelPath::avx512_bf16, KernelPath::amx})
     if (!kernel_path_supported(path)) {
       p = good();
       p.in.options.path = path;
@@ -687,11 +722,11 @@ TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
 TEST(kernel_paths, DispatchTable) {
   EXPECT_TRUE(kernel_path_supported(KernelPath::portable));
   EXPECT_TRUE(kernel_path_supported(KernelPath::automatic));
-  EXPECT_FALSE(kernel_path_supported(KernelPath::amx));
   EXPECT_TRUE(kernel_path_supported(best_kernel_path()));
   EXPECT_NE(best_kernel_path(), KernelPath::automatic);
   for (const KernelPath p : {KernelPath::automatic, KernelPath::portable, KernelPath::avx2, KernelPath::avx512,
-                             KernelPath::avx512_bf16, KernelPath::bf16_emulated, KernelPath::amx})
+                             KernelPath::avx512_bf16, KernelPath::bf16_emulated, KernelPath::amx,
+                             KernelPath::amx_emulated})
     EXPECT_EQ(parse_kernel_path(to_string(p)), p);
   EXPECT_THROW(parse_kernel_path("fast"), Error);
 }
@@ -712,8 +747,9 @@ std::set<std::string> cpuinfo_flags() {
 }
 
 // The dispatch's choice on the running CPU, derived from its flags and the documented order
-// (docs/kernels.md): bf16 avx512_bf16 > avx512 > avx2 > portable, otherwise avx512 > avx2 >
-// portable.
+// (docs/kernels.md): bf16 amx > avx512_bf16 > avx512 > avx2 > portable, fp16 amx > avx512 >
+// avx2 > portable, fp32 avx512 > avx2 > portable. The kernel lists amx_tile and amx_bf16 only
+// where XCR0 has the tile state, and Linux 5.16+ (which lists them) grants tile data.
 TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   const std::set<std::string> f = cpuinfo_flags();
   if (f.empty()) GTEST_SKIP() << "/proc/cpuinfo has no flags line: cannot derive the CPU's features";
@@ -725,26 +761,36 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   const bool avx2 = has({"avx2", "fma", "f16c"});
   const bool avx512 = avx2 && has({"avx512f", "avx512bw", "avx512dq", "avx512vl"});
   const bool bf16 = avx512 && has({"avx512_bf16"});
+  const bool amx = avx512 && has({"amx_tile", "amx_bf16"});
   EXPECT_EQ(kernel_path_supported(KernelPath::avx2), avx2);
   EXPECT_EQ(kernel_path_supported(KernelPath::bf16_emulated), avx2);
+  EXPECT_EQ(kernel_path_supported(KernelPath::amx_emulated), avx2);
   EXPECT_EQ(kernel_path_supported(KernelPath::avx512), avx512);
   EXPECT_EQ(kernel_path_supported(KernelPath::avx512_bf16), bf16);
+  EXPECT_EQ(kernel_path_supported(KernelPath::amx), amx);
   const KernelPath want = avx512 ? KernelPath::avx512 : avx2 ? KernelPath::avx2 : KernelPath::portable;
-  const KernelPath want_bf16 = bf16 ? KernelPath::avx512_bf16 : want;
+  const KernelPath want_bf16 = amx ? KernelPath::amx : bf16 ? KernelPath::avx512_bf16 : want;
+  const KernelPath want_f16 = amx ? KernelPath::amx : want;
   EXPECT_EQ(best_kernel_path(), want);
   EXPECT_EQ(best_kernel_path(DType::f32), want);
-  EXPECT_EQ(best_kernel_path(DType::f16), want);
+  EXPECT_EQ(best_kernel_path(DType::f16), want_f16);
   EXPECT_EQ(best_kernel_path(DType::bf16), want_bf16);
   if (std::getenv("CPATTN_KERNEL_PATH") != nullptr) return;  // the override is tested below
   for (const DType dt : {DType::f32, DType::f16, DType::bf16}) {
     const KernelChoice c = resolve_kernel_path(KernelPath::automatic, dt);
-    EXPECT_EQ(c.path, dt == DType::bf16 ? want_bf16 : want) << to_string(dt);
+    EXPECT_EQ(c.path, dt == DType::bf16 ? want_bf16 : dt == DType::f16 ? want_f16 : want) << to_string(dt);
     EXPECT_FALSE(c.forced_by_env);
     EXPECT_EQ(c.reason.rfind("chosen automatically: " + std::string(to_string(c.path)), 0), 0u) << c.reason;
-    EXPECT_NE(c.reason.find(dt == DType::bf16 ? "avx512_bf16 > avx512 > avx2 > portable" : "avx512 > avx2 > portable"),
-              std::string::npos) << c.reason;
-    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16) {
-      EXPECT_NE(c.reason.find("skipped avx512"), std::string::npos) << "names what the CPU lacks: " << c.reason;
+    const char* order = dt == DType::bf16  ? "amx > avx512_bf16 > avx512 > avx2 > portable"
+                        : dt == DType::f16 ? "amx > avx512 > avx2 > portable"
+                                           : "avx512 > avx2 > portable";
+    EXPECT_NE(c.reason.find(order), std::string::npos) << c.reason;
+    if (dt != DType::f32 && c.path != KernelPath::amx) {
+      EXPECT_NE(c.reason.find("skipped amx (needs"), std::string::npos) << "names what the CPU lacks: " << c.reason;
+      EXPECT_NE(c.reason.find("permission to use tile data"), std::string::npos) << c.reason;
+    }
+    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16 && c.path != KernelPath::amx) {
+      EXPECT_NE(c.reason.find("avx512 (needs"), std::string::npos) << "names what the CPU lacks: " << c.reason;
     }
   }
   EXPECT_EQ(resolve_kernel_path(KernelPath::portable, DType::bf16).path, KernelPath::portable);
@@ -790,10 +836,14 @@ TEST(kernel_paths, EnvironmentOverridesAutomaticAndIsValidated) {
     const EnvPath env("automatic");  // no override
     EXPECT_EQ(resolve_kernel_path(KernelPath::automatic, DType::bf16).path, best_kernel_path(DType::bf16));
   }
-  // A path this CPU cannot run (amx never can) and a name that is no path: the call fails
-  // before any work, naming the variable.
-  for (const auto& [value, needle] : {std::pair<const char*, const char*>{"amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU"},
-                                      {"fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2"}}) {
+  // A path this CPU cannot run (amx, where the CPU lacks it) and a name that is no path: the
+  // call fails before any work, naming the variable.
+  std::vector<std::pair<const char*, const char*>> bad = {
+      {"fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2"}};
+  if (!kernel_path_supported(KernelPath::amx))
+    bad.emplace_back("amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU (the amx path needs AVX-512F/BW/DQ/VL, "
+                            "AMX-TILE and AMX-BF16");
+  for (const auto& [value, needle] : bad) {
     const EnvPath env(value);
     Tensor out(DType::bf16, pb.out_shape());
     for (size_t i = 0; i < out.size(); ++i) out.set(i, 7.0f);
@@ -935,6 +985,190 @@ TEST(kernel_bf16_dot, Bf16StorageRunsTheDotProductsAndFp32TheBasePath) {
     } else {
       EXPECT_NE(emu.out, avx2.out) << "bf16 storage on bf16_emulated ran the fp32 products";
       EXPECT_NE(emu.dk, avx2.dk) << "bf16 storage on bf16_emulated ran the fp32 products";
+    }
+  }
+}
+
+
+// ---- the AMX tile product (TDPBF16PS / TDPFP16PS's documented semantics) --------------------
+uint16_t hf(float x) {  // x must be an fp16 value
+  const uint16_t h = f32_to_f16(x);
+  EXPECT_EQ(f16_to_f32(h), x) << x << " is not an fp16 value";
+  return h;
+}
+
+// One row, one column: C(0, 0) += sum over the k2 pairs of A(0, 2k) B(2k, 0) + A(0, 2k+1) B(2k+1, 0).
+struct TileCase {
+  const char* what;
+  bool fp16;
+  float c;
+  std::vector<uint16_t> a, b;  // A's row, B's column (both 2 k2 elements, even k first)
+  float want;
+};
+
+// Worked by hand from Intel's pseudo-code (SDM, TDPBF16PS and TDPFP16PS): per instruction the
+// even and the odd elements of the pairs go to two fp32 partial sums starting at 0, each step an
+// FMA rounded to nearest even, denormal results flushed; then C += (even + odd), each sum
+// rounded and flushed. bf16 denormal inputs read as 0, fp16 ones are exact; a denormal C reads
+// as 0.
+std::vector<TileCase> tile_cases() {
+  const float p12 = std::ldexp(1.0f, -12), p13 = std::ldexp(1.0f, -13), p15 = std::ldexp(1.0f, -15);
+  const float p23 = std::ldexp(1.0f, -23);
+  const uint16_t denormal = 0x0001, two127 = bf(std::ldexp(1.0f, 127)), p64 = bf(std::ldexp(1.0f, -64));
+  return {
+      {"plain", false, 0.5f, {bf(1.5f), bf(-2.0f)}, {bf(2.0f), bf(0.25f)}, 3.0f},
+      // even 2^-24, odd 2^-24, their sum 2^-23 is added to C once: 1 + 2^-23 (vdpbf16ps, which
+      // adds each product to C in turn, rounds 1 + 2^-24 to 1 twice)
+      {"pair sums before C", false, 1.0f, {bf(p12), bf(p12)}, {bf(p12), bf(p12)}, 1.0f + p23},
+      // C is added last: (-1 + 2^-30) rounds to -1, then 1 + -1 = 0 (C + even + odd in turn
+      // would give 2^-30)
+      {"C added last", false, 1.0f, {bf(1.0f), bf(p15)}, {bf(-1.0f), bf(p15)}, 0.0f},
+      // the even partial sum is rounded at each step: 1 + 2^-24 is a tie, rounds to 1 (even)
+      {"each step rounded", false, 0.0f, {bf(1.0f), 0, bf(p12), 0}, {bf(1.0f), 0, bf(p12), 0}, 1.0f},
+      // 1 + 1.5 * 2^-24 is above the tie: rounds up to 1 + 2^-23 (nearest, not truncation)
+      {"round to nearest", false, 0.0f, {bf(1.0f), 0, bf(3 * p12), 0}, {bf(1.0f), 0, bf(p13), 0}, 1.0f + p23},
+      // a denormal bf16 input reads as 0: 2^-133 * 2^127 = 2^-6 is not added
+      {"bf16 denormal input", false, 1.0f, {denormal, 0}, {two127, 0}, 1.0f},
+      // 2^-64 * 2^-64 = 2^-128 is an fp32 denormal: flushed to 0
+      {"denormal result", false, 0.0f, {p64, 0}, {p64, 0}, 0.0f},
+      // a denormal C reads as 0
+      {"denormal C", false, std::ldexp(1.0f, -130), {0, 0}, {0, 0}, 0.0f},
+      // fp16: a denormal input is converted exactly: 2^-24 * 2^10 = 2^-14
+      {"fp16 denormal input", true, 0.0f, {denormal, 0}, {hf(1024.0f), 0}, std::ldexp(1.0f, -14)},
+      {"fp16 plain", true, -3.0f, {hf(0.75f), hf(1.25f)}, {hf(-4.0f), hf(8.0f)}, 4.0f},
+      {"fp16 pair sums before C", true, 1.0f, {hf(p12), hf(p12)}, {hf(p12), hf(p12)}, 1.0f + p23},
+  };
+}
+
+void expect_tile_cases(KernelPath path, bool with_fp16) {
+  const kernels::KernelTable* t = kernels::path_table(path);
+  ASSERT_NE(t, nullptr);
+  ASSERT_NE(t->tile_dot, nullptr);
+  for (const TileCase& tc : tile_cases()) {
+    if (tc.fp16 && !with_fp16) continue;
+    float c = tc.c;
+    const int k2 = static_cast<int>(tc.a.size() / 2);
+    std::vector<uint16_t> b(tc.b);  // one column: the VNNI layout is the column itself
+    t->tile_dot(&c, tc.a.data(), b.data(), 1, k2, 1, tc.fp16);
+    EXPECT_EQ(std::bit_cast<uint32_t>(c), std::bit_cast<uint32_t>(tc.want))
+        << to_string(path) << " (" << tc.what << "): got " << c << ", want " << tc.want;
+  }
+}
+
+// C[m x n] += A[m x 2 k2] B on tiles of the call's shapes against float64, on values whose
+// products and partial sums stay far from denormals: each element within 20 fp32 roundings of
+// the sum of |terms| (an instruction rounds 16 + 2 times), so that any slip of the VNNI layout,
+// the pair order or the shapes (an O(1) error) fails.
+void expect_tile_product(KernelPath path, int m, int k2, int n, bool fp16) {
+  const kernels::KernelTable* t = kernels::path_table(path);
+  ASSERT_NE(t, nullptr);
+  ASSERT_NE(t->tile_dot, nullptr);
+  std::mt19937 rng(static_cast<unsigned>(m * 1000 + k2 * 10 + n));
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  const auto round16 = [&](float x) { return fp16 ? f32_to_f16(x) : f32_to_bf16(x); };
+  const auto widen = [&](uint16_t h) { return fp16 ? f16_to_f32(h) : bf16_to_f32(h); };
+  const int kk = 2 * k2;
+  std::vector<uint16_t> a(static_cast<size_t>(m) * kk), bk(static_cast<size_t>(kk) * n), b(bk.size());
+  for (auto& x : a) x = round16(u(rng));
+  for (auto& x : bk) x = round16(u(rng));  // B(k, j) at bk[k * n + j]
+  for (int k = 0; k < kk; ++k)
+    for (int j = 0; j < n; ++j) b[static_cast<size_t>((k / 2) * 2 * n + 2 * j + k % 2)] = bk[static_cast<size_t>(k * n + j)];
+  std::vector<float> c(static_cast<size_t>(m) * n);
+  for (auto& x : c) x = u(rng);
+  std::vector<float> got = c;
+  t->tile_dot(got.data(), a.data(), b.data(), m, k2, n, fp16);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double ref = c[static_cast<size_t>(i * n + j)], mag = std::fabs(ref);
+      for (int k = 0; k < kk; ++k) {
+        const double term = double{widen(a[static_cast<size_t>(i * kk + k)])} * widen(bk[static_cast<size_t>(k * n + j)]);
+        ref += term;
+        mag += std::fabs(term);
+      }
+      EXPECT_LE(std::fabs(got[static_cast<size_t>(i * n + j)] - ref), 20.0 * std::ldexp(1.0, -24) * mag)
+          << to_string(path) << (fp16 ? " fp16" : " bf16") << " C(" << i << ", " << j << ") of " << m << " x "
+          << 2 * k2 << " x " << n << ": got " << got[static_cast<size_t>(i * n + j)] << ", float64 " << ref;
+    }
+}
+
+TEST(kernel_amx_tiles, EmulatorFollowsTheDocumentedSemantics) {
+  if (!kernel_path_supported(KernelPath::amx_emulated))
+    GTEST_SKIP() << "kernel path amx_emulated needs AVX2, FMA and F16C, which this CPU lacks";
+  expect_tile_cases(KernelPath::amx_emulated, true);
+}
+
+TEST(kernel_amx_tiles, InstructionsFollowTheDocumentedSemantics) {
+  if (!kernel_path_supported(KernelPath::amx))
+    GTEST_SKIP() << "kernel path amx is not supported by this CPU (it needs AMX-TILE, AMX-BF16 and Linux's "
+                    "permission for tile data): the emulator is checked against the worked examples alone";
+  expect_tile_cases(KernelPath::amx, kernels::cpu_has_amx_fp16());  // the fp16 cases need AMX-FP16
+}
+
+TEST(kernel_amx_tiles, ProductsMatchFloat64OnFullAndPartialTiles) {
+  for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
+    if (!kernel_path_supported(path)) continue;  // amx: see InstructionsFollowTheDocumentedSemantics
+    const bool fp16 = path == KernelPath::amx_emulated || kernels::cpu_has_amx_fp16();
+    for (const bool f : {false, true}) {
+      if (f && !fp16) continue;
+      expect_tile_product(path, 16, 16, 16, f);  // a full 16 x 32 x 16 tile product
+      expect_tile_product(path, 3, 5, 7, f);     // configured shapes below the full ones
+      expect_tile_product(path, 1, 1, 1, f);
+    }
+  }
+}
+
+// The amx paths run tile products for bf16 and fp16 storage (their results are not the FMA
+// path's, which rounds neither P nor dS) and the FMA code for fp32. (Against bf16_emulated,
+// which sums the same products in another order, the outputs rounded to bf16 agree.)
+TEST(kernel_amx_tiles, Bf16AndFp16StorageRunTheTilesAndFp32TheBasePath) {
+  if (!kernel_path_supported(KernelPath::amx_emulated)) GTEST_SKIP() << "amx_emulated needs AVX2, FMA and F16C";
+  const AttnCase c{"tiles", {70, 1, 33}, {70, 1, 33}, 2, 1, 40, 40, MaskType::causal};
+  for (const DType dt : {DType::bf16, DType::f16, DType::f32}) {
+    const Problem pb(c, dt, 21);
+    const Results avx2 = run_kernels(pb, dt, KernelPath::avx2, 1);
+    const Results emu = run_kernels(pb, dt, KernelPath::amx_emulated, 1);
+    if (dt == DType::f32) {
+      EXPECT_EQ(emu.out, avx2.out);
+      EXPECT_EQ(emu.dq, avx2.dq);
+      EXPECT_EQ(emu.dk, avx2.dk);
+    } else {
+      EXPECT_NE(emu.out, avx2.out) << to_string(dt) << " storage on amx_emulated ran the fp32 products";
+      EXPECT_NE(emu.dk, avx2.dk) << to_string(dt) << " storage on amx_emulated ran the fp32 products";
+    }
+  }
+}
+
+// Where the CPU has AMX: the emulator is bitwise the instructions, on random full tiles over a
+// wide exponent range with zeros, denormals and signs mixed in.
+TEST(kernel_amx_tiles, EmulatorIsBitwiseTheInstructions) {
+  if (!kernel_path_supported(KernelPath::amx))
+    GTEST_SKIP() << "kernel path amx is not supported by this CPU (it needs AMX-TILE, AMX-BF16 and Linux's "
+                    "permission for tile data): the emulator is checked against the worked examples alone";
+  std::mt19937 rng(23);
+  std::uniform_int_distribution<int> kind(0, 15), expo(-20, 20);
+  std::uniform_int_distribution<uint32_t> man(0, 127), sign(0, 1);
+  for (const bool fp16 : {false, true}) {
+    if (fp16 && !kernels::cpu_has_amx_fp16()) continue;
+    const auto value = [&]() -> uint16_t {
+      const int k = kind(rng);
+      if (k == 0) return 0;
+      if (k == 1) return static_cast<uint16_t>(man(rng) | sign(rng) << 15);  // denormal in both formats
+      const float x = std::ldexp(1.0f + static_cast<float>(man(rng)) / 128.0f, expo(rng) / (fp16 ? 2 : 1));
+      return fp16 ? f32_to_f16(sign(rng) ? -x : x) : f32_to_bf16(sign(rng) ? -x : x);
+    };
+    for (int rep = 0; rep < 8; ++rep) {
+      std::vector<uint16_t> a(16 * 32), b(16 * 32);
+      for (auto& x : a) x = value();
+      for (auto& x : b) x = value();
+      std::vector<float> c(16 * 16);
+      for (auto& x : c) x = std::ldexp(static_cast<float>(man(rng)) - 64.0f, expo(rng));
+      std::vector<float> hw = c, emu = c;
+      kernels::path_table(KernelPath::amx)->tile_dot(hw.data(), a.data(), b.data(), 16, 16, 16, fp16);
+      kernels::path_table(KernelPath::amx_emulated)->tile_dot(emu.data(), a.data(), b.data(), 16, 16, 16, fp16);
+      for (int i = 0; i < 256; ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(hw[i]), std::bit_cast<uint32_t>(emu[i]))
+            << (fp16 ? "fp16" : "bf16") << " tile " << rep << " C(" << i / 16 << ", " << i % 16 << "): instruction "
+            << hw[i] << ", emulator " << emu[i];
     }
   }
 }

@@ -56,7 +56,7 @@ check(j is not None and j["seq_len"] == 48 and j["documents"] == 3 and j["length
 NO_ENV = {k: v for k, v in os.environ.items() if k != "CPATTN_KERNEL_PATH"}
 for dtype in ("fp32", "bf16"):
     j = bench_json("--dtype", dtype, env=NO_ENV)
-    order = "avx512_bf16 > avx512 > avx2 > portable" if dtype == "bf16" else "avx512 > avx2 > portable"
+    order = "amx > avx512_bf16 > avx512 > avx2 > portable" if dtype == "bf16" else "avx512 > avx2 > portable"
     check(j is not None and j["kernel_path_reason"].startswith(f"chosen automatically: {j['kernel_path']} is the first")
           and order in j["kernel_path_reason"], f"automatic reason ({dtype}): {j}")
 j = bench_json("--kernel-path", "portable", env=NO_ENV)
@@ -69,9 +69,12 @@ check(j is None or j["kernel_path"] == "avx2", f"the flag beats the environment:
 r = bench(*TINY, env={**NO_ENV, "CPATTN_KERNEL_PATH": "portable"})
 check(r.returncode == 0 and "kernel path portable: forced by the environment (CPATTN_KERNEL_PATH=portable)" in r.stdout,
       f"text report names the reason: {r.stdout}")
+# amx: a path this CPU cannot run, where it lacks AMX (the kernel lists amx_tile where it has it)
+with open("/proc/cpuinfo") as f:
+    HAS_AMX = " amx_tile" in f.read()
 for value, needle in (("fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2, avx512, avx512_bf16, "
-                               "bf16_emulated, amx (or unset), got 'fast'"),
-                      ("amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU")):
+                               "bf16_emulated, amx, amx_emulated (or unset), got 'fast'"),
+                      ) + ((("amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU (the amx path needs"),) if not HAS_AMX else ()):
     r = bench(*TINY, env={**NO_ENV, "CPATTN_KERNEL_PATH": value})
     lines = r.stderr.strip().splitlines()
     check(r.returncode == 2 and len(lines) == 1 and needle in lines[0],
@@ -94,8 +97,10 @@ bad = [
     (["--dtype", "f32"], DTYPES + ", got 'f32'"),  # the old spelling
     (["--mask", "full"], "--mask must be one of causal, none, got 'full'"),
     (["--kernel-path", "fast"],
-     "--kernel-path must be one of automatic, portable, avx2, avx512, avx512_bf16, bf16_emulated, amx, got 'fast'"),
-    (["--kernel-path", "amx"], "--kernel-path amx cannot run on this CPU"),
+     "--kernel-path must be one of automatic, portable, avx2, avx512, avx512_bf16, bf16_emulated, amx, amx_emulated, "
+     "got 'fast'"),
+    (["--kernel-path", "amx"], "--kernel-path amx cannot run on this CPU (it needs AMX-TILE, AMX-BF16")
+    if not HAS_AMX else (["--kernel-path", "fast"], "--kernel-path must be one of"),
     (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a positive multiple of --kv-heads (2)"),
     (["--seqlen", "48"], "--seqlen"),
     (["--causal"], "--causal"),

@@ -151,6 +151,8 @@ with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout
     j = run_json(2, "--npy-in", din, "--dtype", "bf16")
     check(j is not None and j["passed"], "fp16 files, bf16 run")
 
+with open("/proc/cpuinfo") as f:
+    HAS_AMX = " amx_tile" in f.read()
 # Bad input: exit code 2 and one line, on the job as a whole; bad values name the flag and
 # list the valid ones; the old flag names (--tokens) are gone.
 for args, needle in ((("--dtype", "fp64"),
@@ -158,8 +160,10 @@ for args, needle in ((("--dtype", "fp64"),
                      (("--dtype", "f32"), "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16)"),
                      (("--mask", "full"), "--mask must be one of causal, none, got 'full'"),
                      (("--kernel-path", "fast"), "--kernel-path must be one of automatic, portable, avx2, avx512, "
-                                                 "avx512_bf16, bf16_emulated, amx, got 'fast'"),
-                     (("--kernel-path", "amx"), "--kernel-path amx cannot run on this CPU"),
+                                                 "avx512_bf16, bf16_emulated, amx, amx_emulated, got 'fast'"),
+                     # a path this CPU cannot run (amx, where the CPU lacks it: no amx_tile flag)
+                     (("--kernel-path", "amx"), "--kernel-path amx cannot run on this CPU") if not HAS_AMX
+                     else (("--kernel-path", "fast"), "--kernel-path must be one of"),
                      (("--tokens", "100"), "--tokens"),
                      (("--lengths", "5,0"), "--lengths[1]"),
                      (("--heads", "3", "--kv-heads", "2"), "--heads (3) must be a positive multiple of --kv-heads (2)"),
