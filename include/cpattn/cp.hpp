@@ -20,8 +20,9 @@
 // rank with the same message before any payload moves; all-gather K and V rank-major; one
 // fused kernel call for both local query chunks of every document. Backward: one fused
 // backward call, dK/dV accumulated in a rank-major fp32 buffer, reduce-scattered to each
-// rank's local tokens. Padding tokens take no part: their out rows and all their gradients
-// are exactly zero.
+// rank's local tokens (CpAttnConfig::overlap: the same per group of KV heads, each group's
+// communication under another group's compute, bitwise the same results). Padding tokens
+// take no part: their out rows and all their gradients are exactly zero.
 #pragma once
 
 #include <cpattn/attention.hpp>

@@ -603,12 +603,17 @@ struct CpAttention::State {
       float* dk_g = dk_all.data() + g * t_all * kg;
       float* dv_g = dv_all.data() + g * t_all * vg;
       const std::vector<RowMove>& moves = cs.work->doc_order;
-      // Document order when the moves reorder (dkx, dvx), else straight into the group's rows.
-      float* dkp = moves.empty() ? dk_g : (dkx.assign(static_cast<std::size_t>(t_all * kg), 0.0f), dkx.data());
-      float* dvp = moves.empty() ? dv_g : (dvx.assign(static_cast<std::size_t>(t_all * vg), 0.0f), dvx.data());
+      // Into document order when the moves reorder (dkx, dvx), else straight into the group's rows.
+      float* dkp = dk_g;
+      float* dvp = dv_g;
       if (moves.empty()) {
         std::fill_n(dk_g, t_all * kg, 0.0f);
         std::fill_n(dv_g, t_all * vg, 0.0f);
+      } else {
+        dkx.assign(static_cast<std::size_t>(t_all * kg), 0.0f);
+        dvx.assign(static_cast<std::size_t>(t_all * vg), 0.0f);
+        dkp = dkx.data();
+        dvp = dvx.data();
       }
       lse_group.resize(static_cast<std::size_t>(t_loc) * hq);
       for (int64_t i = 0; i < t_loc; ++i)
