@@ -78,6 +78,11 @@ void add_run_command(CLI::App& app) {
                                        "padding-free (allgather scheme only; docs/planner.md)")
       ->capture_default_str()
       ->transform(split_transformer());
+  cmd->add_option("--overlap", a->overlap, "All-gather scheme (runs mode): on runs the kernels per group of KV "
+                                         "heads while the other groups' K/V and dK/dV travel; off: one all-gather, "
+                                         "one kernel call, one reduce-scatter (bitwise the same results)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")

@@ -185,6 +185,12 @@ class Communicator {
   template <CommElement T>
   [[nodiscard]] CommRequest start_shift(std::span<const T> send, int dest, std::span<T> recv, int source);
   void wait(CommRequest& req);
+  // Whether `req` has completed, without waiting: one MPI_Testall, which also moves every
+  // transfer in flight along (Open MPI's shared-memory transport progresses a message only
+  // inside MPI calls, so a scheme that computes between a start and its wait calls test()
+  // between its kernel calls). true: done, as after wait(); false: still in flight, to be
+  // waited on (wait() keeps the deadline). A test never times out.
+  bool test(CommRequest& req);
   template <CommElement T>
   void shift(std::span<const T> send, int dest, std::span<T> recv, int source) {
     CommRequest r = start_shift<T>(send, dest, recv, source);

@@ -20,8 +20,9 @@
 // rank with the same message before any payload moves; all-gather K and V rank-major; one
 // fused kernel call for both local query chunks of every document. Backward: one fused
 // backward call, dK/dV accumulated in a rank-major fp32 buffer, reduce-scattered to each
-// rank's local tokens. Padding tokens take no part: their out rows and all their gradients
-// are exactly zero.
+// rank's local tokens (CpAttnConfig::overlap: the same per group of KV heads, each group's
+// communication under another group's compute, bitwise the same results). Padding tokens
+// take no part: their out rows and all their gradients are exactly zero.
 #pragma once
 
 #include <cpattn/attention.hpp>
@@ -73,7 +74,20 @@ struct CpAttnConfig {
   // differ between ranks; the all-gather scheme gathers with all_gather_v and reduce-scatters
   // dK/dV by all_to_all_v summed in rank order (deterministic). The other schemes refuse it.
   CpSplit split = CpSplit::padded;
+  // The all-gather scheme in runs mode at cp > 1 (docs/cp.md "Overlap"): true runs the kernels
+  // per group of KV heads (cp_overlap_groups: min(Hkv, 4), a divisor of Hkv) with every
+  // group's K/V posted at once, so that group g is computed while groups g+1.. travel, and
+  // backward sends group g's dK/dV while group g+1's are computed. Heads are independent and
+  // every sum keeps its order, so the results are bitwise those of false (one all-gather, one
+  // fused call, one reduce-scatter). Hkv = 1 cannot split: no overlap (not an error). Part of
+  // the ranks' agreement; index mode, cp = 1 and the other schemes ignore it.
+  bool overlap = false;
 };
+
+// How many KV-head groups the all-gather scheme's forward and backward run one after the
+// other for `cfg` at `cp` ranks (1: no overlap): the largest divisor of num_heads_k that is at
+// most 4 when cfg.overlap holds for the all-gather scheme in runs mode at cp > 1, else 1.
+int cp_overlap_groups(const CpAttnConfig& cfg, int cp);
 
 // The scheme that to_string spells `name`, for front ends that take it as text (the Python
 // package passes its `scheme` string through, so a new scheme needs no binding change).
@@ -173,7 +187,14 @@ class CpContext {
 // Seconds spent, accumulated over calls.
 struct CpStats {
   double compute_s = 0;  // kernels, copies and conversions
-  double comm_s = 0;     // agreement, all-gather, reduce-scatter
+  // Exposed communication: time inside communication calls (the agreement, blocking
+  // collectives, posting, polling, waiting for a transfer still in flight): what this rank
+  // waited and overlap did not hide.
+  double comm_s = 0;
+  // Total communication: comm_s plus the time the overlapped all-gather's and reduce-scatter's
+  // transfers were in flight while this rank computed (from the post to the poll or wait
+  // that found them done: an upper bound). Without overlap it equals comm_s.
+  double comm_total_s = 0;
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
   // The largest the layer's own buffers plus the contexts it handed out and that are still

@@ -734,6 +734,18 @@ void Communicator::wait(CommRequest& r) {
   im.wait(op, reqs);
 }
 
+bool Communicator::test(CommRequest& r) {
+  if (r.reqs_.empty()) return true;
+  Impl& im = *impl_;
+  CPATTN_CHECK(r.impl_ == &im, "test: the request was started on another Communicator");
+  const Impl::Op op{r.name_, r.call_, Clock::time_point{}};
+  int done = 0;
+  im.check(MPI_Testall(static_cast<int>(r.reqs_.size()), r.reqs_.data(), &done, MPI_STATUSES_IGNORE), op,
+           "MPI_Testall");
+  if (done) r.reqs_.clear();
+  return done != 0;
+}
+
 CommRequest::~CommRequest() {
   if (reqs_.empty() || impl_ == nullptr) return;
   auto* im = static_cast<Communicator::Impl*>(impl_);

@@ -33,6 +33,10 @@ CpScheme kv_scheme(const CpAttnConfig& cfg) {
 
 using namespace cp_detail;
 
+// The overlapped all-gather's and reduce-scatter's start_send/start_recv streams (pass-Q's
+// partials use 11 on their own layers).
+constexpr int kTagGather = 20, kTagScatter = 21;
+
 // Every rank's local rows, rank-major: rank s's at layout.rank_begin[s]. The padded split's
 // equal blocks go through all_gather; the padding-free split's, of differing sizes, through
 // all_gather_v. `row` is elements per token row.
@@ -107,37 +111,6 @@ void copy_form(const WorkList& w, std::vector<int64_t>& index, WorkList& copy) {
   }
 }
 
-// One copy of `len` rows from the all-gather's rank-major buffer (row `gathered`) to the
-// document-ordered one (row `ordered`).
-struct RowMove {
-  int64_t gathered = 0, ordered = 0, len = 0;
-};
-
-// Where every chunk's rows go when the rank-major gathered buffer is put in document order:
-// document d's rows at docs[d].padded_begin (its padded rows under the padded split, its real
-// ones under the padding-free split), each chunk at its position. Chunks adjacent in both
-// buffers are one move. Empty when the gathered buffer already is in document order (cp = 1).
-std::vector<RowMove> document_order_moves(const RankPlan& plan) {
-  const SplitLayout& layout = plan.layout;
-  const int64_t n = chunks_per_document(plan.cp);
-  std::vector<RowMove> moves;
-  bool identity = true;
-  for (std::size_t d = 0; d < plan.docs.size(); ++d)
-    for (int64_t m = 0; m < n; ++m) {
-      const DocChunk& c = layout.chunks[d * n + m];
-      if (c.len == 0) continue;  // an empty padding-free chunk
-      const RowMove mv{.gathered = layout.gathered_row(c), .ordered = plan.docs[d].padded_begin + c.pos, .len = c.len};
-      identity = identity && mv.gathered == mv.ordered;
-      if (!moves.empty() && moves.back().gathered + moves.back().len == mv.gathered &&
-          moves.back().ordered + moves.back().len == mv.ordered)
-        moves.back().len += mv.len;
-      else
-        moves.push_back(mv);
-    }
-  if (identity) moves.clear();
-  return moves;
-}
-
 // `keys` (tasks over the rank-major gathered buffer) over the document-ordered buffer: a run
 // at position pos of document d is at row docs[d].padded_begin + pos there, so a task's runs,
 // consecutive positions, become one run (as one process's varlen call has it).
@@ -170,6 +143,56 @@ void move_rows(const std::vector<RowMove>& moves, bool to_ordered, const std::by
                 static_cast<std::size_t>(m.len) * row_bytes);
   }
 }
+
+// Heads [h0, h0 + n) of `t`: the same rows and strides, `n` heads from head h0.
+template <class Ptr>
+BasicTensorView<Ptr> head_slice(BasicTensorView<Ptr> t, int h0, int n) {
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const std::byte, std::byte>;
+  BasicTensorView<Ptr> s = t;
+  s.data = static_cast<Byte*>(t.data) + static_cast<std::size_t>(h0 * t.head_step()) * dtype_size(t.dtype);
+  s.heads = n;
+  s.row_stride = t.row_step();
+  s.head_stride = t.head_step();
+  return s;
+}
+
+// Columns [col, col + width) of every one of `rows` rows of `row` bytes, into (or, `unpack`,
+// from) a contiguous [rows, width] buffer: one KV-head group of a [rows, Hkv, D] tensor.
+void copy_columns(const std::byte* src, std::byte* dst, int64_t rows, std::size_t row, std::size_t col,
+                  std::size_t width, bool unpack) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto r = static_cast<std::size_t>(i);
+    if (unpack)
+      std::memcpy(dst + r * row + col, src + r * width, width);
+    else
+      std::memcpy(dst + r * width, src + r * row + col, width);
+  }
+}
+
+// Transfers posted together and completed one by one (the overlapped all-gather and
+// reduce-scatter), and when the last of them was seen complete, for CpStats::comm_total_s.
+struct InFlight {
+  Communicator& comm;
+  std::vector<CommRequest> reqs;
+  Clock::time_point posted = Clock::now(), last_done = posted;
+  // Moves every transfer along (MPI progresses them only inside its calls); never waits.
+  void poll() {
+    bool any = false;
+    for (CommRequest& r : reqs) any = (r.active() && comm.test(r)) || any;
+    if (any) last_done = Clock::now();
+  }
+  // Waits for reqs[i0, i1) under the communicator's deadline.
+  void wait(std::size_t i0, std::size_t i1) {
+    bool any = false;
+    for (std::size_t i = i0; i < i1; ++i)
+      if (reqs[i].active()) {
+        comm.wait(reqs[i]);
+        any = true;
+      }
+    if (any) last_done = Clock::now();
+  }
+  double span() const { return std::chrono::duration<double>(last_done - posted).count(); }
+};
 
 // rows[i] = all[index[i]], rows of `row_bytes`.
 void index_select(const std::byte* all, const std::vector<int64_t>& index, std::size_t row_bytes,
@@ -269,6 +292,35 @@ std::vector<char> ring_returns(const RankPlan& plan, const AttnOptions& o) {
 
 }  // namespace
 
+namespace cp_detail {
+
+// Where every chunk's rows go when the rank-major gathered buffer is put in document order:
+// document d's rows at docs[d].padded_begin (its padded rows under the padded split, its real
+// ones under the padding-free split), each chunk at its position. Chunks adjacent in both
+// buffers are one move. Empty when the gathered buffer already is in document order (cp = 1).
+std::vector<RowMove> document_order_moves(const RankPlan& plan) {
+  const SplitLayout& layout = plan.layout;
+  const int64_t n = chunks_per_document(plan.cp);
+  std::vector<RowMove> moves;
+  bool identity = true;
+  for (std::size_t d = 0; d < plan.docs.size(); ++d)
+    for (int64_t m = 0; m < n; ++m) {
+      const DocChunk& c = layout.chunks[d * n + m];
+      if (c.len == 0) continue;  // an empty padding-free chunk
+      const RowMove mv{.gathered = layout.gathered_row(c), .ordered = plan.docs[d].padded_begin + c.pos, .len = c.len};
+      identity = identity && mv.gathered == mv.ordered;
+      if (!moves.empty() && moves.back().gathered + moves.back().len == mv.gathered &&
+          moves.back().ordered + moves.back().len == mv.ordered)
+        moves.back().len += mv.len;
+      else
+        moves.push_back(mv);
+    }
+  if (identity) moves.clear();
+  return moves;
+}
+
+}  // namespace cp_detail
+
 struct CpContext::State {
   uint64_t owner = 0;           // the id of the CpAttention whose forward made it
   uint64_t seed = 0;            // the dropout seed of its forward
@@ -279,6 +331,9 @@ struct CpContext::State {
   // index_select copy (index mode), `total_k` rows; and the forward's lse.
   std::vector<std::byte> k, v;
   int64_t total_k = 0;
+  // KV-head groups of k and v (cp_overlap_groups): > 1, group-major, [groups][total_k,
+  // Hkv / groups, D], each group in document order; 1: [total_k, Hkv, D].
+  int groups = 1;
   std::vector<float> lse;
   std::unique_ptr<detail::A2aContext> a2a;  // the a2a and hybrid schemes' state
   // The live-context byte count of the CpAttention that made it (for its peak figure).
@@ -322,6 +377,10 @@ struct CpAttention::State {
   // Backward's buffers, kept across calls (one backward runs at a time): fp32 dK/dV of every
   // key row the kernel reads, the gathered rows' sums in index mode, this rank's share.
   std::vector<float> dk_all, dv_all, dkx, dvx, dk_loc, dv_loc;
+  // The overlapped backward's (cp_overlap_groups > 1): every peer's dK/dV blocks of this
+  // rank's rows, [group][rank][local_tokens, group's row] (the own rank's slot unused), and one
+  // group's lse, [local_tokens, Hq / groups].
+  std::vector<float> rs_k, rs_v, lse_group;
   // The ring's buffers: the visiting [K | V] blocks (storage dtype, double buffered) and the
   // partial dK/dV (fp32) going home and coming back; the running result (fp32 out and lse, the
   // kernel's accumulate mode), dQ (fp32, accumulated by the kernel) and this rank's dK/dV sums.
@@ -393,6 +452,247 @@ struct CpAttention::State {
             .options = o};
   }
 
+  // The kernels' inputs for KV-head group g of `groups` of a grouped context: query heads
+  // [g hq, (g+1) hq) of q (a strided view) over the group's kv heads, the ALiBi slopes and the
+  // dropout heads of those query heads (so that each head computes what one call computes).
+  AttnInputs group_inputs(ConstTensorView q, const CpContext::State& c, int g) const {
+    const int groups = c.groups, hq = cfg.num_heads_q / groups, hk = cfg.num_heads_k / groups;
+    const std::size_t es = dtype_size(cfg.dtype);
+    AttnOptions o = cfg.options;
+    o.seed = c.seed;
+    if (o.alibi_slopes) o.alibi_slopes += g * hq;
+    o.dropout_head_offset += g * hq;
+    const auto kg = static_cast<std::size_t>(c.total_k * hk * cfg.head_dim_qk) * es;
+    const auto vg = static_cast<std::size_t>(c.total_k * hk * cfg.head_dim_v) * es;
+    return {.q = head_slice(q, g * hq, hq),
+            .k = contiguous(c.k.data() + g * kg, c.total_k, hk, cfg.head_dim_qk, cfg.dtype),
+            .v = contiguous(c.v.data() + g * vg, c.total_k, hk, cfg.head_dim_v, cfg.dtype),
+            .work = &c.work->work,
+            .options = o};
+  }
+
+  // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
+  // "Overlap"): every group's K and V go to every peer at once, point to point (rank s's rows
+  // at layout.rank_begin[s] of the group's rank-major buffer, as all_gather_rows puts them);
+  // group g is put in document order and computed as soon as its blocks are in, the later
+  // groups' transfers polled between the kernel calls. Returns the seconds the payload was in
+  // flight beyond the time this rank waited for it (CpStats::comm_total_s).
+  double grouped_forward(const CpForwardArgs& a, CpContext::State& ctx, int groups) {
+    const RankPlan& plan = *ctx.plan;
+    const SplitLayout& layout = plan.layout;
+    const int cp = comm.size(), me = comm.rank();
+    const std::size_t es = dtype_size(cfg.dtype);
+    const int64_t t_loc = plan.local_tokens, t_all = layout.rank_begin.back();
+    const int hk = cfg.num_heads_k / groups, hq = cfg.num_heads_q / groups;
+    const auto kg = static_cast<std::size_t>(hk * cfg.head_dim_qk) * es;  // bytes of one group's row
+    const auto vg = static_cast<std::size_t>(hk * cfg.head_dim_v) * es;
+    const auto k_bytes = static_cast<std::size_t>(k_row()) * es, v_bytes = static_cast<std::size_t>(v_row()) * es;
+    const auto row_off = [&](int rank) { return static_cast<std::size_t>(layout.rank_begin[rank]); };
+    // The send packs ([groups][t_loc, group row]) and the gathered, rank-major groups
+    // ([groups][t_all, group row]): kept alive past a throw-mode timeout (see below).
+    struct Buffers {
+      std::vector<std::byte> send_k, send_v, all_k, all_v;
+    };
+    auto b = std::make_shared<Buffers>();
+    auto t0 = Clock::now();
+    b->send_k.resize(groups * t_loc * kg);
+    b->send_v.resize(groups * t_loc * vg);
+    b->all_k.resize(groups * t_all * kg);
+    b->all_v.resize(groups * t_all * vg);
+    const auto* k_in = static_cast<const std::byte*>(a.k.data);
+    const auto* v_in = static_cast<const std::byte*>(a.v.data);
+    for (int g = 0; g < groups; ++g) {
+      copy_columns(k_in, b->send_k.data() + g * t_loc * kg, t_loc, k_bytes, g * kg, kg, false);
+      copy_columns(v_in, b->send_v.data() + g * t_loc * vg, t_loc, v_bytes, g * vg, vg, false);
+      std::memcpy(b->all_k.data() + g * t_all * kg + row_off(me) * kg, b->send_k.data() + g * t_loc * kg, t_loc * kg);
+      std::memcpy(b->all_v.data() + g * t_all * vg + row_off(me) * vg, b->send_v.data() + g * t_loc * vg, t_loc * vg);
+    }
+    ctx.groups = groups;
+    ctx.total_k = t_all;
+    ctx.k.resize(b->all_k.size());  // every row gets one move (resize still zeroes them first)
+    ctx.v.resize(b->all_v.size());
+    ctx.lse.assign(static_cast<std::size_t>(t_loc) * cfg.num_heads_q, -std::numeric_limits<float>::infinity());
+    zero_padding_rows(a.out, plan);
+    stats.compute_s += seconds_since(t0);
+
+    t0 = Clock::now();
+    InFlight f{.comm = comm, .reqs = {}};
+    // recv_end[g]: the requests before it are groups 0..g's receives and every send posted so far.
+    std::vector<std::size_t> recv_end(static_cast<std::size_t>(groups));
+    double waited = 0;
+    try {
+      for (int g = 0; g < groups; ++g) {
+        for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ...
+          const int q = (me - st + cp) % cp;
+          const std::size_t n = static_cast<std::size_t>(layout.rank_tokens(q));
+          f.reqs.push_back(comm.start_recv<std::byte>({b->all_k.data() + g * t_all * kg + row_off(q) * kg, n * kg}, q, kTagGather));
+          f.reqs.push_back(comm.start_recv<std::byte>({b->all_v.data() + g * t_all * vg + row_off(q) * vg, n * vg}, q, kTagGather));
+        }
+        recv_end[g] = f.reqs.size();
+        for (int st = 1; st < cp; ++st) {
+          const int q = (me + st) % cp;
+          f.reqs.push_back(comm.start_send<std::byte>({b->send_k.data() + g * t_loc * kg, t_loc * kg}, q, kTagGather));
+          f.reqs.push_back(comm.start_send<std::byte>({b->send_v.data() + g * t_loc * vg, t_loc * vg}, q, kTagGather));
+        }
+      }
+      stats.comm_s += seconds_since(t0);
+      waited += seconds_since(t0);
+      std::vector<float>& lse_g = lse_group;
+      for (int g = 0; g < groups; ++g) {
+        t0 = Clock::now();
+        f.wait(0, recv_end[g]);  // group g's blocks (and the earlier groups', done already)
+        waited += seconds_since(t0);
+        stats.comm_s += seconds_since(t0);
+
+        t0 = Clock::now();
+        const std::vector<RowMove>& moves = ctx.work->doc_order;
+        if (moves.empty()) {
+          std::memcpy(ctx.k.data() + g * t_all * kg, b->all_k.data() + g * t_all * kg, t_all * kg);
+          std::memcpy(ctx.v.data() + g * t_all * vg, b->all_v.data() + g * t_all * vg, t_all * vg);
+        } else {
+          move_rows(moves, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
+          move_rows(moves, true, b->all_v.data() + g * t_all * vg, ctx.v.data() + g * t_all * vg, vg);
+        }
+        lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
+        attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
+        for (int64_t i = 0; i < t_loc; ++i)
+          std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
+        stats.compute_s += seconds_since(t0);
+
+        t0 = Clock::now();
+        f.poll();  // the later groups move along before the next kernel call
+        waited += seconds_since(t0);
+        stats.comm_s += seconds_since(t0);
+      }
+      t0 = Clock::now();
+      f.wait(0, f.reqs.size());  // this rank's sends
+      waited += seconds_since(t0);
+      stats.comm_s += seconds_since(t0);
+    } catch (...) {
+      // A throw-mode timeout leaves requests that may still read or write the buffers.
+      if (comm.poisoned()) comm.retain_while_pending(b);
+      throw;
+    }
+    return std::max(0.0, f.span() - waited);
+  }
+
+  // The overlapped backward: group g's dK/dV (fp32, document order) are computed, moved back
+  // to rank-major and sent to their owners at once, while group g + 1 is computed; each
+  // owner sums its blocks in the order the non-overlapped reduce-scatter does (the padded
+  // split: the communicator's ring order ((x[r+1] + x[r+2]) + ...) + x[r]; the padding-free
+  // split: ranks 0..cp-1 from 0), so the sums are bitwise those of reduce_scatter_rows.
+  // Returns what grouped_forward returns.
+  double grouped_backward(const CpBackwardArgs& a, const CpContext::State& cs) {
+    const RankPlan& plan = *cs.plan;
+    const SplitLayout& layout = plan.layout;
+    const int groups = cs.groups, cp = comm.size(), me = comm.rank();
+    const int64_t t_loc = plan.local_tokens, t_all = layout.rank_begin.back();
+    const int hk = cfg.num_heads_k / groups, hq = cfg.num_heads_q / groups;
+    const int64_t kg = int64_t{hk} * cfg.head_dim_qk, vg = int64_t{hk} * cfg.head_dim_v;  // floats per group row
+    const auto as_bytes = [](float* f) { return reinterpret_cast<std::byte*>(f); };
+    auto t0 = Clock::now();
+    dk_all.resize(static_cast<std::size_t>(groups * t_all * kg));  // [groups][t_all, kg], rank-major
+    dv_all.resize(static_cast<std::size_t>(groups * t_all * vg));
+    rs_k.resize(static_cast<std::size_t>(groups * cp * t_loc * kg));  // [groups][cp][t_loc, kg]
+    rs_v.resize(static_cast<std::size_t>(groups * cp * t_loc * vg));
+    stats.compute_s += seconds_since(t0);
+    InFlight f{.comm = comm, .reqs = {}};
+    double waited = 0;
+    for (int g = 0; g < groups; ++g) {
+      t0 = Clock::now();
+      float* dk_g = dk_all.data() + g * t_all * kg;
+      float* dv_g = dv_all.data() + g * t_all * vg;
+      const std::vector<RowMove>& moves = cs.work->doc_order;
+      // Into document order when the moves reorder (dkx, dvx), else straight into the group's rows.
+      float* dkp = dk_g;
+      float* dvp = dv_g;
+      if (moves.empty()) {
+        std::fill_n(dk_g, t_all * kg, 0.0f);
+        std::fill_n(dv_g, t_all * vg, 0.0f);
+      } else {
+        dkx.assign(static_cast<std::size_t>(t_all * kg), 0.0f);
+        dvx.assign(static_cast<std::size_t>(t_all * vg), 0.0f);
+        dkp = dkx.data();
+        dvp = dvx.data();
+      }
+      lse_group.resize(static_cast<std::size_t>(t_loc) * hq);
+      for (int64_t i = 0; i < t_loc; ++i)
+        std::copy_n(cs.lse.data() + i * cfg.num_heads_q + g * hq, hq, lse_group.data() + i * hq);
+      attention_backward({.in = group_inputs(a.q, cs, g),
+                          .out = head_slice(a.out, g * hq, hq),
+                          .lse = lse_group.data(),
+                          .dout = head_slice(a.dout, g * hq, hq),
+                          .dq = head_slice(a.dq, g * hq, hq),
+                          .dk = contiguous(dkp, t_all, hk, cfg.head_dim_qk),
+                          .dv = contiguous(dvp, t_all, hk, cfg.head_dim_v),
+                          .grad_mode = GradMode::accumulate});
+      if (!moves.empty()) {  // every row of the group's rank-major dK/dV gets one move
+        move_rows(moves, false, as_bytes(dkx.data()), as_bytes(dk_g), static_cast<std::size_t>(kg) * sizeof(float));
+        move_rows(moves, false, as_bytes(dvx.data()), as_bytes(dv_g), static_cast<std::size_t>(vg) * sizeof(float));
+      }
+      stats.compute_s += seconds_since(t0);
+
+      t0 = Clock::now();
+      for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ...
+        const int q = (me - st + cp) % cp;
+        f.reqs.push_back(comm.start_recv<float>({rs_k.data() + (g * cp + q) * t_loc * kg, static_cast<std::size_t>(t_loc * kg)}, q, kTagScatter));
+        f.reqs.push_back(comm.start_recv<float>({rs_v.data() + (g * cp + q) * t_loc * vg, static_cast<std::size_t>(t_loc * vg)}, q, kTagScatter));
+      }
+      for (int st = 1; st < cp; ++st) {
+        const int q = (me + st) % cp;
+        const auto n = static_cast<std::size_t>(layout.rank_tokens(q));
+        f.reqs.push_back(comm.start_send<float>({dk_g + layout.rank_begin[q] * kg, n * kg}, q, kTagScatter));
+        f.reqs.push_back(comm.start_send<float>({dv_g + layout.rank_begin[q] * vg, n * vg}, q, kTagScatter));
+      }
+      if (g == 0) f.posted = f.last_done = t0;
+      f.poll();
+      waited += seconds_since(t0);
+      stats.comm_s += seconds_since(t0);
+    }
+    t0 = Clock::now();
+    zero_padding_rows(a.dq, plan);
+    stats.compute_s += seconds_since(t0);
+    t0 = Clock::now();
+    f.wait(0, f.reqs.size());
+    waited += seconds_since(t0);
+    stats.comm_s += seconds_since(t0);
+
+    t0 = Clock::now();
+    const std::size_t es = dtype_size(cfg.dtype);
+    const auto sum_group = [&](const std::vector<float>& all, const std::vector<float>& rs, int64_t w, int g,
+                               std::vector<float>& loc) {
+      loc.resize(static_cast<std::size_t>(t_loc * w));
+      const float* own = all.data() + g * t_all * w + layout.rank_begin[me] * w;
+      const auto part = [&](int q) { return q == me ? own : rs.data() + (g * cp + q) * t_loc * w; };
+      const auto n = static_cast<std::size_t>(t_loc * w);
+      if (plan.split == CpSplit::padded) {
+        std::copy_n(part((me + 1) % cp), n, loc.data());
+        for (int st = 2; st <= cp; ++st) {
+          const float* x = part((me + st) % cp);
+          for (std::size_t i = 0; i < n; ++i) loc[i] += x[i];
+        }
+      } else {
+        std::fill(loc.begin(), loc.end(), 0.0f);
+        for (int q = 0; q < cp; ++q) {
+          const float* x = part(q);
+          for (std::size_t i = 0; i < n; ++i) loc[i] += x[i];
+        }
+      }
+    };
+    for (int g = 0; g < groups; ++g) {
+      sum_group(dk_all, rs_k, kg, g, dk_loc);
+      sum_group(dv_all, rs_v, vg, g, dv_loc);
+      for (int64_t i = 0; i < t_loc; ++i) {
+        from_float(dk_loc.data() + i * kg, static_cast<std::size_t>(kg), cfg.dtype,
+                   static_cast<std::byte*>(a.dk.data) + static_cast<std::size_t>(i * k_row() + g * kg) * es);
+        from_float(dv_loc.data() + i * vg, static_cast<std::size_t>(vg), cfg.dtype,
+                   static_cast<std::byte*>(a.dv.data) + static_cast<std::size_t>(i * v_row() + g * vg) * es);
+      }
+    }
+    stats.compute_s += seconds_since(t0);
+    return std::max(0.0, f.span() - waited);
+  }
+
   // Every rank learns every rank's local error, and all throw the same message; else the
   // ranks agree on the fingerprint. One all-gather, before any payload moves. A rank with an
   // error still takes part, so that the others fail with its message instead of waiting.
@@ -426,6 +726,7 @@ struct CpAttention::State {
         .add("cp_inner", cfg.cp_inner)
         .add("hybrid_outer", static_cast<int64_t>(cfg.hybrid_outer))
         .add("split (0 padded, 1 padding-free)", static_cast<int64_t>(cfg.split))
+        .add("overlap", cfg.overlap)
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -465,8 +766,8 @@ struct CpAttention::State {
 
   std::size_t buffer_bytes() const {
     std::size_t bytes = 0;
-    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &acc_out, &acc_lse, &dq_acc,
-                                        &dkv_home})
+    for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &rs_k, &rs_v, &lse_group,
+                                        &acc_out, &acc_lse, &dq_acc, &dkv_home})
       bytes += f->capacity() * sizeof(float);
     bytes += ring.bytes() + passq.bytes();
     if (a2a) bytes += a2a->buffer_bytes();
@@ -608,6 +909,13 @@ struct CpAttention::State {
   }
 };
 
+int cp_overlap_groups(const CpAttnConfig& cfg, int cp) {
+  if (!cfg.overlap || cfg.scheme != CpScheme::allgather || cfg.kv_mode != KvMode::runs || cp <= 1) return 1;
+  int groups = std::min(cfg.num_heads_k, 4);  // more groups: more progress points, smaller kernel calls
+  while (groups > 1 && cfg.num_heads_k % groups != 0) --groups;
+  return std::max(groups, 1);
+}
+
 void check_cp_scheme(const CpAttnConfig& cfg, int cp) {
   CPATTN_CHECK(cp >= 1, "cp (the communicator's size) must be >= 1, got ", cp);
   CPATTN_CHECK(cfg.scheme >= CpScheme::allgather && cfg.scheme <= CpScheme::hybrid,
@@ -710,6 +1018,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
+  const double comm0 = s.stats.comm_s;
+  double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
   if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
@@ -722,6 +1032,9 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     s.ring_forward(a, *ctx);
   } else if (c.scheme == CpScheme::pass_q) {
     s.pass_q_forward(a, *ctx);
+  } else if (const int groups = cp_overlap_groups(c, s.comm.size()); groups > 1) {
+    hidden = s.grouped_forward(a, *ctx, groups);
+    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   } else {
     const RankPlan& plan = *ctx->plan;
     const std::size_t es = dtype_size(c.dtype);
@@ -770,6 +1083,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   }
   s.stats.bytes_sent += s.bytes_sent() - sent0;
   s.stats.bytes_received += s.bytes_received() - received0;
+  s.stats.comm_total_s += s.stats.comm_s - comm0 + hidden;
   ctx->owner = s.id;
   ctx->forward_call = s.stats.forward_calls;
   ctx->live_bytes = s.live_bytes;
@@ -805,12 +1119,15 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   const CpContext::State* cs = ctx.s_.get();
+  const double comm0 = s.stats.comm_s;
+  double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
   // Counted however backward leaves (the all-gather path below returns at its end).
   const auto count_bytes = [&] {
     s.stats.bytes_sent += s.bytes_sent() - sent0;
     s.stats.bytes_received += s.bytes_received() - received0;
+    s.stats.comm_total_s += s.stats.comm_s - comm0 + hidden;
   };
 
   if (c.scheme != CpScheme::allgather || s.uses_a2a()) {
@@ -820,6 +1137,13 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
       s.ring_backward(a, *cs);
     else
       s.pass_q_backward(a, *cs);
+    count_bytes();
+    s.note_peak();
+    ctx.s_.reset();
+    return;
+  }
+  if (cs->groups > 1) {
+    hidden = s.grouped_backward(a, *cs);
     count_bytes();
     s.note_peak();
     ctx.s_.reset();

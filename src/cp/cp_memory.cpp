@@ -69,6 +69,15 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // The padding-free split's reduce-scatter receives cp blocks of this rank's dK/dV rows
     // (reduce_scatter_rows' scratch, added in rank order).
     if (c.split == CpSplit::padding_free) e.buffers = saturating_add(e.buffers, product(static_cast<uint64_t>(cp), t, kv_row, f));
+    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward):
+    // the send packs of this rank's K/V beside the gathered buffer during forward, the
+    // reduce-scatter's receive blocks (cp of this rank's dK/dV rows; the padding-free split
+    // counted them above) and one group's lse.
+    if (cp_overlap_groups(c, cp) > 1) {
+      e.buffers = saturating_add(e.buffers, saturating_add(product(t, kv_row, es), lse));
+      if (c.split == CpSplit::padded)
+        e.buffers = saturating_add(e.buffers, product(static_cast<uint64_t>(cp), t, kv_row, f));
+    }
   }
   e.kernel_scratch = kernel_scratch(c, local_tokens, read_rows, c.num_heads_q, c.num_heads_k, work);
   return e;

@@ -3,7 +3,11 @@
 //   sleep        sleeps far past the 2 s collective deadline before forward: the others must
 //                print the timeout line naming the operation and MPI_Abort the whole job;
 //   kill-before  dies by SIGKILL before forward;
-//   kill-during  dies by SIGKILL from a second thread while forward moves a large K/V.
+//   kill-during  dies by SIGKILL from a second thread while forward moves a large K/V;
+//   stall-during stops (SIGSTOP, as a hung rank) 50 ms into an overlapped forward (4 KV-head
+//                groups), its K/V posted and its kernels running: the others, computing on
+//                the groups that arrived, must time out on a point-to-point transfer with it
+//                and end the job.
 // CTest passes each on the expected message and bounds its time.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -22,12 +26,15 @@ int main(int argc, char** argv) {
   {
     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 2.0});
     const bool faulty = comm.rank() == comm.size() - 1;
-    // Large enough that the all-gather of K and V takes a while.
-    const std::vector<int64_t> cu{0, 40000, 65536};
+    // Large enough that the all-gather of K and V takes a while; for the stall, small enough
+    // that the overlapped forward's first groups take well under the deadline (also under ASan).
+    const std::vector<int64_t> cu = fault == "stall-during" ? std::vector<int64_t>{0, 6000, 8192}
+                                                            : std::vector<int64_t>{0, 40000, 65536};
     const cpattn::RankPlan p = cpattn::get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
     const int h = 8, d = 64;
     std::vector<float> q(p.local_tokens * h * d, 0.01f), k(q.size(), 0.02f), v(q.size(), 0.03f), out(q.size());
-    cpattn::CpAttention attn(comm, {.num_heads_q = h, .num_heads_k = h, .head_dim_qk = d, .head_dim_v = d});
+    cpattn::CpAttention attn(comm, {.num_heads_q = h, .num_heads_k = h, .head_dim_qk = d, .head_dim_v = d,
+                                    .overlap = fault == "stall-during"});
     comm.barrier();
     if (faulty && fault == "sleep") {
       std::this_thread::sleep_for(std::chrono::seconds(60));
@@ -35,6 +42,11 @@ int main(int argc, char** argv) {
     }
     if (faulty && fault == "kill-before") std::raise(SIGKILL);
     std::thread killer;
+    if (faulty && fault == "stall-during")
+      killer = std::thread([] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        std::raise(SIGSTOP);  // the whole process, as a hung rank
+      });
     if (faulty && fault == "kill-during")
       killer = std::thread([] {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));

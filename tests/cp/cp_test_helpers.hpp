@@ -64,7 +64,7 @@ struct Masks {
   bool alibi = false;
 };
 
-void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
+[[maybe_unused]] void run_and_compare(Communicator& comm, const Shape& s, DType t, KvMode mode,
                      MaskType mask = MaskType::causal, float dropout_p = 0.0f,
                      CpScheme scheme = CpScheme::allgather, const std::vector<int64_t>& lengths = kLengths,
                      Masks mk = {}) {
@@ -148,7 +148,7 @@ void randomize(SmallBatch& b, int rank) {
 
 // `runs` forward+backward calls of `scheme` (dropout on) on one SmallBatch: out, lse, dq, dk,
 // dv bitwise equal to the first call's every time.
-void expect_repeated_runs_bitwise_equal(Communicator& comm, CpScheme scheme, int runs) {
+[[maybe_unused]] void expect_repeated_runs_bitwise_equal(Communicator& comm, CpScheme scheme, int runs) {
   SmallBatch b(comm.size(), comm.rank());
   randomize(b, comm.rank());
   CpAttnConfig c = b.config();
@@ -175,7 +175,7 @@ void expect_repeated_runs_bitwise_equal(Communicator& comm, CpScheme scheme, int
 
 // Schemes `a` and `b` on the same SmallBatch, causal and without a mask: out, dq, dk and dv
 // within fp32 rounding of each other.
-void expect_schemes_agree(Communicator& comm, CpScheme a, CpScheme b) {
+[[maybe_unused]] void expect_schemes_agree(Communicator& comm, CpScheme a, CpScheme b) {
   for (const MaskType m : {MaskType::causal, MaskType::none}) {
     SCOPED_TRACE(m == MaskType::causal ? "causal" : "none");
     std::vector<float> res[2][4];

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
 #include <vector>
 
 namespace cpattn::cp_detail {
@@ -93,6 +94,62 @@ TEST(CpWorkLists, BlocksTheWindowHidesGetNoWork) {
   // window of 5, 5 keys of the chunk before (8 tasks, 7 with a chunk before).
   EXPECT_EQ(own.keys, 8 * 20);
   EXPECT_EQ(near.keys, 8 * 20 + 7 * 5);
+}
+
+// document_order_moves (the all-gather scheme's copy into document order): over random batches
+// (many 1-token documents, one long one) at cp = 1..8, both splits, the moves cover every
+// gathered row and every ordered row exactly once (backward's dK/dV buffers are resized, not
+// zeroed, relying on it), each chunk's rows land at their document's rows in position order,
+// and cp = 1 needs no move (nor any plan whose gathered rows already are in document order).
+TEST(CpDocumentOrder, MovesCoverEveryRowOnceAndPutEachChunkAtItsPosition) {
+  std::mt19937_64 rng(15);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int64_t> cu{0};
+    const int docs = 1 + static_cast<int>(rng() % 12);
+    for (int d = 0; d < docs; ++d) {
+      const uint64_t kind = rng() % 4;
+      const int64_t len = kind == 0 ? 1 : kind == 3 && d == 0 ? 300 + static_cast<int64_t>(rng() % 700)
+                                                              : 1 + static_cast<int64_t>(rng() % 40);
+      cu.push_back(cu.back() + len);
+    }
+    for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free})
+      for (int cp = 1; cp <= 8; ++cp) {
+        SCOPED_TRACE(::testing::Message() << "trial " << trial << " cp " << cp << " split " << to_string(split));
+        const RankPlan p = get_thd_load_balanced_cp_metadata(cu, cp, trial % cp, PlanOptions{.split = split});
+        const int64_t rows = p.layout.rank_begin.back();
+        std::vector<RowMove> moves = document_order_moves(p);
+        EXPECT_TRUE(cp > 1 || moves.empty()) << "one rank's gathered rows are in document order already";
+        // No move: the gathered rows already are in document order (checked below as the
+        // identity move; e.g. the padding-free split with every document on one rank).
+        if (moves.empty()) moves.push_back({.gathered = 0, .ordered = 0, .len = rows});
+        std::vector<int> from(static_cast<std::size_t>(rows)), to(static_cast<std::size_t>(rows));
+        std::vector<int64_t> ordered_of(static_cast<std::size_t>(rows), -1);
+        for (const RowMove& m : moves) {
+          ASSERT_GE(m.gathered, 0);
+          ASSERT_GE(m.ordered, 0);
+          ASSERT_LE(m.gathered + m.len, rows);
+          ASSERT_LE(m.ordered + m.len, rows);
+          for (int64_t i = 0; i < m.len; ++i) {
+            ++from[m.gathered + i];
+            ++to[m.ordered + i];
+            ordered_of[m.gathered + i] = m.ordered + i;
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          ASSERT_EQ(from[r], 1) << "gathered row " << r;
+          ASSERT_EQ(to[r], 1) << "ordered row " << r;
+        }
+        // Each chunk from its rank's rows to its document's rows at its position.
+        const int64_t n = chunks_per_document(cp);
+        for (std::size_t d = 0; d < p.docs.size(); ++d)
+          for (int64_t c = 0; c < n; ++c) {
+            const DocChunk& ch = p.layout.chunks[d * n + c];
+            for (int64_t i = 0; i < ch.len; ++i)
+              ASSERT_EQ(ordered_of[p.layout.gathered_row(ch) + i], p.docs[d].padded_begin + ch.pos + i)
+                  << "document " << d << " chunk " << c;
+          }
+      }
+  }
 }
 
 }  // namespace

@@ -52,6 +52,26 @@ check(r.returncode == 0 and "result: PASS" in r.stdout and all(n in r.stdout for
 r = run(2, "--scheme", "zigzag")
 check(r.returncode == 2 and "--scheme" in r.stderr and "pass-q" in r.stderr, f"bad --scheme: exit {r.returncode} {r.stderr[-500:]}")
 
+# --overlap on|off (default off): both exact, bitwise the same results (--npy-out), reported with
+# the exposed (comm_s, waited) and total (comm_total_s, in flight) communication per rank: equal
+# without overlap, total >= exposed with it; a bad value exits 2.
+with tempfile.TemporaryDirectory() as d:
+    res = {}
+    for ov in ("on", "off"):
+        os.makedirs(f"{d}/{ov}")
+        j = run_json(3, *PQ, "--dtype", "bf16", "--overlap", ov, "--npy-out", f"{d}/{ov}")
+        check(j is not None and j["passed"] and j["overlap"] == (ov == "on"), f"--overlap {ov}: {j}")
+        if j:
+            pairs = list(zip(j["comm_total_s"], j["comm_s"]))
+            check(len(pairs) == 3 and all(t > 0 and (t >= e if ov == "on" else t == e) for t, e in pairs),
+                  f"comm_total_s: {j}")
+        res[ov] = {n: np.load(f"{d}/{ov}/{n}.npy") for n in ("out", "lse", "dq", "dk", "dv")}
+    for n in res["on"]:
+        check(res["on"][n].tobytes() == res["off"][n].tobytes(), f"--overlap on/off differ in {n}")
+check(run_json(2, *PQ)["overlap"] is False, "--overlap default")
+r = run(2, *PQ, "--overlap", "maybe")
+check(r.returncode == 2 and "--overlap" in r.stderr, f"bad --overlap: exit {r.returncode} {r.stderr[-500:]}")
+
 # Every dtype and both key modes, MHA, GQA and MLA shapes, documents needing padding.
 for np_ in (2, 3):
     for dtype in ("fp32", "fp16", "bf16"):

@@ -133,7 +133,8 @@ CpAttnConfig config_of(const RunArgs& a, const check::BatchShape& s, DType dtype
                       .path = parse_kernel_path(a.kernel_path), .window_size_left = window.left,
                       .window_size_right = window.right, .softcap = a.softcap, .alibi_slopes = slopes},
           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
-          .split = parse_split(a.split)};
+          .split = parse_split(a.split),
+          .overlap = a.overlap == "on"};
 }
 
 // One configuration per scheme the run measures (schemes_of), each a copy of `base`.
@@ -203,7 +204,7 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
       dk(b.dtype, k.shape), dv(b.dtype, v.shape);
   std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * b.shape.heads_q));
 
-  std::vector<double> compute, communication, wall, forward, backward;
+  std::vector<double> compute, communication, comm_total, wall, forward, backward;
   int64_t sent = 0, received = 0;  // by the last step (every step moves the same)
   for (int i = 0; i < a.repeats; ++i) {
     attn.reset_stats();
@@ -222,12 +223,13 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
     received = attn.stats().bytes_received;
     compute.push_back(attn.stats().compute_s);
     communication.push_back(attn.stats().comm_s);
+    comm_total.push_back(attn.stats().comm_total_s);
   }
 
   Measured m;
   m.got = check::gather_results(
       comm, p, {.out = out.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .lse = lse.data()});
-  const std::vector<double> mine{median(compute), median(communication), median(wall), median(forward),
+  const std::vector<double> mine{median(compute), median(communication), median(comm_total), median(wall), median(forward),
                                  median(backward), peak_rss_mb(),
                                  static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20),
                                  static_cast<double>(sent), static_cast<double>(received)};
@@ -235,7 +237,7 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
   comm.all_gather<double>(mine, per_rank);
   for (int r = 0; r < comm.size(); ++r) {
     const double* f = &per_rank[r * mine.size()];
-    m.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]});
+    m.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]});
   }
   return m;
 }

@@ -28,6 +28,7 @@ struct RunArgs {
   std::string dtype = "fp32", mode = "runs", scheme = "allgather",  // scheme: a CpScheme's name or "all"
               mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   std::string split = "padded";  // canonical (vocab.hpp)
+  std::string overlap = "off";   // --overlap on|off (CpAttnConfig::overlap)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
@@ -95,7 +96,8 @@ RunCheck check_against(const check::Batch& b, const Reference& ref, const check:
 
 // ---- report.cpp ----
 struct RankFigures {  // medians over the timed steps, and memory
-  double compute_s = 0, comm_s = 0, step_s = 0, forward_s = 0, backward_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
+  // comm_s: exposed (waited); comm_total_s: in flight (CpStats::comm_total_s; 0: not measured)
+  double compute_s = 0, comm_s = 0, comm_total_s = 0, step_s = 0, forward_s = 0, backward_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
   double bytes_sent = 0, bytes_received = 0;  // CpStats (counted by the communicators), one forward+backward step
 };
 // One scheme's run: its check and every rank's figures.

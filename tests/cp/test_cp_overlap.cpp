@@ -1,0 +1,186 @@
+// The all-gather scheme's overlap (CpAttnConfig::overlap, docs/cp.md "Overlap"): the kernels
+// run per group of KV heads while the later groups' K/V, and the earlier groups' dK/dV, are in
+// flight. Overlapped and non-overlapped runs (one all-gather, one fused kernel call, one
+// reduce-scatter) are bitwise equal (out, lse, dq, dk, dv) for every dtype and mask, at the
+// rank count mpiexec gives (CTest runs 2, 3 and 4), on documents of 1 to 1100 tokens with odd
+// head dims, for 2 and 3 KV-head groups; and the overlapped run matches a single process.
+#include "cp_test_helpers.hpp"
+
+#include <cpattn/error.hpp>
+
+#include <string>
+
+namespace cpattn {
+namespace {
+
+// Two KV-head groups (Hkv = 2) and three (Hkv = 3, GQA of 2), odd head dims.
+constexpr Shape kGroupShapes[] = {{"gqa-odd", 4, 2, 17, 9}, {"kv3-odd", 6, 3, 11, 7}};
+// A 1-token document, short ones that need padding at cp = 2..4, and one of 1100 tokens.
+const std::vector<int64_t> kOverlapLengths{1, 37, 1100, 9, 1, 64};
+
+struct MaskCase {
+  const char* name;
+  MaskType mask;
+  int64_t left, right;
+};
+constexpr MaskCase kMasks[] = {{"causal", MaskType::causal, -1, -1},
+                               {"none", MaskType::none, -1, -1},
+                               {"window", MaskType::causal, 40, -1}};
+
+// One rank's outputs of a forward + backward.
+struct Outputs {
+  check::Tensor out, dq, dk, dv;
+  std::vector<float> lse;
+  CpStats stats;
+  uint64_t estimate = 0;  // cp_memory_estimate(...).total()
+  int64_t calls = 0;      // communicator calls the forward and backward made
+};
+
+Outputs run(Communicator& comm, const check::Batch& b, const RankPlan& p, const Shape& s, DType t,
+            const AttnOptions& o, CpSplit split, bool overlap) {
+  const CpAttnConfig cfg{.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                         .dtype = t, .options = o, .split = split, .overlap = overlap};
+  CpAttention attn(comm, cfg);
+  const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
+                      dout = check::local_rows(b.dout, p);
+  Outputs r{.out = check::Tensor(t, {p.local_tokens, s.hq, s.dv}), .dq = check::Tensor(t, q.shape),
+            .dk = check::Tensor(t, k.shape), .dv = check::Tensor(t, v.shape),
+            .lse = std::vector<float>(static_cast<std::size_t>(p.local_tokens * s.hq)), .stats = {},
+            .estimate = cp_memory_estimate(cfg, p).total()};
+  const int64_t calls0 = comm.calls();
+  CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                                .out = r.out.view(), .lse = r.lse.data()});
+  attn.backward(ctx, {.q = q.view(), .out = r.out.view(), .dout = dout.view(), .dq = r.dq.view(),
+                      .dk = r.dk.view(), .dv = r.dv.view()});
+  r.stats = attn.stats();
+  r.calls = comm.calls() - calls0;
+  return r;
+}
+
+bool same_bytes(const check::Tensor& a, const check::Tensor& b) {
+  const ConstTensorView x = a.view(), y = b.view();
+  const std::size_t n = static_cast<std::size_t>(x.rows) * x.heads * x.dim * dtype_size(x.dtype);
+  return x.rows == y.rows && std::memcmp(x.data, y.data, n) == 0;
+}
+
+void expect_bitwise_equal(const Outputs& on, const Outputs& off) {
+  EXPECT_TRUE(same_bytes(on.out, off.out)) << "out";
+  EXPECT_TRUE(same_bytes(on.dq, off.dq)) << "dq";
+  EXPECT_TRUE(same_bytes(on.dk, off.dk)) << "dk";
+  EXPECT_TRUE(same_bytes(on.dv, off.dv)) << "dv";
+  EXPECT_EQ(std::memcmp(on.lse.data(), off.lse.data(), on.lse.size() * sizeof(float)), 0) << "lse";
+}
+
+// Not equal by being wrong alike: the overlapped run against one process of the whole batch.
+void expect_matches_single_process(Communicator& comm, const check::Batch& b, const RankPlan& p, const Shape& s,
+                                   DType t, const AttnOptions& o, const Outputs& got_local) {
+  const check::Results want = check::single_process(b, o);
+  const check::Results got = check::gather_results(
+      comm, p, {.out = got_local.out.view(), .dq = got_local.dq.view(), .dk = got_local.dk.view(),
+                .dv = got_local.dv.view(), .lse = got_local.lse.data()});
+  expect_pass(check::compare("out", got.out, want.out, t, b.out_shape().row_elements()));
+  expect_pass(check::compare("dq", got.dq, want.dq, t, b.q_shape().row_elements()));
+  expect_pass(check::compare("dk", got.dk, want.dk, t, b.k_shape().row_elements()));
+  expect_pass(check::compare("dv", got.dv, want.dv, t, b.v_shape().row_elements()));
+  expect_pass(check::compare_lse(got.lse, want.lse, t, s.hq));
+}
+
+TEST(CpOverlapGroups, LargestDivisorOfTheKvHeadsUpToFour) {
+  const auto groups = [](int hkv, int cp, bool overlap = true, KvMode mode = KvMode::runs,
+                         CpScheme scheme = CpScheme::allgather) {
+    return cp_overlap_groups({.num_heads_q = 2 * hkv, .num_heads_k = hkv, .head_dim_qk = 8, .head_dim_v = 8,
+                              .kv_mode = mode, .scheme = scheme, .overlap = overlap},
+                             cp);
+  };
+  EXPECT_EQ(groups(4, 2), 4);
+  EXPECT_EQ(groups(8, 2), 4);
+  EXPECT_EQ(groups(6, 3), 3);
+  EXPECT_EQ(groups(3, 4), 3);
+  EXPECT_EQ(groups(2, 2), 2);
+  EXPECT_EQ(groups(5, 2), 1);  // no divisor in 2..4: one group
+  EXPECT_EQ(groups(1, 2), 1);  // MQA cannot split
+  EXPECT_EQ(groups(4, 1), 1);  // nothing to gather
+  EXPECT_EQ(groups(4, 2, false), 1);
+  EXPECT_EQ(groups(4, 2, true, KvMode::index), 1);
+  EXPECT_EQ(groups(4, 2, true, KvMode::runs, CpScheme::ring), 1);
+}
+
+TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
+  for (const Shape& s : kGroupShapes)
+    for (const DType t : {DType::f32, DType::f16, DType::bf16})
+      for (const MaskCase& m : kMasks) {
+        SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mask " << m.name << " cp "
+                                          << comm.size());
+        const AttnOptions o{.mask = m.mask, .path = best_kernel_path(t), .window_size_left = m.left,
+                            .window_size_right = m.right};
+        const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 5);
+        const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+        const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, true);
+        const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, false);
+        expect_bitwise_equal(on, off);
+        // The overlapped path ran: per group and peer, a send and a receive of K, V, dK, dV
+        // (8 calls) beside the two agreements, where the other makes 2 + 2 + 2 collectives.
+        const int groups = cp_overlap_groups({.num_heads_q = s.hq, .num_heads_k = s.hkv, .overlap = true}, comm.size());
+        EXPECT_EQ(groups, s.hkv);
+        EXPECT_EQ(on.calls, 2 + 8 * int64_t{groups} * (comm.size() - 1));
+        EXPECT_EQ(off.calls, 6);
+        EXPECT_GE(on.stats.comm_total_s, on.stats.comm_s);  // in flight >= waited
+        EXPECT_DOUBLE_EQ(off.stats.comm_total_s, off.stats.comm_s);
+        EXPECT_EQ(on.stats.bytes_sent, off.stats.bytes_sent);  // the same payload, point to point
+        EXPECT_LE(on.stats.peak_buffer_bytes, on.estimate);
+        if (t == DType::bf16) expect_matches_single_process(comm, b, p, s, t, o, on);
+        if (HasFailure()) return;
+      }
+}
+
+// The padding-free split's blocks differ in size (and its reduce-scatter sums in rank order):
+// the same bitwise equality, and the overlapped run against one process.
+TEST_F(CpAttentionTest, OverlapIsBitwiseNeutralWithThePaddingFreeSplit) {
+  const Shape& s = kGroupShapes[1];
+  for (const DType t : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(::testing::Message() << "dtype " << to_string(t) << " cp " << comm.size());
+    const AttnOptions o{.path = best_kernel_path(t)};
+    const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 6);
+    const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
+                                                         PlanOptions{.split = CpSplit::padding_free});
+    const Outputs on = run(comm, b, p, s, t, o, CpSplit::padding_free, true);
+    const Outputs off = run(comm, b, p, s, t, o, CpSplit::padding_free, false);
+    expect_bitwise_equal(on, off);
+    EXPECT_LE(on.stats.peak_buffer_bytes, on.estimate);
+    expect_matches_single_process(comm, b, p, s, t, o, on);
+  }
+}
+
+// Dropout, ALiBi and the soft cap are per query head: each group reads its heads' slopes and
+// draws its heads' dropout masks (dropout_head_offset), so the group calls drop and bias what
+// the fused call does.
+TEST_F(CpAttentionTest, OverlapKeepsEachHeadsDropoutAndAlibi) {
+  const Shape& s = kGroupShapes[1];
+  const DType t = DType::f32;
+  const std::vector<float> slopes = check::alibi_slopes(s.hq);
+  const AttnOptions o{.dropout_p = 0.2f, .seed = 77, .path = best_kernel_path(t), .softcap = 20.0f,
+                      .alibi_slopes = slopes.data()};
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{37, 1, 200, 9}), s.batch(), t, 7);
+  const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+  const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, true);
+  const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, false);
+  expect_bitwise_equal(on, off);
+  expect_matches_single_process(comm, b, p, s, t, o, on);
+}
+
+// Ranks that disagree on overlap fail every rank, naming it, before any payload moves.
+TEST_F(CpAttentionTest, RanksThatDisagreeOnOverlapFailNamingIt) {
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttnConfig c = b.config();
+  c.overlap = comm.rank() != 0;
+  CpAttention attn(comm, c);
+  try {
+    (void)attn.forward(b.fwd());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.message()).find("overlap: rank 0 has 0"), std::string::npos) << e.message();
+  }
+}
+
+}  // namespace
+}  // namespace cpattn
