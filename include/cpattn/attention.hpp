@@ -87,7 +87,8 @@ enum class OutMode {
   // queries (lse -inf, out 0: none yet); this call's keys join them, as merge_partial_softmax
   // of the two parts would, through the kernel's online softmax: out and lse start its running
   // state (max = lse, sum = 1), so no partial result is stored and no merge runs. Rows of no
-  // task keep their contents. A key set split over calls in a fixed order gives a fixed result.
+  // task, and rows that see none of this call's keys (mask or window), keep out and lse bit for
+  // bit. A key set split over calls in a fixed order gives a fixed result.
   accumulate,
 };
 

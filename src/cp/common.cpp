@@ -79,6 +79,31 @@ WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOpt
   return w;
 }
 
+std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o, int block) {
+  const int64_t n = chunks_per_document(plan.cp);
+  std::vector<char> sees(static_cast<std::size_t>(plan.cp), 0);
+  for (std::size_t d = 0; d < plan.docs.size(); ++d) {
+    const int64_t real = plan.docs[d].len;  // positions past it are padding
+    const DocChunk* chunks = plan.layout.chunks.data() + d * n;
+    for (int64_t mq = 0; mq < n; ++mq) {
+      const DocChunk& qc = chunks[mq];
+      const int64_t q_len = std::min(qc.pos + qc.len, real) - qc.pos;
+      if (q_len <= 0 || sees[qc.rank]) continue;  // no real query, or already known
+      // The key positions some query of the chunk may see (as a task of these queries has
+      // them); under a causal mask the task's keys end with its own chunk, which q_last does.
+      const PosRange seen = visible_positions(AttnTask{.q_len = q_len, .q_pos = qc.pos}, o);
+      for (int64_t mk = 0; mk < n && !sees[qc.rank]; ++mk) {
+        const DocChunk& kc = chunks[mk];
+        if (kc.rank != block) continue;
+        const int64_t k_first = std::max(kc.pos, seen.first);
+        const int64_t k_last = std::min(std::min(kc.pos + kc.len, real) - 1, seen.last);
+        sees[qc.rank] = k_first <= k_last;
+      }
+    }
+  }
+  return sees;
+}
+
 const float* as_f32(ConstTensorView t, std::vector<float>& buf) {
   if (t.dtype == DType::f32 && t.is_contiguous()) return static_cast<const float*>(t.data);
   buf.resize(static_cast<std::size_t>(t.rows) * t.heads * t.dim);

@@ -278,15 +278,13 @@ std::vector<WorkList> ring_steps(const RankPlan& plan, const WorkList& keys, con
   return steps;
 }
 
-// Whether rank (rank + s) mod cp has work on this rank's block at its step s, for s = 0 .. cp-1
-// (every rank can plan every rank).
+// Whether rank (rank + s) mod cp has work on this rank's block at its step s, for s = 0 .. cp-1:
+// from the chunk table, without planning the other ranks.
 std::vector<char> ring_returns(const RankPlan& plan, const AttnOptions& o) {
   const int cp = plan.cp;
+  const std::vector<char> sees = ranks_seeing_block(plan, o, plan.rank);
   std::vector<char> returns;
-  for (int st = 0; st < cp; ++st) {
-    const RankPlan p = get_thd_load_balanced_cp_metadata(plan.cu_seqlens, cp, (plan.rank + st) % cp);
-    returns.push_back(!work_on_block(p, without_padding(p, keys_for_mask(p, o.mask)), o, plan.rank).tasks.empty());
-  }
+  for (int st = 0; st < cp; ++st) returns.push_back(sees[static_cast<std::size_t>((plan.rank + st) % cp)]);
   return returns;
 }
 

@@ -46,6 +46,13 @@ WorkList keys_for_mask(const RankPlan& plan, MaskType mask);
 // schemes skip the blocks that the mask or the window hides entirely.
 WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOptions& o, int block);
 
+// sees[q] for q = 0 .. cp-1: whether rank q's queries see some key of rank `block`'s K/V
+// under `o`'s mask and window, padding excluded, i.e. whether work_on_block of q's plan over
+// `block` has a task. From plan.layout and plan.docs alone (the same on every rank), without
+// q's plan: O(documents x chunks), for the ring's backward, whose partial dK/dV is full or
+// empty by it.
+std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o, int block);
+
 // A view's values as fp32 [rows, heads, dim] contiguous: converted into `buf`, or, when the
 // view is already fp32 and contiguous, its own data (nothing copied).
 const float* as_f32(ConstTensorView t, std::vector<float>& buf);

@@ -612,15 +612,36 @@ inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_
 
 // ---- storage conversion ------------------------------------------------------------------
 // Element conversions are cpattn/dtype.hpp's (load_elem: common.hpp).
-// Row of n elements starting at base[i0] to fp32 dst, zero padded to n_pad.
+// Row of n elements starting at base[i0] to fp32 dst, zero padded to n_pad. One loop per
+// dtype, so that the compiler vectorizes the conversion (a per-element switch kept the bf16
+// and fp16 rows scalar: the query side's rows, loaded again by every call, were most of the
+// backward's own time in bf16; docs/benchmarks.md, the ring at cp = 2).
 inline void ld_row(const void* base, DType t, int64_t i0, int n, int n_pad, float* dst) {
-  if (t == DType::f32) {
-    std::memcpy(dst, static_cast<const float*>(base) + i0, sizeof(float) * n);
-  } else {
-    for (int d = 0; d < n; ++d) dst[d] = load_elem(base, t, i0 + d);
+  switch (t) {
+    case DType::f32: std::memcpy(dst, static_cast<const float*>(base) + i0, sizeof(float) * n); break;
+    case DType::f16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + i0;
+      for (int d = 0; d < n; ++d) dst[d] = f16_to_f32(src[d]);
+      break;
+    }
+    case DType::bf16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + i0;
+      for (int d = 0; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+      break;
+    }
   }
   for (int d = n; d < n_pad; ++d) dst[d] = 0.0f;
 }
+// Asks for the n elements at base[i0] (a row of a token-major tensor) ahead of their use. The
+// query side is read head by head, one row every row_stride elements (4 KiB and more apart
+// for 16 heads of 128): the hardware prefetchers do not follow such a stride across pages,
+// and each row's load waited for memory (most of the bf16 backward's own time).
+inline void prefetch_row(const void* base, DType t, int64_t i0, int n) {
+  const auto* p = static_cast<const char*>(base) + i0 * static_cast<int64_t>(dtype_size(t));
+  const int64_t bytes = n * static_cast<int64_t>(dtype_size(t));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+constexpr int64_t kRowsAhead = 8;  // rows of the query side prefetched ahead of their load
 inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, float mul) {
   switch (t) {
     case DType::f32: {
@@ -781,6 +802,7 @@ struct CallRules {
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
   fvec q, o, s, m, l;
+  std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
 };
 
 void forward_impl(const AttnFwdParams& p) {
@@ -826,6 +848,7 @@ void forward_impl(const AttnFwdParams& p) {
     s.s.resize(BQ * FBK);
     s.m.resize(gh * BQ);
     s.l.resize(gh * BQ);
+    s.seen.resize(gh * BQ);
   }
 
   parallel_for(units, nthr, [&](int64_t u, int th) {
@@ -839,18 +862,23 @@ void forward_impl(const AttnFwdParams& p) {
     const int m = static_cast<int>(std::min<int64_t>(BQ, t.q_len - un.qb * BQ));
     for (int g = 0; g < nh; ++g) {
       const int h = h0 + g;
-      for (int r = 0; r < m; ++r)
+      for (int r = 0; r < m; ++r) {
+        if (r + kRowsAhead < m) prefetch_row(q_data, dtype, (row0 + r + kRowsAhead) * q_rs + h * q_hs, head_dim_qk);
         ld_row(q_data, dtype, (row0 + r) * q_rs + h * q_hs, head_dim_qk, dp,
                S.q.data() + (g * BQ + r) * dp);
+      }
       std::fill_n(S.o.data() + g * BQ * dvp, m * dvp, 0.0f);
     }
     std::fill(S.m.begin(), S.m.end(), kNegInf);
     std::fill(S.l.begin(), S.l.end(), 0.0f);
+    std::fill(S.seen.begin(), S.seen.end(), char{0});
     if (resume) {
       // The earlier result (out, lse) as the state (o, m, l) with o / l = out and
       // m + log2(l) = lse / ln 2: m = lse * log2(e), l = 1 (lse -inf: nothing yet, l = 0).
       for (int g = 0; g < nh; ++g)
         for (int r = 0; r < m; ++r) {
+          if (r + kRowsAhead < m)
+            prefetch_row(out_data, DType::f32, (row0 + r + kRowsAhead) * out_rs + (h0 + g) * out_hs, head_dim_v);
           const float prev = lse[(row0 + r) * hq + h0 + g];
           if (prev == kNegInf) continue;
           ld_row(out_data, DType::f32, (row0 + r) * out_rs + (h0 + g) * out_hs, head_dim_v, dvp,
@@ -901,6 +929,7 @@ void forward_impl(const AttnFwdParams& p) {
             for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
             continue;
           }
+          S.seen[g * BQ + r] = 1;
           // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
           // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
           // a partly masked row is scaled and masked in place first (cl may be negative, so
@@ -956,6 +985,10 @@ void forward_impl(const AttnFwdParams& p) {
     for (int g = 0; g < nh; ++g) {
       const int h = h0 + g;
       for (int r = 0; r < m; ++r) {
+        // Accumulate mode: a row that saw no key of this call keeps out and lse as they were
+        // (written back through the state, lse would come back as (lse log2 e) ln 2, not
+        // always lse's bits).
+        if (resume && !S.seen[g * BQ + r]) continue;
         const float l = S.l[g * BQ + r];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         st_row(out_data, out_dtype, (row0 + r) * out_rs + h * out_hs, head_dim_v,
@@ -1043,12 +1076,20 @@ void backward_impl(const AttnBwdParams& p) {
       std::vector<float> orow(dvp);
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t row = t.q_row + i;
+        if (i + kRowsAhead < nq) {
+          const int64_t ahead = row + kRowsAhead;
+          prefetch_row(q_data, dtype, ahead * q_rs + h * q_hs, head_dim_qk);
+          prefetch_row(dout_data, dtype, ahead * dout_rs + h * dout_hs, head_dim_v);
+          prefetch_row(out_data, dtype, ahead * out_rs + h * out_hs, head_dim_v);
+        }
         ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, S.q.data() + i * dp);
         float* dor = S.dout.data() + i * dvp;
         ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
         ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow.data());
-        for (int d = 0; d < dp; ++d) S.q_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = S.q[i * dp + d];
-        for (int d = 0; d < dvp; ++d) S.dout_pan[((d / PAD) * max_q + i) * PAD + d % PAD] = dor[d];
+        for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
+          std::memcpy(S.q_pan.data() + ((d / PAD) * max_q + i) * PAD, S.q.data() + i * dp + d, PAD * sizeof(float));
+        for (int d = 0; d < dvp; d += PAD)
+          std::memcpy(S.dout_pan.data() + ((d / PAD) * max_q + i) * PAD, dor + d, PAD * sizeof(float));
         float delta = 0.0f;  // dout_i . out_i
         if (cr.bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
           // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
@@ -1175,6 +1216,8 @@ void backward_impl(const AttnBwdParams& p) {
       for (int64_t i = 0; i < nq; ++i) {
         const float* src = S.dq.data() + i * dp;
         if (p.grad_mode == GradMode::accumulate_all) {  // fp32 view: added to
+          if (i + kRowsAhead < nq)
+            prefetch_row(dq_data, DType::f32, (t.q_row + i + kRowsAhead) * dq_rs + h * dq_hs, head_dim_qk);
           float* o = static_cast<float*>(dq_data) + (t.q_row + i) * dq_rs + h * dq_hs;
           for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * cr.scale;
         } else {

@@ -77,6 +77,43 @@ TEST(CpWorkLists, EveryVisiblePairOnceUnderEveryMaskAndWindow) {
     }
 }
 
+// ranks_seeing_block (the chunk table alone) against planning every rank and asking its work
+// list over the block: the same for every (rank, block), mask and window, on batches with
+// 1-token documents, documents shorter than 2 cp (padding chunks) and long ones, cp 1..5.
+TEST(CpWorkLists, RanksSeeingABlockAgreeWithEveryRanksPlan) {
+  const std::vector<std::vector<int64_t>> batches{{37, 100, 1, 64, 23, 9, 3}, {1}, {1, 1, 2, 5}, {300}, {7, 1, 250}};
+  const AttnOptions opts[] = {{.mask = MaskType::causal},
+                              {.mask = MaskType::none},
+                              {.mask = MaskType::causal, .window_size_left = 0},
+                              {.mask = MaskType::causal, .window_size_left = 6},
+                              {.mask = MaskType::none, .window_size_left = 3, .window_size_right = 3},
+                              {.mask = MaskType::none, .window_size_left = -1, .window_size_right = 0},
+                              {.mask = MaskType::none, .window_size_left = 0, .window_size_right = -1}};
+  int64_t hidden = 0, seen = 0;  // both answers occur (the comparison can fail either way)
+  for (const std::vector<int64_t>& lengths : batches)
+    for (const int cp : {1, 2, 3, 4, 5})
+      for (const AttnOptions& o : opts) {
+        const std::vector<int64_t> cu = cu_seqlens_from_lengths(lengths);
+        std::vector<RankPlan> plans;
+        for (int r = 0; r < cp; ++r) plans.push_back(get_thd_load_balanced_cp_metadata(cu, cp, r));
+        for (int block = 0; block < cp; ++block) {
+          const std::vector<char> sees = ranks_seeing_block(plans[static_cast<std::size_t>(block)], o, block);
+          ASSERT_EQ(sees.size(), static_cast<std::size_t>(cp));
+          for (int q = 0; q < cp; ++q) {
+            const RankPlan& p = plans[static_cast<std::size_t>(q)];
+            const bool planned = !work_on_block(p, without_padding(p, keys_for_mask(p, o.mask)), o, block).tasks.empty();
+            EXPECT_EQ(sees[static_cast<std::size_t>(q)] != 0, planned)
+                << "cp " << cp << " block " << block << " rank " << q << " window " << o.window_size_left << ","
+                << o.window_size_right << (o.mask == MaskType::causal ? " causal" : " none") << " docs "
+                << lengths.size();
+            (planned ? seen : hidden) += 1;
+          }
+        }
+      }
+  EXPECT_GT(hidden, 0);
+  EXPECT_GT(seen, 0);
+}
+
 TEST(CpWorkLists, BlocksTheWindowHidesGetNoWork) {
   // One document of 160 tokens at cp = 4: chunks of 20. Causal without a window, every rank's
   // back chunk sees every rank's front chunk: all 16 (rank, block) lists are busy. A window of

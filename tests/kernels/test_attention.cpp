@@ -415,6 +415,60 @@ TEST(kernel_attention, OutModeAccumulateLeavesRowsOfNoTaskAlone) {
                            std::vector<float>(plain.f.begin() + 4 * row, plain.f.end())), 1e-6);
 }
 
+// A row of a task that sees none of this call's keys (the causal mask or the window hides
+// them all) keeps out and lse bit for bit; the other rows of the same task merge as the
+// float64 reference's accumulation does. One document of 8 tokens, queries 0..7, this call's
+// keys positions 4..7 (causal: rows 0..3 see none) or 0..3 under a window of 1 on the left
+// (rows 5..7 see none); the earlier result is an arbitrary (out, lse) whose lse values do not
+// all survive the trip through the online softmax's log2 state (checked, so that the
+// assertion can fail).
+TEST(kernel_attention, OutModeAccumulateKeepsRowsThatSeeNoKeyBitForBit) {
+  struct Sub {
+    const char* name;
+    int64_t key_pos, window_left;
+    std::vector<int64_t> blind;  // the rows that see no key of this call
+  };
+  for (const Sub& sub : {Sub{"causal", 4, -1, {0, 1, 2, 3}}, Sub{"window", 0, 1, {5, 6, 7}}})
+    for (const DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(sub.name) + " " + std::string(to_string(dt)));
+      AttnCase c{"blind", {8}, {8}, 2, 1, 17, 17, MaskType::causal};
+      c.window_left = sub.window_left;
+      const Problem pb(c, dt, 9);
+      WorkList w;
+      w.runs.push_back({.row = sub.key_pos, .len = 4, .pos = sub.key_pos});
+      w.tasks.push_back({.q_row = 0, .q_len = 8, .q_pos = 0, .doc = 0, .run_begin = 0, .run_end = 1});
+      Tensor out(DType::f32, pb.out_shape());
+      for (std::size_t i = 0; i < out.f.size(); ++i) out.f[i] = 0.37f * static_cast<float>(i % 13) - 2.0f;
+      std::vector<float> lse(pb.lse_size());
+      int changed_by_trip = 0;  // lse values that (lse log2 e) ln 2 does not give back
+      for (std::size_t i = 0; i < lse.size(); ++i) {
+        lse[i] = 0.731f * static_cast<float>(i) + 0.113f;
+        const float trip = lse[i] * 1.4426950408889634f * 0.6931471805599453f;
+        changed_by_trip += trip != lse[i];
+      }
+      ASSERT_GT(changed_by_trip, 0);
+      Tensor ref_out = out;
+      std::vector<float> ref_lse = lse;
+      const Tensor before = out;
+      const std::vector<float> lse_before = lse;
+      AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1, &w);
+      fp.out_mode = OutMode::accumulate;
+      attention_forward(fp);
+      AttnFwdParams rp = pb.fwd(pb.q, pb.k, pb.v, ref_out, ref_lse.data(), KernelPath::automatic, 1, &w);
+      rp.out_mode = OutMode::accumulate;
+      attention_forward_reference(rp);
+      const auto hq = static_cast<std::size_t>(c.num_heads_q), row = hq * static_cast<std::size_t>(c.head_dim_v);
+      for (const int64_t r : sub.blind) {
+        const auto i = static_cast<std::size_t>(r);
+        for (std::size_t e = i * row; e < (i + 1) * row; ++e) EXPECT_EQ(out.f[e], before.f[e]) << "row " << r;
+        for (std::size_t h = 0; h < hq; ++h) EXPECT_EQ(lse[i * hq + h], lse_before[i * hq + h]) << "row " << r;
+      }
+      EXPECT_LE(rel_norm_error(out.f, ref_out.f), 1e-5);
+      EXPECT_LE(rel_norm_error(lse, ref_lse), 1e-6);
+      EXPECT_NE(out.f, before.f);  // the rows that see keys did merge
+    }
+}
+
 // dQ, dK and dV over the two halves of every key run, accumulated into fp32 buffers that
 // already hold values, with the whole forward's out and lse: the start plus the whole
 // backward's gradients (float64 reference), storage read as stored.
