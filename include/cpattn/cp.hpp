@@ -75,11 +75,13 @@ struct CpAttnConfig {
   // dK/dV by all_to_all_v summed in rank order (deterministic). The other schemes refuse it.
   CpSplit split = CpSplit::padded;
   // The all-gather scheme in runs mode at cp > 1 (docs/cp.md "Overlap"): true runs the kernels
-  // per group of KV heads (cp_overlap_groups: min(Hkv, 4), a divisor of Hkv) with every
-  // group's K/V posted at once, so that group g is computed while groups g+1.. travel, and
-  // backward sends group g's dK/dV while group g+1's are computed. Heads are independent and
-  // every sum keeps its order, so the results are bitwise those of false (one all-gather, one
-  // fused call, one reduce-scatter). Hkv = 1 cannot split: no overlap (not an error). Part of
+  // per group of KV heads (cp_overlap_groups: the largest divisor of Hkv that is at most 4) with
+  // every group's K/V posted at once, so that group g is computed while groups g+1.. travel,
+  // and backward sends group g's dK/dV while group g+1's are computed. Heads are independent
+  // and every sum keeps its order, so the results are bitwise those of false (one all-gather,
+  // one fused call, one reduce-scatter) when the communicator's reduce-scatter is its own
+  // fixed-order ring (CommAlgorithm::ring, the default) or the split is padding-free; with
+  // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. Hkv = 1 cannot split: no overlap (not an error). Part of
   // the ranks' agreement; index mode, cp = 1 and the other schemes ignore it.
   bool overlap = false;
 };

@@ -6,8 +6,10 @@
 // (docs/cp.md): the simulator's bytes equal what CpStats::bytes_sent/bytes_received count
 // (tests/sim/test_sim_bytes.cpp runs the real schemes to hold it). The time model is a
 // latency + bytes / bandwidth cost per transfer on the link class it crosses, and per scheme
-// the overlap the implementation has (the all-gather and all-to-all schemes overlap nothing;
-// the ring and pass-Q overlap each step's transfer with its compute).
+// the overlap the implementation has by default (the all-gather and all-to-all schemes overlap
+// nothing; the ring and pass-Q overlap each step's transfer with its compute). The all-gather's
+// optional CpAttnConfig::overlap (by KV-head groups) is not modelled: neither its time nor its
+// extra buffers.
 //
 //   cpattn::SimInput in{.cu_seqlens = cu, .model = {.num_heads_q = 32, .num_heads_k = 8},
 //                       .mesh = {.cp = 8}, .profile = profile};

@@ -567,7 +567,11 @@ struct CpAttention::State {
       waited += seconds_since(t0);
       stats.comm_s += seconds_since(t0);
     } catch (...) {
-      // A throw-mode timeout leaves requests that may still read or write the buffers.
+      // A throw-mode timeout, or any other throw after the posts (a kernel's bad_alloc), leaves
+      // requests that may still read or write the buffers: dropping them here hands them to
+      // the communicator (which poisons itself) before `b` could be freed, and `b` then stays
+      // alive until they complete.
+      f.reqs.clear();
       if (comm.poisoned()) comm.retain_while_pending(b);
       throw;
     }

@@ -37,10 +37,11 @@ bool cpu_has_avx512() {
 bool cpu_has_avx512_bf16() {
 #if defined(__clang__)
   return false;  // kernel_avx512_bf16.cpp is built by GCC only
-#endif
+#else
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!cpu_has_avx512() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
   return (a & (1u << 5)) != 0;
+#endif
 }
 
 // AMX: CPUID leaf 7 sub-leaf 0 EDX bits 24 (AMX-TILE) and 22 (AMX-BF16); the OS's tile state
@@ -52,7 +53,7 @@ bool cpu_has_avx512_bf16() {
 bool cpu_has_amx() {
 #if defined(__clang__)
   return false;  // kernel_amx.cpp is built by GCC only
-#endif
+#else
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!cpu_has_avx512() || !__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
@@ -62,6 +63,7 @@ bool cpu_has_amx() {
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
+#endif
 }
 
 bool always() { return true; }
@@ -109,14 +111,15 @@ const PathInfo* find_path(KernelPath path) {
 // What `automatic` prefers, fastest first, by what was measured (docs/kernels.md, "Paths and
 // dispatch"): avx512 over avx2 from issue 14's Zen 4 runs (every kernel test passes, 2-4%
 // faster); avx512_bf16 over avx512 for bf16 storage from vdpbf16ps doing two fp32 FMAs' work
-// per instruction (not yet measured on a CPU that has it); amx first for bf16 and fp16 storage
-// by the documented throughput of a tile product (TDPBF16PS / TDPFP16PS: 16 x 16 x 32
-// multiply-adds, 16 times a zmm FMA's work per instruction), not measured here (no CPU with
-// AMX was at hand). On an AMX CPU without AMX-FP16 the amx path runs fp16 as avx512 does.
-// portable runs everywhere.
-constexpr KernelPath kPreferBf16[] = {KernelPath::amx, KernelPath::avx512_bf16, KernelPath::avx512,
-                                      KernelPath::avx2, KernelPath::portable};
-constexpr KernelPath kPreferF16[] = {KernelPath::amx, KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
+// per instruction (not yet measured on a CPU that has it). amx is not in the order: it has
+// never run (no CPU with AMX was at hand; its algorithm is tested through amx_emulated) and
+// a tile path differs from the vector ones in more than arithmetic (tile configuration, the
+// OS's tile-data permission, the instruction's summation order, which Intel's documents
+// state two ways), so it is chosen by name (AttnOptions::path, CPATTN_KERNEL_PATH=amx,
+// --kernel-path amx) until it is measured on an AMX CPU. portable runs everywhere.
+constexpr KernelPath kPreferBf16[] = {KernelPath::avx512_bf16, KernelPath::avx512, KernelPath::avx2,
+                                      KernelPath::portable};
+constexpr KernelPath kPreferF16[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 constexpr KernelPath kPreferOther[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 
 std::span<const KernelPath> preference(DType dtype) {

@@ -331,14 +331,16 @@ inline float ftz(float x) {
 }
 
 // a . b over n elements (n even) in the order and rounding of the tile products: per 32
-// elements, even and odd partial sums, then added to the total (tile_dot_emulated).
-inline float dot_tile_order(const float* a, const float* b, int n) {
+// elements, even and odd partial sums, then added to the total (tile_dot_emulated). `daz`:
+// denormal inputs read as zero, as TDPBF16PS reads bf16 (TDPFP16PS takes fp16 denormals).
+inline float dot_tile_order(const float* a, const float* b, int n, bool daz) {
+  const auto in = [daz](float x) { return daz ? ftz(x) : x; };
   float acc = 0.0f;
   for (int k0 = 0; k0 < n; k0 += 32) {
     float e = 0.0f, o = 0.0f;
     for (int k = k0; k < std::min(n, k0 + 32); k += 2) {
-      e = ftz(std::fma(a[k], b[k], e));
-      o = ftz(std::fma(a[k + 1], b[k + 1], o));
+      e = ftz(std::fma(in(a[k]), in(b[k]), e));
+      o = ftz(std::fma(in(a[k + 1]), in(b[k + 1]), o));
     }
     acc = ftz(acc + ftz(e + o));
   }
@@ -1101,7 +1103,7 @@ void backward_impl(const AttnBwdParams& p) {
             delta = std::fma(dor[d], orow[d], delta);
           }
         } else if (cr.bd == Dot::bf16_tiles || cr.bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
-          delta = dot_tile_order(dor, orow.data(), dvp);
+          delta = dot_tile_order(dor, orow.data(), dvp, cr.bd == Dot::bf16_tiles);
         } else {
           for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
         }
@@ -1194,12 +1196,16 @@ void backward_impl(const AttnBwdParams& p) {
               }
             }
           }
-          // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1)
+          // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1). dS = P (dP - delta)
+          // is an fp32 intermediate whose range is dP's (a sum over the head dim of dO V): fp16
+          // tiles would round it to fp16 and overflow past 65504 (or flush it below 6e-8), so
+          // with fp16 storage its two products run on the FMA code; bf16 has fp32's range.
+          const Dot ds_dot = cr.bd == Dot::fp16_tiles ? Dot::fma : cr.bd;
           mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dv.data() + pc.a0 * dvp, dvp);
-          mm<false>(cr.bd, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
+          mm<false>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
                       max_q * PAD, S.dk.data() + pc.a0 * dp, dp);
-          mm<false>(cr.bd, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
+          mm<false>(ds_dot, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
                       BK * PAD, S.dq.data() + i0 * dp, dp);
         }
         // add the piece's rows to this head's dK/dV

@@ -169,6 +169,28 @@ TEST(kernel_attention, LargeMagnitudeScoresStayFinite) {
   }
 }
 
+// dP = dO . V reaches ~1e5 with |dO|, |V| <= 300: on 2-key documents dS = P (dP - delta) ~
+// (dP_1 - dP_2) / 4 is past fp16's range (65504) in its fp32 form while dQ, dK (one term per
+// query or key, times the softmax scale) and dV stay inside it; a path that rounded dS to
+// fp16 for the dK and dQ products (the fp16 tiles did) gives inf where the reference is
+// finite. Every path this CPU runs, fp16 storage.
+TEST(kernel_attention, LargeGradientsStayFiniteInFp16OnEveryPath) {
+  const AttnCase c{"large_grad", {2, 2, 2, 2, 2, 2, 2, 2}, {2, 2, 2, 2, 2, 2, 2, 2}, 2, 1, 128, 128, MaskType::none};
+  Problem pb(c, DType::f32, 11);
+  for (float& x : pb.v.f) x *= 300.0f;
+  for (float& x : pb.dout.f) x *= 300.0f;
+  const Results ref = run_reference(pb, DType::f32, RefAccum::f64);
+  for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::amx,
+                          KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    const Results got = run_kernels(pb, DType::f16, path, 1, nullptr, &ref.lse);
+    for (const auto* v : {&got.dq, &got.dk, &got.dv}) EXPECT_TRUE(all_finite(*v)) << to_string(path);
+    EXPECT_LE(rel_norm_error(got.dk, ref.dk), 2e-2) << to_string(path);
+    EXPECT_LE(rel_norm_error(got.dq, ref.dq), 2e-2) << to_string(path);
+    EXPECT_LE(rel_norm_error(got.dv, ref.dv), 2e-2) << to_string(path);
+  }
+}
+
 // ---- determinism ----------------------------------------------------------------------------
 TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   const AttnCase c{"det", {150, 1, 77, 200}, {150, 1, 77, 200}, 4, 2, 64, 64, MaskType::causal};
@@ -801,8 +823,8 @@ std::set<std::string> cpuinfo_flags() {
 }
 
 // The dispatch's choice on the running CPU, derived from its flags and the documented order
-// (docs/kernels.md): bf16 amx > avx512_bf16 > avx512 > avx2 > portable, fp16 amx > avx512 >
-// avx2 > portable, fp32 avx512 > avx2 > portable. The kernel lists amx_tile and amx_bf16 only
+// (docs/kernels.md): bf16 avx512_bf16 > avx512 > avx2 > portable, fp16 and fp32 avx512 > avx2
+// > portable; amx is never chosen automatically. The kernel lists amx_tile and amx_bf16 only
 // where XCR0 has the tile state, and Linux 5.16+ (which lists them) grants tile data.
 TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   const std::set<std::string> f = cpuinfo_flags();
@@ -823,8 +845,9 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   EXPECT_EQ(kernel_path_supported(KernelPath::avx512_bf16), bf16);
   EXPECT_EQ(kernel_path_supported(KernelPath::amx), amx);
   const KernelPath want = avx512 ? KernelPath::avx512 : avx2 ? KernelPath::avx2 : KernelPath::portable;
-  const KernelPath want_bf16 = amx ? KernelPath::amx : bf16 ? KernelPath::avx512_bf16 : want;
-  const KernelPath want_f16 = amx ? KernelPath::amx : want;
+  // amx runs where the CPU has it but is never chosen automatically (not yet measured).
+  const KernelPath want_bf16 = bf16 ? KernelPath::avx512_bf16 : want;
+  const KernelPath want_f16 = want;
   EXPECT_EQ(best_kernel_path(), want);
   EXPECT_EQ(best_kernel_path(DType::f32), want);
   EXPECT_EQ(best_kernel_path(DType::f16), want_f16);
@@ -835,15 +858,10 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
     EXPECT_EQ(c.path, dt == DType::bf16 ? want_bf16 : dt == DType::f16 ? want_f16 : want) << to_string(dt);
     EXPECT_FALSE(c.forced_by_env);
     EXPECT_EQ(c.reason.rfind("chosen automatically: " + std::string(to_string(c.path)), 0), 0u) << c.reason;
-    const char* order = dt == DType::bf16  ? "amx > avx512_bf16 > avx512 > avx2 > portable"
-                        : dt == DType::f16 ? "amx > avx512 > avx2 > portable"
-                                           : "avx512 > avx2 > portable";
+    const char* order = dt == DType::bf16 ? "avx512_bf16 > avx512 > avx2 > portable" : "avx512 > avx2 > portable";
     EXPECT_NE(c.reason.find(order), std::string::npos) << c.reason;
-    if (dt != DType::f32 && c.path != KernelPath::amx) {
-      EXPECT_NE(c.reason.find("skipped amx (needs"), std::string::npos) << "names what the CPU lacks: " << c.reason;
-      EXPECT_NE(c.reason.find("permission to use tile data"), std::string::npos) << c.reason;
-    }
-    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16 && c.path != KernelPath::amx) {
+    EXPECT_EQ(c.reason.find("amx"), std::string::npos) << c.reason;
+    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16) {
       EXPECT_NE(c.reason.find("avx512 (needs"), std::string::npos) << "names what the CPU lacks: " << c.reason;
     }
   }
