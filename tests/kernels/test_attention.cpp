@@ -1041,24 +1041,31 @@ TEST(kernel_bf16_dot, EmulationIsBitwiseTheInstruction) {
         << "lane " << i << ": acc " << acc[i] << " a " << std::hex << a[i] << " b " << b[i];
 }
 
-// The bf16 paths run bf16 dot products for bf16 storage (their results are not the FMA path's,
-// which converts to fp32 and rounds nothing) and the FMA code for fp32.
-TEST(kernel_bf16_dot, Bf16StorageRunsTheDotProductsAndFp32TheBasePath) {
-  if (!kernel_path_supported(KernelPath::bf16_emulated)) GTEST_SKIP() << "bf16_emulated needs AVX2, FMA and F16C";
-  const AttnCase c{"dot", {70, 1, 33}, {70, 1, 33}, 2, 1, 40, 40, MaskType::causal};
-  for (const DType dt : {DType::bf16, DType::f32}) {
+// `path` runs its own products for the storage types `own` (results not the avx2 path's, which
+// converts to fp32 and rounds neither P nor dS) and avx2's FMA code for fp32 (bitwise avx2's).
+void expect_own_products_only_for(KernelPath path, std::initializer_list<DType> own) {
+  const AttnCase c{"own_products", {70, 1, 33}, {70, 1, 33}, 2, 1, 40, 40, MaskType::causal};
+  std::vector<DType> dtypes(own);
+  dtypes.push_back(DType::f32);
+  for (const DType dt : dtypes) {
     const Problem pb(c, dt, 21);
     const Results avx2 = run_kernels(pb, dt, KernelPath::avx2, 1);
-    const Results emu = run_kernels(pb, dt, KernelPath::bf16_emulated, 1);
+    const Results got = run_kernels(pb, dt, path, 1);
     if (dt == DType::f32) {
-      EXPECT_EQ(emu.out, avx2.out);
-      EXPECT_EQ(emu.dq, avx2.dq);
-      EXPECT_EQ(emu.dk, avx2.dk);
+      EXPECT_EQ(got.out, avx2.out) << to_string(path);
+      EXPECT_EQ(got.dq, avx2.dq) << to_string(path);
+      EXPECT_EQ(got.dk, avx2.dk) << to_string(path);
     } else {
-      EXPECT_NE(emu.out, avx2.out) << "bf16 storage on bf16_emulated ran the fp32 products";
-      EXPECT_NE(emu.dk, avx2.dk) << "bf16 storage on bf16_emulated ran the fp32 products";
+      EXPECT_NE(got.out, avx2.out) << to_string(dt) << " storage on " << to_string(path) << " ran the fp32 products";
+      EXPECT_NE(got.dk, avx2.dk) << to_string(dt) << " storage on " << to_string(path) << " ran the fp32 products";
     }
   }
+}
+
+// The bf16 paths run bf16 dot products for bf16 storage and the FMA code for fp32.
+TEST(kernel_bf16_dot, Bf16StorageRunsTheDotProductsAndFp32TheBasePath) {
+  if (!kernel_path_supported(KernelPath::bf16_emulated)) GTEST_SKIP() << "bf16_emulated needs AVX2, FMA and F16C";
+  expect_own_products_only_for(KernelPath::bf16_emulated, {DType::bf16});
 }
 
 
@@ -1189,25 +1196,12 @@ TEST(kernel_amx_tiles, ProductsMatchFloat64OnFullAndPartialTiles) {
   }
 }
 
-// The amx paths run tile products for bf16 and fp16 storage (their results are not the FMA
-// path's, which rounds neither P nor dS) and the FMA code for fp32. (Against bf16_emulated,
-// which sums the same products in another order, the outputs rounded to bf16 agree.)
+// The amx paths run tile products for bf16 and fp16 storage and the FMA code for fp32.
+// (Against bf16_emulated, which sums the same products in another order, the outputs rounded
+// to bf16 agree.)
 TEST(kernel_amx_tiles, Bf16AndFp16StorageRunTheTilesAndFp32TheBasePath) {
   if (!kernel_path_supported(KernelPath::amx_emulated)) GTEST_SKIP() << "amx_emulated needs AVX2, FMA and F16C";
-  const AttnCase c{"tiles", {70, 1, 33}, {70, 1, 33}, 2, 1, 40, 40, MaskType::causal};
-  for (const DType dt : {DType::bf16, DType::f16, DType::f32}) {
-    const Problem pb(c, dt, 21);
-    const Results avx2 = run_kernels(pb, dt, KernelPath::avx2, 1);
-    const Results emu = run_kernels(pb, dt, KernelPath::amx_emulated, 1);
-    if (dt == DType::f32) {
-      EXPECT_EQ(emu.out, avx2.out);
-      EXPECT_EQ(emu.dq, avx2.dq);
-      EXPECT_EQ(emu.dk, avx2.dk);
-    } else {
-      EXPECT_NE(emu.out, avx2.out) << to_string(dt) << " storage on amx_emulated ran the fp32 products";
-      EXPECT_NE(emu.dk, avx2.dk) << to_string(dt) << " storage on amx_emulated ran the fp32 products";
-    }
-  }
+  expect_own_products_only_for(KernelPath::amx_emulated, {DType::bf16, DType::f16});
 }
 
 // Where the CPU has AMX: the emulator is bitwise the instructions, on random full tiles over a
