@@ -5,7 +5,7 @@
 // function of them is compiled for a wider ISA than the baseline, restores it with
 // `#pragma GCC pop_options` after this file, and defines the path's KernelTable. Everything
 // here has internal linkage for the same reason (no ODR merging across ISAs). The blocking
-// constants (PAD, BQ, BQB, BK, FBK, GH, MR) are blocking.hpp's.
+// constants (PAD, BQ, BQB, BK, BBK, FBK, GH, MR, BWD_UNITS) are blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and
@@ -23,14 +23,15 @@
 //    skipped, and the first piece past the right limit (causal or window) ends the loop.
 //    Soft cap and ALiBi (AttnOptions) transform the scores of a row element by element in a
 //    branch taken once per call; without them the rows run the vector code as before. The next piece's K^T and V are prefetched while the current one runs.
-//  * Backward: a unit is one query head (all tasks, in order). For each 64-key piece it runs
-//    the task's queries in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the
-//    piece in a local tile and dQ of the task in a local fp32 buffer. dK/dV go to a
-//    per-query-head fp32 scratch, summed over the heads of a GQA group in head order at the
-//    end. Each gradient element is therefore a fixed-order sum, whatever num_threads is and
-//    however many tasks share key rows: the results are bitwise reproducible and independent
-//    of the thread count. The price is scratch of Hq * total_k * (Dqk + Dv) floats and
-//    parallelism limited to Hq units.
+//  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), its heads one after
+//    the other, all tasks in order. For each BBK = 128-key piece it runs the task's queries in
+//    steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece in a local tile
+//    and dQ of the task in a local fp32 buffer. The tiles are added to the set's fp32 dK/dV
+//    buffer head after head; the kv head's sets are summed in set order at the end. The sets
+//    depend on the shape alone, so each gradient element is a fixed-order sum, whatever
+//    num_threads is and however many tasks share key rows: the results are bitwise
+//    reproducible and independent of the thread count. The price is scratch of
+//    Hkv * sets * total_k * (Dqk + Dv) floats and parallelism limited to Hkv * sets units.
 #ifndef CPATTN_KNS
 #error "define CPATTN_KNS and CPATTN_VW before including kernel_impl.hpp"
 #endif
