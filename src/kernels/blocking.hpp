@@ -25,8 +25,12 @@ constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): 
                           // Q and O blocks (4 x 2 x 32 KiB at D = 128) and a K^T/V piece
                           // (128 KiB) fit a 512 KiB L2
 constexpr int MR = 6;     // micro-kernel rows
+constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S = Q K^T, the
+                          // softmax and O += P V FSB rows at a time, each product's operands
+                          // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
+                          // an 8 KiB K^T or V panel) within a 32 KiB L1
 constexpr int BWD_UNITS = 8;  // backward units a call aims for (bwd_set_heads)
-static_assert(BK % PAD == 0 && FBK % BK == 0 && BBK % BK == 0);
+static_assert(BK % PAD == 0 && FBK % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 

@@ -23,6 +23,10 @@
 //    skipped, and the first piece past the right limit (causal or window) ends the loop.
 //    Soft cap and ALiBi (AttnOptions) transform the scores of a row element by element in a
 //    branch taken once per call; without them the rows run the vector code as before. The next piece's K^T and V are prefetched while the current one runs.
+//    Within a unit, each head's rows go through S = Q K^T, the softmax and O += P V in
+//    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
+//    none of its rows sees the piece), so that a product's operands stay in L1; the softmax
+//    uses vexp2_softmax and leaves O alone where the row max did not move.
 //  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), its heads one after
 //    the other, all tasks in order. For each BBK = 128-key piece it runs the task's queries in
 //    steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece in a local tile
@@ -84,28 +88,49 @@ inline float hmax(vf v) {
   return m;
 }
 
-// 2^x for x <= 128, exactly 0 for x < -126 (so masked entries, -inf, give 0).
-// Round-to-nearest split x = n + f, |f| <= 1/2, degree-7 Taylor of 2^f (error < 1e-8).
-inline vf vexp2(vf x) {
-  const vf lo = vset(-126.0f);
-  const vi keep = x >= lo;
-  vf xc = x < lo ? lo : x;
-  xc = xc > vset(127.0f) ? vset(127.0f) : xc;
+// 2^xc for xc in [-127, 127]: xc = n + f rounded to nearest (|f| <= 1/2), p(f) by Horner's
+// rule from c[0], the highest coefficient, and 2^n added to p's exponent bits.
+template <size_t N>
+inline vf exp2_split(vf xc, const float (&c)[N]) {
   const vf magic = vset(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf t = xc + magic;
   const vf n = t - magic;
   const vf f = xc - n;
-  vf p = vset(1.525273380405984e-05f);
-  p = p * f + vset(1.5403530393381606e-04f);
-  p = p * f + vset(1.3333558146428443e-03f);
-  p = p * f + vset(9.618129107628477e-03f);
-  p = p * f + vset(5.550410866482158e-02f);
-  p = p * f + vset(2.402265069591007e-01f);
-  p = p * f + vset(6.931471805599453e-01f);
-  p = p * f + vset(1.0f);
+  vf p = vset(c[0]);
+#pragma GCC unroll 8
+  for (size_t i = 1; i < N; ++i) p = p * f + vset(c[i]);
   const vi ni = (vi)t - (vi)magic;
-  const vi bits = (vi)p + (ni << 23);
-  return (vf)(bits & keep);
+  return (vf)((vi)p + (ni << 23));
+}
+
+// 2^x for x <= 128, exactly 0 for x < -126 (so masked entries, -inf, give 0).
+// Degree-7 Taylor of 2^f (error < 1e-8).
+inline vf vexp2(vf x) {
+  static constexpr float taylor7[] = {1.525273380405984e-05f, 1.5403530393381606e-04f,
+                                      1.3333558146428443e-03f, 9.618129107628477e-03f,
+                                      5.550410866482158e-02f, 2.402265069591007e-01f,
+                                      6.931471805599453e-01f, 1.0f};
+  const vf lo = vset(-126.0f);
+  const vi keep = x >= lo;
+  vf xc = x < lo ? lo : x;
+  xc = xc > vset(127.0f) ? vset(127.0f) : xc;
+  return (vf)((vi)exp2_split(xc, taylor7) & keep);
+}
+
+// 2^x for the forward's softmax, whose arguments are a score minus its row's running max
+// (x <= 0 up to the rounding of the fused s * scale - max, or -inf for a masked entry): no
+// upper clamp, and the lower one is a max, since x = -127 gives exactly 0 through the
+// exponent arithmetic (n = -127, p(0) = 1: bits 0); -inf and every x <= -127 give 0, x in
+// (-127, -126) a number below 2^-126 (vexp2 gives 0 there; both are far under any row sum,
+// which is >= 1). p is the degree-6 minimax polynomial of 2^f on [-1/2, 1/2] for relative
+// error (1.9e-9, Remez exchange; 7.9e-8 worst case evaluated in fp32, against 6.5e-8 for
+// vexp2's degree 7), p(0) = 1 exactly, so the row's maximum gives exactly 1. Six FMAs and a
+// max against vexp2's seven FMAs, two clamps, a compare and a mask.
+inline vf vexp2_softmax(vf x) {
+  static constexpr float minimax6[] = {1.534581243e-04f, 1.339993090e-03f, 9.618489072e-03f,
+                                       5.550328642e-02f, 2.402264625e-01f, 6.931471825e-01f,
+                                       1.0f};
+  return exp2_split(vmax(x, vset(-127.0f)), minimax6);
 }
 
 // ---- the micro-kernel -----------------------------------------------------------------
@@ -849,7 +874,7 @@ void forward_impl(const AttnFwdParams& p) {
   for (auto& s : scr) {
     s.q.resize(gh * BQ * dp);
     s.o.resize(gh * BQ * dvp);
-    s.s.resize(BQ * FBK);
+    s.s.resize(FSB * FBK);
     s.m.resize(gh * BQ);
     s.l.resize(gh * BQ);
     s.seen.resize(gh * BQ);
@@ -893,14 +918,16 @@ void forward_impl(const AttnFwdParams& p) {
     }
 
     const int64_t qp_last = qp0 + m - 1;
+    // The right limit (causal or window) of query position qp trims a piece's computed
+    // columns to those some row up to qp can see: [a0, a1) -> [a0, trimmed_end).
+    auto trimmed_end = [&](const Piece& pc, int64_t qp) {
+      if (!cr.vz.hi_bounded) return pc.a1;
+      return static_cast<int>(std::min<int64_t>(pc.a1, (pc.c0 + (qp + cr.vz.hi - pc.p_lo) + PAD) / PAD * PAD));
+    };
     for_each_piece<FBK>(w, t, cr.vz, qp0, qp_last, [&](Piece pc) {
       // Columns past the last row's right limit (causal or window) are masked for every row:
       // not computed.
-      if (cr.vz.hi_bounded)
-        pc.a1 = static_cast<int>(
-            std::min<int64_t>(pc.a1, (pc.c0 + (qp_last + cr.vz.hi - pc.p_lo) + PAD) / PAD * PAD));
-      const int n = pc.a1 - pc.a0;
-      const int64_t k0 = pc.b * FBK + pc.a0;  // first physical key row computed
+      pc.a1 = trimmed_end(pc, qp_last);
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
       // from L3 while this piece runs, a few lines per row of the group's first head.
       const char* next_k = reinterpret_cast<const char*>(pk.Kt(hk, 0) + (pc.b + 1) * FBK * dp);
@@ -909,80 +936,103 @@ void forward_impl(const AttnFwdParams& p) {
       auto next_v = [&](int64_t ln) {
         return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + (pc.b + 1) * FBK * PAD + (ln % v_lines_pp) * 16;
       };
-      const bool full = pc.a0 == pc.c0 && pc.a1 == pc.c1;
       for (int g = 0; g < nh; ++g) {
         const int h = h0 + g;
-        float* q = S.q.data() + g * BQ * dp;
-        float* o_g = S.o.data() + g * BQ * dvp;
-        float* m_g = S.m.data() + g * BQ;
-        float* l_g = S.l.data() + g * BQ;
-        // S[m, a0:a1) = Q[m, dp] Kt[dp, a0:a1)
-        mm<true>(cr.bd, m, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
-                   S.s.data() + pc.a0, FBK);
-        for (int r = 0; r < m; ++r) {
-          if (g == 0) {
-            for (int64_t ln = r * k_lines / m; ln < (r + 1) * k_lines / m; ++ln)
-              __builtin_prefetch(next_k + ln * 64, 0, 1);
-            for (int64_t ln = r * v_lines / m; ln < (r + 1) * v_lines / m; ++ln)
-              __builtin_prefetch(next_v(ln), 0, 1);
+        // The unit's rows run in sub-blocks of FSB rows: S = Q Kt, the softmax and O += P V
+        // of a sub-block touch its Q, S and O rows only, which stay in L1 (blocking.hpp).
+        for (int r0 = 0; r0 < m; r0 += FSB) {
+          const int sb = std::min(FSB, m - r0);
+          Piece ps = pc;  // the piece as this sub-block computes it
+          ps.a1 = trimmed_end(pc, qp0 + r0 + sb - 1);
+          if (ps.a1 <= ps.a0) continue;  // no row of the sub-block sees the piece
+          const int n = ps.a1 - ps.a0;
+          const int64_t k0 = ps.b * FBK + ps.a0;  // first physical key row computed
+          const bool full = ps.a0 == ps.c0 && ps.a1 == ps.c1;
+          float* q = S.q.data() + (g * BQ + r0) * dp;
+          float* o_g = S.o.data() + (g * BQ + r0) * dvp;
+          float* m_g = S.m.data() + g * BQ + r0;
+          float* l_g = S.l.data() + g * BQ + r0;
+          char* seen = S.seen.data() + g * BQ + r0;
+          // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
+          mm<true>(cr.bd, sb, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
+                   S.s.data() + ps.a0, FBK);
+          bool any = false;
+          for (int r = 0; r < sb; ++r) {
+            if (g == 0) {
+              const int64_t ur = r0 + r;  // the row in the unit
+              for (int64_t ln = ur * k_lines / m; ln < (ur + 1) * k_lines / m; ++ln)
+                __builtin_prefetch(next_k + ln * 64, 0, 1);
+              for (int64_t ln = ur * v_lines / m; ln < (ur + 1) * v_lines / m; ++ln)
+                __builtin_prefetch(next_v(ln), 0, 1);
+            }
+            float* s = S.s.data() + r * FBK;
+            const int64_t qp = qp0 + r0 + r;
+            const int ve = visible_end(ps, cr.vz, qp);
+            const int vb = visible_begin(ps, cr.vz, qp);
+            if (ve <= vb) {  // nothing visible in this piece for this row
+              for (int c = ps.a0; c < ps.a1; ++c) s[c] = 0.0f;
+              continue;
+            }
+            seen[r] = 1;
+            any = true;
+            // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
+            // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
+            // a partly masked row is scaled and masked in place first (cl may be negative, so
+            // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
+            vf mx = vset(kNegInf);
+            float mul = 1.0f;
+            if (cr.scored) {
+              const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+              float dcap;
+              for (int c = ps.a0; c < ps.a1; ++c)
+                s[c] = c >= vb && c < ve
+                           ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp,
+                                             ps.p_lo + (c - ps.c0), dcap) * kLog2e
+                           : kNegInf;
+              for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c));
+            } else if (full && vb == ps.c0 && ve == ps.c1) {
+              mul = cr.cl;
+              const vf cv = vset(cr.cl);
+              if (cr.cl > 0.0f) {  // max(s * cl) = max(s) * cl exactly: rounding is monotonic
+                for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c));
+                mx = mx * cv;
+              } else {
+                for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
+              }
+            } else {
+              for (int c = ps.a0; c < ps.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
+              for (int c = ps.a0; c < vb; ++c) s[c] = kNegInf;
+              for (int c = ve; c < ps.a1; ++c) s[c] = kNegInf;
+              for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c));
+            }
+            const float m_old = m_g[r];
+            const float m_new = std::fmax(m_old, hmax(mx));
+            // alpha = 2^(m_old - m_new): 1 when the max did not move (exact), and O is then
+            // not rescaled
+            const float alpha = m_old == m_new ? 1.0f : m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
+            vf sum = vf{};
+            const vf mv = vset(m_new), mulv = vset(mul);
+            for (int c = ps.a0; c < ps.a1; c += W) {
+              const vf e = vexp2_softmax(vload(s + c) * mulv - mv);
+              sum += e;
+              vstore(s + c, e);
+            }
+            l_g[r] = l_g[r] * alpha + hsum(sum);
+            m_g[r] = m_new;
+            if (alpha != 1.0f) {
+              float* o = o_g + r * dvp;
+              for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
+            }
+            if (cr.dropout) {
+              const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp);
+              for (int c = vb; c < ve; ++c)
+                s[c] = dropout_keep_row(key, ps.p_lo + (c - ps.c0), cr.thr) ? s[c] * cr.inv_keep : 0.0f;
+            }
           }
-          float* s = S.s.data() + r * FBK;
-          const int ve = visible_end(pc, cr.vz, qp0 + r);
-          const int vb = visible_begin(pc, cr.vz, qp0 + r);
-          if (ve <= vb) {  // nothing visible in this piece for this row
-            for (int c = pc.a0; c < pc.a1; ++c) s[c] = 0.0f;
-            continue;
-          }
-          S.seen[g * BQ + r] = 1;
-          // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
-          // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
-          // a partly masked row is scaled and masked in place first (cl may be negative, so
-          // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
-          vf mx = vset(kNegInf);
-          float mul = 1.0f;
-          if (cr.scored) {
-            const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
-            float dcap;
-            for (int c = pc.a0; c < pc.a1; ++c)
-              s[c] = c >= vb && c < ve
-                         ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r,
-                                           pc.p_lo + (c - pc.c0), dcap) * kLog2e
-                         : kNegInf;
-            for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
-          } else if (full && vb == pc.c0 && ve == pc.c1) {
-            mul = cr.cl;
-            const vf cv = vset(cr.cl);
-            for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
-          } else {
-            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
-            for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
-            for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
-            for (int c = pc.a0; c < pc.a1; c += W) mx = vmax(mx, vload(s + c));
-          }
-          const float m_old = m_g[r];
-          const float m_new = std::fmax(m_old, hmax(mx));
-          const float alpha = m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
-          vf sum = vf{};
-          const vf mv = vset(m_new), mulv = vset(mul);
-          for (int c = pc.a0; c < pc.a1; c += W) {
-            const vf e = vexp2(vload(s + c) * mulv - mv);
-            sum += e;
-            vstore(s + c, e);
-          }
-          l_g[r] = l_g[r] * alpha + hsum(sum);
-          m_g[r] = m_new;
-          if (alpha != 1.0f) {
-            float* o = o_g + r * dvp;
-            for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
-          }
-          if (cr.dropout) {
-            const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
-            for (int c = vb; c < ve; ++c)
-              s[c] = dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? s[c] * cr.inv_keep : 0.0f;
-          }
+          // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0)
+          if (any)
+            mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
         }
-        // O[m, dvp] += P[m, a0:a1) V[a0:a1, dvp]
-        mm<false>(cr.bd, m, dvp, n, S.s.data() + pc.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
       }
     });
 

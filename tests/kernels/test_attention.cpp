@@ -610,6 +610,30 @@ TEST(kernel_attention, QueryWithNoVisibleKeyGivesZeroAndMinusInf) {
     for (float x : *v) EXPECT_EQ(x, 0.0f);
 }
 
+// A query that sees exactly one key (window 0: itself) has the softmax weight exp2(0) / 1 = 1
+// and its masked keys exp2(-inf) = 0, so its out row is that key's v row bit for bit, on every
+// path, with fp32 storage (the forward's exp2 gives p(0) = 1 exactly and -inf exactly 0).
+// Documents of 1, 130 and 200 tokens at unaligned rows, so that the queries span several
+// row sub-blocks and key pieces; GQA 2 and an odd head dim.
+TEST(kernel_attention, QueryThatSeesOneKeyGetsItsValueRowExactly) {
+  AttnCase c{"one_key", {1, 130, 200}, {1, 130, 200}, 4, 2, 59, 59, MaskType::causal};
+  c.window_left = 0;
+  const Problem pb(c, DType::f32, 5);
+  const int64_t rows = 331;
+  for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                          KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    const Results got = run_kernels(pb, DType::f32, path, 1);
+    ASSERT_EQ(got.out.size(), static_cast<size_t>(rows * 4 * 59));
+    int64_t differ = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int h = 0; h < 4; ++h)
+        for (int d = 0; d < 59; ++d)
+          differ += got.out[(r * 4 + h) * 59 + d] != pb.v.f[(r * 2 + h / 2) * 59 + d];
+    EXPECT_EQ(differ, 0) << to_string(path) << ": out elements that are not their key's v";
+  }
+}
+
 // ---- 64-bit offsets ----------------------------------------------------------------------------
 // Rows 2^31 elements apart, so that the rows start at 0, 2^31 and 2^32 elements (16 GiB):
 // past what signed and unsigned 32-bit arithmetic hold. The tensors are columns of one reserved, mostly untouched mapping
