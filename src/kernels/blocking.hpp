@@ -11,9 +11,14 @@ namespace cpattn::kernels {
 
 constexpr int PAD = 16;   // head dims and key columns are padded to this (multiple of W)
 constexpr int BQ = 64;    // query rows per forward unit
-constexpr int BQB = 128;  // query rows per backward step: the dK and dV products run
-                          // over 128 queries, halving their accumulator loads and stores
-constexpr int BK = 64;    // key rows per block (packing, backward)
+constexpr int BQB = 64;   // query rows per backward step: its Q and dO blocks are 32 KiB each
+                          // at D = 128, beside the 128-key piece's 128 KiB of dK/dV tiles
+                          // (64, 96 and 128 rows measured within the noise of each other)
+constexpr int BK = 64;    // key rows per packed block
+constexpr int BBK = 128;  // key rows per backward piece: two blocks (K^T, V^T and K are
+                          // contiguous across blocks), so that dQ accumulates over 128 keys
+                          // per load and store of its rows and the query side streams from
+                          // L3 once per 128 keys instead of 64
 constexpr int FBK = 128;  // key rows per forward piece: two blocks (K^T and V are
                           // contiguous across blocks), halving per-row softmax costs
 constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): their
@@ -24,19 +29,38 @@ constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S
                           // softmax and O += P V FSB rows at a time, each product's operands
                           // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
                           // an 8 KiB K^T or V panel) within a 32 KiB L1
-static_assert(BK % PAD == 0 && FBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
+constexpr int BWD_UNITS = 8;  // backward units a call aims for (bwd_set_heads)
+static_assert(BK % PAD == 0 && FBK % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
+
+// Query heads per backward unit. A unit is (kv head, set of consecutive query heads of its
+// group) and accumulates the set's dK/dV in one fp32 buffer, head after head; the sets' buffers
+// are summed in set order at the end. Sets of up to GH heads, split further until there are
+// BWD_UNITS units where the group allows it (MQA, few kv heads), so that a few threads have
+// work. A function of the shape alone, never of num_threads: the summation order, and so the
+// result, do not depend on the thread count.
+constexpr int bwd_set_heads(int num_heads_q, int num_heads_k) {
+  const int group = num_heads_q / std::max(num_heads_k, 1);
+  const int want = std::max((group + GH - 1) / GH, (BWD_UNITS + num_heads_k - 1) / std::max(num_heads_k, 1));
+  const int sets = std::max(1, std::min(group, want));
+  return std::max(1, (group + sets - 1) / sets);
+}
+constexpr int bwd_sets(int num_heads_q, int num_heads_k) {
+  const int group = num_heads_q / std::max(num_heads_k, 1);
+  const int per = bwd_set_heads(num_heads_q, num_heads_k);
+  return std::max(1, (group + per - 1) / per);
+}
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
 // stays within this bound).
 struct BwdScratchFloats {
   size_t packed_kv;       // K^T, K, V, V^T packed per kv head in blocks of BK rows
-  size_t per_head_grads;  // dK, dV per query head
+  size_t per_set_grads;   // dK, dV per (kv head, head set)
   size_t per_thread;      // one thread's buffers
   size_t total(int threads) const {
-    return packed_kv + per_head_grads + per_thread * static_cast<size_t>(std::max(threads, 1));
+    return packed_kv + per_set_grads + per_thread * static_cast<size_t>(std::max(threads, 1));
   }
 };
 
@@ -49,11 +73,12 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   const size_t mq = static_cast<size_t>(max_q);
   BwdScratchFloats f{};
   f.packed_kv = static_cast<size_t>(num_heads_k) * tk * 2 * (dp + dvp);
-  f.per_head_grads = static_cast<size_t>(num_heads_q) * static_cast<size_t>(total_k) * (dp + dvp);
+  f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) *
+                    static_cast<size_t>(total_k) * (dp + dvp);
   // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
-  // dP blocks [BQB][BK]; the piece's dK, dV tiles [BK][dp + dvp]; row buffers (a packed row,
+  // dP blocks [BQB][BBK]; the piece's dK, dV tiles [BBK][dp + dvp]; row buffers (a packed row,
   // an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp)
-  f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * size_t{BQB} * BK + BK * (dp + dvp) +
+  f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * size_t{BQB} * BBK + BBK * (dp + dvp) +
                  2 * (dp + dvp);
   return f;
 }

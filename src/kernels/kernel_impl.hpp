@@ -5,7 +5,7 @@
 // function of them is compiled for a wider ISA than the baseline, restores it with
 // `#pragma GCC pop_options` after this file, and defines the path's KernelTable. Everything
 // here has internal linkage for the same reason (no ODR merging across ISAs). The blocking
-// constants (PAD, BQ, BQB, BK, FBK, GH, MR) are blocking.hpp's.
+// constants (PAD, BQ, BQB, BK, BBK, FBK, GH, MR, BWD_UNITS) are blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and
@@ -27,14 +27,15 @@
 //    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
 //    none of its rows sees the piece), so that a product's operands stay in L1; the softmax
 //    uses vexp2_softmax and leaves O alone where the row max did not move.
-//  * Backward: a unit is one query head (all tasks, in order). For each 64-key piece it runs
-//    the task's queries in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the
-//    piece in a local tile and dQ of the task in a local fp32 buffer. dK/dV go to a
-//    per-query-head fp32 scratch, summed over the heads of a GQA group in head order at the
-//    end. Each gradient element is therefore a fixed-order sum, whatever num_threads is and
-//    however many tasks share key rows: the results are bitwise reproducible and independent
-//    of the thread count. The price is scratch of Hq * total_k * (Dqk + Dv) floats and
-//    parallelism limited to Hq units.
+//  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), its heads one after
+//    the other, all tasks in order. For each BBK = 128-key piece it runs the task's queries in
+//    steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece in a local tile
+//    and dQ of the task in a local fp32 buffer. The tiles are added to the set's fp32 dK/dV
+//    buffer head after head; the kv head's sets are summed in set order at the end. The sets
+//    depend on the shape alone, so each gradient element is a fixed-order sum, whatever
+//    num_threads is and however many tasks share key rows: the results are bitwise
+//    reproducible and independent of the thread count. The price is scratch of
+//    Hkv * sets * total_k * (Dqk + Dv) floats and parallelism limited to Hkv * sets units.
 #ifndef CPATTN_KNS
 #error "define CPATTN_KNS and CPATTN_VW before including kernel_impl.hpp"
 #endif
@@ -694,12 +695,13 @@ struct Packed {
   int64_t nblk = 0;  // blocks of BK physical key rows
   int dp = 0, dvp = 0;
   // per (kv head, block), in PAD-column panels: kt [BK/PAD][dp][PAD] (K^T; panel j of a kv
-  // head's keys is at Kt(hk, 0) + j * dp * PAD, whatever the block), kr [dp/PAD][BK][PAD] (K),
-  // vt [BK/PAD][dvp][PAD] (V^T). V is per kv head, not per block: vr [dvp/PAD][nblk*BK][PAD],
-  // so that P V can run over any number of consecutive blocks (B panel stride vr_ps()).
+  // head's keys is at Kt(hk, 0) + j * dp * PAD, whatever the block), vt [BK/PAD][dvp][PAD]
+  // (V^T, likewise). K and V are per kv head, not per block: kr [dp/PAD][nblk*BK][PAD],
+  // vr [dvp/PAD][nblk*BK][PAD], so that dS K and P V can run over any number of consecutive
+  // blocks (B panel stride vr_ps(), the same for both).
   fvec kt, kr, vr, vt;
   const float* Kt(int hk, int64_t b) const { return kt.data() + (hk * nblk + b) * BK * dp; }
-  const float* Kr(int hk, int64_t b) const { return kr.data() + (hk * nblk + b) * BK * dp; }
+  const float* Kr(int hk) const { return kr.data() + hk * nblk * BK * dp; }
   const float* Vr(int hk) const { return vr.data() + hk * nblk * BK * dvp; }
   int64_t vr_ps() const { return nblk * BK * PAD; }
   const float* Vt(int hk, int64_t b) const { return vt.data() + (hk * nblk + b) * BK * dvp; }
@@ -727,7 +729,7 @@ void pack_kv(const AttnInputs& in, bool transposed_too, Packed& pk) {
     const int64_t b = u % pk.nblk;
     float* kt = pk.kt.data() + u * BK * pk.dp;
     float* vr = pk.vr.data() + hk * pk.nblk * BK * pk.dvp;
-    float* kr = transposed_too ? pk.kr.data() + u * BK * pk.dp : nullptr;
+    float* kr = transposed_too ? pk.kr.data() + hk * pk.nblk * BK * pk.dp : nullptr;
     float* vt = transposed_too ? pk.vt.data() + u * BK * pk.dvp : nullptr;
     std::vector<float> row(std::max(pk.dp, pk.dvp));
     for (int c = 0; c < BK; ++c) {
@@ -737,7 +739,7 @@ void pack_kv(const AttnInputs& in, bool transposed_too, Packed& pk) {
       ld_row(K.data, dtype, r * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
       for (int d = 0; d < pk.dp; ++d) {
         kt[(cp * pk.dp + d) * PAD + cr] = row[d];
-        if (kr) kr[((d / PAD) * BK + c) * PAD + d % PAD] = row[d];
+        if (kr) kr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
       }
       ld_row(V.data, dtype, r * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
       for (int d = 0; d < pk.dvp; ++d) {
@@ -1055,8 +1057,26 @@ void forward_impl(const AttnFwdParams& p) {
 struct BwdScratch {
   fvec q, dout, dq, lse2, delta;  // per task rows, row-major
   fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD]
-  fvec s, pd, dp;                 // [BQB][BK]
-  fvec dk, dv;                    // piece tiles [BK][dp], [BK][dvp]
+  fvec s, pd, dp;                 // [BQB][BBK]
+  fvec dk, dv;                    // piece tiles [BBK][dp], [BBK][dvp]
+  fvec orow;                      // an out row [dvp]
+  // Sizes every buffer for tasks of at most max_q rows and padded head dims dqk, dvp.
+  BwdScratch(int64_t max_q, int dqk, int dvp) {
+    const size_t mq = static_cast<size_t>(max_q), kq = size_t{BQB} * BBK;
+    for (fvec* b : {&q, &q_pan, &dq}) b->resize(mq * dqk);
+    for (fvec* b : {&dout, &dout_pan}) b->resize(mq * dvp);
+    for (fvec* b : {&lse2, &delta}) b->resize(mq);
+    for (fvec* b : {&s, &pd, &dp}) b->resize(kq);
+    dk.resize(size_t{BBK} * dqk);
+    dv.resize(size_t{BBK} * dvp);
+    orow.resize(dvp);
+  }
+  size_t floats() const {
+    size_t n = 0;
+    for (const fvec* b : {&q, &dout, &dq, &lse2, &delta, &q_pan, &dout_pan, &s, &pd, &dp, &dk, &dv, &orow})
+      n += b->size();
+    return n;
+  }
 };
 
 void backward_impl(const AttnBwdParams& p) {
@@ -1088,44 +1108,29 @@ void backward_impl(const AttnBwdParams& p) {
 
   int64_t max_q = 0;
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
-  // dK, dV of every query head: [hq][total_k][dp], [hq][total_k][dvp] (fp32, unscaled dK)
-  fvec gk(static_cast<size_t>(hq) * total_k * dp, 0.0f);
-  fvec gv(static_cast<size_t>(hq) * total_k * dvp, 0.0f);
+  // A unit is (kv head, set of `per` consecutive query heads of its group): dK, dV of the
+  // set's heads accumulate, head after head, in the set's buffers [total_k][dp], [total_k][dvp]
+  // (fp32, unscaled dK), summed over the sets in order at the end (bwd_set_heads).
+  const int per = bwd_set_heads(hq, hkn), sets = bwd_sets(hq, hkn);
+  const int64_t units = int64_t{hkn} * sets;
+  fvec gk(static_cast<size_t>(units) * total_k * dp, 0.0f);
+  fvec gv(static_cast<size_t>(units) * total_k * dvp, 0.0f);
 
-  const int nthr = std::max(1, std::min(opt.num_threads, hq));
-  std::vector<BwdScratch> scr(nthr);
-  for (auto& s : scr) {
-    s.q.resize(max_q * dp);
-    s.q_pan.resize(max_q * dp);
-    s.dout_pan.resize(max_q * dvp);
-    s.dout.resize(max_q * dvp);
-    s.dq.resize(max_q * dp);
-    s.lse2.resize(max_q);
-    s.delta.resize(max_q);
-    s.s.resize(BQB * BK);
-    s.pd.resize(BQB * BK);
-    s.dp.resize(BQB * BK);
-    s.dk.resize(BK * dp);
-    s.dv.resize(BK * dvp);
-  }
+  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
+  std::vector<BwdScratch> scr(nthr, BwdScratch(max_q, dp, dvp));
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size();
-    for (const BwdScratch& s : scr)
-      used += s.q.size() + s.dout.size() + s.dq.size() + s.lse2.size() + s.delta.size() +
-              s.q_pan.size() + s.dout_pan.size() + s.s.size() + s.pd.size() + s.dp.size() +
-              s.dk.size() + s.dv.size() + 2 * (dp + dvp);  // + row buffers (orow, ak, av)
+    for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
     check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v,
                                                       max_q).total(nthr));
   }
 
-  parallel_for(hq, nthr, [&](int64_t hu, int th) {
-    BwdScratch& S = scr[th];
-    const int h = static_cast<int>(hu), hk = h / group;
-    float* gkh = gk.data() + static_cast<size_t>(h) * total_k * dp;
-    float* gvh = gv.data() + static_cast<size_t>(h) * total_k * dvp;
+  // One query head h of unit u: its tasks in order, the pieces of each in key order.
+  auto run_head = [&](BwdScratch& S, int h, float* gku, float* gvu) {
+    const int hk = h / group;
     for (const AttnTask& t : w.tasks) {
       const int64_t nq = t.q_len;
-      std::vector<float> orow(dvp);
+      float* const orow = S.orow.data();
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t row = t.q_row + i;
         if (i + kRowsAhead < nq) {
@@ -1137,7 +1142,7 @@ void backward_impl(const AttnBwdParams& p) {
         ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, S.q.data() + i * dp);
         float* dor = S.dout.data() + i * dvp;
         ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
-        ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow.data());
+        ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow);
         for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
           std::memcpy(S.q_pan.data() + ((d / PAD) * max_q + i) * PAD, S.q.data() + i * dp + d, PAD * sizeof(float));
         for (int d = 0; d < dvp; d += PAD)
@@ -1153,7 +1158,7 @@ void backward_impl(const AttnBwdParams& p) {
             delta = std::fma(dor[d], orow[d], delta);
           }
         } else if (cr.bd == Dot::bf16_tiles || cr.bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
-          delta = dot_tile_order(dor, orow.data(), dvp, cr.bd == Dot::bf16_tiles);
+          delta = dot_tile_order(dor, orow, dvp, cr.bd == Dot::bf16_tiles);
         } else {
           for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
         }
@@ -1162,15 +1167,15 @@ void backward_impl(const AttnBwdParams& p) {
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
 
-      for_each_piece<BK>(w, t, cr.vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
+      for_each_piece<BBK>(w, t, cr.vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
         const int n = pc.a1 - pc.a0;
-        std::fill(S.dk.begin(), S.dk.end(), 0.0f);
-        std::fill(S.dv.begin(), S.dv.end(), 0.0f);
+        const int64_t k0 = pc.b * BBK + pc.a0;  // first physical key row computed
         // first query block that sees the piece
         int64_t qb0 = 0;
         if (cr.vz.hi_bounded && pc.p_lo - cr.vz.hi > t.q_pos) qb0 = (pc.p_lo - cr.vz.hi - t.q_pos) / BQB;
         // the last key position of the piece: query blocks past its left window end the loop
         const int64_t p_hi = pc.p_lo + (pc.c1 - pc.c0) - 1;
+        bool first = true;  // the piece's first step writes its dK, dV tiles (no zero fill)
         for (int64_t qb = qb0; qb * BQB < nq; ++qb) {
           const int64_t i0 = qb * BQB, qp0 = t.q_pos + i0;
           if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
@@ -1178,10 +1183,10 @@ void backward_impl(const AttnBwdParams& p) {
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, pc.b) + (pc.a0 / PAD) * dp * PAD, PAD,
-                     dp * PAD, S.s.data() + pc.a0, BK);
-          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, pc.b) + (pc.a0 / PAD) * dvp * PAD, PAD,
-                     dvp * PAD, S.dp.data() + pc.a0, BK);
+          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD,
+                     dp * PAD, S.s.data() + pc.a0, BBK);
+          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD, PAD,
+                     dvp * PAD, S.dp.data() + pc.a0, BBK);
           // The next query block's Q, dO and their panels come from L3 (per-task buffers of
           // max_q rows): fetch them while this block's softmax and products run.
           const bool more = i0 + BQB < nq;
@@ -1196,9 +1201,9 @@ void backward_impl(const AttnBwdParams& p) {
             }
           }
           for (int r = 0; r < m; ++r) {
-            float* s = S.s.data() + r * BK;   // -> P, then dS
-            float* dpr = S.dp.data() + r * BK;
-            float* pd = S.pd.data() + r * BK;  // P after dropout
+            float* s = S.s.data() + r * BBK;   // -> P, then dS
+            float* dpr = S.dp.data() + r * BBK;
+            float* pd = S.pd.data() + r * BBK;  // P after dropout
             const int ve = visible_end(pc, cr.vz, qp0 + r);
             const int vb = visible_begin(pc, cr.vz, qp0 + r);
             const float l2 = S.lse2[i0 + r];
@@ -1251,18 +1256,29 @@ void backward_impl(const AttnBwdParams& p) {
           // tiles would round it to fp16 and overflow past 65504 (or flush it below 6e-8), so
           // with fp16 storage its two products run on the FMA code; bf16 has fp32's range.
           const Dot ds_dot = cr.bd == Dot::fp16_tiles ? Dot::fma : cr.bd;
-          mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BK, S.dout_pan.data() + i0 * PAD, PAD,
-                      max_q * PAD, S.dv.data() + pc.a0 * dvp, dvp);
-          mm<false>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BK, S.q_pan.data() + i0 * PAD, PAD,
-                      max_q * PAD, S.dk.data() + pc.a0 * dp, dp);
-          mm<false>(ds_dot, m, dp, n, S.s.data() + pc.a0, BK, 1, pk.Kr(hk, pc.b) + pc.a0 * PAD, PAD,
-                      BK * PAD, S.dq.data() + i0 * dp, dp);
+          float* const tv = S.dv.data() + pc.a0 * dvp;
+          float* const tk = S.dk.data() + pc.a0 * dp;
+          if (first) {
+            mm<true>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BBK, S.dout_pan.data() + i0 * PAD, PAD,
+                       max_q * PAD, tv, dvp);
+            mm<true>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BBK, S.q_pan.data() + i0 * PAD, PAD,
+                       max_q * PAD, tk, dp);
+          } else {
+            mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BBK, S.dout_pan.data() + i0 * PAD, PAD,
+                        max_q * PAD, tv, dvp);
+            mm<false>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BBK, S.q_pan.data() + i0 * PAD, PAD,
+                        max_q * PAD, tk, dp);
+          }
+          first = false;
+          mm<false>(ds_dot, m, dp, n, S.s.data() + pc.a0, BBK, 1, pk.Kr(hk) + k0 * PAD, PAD,
+                      pk.vr_ps(), S.dq.data() + i0 * dp, dp);
         }
-        // add the piece's rows to this head's dK/dV
+        if (first) return;  // no query block saw the piece: nothing to add
+        // add the piece's rows to the unit's dK/dV
         for (int c = pc.c0; c < pc.c1; ++c) {
-          const int64_t row = pc.b * BK + c;
-          float* gkr = gkh + row * dp;
-          float* gvr = gvh + row * dvp;
+          const int64_t row = pc.b * BBK + c;
+          float* gkr = gku + row * dp;
+          float* gvr = gvu + row * dvp;
           const float* tk = S.dk.data() + c * dp;
           const float* tv = S.dv.data() + c * dvp;
           for (int d = 0; d < dp; d += W) vstore(gkr + d, vload(gkr + d) + vload(tk + d));
@@ -1281,9 +1297,18 @@ void backward_impl(const AttnBwdParams& p) {
         }
       }
     }
+  };
+
+  // Unit u = (kv head u / sets, set u % sets): its heads in head order.
+  parallel_for(units, nthr, [&](int64_t u, int th) {
+    const int hk = static_cast<int>(u / sets), set = static_cast<int>(u % sets);
+    float* gku = gk.data() + static_cast<size_t>(u) * total_k * dp;
+    float* gvu = gv.data() + static_cast<size_t>(u) * total_k * dvp;
+    const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
+    for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu);
   });
 
-  // dk[r, hk] = scale * sum over the group's heads (in head order) of gk; dv likewise.
+  // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
   const int64_t rows_per = 256;
   parallel_for((total_k + rows_per - 1) / rows_per, opt.num_threads, [&](int64_t u, int) {
     std::vector<float> ak(dp), av(dvp);
@@ -1292,9 +1317,10 @@ void backward_impl(const AttnBwdParams& p) {
       for (int hk = 0; hk < hkn; ++hk) {
         std::fill(ak.begin(), ak.end(), 0.0f);
         std::fill(av.begin(), av.end(), 0.0f);
-        for (int h = hk * group; h < (hk + 1) * group; ++h) {
-          const float* sk = gk.data() + (static_cast<size_t>(h) * total_k + r) * dp;
-          const float* sv = gv.data() + (static_cast<size_t>(h) * total_k + r) * dvp;
+        for (int s = 0; s < sets; ++s) {
+          const size_t us = static_cast<size_t>(hk) * sets + s;
+          const float* sk = gk.data() + (us * total_k + r) * dp;
+          const float* sv = gv.data() + (us * total_k + r) * dvp;
           for (int d = 0; d < dp; ++d) ak[d] += sk[d];
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
