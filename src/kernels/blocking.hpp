@@ -29,7 +29,10 @@ constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S
                           // softmax and O += P V FSB rows at a time, each product's operands
                           // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
                           // an 8 KiB K^T or V panel) within a 32 KiB L1
-constexpr int BWD_UNITS = 8;  // backward units a call aims for (bwd_set_heads)
+constexpr int BWD_UNITS = 16;  // backward units a call aims for (bwd_set_heads): a rank of up
+                               // to 16 threads keeps every core busy in backward on any shape
+                               // with 16 query heads or more, and the scratch stays at most
+                               // 16 buffers of total_k rows however many heads there are
 static_assert(BK % PAD == 0 && FBK % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
@@ -51,6 +54,9 @@ constexpr int bwd_sets(int num_heads_q, int num_heads_k) {
   const int per = bwd_set_heads(num_heads_q, num_heads_k);
   return std::max(1, (group + per - 1) / per);
 }
+// The shapes docs/kernels.md and the head-set test name.
+static_assert(bwd_set_heads(16, 4) == 1 && bwd_set_heads(64, 8) == 4 && bwd_set_heads(32, 8) == 2 &&
+              bwd_set_heads(40, 4) == 3 && bwd_sets(40, 4) == 4 && bwd_set_heads(16, 1) == 1);
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
