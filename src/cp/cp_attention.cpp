@@ -555,6 +555,9 @@ struct CpAttention::State {
         attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
         for (int64_t i = 0; i < t_loc; ++i)
           std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
+        if (g == 0)  // the forward's peak: the context, the gathered groups and the send packs
+          note_peak(ctx.bytes() + b->send_k.capacity() + b->send_v.capacity() + b->all_k.capacity() +
+                    b->all_v.capacity());
         stats.compute_s += seconds_since(t0);
 
         t0 = Clock::now();
@@ -776,7 +779,11 @@ struct CpAttention::State {
     return bytes;
   }
 
-  void note_peak() { stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes()); }
+  // `transient`: what the call holds beyond the layer's buffers and the contexts already
+  // counted (a forward's context being filled and its gathered and send buffers).
+  void note_peak(std::size_t transient = 0) {
+    stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes() + transient);
+  }
 
   // The kernels' inputs for one ring step: the caller's q (storage dtype, as it is) over the
   // visiting block [K | V] (storage dtype, as it arrived: the kernel converts while it packs).
@@ -913,9 +920,7 @@ struct CpAttention::State {
 
 int cp_overlap_groups(const CpAttnConfig& cfg, int cp) {
   if (!cfg.overlap || cfg.scheme != CpScheme::allgather || cfg.kv_mode != KvMode::runs || cp <= 1) return 1;
-  int groups = std::min(cfg.num_heads_k, 4);  // more groups: more progress points, smaller kernel calls
-  while (groups > 1 && cfg.num_heads_k % groups != 0) --groups;
-  return std::max(groups, 1);
+  return overlap_kv_groups(cfg.num_heads_k);
 }
 
 void check_cp_scheme(const CpAttnConfig& cfg, int cp) {
@@ -1079,6 +1084,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
                     -std::numeric_limits<float>::infinity());
     zero_padding_rows(a.out, plan);
+    s.note_peak(ctx->bytes() + k_all.capacity() + v_all.capacity());  // the gathered K/V beside its copy
     attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
     if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
     s.stats.compute_s += seconds_since(t0);

@@ -28,7 +28,7 @@ struct RunArgs {
   std::string dtype = "fp32", mode = "runs", scheme = "allgather",  // scheme: a CpScheme's name or "all"
               mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   std::string split = "padded";  // canonical (vocab.hpp)
-  std::string overlap = "off";   // --overlap on|off (CpAttnConfig::overlap)
+  std::string overlap = "on";    // --overlap on|off (CpAttnConfig::overlap)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
