@@ -197,6 +197,14 @@ struct CpStats {
   // transfers were in flight while this rank computed (from the post to the poll or wait
   // that found them done: an upper bound). Without overlap it equals comm_s.
   double comm_total_s = 0;
+  // Of comm_s, by part (docs/cp.md "Exposed and total"): the ranks' agreement before every call
+  // (where a rank that arrives first waits for the last: it absorbs the ranks' skew); the
+  // all-gather scheme's forward wait for its first K/V (the whole all-gather; overlapped: the
+  // posts and group 0's blocks); the rest of its forward's communication (overlapped: the
+  // later groups' waits, the polls, the sends' completion; else 0); its backward's (the
+  // reduce-scatter; overlapped: the posts, the polls and the wait for the last group's dK/dV).
+  // The other schemes count their agreement only.
+  double agree_s = 0, first_kv_s = 0, later_kv_s = 0, dkv_s = 0;
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
   // The largest the layer's own buffers plus the contexts it handed out and that are still

@@ -497,13 +497,22 @@ struct CpAttention::State {
     b->send_v.resize(groups * t_loc * vg);
     b->all_k.resize(groups * t_all * kg);
     b->all_v.resize(groups * t_all * vg);
-    const auto* k_in = static_cast<const std::byte*>(a.k.data);
-    const auto* v_in = static_cast<const std::byte*>(a.v.data);
-    for (int g = 0; g < groups; ++g) {
-      copy_columns(k_in, b->send_k.data() + g * t_loc * kg, t_loc, k_bytes, g * kg, kg, false);
-      copy_columns(v_in, b->send_v.data() + g * t_loc * vg, t_loc, v_bytes, g * vg, vg, false);
-      std::memcpy(b->all_k.data() + g * t_all * kg + row_off(me) * kg, b->send_k.data() + g * t_loc * kg, t_loc * kg);
-      std::memcpy(b->all_v.data() + g * t_all * vg + row_off(me) * vg, b->send_v.data() + g * t_loc * vg, t_loc * vg);
+    // The moves into document order, cut at this rank's block: its own rows go from the send
+    // packs while the peers' blocks travel (they never enter the gathered buffer), the peers'
+    // from the gathered buffer once in. No moves: the gathered buffer is in document order.
+    const int64_t lo = layout.rank_begin[me], hi = layout.rank_begin[me + 1];
+    std::vector<RowMove> own, peers;
+    const std::vector<RowMove> identity{{.gathered = 0, .ordered = 0, .len = t_all}};
+    for (const RowMove& m : ctx.work->doc_order.empty() ? identity : ctx.work->doc_order) {
+      const int64_t a0 = std::max(m.gathered, lo), a1 = std::min(m.gathered + m.len, hi);
+      if (a0 >= a1) {
+        peers.push_back(m);
+        continue;
+      }
+      own.push_back({.gathered = a0 - lo, .ordered = m.ordered + (a0 - m.gathered), .len = a1 - a0});
+      if (a0 > m.gathered) peers.push_back({.gathered = m.gathered, .ordered = m.ordered, .len = a0 - m.gathered});
+      if (a1 < m.gathered + m.len)
+        peers.push_back({.gathered = a1, .ordered = m.ordered + (a1 - m.gathered), .len = m.gathered + m.len - a1});
     }
     ctx.groups = groups;
     ctx.total_k = t_all;
@@ -513,44 +522,62 @@ struct CpAttention::State {
     zero_padding_rows(a.out, plan);
     stats.compute_s += seconds_since(t0);
 
-    t0 = Clock::now();
+    const auto* k_in = static_cast<const std::byte*>(a.k.data);
+    const auto* v_in = static_cast<const std::byte*>(a.v.data);
     InFlight f{.comm = comm, .reqs = {}};
-    // recv_end[g]: the requests before it are groups 0..g's receives and every send posted so far.
+    // recv_end[g]: the requests before it are groups 0..g's receives (every receive is posted
+    // before any send: the peers' blocks have somewhere to land as soon as they are sent).
     std::vector<std::size_t> recv_end(static_cast<std::size_t>(groups));
     double waited = 0;
     try {
+      t0 = Clock::now();
       for (int g = 0; g < groups; ++g) {
-        for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ...
+        for (int st = 1; st < cp; ++st) {
           const int q = (me - st + cp) % cp;
           const std::size_t n = static_cast<std::size_t>(layout.rank_tokens(q));
           f.reqs.push_back(comm.start_recv<std::byte>({b->all_k.data() + g * t_all * kg + row_off(q) * kg, n * kg}, q, kTagGather));
           f.reqs.push_back(comm.start_recv<std::byte>({b->all_v.data() + g * t_all * vg + row_off(q) * vg, n * vg}, q, kTagGather));
         }
         recv_end[g] = f.reqs.size();
+      }
+      stats.comm_s += seconds_since(t0);
+      stats.first_kv_s += seconds_since(t0);
+      waited += seconds_since(t0);
+      // Group by group: pack, send to rank + 1, rank + 2, ... (each peer gets K then V of
+      // group 0, 1, ..., the order its receives were posted in), so that group 0 leaves first.
+      for (int g = 0; g < groups; ++g) {
+        t0 = Clock::now();
+        copy_columns(k_in, b->send_k.data() + g * t_loc * kg, t_loc, k_bytes, g * kg, kg, false);
+        copy_columns(v_in, b->send_v.data() + g * t_loc * vg, t_loc, v_bytes, g * vg, vg, false);
+        stats.compute_s += seconds_since(t0);
+        t0 = Clock::now();
         for (int st = 1; st < cp; ++st) {
           const int q = (me + st) % cp;
           f.reqs.push_back(comm.start_send<std::byte>({b->send_k.data() + g * t_loc * kg, t_loc * kg}, q, kTagGather));
           f.reqs.push_back(comm.start_send<std::byte>({b->send_v.data() + g * t_loc * vg, t_loc * vg}, q, kTagGather));
         }
+        stats.comm_s += seconds_since(t0);
+        stats.first_kv_s += seconds_since(t0);
+        waited += seconds_since(t0);
       }
-      stats.comm_s += seconds_since(t0);
-      waited += seconds_since(t0);
+      // This rank's own rows into document order while the peers' blocks travel.
+      t0 = Clock::now();
+      for (int g = 0; g < groups; ++g) {
+        move_rows(own, true, b->send_k.data() + g * t_loc * kg, ctx.k.data() + g * t_all * kg, kg);
+        move_rows(own, true, b->send_v.data() + g * t_loc * vg, ctx.v.data() + g * t_all * vg, vg);
+      }
+      stats.compute_s += seconds_since(t0);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
         t0 = Clock::now();
         f.wait(0, recv_end[g]);  // group g's blocks (and the earlier groups', done already)
         waited += seconds_since(t0);
         stats.comm_s += seconds_since(t0);
+        (g == 0 ? stats.first_kv_s : stats.later_kv_s) += seconds_since(t0);
 
         t0 = Clock::now();
-        const std::vector<RowMove>& moves = ctx.work->doc_order;
-        if (moves.empty()) {
-          std::memcpy(ctx.k.data() + g * t_all * kg, b->all_k.data() + g * t_all * kg, t_all * kg);
-          std::memcpy(ctx.v.data() + g * t_all * vg, b->all_v.data() + g * t_all * vg, t_all * vg);
-        } else {
-          move_rows(moves, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
-          move_rows(moves, true, b->all_v.data() + g * t_all * vg, ctx.v.data() + g * t_all * vg, vg);
-        }
+        move_rows(peers, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
+        move_rows(peers, true, b->all_v.data() + g * t_all * vg, ctx.v.data() + g * t_all * vg, vg);
         lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
         attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
         for (int64_t i = 0; i < t_loc; ++i)
@@ -564,11 +591,13 @@ struct CpAttention::State {
         f.poll();  // the later groups move along before the next kernel call
         waited += seconds_since(t0);
         stats.comm_s += seconds_since(t0);
+        stats.later_kv_s += seconds_since(t0);
       }
       t0 = Clock::now();
       f.wait(0, f.reqs.size());  // this rank's sends
       waited += seconds_since(t0);
       stats.comm_s += seconds_since(t0);
+      stats.later_kv_s += seconds_since(t0);
     } catch (...) {
       // A throw-mode timeout, or any other throw after the posts (a kernel's bad_alloc), leaves
       // requests that may still read or write the buffers: dropping them here hands them to
@@ -653,6 +682,7 @@ struct CpAttention::State {
       f.poll();
       waited += seconds_since(t0);
       stats.comm_s += seconds_since(t0);
+      stats.dkv_s += seconds_since(t0);
     }
     t0 = Clock::now();
     zero_padding_rows(a.dq, plan);
@@ -661,6 +691,7 @@ struct CpAttention::State {
     f.wait(0, f.reqs.size());
     waited += seconds_since(t0);
     stats.comm_s += seconds_since(t0);
+    stats.dkv_s += seconds_since(t0);
 
     t0 = Clock::now();
     const std::size_t es = dtype_size(cfg.dtype);
@@ -754,9 +785,11 @@ struct CpAttention::State {
       agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
     } catch (...) {
       stats.comm_s += seconds_since(t0);
+      stats.agree_s += seconds_since(t0);
       throw;
     }
     stats.comm_s += seconds_since(t0);
+    stats.agree_s += seconds_since(t0);
   }
 
   // A new plan's forward + backward must fit in what the machine has, beside the buffers this
@@ -1062,6 +1095,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       throw;
     }
     s.stats.comm_s += seconds_since(t0);
+    s.stats.first_kv_s += seconds_since(t0);
 
     t0 = Clock::now();
     // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
@@ -1211,6 +1245,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.dkx);
   reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.dvx);
   s.stats.comm_s += seconds_since(t0);
+  s.stats.dkv_s += seconds_since(t0);
 
   t0 = Clock::now();
   from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk.data);
