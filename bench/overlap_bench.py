@@ -14,8 +14,9 @@ calls, i.e. waited, the agreement included) and total communication (comm_total_
 plus the overlapped transfers' time in flight under compute, an upper bound; "-" for a build
 that does not report it), each the median over --runs whole runs; exposed as a share of the
 step, and by part (CpStats::agree_s, first_kv_s, later_kv_s, dkv_s: the agreement, the wait for
-the first K/V, the later groups' waits and polls, the dK/dV reduce-scatter; "-" for a build
-that does not report them). Every run passes its check against a single process (asserted).
+the first K/V, the later groups' waits and polls, the dK/dV reduce-scatter: means over the
+steps, which add up to comm_s's mean, each the median over the runs; "-" for a build that does
+not report them). Every run passes its check against a single process (asserted).
 Prints Markdown."""
 import argparse
 import json
@@ -51,14 +52,14 @@ def run(binary, dtype, overlap):
     return j["step_s"][slowest], j["compute_s"][slowest], j["comm_s"][slowest], total, parts
 
 
-PARTS = ("agree_s", "first_kv_s", "later_kv_s", "dkv_s")
+PARTS = ("agree_s", "first_kv_s", "later_kv_s", "dkv_s", "comm_mean_s")
 
 
 settings = [(args.cpattn, ov, f"overlap {ov}") for ov in args.overlap.split(",")]
 if args.vs:
     settings.insert(0, (args.vs, "", f"before ({args.vs})"))
 print("| dtype | build | step s | compute s | exposed comm s (share of step) | total comm s | "
-      "exposed: agreement / first K/V / later K/V / dK/dV s |")
+      "exposed, means over the steps: agreement + first K/V + later K/V + dK/dV = total s |")
 print("|---|---|---|---|---|---|---|")
 for dtype in args.dtypes.split(","):
     rows = {label: [] for _, _, label in settings}
@@ -71,6 +72,7 @@ for dtype in args.dtypes.split(","):
         totals = [r[3] for r in rs if r[3] is not None]
         total = f"{statistics.median(totals):.4f}" if totals else "-"
         parts = [r[4] for r in rs if r[4] is not None]
-        by_part = " / ".join(f"{statistics.median(p[i] for p in parts):.4f}" for i in range(len(PARTS))) if parts else "-"
+        med = [statistics.median(p[i] for p in parts) for i in range(len(PARTS))] if parts else []
+        by_part = " + ".join(f"{x:.4f}" for x in med[:-1]) + f" = {med[-1]:.4f}" if parts else "-"
         print(f"| {dtype} | {label} | {step:.3f} | {compute:.3f} | {exposed:.4f} ({100 * exposed / step:.1f}%) "
               f"| {total} | {by_part} |", flush=True)
