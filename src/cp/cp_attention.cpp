@@ -687,13 +687,7 @@ struct CpAttention::State {
     t0 = Clock::now();
     zero_padding_rows(a.dq, plan);
     stats.compute_s += seconds_since(t0);
-    t0 = Clock::now();
-    f.wait(0, f.reqs.size());
-    waited += seconds_since(t0);
-    stats.comm_s += seconds_since(t0);
-    stats.dkv_s += seconds_since(t0);
 
-    t0 = Clock::now();
     const std::size_t es = dtype_size(cfg.dtype);
     const auto sum_group = [&](const std::vector<float>& all, const std::vector<float>& rs, int64_t w, int g,
                                std::vector<float>& loc) {
@@ -715,7 +709,17 @@ struct CpAttention::State {
         }
       }
     };
+    // Group by group as its blocks come in: the earlier groups' sums run while the last
+    // group's dK/dV are still in flight or a slower peer still computes them. Per group the
+    // requests are its 2 (cp - 1) receives, then its 2 (cp - 1) sends.
+    const auto per_group = static_cast<std::size_t>(4 * (cp - 1));
     for (int g = 0; g < groups; ++g) {
+      t0 = Clock::now();
+      f.wait(g * per_group, g * per_group + per_group / 2);
+      waited += seconds_since(t0);
+      stats.comm_s += seconds_since(t0);
+      stats.dkv_s += seconds_since(t0);
+      t0 = Clock::now();
       sum_group(dk_all, rs_k, kg, g, dk_loc);
       sum_group(dv_all, rs_v, vg, g, dv_loc);
       for (int64_t i = 0; i < t_loc; ++i) {
@@ -724,8 +728,13 @@ struct CpAttention::State {
         from_float(dv_loc.data() + i * vg, static_cast<std::size_t>(vg), cfg.dtype,
                    static_cast<std::byte*>(a.dv.data) + static_cast<std::size_t>(i * v_row() + g * vg) * es);
       }
+      stats.compute_s += seconds_since(t0);
     }
-    stats.compute_s += seconds_since(t0);
+    t0 = Clock::now();
+    f.wait(0, f.reqs.size());  // this rank's sends
+    waited += seconds_since(t0);
+    stats.comm_s += seconds_since(t0);
+    stats.dkv_s += seconds_since(t0);
     return std::max(0.0, f.span() - waited);
   }
 
