@@ -469,6 +469,17 @@ struct CpAttention::State {
             .options = o};
   }
 
+  // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in
+  // `part` (one of CpStats' parts of comm_s).
+  void wait_counted(InFlight& f, std::size_t i0, std::size_t i1, double& waited, double& part) {
+    const auto t0 = Clock::now();
+    f.wait(i0, i1);
+    const double s = seconds_since(t0);
+    waited += s;
+    stats.comm_s += s;
+    part += s;
+  }
+
   // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
   // "Overlap"): every group's K and V go to every peer at once, point to point (rank s's rows
   // at layout.rank_begin[s] of the group's rank-major buffer, as all_gather_rows puts them);
@@ -569,11 +580,8 @@ struct CpAttention::State {
       stats.compute_s += seconds_since(t0);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
-        t0 = Clock::now();
-        f.wait(0, recv_end[g]);  // group g's blocks (and the earlier groups', done already)
-        waited += seconds_since(t0);
-        stats.comm_s += seconds_since(t0);
-        (g == 0 ? stats.first_kv_s : stats.later_kv_s) += seconds_since(t0);
+        // group g's blocks (and the earlier groups', done already)
+        wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
 
         t0 = Clock::now();
         move_rows(peers, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
@@ -593,11 +601,7 @@ struct CpAttention::State {
         stats.comm_s += seconds_since(t0);
         stats.later_kv_s += seconds_since(t0);
       }
-      t0 = Clock::now();
-      f.wait(0, f.reqs.size());  // this rank's sends
-      waited += seconds_since(t0);
-      stats.comm_s += seconds_since(t0);
-      stats.later_kv_s += seconds_since(t0);
+      wait_counted(f, 0, f.reqs.size(), waited, stats.later_kv_s);  // this rank's sends
     } catch (...) {
       // A throw-mode timeout, or any other throw after the posts (a kernel's bad_alloc), leaves
       // requests that may still read or write the buffers: dropping them here hands them to
@@ -714,11 +718,7 @@ struct CpAttention::State {
     // requests are its 2 (cp - 1) receives, then its 2 (cp - 1) sends.
     const auto per_group = static_cast<std::size_t>(4 * (cp - 1));
     for (int g = 0; g < groups; ++g) {
-      t0 = Clock::now();
-      f.wait(g * per_group, g * per_group + per_group / 2);
-      waited += seconds_since(t0);
-      stats.comm_s += seconds_since(t0);
-      stats.dkv_s += seconds_since(t0);
+      wait_counted(f, g * per_group, g * per_group + per_group / 2, waited, stats.dkv_s);
       t0 = Clock::now();
       sum_group(dk_all, rs_k, kg, g, dk_loc);
       sum_group(dv_all, rs_v, vg, g, dv_loc);
@@ -730,11 +730,7 @@ struct CpAttention::State {
       }
       stats.compute_s += seconds_since(t0);
     }
-    t0 = Clock::now();
-    f.wait(0, f.reqs.size());  // this rank's sends
-    waited += seconds_since(t0);
-    stats.comm_s += seconds_since(t0);
-    stats.dkv_s += seconds_since(t0);
+    wait_counted(f, 0, f.reqs.size(), waited, stats.dkv_s);  // this rank's sends
     return std::max(0.0, f.span() - waited);
   }
 
