@@ -386,6 +386,10 @@ struct CpAttention::State {
   std::vector<float> acc_out, acc_lse, dq_acc, dkv_home;
 
   PassQBuffers passq;  // the pass-Q scheme's
+  // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
+  // accumulated (a sum of its own, so that without overlap comm_total_s is comm_s exactly;
+  // reset with the stats).
+  double hidden_s = 0;
 
   std::vector<float> slopes;  // the configuration's ALiBi slopes, owned (cfg points here)
   std::unique_ptr<detail::A2aLevel> a2a;  // the a2a and hybrid schemes (after slopes: points there)
@@ -1063,7 +1067,6 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
-  const double comm0 = s.stats.comm_s;
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
   if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
@@ -1130,7 +1133,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   }
   s.stats.bytes_sent += s.bytes_sent() - sent0;
   s.stats.bytes_received += s.bytes_received() - received0;
-  s.stats.comm_total_s += s.stats.comm_s - comm0 + hidden;
+  s.hidden_s += hidden;
+  s.stats.comm_total_s = s.stats.comm_s + s.hidden_s;  // exactly comm_s without overlap
   ctx->owner = s.id;
   ctx->forward_call = s.stats.forward_calls;
   ctx->live_bytes = s.live_bytes;
@@ -1166,7 +1170,6 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   const CpContext::State* cs = ctx.s_.get();
-  const double comm0 = s.stats.comm_s;
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
@@ -1174,7 +1177,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const auto count_bytes = [&] {
     s.stats.bytes_sent += s.bytes_sent() - sent0;
     s.stats.bytes_received += s.bytes_received() - received0;
-    s.stats.comm_total_s += s.stats.comm_s - comm0 + hidden;
+    s.hidden_s += hidden;
+    s.stats.comm_total_s = s.stats.comm_s + s.hidden_s;
   };
 
   if (c.scheme != CpScheme::allgather || s.uses_a2a()) {
@@ -1267,6 +1271,7 @@ const PlanCache& CpAttention::plan_cache() const { return s_->cache; }
 void CpAttention::reset_stats() {
   const int64_t f = s_->stats.forward_calls, b = s_->stats.backward_calls;
   s_->stats = CpStats{};
+  s_->hidden_s = 0;
   s_->stats.forward_calls = f;  // the counters are part of the agreement: never reset
   s_->stats.backward_calls = b;
 }
