@@ -13,7 +13,11 @@ steps), its compute, its exposed communication (CpStats::comm_s: time inside com
 calls, i.e. waited, the agreement included) and total communication (comm_total_s: exposed
 plus the overlapped transfers' time in flight under compute, an upper bound; "-" for a build
 that does not report it), each the median over --runs whole runs; exposed as a share of the
-step. Every run passes its check against a single process (asserted). Prints Markdown."""
+step, and by part (CpStats::agree_s, first_kv_s, later_kv_s, dkv_s: the agreement, the wait for
+the first K/V, the later groups' waits and polls, the dK/dV reduce-scatter: means over the
+steps, which add up to comm_s's mean, each the median over the runs; "-" for a build that does
+not report them). Every run passes its check against a single process (asserted).
+Prints Markdown."""
 import argparse
 import json
 import os
@@ -44,14 +48,19 @@ def run(binary, dtype, overlap):
     assert j["passed"], "the CP run does not match the single-process run"
     slowest = max(range(len(j["step_s"])), key=lambda i: j["step_s"][i])
     total = j.get("comm_total_s", [None] * len(j["step_s"]))[slowest]
-    return j["step_s"][slowest], j["compute_s"][slowest], j["comm_s"][slowest], total
+    parts = tuple(j[k][slowest] for k in PARTS) if all(k in j for k in PARTS) else None
+    return j["step_s"][slowest], j["compute_s"][slowest], j["comm_s"][slowest], total, parts
+
+
+PARTS = ("agree_s", "first_kv_s", "later_kv_s", "dkv_s", "comm_mean_s")
 
 
 settings = [(args.cpattn, ov, f"overlap {ov}") for ov in args.overlap.split(",")]
 if args.vs:
     settings.insert(0, (args.vs, "", f"before ({args.vs})"))
-print("| dtype | build | step s | compute s | exposed comm s (share of step) | total comm s |")
-print("|---|---|---|---|---|---|")
+print("| dtype | build | step s | compute s | exposed comm s (share of step) | total comm s | "
+      "exposed, means over the steps: agreement + first K/V + later K/V + dK/dV = total s |")
+print("|---|---|---|---|---|---|---|")
 for dtype in args.dtypes.split(","):
     rows = {label: [] for _, _, label in settings}
     for _ in range(args.runs):
@@ -62,5 +71,8 @@ for dtype in args.dtypes.split(","):
         step, compute, exposed = (statistics.median(r[i] for r in rs) for i in range(3))
         totals = [r[3] for r in rs if r[3] is not None]
         total = f"{statistics.median(totals):.4f}" if totals else "-"
+        parts = [r[4] for r in rs if r[4] is not None]
+        med = [statistics.median(p[i] for p in parts) for i in range(len(PARTS))] if parts else []
+        by_part = " + ".join(f"{x:.4f}" for x in med[:-1]) + f" = {med[-1]:.4f}" if parts else "-"
         print(f"| {dtype} | {label} | {step:.3f} | {compute:.3f} | {exposed:.4f} ({100 * exposed / step:.1f}%) "
-              f"| {total} |", flush=True)
+              f"| {total} | {by_part} |", flush=True)

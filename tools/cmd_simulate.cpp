@@ -52,6 +52,7 @@ struct SimulateArgs {
   std::string dtype = "bf16", mask = "causal";
   std::string profile;
   std::string svg;
+  std::string overlap = "on";  // --overlap on|off (SimInput::overlap, CpAttnConfig::overlap)
   bool json = false, no_breakeven = false;
 };
 
@@ -215,7 +216,8 @@ void run_simulate(const SimulateArgs& a) {
               .mesh = {.tp = a.tp, .cp = a.cp, .cp_inner = a.cp_inner, .dp = a.dp, .pp = a.pp, .ep = a.ep,
                        .micro = a.micro, .schedule = *kind},
               .profile = a.profile.empty() ? default_profile() : read_profile(a.profile),
-              .find_breakeven = !a.no_breakeven};
+              .find_breakeven = !a.no_breakeven,
+              .overlap = a.overlap == "on"};
   const auto t0 = std::chrono::steady_clock::now();
   const SimReport rep = with_flags([&] { return simulate_step(in); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -229,6 +231,7 @@ void run_simulate(const SimulateArgs& a) {
     j["documents"] = cu.size() - 1;
     j["mesh"] = {{"tp", a.tp}, {"cp", a.cp}, {"cp_inner", a.cp_inner}, {"dp", a.dp}, {"pp", a.pp}, {"ep", a.ep},
                  {"micro_batches", a.micro}, {"schedule", a.schedule}, {"world", world}};
+    j["overlap"] = in.overlap;
     j["model"] = {{"layers", a.layers}, {"heads", in.model.num_heads_q}, {"kv_heads", in.model.num_heads_k},
                   {"head_dim_qk", in.model.head_dim_qk}, {"head_dim_v", in.model.head_dim_v},
                   {"hidden", in.model.hidden}, {"dtype", a.dtype}, {"mask", a.mask}, {"experts", a.experts},
@@ -270,8 +273,9 @@ void run_simulate(const SimulateArgs& a) {
               static_cast<long long>(rep.tokens), static_cast<long long>(rep.padded_tokens), cu.size() - 1,
               in.profile.name.c_str());
   std::printf("mesh tp %d x cp %d x dp %d x pp %d = %lld ranks, ep %d, %d micro-batch(es), schedule %s; planner "
-              "imbalance %.4f\n",
-              a.tp, a.cp, a.dp, a.pp, static_cast<long long>(world), a.ep, a.micro, a.schedule.c_str(), rep.imbalance);
+              "imbalance %.4f; all-gather overlap %s\n",
+              a.tp, a.cp, a.dp, a.pp, static_cast<long long>(world), a.ep, a.micro, a.schedule.c_str(), rep.imbalance,
+              a.overlap.c_str());
   std::printf("%-10s %11s %11s %11s %11s %11s %9s %9s %8s %7s %7s %7s\n", "scheme", "step ms", "compute", "exposed",
               "hidden", "bubble", "intra GB", "inter GB", "mem GB", "cp<", "len x", "bw x");
   for (const SchemePrediction& p : rep.schemes) {
@@ -654,6 +658,10 @@ void add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--profile", a->profile, "Machine profile JSON (cpattn calibrate, examples/profiles/; default: "
                                            "the nominal gpu-8x-nvlink-400g)");
+  cmd->add_option("--overlap", a->overlap, "All-gather scheme: on models its overlap by KV-head groups (cpattn "
+                                         "run's default), off one all-gather, one kernel call, one reduce-scatter")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   cmd->add_option("--svg", a->svg, "Write a plot of predicted step time against CP size, per scheme");
   cmd->add_flag("--no-breakeven", a->no_breakeven, "Skip the sweeps for where CP stops paying");
   cmd->add_flag("--json", a->json, "Print one JSON object");

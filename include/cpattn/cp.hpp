@@ -74,7 +74,7 @@ struct CpAttnConfig {
   // differ between ranks; the all-gather scheme gathers with all_gather_v and reduce-scatters
   // dK/dV by all_to_all_v summed in rank order (deterministic). The other schemes refuse it.
   CpSplit split = CpSplit::padded;
-  // The all-gather scheme in runs mode at cp > 1 (docs/cp.md "Overlap"): true runs the kernels
+  // The all-gather scheme in runs mode at cp > 1 (docs/cp.md "Overlap"): true (the default) runs the kernels
   // per group of KV heads (cp_overlap_groups: the largest divisor of Hkv that is at most 4) with
   // every group's K/V posted at once, so that group g is computed while groups g+1.. travel,
   // and backward sends group g's dK/dV while group g+1's are computed. Heads are independent
@@ -83,7 +83,7 @@ struct CpAttnConfig {
   // fixed-order ring (CommAlgorithm::ring, the default) or the split is padding-free; with
   // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. Hkv = 1 cannot split: no overlap (not an error). Part of
   // the ranks' agreement; index mode, cp = 1 and the other schemes ignore it.
-  bool overlap = false;
+  bool overlap = true;
 };
 
 // How many KV-head groups the all-gather scheme's forward and backward run one after the
@@ -197,11 +197,20 @@ struct CpStats {
   // transfers were in flight while this rank computed (from the post to the poll or wait
   // that found them done: an upper bound). Without overlap it equals comm_s.
   double comm_total_s = 0;
+  // Of comm_s, by part (docs/cp.md "Exposed and total"): the ranks' agreement before every call
+  // (where a rank that arrives first waits for the last: it absorbs the ranks' skew); the
+  // all-gather scheme's forward wait for its first K/V (the whole all-gather; overlapped: the
+  // posts and group 0's blocks); the rest of its forward's communication (overlapped: the
+  // later groups' waits, the polls, the sends' completion; else 0); its backward's (the
+  // reduce-scatter; overlapped: the posts, the polls and the wait for the last group's dK/dV).
+  // The other schemes count their agreement only.
+  double agree_s = 0, first_kv_s = 0, later_kv_s = 0, dkv_s = 0;
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
   // The largest the layer's own buffers plus the contexts it handed out and that are still
-  // alive have been (the kernels' internal scratch, see attention_backward_scratch_bytes,
-  // comes on top).
+  // alive have been, a forward's own transients included (the all-gather's gathered K/V
+  // beside their copy, the overlap's send packs) (the kernels' internal scratch, see
+  // attention_backward_scratch_bytes, comes on top).
   std::size_t peak_buffer_bytes = 0;
   // Payload bytes this layer's calls sent and received, over every communicator it uses (the
   // a2a and hybrid schemes' sub-groups too; Communicator::bytes_sent counts its own only).

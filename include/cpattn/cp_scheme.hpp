@@ -63,4 +63,9 @@ std::string head_split_error(int num_heads_q, int num_heads_k, int inner);
 // The split; throws cpattn::Error "<what>: <head_split_error>" when the heads cannot be split.
 HeadSplit head_split(int num_heads_q, int num_heads_k, int inner, std::string_view what);
 
+// The KV-head groups the overlapped all-gather runs its kernels in (CpAttnConfig::overlap,
+// docs/cp.md "Overlap"): the largest divisor of num_heads_k that is at most 4 (1: no overlap).
+// Pure: what cp_overlap_groups and the simulator use.
+int overlap_kv_groups(int num_heads_k);
+
 }  // namespace cpattn

@@ -7,9 +7,10 @@
 // (tests/sim/test_sim_bytes.cpp runs the real schemes to hold it). The time model is a
 // latency + bytes / bandwidth cost per transfer on the link class it crosses, and per scheme
 // the overlap the implementation has by default (the all-gather and all-to-all schemes overlap
-// nothing; the ring and pass-Q overlap each step's transfer with its compute). The all-gather's
-// optional CpAttnConfig::overlap (by KV-head groups) is not modelled: neither its time nor its
-// extra buffers.
+// nothing unless SimInput::overlap; the ring and pass-Q overlap each step's transfer with its
+// compute). SimInput::overlap models CpAttnConfig::overlap (the all-gather's KV-head groups,
+// on by default as in CpAttnConfig): its time for the all-gather scheme, its buffers for the
+// all-gather and the hybrid's outer all-gather (docs/simulate.md "Overlap").
 //
 //   cpattn::SimInput in{.cu_seqlens = cu, .model = {.num_heads_q = 32, .num_heads_k = 8},
 //                       .mesh = {.cp = 8}, .profile = profile};
@@ -144,6 +145,10 @@ struct SimInput {
   SimMesh mesh;
   MachineProfile profile;
   bool find_breakeven = true;  // the sweeps of SchemePrediction::breakeven_*
+  // CpAttnConfig::overlap: the all-gather runs per group of KV heads (overlap_kv_groups of the
+  // KV heads per TP rank), the later groups' K/V and the earlier groups' dK/dV in flight under
+  // the kernel calls. false: one gather, one kernel call, one reduce-scatter.
+  bool overlap = true;
 };
 
 struct SimReport {

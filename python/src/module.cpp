@@ -358,7 +358,7 @@ KvMode parse_kv_mode(const std::string& s) {
 struct SchemeArgs {
   std::string scheme, hybrid_outer, split, kv_mode;
   int cp_inner = 0;
-  bool deterministic = true, check_finite = false;
+  bool overlap = true, deterministic = true, check_finite = false;
   std::size_t plan_cache_capacity = 8;
 };
 
@@ -366,7 +366,7 @@ CpAttnConfig scheme_config(const SchemeArgs& a) {
   return {.deterministic = a.deterministic, .kv_mode = parse_kv_mode(a.kv_mode), .check_finite = a.check_finite,
           .plan_cache_capacity = a.plan_cache_capacity, .scheme = parse_cp_scheme(a.scheme),
           .cp_inner = a.cp_inner, .hybrid_outer = parse_hybrid_outer(a.hybrid_outer),
-          .split = parse_split(a.split)};
+          .split = parse_split(a.split), .overlap = a.overlap};
 }
 
 // The scheme's rules for a communicator of cp ranks (check_cp_scheme), with nothing sent: what
@@ -437,13 +437,14 @@ NB_MODULE(_cpattn, m) {
   nb::class_<py::SchemeArgs>(m, "SchemeArgs")
       .def("__init__",
            [](py::SchemeArgs* a, std::string scheme, int cp_inner, std::string hybrid_outer, std::string split,
-              std::string kv_mode, bool deterministic, bool check_finite, std::size_t plan_cache_capacity) {
+              std::string kv_mode, bool overlap, bool deterministic, bool check_finite,
+              std::size_t plan_cache_capacity) {
              new (a) py::SchemeArgs{.scheme = std::move(scheme), .hybrid_outer = std::move(hybrid_outer),
                                     .split = std::move(split), .kv_mode = std::move(kv_mode), .cp_inner = cp_inner,
-                                    .deterministic = deterministic, .check_finite = check_finite,
+                                    .overlap = overlap, .deterministic = deterministic, .check_finite = check_finite,
                                     .plan_cache_capacity = plan_cache_capacity};
            },
-           "scheme"_a, "cp_inner"_a, "hybrid_outer"_a, "split"_a, "kv_mode"_a, "deterministic"_a, "check_finite"_a,
+           "scheme"_a, "cp_inner"_a, "hybrid_outer"_a, "split"_a, "kv_mode"_a, "overlap"_a, "deterministic"_a, "check_finite"_a,
            "plan_cache_capacity"_a);
   m.def("check_scheme", &py::check_scheme, "cp"_a, "scheme"_a);
   m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,

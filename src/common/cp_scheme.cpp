@@ -1,7 +1,8 @@
 // The all-to-all groups' head split (include/cpattn/cp_scheme.hpp).
 #include <cpattn/cp_scheme.hpp>
-
 #include <cpattn/error.hpp>
+
+#include <algorithm>
 
 namespace cpattn {
 
@@ -20,6 +21,12 @@ HeadSplit head_split(int num_heads_q, int num_heads_k, int inner, std::string_vi
   const std::string why = head_split_error(num_heads_q, num_heads_k, inner);
   CPATTN_CHECK(why.empty(), what, ": ", why);
   return {.inner = inner, .hq = num_heads_q, .hkv = num_heads_k};
+}
+
+int overlap_kv_groups(int num_heads_k) {
+  int groups = std::min(num_heads_k, 4);  // more groups: more progress points, smaller kernel calls
+  while (groups > 1 && num_heads_k % groups != 0) --groups;
+  return std::max(groups, 1);
 }
 
 }  // namespace cpattn

@@ -386,6 +386,10 @@ struct CpAttention::State {
   std::vector<float> acc_out, acc_lse, dq_acc, dkv_home;
 
   PassQBuffers passq;  // the pass-Q scheme's
+  // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
+  // accumulated (a sum of its own, so that without overlap comm_total_s is comm_s exactly;
+  // reset with the stats).
+  double hidden_s = 0;
 
   std::vector<float> slopes;  // the configuration's ALiBi slopes, owned (cfg points here)
   std::unique_ptr<detail::A2aLevel> a2a;  // the a2a and hybrid schemes (after slopes: points there)
@@ -469,6 +473,17 @@ struct CpAttention::State {
             .options = o};
   }
 
+  // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in
+  // `part` (one of CpStats' parts of comm_s).
+  void wait_counted(InFlight& f, std::size_t i0, std::size_t i1, double& waited, double& part) {
+    const auto t0 = Clock::now();
+    f.wait(i0, i1);
+    const double s = seconds_since(t0);
+    waited += s;
+    stats.comm_s += s;
+    part += s;
+  }
+
   // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
   // "Overlap"): every group's K and V go to every peer at once, point to point (rank s's rows
   // at layout.rank_begin[s] of the group's rank-major buffer, as all_gather_rows puts them);
@@ -497,13 +512,22 @@ struct CpAttention::State {
     b->send_v.resize(groups * t_loc * vg);
     b->all_k.resize(groups * t_all * kg);
     b->all_v.resize(groups * t_all * vg);
-    const auto* k_in = static_cast<const std::byte*>(a.k.data);
-    const auto* v_in = static_cast<const std::byte*>(a.v.data);
-    for (int g = 0; g < groups; ++g) {
-      copy_columns(k_in, b->send_k.data() + g * t_loc * kg, t_loc, k_bytes, g * kg, kg, false);
-      copy_columns(v_in, b->send_v.data() + g * t_loc * vg, t_loc, v_bytes, g * vg, vg, false);
-      std::memcpy(b->all_k.data() + g * t_all * kg + row_off(me) * kg, b->send_k.data() + g * t_loc * kg, t_loc * kg);
-      std::memcpy(b->all_v.data() + g * t_all * vg + row_off(me) * vg, b->send_v.data() + g * t_loc * vg, t_loc * vg);
+    // The moves into document order, cut at this rank's block: its own rows go from the send
+    // packs while the peers' blocks travel (they never enter the gathered buffer), the peers'
+    // from the gathered buffer once in. No moves: the gathered buffer is in document order.
+    const int64_t lo = layout.rank_begin[me], hi = layout.rank_begin[me + 1];
+    std::vector<RowMove> own, peers;
+    const std::vector<RowMove> identity{{.gathered = 0, .ordered = 0, .len = t_all}};
+    for (const RowMove& m : ctx.work->doc_order.empty() ? identity : ctx.work->doc_order) {
+      const int64_t a0 = std::max(m.gathered, lo), a1 = std::min(m.gathered + m.len, hi);
+      if (a0 >= a1) {
+        peers.push_back(m);
+        continue;
+      }
+      own.push_back({.gathered = a0 - lo, .ordered = m.ordered + (a0 - m.gathered), .len = a1 - a0});
+      if (a0 > m.gathered) peers.push_back({.gathered = m.gathered, .ordered = m.ordered, .len = a0 - m.gathered});
+      if (a1 < m.gathered + m.len)
+        peers.push_back({.gathered = a1, .ordered = m.ordered + (a1 - m.gathered), .len = m.gathered + m.len - a1});
     }
     ctx.groups = groups;
     ctx.total_k = t_all;
@@ -513,59 +537,75 @@ struct CpAttention::State {
     zero_padding_rows(a.out, plan);
     stats.compute_s += seconds_since(t0);
 
-    t0 = Clock::now();
+    const auto* k_in = static_cast<const std::byte*>(a.k.data);
+    const auto* v_in = static_cast<const std::byte*>(a.v.data);
     InFlight f{.comm = comm, .reqs = {}};
-    // recv_end[g]: the requests before it are groups 0..g's receives and every send posted so far.
+    // recv_end[g]: the requests before it are groups 0..g's receives (every receive is posted
+    // before any send: the peers' blocks have somewhere to land as soon as they are sent).
     std::vector<std::size_t> recv_end(static_cast<std::size_t>(groups));
     double waited = 0;
     try {
+      t0 = Clock::now();
       for (int g = 0; g < groups; ++g) {
-        for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ...
+        for (int st = 1; st < cp; ++st) {
           const int q = (me - st + cp) % cp;
           const std::size_t n = static_cast<std::size_t>(layout.rank_tokens(q));
           f.reqs.push_back(comm.start_recv<std::byte>({b->all_k.data() + g * t_all * kg + row_off(q) * kg, n * kg}, q, kTagGather));
           f.reqs.push_back(comm.start_recv<std::byte>({b->all_v.data() + g * t_all * vg + row_off(q) * vg, n * vg}, q, kTagGather));
         }
         recv_end[g] = f.reqs.size();
+      }
+      stats.comm_s += seconds_since(t0);
+      stats.first_kv_s += seconds_since(t0);
+      waited += seconds_since(t0);
+      // Group by group: pack, send to rank + 1, rank + 2, ... (each peer gets K then V of
+      // group 0, 1, ..., the order its receives were posted in), so that group 0 leaves first.
+      for (int g = 0; g < groups; ++g) {
+        t0 = Clock::now();
+        copy_columns(k_in, b->send_k.data() + g * t_loc * kg, t_loc, k_bytes, g * kg, kg, false);
+        copy_columns(v_in, b->send_v.data() + g * t_loc * vg, t_loc, v_bytes, g * vg, vg, false);
+        stats.compute_s += seconds_since(t0);
+        t0 = Clock::now();
         for (int st = 1; st < cp; ++st) {
           const int q = (me + st) % cp;
           f.reqs.push_back(comm.start_send<std::byte>({b->send_k.data() + g * t_loc * kg, t_loc * kg}, q, kTagGather));
           f.reqs.push_back(comm.start_send<std::byte>({b->send_v.data() + g * t_loc * vg, t_loc * vg}, q, kTagGather));
         }
+        stats.comm_s += seconds_since(t0);
+        stats.first_kv_s += seconds_since(t0);
+        waited += seconds_since(t0);
       }
-      stats.comm_s += seconds_since(t0);
-      waited += seconds_since(t0);
+      // This rank's own rows into document order while the peers' blocks travel.
+      t0 = Clock::now();
+      for (int g = 0; g < groups; ++g) {
+        move_rows(own, true, b->send_k.data() + g * t_loc * kg, ctx.k.data() + g * t_all * kg, kg);
+        move_rows(own, true, b->send_v.data() + g * t_loc * vg, ctx.v.data() + g * t_all * vg, vg);
+      }
+      stats.compute_s += seconds_since(t0);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
-        t0 = Clock::now();
-        f.wait(0, recv_end[g]);  // group g's blocks (and the earlier groups', done already)
-        waited += seconds_since(t0);
-        stats.comm_s += seconds_since(t0);
+        // group g's blocks (and the earlier groups', done already)
+        wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
 
         t0 = Clock::now();
-        const std::vector<RowMove>& moves = ctx.work->doc_order;
-        if (moves.empty()) {
-          std::memcpy(ctx.k.data() + g * t_all * kg, b->all_k.data() + g * t_all * kg, t_all * kg);
-          std::memcpy(ctx.v.data() + g * t_all * vg, b->all_v.data() + g * t_all * vg, t_all * vg);
-        } else {
-          move_rows(moves, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
-          move_rows(moves, true, b->all_v.data() + g * t_all * vg, ctx.v.data() + g * t_all * vg, vg);
-        }
+        move_rows(peers, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
+        move_rows(peers, true, b->all_v.data() + g * t_all * vg, ctx.v.data() + g * t_all * vg, vg);
         lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
         attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
         for (int64_t i = 0; i < t_loc; ++i)
           std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
+        if (g == 0)  // the forward's peak: the context, the gathered groups and the send packs
+          note_peak(ctx.bytes() + b->send_k.capacity() + b->send_v.capacity() + b->all_k.capacity() +
+                    b->all_v.capacity());
         stats.compute_s += seconds_since(t0);
 
         t0 = Clock::now();
         f.poll();  // the later groups move along before the next kernel call
         waited += seconds_since(t0);
         stats.comm_s += seconds_since(t0);
+        stats.later_kv_s += seconds_since(t0);
       }
-      t0 = Clock::now();
-      f.wait(0, f.reqs.size());  // this rank's sends
-      waited += seconds_since(t0);
-      stats.comm_s += seconds_since(t0);
+      wait_counted(f, 0, f.reqs.size(), waited, stats.later_kv_s);  // this rank's sends
     } catch (...) {
       // A throw-mode timeout, or any other throw after the posts (a kernel's bad_alloc), leaves
       // requests that may still read or write the buffers: dropping them here hands them to
@@ -650,16 +690,12 @@ struct CpAttention::State {
       f.poll();
       waited += seconds_since(t0);
       stats.comm_s += seconds_since(t0);
+      stats.dkv_s += seconds_since(t0);
     }
     t0 = Clock::now();
     zero_padding_rows(a.dq, plan);
     stats.compute_s += seconds_since(t0);
-    t0 = Clock::now();
-    f.wait(0, f.reqs.size());
-    waited += seconds_since(t0);
-    stats.comm_s += seconds_since(t0);
 
-    t0 = Clock::now();
     const std::size_t es = dtype_size(cfg.dtype);
     const auto sum_group = [&](const std::vector<float>& all, const std::vector<float>& rs, int64_t w, int g,
                                std::vector<float>& loc) {
@@ -681,7 +717,13 @@ struct CpAttention::State {
         }
       }
     };
+    // Group by group as its blocks come in: the earlier groups' sums run while the last
+    // group's dK/dV are still in flight or a slower peer still computes them. Per group the
+    // requests are its 2 (cp - 1) receives, then its 2 (cp - 1) sends.
+    const auto per_group = static_cast<std::size_t>(4 * (cp - 1));
     for (int g = 0; g < groups; ++g) {
+      wait_counted(f, g * per_group, g * per_group + per_group / 2, waited, stats.dkv_s);
+      t0 = Clock::now();
       sum_group(dk_all, rs_k, kg, g, dk_loc);
       sum_group(dv_all, rs_v, vg, g, dv_loc);
       for (int64_t i = 0; i < t_loc; ++i) {
@@ -690,8 +732,9 @@ struct CpAttention::State {
         from_float(dv_loc.data() + i * vg, static_cast<std::size_t>(vg), cfg.dtype,
                    static_cast<std::byte*>(a.dv.data) + static_cast<std::size_t>(i * v_row() + g * vg) * es);
       }
+      stats.compute_s += seconds_since(t0);
     }
-    stats.compute_s += seconds_since(t0);
+    wait_counted(f, 0, f.reqs.size(), waited, stats.dkv_s);  // this rank's sends
     return std::max(0.0, f.span() - waited);
   }
 
@@ -751,9 +794,11 @@ struct CpAttention::State {
       agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
     } catch (...) {
       stats.comm_s += seconds_since(t0);
+      stats.agree_s += seconds_since(t0);
       throw;
     }
     stats.comm_s += seconds_since(t0);
+    stats.agree_s += seconds_since(t0);
   }
 
   // A new plan's forward + backward must fit in what the machine has, beside the buffers this
@@ -776,7 +821,11 @@ struct CpAttention::State {
     return bytes;
   }
 
-  void note_peak() { stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes()); }
+  // `transient`: what the call holds beyond the layer's buffers and the contexts already
+  // counted (a forward's context being filled and its gathered and send buffers).
+  void note_peak(std::size_t transient = 0) {
+    stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes() + transient);
+  }
 
   // The kernels' inputs for one ring step: the caller's q (storage dtype, as it is) over the
   // visiting block [K | V] (storage dtype, as it arrived: the kernel converts while it packs).
@@ -913,9 +962,7 @@ struct CpAttention::State {
 
 int cp_overlap_groups(const CpAttnConfig& cfg, int cp) {
   if (!cfg.overlap || cfg.scheme != CpScheme::allgather || cfg.kv_mode != KvMode::runs || cp <= 1) return 1;
-  int groups = std::min(cfg.num_heads_k, 4);  // more groups: more progress points, smaller kernel calls
-  while (groups > 1 && cfg.num_heads_k % groups != 0) --groups;
-  return std::max(groups, 1);
+  return overlap_kv_groups(cfg.num_heads_k);
 }
 
 void check_cp_scheme(const CpAttnConfig& cfg, int cp) {
@@ -1020,7 +1067,6 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
-  const double comm0 = s.stats.comm_s;
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
   if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
@@ -1057,6 +1103,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       throw;
     }
     s.stats.comm_s += seconds_since(t0);
+    s.stats.first_kv_s += seconds_since(t0);
 
     t0 = Clock::now();
     // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
@@ -1079,13 +1126,15 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
                     -std::numeric_limits<float>::infinity());
     zero_padding_rows(a.out, plan);
+    s.note_peak(ctx->bytes() + k_all.capacity() + v_all.capacity());  // the gathered K/V beside its copy
     attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
     if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
     s.stats.compute_s += seconds_since(t0);
   }
   s.stats.bytes_sent += s.bytes_sent() - sent0;
   s.stats.bytes_received += s.bytes_received() - received0;
-  s.stats.comm_total_s += s.stats.comm_s - comm0 + hidden;
+  s.hidden_s += hidden;
+  s.stats.comm_total_s = s.stats.comm_s + s.hidden_s;  // exactly comm_s without overlap
   ctx->owner = s.id;
   ctx->forward_call = s.stats.forward_calls;
   ctx->live_bytes = s.live_bytes;
@@ -1121,7 +1170,6 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     err = std::string(fn) + ": " + e.what();
   }
   const CpContext::State* cs = ctx.s_.get();
-  const double comm0 = s.stats.comm_s;
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
@@ -1129,7 +1177,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const auto count_bytes = [&] {
     s.stats.bytes_sent += s.bytes_sent() - sent0;
     s.stats.bytes_received += s.bytes_received() - received0;
-    s.stats.comm_total_s += s.stats.comm_s - comm0 + hidden;
+    s.hidden_s += hidden;
+    s.stats.comm_total_s = s.stats.comm_s + s.hidden_s;
   };
 
   if (c.scheme != CpScheme::allgather || s.uses_a2a()) {
@@ -1205,6 +1254,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.dkx);
   reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.dvx);
   s.stats.comm_s += seconds_since(t0);
+  s.stats.dkv_s += seconds_since(t0);
 
   t0 = Clock::now();
   from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk.data);
@@ -1221,6 +1271,7 @@ const PlanCache& CpAttention::plan_cache() const { return s_->cache; }
 void CpAttention::reset_stats() {
   const int64_t f = s_->stats.forward_calls, b = s_->stats.backward_calls;
   s_->stats = CpStats{};
+  s_->hidden_s = 0;
   s_->stats.forward_calls = f;  // the counters are part of the agreement: never reset
   s_->stats.backward_calls = b;
 }

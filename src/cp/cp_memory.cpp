@@ -59,6 +59,20 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // (cp_attention.cpp's ring, acc_out ... dkv_home).
     e.buffers = saturating_add(saturating_add(product(2, t, kv_row, es), product(5, t, kv_row, f)),
                                product(t, hq, static_cast<uint64_t>(c.head_dim_qk + c.head_dim_v + 1), f));
+  } else if (const int groups = cp_overlap_groups(c, cp); groups > 1) {
+    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward), per
+    // group of KV heads: fp32 dK/dV of every gathered row (rank-major, all groups), one
+    // group's document-order dK/dV and its sums, the receive blocks of the reduce-scatter (cp
+    // of this rank's fp32 dK/dV rows, all groups), one group's lse; during forward the
+    // gathered groups (rank-major) and the send packs of this rank's K/V beside the copy in
+    // document order (the context). Buffers are kept between steps, so a forward's peak is
+    // all of them at once.
+    const auto g = static_cast<uint64_t>(groups);
+    const uint64_t kv_row_g = kv_row / g;  // cp_overlap_groups divides num_heads_k
+    e.buffers = saturating_add(saturating_add(product(kv_rows, kv_row, f), product(t, kv_row_g, f)),
+                               saturating_add(product(kv_rows, kv_row_g, f), product(static_cast<uint64_t>(cp), t, kv_row, f)));
+    e.buffers = saturating_add(e.buffers, saturating_add(product(kv_rows, kv_row, es), product(t, kv_row, es)));
+    e.buffers = saturating_add(e.buffers, product(t, hq / g, f));
   } else {
     // dK/dV of every gathered row and this rank's share, fp32; index mode adds the copy's
     // dK/dV and, during forward, the gathered buffer beside its copy; so does runs mode at
@@ -69,15 +83,6 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // The padding-free split's reduce-scatter receives cp blocks of this rank's dK/dV rows
     // (reduce_scatter_rows' scratch, added in rank order).
     if (c.split == CpSplit::padding_free) e.buffers = saturating_add(e.buffers, product(static_cast<uint64_t>(cp), t, kv_row, f));
-    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward):
-    // the send packs of this rank's K/V beside the gathered buffer during forward, the
-    // reduce-scatter's receive blocks (cp of this rank's dK/dV rows; the padding-free split
-    // counted them above) and one group's lse.
-    if (cp_overlap_groups(c, cp) > 1) {
-      e.buffers = saturating_add(e.buffers, saturating_add(product(t, kv_row, es), lse));
-      if (c.split == CpSplit::padded)
-        e.buffers = saturating_add(e.buffers, product(static_cast<uint64_t>(cp), t, kv_row, f));
-    }
   }
   e.kernel_scratch = kernel_scratch(c, local_tokens, read_rows, c.num_heads_q, c.num_heads_k, work);
   return e;

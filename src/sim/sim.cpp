@@ -81,6 +81,9 @@ struct Ctx {
   Topology topo;
 
   int world(int cp_index) const { return topo.tp * cp_index; }
+  // The overlapped all-gather's KV-head groups over `ranks` ranks of `kv_heads` KV heads each
+  // (cp_overlap_groups: 1 without SimInput::overlap or with nothing to gather).
+  int overlap_groups(int kv_heads, int ranks) const { return in.overlap && ranks > 1 ? overlap_kv_groups(kv_heads) : 1; }
   const SimLink& link(bool inter) const { return inter ? in.profile.inter : in.profile.intra; }
   double send_time(int64_t bytes, bool inter) const {
     const SimLink& l = link(inter);
@@ -271,20 +274,33 @@ int default_inner(const Ctx& c) {
 
 // ---- The schemes, one call on CP rank r -----------------------------------------------------
 
+// Without overlap: the gather, one kernel call, the reduce-scatter, all exposed. With G > 1
+// KV-head groups (CpAttnConfig::overlap): the payload moves in G equal parts and the kernel
+// time splits in G calls; forward waits for group 0's K/V, and group g's transfer hides
+// under group g - 1's kernel call (exposed: what exceeds it); backward sends group g's dK/dV
+// under group g + 1's call, and the last group's reduce-scatter is exposed.
 void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
-  const int cp = c.cp;
-  double t = 0;
-  agreement(c, r, 0, 1, cp, f.agreement, t);
-  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * c.es, f.payload);
-  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * c.es, f.payload);
-  f.exposed_s = t;
+  const int cp = c.cp, groups = c.overlap_groups(c.hk, cp);
+  const int64_t hk_g = c.hk / groups;
+  const auto hide = [](SimCall& call, double transfer, double under, bool exposed) {
+    const double hidden = exposed ? 0.0 : std::min(transfer, under);
+    call.hidden_s += hidden;
+    call.exposed_s += transfer - hidden;
+  };
   set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, false, f);
-  t = 0;
-  agreement(c, r, 0, 1, cp, b.agreement, t);
-  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dqk * 4, b.payload);
-  t += ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * c.hk * c.dv * 4, b.payload);
-  b.exposed_s = t;
+  agreement(c, r, 0, 1, cp, f.agreement, f.exposed_s);
+  for (int g = 0; g < groups; ++g) {
+    const double x = ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dqk * c.es, f.payload) +
+                     ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dv * c.es, f.payload);
+    hide(f, x, f.compute_s / groups, g == 0);
+  }
   set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, true, b);
+  agreement(c, r, 0, 1, cp, b.agreement, b.exposed_s);
+  for (int g = 0; g < groups; ++g) {
+    const double y = ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dqk * 4, b.payload) +
+                     ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dv * 4, b.payload);
+    hide(b, y, b.compute_s / groups, g == groups - 1);
+  }
 }
 
 // Partials of `part` bytes going home over a ring's steps: full to every rank of [to) but r,
@@ -424,6 +440,22 @@ void a2a_calls(const Ctx& c, CpScheme s, int r, int inner, const HeadSplit& h, S
 struct MemoryUse {
   double saved = 0, transient = 0;
 };
+// An all-gather's buffers past its context (cp_memory.cpp's gather_or_ring, runs mode): `rows`
+// local rows of kv_row elements and hq query heads gathered into `gathered` rows over `ranks`
+// ranks, in `groups` KV-head groups (overlap_groups).
+double allgather_buffers(double rows, double gathered, int ranks, double kv_row, double hq, int groups, double es) {
+  if (groups > 1) {
+    // fp32 dK/dV of every gathered row, one group's document-order copy of them and its sums,
+    // the reduce-scatter's receive blocks (ranks x rows), one group's lse; in forward the
+    // gathered groups and the send packs of the local K/V.
+    const double per = kv_row / groups;
+    return gathered * kv_row * 4 + rows * per * 4 + gathered * per * 4 + ranks * rows * kv_row * 4 +
+           (gathered + rows) * kv_row * es + rows * hq / groups * 4;
+  }
+  // fp32 dK/dV of every gathered row, this rank's sums; past one rank, the document-order
+  // copy's fp32 dK/dV and, in forward, the gathered buffer beside its copy.
+  return gathered * kv_row * 4 + rows * kv_row * 4 + (ranks > 1 ? gathered * kv_row * (4 + es) : 0.0);
+}
 MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
   const auto t = static_cast<double>(c.t_loc);
   const double es = static_cast<double>(c.es);
@@ -432,11 +464,8 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
   m.saved = t * (q_row + kv_row) * es + t * c.hq * 4;  // q, out, k, v; lse
   switch (s) {
     case CpScheme::allgather:
-      m.saved += c.cp * t * kv_row * es;                        // the gathered K/V
-      m.transient = c.cp * t * kv_row * 4 + t * kv_row * 4;     // fp32 dK/dV of every row, this rank's sums
-      // At cp > 1 the gathered K/V are copied into document order (one key run per task): the
-      // copy's fp32 dK/dV, and in forward the gathered buffer beside its copy (cp_memory.cpp).
-      if (c.cp > 1) m.transient += c.cp * t * kv_row * (4 + es);
+      m.saved += c.cp * t * kv_row * es;  // the gathered K/V (in document order at cp > 1)
+      m.transient = allgather_buffers(t, c.cp * t, c.cp, kv_row, c.hq, c.overlap_groups(c.hk, c.cp), es);
       break;
     case CpScheme::ring:
       m.saved += t * kv_row * es;                                // the local K/V copy
@@ -471,10 +500,10 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       const double block = std::max({t * c.hq * dmax * es, g * kv_loc * dmax * es, t * c.hq * 4.0});
       const double group_layout = (2 * g * kv_row_loc + g * hq_loc * (c.dqk + c.dv)) * es;
       m.transient = 2 * block + group_layout + g * hq_loc * 4 + t * c.hk * dmax * 4 + dmax * 4;
-      // The outer layer: fp32 dK/dV of every gathered row and of this member's rows; past one
-      // group, the gathered K/V's document-order copy and its fp32 dK/dV.
-      m.transient += gathered * kv_row_loc * 4 + g * kv_row_loc * 4;
-      if (c.cp > inner) m.transient += gathered * kv_row_loc * (4 + es);
+      // The outer all-gather over cp / inner groups of g rows (overlapped per KV-head group of
+      // this member's heads when SimInput::overlap).
+      const int outer = c.cp / inner;
+      m.transient += allgather_buffers(g, gathered, outer, kv_row_loc, hq_loc, c.overlap_groups(h.kv_loc(), outer), es);
       break;
     }
   }

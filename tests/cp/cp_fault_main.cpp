@@ -7,15 +7,28 @@
 //   stall-during stops (SIGSTOP, as a hung rank) 50 ms into an overlapped forward (4 KV-head
 //                groups), its K/V posted and its kernels running: the others, computing on
 //                the groups that arrived, must time out on a point-to-point transfer with it
-//                and end the job.
+//                and end the job;
+//   throw-during throws in the middle of an overlapped forward (4 KV-head groups): its first
+//                kernel call, after group 0's blocks are in and groups 1-3 in flight both
+//                ways, finds CPATTN_KERNEL_PATH naming no path (set on this rank only, after the
+//                layer was made) and throws. The layer must hand the in-flight requests and
+//                their buffers to the communicator before it unwinds (main's e3615a1); the
+//                rank prints the error, keeps MPI moving the transfers for a second (into the
+//                kept buffers: freed ones are what ASan flags) and ends the job with MPI_Abort;
+//                the others finish their forward and wait in a barrier the faulty rank never
+//                joins, until the abort or the deadline ends them.
 // CTest passes each on the expected message and bounds its time.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
+#include <cpattn/error.hpp>
 #include <cpattn/plan.hpp>
+
+#include <mpi.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,19 +41,21 @@ int main(int argc, char** argv) {
     const bool faulty = comm.rank() == comm.size() - 1;
     // Large enough that the all-gather of K and V takes a while; for the stall, small enough
     // that the overlapped forward's first groups take well under the deadline (also under ASan).
-    const std::vector<int64_t> cu = fault == "stall-during" ? std::vector<int64_t>{0, 6000, 8192}
-                                                            : std::vector<int64_t>{0, 40000, 65536};
+    const bool overlapped = fault == "stall-during" || fault == "throw-during";
+    const std::vector<int64_t> cu = overlapped ? std::vector<int64_t>{0, 6000, 8192}
+                                               : std::vector<int64_t>{0, 40000, 65536};
     const cpattn::RankPlan p = cpattn::get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
     const int h = 8, d = 64;
     std::vector<float> q(p.local_tokens * h * d, 0.01f), k(q.size(), 0.02f), v(q.size(), 0.03f), out(q.size());
     cpattn::CpAttention attn(comm, {.num_heads_q = h, .num_heads_k = h, .head_dim_qk = d, .head_dim_v = d,
-                                    .overlap = fault == "stall-during"});
+                                    .overlap = overlapped});
     comm.barrier();
     if (faulty && fault == "sleep") {
       std::this_thread::sleep_for(std::chrono::seconds(60));
       std::fprintf(stderr, "rank %d: the late rank was not ended by MPI_Abort\n", comm.rank());
     }
     if (faulty && fault == "kill-before") std::raise(SIGKILL);
+    if (faulty && fault == "throw-during") ::setenv("CPATTN_KERNEL_PATH", "no-such-path", 1);
     std::thread killer;
     if (faulty && fault == "stall-during")
       killer = std::thread([] {
@@ -53,8 +68,23 @@ int main(int argc, char** argv) {
         std::raise(SIGKILL);
       });
     const int64_t t = p.local_tokens;
-    (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d), .k = cpattn::contiguous(k.data(), t, h, d),
-                  .v = cpattn::contiguous(v.data(), t, h, d), .out = cpattn::contiguous(out.data(), t, h, d)});
+    try {
+      (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d),
+                          .k = cpattn::contiguous(k.data(), t, h, d), .v = cpattn::contiguous(v.data(), t, h, d),
+                          .out = cpattn::contiguous(out.data(), t, h, d)});
+    } catch (const cpattn::Error& e) {
+      if (!(faulty && fault == "throw-during")) throw;
+      // The calls show where: past the barrier and the agreement, every group's posts.
+      std::fprintf(stderr, "rank %d: forward threw between KV-head groups after %lld communicator calls: %s\n",
+                   comm.rank(), static_cast<long long>(comm.calls()), e.message().c_str());
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      while (std::chrono::steady_clock::now() < until) {  // MPI progress: the in-flight transfers land
+        int flag = 0;
+        MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+      }
+      MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    if (fault == "throw-during") comm.barrier();  // the faulty rank never comes
     std::fprintf(stderr, "rank %d: forward returned, no fault seen\n", comm.rank());
     if (killer.joinable()) killer.join();
   }

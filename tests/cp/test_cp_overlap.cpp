@@ -168,6 +168,42 @@ TEST_F(CpAttentionTest, OverlapKeepsEachHeadsDropoutAndAlibi) {
   expect_matches_single_process(comm, b, p, s, t, o, on);
 }
 
+// The memory accounting holds the overlapped path's buffers, the forward's included: the
+// second step's forward holds the layer's kept buffers (dK/dV, receive blocks, one group's
+// lse) beside its context, the gathered groups and the send packs, and that peak is exactly
+// the estimate's context + buffers (so an estimate that left out the send packs, the gathered
+// groups or any backward buffer fails here, as would a measurement that missed them).
+TEST_F(CpAttentionTest, TheOverlapsPeakBuffersAreItsEstimateExactly) {
+  for (const Shape& s : kGroupShapes)
+    for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free}) {
+      SCOPED_TRACE(::testing::Message() << s.name << " split " << to_string(split) << " cp " << comm.size());
+      const DType t = DType::bf16;
+      const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 8);
+      const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
+                                                           PlanOptions{.split = split});
+      const CpAttnConfig cfg{.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                             .dtype = t, .options = {.path = best_kernel_path(t)}, .split = split, .overlap = true};
+      ASSERT_GT(cp_overlap_groups(cfg, comm.size()), 1);
+      CpAttention attn(comm, cfg);
+      const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
+                          dout = check::local_rows(b.dout, p);
+      check::Tensor out(t, {p.local_tokens, s.hq, s.dv}), dq(t, q.shape), dk(t, k.shape), dv(t, v.shape);
+      uint64_t after_first = 0;
+      for (int step = 0; step < 2; ++step) {
+        CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                                      .out = out.view()});
+        attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
+                            .dv = dv.view()});
+        if (step == 0) after_first = attn.stats().peak_buffer_bytes;
+      }
+      const CpMemoryEstimate e = cp_memory_estimate(cfg, p);
+      EXPECT_EQ(attn.stats().peak_buffer_bytes, e.context + e.buffers) << e.describe();
+      // The first step's forward ran before the backward's buffers existed, and its backward
+      // after the forward's transients were freed: both below the steady state.
+      EXPECT_LT(after_first, e.context + e.buffers) << e.describe();
+    }
+}
+
 // Ranks that disagree on overlap fail every rank, naming it, before any payload moves.
 TEST_F(CpAttentionTest, RanksThatDisagreeOnOverlapFailNamingIt) {
   SmallBatch b(comm.size(), comm.rank());

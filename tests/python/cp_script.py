@@ -3,7 +3,8 @@ single-process flash_attn_varlen_func on the same global batch, forward and back
 
 Usage: mpiexec -n N python cp_script.py CONFIGS LENGTHS HEADS [--torch-group GROUP_CONFIGS [RANKS]]
   CONFIGS  comma-separated scheme configurations, each a scheme name followed by
-           ContextParallelAttention arguments as :name=value (an int where it parses as one),
+           ContextParallelAttention arguments as :name=value (an int where it parses as one,
+           a bool for on/off),
            e.g. allgather,hybrid:cp_inner=2:hybrid_outer=ring,allgather:split=padding-free
   LENGTHS  the documents' lengths, e.g. 1,7,16
   HEADS    Hq,Hkv, e.g. 4,2
@@ -33,7 +34,8 @@ def parse_config(text):
     kwargs = {}
     for arg in args:
         name, value = arg.split("=")
-        kwargs[name] = int(value) if value.lstrip("-").isdigit() else value
+        flags = {"on": True, "off": False}
+        kwargs[name] = int(value) if value.lstrip("-").isdigit() else flags.get(value, value)
     return scheme, kwargs
 
 

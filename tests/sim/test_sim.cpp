@@ -20,14 +20,16 @@ namespace {
 using cpattn::testing::hand_profile;
 
 // docs/design.md section 4's batch: [0, 16, 40] at cp = 2, 218 visible pairs on each rank,
-// T_loc = 20. Two heads of dim 4, fp32.
+// T_loc = 20. Two heads of dim 4, fp32. The all-gather's overlap off: the hand-worked cases
+// below are the non-overlapped order (AllGatherOverlap... turn it on).
 const std::vector<int64_t> kCu{0, 16, 40};
 SimInput hand_input() {
   return {.cu_seqlens = kCu,
           .model = {.num_heads_q = 2, .num_heads_k = 2, .head_dim_qk = 4, .head_dim_v = 4, .dtype = DType::f32},
           .mesh = {.cp = 2},
           .profile = hand_profile(),
-          .find_breakeven = false};
+          .find_breakeven = false,
+          .overlap = false};
 }
 
 TEST(Sim, AllGatherOnOneLinkClassWithoutOverlapMatchesTheHandWorkedTimes) {
@@ -51,6 +53,58 @@ TEST(Sim, AllGatherOnOneLinkClassWithoutOverlapMatchesTheHandWorkedTimes) {
   EXPECT_EQ(p.forward[0].payload.sent_intra, 2 * 640);
   EXPECT_EQ(p.forward[0].payload.sent_inter, 0);
   EXPECT_EQ(p.forward[0].agreement.sent_intra, 408);
+}
+
+// The all-gather's overlap (SimInput::overlap): Hkv = 2 gives two KV-head groups; each moves
+// half the payload (K then V: 20 rows x 1 head x 4 dims x 4 bytes = 320 bytes each) and runs
+// half the kernel time. Forward: group 0's gather exposed, group 1's under group 0's call;
+// backward: group 0's dK/dV under group 1's call, group 1's exposed.
+TEST(Sim, AllGatherOverlapHidesTheLaterGroupsUnderTheEarlierCalls) {
+  SimInput in = hand_input();
+  in.overlap = true;
+  in.profile.intra = {.bandwidth_gbs = 1, .latency_us = 0};  // a group's K + V: 0.64 us; agreement 0.408 us
+  SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+  // Forward: 0.64 us hides entirely under half of 6.976 us; backward likewise under 17.44 us.
+  EXPECT_NEAR(p.forward[0].compute_s, 6.976e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].exposed_s, 0.408e-6 + 0.64e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].hidden_s, 0.64e-6, 1e-15);
+  EXPECT_NEAR(p.backward[1].exposed_s, 0.408e-6 + 0.64e-6, 1e-15);
+  EXPECT_NEAR(p.backward[1].hidden_s, 0.64e-6, 1e-15);
+  EXPECT_NEAR(p.exposed_comm_s, 2 * (0.408e-6 + 0.64e-6), 1e-14);
+  EXPECT_NEAR(p.hidden_comm_s, 2 * 0.64e-6, 1e-14);
+  // The same bytes as without overlap (two groups of half the rows' heads).
+  EXPECT_EQ(p.forward[0].payload.sent_intra, 2 * 640);
+  EXPECT_EQ(p.backward[0].payload.received_intra, 2 * 640);
+  // A slow link: a group's K + V take 6.4 us, longer than half the forward kernel (3.488 us):
+  // 6.4 - 3.488 us of group 1's gather is exposed; the backward's 17.44 us still hide it.
+  in.profile.intra = {.bandwidth_gbs = 0.1, .latency_us = 0};
+  p = simulate_scheme(in, CpScheme::allgather);
+  EXPECT_NEAR(p.forward[0].exposed_s, 4.08e-6 + 6.4e-6 + (6.4e-6 - 3.488e-6), 1e-14);
+  EXPECT_NEAR(p.forward[0].hidden_s, 3.488e-6, 1e-14);
+  EXPECT_NEAR(p.backward[0].exposed_s, 4.08e-6 + 6.4e-6, 1e-14);
+  EXPECT_NEAR(p.backward[0].hidden_s, 6.4e-6, 1e-14);
+}
+
+// One KV head (nothing to split), cp = 1 (nothing to gather): overlap on predicts what off does.
+TEST(Sim, AllGatherOverlapWithOneGroupIsTheNonOverlappedOrder) {
+  for (const int cp : {1, 2, 3}) {
+    SimInput off = hand_input();
+    off.model.num_heads_k = 1;
+    off.mesh.cp = cp;
+    SimInput on = off;
+    on.overlap = true;
+    const SchemePrediction a = simulate_scheme(on, CpScheme::allgather), b = simulate_scheme(off, CpScheme::allgather);
+    EXPECT_DOUBLE_EQ(a.step_s, b.step_s) << cp;
+    EXPECT_DOUBLE_EQ(a.peak_memory_gb, b.peak_memory_gb) << cp;
+    EXPECT_EQ(a.hidden_comm_s, 0.0) << cp;
+  }
+  // Two KV heads at cp = 1: no gather, one group.
+  SimInput on = hand_input();
+  on.mesh.cp = 1;
+  on.overlap = true;
+  SimInput off = on;
+  off.overlap = false;
+  EXPECT_DOUBLE_EQ(simulate_scheme(on, CpScheme::allgather).step_s, simulate_scheme(off, CpScheme::allgather).step_s);
 }
 
 TEST(Sim, TheSameCallAcrossNodesUsesTheInterNodeLink) {

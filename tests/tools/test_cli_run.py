@@ -52,7 +52,7 @@ check(r.returncode == 0 and "result: PASS" in r.stdout and all(n in r.stdout for
 r = run(2, "--scheme", "zigzag")
 check(r.returncode == 2 and "--scheme" in r.stderr and "pass-q" in r.stderr, f"bad --scheme: exit {r.returncode} {r.stderr[-500:]}")
 
-# --overlap on|off (default off): both exact, bitwise the same results (--npy-out), reported with
+# --overlap on|off (default on): both exact, bitwise the same results (--npy-out), reported with
 # the exposed (comm_s, waited) and total (comm_total_s, in flight) communication per rank: equal
 # without overlap, total >= exposed with it; a bad value exits 2.
 with tempfile.TemporaryDirectory() as d:
@@ -68,7 +68,7 @@ with tempfile.TemporaryDirectory() as d:
         res[ov] = {n: np.load(f"{d}/{ov}/{n}.npy") for n in ("out", "lse", "dq", "dk", "dv")}
     for n in res["on"]:
         check(res["on"][n].tobytes() == res["off"][n].tobytes(), f"--overlap on/off differ in {n}")
-check(run_json(2, *PQ)["overlap"] is False, "--overlap default")
+check(run_json(2, *PQ)["overlap"] is True, "--overlap default")
 r = run(2, *PQ, "--overlap", "maybe")
 check(r.returncode == 2 and "--overlap" in r.stderr, f"bad --overlap: exit {r.returncode} {r.stderr[-500:]}")
 

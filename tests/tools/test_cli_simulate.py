@@ -68,7 +68,8 @@ prof["cp_overhead"] = {"fwd": {"bf16": {"allgather": 0.5}}, "bwd": {"bf16": {"al
 po = os.path.join(tmp, "overhead.json")
 with open(po, "w") as f:
     json.dump(prof, f)
-args = ["simulate", "--lengths-file", lf, "--cp", "3", "--heads", "6", "--kv-heads", "3", "--json", "--no-breakeven"]
+args = ["simulate", "--lengths-file", lf, "--cp", "3", "--heads", "6", "--kv-heads", "3", "--json", "--no-breakeven",
+        "--overlap", "off"]
 j0 = json.loads(run(*args, "--profile", EXAMPLE).stdout)
 j1 = json.loads(run(*args, "--profile", po).stdout)
 for s0, s1 in zip(j0["schemes"], j1["schemes"]):
@@ -83,6 +84,17 @@ ag0, ag1 = j0["schemes"][0], j1["schemes"][0]  # no overlap: the step grows by t
 slow = max(range(3), key=lambda r: ag0["forward"]["compute_s"][r] + ag0["backward"]["compute_s"][r])
 added = 0.5 * ag0["forward"]["compute_s"][slow] + 0.25 * ag0["backward"]["compute_s"][slow]
 check(abs(ag1["step_s"] - (ag0["step_s"] + added)) <= 1e-9 * ag1["step_s"], f"allgather step + overhead {added}")
+
+# ---- --overlap on|off (default on): the all-gather's KV-head groups (3 here) move the same bytes;
+# off hides nothing, on hides some of the later groups' transfers; a bad value exits 2.
+jon = json.loads(run(*args[:-2], "--profile", EXAMPLE).stdout)
+check(jon["overlap"] is True and j0["overlap"] is False, "--overlap in --json")
+on, off = jon["schemes"][0], j0["schemes"][0]
+check(on["step_bytes"] == off["step_bytes"], f"--overlap on/off bytes: {on['step_bytes']} {off['step_bytes']}")
+check(off["hidden_comm_s"] == 0 and on["hidden_comm_s"] > 0, f"allgather hidden: on {on['hidden_comm_s']} off {off['hidden_comm_s']}")
+check(on["compute_s"] == off["compute_s"], "--overlap changes no compute")
+r = run(*args[:-2], "--overlap", "maybe")
+check(r.returncode == 2 and "--overlap" in r.stderr, f"bad --overlap: exit {r.returncode} {r.stderr[-300:]}")
 
 # ---- SVG: one line per scheme ------------------------------------------------------------------
 svg = os.path.join(tmp, "sim.svg")

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -35,6 +36,12 @@ using Clock = std::chrono::steady_clock;
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// The parts of comm_s are means: they add up to comm_s's mean over the steps (medians of
+// parts that spike in different steps would not).
+double mean(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
 }
 
 double peak_rss_mb() {
@@ -204,7 +211,7 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
       dk(b.dtype, k.shape), dv(b.dtype, v.shape);
   std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * b.shape.heads_q));
 
-  std::vector<double> compute, communication, comm_total, wall, forward, backward;
+  std::vector<double> compute, communication, comm_total, wall, forward, backward, agree, first_kv, later_kv, dkv;
   int64_t sent = 0, received = 0;  // by the last step (every step moves the same)
   for (int i = 0; i < a.repeats; ++i) {
     attn.reset_stats();
@@ -224,6 +231,10 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
     compute.push_back(attn.stats().compute_s);
     communication.push_back(attn.stats().comm_s);
     comm_total.push_back(attn.stats().comm_total_s);
+    agree.push_back(attn.stats().agree_s);
+    first_kv.push_back(attn.stats().first_kv_s);
+    later_kv.push_back(attn.stats().later_kv_s);
+    dkv.push_back(attn.stats().dkv_s);
   }
 
   Measured m;
@@ -232,12 +243,13 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
   const std::vector<double> mine{median(compute), median(communication), median(comm_total), median(wall), median(forward),
                                  median(backward), peak_rss_mb(),
                                  static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20),
-                                 static_cast<double>(sent), static_cast<double>(received)};
+                                 static_cast<double>(sent), static_cast<double>(received), mean(agree),
+                                 mean(first_kv), mean(later_kv), mean(dkv), mean(communication)};
   std::vector<double> per_rank(mine.size() * comm.size());
   comm.all_gather<double>(mine, per_rank);
   for (int r = 0; r < comm.size(); ++r) {
     const double* f = &per_rank[r * mine.size()];
-    m.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]});
+    m.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]});
   }
   return m;
 }

@@ -47,6 +47,11 @@ nlohmann::json scheme_json(const SchemeResult& x) {
     j["peak_buffer_mb"].push_back(f.peak_buffer_mb);
     j["bytes_sent"].push_back(static_cast<int64_t>(f.bytes_sent));
     j["bytes_received"].push_back(static_cast<int64_t>(f.bytes_received));
+    j["agree_s"].push_back(f.agree_s);
+    j["first_kv_s"].push_back(f.first_kv_s);
+    j["later_kv_s"].push_back(f.later_kv_s);
+    j["dkv_s"].push_back(f.dkv_s);
+    j["comm_mean_s"].push_back(f.comm_mean_s);
   }
   return j;
 }
@@ -189,6 +194,14 @@ void print_report(const RunReport& r) {
     if (f.comm_total_s > 0) std::snprintf(total, sizeof total, "%.4f", f.comm_total_s);
     std::printf("  %-5d %11.4f %11.4f %12s %11.4f %12.1f %14.1f %12.0f %12.0f\n", static_cast<int>(i), f.compute_s,
                 f.comm_s, total, f.step_s, f.peak_rss_mb, f.peak_buffer_mb, f.bytes_sent, f.bytes_received);
+  }
+  std::printf("  comm_s by part, means over the steps: agreement (absorbs the ranks' skew), first K/V (the "
+              "all-gather; overlapped: group 0's), later K/V (overlapped: the other groups, polls), dK/dV (the "
+              "reduce-scatter):\n");
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const RankFigures& f = ranks[i];
+    std::printf("  %-5d agreement %.4f + first K/V %.4f + later K/V %.4f + dK/dV %.4f = %.4f\n", static_cast<int>(i),
+                f.agree_s, f.first_kv_s, f.later_kv_s, f.dkv_s, f.comm_mean_s);
   }
   std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
               compute_imbalance(ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);

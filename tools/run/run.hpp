@@ -28,7 +28,7 @@ struct RunArgs {
   std::string dtype = "fp32", mode = "runs", scheme = "allgather",  // scheme: a CpScheme's name or "all"
               mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   std::string split = "padded";  // canonical (vocab.hpp)
-  std::string overlap = "off";   // --overlap on|off (CpAttnConfig::overlap)
+  std::string overlap = "on";    // --overlap on|off (CpAttnConfig::overlap)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
@@ -99,6 +99,9 @@ struct RankFigures {  // medians over the timed steps, and memory
   // comm_s: exposed (waited); comm_total_s: in flight (CpStats::comm_total_s; 0: not measured)
   double compute_s = 0, comm_s = 0, comm_total_s = 0, step_s = 0, forward_s = 0, backward_s = 0, peak_rss_mb = 0, peak_buffer_mb = 0;
   double bytes_sent = 0, bytes_received = 0;  // CpStats (counted by the communicators), one forward+backward step
+  // comm_s by part (CpStats::agree_s, first_kv_s, later_kv_s, dkv_s) and comm_s itself: means
+  // over the steps (the parts add up to comm_mean_s)
+  double agree_s = 0, first_kv_s = 0, later_kv_s = 0, dkv_s = 0, comm_mean_s = 0;
 };
 // One scheme's run: its check and every rank's figures.
 struct SchemeResult {
