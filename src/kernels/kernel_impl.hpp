@@ -299,26 +299,40 @@ inline void col_panel_bf16(int M, int K2, const uint32_t* A, const uint32_t* B0,
 // and B are rounded to bf16 pairs along K (an odd K padded with a zero) into per-thread
 // buffers, then multiplied by the Bf16Dot micro-kernel. Packing costs O(M K + K N) per call
 // against the O(M N K) product.
+//
+// `paired`, when not null, is B already in pairs (pair_panel_rows: ldb == PAD, K even, panel
+// stride bps / 2 words), so that only A is packed: the K^T, V and K panels of a call, paired
+// once in pack_kv instead of at every product (the forward's S = Q K^T runs on sub-blocks of
+// FSB rows, so packing its B per call cost as many conversions as a 1/FSB share of the
+// product's dot steps, per head and sub-block: the bf16 forward ran 0.84x the fp32-product
+// path on Zen 4 before).
 template <bool Zero>
 __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, int64_t ars, int64_t acs,
-                                         const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+                                         const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
+                                         const uint32_t* paired) {
   thread_local std::vector<uint32_t, LineAligned<uint32_t>> a2, b2;
   const int K2 = (K + 1) / 2;
   a2.resize(static_cast<size_t>(M) * K2);
-  b2.resize(static_cast<size_t>(N) * K2);
   for (int r = 0; r < M; ++r)
     for (int kp = 0; kp < K2; ++kp) {
       const float* a = A + r * ars + 2 * kp * acs;
       a2[r * K2 + kp] = bf16_pair(a[0], 2 * kp + 1 < K ? a[acs] : 0.0f);
     }
-  for (int j = 0; j < N / PAD; ++j)  // B2 panel j: [K2][PAD] words
-    for (int kp = 0; kp < K2; ++kp) {
-      const float* b = B + j * bps + 2 * kp * ldb;
-      const bool odd = 2 * kp + 1 < K;
-      uint32_t* o = b2.data() + (static_cast<size_t>(j) * K2 + kp) * PAD;
-      for (int c = 0; c < PAD; ++c) o[c] = bf16_pair(b[c], odd ? b[ldb + c] : 0.0f);
-    }
-  auto col = [&](int n) { return b2.data() + static_cast<size_t>(n / PAD) * K2 * PAD + n % PAD; };
+  const uint32_t* b2p = paired;
+  int64_t panel = bps / 2;  // words between B2 panels
+  if (!paired) {
+    b2.resize(static_cast<size_t>(N) * K2);
+    for (int j = 0; j < N / PAD; ++j)  // B2 panel j: [K2][PAD] words
+      for (int kp = 0; kp < K2; ++kp) {
+        const float* b = B + j * bps + 2 * kp * ldb;
+        const bool odd = 2 * kp + 1 < K;
+        uint32_t* o = b2.data() + (static_cast<size_t>(j) * K2 + kp) * PAD;
+        for (int c = 0; c < PAD; ++c) o[c] = bf16_pair(b[c], odd ? b[ldb + c] : 0.0f);
+      }
+    b2p = b2.data();
+    panel = int64_t{K2} * PAD;
+  }
+  auto col = [&](int n) { return b2p + (n / PAD) * panel + n % PAD; };
   int n = 0;
   for (; n + 2 * W <= N; n += 2 * W)
     col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), col(n), col(n + W), C + n, ldc);
@@ -331,6 +345,17 @@ void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes)
   for (int i = 0; i < lanes; i += W) vstore(acc + i, Bf16Dot::dot(vload(acc + i), vload_u(a + i), vload_u(b + i)));
 }
 #endif
+
+// A buffer of rows of PAD floats (panels whose row counts are even) as bf16 pairs: rows 2i
+// and 2i + 1 become row i of PAD words, bf16_pair(row 2i [c], row 2i + 1 [c]), the layout
+// gemm_bf16 packs B into, so float element (panel, k, c) lies at pair word (panel, k / 2, c)
+// and the pair buffer's offset of a B with an even k is half the float offset.
+using uvec = std::vector<uint32_t, LineAligned<uint32_t>>;
+inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) {
+  for (int64_t i = 0; i < row_pairs; ++i)
+    for (int c = 0; c < PAD; ++c)
+      dst[i * PAD + c] = uint32_t{f32_to_bf16(src[2 * i * PAD + c])} | uint32_t{f32_to_bf16(src[(2 * i + 1) * PAD + c])} << 16;
+}
 
 // ---- AMX tiles (the amx paths) ---------------------------------------------------------------
 // A kernel_<isa>.cpp that defines CPATTN_AMX runs the products of bf16-storage calls (and of
@@ -624,12 +649,15 @@ inline Dot dot_for(DType dtype) {
 }
 
 // The one call of every product: gemm, or the products of the call's Dot (dot_for).
+// `paired`: B in bf16 pairs (Packed::paired), for the bf16_pairs products; ignored otherwise.
 template <bool Zero>
 inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
-               const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+               const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
+               const uint32_t* paired = nullptr) {
 #ifdef CPATTN_BF16_DOT
-  if (dot == Dot::bf16_pairs) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+  if (dot == Dot::bf16_pairs) return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired);
 #endif
+  (void)paired;
 #ifdef CPATTN_AMX
   if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
     return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
@@ -700,6 +728,19 @@ struct Packed {
   // vr [dvp/PAD][nblk*BK][PAD], so that dS K and P V can run over any number of consecutive
   // blocks (B panel stride vr_ps(), the same for both).
   fvec kt, kr, vr, vt;
+  // For bf16_pairs products (pack_kv's `pairs`): the same four in bf16 pairs of rows
+  // (pair_panel_rows), each half its float buffer's length; empty otherwise.
+  uvec kt2, kr2, vr2, vt2;
+  // The pairs of a B operand that starts at B in one of the float buffers at an even k (every
+  // panel's row count is even), or null when there are none.
+  const uint32_t* paired(const float* B) const {
+    for (const auto& [f, u] : {std::pair{&kt, &kt2}, {&kr, &kr2}, {&vr, &vr2}, {&vt, &vt2}}) {
+      if (u->empty() || B < f->data() || B >= f->data() + f->size()) continue;
+      const int64_t off = B - f->data();
+      return off % (2 * PAD) == 0 ? u->data() + off / 2 : nullptr;
+    }
+    return nullptr;
+  }
   const float* Kt(int hk, int64_t b) const { return kt.data() + (hk * nblk + b) * BK * dp; }
   const float* Kr(int hk) const { return kr.data() + hk * nblk * BK * dp; }
   const float* Vr(int hk) const { return vr.data() + hk * nblk * BK * dvp; }
@@ -707,7 +748,7 @@ struct Packed {
   const float* Vt(int hk, int64_t b) const { return vt.data() + (hk * nblk + b) * BK * dvp; }
 };
 
-void pack_kv(const AttnInputs& in, bool transposed_too, Packed& pk) {
+void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
   const int64_t total_k = K.rows;
@@ -747,6 +788,27 @@ void pack_kv(const AttnInputs& in, bool transposed_too, Packed& pk) {
         if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
       }
     }
+  });
+  if (!pairs) return;
+  // The pairs, block by block: a block's rows of K^T and V^T are one run of panels of their
+  // own; its rows of K and V are BK rows of each of the kv head's panels.
+  pk.kt2.resize(pk.kt.size() / 2);
+  pk.vr2.resize(pk.vr.size() / 2);
+  pk.kr2.resize(pk.kr.size() / 2);
+  pk.vt2.resize(pk.vt.size() / 2);
+  parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
+    const int64_t hk = u / pk.nblk, b = u % pk.nblk;
+    pair_panel_rows(pk.kt.data() + u * BK * pk.dp, BK * pk.dp / PAD / 2, pk.kt2.data() + u * BK * pk.dp / 2);
+    for (int pn = 0; pn < pk.dvp / PAD; ++pn) {
+      const int64_t off = hk * pk.nblk * BK * pk.dvp + pn * pk.vr_ps() + b * BK * PAD;
+      pair_panel_rows(pk.vr.data() + off, BK / 2, pk.vr2.data() + off / 2);
+    }
+    if (!transposed_too) return;
+    for (int pn = 0; pn < pk.dp / PAD; ++pn) {
+      const int64_t off = hk * pk.nblk * BK * pk.dp + pn * pk.vr_ps() + b * BK * PAD;
+      pair_panel_rows(pk.kr.data() + off, BK / 2, pk.kr2.data() + off / 2);
+    }
+    pair_panel_rows(pk.vt.data() + u * BK * pk.dvp, BK * pk.dvp / PAD / 2, pk.vt2.data() + u * BK * pk.dvp / 2);
   });
 }
 
@@ -852,7 +914,7 @@ void forward_impl(const AttnFwdParams& p) {
   const CallRules cr(in, opt);
 
   Packed pk;
-  pack_kv(in, false, pk);
+  pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk);
   const int dp = pk.dp, dvp = pk.dvp;
 
   struct Unit {
@@ -954,8 +1016,8 @@ void forward_impl(const AttnFwdParams& p) {
           float* l_g = S.l.data() + g * BQ + r0;
           char* seen = S.seen.data() + g * BQ + r0;
           // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
-          mm<true>(cr.bd, sb, n, dp, q, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD,
-                   S.s.data() + ps.a0, FBK);
+          const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
+          mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt));
           bool any = false;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
@@ -1031,7 +1093,8 @@ void forward_impl(const AttnFwdParams& p) {
           }
           // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0)
           if (any)
-            mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp);
+            mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
+                      pk.paired(pk.Vr(hk) + k0 * PAD));
         }
       }
     });
@@ -1103,7 +1166,7 @@ void backward_impl(const AttnBwdParams& p) {
   const CallRules cr(in, opt);
 
   Packed pk;
-  pack_kv(in, true, pk);
+  pack_kv(in, true, cr.bd == Dot::bf16_pairs, pk);
   const int dp = pk.dp, dvp = pk.dvp;
 
   int64_t max_q = 0;
@@ -1183,10 +1246,10 @@ void backward_impl(const AttnBwdParams& p) {
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD,
-                     dp * PAD, S.s.data() + pc.a0, BBK);
-          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD, PAD,
-                     dvp * PAD, S.dp.data() + pc.a0, BBK);
+          const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
+          const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
+          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
+          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
           // The next query block's Q, dO and their panels come from L3 (per-task buffers of
           // max_q rows): fetch them while this block's softmax and products run.
           const bool more = i0 + BQB < nq;
@@ -1271,7 +1334,7 @@ void backward_impl(const AttnBwdParams& p) {
           }
           first = false;
           mm<false>(ds_dot, m, dp, n, S.s.data() + pc.a0, BBK, 1, pk.Kr(hk) + k0 * PAD, PAD,
-                      pk.vr_ps(), S.dq.data() + i0 * dp, dp);
+                      pk.vr_ps(), S.dq.data() + i0 * dp, dp, pk.paired(pk.Kr(hk) + k0 * PAD));
         }
         if (first) return;  // no query block saw the piece: nothing to add
         // add the piece's rows to the unit's dK/dV
