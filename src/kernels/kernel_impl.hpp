@@ -228,6 +228,7 @@ inline vu vload_u(const uint32_t* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+inline void vstore_u(uint32_t* p, vu v) { std::memcpy(p, &v, sizeof v); }
 struct Bf16Dot {
 #if CPATTN_BF16_DOT == 1
   static_assert(W == 16, "vdpbf16ps on zmm registers: 16 lanes");
@@ -256,10 +257,26 @@ inline uint32_t bf16_pair(float even, float odd) {
   return uint32_t{f32_to_bf16(even)} | uint32_t{f32_to_bf16(odd)} << 16;
 }
 
-// C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2 rows of K2 words (lda), B2
-// panels of PAD words per pair.
+// f32_to_bf16 on W lanes (round to nearest even, NaN kept NaN), the bits in each lane's low
+// half; and the pair words of 2W consecutive floats lo, hi: word j = bits(x[2j]) | bits(x[2j
+// + 1]) << 16 (x = lo then hi), the order of a bf16 array in memory.
+inline vu bf16_bits(vu u) {
+  const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  return (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
+}
+template <size_t... I>
+inline vu pair_words(vf lo, vf hi, std::index_sequence<I...>) {
+  const vu a = bf16_bits((vu)lo), b = bf16_bits((vu)hi);
+  return __builtin_shufflevector(a, b, (2 * I)...) | __builtin_shufflevector(a, b, (2 * I + 1)...) << 16;
+}
+inline vu pair_words(vf lo, vf hi) { return pair_words(lo, hi, std::make_index_sequence<W>{}); }
+// Pair words of two rows a, b of W floats: word c = bits(a[c]) | bits(b[c]) << 16.
+inline vu pair_rows(vf a, vf b) { return bf16_bits((vu)a) | bf16_bits((vu)b) << 16; }
+
+// C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2(r, kp) at A[r * ra + kp *
+// ka], B2 panels of PAD words per pair.
 template <int R, int NV, bool Zero>
-inline void tile_bf16(int K2, const uint32_t* A, int64_t lda, const uint32_t* B0, const uint32_t* B1,
+inline void tile_bf16(int K2, const uint32_t* A, int64_t ra, int64_t ka, const uint32_t* B0, const uint32_t* B1,
                       float* C, int64_t ldc) {
   const uint32_t* Bv[2] = {B0, B1};
   vf acc[R][NV];
@@ -270,7 +287,7 @@ inline void tile_bf16(int K2, const uint32_t* A, int64_t lda, const uint32_t* B0
     for (int c = 0; c < NV; ++c) b[c] = vload_u(Bv[c] + kp * PAD);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const vu av = vu{} + A[r * lda + kp];
+      const vu av = vu{} + A[r * ra + kp * ka];
 #pragma GCC unroll 4
       for (int c = 0; c < NV; ++c) acc[r][c] = Bf16Dot::dot(acc[r][c], av, b[c]);
     }
@@ -279,18 +296,18 @@ inline void tile_bf16(int K2, const uint32_t* A, int64_t lda, const uint32_t* B0
 }
 
 template <int R, int NV, bool Zero>
-inline void col_panel_bf16(int M, int K2, const uint32_t* A, const uint32_t* B0, const uint32_t* B1,
-                           float* C, int64_t ldc) {
+inline void col_panel_bf16(int M, int K2, const uint32_t* A, int64_t ra, int64_t ka, const uint32_t* B0,
+                           const uint32_t* B1, float* C, int64_t ldc) {
   int m = 0;
-  for (; m + R <= M; m += R) tile_bf16<R, NV, Zero>(K2, A + m * K2, K2, B0, B1, C + m * ldc, ldc);
-  const uint32_t* a = A + m * K2;
+  for (; m + R <= M; m += R) tile_bf16<R, NV, Zero>(K2, A + m * ra, ra, ka, B0, B1, C + m * ldc, ldc);
+  const uint32_t* a = A + m * ra;
   float* c = C + m * ldc;
   switch (M - m) {
-    case 1: tile_bf16<1, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
-    case 2: tile_bf16<2, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
-    case 3: tile_bf16<3, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
-    case 4: tile_bf16<4, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
-    case 5: tile_bf16<5, NV, Zero>(K2, a, K2, B0, B1, c, ldc); break;
+    case 1: tile_bf16<1, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
+    case 2: tile_bf16<2, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
+    case 3: tile_bf16<3, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
+    case 4: tile_bf16<4, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
+    case 5: tile_bf16<5, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
     default: break;
   }
 }
@@ -313,11 +330,29 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
   thread_local std::vector<uint32_t, LineAligned<uint32_t>> a2, b2;
   const int K2 = (K + 1) / 2;
   a2.resize(static_cast<size_t>(M) * K2);
-  for (int r = 0; r < M; ++r)
+  // A2 in vectors: rows of contiguous elements (acs == 1) row by row, [M][K2]; columns of
+  // contiguous elements (ars == 1: the backward's P^T and dS^T) pair by pair, [K2][M].
+  const bool by_pairs = ars == 1 && acs != 1;
+  const int64_t ra = by_pairs ? 1 : K2, ka = by_pairs ? M : 1;
+  if (by_pairs) {
     for (int kp = 0; kp < K2; ++kp) {
-      const float* a = A + r * ars + 2 * kp * acs;
-      a2[r * K2 + kp] = bf16_pair(a[0], 2 * kp + 1 < K ? a[acs] : 0.0f);
+      const float* a = A + 2 * kp * acs;
+      const bool odd = 2 * kp + 1 < K;
+      uint32_t* o = a2.data() + static_cast<size_t>(kp) * M;
+      int r = 0;
+      for (; r + W <= M; r += W) vstore_u(o + r, pair_rows(vload(a + r), odd ? vload(a + acs + r) : vf{}));
+      for (; r < M; ++r) o[r] = bf16_pair(a[r], odd ? a[acs + r] : 0.0f);
     }
+  } else {
+    for (int r = 0; r < M; ++r) {
+      const float* a = A + r * ars;
+      uint32_t* o = a2.data() + static_cast<size_t>(r) * K2;
+      int kp = 0;
+      if (acs == 1)
+        for (; 2 * (kp + W) <= K; kp += W) vstore_u(o + kp, pair_words(vload(a + 2 * kp), vload(a + 2 * kp + W)));
+      for (; kp < K2; ++kp) o[kp] = bf16_pair(a[2 * kp * acs], 2 * kp + 1 < K ? a[(2 * kp + 1) * acs] : 0.0f);
+    }
+  }
   const uint32_t* b2p = paired;
   int64_t panel = bps / 2;  // words between B2 panels
   if (!paired) {
@@ -327,7 +362,7 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
         const float* b = B + j * bps + 2 * kp * ldb;
         const bool odd = 2 * kp + 1 < K;
         uint32_t* o = b2.data() + (static_cast<size_t>(j) * K2 + kp) * PAD;
-        for (int c = 0; c < PAD; ++c) o[c] = bf16_pair(b[c], odd ? b[ldb + c] : 0.0f);
+        for (int c = 0; c < PAD; c += W) vstore_u(o + c, pair_rows(vload(b + c), odd ? vload(b + ldb + c) : vf{}));
       }
     b2p = b2.data();
     panel = int64_t{K2} * PAD;
@@ -335,8 +370,8 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
   auto col = [&](int n) { return b2p + (n / PAD) * panel + n % PAD; };
   int n = 0;
   for (; n + 2 * W <= N; n += 2 * W)
-    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), col(n), col(n + W), C + n, ldc);
-  for (; n < N; n += W) col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), col(n), col(n), C + n, ldc);
+    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), ra, ka, col(n), col(n + W), C + n, ldc);
+  for (; n < N; n += W) col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), ra, ka, col(n), col(n), C + n, ldc);
 }
 
 // One Bf16Dot step on `lanes` lanes (a multiple of W): acc[i] += the pair products of a[i],
@@ -352,9 +387,13 @@ void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes)
 // and the pair buffer's offset of a B with an even k is half the float offset.
 using uvec = std::vector<uint32_t, LineAligned<uint32_t>>;
 inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) {
+#ifdef CPATTN_BF16_DOT
   for (int64_t i = 0; i < row_pairs; ++i)
-    for (int c = 0; c < PAD; ++c)
-      dst[i * PAD + c] = uint32_t{f32_to_bf16(src[2 * i * PAD + c])} | uint32_t{f32_to_bf16(src[(2 * i + 1) * PAD + c])} << 16;
+    for (int c = 0; c < PAD; c += W)
+      vstore_u(dst + i * PAD + c, pair_rows(vload(src + 2 * i * PAD + c), vload(src + (2 * i + 1) * PAD + c)));
+#else
+  (void)src, (void)row_pairs, (void)dst;  // only the bf16 paths pair their operands
+#endif
 }
 
 // ---- AMX tiles (the amx paths) ---------------------------------------------------------------
