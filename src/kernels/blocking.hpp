@@ -70,15 +70,18 @@ struct BwdScratchFloats {
   }
 };
 
+// bf16_pairs: the call's products are bf16 dot products (bf16 storage on avx512_bf16 or
+// bf16_emulated), whose packed K/V also hold their bf16 pairs (half as many 4-byte words).
 constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_heads_q,
                                                    int num_heads_k, int head_dim_qk,
-                                                   int head_dim_v, int64_t max_q) {
+                                                   int head_dim_v, int64_t max_q,
+                                                   bool bf16_pairs = false) {
   const size_t dp = static_cast<size_t>(pad_up(head_dim_qk));
   const size_t dvp = static_cast<size_t>(pad_up(head_dim_v));
   const size_t tk = static_cast<size_t>((total_k + BK - 1) / BK * BK);
   const size_t mq = static_cast<size_t>(max_q);
   BwdScratchFloats f{};
-  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * 2 * (dp + dvp);
+  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_pairs ? 3 : 2) * (dp + dvp);
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) *
                     static_cast<size_t>(total_k) * (dp + dvp);
   // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
