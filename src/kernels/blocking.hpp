@@ -29,34 +29,35 @@ constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S
                           // softmax and O += P V FSB rows at a time, each product's operands
                           // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
                           // an 8 KiB K^T or V panel) within a 32 KiB L1
-constexpr int BWD_UNITS = 16;  // backward units a call aims for (bwd_set_heads): a rank of up
-                               // to 16 threads keeps every core busy in backward on any shape
-                               // with 16 query heads or more, and the scratch stays at most
-                               // 16 buffers of total_k rows however many heads there are
+constexpr int BWD_SETS = 4;  // backward head sets per kv head (bwd_set_heads): Hq = 16, Hkv = 4
+                             // has 16 units, and the scratch is at most 4 buffers of total_k
+                             // rows per kv head however many query heads share it
 static_assert(BK % PAD == 0 && FBK % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 
 // Query heads per backward unit. A unit is (kv head, set of consecutive query heads of its
 // group) and accumulates the set's dK/dV in one fp32 buffer, head after head; the sets' buffers
-// are summed in set order at the end. Sets of up to GH heads, split further until there are
-// BWD_UNITS units where the group allows it (MQA, few kv heads), so that a few threads have
-// work. A function of the shape alone, never of num_threads: the summation order, and so the
-// result, do not depend on the thread count.
+// are summed in set order at the end. A kv head's group of G query heads runs as min(G,
+// BWD_SETS) sets of ceil(G / sets) heads (the last one smaller). A function of the group size
+// alone: never of num_threads (the summation order, and so the result, do not depend on the
+// thread count), nor of how many kv heads the call has, so that a call split into calls over
+// groups of kv heads (the overlapped CP backward) sums every gradient in the same order as
+// the whole call, bitwise.
 constexpr int bwd_set_heads(int num_heads_q, int num_heads_k) {
-  const int group = num_heads_q / std::max(num_heads_k, 1);
-  const int want = std::max((group + GH - 1) / GH, (BWD_UNITS + num_heads_k - 1) / std::max(num_heads_k, 1));
-  const int sets = std::max(1, std::min(group, want));
-  return std::max(1, (group + sets - 1) / sets);
+  const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
+  const int sets = std::min(group, BWD_SETS);
+  return (group + sets - 1) / sets;
 }
 constexpr int bwd_sets(int num_heads_q, int num_heads_k) {
-  const int group = num_heads_q / std::max(num_heads_k, 1);
+  const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
   const int per = bwd_set_heads(num_heads_q, num_heads_k);
-  return std::max(1, (group + per - 1) / per);
+  return (group + per - 1) / per;
 }
-// The shapes docs/kernels.md and the head-set test name.
-static_assert(bwd_set_heads(16, 4) == 1 && bwd_set_heads(64, 8) == 4 && bwd_set_heads(32, 8) == 2 &&
-              bwd_set_heads(40, 4) == 3 && bwd_sets(40, 4) == 4 && bwd_set_heads(16, 1) == 1);
+// The shapes docs/kernels.md and the head-set tests name.
+static_assert(bwd_set_heads(16, 4) == 1 && bwd_set_heads(64, 8) == 2 && bwd_set_heads(32, 8) == 1 &&
+              bwd_set_heads(40, 4) == 3 && bwd_sets(40, 4) == 4 && bwd_set_heads(16, 1) == 4 &&
+              bwd_set_heads(20, 4) == 2 && bwd_sets(20, 4) == 3 && bwd_set_heads(20, 4) == bwd_set_heads(10, 2));
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it

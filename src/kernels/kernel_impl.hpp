@@ -5,7 +5,7 @@
 // function of them is compiled for a wider ISA than the baseline, restores it with
 // `#pragma GCC pop_options` after this file, and defines the path's KernelTable. Everything
 // here has internal linkage for the same reason (no ODR merging across ISAs). The blocking
-// constants (PAD, BQ, BQB, BK, BBK, FBK, GH, MR, BWD_UNITS) are blocking.hpp's.
+// constants (PAD, BQ, BQB, BK, BBK, FBK, GH, MR, BWD_SETS) are blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and

@@ -13,8 +13,11 @@
 namespace cpattn {
 namespace {
 
-// Two KV-head groups (Hkv = 2) and three (Hkv = 3, GQA of 2), odd head dims.
-constexpr Shape kGroupShapes[] = {{"gqa-odd", 4, 2, 17, 9}, {"kv3-odd", 6, 3, 11, 7}};
+// Two KV-head groups (Hkv = 2) and three (Hkv = 3, GQA of 2), odd head dims; and Hkv = 4 with
+// GQA of 5, whose backward head sets (2, 2, 1 per kv head) must not change when the call is
+// split over kv-head groups (a rule that looked at the call's kv-head count gave the groups
+// sets of 1 and broke bitwise equality; blocking.hpp's bwd_set_heads).
+constexpr Shape kGroupShapes[] = {{"gqa-odd", 4, 2, 17, 9}, {"kv3-odd", 6, 3, 11, 7}, {"kv4-gqa5", 20, 4, 9, 5}};
 // A 1-token document, short ones that need padding at cp = 2..4, and one of 1100 tokens.
 const std::vector<int64_t> kOverlapLengths{1, 37, 1100, 9, 1, 64};
 
