@@ -300,12 +300,10 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   int64_t max_q = 0;
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
-  // bf16 storage on a bf16-dot path packs K/V in pairs too (blocking.hpp)
-  bool bf16_pairs = false;
-  if (p.in.dtype() == DType::bf16) {
-    const KernelPath path = resolve_kernel_path(p.in.options.path, DType::bf16).path;
-    bf16_pairs = path == KernelPath::avx512_bf16 || path == KernelPath::bf16_emulated;
-  }
+  // bf16 storage on a path whose products are bf16 dot products (its table has the dot step)
+  // packs K/V in pairs too (blocking.hpp): the table attention_backward runs decides it
+  const bool bf16_pairs =
+      p.in.dtype() == DType::bf16 && kernel_table(p.in.options.path, DType::bf16).bf16_dot != nullptr;
   const kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
       p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, bf16_pairs);
   return sizeof(float) * f.total(p.in.options.num_threads);

@@ -104,7 +104,8 @@ struct KernelTable {
   void (*backward)(const AttnBwdParams& p);
   // The bf16 paths' dot-product step alone (kernel_impl.hpp, Bf16Dot), for its tests: acc[i] +=
   // the two products of the bf16 pairs a[i], b[i] (even element in the low half), `lanes` a
-  // multiple of 16. nullptr on the other paths.
+  // multiple of 16. nullptr on the other paths: not null exactly where bf16 storage's products
+  // run as bf16 dot products (attention_backward_scratch_bytes reads it so).
   void (*bf16_dot)(float* acc, const uint32_t* a, const uint32_t* b, int lanes) = nullptr;
   // The amx paths' tile product alone (kernel_impl.hpp, Tiles), for its tests: one TDPBF16PS
   // (fp16 false) or TDPFP16PS (fp16 true) on tiles configured to the call's shapes, C[m x n]

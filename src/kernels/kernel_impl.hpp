@@ -314,12 +314,12 @@ inline void col_panel_bf16(int M, int K2, const uint32_t* A, int64_t ra, int64_t
 
 // gemm's contract (same operands, same strides; N a multiple of PAD) with bf16 products: A
 // and B are rounded to bf16 pairs along K (an odd K padded with a zero) into per-thread
-// buffers, then multiplied by the Bf16Dot micro-kernel. Packing costs O(M K + K N) per call
-// against the O(M N K) product.
+// buffers, in vectors, then multiplied by the Bf16Dot micro-kernel.
 //
 // `paired`, when not null, is B already in pairs (pair_panel_rows: ldb == PAD, K even, panel
-// stride bps / 2 words), so that only A is packed: the K^T, V and K panels of a call, paired
-// once in pack_kv instead of at every product (the forward's S = Q K^T runs on sub-blocks of
+// stride bps / 2 words): the K^T, V, V^T and K panels of a call, paired once in pack_kv
+// instead of at every product; `paired_a` likewise A ([M][K / 2], acs == 1: the forward's Q
+// rows, pair_row) (the forward's S = Q K^T runs on sub-blocks of
 // FSB rows, so packing its B per call cost as many conversions as a 1/FSB share of the
 // product's dot steps, per head and sub-block: the bf16 forward ran 0.84x the fp32-product
 // path on Zen 4 before).
