@@ -318,24 +318,21 @@ inline void col_panel_bf16(int M, int K2, const uint32_t* A, int64_t ra, int64_t
 //
 // `paired`, when not null, is B already in pairs (pair_panel_rows: ldb == PAD, K even, panel
 // stride bps / 2 words): the K^T, V, V^T and K panels of a call, paired once in pack_kv
-// instead of at every product; `paired_a` likewise A ([M][K / 2], acs == 1: the forward's Q
-// rows, pair_row) (the forward's S = Q K^T runs on sub-blocks of
-// FSB rows, so packing its B per call cost as many conversions as a 1/FSB share of the
-// product's dot steps, per head and sub-block: the bf16 forward ran 0.84x the fp32-product
-// path on Zen 4 before).
+// instead of at every product. The forward's S = Q K^T runs per head on sub-blocks of FSB
+// rows, so pairing its B per product repeated the same conversions for every head and
+// sub-block (the bf16 forward ran 0.84x the fp32-product path on Zen 4 before).
 template <bool Zero>
 __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                                          const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
-                                         const uint32_t* paired, const uint32_t* paired_a) {
+                                         const uint32_t* paired) {
   thread_local std::vector<uint32_t, LineAligned<uint32_t>> a2, b2;
   const int K2 = (K + 1) / 2;
-  const bool by_pairs = !paired_a && ars == 1 && acs != 1;
+  const bool by_pairs = ars == 1 && acs != 1;
   const int64_t ra = by_pairs ? 1 : K2, ka = by_pairs ? M : 1;
-  if (!paired_a) a2.resize(static_cast<size_t>(M) * K2);
+  a2.resize(static_cast<size_t>(M) * K2);
   // A2 in vectors: rows of contiguous elements (acs == 1) row by row, [M][K2]; columns of
-  // contiguous elements (ars == 1: the backward's P^T and dS^T) pair by pair, [K2][M]; or
-  // paired_a as it is ([M][K2]).
-  if (!paired_a && by_pairs) {
+  // contiguous elements (ars == 1: the backward's P^T and dS^T) pair by pair, [K2][M].
+  if (by_pairs) {
     for (int kp = 0; kp < K2; ++kp) {
       const float* a = A + 2 * kp * acs;
       const bool odd = 2 * kp + 1 < K;
@@ -344,7 +341,7 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
       for (; r + W <= M; r += W) vstore_u(o + r, pair_rows(vload(a + r), odd ? vload(a + acs + r) : vf{}));
       for (; r < M; ++r) o[r] = bf16_pair(a[r], odd ? a[acs + r] : 0.0f);
     }
-  } else if (!paired_a) {
+  } else {
     for (int r = 0; r < M; ++r) {
       const float* a = A + r * ars;
       uint32_t* o = a2.data() + static_cast<size_t>(r) * K2;
@@ -369,11 +366,10 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
     panel = int64_t{K2} * PAD;
   }
   auto col = [&](int n) { return b2p + (n / PAD) * panel + n % PAD; };
-  const uint32_t* a2p = paired_a ? paired_a : a2.data();
   int n = 0;
   for (; n + 2 * W <= N; n += 2 * W)
-    col_panel_bf16<MR, 2, Zero>(M, K2, a2p, ra, ka, col(n), col(n + W), C + n, ldc);
-  for (; n < N; n += W) col_panel_bf16<MR, 1, Zero>(M, K2, a2p, ra, ka, col(n), col(n), C + n, ldc);
+    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), ra, ka, col(n), col(n + W), C + n, ldc);
+  for (; n < N; n += W) col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), ra, ka, col(n), col(n), C + n, ldc);
 }
 
 // One Bf16Dot step on `lanes` lanes (a multiple of W): acc[i] += the pair products of a[i],
@@ -383,21 +379,12 @@ void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes)
 }
 #endif
 
+using uvec = std::vector<uint32_t, LineAligned<uint32_t>>;
 // A buffer of rows of PAD floats (panels whose row counts are even) as bf16 pairs: rows 2i
 // and 2i + 1 become row i of PAD words, bf16_pair(row 2i [c], row 2i + 1 [c]), the layout
 // gemm_bf16 packs B into, so float element (panel, k, c) lies at pair word (panel, k / 2, c)
-// and the pair buffer's offset of a B with an even k is half the float offset.
-using uvec = std::vector<uint32_t, LineAligned<uint32_t>>;
-// A row of n floats (n even) as n / 2 pair words: bf16_pair(x[2j], x[2j + 1]).
-inline void pair_row(const float* x, int n, uint32_t* dst) {
-#ifdef CPATTN_BF16_DOT
-  int j = 0;
-  for (; j + 2 * W <= n; j += 2 * W) vstore_u(dst + j / 2, pair_words(vload(x + j), vload(x + j + W)));
-  for (; j < n; j += 2) dst[j / 2] = bf16_pair(x[j], x[j + 1]);
-#else
-  (void)x, (void)n, (void)dst;  // only the bf16 paths pair their operands
-#endif
-}
+// and the pair buffer's offset of a B with an even k is half the float offset. Compiled on
+// every path (pack_kv is shared); only the bf16 paths call it.
 inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) {
 #ifdef CPATTN_BF16_DOT
   for (int64_t i = 0; i < row_pairs; ++i)
@@ -700,17 +687,16 @@ inline Dot dot_for(DType dtype) {
 }
 
 // The one call of every product: gemm, or the products of the call's Dot (dot_for).
-// `paired`: B in bf16 pairs (Packed::paired), `paired_a`: A in pairs [M][K / 2] (pair_row), for
-// the bf16_pairs products; ignored otherwise.
+// `paired`: B in bf16 pairs (Packed::paired), for the bf16_pairs products; ignored otherwise.
 template <bool Zero>
 inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
-               const uint32_t* paired = nullptr, const uint32_t* paired_a = nullptr) {
+               const uint32_t* paired = nullptr) {
 #ifdef CPATTN_BF16_DOT
   if (dot == Dot::bf16_pairs)
-    return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired, paired_a);
+    return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired);
 #endif
-  (void)paired, (void)paired_a;
+  (void)paired;
 #ifdef CPATTN_AMX
   if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
     return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
@@ -946,7 +932,6 @@ struct CallRules {
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
   fvec q, o, s, m, l;
-  uvec q2;  // bf16_pairs: the unit's Q rows in bf16 pairs [GH * BQ][dp / 2], paired once per unit
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
 };
 
@@ -989,7 +974,6 @@ void forward_impl(const AttnFwdParams& p) {
   const size_t gh = static_cast<size_t>(std::min(group, GH));
   for (auto& s : scr) {
     s.q.resize(gh * BQ * dp);
-    if (cr.bd == Dot::bf16_pairs) s.q2.resize(gh * BQ * dp / 2);
     s.o.resize(gh * BQ * dvp);
     s.s.resize(FSB * FBK);
     s.m.resize(gh * BQ);
@@ -1012,7 +996,6 @@ void forward_impl(const AttnFwdParams& p) {
         if (r + kRowsAhead < m) prefetch_row(q_data, dtype, (row0 + r + kRowsAhead) * q_rs + h * q_hs, head_dim_qk);
         ld_row(q_data, dtype, (row0 + r) * q_rs + h * q_hs, head_dim_qk, dp,
                S.q.data() + (g * BQ + r) * dp);
-        if (cr.bd == Dot::bf16_pairs) pair_row(S.q.data() + (g * BQ + r) * dp, dp, S.q2.data() + (g * BQ + r) * dp / 2);
       }
       std::fill_n(S.o.data() + g * BQ * dvp, m * dvp, 0.0f);
     }
@@ -1073,8 +1056,7 @@ void forward_impl(const AttnFwdParams& p) {
           char* seen = S.seen.data() + g * BQ + r0;
           // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
           const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt),
-                   S.q2.empty() ? nullptr : S.q2.data() + (g * BQ + r0) * dp / 2);
+          mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt));
           bool any = false;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
