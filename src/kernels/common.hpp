@@ -107,6 +107,10 @@ struct KernelTable {
   // multiple of 16. nullptr on the other paths: not null exactly where bf16 storage's products
   // run as bf16 dot products (attention_backward_scratch_bytes reads it so).
   void (*bf16_dot)(float* acc, const uint32_t* a, const uint32_t* b, int lanes) = nullptr;
+  // The bf16 paths' rounding of fp32 operands to pairs alone (Bf16Dot::words and rows), for
+  // its tests: words[j] = the pair (x[2j], x[2j + 1]); rows[16 k + c] = the pair (x[32 k + c],
+  // x[32 k + 16 + c]); n a multiple of 32. nullptr where bf16_dot is.
+  void (*bf16_pack)(const float* x, int n, uint32_t* words, uint32_t* rows) = nullptr;
   // The amx paths' tile product alone (kernel_impl.hpp, Tiles), for its tests: one TDPBF16PS
   // (fp16 false) or TDPFP16PS (fp16 true) on tiles configured to the call's shapes, C[m x n]
   // += A[m x 2 k2] B: c row-major fp32 (n a row), a row-major 16-bit elements (2 k2 a row),

@@ -209,7 +209,7 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
 // ---- bf16 dot products (the bf16 paths) ----------------------------------------------------
 // A kernel_<isa>.cpp that defines CPATTN_BF16_DOT runs the products of bf16-storage calls as
 // bf16 dot products with fp32 accumulation, vdpbf16ps's semantics: both operands rounded to
-// bf16 (round to nearest even, cpattn/dtype.hpp's f32_to_bf16) and stored as pairs along the
+// bf16 (bf16_dot_bits: round to nearest even, VCVTNE2PS2BF16's rounding) and stored as pairs along the
 // reduction dimension k, one 32-bit word per pair, the even k in the low half; each lane of a
 // step computes acc += a[2i+1] b[2i+1], then acc += a[2i] b[2i], each accumulation rounded once
 // to fp32 (the bf16 products are exact in fp32), denormal inputs read as zero and denormal
@@ -229,11 +229,42 @@ inline vu vload_u(const uint32_t* p) {
   return v;
 }
 inline void vstore_u(uint32_t* p, vu v) { std::memcpy(p, &v, sizeof v); }
+// The rounding of an operand to bf16 for the dot products: VCVTNE2PS2BF16's semantics (round
+// to nearest even, NaN kept NaN and made quiet, denormal inputs to a zero of their sign), which
+// the native path runs as the instruction and every other path in integer arithmetic
+// (bf16_dot_bits). It differs from the storage conversion (cpattn/dtype.hpp's f32_to_bf16)
+// only on fp32 denormals, which the dot products would read as zero anyway unless they round up
+// to bf16's smallest normal: one definition for both paths keeps them bitwise alike there too.
+inline uint16_t bf16_dot_bits(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  return f32_to_bf16((u & 0x7f800000u) == 0 ? std::bit_cast<float>(u & 0x80000000u) : x);
+}
+inline uint32_t bf16_pair(float even, float odd) {
+  return uint32_t{bf16_dot_bits(even)} | uint32_t{bf16_dot_bits(odd)} << 16;
+}
+// bf16_dot_bits on W lanes, the bits in each lane's low half.
+inline vu bf16_bits(vu u) {
+  const vu denormal = (u & 0x7f800000u) == 0u;
+  u &= ~denormal | 0x80000000u;
+  const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  return (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
+}
+
 struct Bf16Dot {
 #if CPATTN_BF16_DOT == 1
   static_assert(W == 16, "vdpbf16ps on zmm registers: 16 lanes");
   static vf dot(vf acc, vu a, vu b) {
     return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+  }
+  // The pair words of 2W consecutive floats lo, hi: word j = bits(x[2j]) | bits(x[2j + 1]) <<
+  // 16 (x = lo then hi), the order of a bf16 array in memory. One vcvtne2ps2bf16.
+  static vu words(vf lo, vf hi) { return (vu)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo); }
+  // The pair words of two rows a, b of W floats: word c = bits(a[c]) | bits(b[c]) << 16. The
+  // conversion gives a's 16 results, then b's; vpermw interleaves them.
+  static vu rows(vf a, vf b) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (vu)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a));
   }
 #elif CPATTN_BF16_DOT == 2
   // Denormals (exponent bits 0) to a zero of the same sign.
@@ -248,30 +279,19 @@ struct Bf16Dot {
     acc = (vf)flush((vu)(acc + a_hi * b_hi));  // exact product: one rounding, fused or not
     return (vf)flush((vu)(acc + a_lo * b_lo));
   }
+  template <size_t... I>
+  static vu words(vf lo, vf hi, std::index_sequence<I...>) {
+    const vu a = bf16_bits((vu)lo), b = bf16_bits((vu)hi);
+    return __builtin_shufflevector(a, b, (2 * I)...) | __builtin_shufflevector(a, b, (2 * I + 1)...) << 16;
+  }
+  static vu words(vf lo, vf hi) { return words(lo, hi, std::make_index_sequence<W>{}); }
+  static vu rows(vf a, vf b) { return bf16_bits((vu)a) | bf16_bits((vu)b) << 16; }
 #else
 #error "CPATTN_BF16_DOT must be 1 (native) or 2 (emulated)"
 #endif
 };
-
-inline uint32_t bf16_pair(float even, float odd) {
-  return uint32_t{f32_to_bf16(even)} | uint32_t{f32_to_bf16(odd)} << 16;
-}
-
-// f32_to_bf16 on W lanes (round to nearest even, NaN kept NaN), the bits in each lane's low
-// half; and the pair words of 2W consecutive floats lo, hi: word j = bits(x[2j]) | bits(x[2j
-// + 1]) << 16 (x = lo then hi), the order of a bf16 array in memory.
-inline vu bf16_bits(vu u) {
-  const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-  return (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
-}
-template <size_t... I>
-inline vu pair_words(vf lo, vf hi, std::index_sequence<I...>) {
-  const vu a = bf16_bits((vu)lo), b = bf16_bits((vu)hi);
-  return __builtin_shufflevector(a, b, (2 * I)...) | __builtin_shufflevector(a, b, (2 * I + 1)...) << 16;
-}
-inline vu pair_words(vf lo, vf hi) { return pair_words(lo, hi, std::make_index_sequence<W>{}); }
-// Pair words of two rows a, b of W floats: word c = bits(a[c]) | bits(b[c]) << 16.
-inline vu pair_rows(vf a, vf b) { return bf16_bits((vu)a) | bf16_bits((vu)b) << 16; }
+inline vu pair_words(vf lo, vf hi) { return Bf16Dot::words(lo, hi); }
+inline vu pair_rows(vf a, vf b) { return Bf16Dot::rows(a, b); }
 
 // C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2(r, kp) at A[r * ra + kp *
 // ka], B2 panels of PAD words per pair.
@@ -376,6 +396,16 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
 // b[i]. The KernelTable's bf16_dot, for the tests of the step itself.
 void bf16_dot_lanes(float* acc, const uint32_t* a, const uint32_t* b, int lanes) {
   for (int i = 0; i < lanes; i += W) vstore(acc + i, Bf16Dot::dot(vload(acc + i), vload_u(a + i), vload_u(b + i)));
+}
+// The two roundings to pairs on `n` floats (a multiple of 32), the KernelTable's bf16_pack:
+// words[j] = the pair of x[2j], x[2j + 1]; rows[16 k + c] = the pair of x[32 k + c] and x[32 k
+// + 16 + c] (rows of 16 floats, two by two, whatever W is).
+void bf16_pack_lanes(const float* x, int n, uint32_t* words, uint32_t* rows) {
+  for (int i = 0; i < n; i += 32)
+    for (int c = 0; c < 16; c += W) {
+      vstore_u(words + i / 2 + c, Bf16Dot::words(vload(x + i + 2 * c), vload(x + i + 2 * c + W)));
+      vstore_u(rows + i / 2 + c, Bf16Dot::rows(vload(x + i + c), vload(x + i + 16 + c)));
+    }
 }
 #endif
 

@@ -1133,6 +1133,85 @@ TEST(kernel_bf16_dot, EmulationIsBitwiseTheInstruction) {
         << "lane " << i << ": acc " << acc[i] << " a " << std::hex << a[i] << " b " << b[i];
 }
 
+// The rounding of fp32 operands (P, dS, and Q, dO per product) to pairs: VCVTNE2PS2BF16's
+// semantics on every bf16 path, worked by hand: round to nearest even on the 16 bits dropped,
+// NaN kept NaN (quiet), and a denormal input to a zero of its sign, even where rounding its
+// bits would have given bf16's smallest normal (0x0080).
+struct PackCase {
+  uint32_t in;
+  uint16_t want;
+  const char* what;
+};
+const PackCase kPackCases[] = {
+    {0x3f800000u, 0x3f80, "1 (exact)"},
+    {0x3f808000u, 0x3f80, "1 + 2^-8: a tie, to the even 1"},
+    {0x3f818000u, 0x3f82, "a tie with odd lower bits: up to even"},
+    {0x3f808001u, 0x3f81, "just above the tie: up"},
+    {0xbf807fffu, 0xbf80, "just below the tie, negative: down"},
+    {0x7f7fffffu, 0x7f80, "the largest float: rounds to inf"},
+    {0xff800000u, 0xff80, "-inf"},
+    {0x7fc00001u, 0x7fc0, "a quiet NaN"},
+    {0x7f800001u, 0x7fc0, "a signalling NaN whose payload is below bit 16: quiet NaN"},
+    {0x007fffffu, 0x0000, "the largest denormal: zero (it would round to 0x0080)"},
+    {0x80000001u, 0x8000, "the smallest negative denormal: -0"},
+    {0x00800000u, 0x0080, "the smallest normal"},
+    {0x80000000u, 0x8000, "-0"},
+};
+
+void expect_pack_lanes(KernelPath path) {
+  const kernels::KernelTable* t = kernels::path_table(path);
+  ASSERT_NE(t->bf16_pack, nullptr) << to_string(path) << " has no bf16_pack";
+  constexpr int n = 64;
+  std::vector<float> x(n);
+  constexpr int nc = static_cast<int>(std::size(kPackCases));
+  for (int i = 0; i < n; ++i) x[i] = std::bit_cast<float>(kPackCases[(i * 7) % nc].in);
+  const auto want = [&](int i) { return kPackCases[(i * 7) % nc].want; };
+  std::vector<uint32_t> words(n / 2), rows(n / 2);
+  t->bf16_pack(x.data(), n, words.data(), rows.data());
+  for (int j = 0; j < n / 2; ++j) {
+    EXPECT_EQ(words[j], pair(want(2 * j), want(2 * j + 1))) << to_string(path) << " word " << j;
+    const int k = j / 16, c = j % 16;
+    EXPECT_EQ(rows[j], pair(want(32 * k + c), want(32 * k + 16 + c))) << to_string(path) << " row word " << j;
+  }
+}
+
+TEST(kernel_bf16_dot, EmulatedRoundingFollowsTheInstructionsSemantics) {
+  if (!kernel_path_supported(KernelPath::bf16_emulated)) GTEST_SKIP() << "bf16_emulated needs AVX2, FMA and F16C";
+  expect_pack_lanes(KernelPath::bf16_emulated);
+}
+
+TEST(kernel_bf16_dot, InstructionRoundingFollowsTheDocumentedSemantics) {
+  if (!kernel_path_supported(KernelPath::avx512_bf16))
+    GTEST_SKIP() << "kernel path avx512_bf16 is not supported by this CPU (it needs AVX-512 and AVX512_BF16)";
+  expect_pack_lanes(KernelPath::avx512_bf16);
+}
+
+// Where the CPU has the instruction: the emulated rounding is bitwise vcvtne2ps2bf16 on random
+// floats over fp32's whole range, denormals, zeros, infinities and NaNs among them.
+TEST(kernel_bf16_dot, EmulatedRoundingIsBitwiseTheInstruction) {
+  if (!kernel_path_supported(KernelPath::avx512_bf16) || !kernel_path_supported(KernelPath::bf16_emulated))
+    GTEST_SKIP() << "kernel path avx512_bf16 is not supported by this CPU (it needs AVX-512 and AVX512_BF16): "
+                    "the emulated rounding is checked against the worked examples alone";
+  std::mt19937 rng(23);
+  constexpr int n = 1 << 14;
+  std::vector<float> x(n);
+  for (int i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    if (i % 5 == 0) u &= 0x807fffffu;             // denormals and zeros
+    if (i % 11 == 0) u |= 0x7f800000u;            // infinities and NaNs
+    if (i % 13 == 0) u = (u & 0xffff0000u) | 0x8000u;  // ties
+    x[i] = std::bit_cast<float>(u);
+  }
+  std::vector<uint32_t> nw(n / 2), nr(n / 2), ew(n / 2), er(n / 2);
+  kernels::path_table(KernelPath::avx512_bf16)->bf16_pack(x.data(), n, nw.data(), nr.data());
+  kernels::path_table(KernelPath::bf16_emulated)->bf16_pack(x.data(), n, ew.data(), er.data());
+  for (int j = 0; j < n / 2; ++j) {
+    ASSERT_EQ(nw[j], ew[j]) << "word " << j << ": x " << std::hex << std::bit_cast<uint32_t>(x[2 * j]) << " "
+                            << std::bit_cast<uint32_t>(x[2 * j + 1]);
+    ASSERT_EQ(nr[j], er[j]) << "row word " << j;
+  }
+}
+
 // `path` runs its own products for the storage types `own` (results not the avx2 path's, which
 // converts to fp32 and rounds neither P nor dS) and avx2's FMA code for fp32 (bitwise avx2's).
 void expect_own_products_only_for(KernelPath path, std::initializer_list<DType> own) {
