@@ -206,6 +206,16 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
   for (; n < N; n += W) col_panel<MR, 1, Zero>(M, K, A, ars, acs, col(n), col(n), ldb, C + n, ldc);
 }
 
+// Column vectors per bf16 micro-kernel tile: MR x 4 on 32 zmm registers (24 accumulators,
+// 4 B vectors, the broadcast), which issues a vdpbf16ps per cycle more often than MR x 2 (a
+// tile's loads per dot product fall from 8/12 to 10/24: L1-resident tiles ran 189 against 181
+// GFLOP/s on Zen 4); the emulation's 16 ymm registers keep MR x 2.
+#if defined(CPATTN_BF16_DOT) && CPATTN_BF16_DOT == 1
+constexpr int BF16_NV = 4;
+#else
+constexpr int BF16_NV = 2;
+#endif
+
 // ---- bf16 dot products (the bf16 paths) ----------------------------------------------------
 // A kernel_<isa>.cpp that defines CPATTN_BF16_DOT runs the products of bf16-storage calls as
 // bf16 dot products with fp32 accumulation, vdpbf16ps's semantics: both operands rounded to
@@ -294,11 +304,10 @@ inline vu pair_words(vf lo, vf hi) { return Bf16Dot::words(lo, hi); }
 inline vu pair_rows(vf a, vf b) { return Bf16Dot::rows(a, b); }
 
 // C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2(r, kp) at A[r * ra + kp *
-// ka], B2 panels of PAD words per pair.
+// ka], B2 column vector c at Bv[c] + kp * PAD words.
 template <int R, int NV, bool Zero>
-inline void tile_bf16(int K2, const uint32_t* A, int64_t ra, int64_t ka, const uint32_t* B0, const uint32_t* B1,
-                      float* C, int64_t ldc) {
-  const uint32_t* Bv[2] = {B0, B1};
+inline void tile_bf16(int K2, const uint32_t* A, int64_t ra, int64_t ka, const uint32_t* const* Bv, float* C,
+                      int64_t ldc) {
   vf acc[R][NV];
   load_acc<R, NV, Zero>(acc, C, ldc);
   for (int kp = 0; kp < K2; ++kp) {
@@ -316,18 +325,18 @@ inline void tile_bf16(int K2, const uint32_t* A, int64_t ra, int64_t ka, const u
 }
 
 template <int R, int NV, bool Zero>
-inline void col_panel_bf16(int M, int K2, const uint32_t* A, int64_t ra, int64_t ka, const uint32_t* B0,
-                           const uint32_t* B1, float* C, int64_t ldc) {
+inline void col_panel_bf16(int M, int K2, const uint32_t* A, int64_t ra, int64_t ka, const uint32_t* const* Bv,
+                           float* C, int64_t ldc) {
   int m = 0;
-  for (; m + R <= M; m += R) tile_bf16<R, NV, Zero>(K2, A + m * ra, ra, ka, B0, B1, C + m * ldc, ldc);
+  for (; m + R <= M; m += R) tile_bf16<R, NV, Zero>(K2, A + m * ra, ra, ka, Bv, C + m * ldc, ldc);
   const uint32_t* a = A + m * ra;
   float* c = C + m * ldc;
   switch (M - m) {
-    case 1: tile_bf16<1, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
-    case 2: tile_bf16<2, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
-    case 3: tile_bf16<3, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
-    case 4: tile_bf16<4, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
-    case 5: tile_bf16<5, NV, Zero>(K2, a, ra, ka, B0, B1, c, ldc); break;
+    case 1: tile_bf16<1, NV, Zero>(K2, a, ra, ka, Bv, c, ldc); break;
+    case 2: tile_bf16<2, NV, Zero>(K2, a, ra, ka, Bv, c, ldc); break;
+    case 3: tile_bf16<3, NV, Zero>(K2, a, ra, ka, Bv, c, ldc); break;
+    case 4: tile_bf16<4, NV, Zero>(K2, a, ra, ka, Bv, c, ldc); break;
+    case 5: tile_bf16<5, NV, Zero>(K2, a, ra, ka, Bv, c, ldc); break;
     default: break;
   }
 }
@@ -344,7 +353,7 @@ inline void col_panel_bf16(int M, int K2, const uint32_t* A, int64_t ra, int64_t
 template <bool Zero>
 __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                                          const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
-                                         const uint32_t* paired) {
+                                         const uint32_t* paired, int nv_max) {
   thread_local std::vector<uint32_t, LineAligned<uint32_t>> a2, b2;
   const int K2 = (K + 1) / 2;
   const bool by_pairs = ars == 1 && acs != 1;
@@ -387,9 +396,19 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
   }
   auto col = [&](int n) { return b2p + (n / PAD) * panel + n % PAD; };
   int n = 0;
-  for (; n + 2 * W <= N; n += 2 * W)
-    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), ra, ka, col(n), col(n + W), C + n, ldc);
-  for (; n < N; n += W) col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), ra, ka, col(n), col(n), C + n, ldc);
+  for (; nv_max >= BF16_NV && n + BF16_NV * W <= N; n += BF16_NV * W) {
+    const uint32_t* bv[BF16_NV];
+    for (int c = 0; c < BF16_NV; ++c) bv[c] = col(n + c * W);
+    col_panel_bf16<MR, BF16_NV, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
+  }
+  for (; n + 2 * W <= N; n += 2 * W) {
+    const uint32_t* bv[2] = {col(n), col(n + W)};
+    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
+  }
+  for (; n < N; n += W) {
+    const uint32_t* bv[1] = {col(n)};
+    col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
+  }
 }
 
 // One Bf16Dot step on `lanes` lanes (a multiple of W): acc[i] += the pair products of a[i],
@@ -718,15 +737,18 @@ inline Dot dot_for(DType dtype) {
 
 // The one call of every product: gemm, or the products of the call's Dot (dot_for).
 // `paired`: B in bf16 pairs (Packed::paired), for the bf16_pairs products; ignored otherwise.
+// `nv_max`: the widest bf16 tile, in vectors (BF16_NV where it is 4, otherwise 2): the forward's
+// two products take the wide tiles; the backward's keep 2 (its products with 4 ran 3-8% slower
+// in the bf16 backward on Zen 4, within the noise where only S = Q K^T had them).
 template <bool Zero>
 inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
-               const uint32_t* paired = nullptr) {
+               const uint32_t* paired = nullptr, int nv_max = 2) {
 #ifdef CPATTN_BF16_DOT
   if (dot == Dot::bf16_pairs)
-    return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired);
+    return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired, nv_max);
 #endif
-  (void)paired;
+  (void)paired, (void)nv_max;
 #ifdef CPATTN_AMX
   if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
     return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
@@ -1086,7 +1108,7 @@ void forward_impl(const AttnFwdParams& p) {
           char* seen = S.seen.data() + g * BQ + r0;
           // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
           const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt));
+          mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt), BF16_NV);
           bool any = false;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
@@ -1163,7 +1185,7 @@ void forward_impl(const AttnFwdParams& p) {
           // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0)
           if (any)
             mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
-                      pk.paired(pk.Vr(hk) + k0 * PAD));
+                      pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
         }
       }
     });
