@@ -300,8 +300,6 @@ struct Bf16Dot {
 #error "CPATTN_BF16_DOT must be 1 (native) or 2 (emulated)"
 #endif
 };
-inline vu pair_words(vf lo, vf hi) { return Bf16Dot::words(lo, hi); }
-inline vu pair_rows(vf a, vf b) { return Bf16Dot::rows(a, b); }
 
 // C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2(r, kp) at A[r * ra + kp *
 // ka], B2 column vector c at Bv[c] + kp * PAD words.
@@ -367,7 +365,7 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
       const bool odd = 2 * kp + 1 < K;
       uint32_t* o = a2.data() + static_cast<size_t>(kp) * M;
       int r = 0;
-      for (; r + W <= M; r += W) vstore_u(o + r, pair_rows(vload(a + r), odd ? vload(a + acs + r) : vf{}));
+      for (; r + W <= M; r += W) vstore_u(o + r, Bf16Dot::rows(vload(a + r), odd ? vload(a + acs + r) : vf{}));
       for (; r < M; ++r) o[r] = bf16_pair(a[r], odd ? a[acs + r] : 0.0f);
     }
   } else {
@@ -376,7 +374,7 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
       uint32_t* o = a2.data() + static_cast<size_t>(r) * K2;
       int kp = 0;
       if (acs == 1)
-        for (; 2 * (kp + W) <= K; kp += W) vstore_u(o + kp, pair_words(vload(a + 2 * kp), vload(a + 2 * kp + W)));
+        for (; 2 * (kp + W) <= K; kp += W) vstore_u(o + kp, Bf16Dot::words(vload(a + 2 * kp), vload(a + 2 * kp + W)));
       for (; kp < K2; ++kp) o[kp] = bf16_pair(a[2 * kp * acs], 2 * kp + 1 < K ? a[(2 * kp + 1) * acs] : 0.0f);
     }
   }
@@ -389,7 +387,7 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
         const float* b = B + j * bps + 2 * kp * ldb;
         const bool odd = 2 * kp + 1 < K;
         uint32_t* o = b2.data() + (static_cast<size_t>(j) * K2 + kp) * PAD;
-        for (int c = 0; c < PAD; c += W) vstore_u(o + c, pair_rows(vload(b + c), odd ? vload(b + ldb + c) : vf{}));
+        for (int c = 0; c < PAD; c += W) vstore_u(o + c, Bf16Dot::rows(vload(b + c), odd ? vload(b + ldb + c) : vf{}));
       }
     b2p = b2.data();
     panel = int64_t{K2} * PAD;
@@ -438,7 +436,7 @@ inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) 
 #ifdef CPATTN_BF16_DOT
   for (int64_t i = 0; i < row_pairs; ++i)
     for (int c = 0; c < PAD; c += W)
-      vstore_u(dst + i * PAD + c, pair_rows(vload(src + 2 * i * PAD + c), vload(src + (2 * i + 1) * PAD + c)));
+      vstore_u(dst + i * PAD + c, Bf16Dot::rows(vload(src + 2 * i * PAD + c), vload(src + (2 * i + 1) * PAD + c)));
 #else
   (void)src, (void)row_pairs, (void)dst;  // only the bf16 paths pair their operands
 #endif
