@@ -49,13 +49,14 @@ bool cpu_has_avx512_bf16() {
 // Linux's permission for this process to use tile data, asked for once per process
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; Linux 5.16 and later grant it unless
 // the process's signal stack limit forbids it). Without the permission the first tile
-// instruction would fault, so the path is refused. The amx path's fp32 code is AVX-512's.
+// instruction would fault, so the path is refused. The amx path's fp32 code is AVX-512's, and
+// it rounds to bf16 with AVX512_BF16 (which every CPU with AMX-BF16 has), so it needs that too.
 bool cpu_has_amx() {
 #if defined(__clang__)
   return false;  // kernel_amx.cpp is built by GCC only
 #else
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!cpu_has_avx512() || !__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
+  if (!cpu_has_avx512_bf16() || !__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
   unsigned xcr0_lo = 0, xcr0_hi = 0;
   asm volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
@@ -88,7 +89,7 @@ constexpr PathInfo kPaths[] = {
     {KernelPath::bf16_emulated, "bf16_emulated", cpu_has_avx2_fma_f16c, "AVX2, FMA and F16C",
      &kernels::bf16_emulated::table},
     {KernelPath::amx, "amx", cpu_has_amx,
-     "AVX-512F/BW/DQ/VL, AMX-TILE and AMX-BF16, the OS's tile state (XCR0 XTILECFG and XTILEDATA) and "
+     "AVX-512F/BW/DQ/VL, AVX512_BF16, AMX-TILE and AMX-BF16, the OS's tile state (XCR0 XTILECFG and XTILEDATA) and "
      "Linux's permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 or later; refused when "
      "the OS denies it, since the first tile instruction would then fault)",
      &kernels::amx::table},
@@ -110,15 +111,13 @@ const PathInfo* find_path(KernelPath path) {
 
 // What `automatic` prefers, fastest first, by what was measured (docs/kernels.md, "Paths and
 // dispatch"): avx512 over avx2 from issue 14's Zen 4 runs (every kernel test passes, 2-4%
-// faster); avx512_bf16 over avx512 for bf16 storage from vdpbf16ps doing two fp32 FMAs' work
-// per instruction (not yet measured on a CPU that has it). amx is not in the order: it has
-// never run (no CPU with AMX was at hand; its algorithm is tested through amx_emulated) and
-// a tile path differs from the vector ones in more than arithmetic (tile configuration, the
-// OS's tile-data permission, the instruction's summation order, which Intel's documents
-// state two ways), so it is chosen by name (AttnOptions::path, CPATTN_KERNEL_PATH=amx,
-// --kernel-path amx) until it is measured on an AMX CPU. portable runs everywhere.
-constexpr KernelPath kPreferBf16[] = {KernelPath::avx512_bf16, KernelPath::avx512, KernelPath::avx2,
-                                      KernelPath::portable};
+// faster); for bf16 storage, amx first (on an Intel Xeon with AMX-BF16, 2026-12-02: about 3x
+// the avx512 path forward and backward, where avx512_bf16 ran 0.7x avx512), then avx512_bf16
+// over avx512 (Zen 4: 1.6-1.8x, vdpbf16ps doing two fp32 FMAs' work per instruction there).
+// fp16 storage keeps the vector order: the amx path runs fp16 on tiles only with AMX-FP16,
+// which no machine here had (without it, amx's fp16 is avx512's code). portable runs everywhere.
+constexpr KernelPath kPreferBf16[] = {KernelPath::amx, KernelPath::avx512_bf16, KernelPath::avx512,
+                                      KernelPath::avx2, KernelPath::portable};
 constexpr KernelPath kPreferF16[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 constexpr KernelPath kPreferOther[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 
@@ -300,12 +299,19 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   int64_t max_q = 0;
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
-  // bf16 storage on a path whose products are bf16 dot products (its table has the dot step)
-  // packs K/V in pairs too (blocking.hpp): the table attention_backward runs decides it
-  const bool bf16_pairs =
-      p.in.dtype() == DType::bf16 && kernel_table(p.in.options.path, DType::bf16).bf16_dot != nullptr;
+  // bf16 storage on a path whose products are bf16 dot products (bf16_dot) or tile products
+  // (tile_dot: the amx paths) packs K/V in pairs too, and the tiles keep bf16 copies of the
+  // query side (blocking.hpp): the table attention_backward runs decides it
+  // (only for bf16 storage: the path is not resolved otherwise, so that a bad CPATTN_KERNEL_PATH
+  // is found by the kernel call itself, as for every other dtype)
+  bool pairs = false, tiles = false;
+  if (p.in.dtype() == DType::bf16) {
+    const kernels::KernelTable& table = kernel_table(p.in.options.path, DType::bf16);
+    pairs = table.bf16_dot != nullptr;
+    tiles = table.tile_dot != nullptr;
+  }
   const kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
-      p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, bf16_pairs);
+      p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, pairs, tiles);
   return sizeof(float) * f.total(p.in.options.num_threads);
 }
 

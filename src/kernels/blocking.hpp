@@ -73,16 +73,18 @@ struct BwdScratchFloats {
 
 // bf16_pairs: the call's products are bf16 dot products (bf16 storage on avx512_bf16 or
 // bf16_emulated), whose packed K/V also hold their bf16 pairs (half as many 4-byte words).
+// bf16_tiles: bf16 storage on the amx paths, which pack the same pairs and keep bf16 copies of
+// the query side.
 constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_heads_q,
                                                    int num_heads_k, int head_dim_qk,
                                                    int head_dim_v, int64_t max_q,
-                                                   bool bf16_pairs = false) {
+                                                   bool bf16_pairs = false, bool bf16_tiles = false) {
   const size_t dp = static_cast<size_t>(pad_up(head_dim_qk));
   const size_t dvp = static_cast<size_t>(pad_up(head_dim_v));
   const size_t tk = static_cast<size_t>((total_k + BK - 1) / BK * BK);
   const size_t mq = static_cast<size_t>(max_q);
   BwdScratchFloats f{};
-  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_pairs ? 3 : 2) * (dp + dvp);
+  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_pairs || bf16_tiles ? 3 : 2) * (dp + dvp);
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) *
                     static_cast<size_t>(total_k) * (dp + dvp);
   // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
@@ -90,6 +92,10 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   // an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp)
   f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * size_t{BQB} * BBK + BBK * (dp + dvp) +
                  2 * (dp + dvp);
+  if (bf16_tiles) {  // bf16 copies of Q, dO and their transposes (4-byte units), pairs of P and dS, dS in bf16
+    const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
+    f.per_thread += mq32 * (dq32 + dv32) + size_t{BQB} * BBK * 3 / 2;
+  }
   return f;
 }
 

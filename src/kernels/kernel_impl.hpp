@@ -231,7 +231,15 @@ constexpr int BF16_NV = 2;
 //                         case table runs on every x86-64 CPU with AVX2 (the bf16_emulated path).
 // Everything else (packing, blocking, softmax) is shared, so the emulated path tests the
 // algorithm the avx512_bf16 path runs.
-#ifdef CPATTN_BF16_DOT
+// The rounding to pairs (bf16_dot_bits, Bf16Dot::words / rows) serves the AMX paths too: their
+// B operands are the same pairs (the VNNI layout), so CPATTN_BF16_ROUND is 1 where the target
+// has VCVTNE2PS2BF16 (avx512_bf16, amx) and 2 where it is emulated (bf16_emulated, amx_emulated).
+#if defined(CPATTN_BF16_DOT)
+#define CPATTN_BF16_ROUND CPATTN_BF16_DOT
+#elif defined(CPATTN_AMX)
+#define CPATTN_BF16_ROUND CPATTN_AMX
+#endif
+#ifdef CPATTN_BF16_ROUND
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 inline vu vload_u(const uint32_t* p) {
   vu v;
@@ -261,7 +269,7 @@ inline vu bf16_bits(vu u) {
 }
 
 struct Bf16Dot {
-#if CPATTN_BF16_DOT == 1
+#if CPATTN_BF16_ROUND == 1
   static_assert(W == 16, "vdpbf16ps on zmm registers: 16 lanes");
   static vf dot(vf acc, vu a, vu b) {
     return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
@@ -276,7 +284,7 @@ struct Bf16Dot {
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return (vu)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a));
   }
-#elif CPATTN_BF16_DOT == 2
+#elif CPATTN_BF16_ROUND == 2
   // Denormals (exponent bits 0) to a zero of the same sign.
   static vu flush(vu x) {
     const vu denormal = (x & 0x7f800000u) == 0u;
@@ -297,9 +305,12 @@ struct Bf16Dot {
   static vu words(vf lo, vf hi) { return words(lo, hi, std::make_index_sequence<W>{}); }
   static vu rows(vf a, vf b) { return bf16_bits((vu)a) | bf16_bits((vu)b) << 16; }
 #else
-#error "CPATTN_BF16_DOT must be 1 (native) or 2 (emulated)"
+#error "CPATTN_BF16_DOT / CPATTN_AMX must be 1 (native) or 2 (emulated)"
 #endif
 };
+#endif  // CPATTN_BF16_ROUND
+
+#ifdef CPATTN_BF16_DOT
 
 // C[R x NV*W] (+)= sum over pairs kp of A2(r, kp) . B2(kp, :): A2(r, kp) at A[r * ra + kp *
 // ka], B2 column vector c at Bv[c] + kp * PAD words.
@@ -433,7 +444,7 @@ using uvec = std::vector<uint32_t, LineAligned<uint32_t>>;
 // and the pair buffer's offset of a B with an even k is half the float offset. Compiled on
 // every path (pack_kv is shared); only the bf16 paths call it.
 inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) {
-#ifdef CPATTN_BF16_DOT
+#ifdef CPATTN_BF16_ROUND
   for (int64_t i = 0; i < row_pairs; ++i)
     for (int c = 0; c < PAD; c += W)
       vstore_u(dst + i * PAD + c, Bf16Dot::rows(vload(src + 2 * i * PAD + c), vload(src + (2 * i + 1) * PAD + c)));
@@ -446,9 +457,14 @@ inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) 
 // A kernel_<isa>.cpp that defines CPATTN_AMX runs the products of bf16-storage calls (and of
 // fp16-storage calls where tiles_fp16() holds) on AMX tiles: TDPBF16PS / TDPFP16PS,
 // C[16 x 16 fp32] += A[16 rows x 32 16-bit elements] . B[16 rows of 16 pairs], B in the VNNI
-// layout (B(k, n) at row k / 2, element 2 n + k % 2). Operands are rounded to the storage
-// format (P and dS as the bf16 paths do, fp16 for fp16 storage), the reduction dimension is
-// zero padded to 32 elements per tile, rows to 16 (gemm_tiles). Intel's documented semantics
+// layout (B(k, n) at row k / 2, element 2 n + k % 2), which is the bf16 dot products' pairs
+// (pair_panel_rows). Operands are rounded to the storage format (P and dS as the bf16 paths
+// do, fp16 for fp16 storage), the reduction dimension is zero padded to 32 elements per tile,
+// rows to 16. bf16 calls take their K/V operands from pack_kv's pairs and round the query side
+// to bf16 rows once (per forward unit, per backward task) and P, dS once per step, and call
+// gemm_tiles16 on them; the backward runs dK and dV transposed (dK^T += Q^T dS, dV^T += dO^T
+// P) so that P and dS are B operands, paired along the query rows like any other. fp16 calls
+// (and tests) go through gemm_tiles, which rounds fp32 operands per product. Intel's documented semantics
 // (the SDM's pseudo-code), which the emulator below follows exactly: per row m and column n,
 // one instruction keeps two fp32 partial sums from 0, the even and the odd elements of the
 // pairs, each step an fp32 FMA rounded to nearest even with denormal results flushed; then
@@ -642,23 +658,52 @@ inline void c_tile_end(float* c, int64_t ldc, int valid, float* stage) {
   }
 }
 
+// Every product of a call runs on one tile configuration, all eight tiles 16 rows x 64 bytes,
+// loaded by the thread's first product and kept until tiles_end() (the end of a forward unit or
+// of a backward head), instead of LDTILECFG and TILERELEASE around each product: the forward's
+// products are a few hundred tile instructions each. Short K and M edges are staged, never
+// configured (a new configuration zeroes every tile).
+inline bool& tiles_configured() {
+  thread_local bool configured = false;
+  return configured;
+}
+inline void tiles_begin() {
+  if (tiles_configured()) return;
+  constexpr TileShape full{16, 64};
+  Tiles::configure({full, full, full, full, full, full, full, full});
+  tiles_configured() = true;
+}
+inline void tiles_end() {
+  if (!tiles_configured()) return;
+  Tiles::release();
+  tiles_configured() = false;
+}
+
 // An MT x NT block of C tiles (MT, NT in {1, 2}) at c, `rows` valid rows (16 (MT - 1) < rows
-// <= 16 MT), over the Kp / 32 products of A rows a (a_stride bytes apart) and B pair rows b
-// (b_stride bytes apart): per step, MT A tiles and NT B tiles are loaded for MT NT products.
+// <= 16 MT), over the Kp / 32 steps of A rows a (a_stride bytes apart) and B: step k0 reads B
+// tile j at bt[j] + k0 / 2 * b_ld words (b_ld * 4 bytes a row) while k0 < k_full, and the
+// staged tail tails[j] (16 words a row) at k0 == k_full. Per step, MT A tiles and NT B tiles
+// are loaded for MT NT products.
 template <bool Zero, int MT, int NT>
-void tile_block(bool fp16, int rows, const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride,
-                int Kp, float* c, int64_t ldc) {
+void tile_block(bool fp16, int rows, const uint16_t* a, int64_t a_stride, const uint32_t* const* bt, int64_t b_ld,
+                int k_full, const uint32_t* const* tails, int Kp, float* c, int64_t ldc) {
   alignas(64) float stage[2][16 * 16];
   const int last = rows - 16 * (MT - 1);  // valid rows of the last row of tiles
   c_tile_begin<Zero, 0, 0>(c, ldc, MT == 1 ? last : 16, stage[0]);
   if constexpr (NT == 2) c_tile_begin<Zero, 0, 1>(c, ldc, MT == 1 ? last : 16, stage[1]);
   if constexpr (MT == 2) c_tile_begin<Zero, 1, 0>(c, ldc, last, stage[0]);
   if constexpr (MT == 2 && NT == 2) c_tile_begin<Zero, 1, 1>(c, ldc, last, stage[1]);
+  const int64_t b_stride = b_ld * 4;
   for (int k0 = 0; k0 < Kp; k0 += 32) {
     Tiles::load<4>(a + k0, a_stride);
     if constexpr (MT == 2) Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
-    Tiles::load<6>(b + k0 / 2 * b_stride / 2, b_stride);
-    if constexpr (NT == 2) Tiles::load<7>(b + k0 / 2 * b_stride / 2 + 32, b_stride);
+    if (k0 < k_full) {
+      Tiles::load<6>(bt[0] + k0 / 2 * b_ld, b_stride);
+      if constexpr (NT == 2) Tiles::load<7>(bt[1] + k0 / 2 * b_ld, b_stride);
+    } else {
+      Tiles::load<6>(tails[0], 64);
+      if constexpr (NT == 2) Tiles::load<7>(tails[1], 64);
+    }
     Tiles::dot<0, 4, 6>(fp16);
     if constexpr (NT == 2) Tiles::dot<1, 4, 7>(fp16);
     if constexpr (MT == 2) Tiles::dot<2, 5, 6>(fp16);
@@ -670,46 +715,107 @@ void tile_block(bool fp16, int rows, const uint16_t* a, int64_t a_stride, const 
   if constexpr (MT == 2 && NT == 2) c_tile_end<1, 1>(c, ldc, last, stage[1]);
 }
 
+// C[M x N] (+)= A B on tiles, the operands already in 16-bit form (N a multiple of 16):
+//   A row-major, row r at a + r * lda elements (lda even); rows up to M rounded to 16 readable
+//     (rows past M give C rows that are not stored), and columns [K, Kp) zero, Kp = K rounded
+//     up to 32;
+//   B in pairs of k (the VNNI layout, bf16_pair / pair_panel_rows): the word of columns n of
+//     pair kp at b + (n / 16) * b_panel + kp * b_ld + n % 16; the pairs up to ceil(K / 2) are
+//     read, those of a last partial step through a zeroed staging tile (so nothing past them is
+//     read, and A's zero columns never meet a non-finite B).
+// C runs in blocks of 2 x 2 tiles (32 x 32), smaller at the edges, column blocks outside.
+template <bool Zero>
+__attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, const uint16_t* a, int64_t lda,
+                                            const uint32_t* b, int64_t b_ld, int64_t b_panel, float* C,
+                                            int64_t ldc) {
+  const int Kp = (K + 31) / 32 * 32, k_full = K / 32 * 32;
+  const int tail_pairs = (K - k_full + 1) / 2;
+  alignas(64) uint32_t tail[2][16 * 16];
+  tiles_begin();
+  const int64_t as = lda * 2;  // A tile row stride, bytes
+  for (int n0 = 0; n0 < N; n0 += 32) {
+    const bool two_n = N - n0 > 16;
+    const uint32_t* bt[2] = {b + (n0 / 16) * b_panel, b + (n0 / 16 + 1) * b_panel};
+    const uint32_t* tails[2] = {tail[0], tail[1]};
+    if (k_full < Kp)
+      for (int j = 0; j < (two_n ? 2 : 1); ++j) {
+        std::memset(tail[j], 0, sizeof tail[j]);
+        for (int kp = 0; kp < tail_pairs; ++kp)
+          std::memcpy(tail[j] + kp * 16, bt[j] + (k_full / 2 + kp) * b_ld, 64);
+      }
+    for (int m0 = 0; m0 < M; m0 += 32) {
+      const int rows = std::min(32, M - m0);
+      const uint16_t* am = a + m0 * lda;
+      float* c = C + m0 * ldc + n0;
+      const bool two_m = rows > 16;
+      if (two_m && two_n) tile_block<Zero, 2, 2>(fp16, rows, am, as, bt, b_ld, k_full, tails, Kp, c, ldc);
+      else if (two_m) tile_block<Zero, 2, 1>(fp16, rows, am, as, bt, b_ld, k_full, tails, Kp, c, ldc);
+      else if (two_n) tile_block<Zero, 1, 2>(fp16, rows, am, as, bt, b_ld, k_full, tails, Kp, c, ldc);
+      else tile_block<Zero, 1, 1>(fp16, rows, am, as, bt, b_ld, k_full, tails, Kp, c, ldc);
+    }
+  }
+}
+
+// n floats of src to bf16 at dst (the products' rounding, bf16_dot_bits), zero padded to
+// n_pad (both even; n_pad - n < 32 need not be a multiple of W).
+inline void round_row_bf16(const float* src, int n, int n_pad, uint16_t* dst) {
+  int k = 0;
+  for (; k + 2 * W <= n; k += 2 * W)
+    vstore_u(reinterpret_cast<uint32_t*>(dst + k), Bf16Dot::words(vload(src + k), vload(src + k + W)));
+  for (; k < n; ++k) dst[k] = bf16_dot_bits(src[k]);
+  for (; k < n_pad; ++k) dst[k] = 0;
+}
+// Rows r0 and r0 + 1 of an fp32 [rows][ld] block as pair words [c] for c in [c0, c1) (a
+// multiple of W apart), the odd row zero when it is past `rows`.
+inline void pair_two_rows(const float* src, int64_t ld, int r0, int rows, int c0, int c1, uint32_t* dst) {
+  const float* a = src + r0 * ld;
+  const bool odd = r0 + 1 < rows;
+  for (int c = c0; c < c1; c += W) vstore_u(dst + c, Bf16Dot::rows(vload(a + c), odd ? vload(a + ld + c) : vf{}));
+}
+
 // gemm's contract (same operands, same strides; N a multiple of PAD) on tiles: A is rounded
-// to the 16-bit format into [Mp][Kp] (rows zero padded to 16, K to 32), B into the VNNI layout
-// [Kp / 2][N][2]; C runs in blocks of 2 x 2 tiles (32 x 32), smaller at the edges (tile_block).
+// to the 16-bit format into [Mp][Kp] (rows zero padded to 16, K to 32), B into pairs
+// [N / 16][ceil(K / 2)][16] unless `paired` (bf16, K even) has them already (pack_kv's pairs).
 template <bool Zero>
 __attribute__((noinline)) void gemm_tiles(bool fp16, int M, int N, int K, const float* A, int64_t ars,
                                           int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C,
-                                          int64_t ldc) {
-  constexpr int TK = 32;  // 16-bit elements per A tile row (64 bytes)
-  thread_local std::vector<uint16_t, LineAligned<uint16_t>> a16, b16;
-  const int Kp = (K + TK - 1) / TK * TK, Mp = (M + 15) / 16 * 16;
-  const auto cvt = [fp16](float x) { return fp16 ? f32_to_f16(x) : f32_to_bf16(x); };
-  a16.assign(static_cast<size_t>(Mp) * Kp, 0);
-  for (int r = 0; r < M; ++r)
-    for (int k = 0; k < K; ++k) a16[static_cast<size_t>(r) * Kp + k] = cvt(A[r * ars + k * acs]);
-  b16.assign(static_cast<size_t>(Kp) * N, 0);
-  for (int k = 0; k < K; ++k)
-    for (int n = 0; n < N; ++n)
-      b16[(static_cast<size_t>(k / 2) * N + n) * 2 + k % 2] = cvt(B[(n / PAD) * bps + k * ldb + n % PAD]);
-  constexpr TileShape full{16, 64};
-  Tiles::configure({full, full, full, full, full, full, full, full});
-  const int64_t as = int64_t{Kp} * 2, bs = int64_t{N} * 4;  // tile row strides, bytes
-  for (int m0 = 0; m0 < M; m0 += 32) {
-    const int rows = std::min(32, M - m0);
-    const uint16_t* a = a16.data() + static_cast<size_t>(m0) * Kp;
-    for (int n0 = 0; n0 < N; n0 += 32) {
-      const uint16_t* b = b16.data() + static_cast<size_t>(n0) * 2;
-      float* c = C + m0 * ldc + n0;
-      const bool two_m = rows > 16, two_n = N - n0 > 16;
-      if (two_m && two_n) tile_block<Zero, 2, 2>(fp16, rows, a, as, b, bs, Kp, c, ldc);
-      else if (two_m) tile_block<Zero, 2, 1>(fp16, rows, a, as, b, bs, Kp, c, ldc);
-      else if (two_n) tile_block<Zero, 1, 2>(fp16, rows, a, as, b, bs, Kp, c, ldc);
-      else tile_block<Zero, 1, 1>(fp16, rows, a, as, b, bs, Kp, c, ldc);
+                                          int64_t ldc, const uint32_t* paired) {
+  thread_local std::vector<uint16_t, LineAligned<uint16_t>> a16;
+  thread_local std::vector<uint32_t, LineAligned<uint32_t>> b16;
+  const int Kp = (K + 31) / 32 * 32, Mp = (M + 15) / 16 * 16, K2 = (K + 1) / 2;
+  const auto cvt = [fp16](float x) { return fp16 ? f32_to_f16(x) : bf16_dot_bits(x); };
+  a16.resize(static_cast<size_t>(Mp) * Kp);
+  for (int r = 0; r < Mp; ++r) {
+    uint16_t* o = a16.data() + static_cast<size_t>(r) * Kp;
+    if (r >= M) {
+      std::fill_n(o, Kp, uint16_t{0});
+    } else if (acs == 1 && !fp16) {
+      round_row_bf16(A + r * ars, K, Kp, o);
+    } else {
+      for (int k = 0; k < K; ++k) o[k] = cvt(A[r * ars + k * acs]);
+      std::fill(o + K, o + Kp, uint16_t{0});
     }
   }
-  Tiles::release();
+  if (paired && !fp16 && K % 2 == 0)
+    return gemm_tiles16<Zero>(fp16, M, N, K, a16.data(), Kp, paired, PAD, bps / 2, C, ldc);
+  b16.resize(static_cast<size_t>(N) * K2);
+  for (int j = 0; j < N / 16; ++j)
+    for (int kp = 0; kp < K2; ++kp) {
+      uint32_t* o = b16.data() + (static_cast<size_t>(j) * K2 + kp) * 16;
+      for (int c = 0; c < 16; ++c) {
+        const int n = 16 * j + c;
+        const float* bc = B + (n / PAD) * bps + n % PAD;
+        const float e = bc[2 * kp * ldb], od = 2 * kp + 1 < K ? bc[(2 * kp + 1) * ldb] : 0.0f;
+        o[c] = uint32_t{cvt(e)} | uint32_t{cvt(od)} << 16;
+      }
+    }
+  gemm_tiles16<Zero>(fp16, M, N, K, a16.data(), Kp, b16.data(), 16, int64_t{K2} * 16, C, ldc);
 }
 
 // One tile product alone: C[m x n] += A[m x 2 k2] B, C row-major (n floats a row), A row-major
 // 16-bit elements, B VNNI [k2][n][2]; m, k2, n <= 16. The KernelTable's tile_dot, for tests.
 void tile_dot_one(float* c, const uint16_t* a, const uint16_t* b, int m, int k2, int n, bool fp16) {
+  tiles_end();
   Tiles::configure({{m, n * 4}, {m, k2 * 4}, {k2, n * 4}});
   Tiles::load<0>(c, n * 4);
   Tiles::load<1>(a, k2 * 4);
@@ -718,7 +824,16 @@ void tile_dot_one(float* c, const uint16_t* a, const uint16_t* b, int m, int k2,
   Tiles::store<0>(c, n * 4);
   Tiles::release();
 }
+#else
+// The tiles' operand helpers exist on the amx paths only; every call is behind Dot::bf16_tiles.
+template <bool Zero>
+inline void gemm_tiles16(bool, int, int, int, const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
+                         int64_t) {}
+inline void round_row_bf16(const float*, int, int, uint16_t*) {}
+inline void pair_two_rows(const float*, int64_t, int, int, int, int, uint32_t*) {}
+inline void tiles_end() {}
 #endif  // CPATTN_AMX
+using u16vec = std::vector<uint16_t, LineAligned<uint16_t>>;
 
 // How a call's products run: fp32 FMA (gemm), bf16 pairs (gemm_bf16) or tiles (gemm_tiles).
 enum class Dot { fma, bf16_pairs, bf16_tiles, fp16_tiles };
@@ -749,7 +864,7 @@ inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_
   (void)paired, (void)nv_max;
 #ifdef CPATTN_AMX
   if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
-    return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+    return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired);
 #endif
   (void)dot;
   gemm<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
@@ -982,6 +1097,7 @@ struct CallRules {
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
   fvec q, o, s, m, l;
+  u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [32][FBK]
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
 };
 
@@ -1003,8 +1119,14 @@ void forward_impl(const AttnFwdParams& p) {
   const CallRules cr(in, opt);
 
   Packed pk;
-  pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk);
+  // bf16 tiles (the amx path) take their B operands in the pairs of the bf16 dot products
+  // (the VNNI layout), Q and P rounded to bf16 rows once: per unit, per sub-block and piece.
+  const bool t16 = cr.bd == Dot::bf16_tiles;
+  pack_kv(in, false, cr.bd == Dot::bf16_pairs || t16, pk);
   const int dp = pk.dp, dvp = pk.dvp;
+  const int dq32 = (dp + 31) / 32 * 32;
+  // Sub-block rows: FSB for the vector products, two 16-row tiles for the tiles.
+  const int fsb = t16 ? 32 : FSB;
 
   struct Unit {
     int64_t task, qb;
@@ -1025,7 +1147,11 @@ void forward_impl(const AttnFwdParams& p) {
   for (auto& s : scr) {
     s.q.resize(gh * BQ * dp);
     s.o.resize(gh * BQ * dvp);
-    s.s.resize(FSB * FBK);
+    s.s.resize(static_cast<size_t>(fsb) * FBK);
+    if (t16) {
+      s.q16.resize(gh * BQ * dq32);
+      s.p16.resize(static_cast<size_t>(fsb) * FBK);
+    }
     s.m.resize(gh * BQ);
     s.l.resize(gh * BQ);
     s.seen.resize(gh * BQ);
@@ -1046,6 +1172,7 @@ void forward_impl(const AttnFwdParams& p) {
         if (r + kRowsAhead < m) prefetch_row(q_data, dtype, (row0 + r + kRowsAhead) * q_rs + h * q_hs, head_dim_qk);
         ld_row(q_data, dtype, (row0 + r) * q_rs + h * q_hs, head_dim_qk, dp,
                S.q.data() + (g * BQ + r) * dp);
+        if (t16) round_row_bf16(S.q.data() + (g * BQ + r) * dp, dp, dq32, S.q16.data() + (g * BQ + r) * dq32);
       }
       std::fill_n(S.o.data() + g * BQ * dvp, m * dvp, 0.0f);
     }
@@ -1091,8 +1218,8 @@ void forward_impl(const AttnFwdParams& p) {
         const int h = h0 + g;
         // The unit's rows run in sub-blocks of FSB rows: S = Q Kt, the softmax and O += P V
         // of a sub-block touch its Q, S and O rows only, which stay in L1 (blocking.hpp).
-        for (int r0 = 0; r0 < m; r0 += FSB) {
-          const int sb = std::min(FSB, m - r0);
+        for (int r0 = 0; r0 < m; r0 += fsb) {
+          const int sb = std::min(fsb, m - r0);
           Piece ps = pc;  // the piece as this sub-block computes it
           ps.a1 = trimmed_end(pc, qp0 + r0 + sb - 1);
           if (ps.a1 <= ps.a0) continue;  // no row of the sub-block sees the piece
@@ -1106,7 +1233,11 @@ void forward_impl(const AttnFwdParams& p) {
           char* seen = S.seen.data() + g * BQ + r0;
           // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
           const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt), BF16_NV);
+          if (t16)
+            gemm_tiles16<true>(false, sb, n, dp, S.q16.data() + (g * BQ + r0) * dq32, dq32, pk.paired(kt), PAD,
+                               dp * PAD / 2, S.s.data() + ps.a0, FBK);
+          else
+            mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt), BF16_NV);
           bool any = false;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
@@ -1181,7 +1312,13 @@ void forward_impl(const AttnFwdParams& p) {
             }
           }
           // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0)
-          if (any)
+          if (any && t16) {
+            const int n32 = (n + 31) / 32 * 32;
+            for (int r = 0; r < sb; ++r)
+              round_row_bf16(S.s.data() + r * FBK + ps.a0, n, n32, S.p16.data() + r * FBK);
+            gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), FBK, pk.paired(pk.Vr(hk) + k0 * PAD), PAD,
+                                pk.vr_ps() / 2, o_g, dvp);
+          } else if (any)
             mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
                       pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
         }
@@ -1202,31 +1339,54 @@ void forward_impl(const AttnFwdParams& p) {
         if (lse) lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[g * BQ + r] * kLn2 + std::log(l) : kNegInf;
       }
     }
+    tiles_end();
   });
 }
 
 // ---- backward ----------------------------------------------------------------------------
 struct BwdScratch {
   fvec q, dout, dq, lse2, delta;  // per task rows, row-major
-  fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD]
+  fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD] (not with tiles)
   fvec s, pd, dp;                 // [BQB][BBK]
-  fvec dk, dv;                    // piece tiles [BBK][dp], [BBK][dvp]
+  fvec dk, dv;                    // piece tiles [BBK][dp], [BBK][dvp] (tiles: [dp][BBK], [dvp][BBK])
   fvec orow;                      // an out row [dvp]
+  // bf16 tiles (the amx path): Q and dO rows in bf16 [mq32][dq32], [mq32][dv32] (the A of S and
+  // dP) and transposed [dp][mq32], [dvp][mq32] (the A of dK^T and dV^T); a step's P and dS in
+  // pairs of query rows [BQB / 2][BBK] (the B of dV^T and dK^T) and dS rows in bf16 [BQB][BBK]
+  // (the A of dQ). mq32: max_q rounded up to 32.
+  u16vec q16, do16, qt16, dot16, ds16;
+  uvec pv2, ds2;
+  int64_t mq32 = 0;
   // Sizes every buffer for tasks of at most max_q rows and padded head dims dqk, dvp.
-  BwdScratch(int64_t max_q, int dqk, int dvp) {
+  BwdScratch(int64_t max_q, int dqk, int dvp, bool tiles) {
     const size_t mq = static_cast<size_t>(max_q), kq = size_t{BQB} * BBK;
-    for (fvec* b : {&q, &q_pan, &dq}) b->resize(mq * dqk);
-    for (fvec* b : {&dout, &dout_pan}) b->resize(mq * dvp);
+    for (fvec* b : {&q, &dq}) b->resize(mq * dqk);
+    dout.resize(mq * dvp);
+    if (!tiles) {
+      q_pan.resize(mq * dqk);
+      dout_pan.resize(mq * dvp);
+    } else {
+      mq32 = (max_q + 31) / 32 * 32;
+      const size_t m32 = static_cast<size_t>(mq32), dq32 = (dqk + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
+      q16.resize(m32 * dq32);
+      do16.resize(m32 * dv32);
+      qt16.resize(static_cast<size_t>(dqk) * m32);
+      dot16.resize(static_cast<size_t>(dvp) * m32);
+      ds16.resize(kq);
+      pv2.resize(kq / 2);
+      ds2.resize(kq / 2);
+    }
     for (fvec* b : {&lse2, &delta}) b->resize(mq);
     for (fvec* b : {&s, &pd, &dp}) b->resize(kq);
     dk.resize(size_t{BBK} * dqk);
     dv.resize(size_t{BBK} * dvp);
     orow.resize(dvp);
   }
-  size_t floats() const {
-    size_t n = 0;
+  size_t floats() const {  // in 4-byte units
+    size_t n = pv2.size() + ds2.size();
     for (const fvec* b : {&q, &dout, &dq, &lse2, &delta, &q_pan, &dout_pan, &s, &pd, &dp, &dk, &dv, &orow})
       n += b->size();
+    for (const u16vec* b : {&q16, &do16, &qt16, &dot16, &ds16}) n += (b->size() + 1) / 2;
     return n;
   }
 };
@@ -1255,8 +1415,12 @@ void backward_impl(const AttnBwdParams& p) {
   const CallRules cr(in, opt);
 
   Packed pk;
-  pack_kv(in, true, cr.bd == Dot::bf16_pairs, pk);
+  // bf16 tiles (the amx path): K/V's B operands in pairs, as the bf16 dot products take them;
+  // Q, dO and their transposes in bf16 once per task; P and dS paired and rounded per step.
+  const bool t16 = cr.bd == Dot::bf16_tiles;
+  pack_kv(in, true, cr.bd == Dot::bf16_pairs || t16, pk);
   const int dp = pk.dp, dvp = pk.dvp;
+  const int dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
 
   int64_t max_q = 0;
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
@@ -1269,13 +1433,13 @@ void backward_impl(const AttnBwdParams& p) {
   fvec gv(static_cast<size_t>(units) * total_k * dvp, 0.0f);
 
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
-  std::vector<BwdScratch> scr(nthr, BwdScratch(max_q, dp, dvp));
+  std::vector<BwdScratch> scr(nthr, BwdScratch(max_q, dp, dvp, t16));
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
                   pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
     check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q,
-                                                      cr.bd == Dot::bf16_pairs).total(nthr));
+                                                      cr.bd == Dot::bf16_pairs, t16).total(nthr));
   }
 
   // One query head h of unit u: its tasks in order, the pieces of each in key order.
@@ -1296,10 +1460,19 @@ void backward_impl(const AttnBwdParams& p) {
         float* dor = S.dout.data() + i * dvp;
         ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
         ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow);
-        for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
-          std::memcpy(S.q_pan.data() + ((d / PAD) * max_q + i) * PAD, S.q.data() + i * dp + d, PAD * sizeof(float));
-        for (int d = 0; d < dvp; d += PAD)
-          std::memcpy(S.dout_pan.data() + ((d / PAD) * max_q + i) * PAD, dor + d, PAD * sizeof(float));
+        if (t16) {
+          uint16_t* q16 = S.q16.data() + i * dq32;
+          uint16_t* do16 = S.do16.data() + i * dv32;
+          round_row_bf16(S.q.data() + i * dp, dp, dq32, q16);
+          round_row_bf16(dor, dvp, dv32, do16);
+          for (int d = 0; d < dp; ++d) S.qt16[d * S.mq32 + i] = q16[d];
+          for (int d = 0; d < dvp; ++d) S.dot16[d * S.mq32 + i] = do16[d];
+        } else {
+          for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
+            std::memcpy(S.q_pan.data() + ((d / PAD) * max_q + i) * PAD, S.q.data() + i * dp + d, PAD * sizeof(float));
+          for (int d = 0; d < dvp; d += PAD)
+            std::memcpy(S.dout_pan.data() + ((d / PAD) * max_q + i) * PAD, dor + d, PAD * sizeof(float));
+        }
         float delta = 0.0f;  // dout_i . out_i
         if (cr.bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
           // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
@@ -1319,6 +1492,11 @@ void backward_impl(const AttnBwdParams& p) {
         S.lse2[i] = lse[row * hq + h] * kLog2e;
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
+      if (t16) {  // the transposes' columns past the task's last query, up to a whole tile step, are zero
+        const int64_t nq32 = (nq + 31) / 32 * 32;
+        for (int d = 0; d < dp; ++d) std::fill_n(S.qt16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
+        for (int d = 0; d < dvp; ++d) std::fill_n(S.dot16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
+      }
 
       for_each_piece<BBK>(w, t, cr.vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
         const int n = pc.a1 - pc.a0;
@@ -1338,11 +1516,18 @@ void backward_impl(const AttnBwdParams& p) {
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
           const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
           const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
-          mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
-          mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
+          if (t16) {
+            gemm_tiles16<true>(false, m, n, dp, S.q16.data() + i0 * dq32, dq32, pk.paired(kt), PAD, dp * PAD / 2,
+                               S.s.data() + pc.a0, BBK);
+            gemm_tiles16<true>(false, m, n, dvp, S.do16.data() + i0 * dv32, dv32, pk.paired(vt), PAD,
+                               dvp * PAD / 2, S.dp.data() + pc.a0, BBK);
+          } else {
+            mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
+            mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
+          }
           // The next query block's Q, dO and their panels come from L3 (per-task buffers of
           // max_q rows): fetch them while this block's softmax and products run.
-          const bool more = i0 + BQB < nq;
+          const bool more = !t16 && i0 + BQB < nq;
           for (int r = 0; more && r < m; ++r) {
             const int64_t ni = i0 + BQB + r;
             if (ni >= nq) break;
@@ -1409,6 +1594,34 @@ void backward_impl(const AttnBwdParams& p) {
           // tiles would round it to fp16 and overflow past 65504 (or flush it below 6e-8), so
           // with fp16 storage its two products run on the FMA code; bf16 has fp32's range.
           const Dot ds_dot = cr.bd == Dot::fp16_tiles ? Dot::fma : cr.bd;
+          if (t16) {
+            // dV^T[:, a0:a1) += dO^T P, dK^T[:, a0:a1) += Q^T dS (B: P, dS in pairs of query rows);
+            // dQ += dS K (A: dS rows in bf16)
+            const int n32 = (n + 31) / 32 * 32;
+            for (int r = 0; r < m; r += 2) {
+              pair_two_rows(S.pd.data(), BBK, r, m, pc.a0, pc.a1, S.pv2.data() + (r / 2) * BBK);
+              pair_two_rows(S.s.data(), BBK, r, m, pc.a0, pc.a1, S.ds2.data() + (r / 2) * BBK);
+              round_row_bf16(S.s.data() + r * BBK + pc.a0, n, n32, S.ds16.data() + r * BBK);
+              if (r + 1 < m) round_row_bf16(S.s.data() + (r + 1) * BBK + pc.a0, n, n32, S.ds16.data() + (r + 1) * BBK);
+            }
+            const uint16_t* dot = S.dot16.data() + i0;
+            const uint16_t* qt = S.qt16.data() + i0;
+            const uint32_t* pv2 = S.pv2.data() + pc.a0;
+            const uint32_t* ds2 = S.ds2.data() + pc.a0;
+            float* const tv = S.dv.data() + pc.a0;
+            float* const tk = S.dk.data() + pc.a0;
+            if (first) {
+              gemm_tiles16<true>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
+              gemm_tiles16<true>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+            } else {
+              gemm_tiles16<false>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
+              gemm_tiles16<false>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+            }
+            first = false;
+            gemm_tiles16<false>(false, m, dp, n, S.ds16.data(), BBK, pk.paired(pk.Kr(hk) + k0 * PAD), PAD,
+                                pk.vr_ps() / 2, S.dq.data() + i0 * dp, dp);
+            continue;
+          }
           float* const tv = S.dv.data() + pc.a0 * dvp;
           float* const tk = S.dk.data() + pc.a0 * dp;
           if (first) {
@@ -1428,6 +1641,17 @@ void backward_impl(const AttnBwdParams& p) {
         }
         if (first) return;  // no query block saw the piece: nothing to add
         // add the piece's rows to the unit's dK/dV
+        if (t16) {  // from the transposed tiles
+          for (int d = 0; d < dp; ++d) {
+            const float* tk = S.dk.data() + d * BBK;
+            for (int c = pc.c0; c < pc.c1; ++c) gku[(pc.b * BBK + c) * dp + d] += tk[c];
+          }
+          for (int d = 0; d < dvp; ++d) {
+            const float* tv = S.dv.data() + d * BBK;
+            for (int c = pc.c0; c < pc.c1; ++c) gvu[(pc.b * BBK + c) * dvp + d] += tv[c];
+          }
+          return;
+        }
         for (int c = pc.c0; c < pc.c1; ++c) {
           const int64_t row = pc.b * BBK + c;
           float* gkr = gku + row * dp;
@@ -1459,6 +1683,7 @@ void backward_impl(const AttnBwdParams& p) {
     float* gvu = gv.data() + static_cast<size_t>(u) * total_k * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
     for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu);
+    tiles_end();
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.

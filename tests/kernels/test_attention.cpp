@@ -915,9 +915,9 @@ std::set<std::string> cpuinfo_flags() {
 }
 
 // The dispatch's choice on the running CPU, derived from its flags and the documented order
-// (docs/kernels.md): bf16 avx512_bf16 > avx512 > avx2 > portable, fp16 and fp32 avx512 > avx2
-// > portable; amx is never chosen automatically. The kernel lists amx_tile and amx_bf16 only
-// where XCR0 has the tile state, and Linux 5.16+ (which lists them) grants tile data.
+// (docs/kernels.md): bf16 amx > avx512_bf16 > avx512 > avx2 > portable, fp16 and fp32 avx512 >
+// avx2 > portable. The kernel lists amx_tile and amx_bf16 only where XCR0 has the tile state,
+// and Linux 5.16+ (which lists them) grants tile data.
 TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   const std::set<std::string> f = cpuinfo_flags();
   if (f.empty()) GTEST_SKIP() << "/proc/cpuinfo has no flags line: cannot derive the CPU's features";
@@ -929,7 +929,7 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   const bool avx2 = has({"avx2", "fma", "f16c"});
   const bool avx512 = avx2 && has({"avx512f", "avx512bw", "avx512dq", "avx512vl"});
   const bool bf16 = avx512 && has({"avx512_bf16"});
-  const bool amx = avx512 && has({"amx_tile", "amx_bf16"});
+  const bool amx = bf16 && has({"amx_tile", "amx_bf16"});
   EXPECT_EQ(kernel_path_supported(KernelPath::avx2), avx2);
   EXPECT_EQ(kernel_path_supported(KernelPath::bf16_emulated), avx2);
   EXPECT_EQ(kernel_path_supported(KernelPath::amx_emulated), avx2);
@@ -937,8 +937,7 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   EXPECT_EQ(kernel_path_supported(KernelPath::avx512_bf16), bf16);
   EXPECT_EQ(kernel_path_supported(KernelPath::amx), amx);
   const KernelPath want = avx512 ? KernelPath::avx512 : avx2 ? KernelPath::avx2 : KernelPath::portable;
-  // amx runs where the CPU has it but is never chosen automatically (not yet measured).
-  const KernelPath want_bf16 = bf16 ? KernelPath::avx512_bf16 : want;
+  const KernelPath want_bf16 = amx ? KernelPath::amx : bf16 ? KernelPath::avx512_bf16 : want;
   const KernelPath want_f16 = want;
   EXPECT_EQ(best_kernel_path(), want);
   EXPECT_EQ(best_kernel_path(DType::f32), want);
@@ -950,10 +949,15 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
     EXPECT_EQ(c.path, dt == DType::bf16 ? want_bf16 : dt == DType::f16 ? want_f16 : want) << to_string(dt);
     EXPECT_FALSE(c.forced_by_env);
     EXPECT_EQ(c.reason.rfind("chosen automatically: " + std::string(to_string(c.path)), 0), 0u) << c.reason;
-    const char* order = dt == DType::bf16 ? "avx512_bf16 > avx512 > avx2 > portable" : "avx512 > avx2 > portable";
+    const char* order =
+        dt == DType::bf16 ? "amx > avx512_bf16 > avx512 > avx2 > portable" : "avx512 > avx2 > portable";
     EXPECT_NE(c.reason.find(order), std::string::npos) << c.reason;
-    EXPECT_EQ(c.reason.find("amx"), std::string::npos) << c.reason;
-    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16) {
+    if (dt != DType::bf16) {
+      EXPECT_EQ(c.reason.find("amx"), std::string::npos) << c.reason;
+    } else if (!amx) {
+      EXPECT_NE(c.reason.find("amx (needs"), std::string::npos) << c.reason;
+    }
+    if (c.path != KernelPath::avx512 && c.path != KernelPath::avx512_bf16 && c.path != KernelPath::amx) {
       EXPECT_NE(c.reason.find("avx512 (needs"), std::string::npos) << "names what the CPU lacks: " << c.reason;
     }
   }

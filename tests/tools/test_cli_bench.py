@@ -56,7 +56,7 @@ check(j is not None and j["seq_len"] == 48 and j["documents"] == 3 and j["length
 NO_ENV = {k: v for k, v in os.environ.items() if k != "CPATTN_KERNEL_PATH"}
 for dtype in ("fp32", "bf16"):
     j = bench_json("--dtype", dtype, env=NO_ENV)
-    order = "avx512_bf16 > avx512 > avx2 > portable" if dtype == "bf16" else "avx512 > avx2 > portable"
+    order = "amx > avx512_bf16 > avx512 > avx2 > portable" if dtype == "bf16" else "avx512 > avx2 > portable"
     check(j is not None and j["kernel_path_reason"].startswith(f"chosen automatically: {j['kernel_path']} is the first")
           and order in j["kernel_path_reason"], f"automatic reason ({dtype}): {j}")
 j = bench_json("--kernel-path", "portable", env=NO_ENV)

@@ -51,7 +51,7 @@ struct AttnBenchResult {
   // work takes turns on the cores, these ratios show the kernel's own efficiency.
   double fwd_cpu_seconds = 0, bwd_cpu_seconds = 0;
   double fwd_gflops_per_cpu_s = 0, bwd_gflops_per_cpu_s = 0, fma_peak_gflops_per_cpu_s = 0;
-  std::optional<double> amx_peak_gflops;    // absent: see amx_absent_reason
+  std::optional<double> amx_peak_gflops;    // one core, bf16 tiles (TDPBF16PS); absent: see amx_absent_reason
   std::string amx_absent_reason;
   double check_max_rel_err = 0;  // worst ||diff||/||ref|| of the checked outputs
   std::string check_scope;       // what the check covered
@@ -60,6 +60,9 @@ struct AttnBenchResult {
 // fp32 FMA peak of one core (12 independent accumulator chains, best of 5 runs);
 // `per_cpu_s` gets the same per second of CPU time.
 double measure_fma_peak_gflops(double* per_cpu_s = nullptr);
+// bf16 AMX tile peak of one core (TDPBF16PS on six accumulator tiles, best of 5 runs), or
+// nothing where the amx path cannot run.
+std::optional<double> measure_amx_peak_gflops();
 
 // Runs the benchmark; `log` gets a line about the check. Throws CheckFailed if the result
 // fails its check, cpattn::Error on bad options.
