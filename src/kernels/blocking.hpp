@@ -14,6 +14,9 @@ constexpr int BQ = 64;    // query rows per forward unit
 constexpr int BQB = 64;   // query rows per backward step: its Q and dO blocks are 32 KiB each
                           // at D = 128, beside the 128-key piece's 128 KiB of dK/dV tiles
                           // (64, 96 and 128 rows measured within the noise of each other)
+constexpr int BQB_TILES = 128;  // the same on bf16 tiles (the amx paths): dK^T and dV^T run over the
+                                // step's query rows, so 128 of them give each 2 x 2 block of C tiles
+                                // four 32-element steps per load and store of its tiles instead of two
 constexpr int BK = 64;    // key rows per packed block
 constexpr int BBK = 128;  // key rows per backward piece: two blocks (K^T, V^T and K are
                           // contiguous across blocks), so that dQ accumulates over 128 keys
@@ -21,6 +24,9 @@ constexpr int BBK = 128;  // key rows per backward piece: two blocks (K^T, V^T a
                           // L3 once per 128 keys instead of 64
 constexpr int FBK = 128;  // key rows per forward piece: two blocks (K^T and V are
                           // contiguous across blocks), halving per-row softmax costs
+constexpr int FBK_TILES = 256;  // the same on bf16 tiles: P V then has eight 32-key steps per load and
+                                // store of each 2 x 2 block of O's tiles, and the softmax's per-row
+                                // work (max, rescale of O) comes half as often
 constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): their
                           // Q and O blocks (4 x 2 x 32 KiB at D = 128) and a K^T/V piece
                           // (128 KiB) fit a 512 KiB L2
@@ -32,7 +38,7 @@ constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S
 constexpr int BWD_SETS = 4;  // backward head sets per kv head (bwd_set_heads): Hq = 16, Hkv = 4
                              // has 16 units, and the scratch is at most 4 buffers of total_k
                              // rows per kv head however many query heads share it
-static_assert(BK % PAD == 0 && FBK % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
+static_assert(BK % PAD == 0 && FBK % BK == 0 && FBK_TILES % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 
@@ -88,13 +94,13 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) *
                     static_cast<size_t>(total_k) * (dp + dvp);
   // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
-  // dP blocks [BQB][BBK]; the piece's dK, dV tiles [BBK][dp + dvp]; row buffers (a packed row,
+  // dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles [BBK][dp + dvp]; row buffers (a packed row,
   // an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp)
-  f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * size_t{BQB} * BBK + BBK * (dp + dvp) +
-                 2 * (dp + dvp);
+  const size_t bq = bf16_tiles ? BQB_TILES : BQB;
+  f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * bq * BBK + BBK * (dp + dvp) + 2 * (dp + dvp);
   if (bf16_tiles) {  // bf16 copies of Q, dO and their transposes (4-byte units), pairs of P and dS, dS in bf16
     const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
-    f.per_thread += mq32 * (dq32 + dv32) + size_t{BQB} * BBK * 3 / 2;
+    f.per_thread += mq32 * (dq32 + dv32) + bq * BBK * 3 / 2;
   }
   return f;
 }

@@ -1097,7 +1097,7 @@ struct CallRules {
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
   fvec q, o, s, m, l;
-  u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [32][FBK]
+  u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [32][FBK_TILES]
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
 };
 
@@ -1127,6 +1127,7 @@ void forward_impl(const AttnFwdParams& p) {
   const int dq32 = (dp + 31) / 32 * 32;
   // Sub-block rows: FSB for the vector products, two 16-row tiles for the tiles.
   const int fsb = t16 ? 32 : FSB;
+  const int fbk = t16 ? FBK_TILES : FBK;  // keys per piece
 
   struct Unit {
     int64_t task, qb;
@@ -1147,10 +1148,10 @@ void forward_impl(const AttnFwdParams& p) {
   for (auto& s : scr) {
     s.q.resize(gh * BQ * dp);
     s.o.resize(gh * BQ * dvp);
-    s.s.resize(static_cast<size_t>(fsb) * FBK);
+    s.s.resize(static_cast<size_t>(fsb) * fbk);
     if (t16) {
       s.q16.resize(gh * BQ * dq32);
-      s.p16.resize(static_cast<size_t>(fsb) * FBK);
+      s.p16.resize(static_cast<size_t>(fsb) * fbk);
     }
     s.m.resize(gh * BQ);
     s.l.resize(gh * BQ);
@@ -1202,17 +1203,17 @@ void forward_impl(const AttnFwdParams& p) {
       if (!cr.vz.hi_bounded) return pc.a1;
       return static_cast<int>(std::min<int64_t>(pc.a1, (pc.c0 + (qp + cr.vz.hi - pc.p_lo) + PAD) / PAD * PAD));
     };
-    for_each_piece<FBK>(w, t, cr.vz, qp0, qp_last, [&](Piece pc) {
+    auto run_piece = [&](Piece pc) {
       // Columns past the last row's right limit (causal or window) are masked for every row:
       // not computed.
       pc.a1 = trimmed_end(pc, qp_last);
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
       // from L3 while this piece runs, a few lines per row of the group's first head.
-      const char* next_k = reinterpret_cast<const char*>(pk.Kt(hk, 0) + (pc.b + 1) * FBK * dp);
-      const int64_t k_lines = FBK * dp / 16, v_lines_pp = FBK * PAD / 16;  // 64-byte lines
+      const char* next_k = reinterpret_cast<const char*>(pk.Kt(hk, 0) + (pc.b + 1) * fbk * dp);
+      const int64_t k_lines = fbk * dp / 16, v_lines_pp = fbk * PAD / 16;  // 64-byte lines
       const int64_t v_lines = v_lines_pp * (dvp / PAD);
       auto next_v = [&](int64_t ln) {
-        return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + (pc.b + 1) * FBK * PAD + (ln % v_lines_pp) * 16;
+        return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + (pc.b + 1) * fbk * PAD + (ln % v_lines_pp) * 16;
       };
       for (int g = 0; g < nh; ++g) {
         const int h = h0 + g;
@@ -1224,7 +1225,7 @@ void forward_impl(const AttnFwdParams& p) {
           ps.a1 = trimmed_end(pc, qp0 + r0 + sb - 1);
           if (ps.a1 <= ps.a0) continue;  // no row of the sub-block sees the piece
           const int n = ps.a1 - ps.a0;
-          const int64_t k0 = ps.b * FBK + ps.a0;  // first physical key row computed
+          const int64_t k0 = ps.b * fbk + ps.a0;  // first physical key row computed
           const bool full = ps.a0 == ps.c0 && ps.a1 == ps.c1;
           float* q = S.q.data() + (g * BQ + r0) * dp;
           float* o_g = S.o.data() + (g * BQ + r0) * dvp;
@@ -1235,9 +1236,9 @@ void forward_impl(const AttnFwdParams& p) {
           const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
           if (t16)
             gemm_tiles16<true>(false, sb, n, dp, S.q16.data() + (g * BQ + r0) * dq32, dq32, pk.paired(kt), PAD,
-                               dp * PAD / 2, S.s.data() + ps.a0, FBK);
+                               dp * PAD / 2, S.s.data() + ps.a0, fbk);
           else
-            mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, FBK, pk.paired(kt), BF16_NV);
+            mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, fbk, pk.paired(kt), BF16_NV);
           bool any = false;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
@@ -1247,7 +1248,7 @@ void forward_impl(const AttnFwdParams& p) {
               for (int64_t ln = ur * v_lines / m; ln < (ur + 1) * v_lines / m; ++ln)
                 __builtin_prefetch(next_v(ln), 0, 1);
             }
-            float* s = S.s.data() + r * FBK;
+            float* s = S.s.data() + r * fbk;
             const int64_t qp = qp0 + r0 + r;
             const int ve = visible_end(ps, cr.vz, qp);
             const int vb = visible_begin(ps, cr.vz, qp);
@@ -1315,15 +1316,19 @@ void forward_impl(const AttnFwdParams& p) {
           if (any && t16) {
             const int n32 = (n + 31) / 32 * 32;
             for (int r = 0; r < sb; ++r)
-              round_row_bf16(S.s.data() + r * FBK + ps.a0, n, n32, S.p16.data() + r * FBK);
-            gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), FBK, pk.paired(pk.Vr(hk) + k0 * PAD), PAD,
+              round_row_bf16(S.s.data() + r * fbk + ps.a0, n, n32, S.p16.data() + r * fbk);
+            gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), fbk, pk.paired(pk.Vr(hk) + k0 * PAD), PAD,
                                 pk.vr_ps() / 2, o_g, dvp);
           } else if (any)
-            mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, FBK, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
+            mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, fbk, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
                       pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
         }
       }
-    });
+    };
+    if (t16)
+      for_each_piece<FBK_TILES>(w, t, cr.vz, qp0, qp_last, run_piece);
+    else
+      for_each_piece<FBK>(w, t, cr.vz, qp0, qp_last, run_piece);
 
     for (int g = 0; g < nh; ++g) {
       const int h = h0 + g;
@@ -1347,19 +1352,19 @@ void forward_impl(const AttnFwdParams& p) {
 struct BwdScratch {
   fvec q, dout, dq, lse2, delta;  // per task rows, row-major
   fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD] (not with tiles)
-  fvec s, pd, dp;                 // [BQB][BBK]
+  fvec s, pd, dp;                 // [bqb][BBK] (bqb: BQB, or BQB_TILES with tiles)
   fvec dk, dv;                    // piece tiles [BBK][dp], [BBK][dvp] (tiles: [dp][BBK], [dvp][BBK])
   fvec orow;                      // an out row [dvp]
   // bf16 tiles (the amx path): Q and dO rows in bf16 [mq32][dq32], [mq32][dv32] (the A of S and
   // dP) and transposed [dp][mq32], [dvp][mq32] (the A of dK^T and dV^T); a step's P and dS in
-  // pairs of query rows [BQB / 2][BBK] (the B of dV^T and dK^T) and dS rows in bf16 [BQB][BBK]
+  // pairs of query rows [bqb / 2][BBK] (the B of dV^T and dK^T) and dS rows in bf16 [bqb][BBK]
   // (the A of dQ). mq32: max_q rounded up to 32.
   u16vec q16, do16, qt16, dot16, ds16;
   uvec pv2, ds2;
   int64_t mq32 = 0;
   // Sizes every buffer for tasks of at most max_q rows and padded head dims dqk, dvp.
   BwdScratch(int64_t max_q, int dqk, int dvp, bool tiles) {
-    const size_t mq = static_cast<size_t>(max_q), kq = size_t{BQB} * BBK;
+    const size_t mq = static_cast<size_t>(max_q), kq = static_cast<size_t>(tiles ? BQB_TILES : BQB) * BBK;
     for (fvec* b : {&q, &dq}) b->resize(mq * dqk);
     dout.resize(mq * dvp);
     if (!tiles) {
@@ -1421,6 +1426,7 @@ void backward_impl(const AttnBwdParams& p) {
   pack_kv(in, true, cr.bd == Dot::bf16_pairs || t16, pk);
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
+  const int bqb = t16 ? BQB_TILES : BQB;  // query rows per step
 
   int64_t max_q = 0;
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
@@ -1503,14 +1509,14 @@ void backward_impl(const AttnBwdParams& p) {
         const int64_t k0 = pc.b * BBK + pc.a0;  // first physical key row computed
         // first query block that sees the piece
         int64_t qb0 = 0;
-        if (cr.vz.hi_bounded && pc.p_lo - cr.vz.hi > t.q_pos) qb0 = (pc.p_lo - cr.vz.hi - t.q_pos) / BQB;
+        if (cr.vz.hi_bounded && pc.p_lo - cr.vz.hi > t.q_pos) qb0 = (pc.p_lo - cr.vz.hi - t.q_pos) / bqb;
         // the last key position of the piece: query blocks past its left window end the loop
         const int64_t p_hi = pc.p_lo + (pc.c1 - pc.c0) - 1;
         bool first = true;  // the piece's first step writes its dK, dV tiles (no zero fill)
-        for (int64_t qb = qb0; qb * BQB < nq; ++qb) {
-          const int64_t i0 = qb * BQB, qp0 = t.q_pos + i0;
+        for (int64_t qb = qb0; qb * bqb < nq; ++qb) {
+          const int64_t i0 = qb * bqb, qp0 = t.q_pos + i0;
           if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
-          const int m = static_cast<int>(std::min<int64_t>(BQB, nq - i0));
+          const int m = static_cast<int>(std::min<int64_t>(bqb, nq - i0));
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
