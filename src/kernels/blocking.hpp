@@ -91,8 +91,9 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   const size_t mq = static_cast<size_t>(max_q);
   BwdScratchFloats f{};
   f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_pairs || bf16_tiles ? 3 : 2) * (dp + dvp);
-  f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) *
-                    static_cast<size_t>(total_k) * (dp + dvp);
+  // (bf16 tiles: per block of BBK rows, the last one whole)
+  const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
+  f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) * g_rows * (dp + dvp);
   // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
   // dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles [BBK][dp + dvp]; row buffers (a packed row,
   // an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp)
@@ -100,7 +101,7 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * bq * BBK + BBK * (dp + dvp) + 2 * (dp + dvp);
   if (bf16_tiles) {  // bf16 copies of Q, dO and their transposes (4-byte units), pairs of P and dS, dS in bf16
     const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
-    f.per_thread += mq32 * (dq32 + dv32) + bq * BBK * 3 / 2;
+    f.per_thread += mq32 * (dq32 + dv32) + bq * BBK * 3 / 2 + (size_t{BBK} + 1) * (dp + dvp);  // + the sums' blocks
   }
   return f;
 }

@@ -1435,8 +1435,12 @@ void backward_impl(const AttnBwdParams& p) {
   // (fp32, unscaled dK), summed over the sets in order at the end (bwd_set_heads).
   const int per = bwd_set_heads(hq, hkn), sets = bwd_sets(hq, hkn);
   const int64_t units = int64_t{hkn} * sets;
-  fvec gk(static_cast<size_t>(units) * total_k * dp, 0.0f);
-  fvec gv(static_cast<size_t>(units) * total_k * dvp, 0.0f);
+  // bf16 tiles keep them transposed per block of BBK key rows, [nbb][dp][BBK] and [nbb][dvp][BBK],
+  // the layout of the pieces' dK^T, dV^T tiles, so that a piece is added in vectors.
+  const int64_t nbb = (total_k + BBK - 1) / BBK;
+  const int64_t g_rows = t16 ? nbb * BBK : total_k;  // rows of one unit's buffers
+  fvec gk(static_cast<size_t>(units) * g_rows * dp, 0.0f);
+  fvec gv(static_cast<size_t>(units) * g_rows * dvp, 0.0f);
 
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
   std::vector<BwdScratch> scr(nthr, BwdScratch(max_q, dp, dvp, t16));
@@ -1444,6 +1448,7 @@ void backward_impl(const AttnBwdParams& p) {
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
                   pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
+    if (t16) used += static_cast<size_t>(nthr) * (BBK + 1) * (dp + dvp);  // their blocks, and rows rk, rv
     check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q,
                                                       cr.bd == Dot::bf16_pairs, t16).total(nthr));
   }
@@ -1471,8 +1476,6 @@ void backward_impl(const AttnBwdParams& p) {
           uint16_t* do16 = S.do16.data() + i * dv32;
           round_row_bf16(S.q.data() + i * dp, dp, dq32, q16);
           round_row_bf16(dor, dvp, dv32, do16);
-          for (int d = 0; d < dp; ++d) S.qt16[d * S.mq32 + i] = q16[d];
-          for (int d = 0; d < dvp; ++d) S.dot16[d * S.mq32 + i] = do16[d];
         } else {
           for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
             std::memcpy(S.q_pan.data() + ((d / PAD) * max_q + i) * PAD, S.q.data() + i * dp + d, PAD * sizeof(float));
@@ -1498,7 +1501,17 @@ void backward_impl(const AttnBwdParams& p) {
         S.lse2[i] = lse[row * hq + h] * kLog2e;
       }
       std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
-      if (t16) {  // the transposes' columns past the task's last query, up to a whole tile step, are zero
+      if (t16) {
+        // The transposes, 32 rows at a time (their lines stay in L1 while the columns are
+        // written; a row at a time wrote every element to another line and page); their
+        // columns past the task's last query, up to a whole tile step, are zero.
+        for (int64_t j0 = 0; j0 < nq; j0 += 32) {
+          const int64_t j1 = std::min(nq, j0 + 32);
+          for (int d = 0; d < dp; ++d)
+            for (int64_t j = j0; j < j1; ++j) S.qt16[d * S.mq32 + j] = S.q16[j * dq32 + d];
+          for (int d = 0; d < dvp; ++d)
+            for (int64_t j = j0; j < j1; ++j) S.dot16[d * S.mq32 + j] = S.do16[j * dv32 + d];
+        }
         const int64_t nq32 = (nq + 31) / 32 * 32;
         for (int d = 0; d < dp; ++d) std::fill_n(S.qt16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
         for (int d = 0; d < dvp; ++d) std::fill_n(S.dot16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
@@ -1647,15 +1660,13 @@ void backward_impl(const AttnBwdParams& p) {
         }
         if (first) return;  // no query block saw the piece: nothing to add
         // add the piece's rows to the unit's dK/dV
-        if (t16) {  // from the transposed tiles
-          for (int d = 0; d < dp; ++d) {
-            const float* tk = S.dk.data() + d * BBK;
-            for (int c = pc.c0; c < pc.c1; ++c) gku[(pc.b * BBK + c) * dp + d] += tk[c];
-          }
-          for (int d = 0; d < dvp; ++d) {
-            const float* tv = S.dv.data() + d * BBK;
-            for (int c = pc.c0; c < pc.c1; ++c) gvu[(pc.b * BBK + c) * dvp + d] += tv[c];
-          }
+        if (t16) {  // transposed tiles into the transposed block
+          float* const gkb = gku + pc.b * BBK * dp;
+          float* const gvb = gvu + pc.b * BBK * dvp;
+          for (int d = 0; d < dp; ++d)
+            for (int c = pc.c0; c < pc.c1; ++c) gkb[d * BBK + c] += S.dk[d * BBK + c];
+          for (int d = 0; d < dvp; ++d)
+            for (int c = pc.c0; c < pc.c1; ++c) gvb[d * BBK + c] += S.dv[d * BBK + c];
           return;
         }
         for (int c = pc.c0; c < pc.c1; ++c) {
@@ -1685,14 +1696,48 @@ void backward_impl(const AttnBwdParams& p) {
   // Unit u = (kv head u / sets, set u % sets): its heads in head order.
   parallel_for(units, nthr, [&](int64_t u, int th) {
     const int hk = static_cast<int>(u / sets), set = static_cast<int>(u % sets);
-    float* gku = gk.data() + static_cast<size_t>(u) * total_k * dp;
-    float* gvu = gv.data() + static_cast<size_t>(u) * total_k * dvp;
+    float* gku = gk.data() + static_cast<size_t>(u) * g_rows * dp;
+    float* gvu = gv.data() + static_cast<size_t>(u) * g_rows * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
     for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu);
     tiles_end();
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
+  if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, then each row
+    parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {
+      fvec ak(static_cast<size_t>(dp) * BBK), av(static_cast<size_t>(dvp) * BBK);
+      std::vector<float> rk(dp), rv(dvp);
+      const int64_t r0 = b * BBK;
+      const int rows = static_cast<int>(std::min<int64_t>(BBK, total_k - r0));
+      for (int hk = 0; hk < hkn; ++hk) {
+        std::fill(ak.begin(), ak.end(), 0.0f);
+        std::fill(av.begin(), av.end(), 0.0f);
+        for (int st = 0; st < sets; ++st) {
+          const size_t us = static_cast<size_t>(hk) * sets + st;
+          const float* sk = gk.data() + (us * nbb + b) * BBK * dp;
+          const float* sv = gv.data() + (us * nbb + b) * BBK * dvp;
+          for (size_t i = 0; i < ak.size(); ++i) ak[i] += sk[i];
+          for (size_t i = 0; i < av.size(); ++i) av[i] += sv[i];
+        }
+        for (int c = 0; c < rows; ++c) {
+          const int64_t r = r0 + c;
+          for (int d = 0; d < dp; ++d) rk[d] = ak[d * BBK + c];
+          for (int d = 0; d < dvp; ++d) rv[d] = av[d * BBK + c];
+          if (p.grad_mode == GradMode::write) {
+            st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, rk.data(), cr.scale);
+            st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, rv.data(), 1.0f);
+          } else {  // fp32 views
+            float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
+            float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
+            for (int d = 0; d < head_dim_qk; ++d) ok[d] += rk[d] * cr.scale;
+            for (int d = 0; d < head_dim_v; ++d) ov[d] += rv[d];
+          }
+        }
+      }
+    });
+    return;
+  }
   const int64_t rows_per = 256;
   parallel_for((total_k + rows_per - 1) / rows_per, opt.num_threads, [&](int64_t u, int) {
     std::vector<float> ak(dp), av(dvp);
