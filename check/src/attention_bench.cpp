@@ -18,38 +18,52 @@ namespace {
 
 volatile float fma_sink = 0.0f;
 
-// fp32 FMA peak of one core: 12 independent accumulator chains. Not instrumented by ASan: it
-// touches no memory but its accumulators, which instrumented it keeps on the stack (16x
-// slower, most of every sanitized `cpattn bench` run).
+// fp32 FMA peak of one core: 12 independent accumulator chains of L-float vectors (12 cover two
+// FMA ports of 4-cycle latency), compiled for each width by the target of the function it is
+// inlined into: one vector FMA per step where the target has FMA (GNU C++ contracts a * b + c),
+// a multiply and an add on the x86-64 baseline. Not instrumented by ASan: it touches no memory
+// but its accumulators, which instrumented it keeps on the stack (16x slower, most of every
+// sanitized `cpattn bench` run).
+template <int L>
+struct Lanes;
+template <>
+struct Lanes<4> {
+  typedef float v __attribute__((vector_size(16)));
+};
+template <>
+struct Lanes<8> {
+  typedef float v __attribute__((vector_size(32)));
+};
+template <>
+struct Lanes<16> {
+  typedef float v __attribute__((vector_size(64)));
+};
+template <int L>
+[[gnu::always_inline]] inline double fma_chains(int64_t iters) {
+  using v = typename Lanes<L>::v;
+  v acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = v{} + static_cast<float>(i) * 1e-3f;
+  const v a = v{} + 0.999999f, b = v{} + 1e-7f;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iters; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = acc[i] * a + b;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int i = 1; i < 12; ++i) acc[0] += acc[i];
+  fma_sink = acc[0][0];  // keeps the chains alive
+  return 2.0 * L * 12 * static_cast<double>(iters) / s / 1e9;
+}
+// zmm where the CPU has AVX-512 (Intel's server cores have two 512-bit FMA ports, twice the ymm
+// loop's flops per cycle; Zen 4 runs a zmm FMA as two ymm halves, the same peak either way),
+// ymm with AVX2 and FMA, else SSE.
+__attribute__((target("avx512f"), no_sanitize_address)) double fma_peak_avx512(int64_t iters) {
+  return fma_chains<16>(iters);
+}
 __attribute__((target("avx2,fma"), no_sanitize_address)) double fma_peak_avx2(int64_t iters) {
-  __m256 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i) * 1e-3f);
-  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t n = 0; n < iters; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-  }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
-  fma_sink = _mm256_cvtss_f32(acc[0]);  // keeps the chains alive
-  return 2.0 * 8 * 12 * static_cast<double>(iters) / s / 1e9;
+  return fma_chains<8>(iters);
 }
-
-__attribute__((no_sanitize_address)) double fma_peak_sse(int64_t iters) {  // baseline x86-64: mul + add, 4 lanes
-  __m128 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm_set1_ps(static_cast<float>(i) * 1e-3f);
-  const __m128 a = _mm_set1_ps(0.999999f), b = _mm_set1_ps(1e-7f);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t n = 0; n < iters; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm_add_ps(_mm_mul_ps(acc[i], a), b);
-  }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (int i = 1; i < 12; ++i) acc[0] = _mm_add_ps(acc[0], acc[i]);
-  fma_sink = _mm_cvtss_f32(acc[0]);
-  return 2.0 * 4 * 12 * static_cast<double>(iters) / s / 1e9;
-}
+__attribute__((no_sanitize_address)) double fma_peak_sse(int64_t iters) { return fma_chains<4>(iters); }
 
 double cpu_seconds() {
   timespec t{};
@@ -157,13 +171,14 @@ std::optional<double> measure_amx_peak_gflops() {
 }
 
 double measure_fma_peak_gflops(double* per_cpu_s) {
-  const bool avx2 = kernel_path_supported(KernelPath::avx2);
+  const bool avx2 = kernel_path_supported(KernelPath::avx2), avx512 = kernel_path_supported(KernelPath::avx512);
   double best = 0, best_cpu = 0;
-  const int64_t iters = 20'000'000;
+  const int64_t iters = avx512 ? 10'000'000 : 20'000'000;
+  const int lanes = avx512 ? 16 : avx2 ? 8 : 4;
   for (int rep = 0; rep < 5; ++rep) {
     const double c0 = cpu_seconds();
-    best = std::max(best, avx2 ? fma_peak_avx2(iters) : fma_peak_sse(iters));
-    const double flops = 2.0 * (avx2 ? 8 : 4) * 12 * static_cast<double>(iters);
+    best = std::max(best, avx512 ? fma_peak_avx512(iters) : avx2 ? fma_peak_avx2(iters) : fma_peak_sse(iters));
+    const double flops = 2.0 * lanes * 12 * static_cast<double>(iters);
     best_cpu = std::max(best_cpu, flops / (cpu_seconds() - c0) / 1e9);
   }
   if (per_cpu_s) *per_cpu_s = best_cpu;

@@ -1704,6 +1704,18 @@ void backward_impl(const AttnBwdParams& p) {
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
+  // Key row r of kv head hk from its sums over the sets, sk (unscaled dK) and sv.
+  auto write_kv_row = [&](int64_t r, int hk, const float* sk, const float* sv) {
+    if (p.grad_mode == GradMode::write) {
+      st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, sk, cr.scale);
+      st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, sv, 1.0f);
+    } else {  // fp32 views
+      float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
+      float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
+      for (int d = 0; d < head_dim_qk; ++d) ok[d] += sk[d] * cr.scale;
+      for (int d = 0; d < head_dim_v; ++d) ov[d] += sv[d];
+    }
+  };
   if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, then each row
     parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {
       fvec ak(static_cast<size_t>(dp) * BBK), av(static_cast<size_t>(dvp) * BBK);
@@ -1724,15 +1736,7 @@ void backward_impl(const AttnBwdParams& p) {
           const int64_t r = r0 + c;
           for (int d = 0; d < dp; ++d) rk[d] = ak[d * BBK + c];
           for (int d = 0; d < dvp; ++d) rv[d] = av[d * BBK + c];
-          if (p.grad_mode == GradMode::write) {
-            st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, rk.data(), cr.scale);
-            st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, rv.data(), 1.0f);
-          } else {  // fp32 views
-            float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
-            float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
-            for (int d = 0; d < head_dim_qk; ++d) ok[d] += rk[d] * cr.scale;
-            for (int d = 0; d < head_dim_v; ++d) ov[d] += rv[d];
-          }
+          write_kv_row(r, hk, rk.data(), rv.data());
         }
       }
     });
@@ -1753,15 +1757,7 @@ void backward_impl(const AttnBwdParams& p) {
           for (int d = 0; d < dp; ++d) ak[d] += sk[d];
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
-        if (p.grad_mode == GradMode::write) {
-          st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, ak.data(), cr.scale);
-          st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, av.data(), 1.0f);
-        } else {  // fp32 views
-          float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
-          float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
-          for (int d = 0; d < head_dim_qk; ++d) ok[d] += ak[d] * cr.scale;
-          for (int d = 0; d < head_dim_v; ++d) ov[d] += av[d];
-        }
+        write_kv_row(r, hk, ak.data(), av.data());
       }
   });
 }

@@ -57,7 +57,8 @@ struct AttnBenchResult {
   std::string check_scope;       // what the check covered
 };
 
-// fp32 FMA peak of one core (12 independent accumulator chains, best of 5 runs);
+// fp32 FMA peak of one core (12 independent accumulator chains on the widest vectors the CPU
+// runs: zmm with AVX-512, ymm with AVX2 and FMA, else SSE mul + add; best of 5 runs);
 // `per_cpu_s` gets the same per second of CPU time.
 double measure_fma_peak_gflops(double* per_cpu_s = nullptr);
 // bf16 AMX tile peak of one core (TDPBF16PS on six accumulator tiles, best of 5 runs), or
