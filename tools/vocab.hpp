@@ -148,7 +148,8 @@ inline KernelPath parse_kernel_path(std::string_view s, std::string_view flag = 
 // A forced path this CPU cannot run is bad input too (exit 2), caught before any kernel runs.
 inline void check_kernel_path_supported(KernelPath p, std::string_view flag = "--kernel-path") {
   CPATTN_CHECK(kernel_path_supported(p), flag, " ", to_string(p), " cannot run on this CPU (",
-               p == KernelPath::amx ? "it needs AMX-TILE, AMX-BF16 and the OS's permission for tile data"
+               p == KernelPath::amx ? "it needs AVX-512, AVX512_BF16, AMX-TILE, AMX-BF16 and the OS's permission "
+                                      "for tile data"
                                     : "the CPU lacks its instructions",
                "; automatic picks ", to_string(best_kernel_path()), ")");
 }

@@ -5,7 +5,8 @@
 // function of them is compiled for a wider ISA than the baseline, restores it with
 // `#pragma GCC pop_options` after this file, and defines the path's KernelTable. Everything
 // here has internal linkage for the same reason (no ODR merging across ISAs). The blocking
-// constants (PAD, BQ, BQB, BK, BBK, FBK, GH, MR, BWD_SETS) are blocking.hpp's.
+// constants (PAD, BQ, BQB, BQB_TILES, BK, BBK, FBK, FBK_TILES, FSB, GH, MR, BWD_SETS) are
+// blocking.hpp's.
 //
 // Algorithm (FlashAttention-2 on a CPU core):
 //  * K and V are packed once per call into fp32, converting the storage dtype on the way and
@@ -474,7 +475,7 @@ inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) 
 //   CPATTN_AMX == 1: the instructions (inline assembly; GCC 12 has no AMX-FP16 intrinsic),
 //   CPATTN_AMX == 2: an exact emulator in plain C++ (the amx_emulated path, any AVX2 CPU),
 // so that the kernel case table runs the tiling, padding and layout logic of the amx path on
-// every x86-64 CPU with AVX2. gemm_tiles holds a 2 x 2 block of C in tiles 0-3 (2 i + j), the
+// every x86-64 CPU with AVX2. tile_block holds a 2 x 2 block of C in tiles 0-3 (2 i + j), the
 // block's two A tiles in 4, 5 and its two B tiles in 6, 7; tile_dot_one uses 0, 1, 2.
 // x with a denormal (exponent bits 0) replaced by a zero of its sign.
 inline float ftz(float x) {
@@ -659,10 +660,11 @@ inline void c_tile_end(float* c, int64_t ldc, int valid, float* stage) {
 }
 
 // Every product of a call runs on one tile configuration, all eight tiles 16 rows x 64 bytes,
-// loaded by the thread's first product and kept until tiles_end() (the end of a forward unit or
-// of a backward head), instead of LDTILECFG and TILERELEASE around each product: the forward's
-// products are a few hundred tile instructions each. Short K and M edges are staged, never
-// configured (a new configuration zeroes every tile).
+// loaded by the thread's first product and kept until tiles_end() (the end of a forward or
+// backward unit, by a TileScope, so also when the unit throws), instead of LDTILECFG and
+// TILERELEASE around each product: the forward's products are a few hundred tile instructions
+// each. B's short K edge and C's short rows are staged, never configured (a new configuration
+// zeroes every tile); A's edges are its caller's zero padding.
 inline bool& tiles_configured() {
   thread_local bool configured = false;
   return configured;
@@ -735,7 +737,7 @@ __attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, cons
   const int64_t as = lda * 2;  // A tile row stride, bytes
   for (int n0 = 0; n0 < N; n0 += 32) {
     const bool two_n = N - n0 > 16;
-    const uint32_t* bt[2] = {b + (n0 / 16) * b_panel, b + (n0 / 16 + 1) * b_panel};
+    const uint32_t* bt[2] = {b + (n0 / 16) * b_panel, two_n ? b + (n0 / 16 + 1) * b_panel : nullptr};
     const uint32_t* tails[2] = {tail[0], tail[1]};
     if (k_full < Kp)
       for (int j = 0; j < (two_n ? 2 : 1); ++j) {
@@ -833,6 +835,13 @@ inline void round_row_bf16(const float*, int, int, uint16_t*) {}
 inline void pair_two_rows(const float*, int64_t, int, int, int, int, uint32_t*) {}
 inline void tiles_end() {}
 #endif  // CPATTN_AMX
+// Releases the thread's tiles at the end of a unit however it ends (a no-op without tiles).
+struct TileScope {
+  TileScope() = default;
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+  ~TileScope() { tiles_end(); }
+};
 using u16vec = std::vector<uint16_t, LineAligned<uint16_t>>;
 
 // How a call's products run: fp32 FMA (gemm), bf16 pairs (gemm_bf16) or tiles (gemm_tiles).
@@ -1159,6 +1168,7 @@ void forward_impl(const AttnFwdParams& p) {
   }
 
   parallel_for(units, nthr, [&](int64_t u, int th) {
+    const TileScope tiles;
     FwdScratch& S = scr[th];
     const Unit un = blocks[u / (hkn * sets)];
     const int hk = static_cast<int>(u % (hkn * sets)) / sets;
@@ -1217,7 +1227,7 @@ void forward_impl(const AttnFwdParams& p) {
       };
       for (int g = 0; g < nh; ++g) {
         const int h = h0 + g;
-        // The unit's rows run in sub-blocks of FSB rows: S = Q Kt, the softmax and O += P V
+        // The unit's rows run in sub-blocks of FSB rows (32 on tiles): S = Q Kt, the softmax and O += P V
         // of a sub-block touch its Q, S and O rows only, which stay in L1 (blocking.hpp).
         for (int r0 = 0; r0 < m; r0 += fsb) {
           const int sb = std::min(fsb, m - r0);
@@ -1344,7 +1354,6 @@ void forward_impl(const AttnFwdParams& p) {
         if (lse) lse[(row0 + r) * hq + h] = l > 0.0f ? S.m[g * BQ + r] * kLn2 + std::log(l) : kNegInf;
       }
     }
-    tiles_end();
   });
 }
 
@@ -1448,9 +1457,12 @@ void backward_impl(const AttnBwdParams& p) {
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
                   pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
-    if (t16) used += static_cast<size_t>(nthr) * (BBK + 1) * (dp + dvp);  // their blocks, and rows rk, rv
+    // the tiles' final sum: a block and two rows per thread of its own loop
+    const int red_thr = t16 ? static_cast<int>(std::min<int64_t>(nbb, opt.num_threads)) : 0;
+    used += static_cast<size_t>(red_thr) * (BBK + 1) * (dp + dvp);
     check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q,
-                                                      cr.bd == Dot::bf16_pairs, t16).total(nthr));
+                                                      cr.bd == Dot::bf16_pairs, t16)
+                                  .total(std::max(nthr, red_thr)));
   }
 
   // One query head h of unit u: its tasks in order, the pieces of each in key order.
@@ -1699,8 +1711,8 @@ void backward_impl(const AttnBwdParams& p) {
     float* gku = gk.data() + static_cast<size_t>(u) * g_rows * dp;
     float* gvu = gv.data() + static_cast<size_t>(u) * g_rows * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
+    const TileScope tiles;
     for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu);
-    tiles_end();
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.

@@ -88,7 +88,8 @@ TEST_P(kernel_table, MatchesReference) {
   const auto [ci, dt, path] = GetParam();
   if (!kernel_path_supported(path))
     GTEST_SKIP() << "kernel path " << to_string(path) << " is not supported by this CPU"
-                 << (path == KernelPath::amx ? " (it needs AVX-512, AMX-TILE, AMX-BF16 and Linux's permission for "
+                 << (path == KernelPath::amx ? " (it needs AVX-512, AVX512_BF16, AMX-TILE, AMX-BF16 and Linux's "
+                                               "permission for "
                                                "tile data; amx_emulated runs its algorithm here)"
                                              : "");
   const Truth& t = truth(ci, dt);
@@ -1010,7 +1011,7 @@ TEST(kernel_paths, EnvironmentOverridesAutomaticAndIsValidated) {
       {"fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2"}};
   if (!kernel_path_supported(KernelPath::amx))
     bad.emplace_back("amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU (the amx path needs AVX-512F/BW/DQ/VL, "
-                            "AMX-TILE and AMX-BF16");
+                            "AVX512_BF16, AMX-TILE and AMX-BF16");
   for (const auto& [value, needle] : bad) {
     const EnvPath env(value);
     Tensor out(DType::bf16, pb.out_shape());
@@ -1353,7 +1354,7 @@ TEST(kernel_amx_tiles, EmulatorFollowsTheDocumentedSemantics) {
 
 TEST(kernel_amx_tiles, InstructionsFollowTheDocumentedSemantics) {
   if (!kernel_path_supported(KernelPath::amx))
-    GTEST_SKIP() << "kernel path amx is not supported by this CPU (it needs AMX-TILE, AMX-BF16 and Linux's "
+    GTEST_SKIP() << "kernel path amx is not supported by this CPU (it needs AVX512_BF16, AMX-TILE, AMX-BF16 and Linux's "
                     "permission for tile data): the emulator is checked against the worked examples alone";
   expect_tile_cases(KernelPath::amx, kernels::cpu_has_amx_fp16());  // the fp16 cases need AMX-FP16
 }
@@ -1383,7 +1384,7 @@ TEST(kernel_amx_tiles, Bf16AndFp16StorageRunTheTilesAndFp32TheBasePath) {
 // wide exponent range with zeros, denormals and signs mixed in.
 TEST(kernel_amx_tiles, EmulatorIsBitwiseTheInstructions) {
   if (!kernel_path_supported(KernelPath::amx))
-    GTEST_SKIP() << "kernel path amx is not supported by this CPU (it needs AMX-TILE, AMX-BF16 and Linux's "
+    GTEST_SKIP() << "kernel path amx is not supported by this CPU (it needs AVX512_BF16, AMX-TILE, AMX-BF16 and Linux's "
                     "permission for tile data): the emulator is checked against the worked examples alone";
   std::mt19937 rng(23);
   std::uniform_int_distribution<int> kind(0, 15), expo(-20, 20);

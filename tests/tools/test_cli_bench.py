@@ -99,7 +99,7 @@ bad = [
     (["--kernel-path", "fast"],
      "--kernel-path must be one of automatic, portable, avx2, avx512, avx512_bf16, bf16_emulated, amx, amx_emulated, "
      "got 'fast'"),
-    (["--kernel-path", "amx"], "--kernel-path amx cannot run on this CPU (it needs AMX-TILE, AMX-BF16")
+    (["--kernel-path", "amx"], "--kernel-path amx cannot run on this CPU (it needs AVX-512, AVX512_BF16, AMX-TILE, AMX-BF16")
     if not HAS_AMX else (["--kernel-path", "fast"], "--kernel-path must be one of"),
     (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a positive multiple of --kv-heads (2)"),
     (["--seqlen", "48"], "--seqlen"),
