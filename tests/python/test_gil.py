@@ -11,15 +11,17 @@ from conftest import cu_from_lengths
 
 def test_other_threads_run_during_a_kernel():
     torch.set_num_threads(1)
-    q, k, v = (torch.randn(2048, 4, 64) for _ in range(3))
-    cu = cu_from_lengths([2048])
+    # ~34 GFLOP: long enough to tell on a fast core (2048 tokens of 4 heads took 0.044 s on an
+    # AVX-512 Xeon), short on a slow one
+    q, k, v = (torch.randn(4096, 8, 64) for _ in range(3))
+    cu = cu_from_lengths([4096])
     started, done = threading.Event(), threading.Event()
     span = {}
 
     def kernel():
         started.set()
         t0 = time.perf_counter()
-        cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 2048, 2048, causal=False)
+        cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 4096, 4096, causal=False)
         span["t"] = (t0, time.perf_counter())
         done.set()
 
