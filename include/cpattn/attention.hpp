@@ -242,8 +242,15 @@ KernelChoice resolve_kernel_path(KernelPath requested, DType dtype);
 bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64_t k_pos,
                   float p);
 
-// fp32 scratch that attention_backward allocates internally (dK/dV per query head, packed
+// fp32 scratch that attention_backward allocates internally (dK/dV per head set, packed
 // K/V, per-thread blocks), so that callers can budget memory. Forward needs about half.
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p);
+
+// The kernels keep the large scratch blocks a call freed for the next call (no page faults
+// and fresh zeroing of the same pages in every step of a training loop), never more than the
+// most scratch that was in use at once. kernel_scratch_cached_bytes says how much is kept now;
+// release_kernel_scratch gives it all back (a later call allocates afresh). Thread-safe.
+size_t kernel_scratch_cached_bytes();
+void release_kernel_scratch();
 
 }  // namespace cpattn

@@ -148,6 +148,12 @@ bool cpu_has_amx_fp16();
 const KernelTable* path_table(KernelPath path);
 
 
+// The kernels' scratch (scratch.cpp): 64-byte aligned blocks. Blocks of 256 KiB and more are
+// kept when freed and handed to the next request of their size class, up to the most scratch
+// ever in use at once; release_kernel_scratch (cpattn/attention.hpp) gives them back.
+void* scratch_allocate(size_t bytes);
+void scratch_free(void* p, size_t bytes) noexcept;
+
 // Throws cpattn::Error (an internal error) unless used <= bound: backward_impl's check that
 // it allocates no more scratch than attention_backward_scratch_bytes reports (blocking.hpp).
 void check_scratch_bound(size_t used_floats, size_t bound_floats);

@@ -49,19 +49,37 @@ static_assert(PAD % W == 0);
 
 // Scratch and packed operands start on a cache line (rows are padded to PAD floats, 64
 // bytes), so no vector load of the micro-kernel splits a line: malloc's 16-byte alignment
-// (page + 16 for large blocks) splits every other 32-byte load.
+// (page + 16 for large blocks) splits every other 32-byte load. They come from the scratch
+// cache (common.hpp), so that a call reuses the pages of the call before.
 template <class T>
 struct LineAligned {
   using value_type = T;
   LineAligned() = default;
   template <class U>
   LineAligned(const LineAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  T* allocate(size_t n) { return static_cast<T*>(scratch_allocate(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { scratch_free(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const LineAligned<U>&) const { return true; }
 };
 using fvec = std::vector<float, LineAligned<float>>;
+
+// Floats from the scratch cache left as they are (a vector would zero them): for buffers whose
+// every element is written before it is read.
+class RawFloats {
+ public:
+  explicit RawFloats(size_t n) : p_(static_cast<float*>(scratch_allocate(n * sizeof(float)))), n_(n) {}
+  ~RawFloats() { scratch_free(p_, n_ * sizeof(float)); }
+  RawFloats(const RawFloats&) = delete;
+  RawFloats& operator=(const RawFloats&) = delete;
+  float* data() { return p_; }
+  const float* data() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  float* p_;
+  size_t n_;
+};
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -959,6 +977,13 @@ struct Packed {
   const float* Vr(int hk) const { return vr.data() + hk * nblk * BK * dvp; }
   int64_t vr_ps() const { return nblk * BK * PAD; }
   const float* Vt(int hk, int64_t b) const { return vt.data() + (hk * nblk + b) * BK * dvp; }
+  // The pairs of the B operand of each product at key row k0 (a multiple of PAD): K^T, V^T
+  // (panels of PAD keys) and K, V (row pairs; panel stride vr_ps() / 2). What paired() gives
+  // for the float operand at the same place, also where pack_kv_tiles made no float buffers.
+  const uint32_t* Kt2(int hk, int64_t k0) const { return kt2.data() + (hk * nblk * BK * dp + k0 / PAD * dp * PAD) / 2; }
+  const uint32_t* Vt2(int hk, int64_t k0) const { return vt2.data() + (hk * nblk * BK * dvp + k0 / PAD * dvp * PAD) / 2; }
+  const uint32_t* Kr2(int hk, int64_t k0) const { return kr2.data() + (hk * nblk * BK * dp + k0 * PAD) / 2; }
+  const uint32_t* Vr2(int hk, int64_t k0) const { return vr2.data() + (hk * nblk * BK * dvp + k0 * PAD) / 2; }
 };
 
 void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) {
@@ -1024,6 +1049,80 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
     pair_panel_rows(pk.vt.data() + u * BK * pk.dvp, BK * pk.dvp / PAD / 2, pk.vt2.data() + u * BK * pk.dvp / 2);
   });
 }
+
+#ifdef CPATTN_AMX
+// bf16_dot_bits of a stored bf16 value, from its bits: a denormal to a zero of its sign, a NaN
+// made quiet, every other value itself (it is a bf16 already: nothing to round).
+inline uint32_t dot_bits_of_bf16(uint16_t b) {
+  if ((b & 0x7f80u) == 0) return b & 0x8000u;
+  return (b & 0x7fffu) > 0x7f80u ? b | 0x40u : b;
+}
+
+// pack_kv for bf16 storage on tiles: the four pair buffers alone, straight from the stored
+// rows (the tiles read nothing else of K and V), bitwise what pack_kv's pairs hold. No float
+// buffer: a quarter of pack_kv's writes, and no float pass between the source and the pairs.
+void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
+  const ConstTensorView& K = in.k;
+  const ConstTensorView& V = in.v;
+  const int64_t total_k = K.rows;
+  const int64_t k_rs = K.row_step(), k_hs = K.head_step();
+  const int64_t v_rs = V.row_step(), v_hs = V.head_step();
+  pk.nblk = (total_k + BK - 1) / BK;
+  pk.dp = pad_up(K.dim);
+  pk.dvp = pad_up(V.dim);
+  const int dp = pk.dp, dvp = pk.dvp;
+  const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
+  pk.kt2.assign(nb * dp / 2, 0u);
+  pk.vr2.assign(nb * dvp / 2, 0u);
+  if (transposed_too) {
+    pk.kr2.assign(nb * dp / 2, 0u);
+    pk.vt2.assign(nb * dvp / 2, 0u);
+  }
+  const int64_t ps2 = pk.vr_ps() / 2;  // words per panel of K's and V's row pairs
+  const auto* kd = static_cast<const uint16_t*>(K.data);
+  const auto* vd = static_cast<const uint16_t*>(V.data);
+  parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
+    const int hk = static_cast<int>(u / pk.nblk);
+    const int64_t b = u % pk.nblk;
+    // K^T, V^T of the block: word (panel c / PAD, pair j, column c % PAD) = row c's elements 2j, 2j + 1
+    auto transposed = [&](const uint16_t* row, int dim, int dpad, uint32_t* blk, int c) {
+      uint32_t* w = blk + (c / PAD) * (dpad / 2) * PAD + c % PAD;
+      for (int j = 0; 2 * j < dim; ++j) {
+        const uint32_t hi = 2 * j + 1 < dim ? dot_bits_of_bf16(row[2 * j + 1]) : 0u;
+        w[j * PAD] = dot_bits_of_bf16(row[2 * j]) | hi << 16;
+      }
+    };
+    // K, V: word (panel d / PAD, row pair r / 2, column d % PAD) = rows r, r + 1 at d
+    auto rows = [&](const uint16_t* r0, const uint16_t* r1, int dim, uint32_t* head, int64_t r) {
+      for (int d = 0; d < dim; ++d)
+        head[(d / PAD) * ps2 + (r / 2) * PAD + d % PAD] =
+            dot_bits_of_bf16(r0[d]) | (r1 ? dot_bits_of_bf16(r1[d]) << 16 : 0u);
+    };
+    uint32_t* kt2 = pk.kt2.data() + u * BK * dp / 2;
+    uint32_t* vr2 = pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
+    uint32_t* kr2 = transposed_too ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
+    uint32_t* vt2 = transposed_too ? pk.vt2.data() + u * BK * dvp / 2 : nullptr;
+    for (int c = 0; c < BK; c += 2) {
+      const int64_t r = b * BK + c;
+      if (r >= total_k) break;
+      const bool two = r + 1 < total_k;
+      const uint16_t* k0 = kd + r * k_rs + hk * k_hs;
+      const uint16_t* v0 = vd + r * v_rs + hk * v_hs;
+      const uint16_t* k1 = two ? k0 + k_rs : nullptr;
+      const uint16_t* v1 = two ? v0 + v_rs : nullptr;
+      transposed(k0, K.dim, dp, kt2, c);
+      if (two) transposed(k1, K.dim, dp, kt2, c + 1);
+      rows(v0, v1, V.dim, vr2, r);
+      if (!transposed_too) continue;
+      rows(k0, k1, K.dim, kr2, r);
+      transposed(v0, V.dim, dvp, vt2, c);
+      if (two) transposed(v1, V.dim, dvp, vt2, c + 1);
+    }
+  });
+}
+#else
+void pack_kv_tiles(const AttnInputs&, bool, Packed&) {}  // t16 is false without tiles
+#endif
 
 // A piece: key columns [c0, c1) of block b of B rows (physical rows b*B + c), positions
 // p_lo + (c - c0); products run over the PAD-aligned columns [a0, a1).
@@ -1131,7 +1230,10 @@ void forward_impl(const AttnFwdParams& p) {
   // bf16 tiles (the amx path) take their B operands in the pairs of the bf16 dot products
   // (the VNNI layout), Q and P rounded to bf16 rows once: per unit, per sub-block and piece.
   const bool t16 = cr.bd == Dot::bf16_tiles;
-  pack_kv(in, false, cr.bd == Dot::bf16_pairs || t16, pk);
+  if (t16)
+    pack_kv_tiles(in, false, pk);
+  else
+    pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk);
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32;
   // Sub-block rows: FSB for the vector products, two 16-row tiles for the tiles.
@@ -1218,12 +1320,17 @@ void forward_impl(const AttnFwdParams& p) {
       // not computed.
       pc.a1 = trimmed_end(pc, qp_last);
       // The next piece's K^T and V (contiguous after this one for a key run) are fetched
-      // from L3 while this piece runs, a few lines per row of the group's first head.
-      const char* next_k = reinterpret_cast<const char*>(pk.Kt(hk, 0) + (pc.b + 1) * fbk * dp);
-      const int64_t k_lines = fbk * dp / 16, v_lines_pp = fbk * PAD / 16;  // 64-byte lines
+      // from L3 while this piece runs, a few lines per row of the group's first head: their
+      // floats, or their pairs on tiles (half the lines).
+      const int64_t next0 = (pc.b + 1) * fbk;  // the next piece's first key row
+      const char* next_k = t16 ? reinterpret_cast<const char*>(pk.Kt2(hk, next0))
+                               : reinterpret_cast<const char*>(pk.Kt(hk, 0) + next0 * dp);
+      const int64_t per_line = t16 ? 32 : 16;  // pairs hold two values in a float's 4 bytes
+      const int64_t k_lines = fbk * dp / per_line, v_lines_pp = fbk * PAD / per_line;  // 64-byte lines
       const int64_t v_lines = v_lines_pp * (dvp / PAD);
-      auto next_v = [&](int64_t ln) {
-        return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + (pc.b + 1) * fbk * PAD + (ln % v_lines_pp) * 16;
+      auto next_v = [&](int64_t ln) -> const void* {
+        if (t16) return pk.Vr2(hk, next0) + (ln / v_lines_pp) * (pk.vr_ps() / 2) + (ln % v_lines_pp) * 16;
+        return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + next0 * PAD + (ln % v_lines_pp) * 16;
       };
       for (int g = 0; g < nh; ++g) {
         const int h = h0 + g;
@@ -1243,12 +1350,13 @@ void forward_impl(const AttnFwdParams& p) {
           float* l_g = S.l.data() + g * BQ + r0;
           char* seen = S.seen.data() + g * BQ + r0;
           // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
-          const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          if (t16)
-            gemm_tiles16<true>(false, sb, n, dp, S.q16.data() + (g * BQ + r0) * dq32, dq32, pk.paired(kt), PAD,
+          if (t16) {
+            gemm_tiles16<true>(false, sb, n, dp, S.q16.data() + (g * BQ + r0) * dq32, dq32, pk.Kt2(hk, k0), PAD,
                                dp * PAD / 2, S.s.data() + ps.a0, fbk);
-          else
+          } else {
+            const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
             mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, fbk, pk.paired(kt), BF16_NV);
+          }
           bool any = false;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
@@ -1327,8 +1435,8 @@ void forward_impl(const AttnFwdParams& p) {
             const int n32 = (n + 31) / 32 * 32;
             for (int r = 0; r < sb; ++r)
               round_row_bf16(S.s.data() + r * fbk + ps.a0, n, n32, S.p16.data() + r * fbk);
-            gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), fbk, pk.paired(pk.Vr(hk) + k0 * PAD), PAD,
-                                pk.vr_ps() / 2, o_g, dvp);
+            gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), fbk, pk.Vr2(hk, k0), PAD, pk.vr_ps() / 2, o_g,
+                                dvp);
           } else if (any)
             mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, fbk, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
                       pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
@@ -1432,7 +1540,10 @@ void backward_impl(const AttnBwdParams& p) {
   // bf16 tiles (the amx path): K/V's B operands in pairs, as the bf16 dot products take them;
   // Q, dO and their transposes in bf16 once per task; P and dS paired and rounded per step.
   const bool t16 = cr.bd == Dot::bf16_tiles;
-  pack_kv(in, true, cr.bd == Dot::bf16_pairs || t16, pk);
+  if (t16)
+    pack_kv_tiles(in, true, pk);
+  else
+    pack_kv(in, true, cr.bd == Dot::bf16_pairs, pk);
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
   const int bqb = t16 ? BQB_TILES : BQB;  // query rows per step
@@ -1448,8 +1559,12 @@ void backward_impl(const AttnBwdParams& p) {
   // the layout of the pieces' dK^T, dV^T tiles, so that a piece is added in vectors.
   const int64_t nbb = (total_k + BBK - 1) / BBK;
   const int64_t g_rows = t16 ? nbb * BBK : total_k;  // rows of one unit's buffers
-  fvec gk(static_cast<size_t>(units) * g_rows * dp, 0.0f);
-  fvec gv(static_cast<size_t>(units) * g_rows * dvp, 0.0f);
+  // A unit's block of BBK key rows is written by the first piece that reaches it (zeroed first
+  // when that piece covers part of it) and added to by the later ones; `touched` says which
+  // blocks have been, and the final sum reads those alone: no pass zeroes the buffers.
+  RawFloats gk(static_cast<size_t>(units) * g_rows * dp);
+  RawFloats gv(static_cast<size_t>(units) * g_rows * dvp);
+  std::vector<char> touched(static_cast<size_t>(units * nbb), 0);
 
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
   std::vector<BwdScratch> scr(nthr, BwdScratch(max_q, dp, dvp, t16));
@@ -1466,7 +1581,7 @@ void backward_impl(const AttnBwdParams& p) {
   }
 
   // One query head h of unit u: its tasks in order, the pieces of each in key order.
-  auto run_head = [&](BwdScratch& S, int h, float* gku, float* gvu) {
+  auto run_head = [&](BwdScratch& S, int h, float* gku, float* gvu, char* tu) {
     const int hk = h / group;
     for (const AttnTask& t : w.tasks) {
       const int64_t nq = t.q_len;
@@ -1545,14 +1660,14 @@ void backward_impl(const AttnBwdParams& p) {
           const float* qblk = S.q.data() + i0 * dp;
           const float* doblk = S.dout.data() + i0 * dvp;
           // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
           if (t16) {
-            gemm_tiles16<true>(false, m, n, dp, S.q16.data() + i0 * dq32, dq32, pk.paired(kt), PAD, dp * PAD / 2,
+            gemm_tiles16<true>(false, m, n, dp, S.q16.data() + i0 * dq32, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2,
                                S.s.data() + pc.a0, BBK);
-            gemm_tiles16<true>(false, m, n, dvp, S.do16.data() + i0 * dv32, dv32, pk.paired(vt), PAD,
+            gemm_tiles16<true>(false, m, n, dvp, S.do16.data() + i0 * dv32, dv32, pk.Vt2(hk, k0), PAD,
                                dvp * PAD / 2, S.dp.data() + pc.a0, BBK);
           } else {
+            const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
+            const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
             mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
             mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
           }
@@ -1649,8 +1764,8 @@ void backward_impl(const AttnBwdParams& p) {
               gemm_tiles16<false>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
             }
             first = false;
-            gemm_tiles16<false>(false, m, dp, n, S.ds16.data(), BBK, pk.paired(pk.Kr(hk) + k0 * PAD), PAD,
-                                pk.vr_ps() / 2, S.dq.data() + i0 * dp, dp);
+            gemm_tiles16<false>(false, m, dp, n, S.ds16.data(), BBK, pk.Kr2(hk, k0), PAD, pk.vr_ps() / 2,
+                                S.dq.data() + i0 * dp, dp);
             continue;
           }
           float* const tv = S.dv.data() + pc.a0 * dvp;
@@ -1671,15 +1786,37 @@ void backward_impl(const AttnBwdParams& p) {
                       pk.vr_ps(), S.dq.data() + i0 * dp, dp, pk.paired(pk.Kr(hk) + k0 * PAD));
         }
         if (first) return;  // no query block saw the piece: nothing to add
-        // add the piece's rows to the unit's dK/dV
+        // add the piece's rows to the unit's dK/dV: the block's first piece writes them (a
+        // whole block), or zeroes the block and adds (part of one)
+        const int block_rows = static_cast<int>(std::min<int64_t>(BBK, total_k - pc.b * BBK));
+        const bool fresh = !tu[pc.b];
+        tu[pc.b] = 1;
         if (t16) {  // transposed tiles into the transposed block
           float* const gkb = gku + pc.b * BBK * dp;
           float* const gvb = gvu + pc.b * BBK * dvp;
+          if (fresh && pc.c0 == 0 && pc.c1 == BBK) {  // every column of the tiles is the piece's
+            std::memcpy(gkb, S.dk.data(), sizeof(float) * BBK * dp);
+            std::memcpy(gvb, S.dv.data(), sizeof(float) * BBK * dvp);
+            return;
+          }
+          if (fresh) {
+            std::fill_n(gkb, BBK * dp, 0.0f);
+            std::fill_n(gvb, BBK * dvp, 0.0f);
+          }
           for (int d = 0; d < dp; ++d)
             for (int c = pc.c0; c < pc.c1; ++c) gkb[d * BBK + c] += S.dk[d * BBK + c];
           for (int d = 0; d < dvp; ++d)
             for (int c = pc.c0; c < pc.c1; ++c) gvb[d * BBK + c] += S.dv[d * BBK + c];
           return;
+        }
+        if (fresh && pc.c0 == 0 && pc.c1 == block_rows) {
+          std::memcpy(gku + pc.b * BBK * dp, S.dk.data(), sizeof(float) * block_rows * dp);
+          std::memcpy(gvu + pc.b * BBK * dvp, S.dv.data(), sizeof(float) * block_rows * dvp);
+          return;
+        }
+        if (fresh) {
+          std::fill_n(gku + pc.b * BBK * dp, block_rows * dp, 0.0f);
+          std::fill_n(gvu + pc.b * BBK * dvp, block_rows * dvp, 0.0f);
         }
         for (int c = pc.c0; c < pc.c1; ++c) {
           const int64_t row = pc.b * BBK + c;
@@ -1712,7 +1849,7 @@ void backward_impl(const AttnBwdParams& p) {
     float* gvu = gv.data() + static_cast<size_t>(u) * g_rows * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
     const TileScope tiles;
-    for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu);
+    for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu, touched.data() + u * nbb);
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
@@ -1739,6 +1876,7 @@ void backward_impl(const AttnBwdParams& p) {
         std::fill(av.begin(), av.end(), 0.0f);
         for (int st = 0; st < sets; ++st) {
           const size_t us = static_cast<size_t>(hk) * sets + st;
+          if (!touched[us * nbb + b]) continue;  // no piece reached it: zeros
           const float* sk = gk.data() + (us * nbb + b) * BBK * dp;
           const float* sv = gv.data() + (us * nbb + b) * BBK * dvp;
           for (size_t i = 0; i < ak.size(); ++i) ak[i] += sk[i];
@@ -1764,6 +1902,7 @@ void backward_impl(const AttnBwdParams& p) {
         std::fill(av.begin(), av.end(), 0.0f);
         for (int s = 0; s < sets; ++s) {
           const size_t us = static_cast<size_t>(hk) * sets + s;
+          if (!touched[us * nbb + r / BBK]) continue;  // no piece reached its block: zeros
           const float* sk = gk.data() + (us * total_k + r) * dp;
           const float* sv = gv.data() + (us * total_k + r) * dvp;
           for (int d = 0; d < dp; ++d) ak[d] += sk[d];

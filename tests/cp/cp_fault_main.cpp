@@ -7,7 +7,9 @@
 //   stall-during stops (SIGSTOP, as a hung rank) 50 ms into an overlapped forward (4 KV-head
 //                groups), its K/V posted and its kernels running: the others, computing on
 //                the groups that arrived, must time out on a point-to-point transfer with it
-//                and end the job;
+//                and end the job (a rank whose every transfer with it completed before the stop
+//                finishes that forward legitimately and goes on to a second one, which the
+//                stopped rank never joins: the others' timeout or the deadline ends it);
 //   throw-during throws in the middle of an overlapped forward (4 KV-head groups): its first
 //                kernel call, after group 0's blocks are in and groups 1-3 in flight both
 //                ways, finds CPATTN_KERNEL_PATH naming no path (set on this rank only, after the
@@ -69,9 +71,10 @@ int main(int argc, char** argv) {
       });
     const int64_t t = p.local_tokens;
     try {
-      (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d),
-                          .k = cpattn::contiguous(k.data(), t, h, d), .v = cpattn::contiguous(v.data(), t, h, d),
-                          .out = cpattn::contiguous(out.data(), t, h, d)});
+      for (int call = 0; call < (fault == "stall-during" ? 2 : 1); ++call)
+        (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d),
+                            .k = cpattn::contiguous(k.data(), t, h, d), .v = cpattn::contiguous(v.data(), t, h, d),
+                            .out = cpattn::contiguous(out.data(), t, h, d)});
     } catch (const cpattn::Error& e) {
       if (!(faulty && fault == "throw-during")) throw;
       // The calls show where: past the barrier and the agreement, every group's posts.

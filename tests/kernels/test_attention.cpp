@@ -211,6 +211,43 @@ TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   }
 }
 
+// The kernels keep their large scratch blocks between calls (src/kernels/scratch.cpp): a call
+// that follows calls of other shapes, whose data the kept blocks still hold, gives bitwise what
+// it gives on blocks fresh from the allocator, on every path this CPU runs; the cache holds
+// blocks after a call and none after release_kernel_scratch.
+TEST(kernel_attention, ScratchKeptBetweenCallsLeavesNoTrace) {
+  const AttnCase big{"big", {700, 1, 300, 513}, {700, 1, 300, 513}, 8, 2, 72, 72, MaskType::causal};
+  const AttnCase small{"small", {5, 200, 64}, {5, 200, 64}, 4, 4, 128, 128, MaskType::causal};
+  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                                KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    for (const DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(to_string(path)) + " " + std::string(to_string(dt)));
+      const Problem pb(big, dt, 7), ps(small, dt, 8);
+      release_kernel_scratch();
+      ASSERT_EQ(kernel_scratch_cached_bytes(), 0u);
+      const Results small_fresh = run_kernels(ps, dt, path, 2);
+      EXPECT_GT(kernel_scratch_cached_bytes(), 0u) << "the call's blocks are kept";
+      release_kernel_scratch();
+      const Results big_fresh = run_kernels(pb, dt, path, 2);
+      const Results small_after = run_kernels(ps, dt, path, 2);
+      const Results big_after = run_kernels(pb, dt, path, 2);
+      for (const auto& [what, a, b] : {std::tuple{"small out", &small_after.out, &small_fresh.out},
+                                       {"small dq", &small_after.dq, &small_fresh.dq},
+                                       {"small dk", &small_after.dk, &small_fresh.dk},
+                                       {"small dv", &small_after.dv, &small_fresh.dv},
+                                       {"big out", &big_after.out, &big_fresh.out},
+                                       {"big lse", &big_after.lse, &big_fresh.lse},
+                                       {"big dq", &big_after.dq, &big_fresh.dq},
+                                       {"big dk", &big_after.dk, &big_fresh.dk},
+                                       {"big dv", &big_after.dv, &big_fresh.dv}})
+        EXPECT_EQ(*a, *b) << what;
+      release_kernel_scratch();
+      EXPECT_EQ(kernel_scratch_cached_bytes(), 0u);
+    }
+  }
+}
+
 // ---- CP-style work lists ----------------------------------------------------------------------
 // Each document cut in `chunks` query tasks; task j sees chunks 0..j as separate key runs, read
 // from a rank-major-like permuted key buffer: k_perm row perm[r] holds key row r.
