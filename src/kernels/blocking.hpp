@@ -79,8 +79,8 @@ struct BwdScratchFloats {
 
 // bf16_pairs: the call's products are bf16 dot products (bf16 storage on avx512_bf16 or
 // bf16_emulated), whose packed K/V also hold their bf16 pairs (half as many 4-byte words).
-// bf16_tiles: bf16 storage on the amx paths, which pack the same pairs and keep bf16 copies of
-// the query side.
+// bf16_tiles: bf16 storage on the amx paths, which pack the same pairs alone (pack_kv_tiles: no
+// float buffers) and keep bf16 copies of the query side.
 constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_heads_q,
                                                    int num_heads_k, int head_dim_qk,
                                                    int head_dim_v, int64_t max_q,
@@ -90,7 +90,7 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   const size_t tk = static_cast<size_t>((total_k + BK - 1) / BK * BK);
   const size_t mq = static_cast<size_t>(max_q);
   BwdScratchFloats f{};
-  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_pairs || bf16_tiles ? 3 : 2) * (dp + dvp);
+  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_tiles ? 1 : bf16_pairs ? 3 : 2) * (dp + dvp);
   // (bf16 tiles: per block of BBK rows, the last one whole)
   const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) * g_rows * (dp + dvp);

@@ -64,8 +64,8 @@ struct LineAligned {
 };
 using fvec = std::vector<float, LineAligned<float>>;
 
-// Floats from the scratch cache left as they are (a vector would zero them): for buffers whose
-// every element is written before it is read.
+// Floats from the scratch cache left as they are (a vector would zero them): for buffers of
+// which every element that is read is written first.
 class RawFloats {
  public:
   explicit RawFloats(size_t n) : p_(static_cast<float*>(scratch_allocate(n * sizeof(float)))), n_(n) {}
@@ -227,10 +227,12 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
           int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
   int n = 0;
-  for (; F32_NV > 2 && n + F32_NV * W <= N; n += F32_NV * W) {
-    const float* bv[F32_NV];
-    for (int c = 0; c < F32_NV; ++c) bv[c] = col(n + c * W);
-    col_panel<MR, F32_NV, Zero>(M, K, A, ars, acs, bv, ldb, C + n, ldc);
+  if constexpr (F32_NV > 2) {
+    for (; n + F32_NV * W <= N; n += F32_NV * W) {
+      const float* bv[F32_NV];
+      for (int c = 0; c < F32_NV; ++c) bv[c] = col(n + c * W);
+      col_panel<MR, F32_NV, Zero>(M, K, A, ars, acs, bv, ldb, C + n, ldc);
+    }
   }
   for (; n + 2 * W <= N; n += 2 * W) {
     const float* bv[2] = {col(n), col(n + W)};
@@ -496,7 +498,7 @@ inline void pair_panel_rows(const float* src, int64_t row_pairs, uint32_t* dst) 
 // layout (B(k, n) at row k / 2, element 2 n + k % 2), which is the bf16 dot products' pairs
 // (pair_panel_rows). Operands are rounded to the storage format (P and dS as the bf16 paths
 // do, fp16 for fp16 storage), the reduction dimension is zero padded to 32 elements per tile,
-// rows to 16. bf16 calls take their K/V operands from pack_kv's pairs and round the query side
+// rows to 16. bf16 calls take their K/V operands from pack_kv_tiles' pairs and round the query side
 // to bf16 rows once (per forward unit, per backward task) and P, dS once per step, and call
 // gemm_tiles16 on them; the backward runs dK and dV transposed (dK^T += Q^T dS, dV^T += dO^T
 // P) so that P and dS are B operands, paired along the query rows like any other. fp16 calls
@@ -976,8 +978,9 @@ struct Packed {
   // vr [dvp/PAD][nblk*BK][PAD], so that dS K and P V can run over any number of consecutive
   // blocks (B panel stride vr_ps(), the same for both).
   fvec kt, kr, vr, vt;
-  // For bf16_pairs products (pack_kv's `pairs`): the same four in bf16 pairs of rows
-  // (pair_panel_rows), each half its float buffer's length; empty otherwise.
+  // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
+  // leaves the float buffers empty): the same four in bf16 pairs of rows (pair_panel_rows),
+  // each half the length its float buffer has; empty on the fp32-product paths.
   uvec kt2, kr2, vr2, vt2;
   // The pairs of a B operand that starts at B in one of the float buffers at an even k (every
   // panel's row count is even), or null when there are none.
@@ -1077,7 +1080,7 @@ inline uint32_t dot_bits_of_bf16(uint16_t b) {
 
 // pack_kv for bf16 storage on tiles: the four pair buffers alone, straight from the stored
 // rows (the tiles read nothing else of K and V), bitwise what pack_kv's pairs hold. No float
-// buffer: a quarter of pack_kv's writes, and no float pass between the source and the pairs.
+// buffer: a third of pack_kv's writes, and no float pass between the source and the pairs.
 void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
@@ -242,6 +243,30 @@ TEST(kernel_attention, ScratchKeptBetweenCallsLeavesNoTrace) {
                                        {"big dk", &big_after.dk, &big_fresh.dk},
                                        {"big dv", &big_after.dv, &big_fresh.dv}})
         EXPECT_EQ(*a, *b) << what;
+      // Same shapes, so the same blocks: a call that reaches every key block (no mask) leaves
+      // its gradients in them; a windowed call with fewer queries than keys reaches only the
+      // last keys of each document, so the blocks it never reaches must read as unwritten
+      // (zero gradients), not as the call before's.
+      const AttnCase all{"all", {64, 40}, {1000, 700}, 8, 2, 72, 72, MaskType::none};
+      AttnCase win = all;
+      win.name = "win";
+      win.mask = MaskType::causal;
+      win.window_left = 32;
+      win.window_right = 0;
+      const Problem pa(all, dt, 9), pw(win, dt, 9);
+      release_kernel_scratch();
+      const Results win_fresh = run_kernels(pw, dt, path, 2);
+      release_kernel_scratch();
+      const Results all_first = run_kernels(pa, dt, path, 2);
+      const Results win_after = run_kernels(pw, dt, path, 2);
+      EXPECT_EQ(win_after.dk, win_fresh.dk) << "win dk";
+      EXPECT_EQ(win_after.dv, win_fresh.dv) << "win dv";
+      EXPECT_EQ(win_after.dq, win_fresh.dq) << "win dq";
+      const size_t unseen = static_cast<size_t>(900) * 2 * 72;  // doc 0's keys 0..899: no query sees them
+      ASSERT_GE(win_after.dk.size(), unseen);
+      EXPECT_TRUE(std::all_of(win_after.dk.begin(), win_after.dk.begin() + unseen, [](float x) { return x == 0.0f; }));
+      EXPECT_TRUE(std::any_of(all_first.dk.begin(), all_first.dk.begin() + unseen, [](float x) { return x != 0.0f; }))
+          << "the unmasked call wrote those rows";
       release_kernel_scratch();
       EXPECT_EQ(kernel_scratch_cached_bytes(), 0u);
     }
