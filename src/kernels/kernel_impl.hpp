@@ -16,7 +16,8 @@
 //    and only the PAD-aligned columns [a0, a1) around it are computed.
 //  * Every product is one register-blocked micro-kernel, C[M x N] (+)= A[M x K] B[K x N], with
 //    A read by broadcasts through (row, column) strides (so A can be transposed for free) and
-//    B, C row-major and vectorized along N: 6 x 2 vectors of accumulators.
+//    B, C row-major and vectorized along N: MR x F32_NV vectors of accumulators (6 x 4 on
+//    AVX-512, 6 x 2 on AVX2; bf16 dot products 6 x BF16_NV).
 //  * Forward: a unit is (task, block of BQ query rows, kv head, up to GH of its query heads)
 //    and runs those heads piece by piece (each K^T/V piece is read from L3 once per unit);
 //    online softmax in the log2 domain over pieces of up to FBK = 2 BK keys; columns no row
@@ -208,6 +209,21 @@ inline void col_panel(int M, int K, const float* A, int64_t ars, int64_t acs, co
   }
 }
 
+// Visits N's columns (a multiple of W) in micro-kernel tiles of NV column vectors, the widest
+// first: Widest where nv_max allows it, then 2, then 1 (panel(std::integral_constant<int, NV>{},
+// n) for the tile at column n). The one column loop of gemm and gemm_bf16.
+template <int Widest, class Panel>
+inline void column_tiles(int N, int nv_max, Panel&& panel) {
+  int n = 0;
+  auto run = [&](auto nv) {
+    for (; n + decltype(nv)::value * W <= N; n += decltype(nv)::value * W) panel(nv, n);
+  };
+  if constexpr (Widest > 2)
+    if (nv_max >= Widest) run(std::integral_constant<int, Widest>{});
+  run(std::integral_constant<int, 2>{});
+  run(std::integral_constant<int, 1>{});
+}
+
 // Column vectors per fp32 micro-kernel tile: MR x 4 on AVX-512's 32 registers (24
 // accumulators, 4 B vectors, the broadcast: a tile's loads per FMA fall from 8/12 to 10/24),
 // MR x 2 on AVX2's 16. An L1-resident MR x 4 tile ran 117 against 95 GFLOP/s (medians of 40;
@@ -226,22 +242,12 @@ template <bool Zero>
 __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
           int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
-  int n = 0;
-  if constexpr (F32_NV > 2) {
-    for (; n + F32_NV * W <= N; n += F32_NV * W) {
-      const float* bv[F32_NV];
-      for (int c = 0; c < F32_NV; ++c) bv[c] = col(n + c * W);
-      col_panel<MR, F32_NV, Zero>(M, K, A, ars, acs, bv, ldb, C + n, ldc);
-    }
-  }
-  for (; n + 2 * W <= N; n += 2 * W) {
-    const float* bv[2] = {col(n), col(n + W)};
-    col_panel<MR, 2, Zero>(M, K, A, ars, acs, bv, ldb, C + n, ldc);
-  }
-  for (; n < N; n += W) {
-    const float* bv[1] = {col(n)};
-    col_panel<MR, 1, Zero>(M, K, A, ars, acs, bv, ldb, C + n, ldc);
-  }
+  column_tiles<F32_NV>(N, F32_NV, [&](auto nv, int n) {
+    constexpr int NV = decltype(nv)::value;
+    const float* bv[NV];
+    for (int c = 0; c < NV; ++c) bv[c] = col(n + c * W);
+    col_panel<MR, NV, Zero>(M, K, A, ars, acs, bv, ldb, C + n, ldc);
+  });
 }
 
 // Column vectors per bf16 micro-kernel tile: MR x 4 on 32 zmm registers (24 accumulators,
@@ -442,20 +448,12 @@ __attribute__((noinline)) void gemm_bf16(int M, int N, int K, const float* A, in
     panel = int64_t{K2} * PAD;
   }
   auto col = [&](int n) { return b2p + (n / PAD) * panel + n % PAD; };
-  int n = 0;
-  for (; nv_max >= BF16_NV && n + BF16_NV * W <= N; n += BF16_NV * W) {
-    const uint32_t* bv[BF16_NV];
-    for (int c = 0; c < BF16_NV; ++c) bv[c] = col(n + c * W);
-    col_panel_bf16<MR, BF16_NV, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
-  }
-  for (; n + 2 * W <= N; n += 2 * W) {
-    const uint32_t* bv[2] = {col(n), col(n + W)};
-    col_panel_bf16<MR, 2, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
-  }
-  for (; n < N; n += W) {
-    const uint32_t* bv[1] = {col(n)};
-    col_panel_bf16<MR, 1, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
-  }
+  column_tiles<BF16_NV>(N, nv_max, [&](auto nv, int n) {
+    constexpr int NV = decltype(nv)::value;
+    const uint32_t* bv[NV];
+    for (int c = 0; c < NV; ++c) bv[c] = col(n + c * W);
+    col_panel_bf16<MR, NV, Zero>(M, K2, a2.data(), ra, ka, bv, C + n, ldc);
+  });
 }
 
 // One Bf16Dot step on `lanes` lanes (a multiple of W): acc[i] += the pair products of a[i],
