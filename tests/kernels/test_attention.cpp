@@ -262,7 +262,9 @@ TEST(kernel_attention, ScratchKeptBetweenCallsLeavesNoTrace) {
       EXPECT_EQ(win_after.dk, win_fresh.dk) << "win dk";
       EXPECT_EQ(win_after.dv, win_fresh.dv) << "win dv";
       EXPECT_EQ(win_after.dq, win_fresh.dq) << "win dq";
-      const size_t unseen = static_cast<size_t>(900) * 2 * 72;  // doc 0's keys 0..899: no query sees them
+      // Doc 0's query i sits at key 936 + i (causal, aligned to the end of its 1000 keys) and
+      // sees keys from 904 + i: keys 0..903 are seen by no query. dK rows are Hkv * Dqk floats.
+      const size_t unseen = static_cast<size_t>(904) * 2 * 72;
       ASSERT_GE(win_after.dk.size(), unseen);
       EXPECT_TRUE(std::all_of(win_after.dk.begin(), win_after.dk.begin() + unseen, [](float x) { return x == 0.0f; }));
       EXPECT_TRUE(std::any_of(all_first.dk.begin(), all_first.dk.begin() + unseen, [](float x) { return x != 0.0f; }))
