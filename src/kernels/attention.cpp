@@ -20,26 +20,26 @@
 namespace cpattn {
 namespace {
 
-bool cpu_has_avx2_fma_f16c() {
+bool detect_avx2_fma_f16c() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
   const bool f16c = (c & bit_F16C) != 0;
   return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-bool cpu_has_avx512() {
-  return cpu_has_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") &&
+bool detect_avx512() {
+  return detect_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512vl");
 }
 
 // AVX512_BF16: CPUID leaf 7 sub-leaf 1, EAX bit 5 (the OS's zmm state is checked by avx512f).
-bool cpu_has_avx512_bf16() {
+bool detect_avx512_bf16() {
 #if defined(__clang__)
   return false;  // kernel_avx512_bf16.cpp is built by GCC only
 #else
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!cpu_has_avx512() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  if (!detect_avx512() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
   return (a & (1u << 5)) != 0;
 #endif
 }
@@ -51,20 +51,39 @@ bool cpu_has_avx512_bf16() {
 // the process's signal stack limit forbids it). Without the permission the first tile
 // instruction would fault, so the path is refused. The amx path's fp32 code is AVX-512's, and
 // it rounds to bf16 with AVX512_BF16 (which every CPU with AMX-BF16 has), so it needs that too.
-bool cpu_has_amx() {
+bool detect_amx() {
 #if defined(__clang__)
   return false;  // kernel_amx.cpp is built by GCC only
 #else
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!cpu_has_avx512_bf16() || !__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
+  if (!detect_avx512_bf16() || !__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
   unsigned xcr0_lo = 0, xcr0_hi = 0;
   asm volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
   if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 #endif
+}
+
+// Each answer is read once per process: CPUID is serializing, and under a hypervisor it traps
+// to it (perf put 0.8% of a CP = 2 training rank's samples at 1024 tokens in these checks,
+// which every attention call's dispatch and validation ran before).
+bool cpu_has_avx2_fma_f16c() {
+  static const bool has = detect_avx2_fma_f16c();
+  return has;
+}
+bool cpu_has_avx512() {
+  static const bool has = detect_avx512();
+  return has;
+}
+bool cpu_has_avx512_bf16() {
+  static const bool has = detect_avx512_bf16();
+  return has;
+}
+bool cpu_has_amx() {  // the permission is asked for once per process, here
+  static const bool has = detect_amx();
+  return has;
 }
 
 bool always() { return true; }
@@ -192,9 +211,11 @@ WorkList varlen_worklist_impl(std::span<const Int> cu_q, std::span<const Int> cu
 
 namespace kernels {
 bool cpu_has_amx_fp16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!cpu_has_amx() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  return (a & (1u << 21)) != 0;
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return cpu_has_amx() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 21)) != 0;
+  }();
+  return has;
 }
 
 void check_scratch_bound(size_t used_floats, size_t bound_floats) {

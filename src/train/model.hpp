@@ -184,6 +184,9 @@ struct Model {
   CpAttention attn;           // one for every block: the contexts in acts hold each block's state
   Batch batch;
   Activations acts;
+  // The activations of a finished step's micro-batches, which the next step's PipelineModel
+  // takes back: the same sizes again, so no allocation, zero fill or page fault per step.
+  std::vector<Activations> spare_acts;
   Scratch scratch;
   // Experts: the EP group, the layer (made by moe_begin_step), every block's router and
   // this rank's experts copied from params, and what the forwards observed since then.

@@ -31,6 +31,10 @@ PipelineModel::PipelineModel(Model& m, const PipelineSpec& spec, int stage, std:
   CPATTN_CHECK(dropout_seeds.empty() || dropout_seeds.size() == micro.size(), "PipelineModel: ",
                dropout_seeds.size(), " dropout seeds for ", micro.size(), " micro-batches");
   for (MicroState& st : micro_) {
+    if (!m.spare_acts.empty()) {
+      st.acts = std::move(m.spare_acts.back());
+      m.spare_acts.pop_back();
+    }
     st.acts.resid.resize(m.dims.L + 1);
     st.acts.blocks.resize(m.dims.L);
   }
@@ -39,6 +43,16 @@ PipelineModel::PipelineModel(Model& m, const PipelineSpec& spec, int stage, std:
       prepare_batch(m_, micro[mb], dropout_seeds.empty() ? std::nullopt : std::optional(dropout_seeds[mb]));
     });
   std::fill(m.grads.begin(), m.grads.end(), 0.0f);
+}
+
+PipelineModel::~PipelineModel() {
+  for (MicroState& st : micro_) {
+    for (BlockActs& a : st.acts.blocks) {  // the step's contexts end with it
+      a.attn = CpContext();
+      a.moe = {};
+    }
+    m_.spare_acts.push_back(std::move(st.acts));
+  }
 }
 
 template <class F>

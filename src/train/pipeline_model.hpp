@@ -43,6 +43,10 @@ class PipelineModel final : public PipelineStage {
   // none.
   PipelineModel(Model& m, const PipelineSpec& spec, int stage, std::span<const PackedSequence> micro,
                 int64_t total, std::span<const uint64_t> dropout_seeds = {});
+  // Hands the micro-batches' activation buffers back to the Model (Model::spare_acts).
+  ~PipelineModel() override;
+  PipelineModel(const PipelineModel&) = delete;
+  PipelineModel& operator=(const PipelineModel&) = delete;
 
   int64_t boundary_floats(int micro) const override;  // [T of the micro-batch, D]
   void forward(int chunk, int micro, std::span<const float> in, std::span<float> out) override;
