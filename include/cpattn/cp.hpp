@@ -164,7 +164,8 @@ struct CpBackwardArgs {
 
 // What a forward hands its backward, like an autograd context: the plan, the gathered K/V
 // (or their index_select copy; the ring and pass-q schemes: a copy of the local K/V only) and lse. Move-only; the caller keeps one per forward and hands
-// it to backward, which consumes it (releases its buffers). Not tied to the CpAttention's
+// it to backward, which consumes it (releases its buffers; the overlapped all-gather's backward
+// hands its gathered K/V to the CpAttention, for the next forward's context). Not tied to the CpAttention's
 // lifetime in memory, but only that CpAttention's backward accepts it.
 class CpContext {
  public:

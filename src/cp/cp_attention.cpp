@@ -386,6 +386,18 @@ struct CpAttention::State {
   std::vector<float> acc_out, acc_lse, dq_acc, dkv_home;
 
   PassQBuffers passq;  // the pass-Q scheme's
+  // The overlapped forward's send packs ([groups][local_tokens, group row]) and rank-major
+  // gathered groups ([groups][gathered rows, group row]), kept between calls like the
+  // backward's buffers (the sizes repeat: no allocation, zero fill or page faults per call).
+  // Shared, so that a throw-mode timeout can leave them to the communicator while requests
+  // may still use them; the next forward then makes a new set.
+  struct GatherBuffers {
+    std::vector<std::byte> send_k, send_v, all_k, all_v;
+  };
+  std::shared_ptr<GatherBuffers> gather;
+  // The K/V of the last context an overlapped backward consumed: the next overlapped
+  // forward's context takes them (every row of theirs gets a move, so none is zeroed first).
+  std::vector<std::byte> spare_k, spare_v;
   // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
   // accumulated (a sum of its own, so that without overlap comm_total_s is comm_s exactly;
   // reset with the stats).
@@ -501,12 +513,10 @@ struct CpAttention::State {
     const auto vg = static_cast<std::size_t>(hk * cfg.head_dim_v) * es;
     const auto k_bytes = static_cast<std::size_t>(k_row()) * es, v_bytes = static_cast<std::size_t>(v_row()) * es;
     const auto row_off = [&](int rank) { return static_cast<std::size_t>(layout.rank_begin[rank]); };
-    // The send packs ([groups][t_loc, group row]) and the gathered, rank-major groups
-    // ([groups][t_all, group row]): kept alive past a throw-mode timeout (see below).
-    struct Buffers {
-      std::vector<std::byte> send_k, send_v, all_k, all_v;
-    };
-    auto b = std::make_shared<Buffers>();
+    // The send packs and the gathered groups (State::gather), kept alive past a throw-mode
+    // timeout (see below).
+    if (!gather || gather.use_count() > 1) gather = std::make_shared<GatherBuffers>();
+    const std::shared_ptr<GatherBuffers> b = gather;
     auto t0 = Clock::now();
     b->send_k.resize(groups * t_loc * kg);
     b->send_v.resize(groups * t_loc * vg);
@@ -531,7 +541,9 @@ struct CpAttention::State {
     }
     ctx.groups = groups;
     ctx.total_k = t_all;
-    ctx.k.resize(b->all_k.size());  // every row gets one move (resize still zeroes them first)
+    ctx.k.swap(spare_k);  // a fresh context's are empty; resized to the same size, not zeroed
+    ctx.v.swap(spare_v);
+    ctx.k.resize(b->all_k.size());  // every row gets one move
     ctx.v.resize(b->all_v.size());
     ctx.lse.assign(static_cast<std::size_t>(t_loc) * cfg.num_heads_q, -std::numeric_limits<float>::infinity());
     zero_padding_rows(a.out, plan);
@@ -594,9 +606,8 @@ struct CpAttention::State {
         attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
         for (int64_t i = 0; i < t_loc; ++i)
           std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
-        if (g == 0)  // the forward's peak: the context, the gathered groups and the send packs
-          note_peak(ctx.bytes() + b->send_k.capacity() + b->send_v.capacity() + b->all_k.capacity() +
-                    b->all_v.capacity());
+        if (g == 0)  // the forward's peak: the context beside the buffers (the gathered groups, the send packs)
+          note_peak(ctx.bytes());
         stats.compute_s += seconds_since(t0);
 
         t0 = Clock::now();
@@ -816,7 +827,8 @@ struct CpAttention::State {
     for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &rs_k, &rs_v, &lse_group,
                                         &acc_out, &acc_lse, &dq_acc, &dkv_home})
       bytes += f->capacity() * sizeof(float);
-    bytes += ring.bytes() + passq.bytes();
+    bytes += ring.bytes() + passq.bytes() + spare_k.capacity() + spare_v.capacity();
+    if (gather) bytes += gather->send_k.capacity() + gather->send_v.capacity() + gather->all_k.capacity() + gather->all_v.capacity();
     if (a2a) bytes += a2a->buffer_bytes();
     return bytes;
   }
@@ -1197,6 +1209,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     hidden = s.grouped_backward(a, *cs);
     count_bytes();
     s.note_peak();
+    s.spare_k = std::move(ctx.s_->k);  // for the next forward's context (counted as a buffer from here)
+    s.spare_v = std::move(ctx.s_->v);
     ctx.s_.reset();
     return;
   }
