@@ -64,6 +64,27 @@ struct LineAligned {
   bool operator==(const LineAligned<U>&) const { return true; }
 };
 using fvec = std::vector<float, LineAligned<float>>;
+// LineAligned whose resize leaves new elements as they are (default-initialized) instead of
+// zeroing them: for vectors whose every element is written before it is read (Packed's).
+template <class T>
+struct LineAlignedRaw : LineAligned<T> {
+  template <class U>
+  struct rebind {
+    using other = LineAlignedRaw<U>;
+  };
+  LineAlignedRaw() = default;
+  template <class U>
+  LineAlignedRaw(const LineAlignedRaw<U>&) {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+using raw_fvec = std::vector<float, LineAlignedRaw<float>>;
 
 // Floats from the scratch cache left as they are (a vector would zero them): for buffers of
 // which every element that is read is written first.
@@ -975,7 +996,7 @@ struct Packed {
   // (V^T, likewise). K and V are per kv head, not per block: kr [dp/PAD][nblk*BK][PAD],
   // vr [dvp/PAD][nblk*BK][PAD], so that dS K and P V can run over any number of consecutive
   // blocks (B panel stride vr_ps(), the same for both).
-  fvec kt, kr, vr, vt;
+  raw_fvec kt, kr, vr, vt;  // every element written by pack_kv (no zero fill first)
   // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
   // leaves the float buffers empty): the same four in bf16 pairs of rows (pair_panel_rows),
   // each half the length its float buffer has; empty on the fp32-product paths.
@@ -1015,11 +1036,12 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
   pk.dp = pad_up(K.dim);
   pk.dvp = pad_up(V.dim);
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
-  pk.kt.assign(nb * pk.dp, 0.0f);
-  pk.vr.assign(nb * pk.dvp, 0.0f);
+  // Not zeroed: every element is written below, the last block's rows past total_k as zeros.
+  pk.kt.resize(nb * pk.dp);
+  pk.vr.resize(nb * pk.dvp);
   if (transposed_too) {
-    pk.kr.assign(nb * pk.dp, 0.0f);
-    pk.vt.assign(nb * pk.dvp, 0.0f);
+    pk.kr.resize(nb * pk.dp);
+    pk.vt.resize(nb * pk.dvp);
   }
   parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int hk = static_cast<int>(u / pk.nblk);
@@ -1031,14 +1053,17 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
     std::vector<float> row(std::max(pk.dp, pk.dvp));
     for (int c = 0; c < BK; ++c) {
       const int64_t r = b * BK + c;
-      if (r >= total_k) break;
+      const bool real = r < total_k;  // the last block's rows past total_k: zeros
       const int cp = c / PAD, cr = c % PAD;
-      ld_row(K.data, dtype, r * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
+      if (real)
+        ld_row(K.data, dtype, r * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
+      else
+        std::fill(row.begin(), row.end(), 0.0f);
       for (int d = 0; d < pk.dp; ++d) {
         kt[(cp * pk.dp + d) * PAD + cr] = row[d];
         if (kr) kr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
       }
-      ld_row(V.data, dtype, r * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
+      if (real) ld_row(V.data, dtype, r * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
       for (int d = 0; d < pk.dvp; ++d) {
         vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
         if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
