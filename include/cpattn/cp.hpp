@@ -120,8 +120,11 @@ struct CpMemoryEstimate {
                                 // group-layout q and out with the outer layer's context
   uint64_t buffers = 0;         // the layer's reused buffers: fp32 dK/dV of every gathered row
                                 // (index mode: and of the copy; padding-free: the reduce-scatter's
-                                // blocks), the ring's and pass-Q's blocks and fp32 copies, the
-                                // all-to-all's blocks and the outer layer's buffers
+                                // blocks; the overlap: one group's, its receive blocks, and the
+                                // forward's send packs and gathered groups, kept too), the ring's
+                                // and pass-Q's blocks and fp32 copies, the all-to-all's blocks and
+                                // the outer layer's buffers. The overlap also keeps consumed
+                                // contexts' K/V for the next forwards: in `context`, not here
   uint64_t kernel_scratch = 0;  // attention_backward's own (attention_backward_scratch_bytes)
   // One forward + backward with `contexts` contexts alive at once (a model's layers).
   uint64_t total(int64_t contexts = 1) const;
@@ -209,9 +212,10 @@ struct CpStats {
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
   // The largest the layer's own buffers plus the contexts it handed out and that are still
-  // alive have been, a forward's own transients included (the all-gather's gathered K/V
-  // beside their copy, the overlap's send packs) (the kernels' internal scratch, see
-  // attention_backward_scratch_bytes, comes on top).
+  // alive have been, a forward's own transients included (the non-overlapped all-gather's
+  // gathered K/V beside their copy; the overlap keeps its send packs and gathered groups as
+  // buffers, and consumed contexts' K/V for the next forwards) (the kernels' internal scratch,
+  // see attention_backward_scratch_bytes, comes on top).
   std::size_t peak_buffer_bytes = 0;
   // Payload bytes this layer's calls sent and received, over every communicator it uses (the
   // a2a and hybrid schemes' sub-groups too; Communicator::bytes_sent counts its own only).

@@ -395,9 +395,14 @@ struct CpAttention::State {
     std::vector<std::byte> send_k, send_v, all_k, all_v;
   };
   std::shared_ptr<GatherBuffers> gather;
-  // The K/V of the last context an overlapped backward consumed: the next overlapped
-  // forward's context takes them (every row of theirs gets a move, so none is zeroed first).
-  std::vector<std::byte> spare_k, spare_v;
+  // The K/V of the contexts overlapped backwards consumed, which the next overlapped
+  // forwards' contexts take, last in first out (every row of theirs gets a move, so none is
+  // zeroed first). One entry per backward, one taken per forward: never more entries than
+  // contexts were alive at once (a model's layers share a CpAttention: one per layer).
+  struct SpareKv {
+    std::vector<std::byte> k, v;
+  };
+  std::vector<SpareKv> spare_kv;
   // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
   // accumulated (a sum of its own, so that without overlap comm_total_s is comm_s exactly;
   // reset with the stats).
@@ -541,8 +546,11 @@ struct CpAttention::State {
     }
     ctx.groups = groups;
     ctx.total_k = t_all;
-    ctx.k.swap(spare_k);  // a fresh context's are empty; resized to the same size, not zeroed
-    ctx.v.swap(spare_v);
+    if (!spare_kv.empty()) {  // a fresh context's are empty; resized to the same size, not zeroed
+      ctx.k = std::move(spare_kv.back().k);
+      ctx.v = std::move(spare_kv.back().v);
+      spare_kv.pop_back();
+    }
     ctx.k.resize(b->all_k.size());  // every row gets one move
     ctx.v.resize(b->all_v.size());
     ctx.lse.assign(static_cast<std::size_t>(t_loc) * cfg.num_heads_q, -std::numeric_limits<float>::infinity());
@@ -827,14 +835,15 @@ struct CpAttention::State {
     for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &rs_k, &rs_v, &lse_group,
                                         &acc_out, &acc_lse, &dq_acc, &dkv_home})
       bytes += f->capacity() * sizeof(float);
-    bytes += ring.bytes() + passq.bytes() + spare_k.capacity() + spare_v.capacity();
+    bytes += ring.bytes() + passq.bytes();
+    for (const SpareKv& e : spare_kv) bytes += e.k.capacity() + e.v.capacity();
     if (gather) bytes += gather->send_k.capacity() + gather->send_v.capacity() + gather->all_k.capacity() + gather->all_v.capacity();
     if (a2a) bytes += a2a->buffer_bytes();
     return bytes;
   }
 
   // `transient`: what the call holds beyond the layer's buffers and the contexts already
-  // counted (a forward's context being filled and its gathered and send buffers).
+  // counted (a forward's context being filled; the non-overlapped paths' gathered K/V).
   void note_peak(std::size_t transient = 0) {
     stats.peak_buffer_bytes = std::max(stats.peak_buffer_bytes, *live_bytes + buffer_bytes() + transient);
   }
@@ -1209,8 +1218,10 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     hidden = s.grouped_backward(a, *cs);
     count_bytes();
     s.note_peak();
-    s.spare_k = std::move(ctx.s_->k);  // for the next forward's context (counted as a buffer from here)
-    s.spare_v = std::move(ctx.s_->v);
+    // For a next forward's context (counted as a buffer from here). reserve first: a
+    // bad_alloc leaves the context whole.
+    s.spare_kv.reserve(s.spare_kv.size() + 1);
+    s.spare_kv.push_back({std::move(ctx.s_->k), std::move(ctx.s_->v)});
     ctx.s_.reset();
     return;
   }

@@ -63,10 +63,12 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward), per
     // group of KV heads: fp32 dK/dV of every gathered row (rank-major, all groups), one
     // group's document-order dK/dV and its sums, the receive blocks of the reduce-scatter (cp
-    // of this rank's fp32 dK/dV rows, all groups), one group's lse; during forward the
-    // gathered groups (rank-major) and the send packs of this rank's K/V beside the copy in
-    // document order (the context). Buffers are kept between steps, so a forward's peak is
-    // all of them at once.
+    // of this rank's fp32 dK/dV rows, all groups), one group's lse, the forward's gathered
+    // groups (rank-major) and the send packs of this rank's K/V (beside the copy in document
+    // order, the context). All are kept between calls, so a forward's peak, and the first
+    // backward's, is all of them at once. The consumed contexts' K/V that the layer keeps
+    // for the next forwards are contexts' bytes: `contexts` x context bounds them with the
+    // live contexts (an entry per backward, one taken per forward).
     const auto g = static_cast<uint64_t>(groups);
     const uint64_t kv_row_g = kv_row / g;  // cp_overlap_groups divides num_heads_k
     e.buffers = saturating_add(saturating_add(product(kv_rows, kv_row, f), product(t, kv_row_g, f)),

@@ -185,7 +185,11 @@ struct Model {
   Batch batch;
   Activations acts;
   // The activations of a finished step's micro-batches, which the next step's PipelineModel
-  // takes back: the same sizes again, so no allocation, zero fill or page fault per step.
+  // takes back, micro-batch i the last step's i: where the sizes repeat, a step's activation
+  // tensors are neither allocated nor zero-filled nor page-faulted again. The price: they stay
+  // allocated between steps (and beside `acts` during an evaluation forward). Buffers that a
+  // step frees itself (MoE's moe_x, a deferred weight backward's gradients, Batch) are not
+  // kept.
   std::vector<Activations> spare_acts;
   Scratch scratch;
   // Experts: the EP group, the layer (made by moe_begin_step), every block's router and

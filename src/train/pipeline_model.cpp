@@ -30,6 +30,9 @@ PipelineModel::PipelineModel(Model& m, const PipelineSpec& spec, int stage, std:
   CPATTN_CHECK(total >= 1, "PipelineModel: the step has no labeled token");
   CPATTN_CHECK(dropout_seeds.empty() || dropout_seeds.size() == micro.size(), "PipelineModel: ",
                dropout_seeds.size(), " dropout seeds for ", micro.size(), " micro-batches");
+  // The destructor's pushes never allocate (it must not throw); it pushes the micro-batches
+  // in reverse, so that the back of the list is micro-batch 0's.
+  m.spare_acts.reserve(m.spare_acts.size() + micro_.size());
   for (MicroState& st : micro_) {
     if (!m.spare_acts.empty()) {
       st.acts = std::move(m.spare_acts.back());
@@ -46,12 +49,12 @@ PipelineModel::PipelineModel(Model& m, const PipelineSpec& spec, int stage, std:
 }
 
 PipelineModel::~PipelineModel() {
-  for (MicroState& st : micro_) {
-    for (BlockActs& a : st.acts.blocks) {  // the step's contexts end with it
+  for (auto it = micro_.rbegin(); it != micro_.rend(); ++it) {
+    for (BlockActs& a : it->acts.blocks) {  // the step's contexts end with it
       a.attn = CpContext();
       a.moe = {};
     }
-    m_.spare_acts.push_back(std::move(st.acts));
+    m_.spare_acts.push_back(std::move(it->acts));  // within the constructor's reserve
   }
 }
 

@@ -8,7 +8,9 @@
 
 #include <cpattn/error.hpp>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace cpattn {
 namespace {
@@ -205,6 +207,70 @@ TEST_F(CpAttentionTest, TheOverlapsPeakBuffersAreItsEstimateExactly) {
       // the first step's backward holds the context beside all of them, the steady state.
       EXPECT_EQ(after_first, e.context + e.buffers) << e.describe();
     }
+}
+
+// One layer kept over calls (its gathered groups, send packs and consumed contexts' K/V reused,
+// State::gather and State::spare_kv) gives bitwise what a fresh layer gives for each call: two
+// contexts alive at once (two layers' forwards, then their backwards in reverse), a batch with
+// fewer tokens between two with more (buffers resized down, then up), for both splits.
+TEST_F(CpAttentionTest, ALayerKeptOverCallsGivesWhatFreshLayersGive) {
+  const Shape& s = kGroupShapes[0];
+  const DType t = DType::f32;
+  const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t)};
+  for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free}) {
+    SCOPED_TRACE(::testing::Message() << "split " << to_string(split) << " cp " << comm.size());
+    const check::Batch big = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 11);
+    const check::Batch small = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{3, 90, 1, 25}), s.batch(), t, 12);
+    const check::Batch* batches[] = {&big, &small};
+    std::vector<RankPlan> plans;
+    std::vector<Outputs> fresh;
+    for (const check::Batch* b : batches) {
+      plans.push_back(get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank(),
+                                                        PlanOptions{.split = split}));
+      fresh.push_back(run(comm, *b, plans.back(), s, t, o, split, true));
+    }
+    const CpAttnConfig cfg{.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                           .dtype = t, .options = o, .split = split, .overlap = true};
+    ASSERT_GT(cp_overlap_groups(cfg, comm.size()), 1);
+    CpAttention attn(comm, cfg);
+    struct Call {
+      check::Tensor q, k, v, dout;
+      Outputs r;
+      CpContext ctx;
+    };
+    const auto start = [&](int i) {
+      const check::Batch& b = *batches[i];
+      const RankPlan& p = plans[static_cast<std::size_t>(i)];
+      auto c = std::make_unique<Call>();
+      c->q = check::local_rows(b.q, p);
+      c->k = check::local_rows(b.k, p);
+      c->v = check::local_rows(b.v, p);
+      c->dout = check::local_rows(b.dout, p);
+      c->r = Outputs{.out = check::Tensor(t, {p.local_tokens, s.hq, s.dv}), .dq = check::Tensor(t, c->q.shape),
+                     .dk = check::Tensor(t, c->k.shape), .dv = check::Tensor(t, c->v.shape),
+                     .lse = std::vector<float>(static_cast<std::size_t>(p.local_tokens * s.hq)), .stats = {}};
+      c->ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = c->q.view(), .k = c->k.view(), .v = c->v.view(),
+                             .out = c->r.out.view(), .lse = c->r.lse.data()});
+      return c;
+    };
+    const auto finish = [&](Call& c) {
+      attn.backward(c.ctx, {.q = c.q.view(), .out = c.r.out.view(), .dout = c.dout.view(), .dq = c.r.dq.view(),
+                            .dk = c.r.dk.view(), .dv = c.r.dv.view()});
+    };
+    // Step 1: big and small alive at once, backwards in reverse. Step 2: small, then big
+    // (the small context takes the big one's K/V; the big one then grows the small one's).
+    // Step 3: big again.
+    for (const std::vector<int>& step : {std::vector<int>{0, 1}, std::vector<int>{1, 0}, std::vector<int>{0}}) {
+      std::vector<std::unique_ptr<Call>> calls;
+      for (const int i : step) calls.push_back(start(i));
+      for (std::size_t j = calls.size(); j-- > 0;) {
+        finish(*calls[j]);
+        SCOPED_TRACE(::testing::Message() << "batch " << step[j]);
+        expect_bitwise_equal(calls[j]->r, fresh[static_cast<std::size_t>(step[j])]);
+      }
+      if (HasFailure()) return;
+    }
+  }
 }
 
 // Ranks that disagree on overlap fail every rank, naming it, before any payload moves.

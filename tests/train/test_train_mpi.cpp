@@ -233,6 +233,30 @@ TEST(TrainMoe, LossWithAuxIsOneProcesssOnADpPpMesh) {
 
 // ---- CP = N against CP = 1 -------------------------------------------------------------------------
 
+// A step's activations are reused by the next (Model::spare_acts): a sequence after a longer
+// one (buffers larger than it needs), then the longer one again, give bitwise the loss and
+// gradients of a fresh trainer, on the CP group of the whole world.
+TEST(TrainCp, ActivationsKeptBetweenStepsLeaveNoTrace) {
+  Communicator comm(MPI_COMM_WORLD);
+  DataStream data(default_docs());
+  const PackedSequence longer = data.next(kSmallSeq), shorter = data.next(kSmallSeq / 2);
+  const auto grads_of = [](Trainer& t, const PackedSequence& seq) {
+    const double loss = t.loss_and_grad(seq);
+    std::vector<double> r{loss};
+    r.insert(r.end(), t.grads().begin(), t.grads().end());
+    return r;
+  };
+  Trainer kept(comm, kSmall, {}, {}, 7);
+  const std::vector<double> long_first = grads_of(kept, longer);
+  const std::vector<double> short_after = grads_of(kept, shorter);
+  const std::vector<double> long_again = grads_of(kept, longer);
+  Trainer fresh(comm, kSmall, {}, {}, 7);
+  const std::vector<double> short_fresh = grads_of(fresh, shorter);
+  EXPECT_EQ(short_after, short_fresh);
+  EXPECT_EQ(long_again, long_first);
+  EXPECT_NE(short_after, long_first);
+}
+
 TEST(TrainCp, Fp32CurveMatchesCp1Within1e5AndWeightsStayReplicated) {
   const int steps = kSanitize ? 6 : 20;
   std::vector<float> params;
