@@ -495,6 +495,7 @@ void bf16_pack_lanes(const float* x, int n, uint32_t* words, uint32_t* rows) {
 #endif
 
 using uvec = std::vector<uint32_t, LineAligned<uint32_t>>;
+using raw_uvec = std::vector<uint32_t, LineAlignedRaw<uint32_t>>;  // every element written before it is read
 // A buffer of rows of PAD floats (panels whose row counts are even) as bf16 pairs: rows 2i
 // and 2i + 1 become row i of PAD words, bf16_pair(row 2i [c], row 2i + 1 [c]), the layout
 // gemm_bf16 packs B into, so float element (panel, k, c) lies at pair word (panel, k / 2, c)
@@ -1000,7 +1001,7 @@ struct Packed {
   // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
   // leaves the float buffers empty): the same four in bf16 pairs of rows (pair_panel_rows),
   // each half the length its float buffer has; empty on the fp32-product paths.
-  uvec kt2, kr2, vr2, vt2;
+  raw_uvec kt2, kr2, vr2, vt2;
   // The pairs of a B operand that starts at B in one of the float buffers at an even k (every
   // panel's row count is even), or null when there are none.
   const uint32_t* paired(const float* B) const {
@@ -1104,6 +1105,68 @@ inline uint32_t dot_bits_of_bf16(uint16_t b) {
 // pack_kv for bf16 storage on tiles: the four pair buffers alone, straight from the stored
 // rows (the tiles read nothing else of K and V), bitwise what pack_kv's pairs hold. No float
 // buffer: a third of pack_kv's writes, and no float pass between the source and the pairs.
+// Every word is written (the last block's rows past total_k and the head dims' padding as
+// zeros), so the buffers are not zero-filled first.
+#if CPATTN_AMX == 1
+// dot_bits_of_bf16 on 32 stored bf16 values at once.
+inline __m512i dot_bits_of_bf16(__m512i x) {
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  const __mmask32 denormal = _mm512_testn_epi16_mask(x, exponent);
+  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7fff)), exponent);
+  x = _mm512_mask_mov_epi16(x, denormal, _mm512_and_si512(x, _mm512_set1_epi16(static_cast<int16_t>(0x8000))));
+  return _mm512_mask_mov_epi16(x, nan, _mm512_or_si512(x, _mm512_set1_epi16(0x40)));
+}
+
+// The 32 elements of a stored row from element e0 (those past `dim` as zeros), as dot bits;
+// a null row (past total_k) is all zeros.
+inline __m512i load_dot_bits(const uint16_t* row, int e0, int dim) {
+  if (row == nullptr || e0 >= dim) return _mm512_setzero_si512();
+  const int n = dim - e0;
+  const __mmask32 m = n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+  return dot_bits_of_bf16(_mm512_maskz_loadu_epi16(m, row + e0));
+}
+
+// r[i] (16 dwords each) transposed in place: r[j] element i = old r[i] element j. Two-source
+// permutes throughout (GCC 12 warns of an uninitialized operand in its unpack and lane-shuffle
+// intrinsics): per 128-bit lane the unpacks of dwords, then of dword pairs, then lane moves.
+inline void transpose16x16_epi32(__m512i (&r)[16]) {
+  auto lanes = [](int a, int b, int c, int d) {  // dword i of lane L from the 4L-relative index (16+: b's)
+    return _mm512_setr_epi32(a, b, c, d, a + 4, b + 4, c + 4, d + 4, a + 8, b + 8, c + 8, d + 8, a + 12, b + 12,
+                             c + 12, d + 12);
+  };
+  const __m512i lo32 = lanes(0, 16, 1, 17), hi32 = lanes(2, 18, 3, 19);
+  const __m512i lo64 = lanes(0, 1, 16, 17), hi64 = lanes(2, 3, 18, 19);
+  const __m512i even_lanes = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i odd_lanes = _mm512_add_epi32(even_lanes, _mm512_set1_epi32(4));
+  auto perm = [](__m512i a, __m512i idx, __m512i b) { return _mm512_permutex2var_epi32(a, idx, b); };
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = perm(r[i], lo32, r[i + 1]);
+    t[i + 1] = perm(r[i], hi32, r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = perm(t[i], lo64, t[i + 2]);
+    r[i + 1] = perm(t[i], hi64, t[i + 2]);
+    r[i + 2] = perm(t[i + 1], lo64, t[i + 3]);
+    r[i + 3] = perm(t[i + 1], hi64, t[i + 3]);
+  }
+  // Each 128-bit lane of r[i] now holds a 4 x 4 block of the transpose; two lane shuffles
+  // put the blocks in place.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = perm(r[i], even_lanes, r[i + 4]);
+    t[i + 4] = perm(r[i], odd_lanes, r[i + 4]);
+    t[i + 8] = perm(r[i + 8], even_lanes, r[i + 12]);
+    t[i + 12] = perm(r[i + 8], odd_lanes, r[i + 12]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = perm(t[i], even_lanes, t[i + 8]);
+    r[i + 8] = perm(t[i], odd_lanes, t[i + 8]);
+    r[i + 4] = perm(t[i + 4], even_lanes, t[i + 12]);
+    r[i + 12] = perm(t[i + 4], odd_lanes, t[i + 12]);
+  }
+}
+#endif
+
 void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
@@ -1115,52 +1178,83 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
   pk.dvp = pad_up(V.dim);
   const int dp = pk.dp, dvp = pk.dvp;
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
-  pk.kt2.assign(nb * dp / 2, 0u);
-  pk.vr2.assign(nb * dvp / 2, 0u);
-  if (transposed_too) {
-    pk.kr2.assign(nb * dp / 2, 0u);
-    pk.vt2.assign(nb * dvp / 2, 0u);
-  }
+  pk.kt2.resize(nb * dp / 2);
+  pk.vr2.resize(nb * dvp / 2);
+  pk.kr2.resize(transposed_too ? nb * dp / 2 : 0);
+  pk.vt2.resize(transposed_too ? nb * dvp / 2 : 0);
   const int64_t ps2 = pk.vr_ps() / 2;  // words per panel of K's and V's row pairs
   const auto* kd = static_cast<const uint16_t*>(K.data);
   const auto* vd = static_cast<const uint16_t*>(V.data);
   parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
-    // K^T, V^T of the block: word (panel c / PAD, pair j, column c % PAD) = row c's elements 2j, 2j + 1
-    auto transposed = [&](const uint16_t* row, int dim, int dpad, uint32_t* blk, int c) {
-      uint32_t* w = blk + (c / PAD) * (dpad / 2) * PAD + c % PAD;
-      for (int j = 0; 2 * j < dim; ++j) {
-        const uint32_t hi = 2 * j + 1 < dim ? dot_bits_of_bf16(row[2 * j + 1]) : 0u;
-        w[j * PAD] = dot_bits_of_bf16(row[2 * j]) | hi << 16;
-      }
-    };
-    // K, V: word (panel d / PAD, row pair r / 2, column d % PAD) = rows r, r + 1 at d
-    auto rows = [&](const uint16_t* r0, const uint16_t* r1, int dim, uint32_t* head, int64_t r) {
-      for (int d = 0; d < dim; ++d)
-        head[(d / PAD) * ps2 + (r / 2) * PAD + d % PAD] =
-            dot_bits_of_bf16(r0[d]) | (r1 ? dot_bits_of_bf16(r1[d]) << 16 : 0u);
-    };
+    // Stored row r of K or V for this kv head, null past total_k.
+    auto k_row = [&](int64_t r) { return r < total_k ? kd + r * k_rs + hk * k_hs : nullptr; };
+    auto v_row = [&](int64_t r) { return r < total_k ? vd + r * v_rs + hk * v_hs : nullptr; };
     uint32_t* kt2 = pk.kt2.data() + u * BK * dp / 2;
     uint32_t* vr2 = pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
     uint32_t* kr2 = transposed_too ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
     uint32_t* vt2 = transposed_too ? pk.vt2.data() + u * BK * dvp / 2 : nullptr;
-    for (int c = 0; c < BK; c += 2) {
-      const int64_t r = b * BK + c;
-      if (r >= total_k) break;
-      const bool two = r + 1 < total_k;
-      const uint16_t* k0 = kd + r * k_rs + hk * k_hs;
-      const uint16_t* v0 = vd + r * v_rs + hk * v_hs;
-      const uint16_t* k1 = two ? k0 + k_rs : nullptr;
-      const uint16_t* v1 = two ? v0 + v_rs : nullptr;
-      transposed(k0, K.dim, dp, kt2, c);
-      if (two) transposed(k1, K.dim, dp, kt2, c + 1);
-      rows(v0, v1, V.dim, vr2, r);
-      if (!transposed_too) continue;
-      rows(k0, k1, K.dim, kr2, r);
-      transposed(v0, V.dim, dvp, vt2, c);
-      if (two) transposed(v1, V.dim, dvp, vt2, c + 1);
-    }
+#if CPATTN_AMX == 1
+    // K^T, V^T of the block: word (panel c / PAD, pair j, column c % PAD) = row c's elements
+    // 2j, 2j + 1. Per panel of 16 rows and 16 pairs: 16 row loads, one 16 x 16 transpose.
+    auto transposed = [&](auto row_of, int dim, int dpad, uint32_t* blk) {
+      __m512i r[16];
+      for (int c0 = 0; c0 < BK; c0 += PAD) {
+        uint32_t* panel = blk + (c0 / PAD) * (dpad / 2) * PAD;
+        for (int j0 = 0; j0 < dpad / 2; j0 += 16) {
+          for (int c = 0; c < 16; ++c) r[c] = load_dot_bits(row_of(b * BK + c0 + c), 2 * j0, dim);
+          transpose16x16_epi32(r);
+          for (int j = j0; j < std::min(j0 + 16, dpad / 2); ++j) _mm512_storeu_si512(panel + j * PAD, r[j - j0]);
+        }
+      }
+    };
+    // K, V: word (panel d / PAD, row pair r / 2, column d % PAD) = rows r, r + 1 at d: the two
+    // rows' elements interleaved, two panels per 32 elements.
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    auto rows = [&](auto row_of, int dim, int dpad, uint32_t* head) {
+      for (int64_t r = b * BK; r < (b + 1) * BK; r += 2) {
+        const uint16_t* r0 = row_of(r);
+        const uint16_t* r1 = row_of(r + 1);
+        for (int d0 = 0; d0 < dpad; d0 += 32) {
+          const __m512i x0 = load_dot_bits(r0, d0, dim), x1 = load_dot_bits(r1, d0, dim);
+          uint32_t* w = head + (d0 / PAD) * ps2 + (r / 2) * PAD;
+          _mm512_storeu_si512(w, _mm512_permutex2var_epi16(x0, lo, x1));
+          if (d0 + PAD < dpad) _mm512_storeu_si512(w + ps2, _mm512_permutex2var_epi16(x0, hi, x1));
+        }
+      }
+    };
+#else
+    auto transposed = [&](auto row_of, int dim, int dpad, uint32_t* blk) {
+      for (int c = 0; c < BK; ++c) {
+        const uint16_t* row = row_of(b * BK + c);
+        uint32_t* w = blk + (c / PAD) * (dpad / 2) * PAD + c % PAD;
+        for (int j = 0; j < dpad / 2; ++j) {
+          const uint32_t e0 = row && 2 * j < dim ? dot_bits_of_bf16(row[2 * j]) : 0u;
+          const uint32_t e1 = row && 2 * j + 1 < dim ? dot_bits_of_bf16(row[2 * j + 1]) : 0u;
+          w[j * PAD] = e0 | e1 << 16;
+        }
+      }
+    };
+    auto rows = [&](auto row_of, int dim, int dpad, uint32_t* head) {
+      for (int64_t r = b * BK; r < (b + 1) * BK; r += 2) {
+        const uint16_t* r0 = row_of(r);
+        const uint16_t* r1 = row_of(r + 1);
+        for (int d = 0; d < dpad; ++d) {
+          const uint32_t e0 = r0 && d < dim ? dot_bits_of_bf16(r0[d]) : 0u;
+          const uint32_t e1 = r1 && d < dim ? dot_bits_of_bf16(r1[d]) : 0u;
+          head[(d / PAD) * ps2 + (r / 2) * PAD + d % PAD] = e0 | e1 << 16;
+        }
+      }
+    };
+#endif
+    transposed(k_row, K.dim, dp, kt2);
+    rows(v_row, V.dim, dvp, vr2);
+    if (!transposed_too) return;
+    rows(k_row, K.dim, dp, kr2);
+    transposed(v_row, V.dim, dvp, vt2);
   });
 }
 #else
