@@ -1709,9 +1709,10 @@ void backward_impl(const AttnBwdParams& p) {
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
                   pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
-    // the tiles' final sum: a block and two rows per thread of its own loop
+    // the tiles' final sum: a block per thread of its own loop (rows leave through a 16 x 16
+    // tile on the stack)
     const int red_thr = t16 ? static_cast<int>(std::min<int64_t>(nbb, opt.num_threads)) : 0;
-    used += static_cast<size_t>(red_thr) * (BBK + 1) * (dp + dvp);
+    used += static_cast<size_t>(red_thr) * BBK * (dp + dvp);
     check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q,
                                                       cr.bd == Dot::bf16_pairs, t16)
                                   .total(std::max(nthr, red_thr)));
@@ -1931,14 +1932,17 @@ void backward_impl(const AttnBwdParams& p) {
         if (t16) {  // transposed tiles into the transposed block
           float* const gkb = gku + pc.b * BBK * dp;
           float* const gvb = gvu + pc.b * BBK * dvp;
-          if (fresh && pc.c0 == 0 && pc.c1 == BBK) {  // every column of the tiles is the piece's
-            std::memcpy(gkb, S.dk.data(), sizeof(float) * BBK * dp);
-            std::memcpy(gvb, S.dv.data(), sizeof(float) * BBK * dvp);
+          if (fresh) {  // one pass: the piece's columns copied, the block's others zeroed
+            auto put = [&](float* g, const float* tile, int dims) {
+              for (int d = 0; d < dims; ++d, g += BBK, tile += BBK) {
+                std::fill(g, g + pc.c0, 0.0f);
+                std::copy(tile + pc.c0, tile + pc.c1, g + pc.c0);
+                std::fill(g + pc.c1, g + BBK, 0.0f);
+              }
+            };
+            put(gkb, S.dk.data(), dp);
+            put(gvb, S.dv.data(), dvp);
             return;
-          }
-          if (fresh) {
-            std::fill_n(gkb, BBK * dp, 0.0f);
-            std::fill_n(gvb, BBK * dvp, 0.0f);
           }
           for (int d = 0; d < dp; ++d)
             for (int c = pc.c0; c < pc.c1; ++c) gkb[d * BBK + c] += S.dk[d * BBK + c];
@@ -1946,14 +1950,15 @@ void backward_impl(const AttnBwdParams& p) {
             for (int c = pc.c0; c < pc.c1; ++c) gvb[d * BBK + c] += S.dv[d * BBK + c];
           return;
         }
-        if (fresh && pc.c0 == 0 && pc.c1 == block_rows) {
-          std::memcpy(gku + pc.b * BBK * dp, S.dk.data(), sizeof(float) * block_rows * dp);
-          std::memcpy(gvu + pc.b * BBK * dvp, S.dv.data(), sizeof(float) * block_rows * dvp);
+        if (fresh) {  // one pass: the piece's rows copied, the block's others zeroed
+          auto put = [&](float* g, const float* tile, int dims) {
+            std::fill_n(g, pc.c0 * dims, 0.0f);
+            std::copy(tile + pc.c0 * dims, tile + pc.c1 * dims, g + pc.c0 * dims);
+            std::fill(g + pc.c1 * dims, g + block_rows * dims, 0.0f);
+          };
+          put(gku + pc.b * BBK * dp, S.dk.data(), dp);
+          put(gvu + pc.b * BBK * dvp, S.dv.data(), dvp);
           return;
-        }
-        if (fresh) {
-          std::fill_n(gku + pc.b * BBK * dp, block_rows * dp, 0.0f);
-          std::fill_n(gvu + pc.b * BBK * dvp, block_rows * dvp, 0.0f);
         }
         for (int c = pc.c0; c < pc.c1; ++c) {
           const int64_t row = pc.b * BBK + c;
@@ -1990,24 +1995,42 @@ void backward_impl(const AttnBwdParams& p) {
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
-  // Key row r of kv head hk from its sums over the sets, sk (unscaled dK) and sv.
-  auto write_kv_row = [&](int64_t r, int hk, const float* sk, const float* sv) {
+  // Elements [d0, d0 + n) of key row r of kv head hk (dK when is_k, else dV) from their sums
+  // over the sets, src (unscaled dK).
+  auto write_kv = [&](bool is_k, int64_t r, int hk, int d0, int n, const float* src) {
+    void* const data = is_k ? dk_data : dv_data;
+    const int64_t at = r * (is_k ? dk_rs : dv_rs) + hk * (is_k ? dk_hs : dv_hs) + d0;
+    const float mul = is_k ? cr.scale : 1.0f;
     if (p.grad_mode == GradMode::write) {
-      st_row(dk_data, dtype, r * dk_rs + hk * dk_hs, head_dim_qk, sk, cr.scale);
-      st_row(dv_data, dtype, r * dv_rs + hk * dv_hs, head_dim_v, sv, 1.0f);
+      st_row(data, dtype, at, n, src, mul);
     } else {  // fp32 views
-      float* ok = static_cast<float*>(dk_data) + r * dk_rs + hk * dk_hs;
-      float* ov = static_cast<float*>(dv_data) + r * dv_rs + hk * dv_hs;
-      for (int d = 0; d < head_dim_qk; ++d) ok[d] += sk[d] * cr.scale;
-      for (int d = 0; d < head_dim_v; ++d) ov[d] += sv[d];
+      float* o = static_cast<float*>(data) + at;
+      for (int d = 0; d < n; ++d) o[d] += src[d] * mul;
     }
   };
-  if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, then each row
+  if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, then rows
     parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {
       fvec ak(static_cast<size_t>(dp) * BBK), av(static_cast<size_t>(dvp) * BBK);
-      std::vector<float> rk(dp), rv(dvp);
+      alignas(64) float rows16[16][16];  // 16 columns of 16 of a sum's rows, transposed
       const int64_t r0 = b * BBK;
       const int rows = static_cast<int>(std::min<int64_t>(BBK, total_k - r0));
+      // Rows [r0, r0 + rows) of one kv head's dK or dV from its [dims][BBK] block a, 16 x 16 at a time.
+      auto write_block = [&](bool is_k, int hk, const float* a, int dim) {
+        for (int c0 = 0; c0 < rows; c0 += 16)
+          for (int d0 = 0; d0 < dim; d0 += 16) {
+#if CPATTN_AMX == 1
+            __m512i x[16];
+            for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(_mm512_loadu_ps(a + (d0 + i) * BBK + c0));
+            transpose16x16_epi32(x);
+            for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j], _mm512_castsi512_ps(x[j]));
+#else
+            for (int j = 0; j < 16; ++j)
+              for (int i = 0; i < 16; ++i) rows16[j][i] = a[(d0 + i) * BBK + c0 + j];
+#endif
+            for (int j = 0; j < std::min(16, rows - c0); ++j)
+              write_kv(is_k, r0 + c0 + j, hk, d0, std::min(16, dim - d0), rows16[j]);
+          }
+      };
       for (int hk = 0; hk < hkn; ++hk) {
         std::fill(ak.begin(), ak.end(), 0.0f);
         std::fill(av.begin(), av.end(), 0.0f);
@@ -2019,12 +2042,8 @@ void backward_impl(const AttnBwdParams& p) {
           for (size_t i = 0; i < ak.size(); ++i) ak[i] += sk[i];
           for (size_t i = 0; i < av.size(); ++i) av[i] += sv[i];
         }
-        for (int c = 0; c < rows; ++c) {
-          const int64_t r = r0 + c;
-          for (int d = 0; d < dp; ++d) rk[d] = ak[d * BBK + c];
-          for (int d = 0; d < dvp; ++d) rv[d] = av[d * BBK + c];
-          write_kv_row(r, hk, rk.data(), rv.data());
-        }
+        write_block(true, hk, ak.data(), head_dim_qk);
+        write_block(false, hk, av.data(), head_dim_v);
       }
     });
     return;
@@ -2045,7 +2064,8 @@ void backward_impl(const AttnBwdParams& p) {
           for (int d = 0; d < dp; ++d) ak[d] += sk[d];
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
-        write_kv_row(r, hk, ak.data(), av.data());
+        write_kv(true, r, hk, 0, head_dim_qk, ak.data());
+        write_kv(false, r, hk, 0, head_dim_v, av.data());
       }
   });
 }
