@@ -101,7 +101,7 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * bq * BBK + BBK * (dp + dvp) + 2 * (dp + dvp);
   if (bf16_tiles) {  // bf16 copies of Q, dO and their transposes (4-byte units), pairs of P and dS, dS in bf16
     const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
-    f.per_thread += mq32 * (dq32 + dv32) + bq * BBK * 3 / 2 + (size_t{BBK} + 1) * (dp + dvp);  // + the sums' blocks
+    f.per_thread += mq32 * (dq32 + dv32) + bq * BBK * 3 / 2 + size_t{BBK} * (dp + dvp);  // + the final sum's block
   }
   return f;
 }

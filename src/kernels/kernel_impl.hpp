@@ -1696,9 +1696,10 @@ void backward_impl(const AttnBwdParams& p) {
   // the layout of the pieces' dK^T, dV^T tiles, so that a piece is added in vectors.
   const int64_t nbb = (total_k + BBK - 1) / BBK;
   const int64_t g_rows = t16 ? nbb * BBK : total_k;  // rows of one unit's buffers
-  // A unit's block of BBK key rows is written by the first piece that reaches it (zeroed first
-  // when that piece covers part of it) and added to by the later ones; `touched` says which
-  // blocks have been, and the final sum reads those alone: no pass zeroes the buffers.
+  // A unit's block of BBK key rows is written by the first piece that reaches it, in one pass
+  // (the piece's keys copied, the block's others zeroed), and added to by the later ones;
+  // `touched` says which blocks have been, and the final sum reads those alone: no pass
+  // zeroes the buffers.
   RawFloats gk(static_cast<size_t>(units) * g_rows * dp);
   RawFloats gv(static_cast<size_t>(units) * g_rows * dvp);
   std::vector<char> touched(static_cast<size_t>(units * nbb), 0);
@@ -1924,8 +1925,8 @@ void backward_impl(const AttnBwdParams& p) {
                       pk.vr_ps(), S.dq.data() + i0 * dp, dp, pk.paired(pk.Kr(hk) + k0 * PAD));
         }
         if (first) return;  // no query block saw the piece: nothing to add
-        // add the piece's rows to the unit's dK/dV: the block's first piece writes them (a
-        // whole block), or zeroes the block and adds (part of one)
+        // add the piece's rows to the unit's dK/dV: the block's first piece writes the whole
+        // block in one pass (its rows copied, the others zeroed), the later ones add
         const int block_rows = static_cast<int>(std::min<int64_t>(BBK, total_k - pc.b * BBK));
         const bool fresh = !tu[pc.b];
         tu[pc.b] = 1;
