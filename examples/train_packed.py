@@ -146,6 +146,8 @@ def main():
         total = comm.allreduce(loss.item(), op=MPI.SUM)
         if comm.rank == 0:
             print(f"step {step}  loss {total:.5f}", flush=True)
+    if args.torch_group:  # stop gloo's threads before the interpreter (a running one can abort its exit)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -176,6 +176,11 @@ def main():
         ranks = [int(r) for r in sys.argv[6].split(",")] if len(sys.argv) > 6 else None
         passed += run_cases(torch_group(ranks), [parse_config(c) for c in sys.argv[5].split(",")], lengths, heads,
                             every_process=ranks is None)
+        # Gloo's worker threads must stop before the interpreter does: one left running may
+        # drop its last tensor reference during finalization, and that aborts the process
+        # ("terminate called without an active exception" from ProcessGroupGloo::runLoop).
+        import torch.distributed as dist
+        dist.destroy_process_group()
     if WORLD.rank == 0:
         print("PASS", passed, flush=True)
 
