@@ -72,7 +72,7 @@ enum class KernelPath {
 
 // How attention_backward delivers dK and dV.
 enum class GradMode {
-  write,       // dk/dv are written in the storage dtype
+  write,       // dk/dv are written, in the storage dtype or fp32 (the views' dtype)
   accumulate,  // dk/dv are fp32 views that get dK/dV added (+=) to their contents
   // dq, dk and dv are fp32 views that get dQ, dK and dV added: a caller that splits the key
   // set over calls (the ring CP scheme: one call per visiting K/V block) sums dQ in the
@@ -145,6 +145,12 @@ struct AttnInputs {
   ConstTensorView v = {};  // [total_k, num_heads_k, head_dim_v]
   const WorkList* work = nullptr;  // which keys each query sees
   AttnOptions options = {};
+  // Optional [total_k] permutation of [0, total_k): key row r, as the work list's runs address
+  // it, is row key_rows[r] of k and v (and of dk and dv in backward). Null: row r itself. It
+  // lets a caller keep K/V where they arrived and still give the kernel each document's keys
+  // as one run: CpAttention reads the all-gather's rank-major buffer in document order through
+  // it, where it copied the rows into that order before (docs/cp.md).
+  const int64_t* key_rows = nullptr;
 
   constexpr AttnShape shape() const { return {q.rows, k.rows, q.heads, k.heads, q.dim, v.dim}; }
   constexpr DType dtype() const { return q.dtype; }
@@ -172,8 +178,8 @@ struct AttnBwdParams {
   // [total_q, num_heads_q, head_dim_qk]: in.dtype(), written; grad_mode accumulate_all: fp32, added to.
   TensorView dq = {};
   // [total_k, num_heads_k, head_dim_qk] and [total_k, num_heads_k, head_dim_v]: grad_mode
-  // write: in.dtype(), written; accumulate, accumulate_all: fp32, dK and dV added (+=) to
-  // their contents.
+  // write: in.dtype() or fp32 (both of the same), written in it; accumulate, accumulate_all:
+  // fp32, dK and dV added (+=) to their contents.
   TensorView dk = {};
   TensorView dv = {};
   GradMode grad_mode = GradMode::write;

@@ -133,17 +133,6 @@ WorkList in_document_order(const RankPlan& plan, const WorkList& keys) {
   return w;
 }
 
-// The gathered rows into document order (to_ordered) or back (dK/dV before the
-// reduce-scatter), rows of `row_bytes`.
-void move_rows(const std::vector<RowMove>& moves, bool to_ordered, const std::byte* src, std::byte* dst,
-               std::size_t row_bytes) {
-  for (const RowMove& m : moves) {
-    const int64_t from = to_ordered ? m.gathered : m.ordered, to = to_ordered ? m.ordered : m.gathered;
-    std::memcpy(dst + static_cast<std::size_t>(to) * row_bytes, src + static_cast<std::size_t>(from) * row_bytes,
-                static_cast<std::size_t>(m.len) * row_bytes);
-  }
-}
-
 // Heads [h0, h0 + n) of `t`: the same rows and strides, `n` heads from head h0.
 template <class Ptr>
 BasicTensorView<Ptr> head_slice(BasicTensorView<Ptr> t, int h0, int n) {
@@ -257,9 +246,12 @@ struct PreparedWork {
   std::shared_ptr<const RankPlan> plan;  // held, so that its address is never reused
   WorkList work;
   std::vector<int64_t> copy_index;  // index mode: gathered row of each copied key row
-  // Runs mode: the moves that put the gathered K/V in document order, where `work` reads them
-  // (one key run per task); empty when the all-gather leaves them in that order (cp = 1).
-  std::vector<RowMove> doc_order;
+  // Runs mode: `work` reads the gathered K/V in document order (one key run per task) through
+  // this row map, document-order row r being gathered row key_rows[r] (document_order_moves
+  // row by row; AttnInputs::key_rows), and the kernel writes dK/dV at the gathered rows: no
+  // copy of the K/V or of their gradients moves rows. Empty when the all-gather leaves them
+  // in that order (cp = 1).
+  std::vector<int64_t> key_rows;
   // Ring: per step s, the tasks over the visiting block of rank (rank - s) mod cp, key rows
   // local to that block; a step with no task is skipped. returns[s]: whether rank
   // (rank + s) mod cp's queries see this rank's block, i.e. whether the partial dK/dV it sends
@@ -386,18 +378,9 @@ struct CpAttention::State {
   std::vector<float> acc_out, acc_lse, dq_acc, dkv_home;
 
   PassQBuffers passq;  // the pass-Q scheme's
-  // The overlapped forward's send packs ([groups][local_tokens, group row]) and rank-major
-  // gathered groups ([groups][gathered rows, group row]), kept between calls like the
-  // backward's buffers (the sizes repeat: no allocation, zero fill or page faults per call).
-  // Shared, so that a throw-mode timeout can leave them to the communicator while requests
-  // may still use them; the next forward then makes a new set.
-  struct GatherBuffers {
-    std::vector<std::byte> send_k, send_v, all_k, all_v;
-  };
-  std::shared_ptr<GatherBuffers> gather;
   // The K/V of the contexts overlapped backwards consumed, which the next overlapped
-  // forwards' contexts take, last in first out (every row of theirs gets a move, so none is
-  // zeroed first). One entry per backward, one taken per forward: never more entries than
+  // forwards' contexts take, last in first out (every row of theirs is received or packed,
+  // so none is zeroed first). One entry per backward, one taken per forward: never more entries than
   // contexts were alive at once (a model's layers share a CpAttention: one per layer).
   struct SpareKv {
     std::vector<std::byte> k, v;
@@ -453,8 +436,13 @@ struct CpAttention::State {
       // the kernel's key blocks, and the kernel runs the partial blocks at both ends of every
       // run (issue 15: a median 11% more kernel time per rank at cp = 2 in fp32, 2.5% in
       // bf16; docs/benchmarks.md).
-      w->doc_order = document_order_moves(*plan);
-      w->work = w->doc_order.empty() ? keys : in_document_order(*plan, keys);
+      const std::vector<RowMove> moves = document_order_moves(*plan);
+      w->work = moves.empty() ? keys : in_document_order(*plan, keys);
+      if (!moves.empty()) {
+        w->key_rows.resize(static_cast<std::size_t>(plan->layout.rank_begin.back()));
+        for (const RowMove& m : moves)
+          for (int64_t i = 0; i < m.len; ++i) w->key_rows[static_cast<std::size_t>(m.ordered + i)] = m.gathered + i;
+      }
     }
     prepared = std::move(w);
     return prepared;
@@ -468,7 +456,12 @@ struct CpAttention::State {
             .k = contiguous(c.k.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
             .v = contiguous(c.v.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_v, cfg.dtype),
             .work = &c.work->work,
-            .options = o};
+            .options = o,
+            .key_rows = key_rows(c)};
+  }
+  // The row map of a context's K/V (PreparedWork::key_rows), null when they are in key order.
+  static const int64_t* key_rows(const CpContext::State& c) {
+    return c.work->key_rows.empty() ? nullptr : c.work->key_rows.data();
   }
 
   // The kernels' inputs for KV-head group g of `groups` of a grouped context: query heads
@@ -487,7 +480,8 @@ struct CpAttention::State {
             .k = contiguous(c.k.data() + g * kg, c.total_k, hk, cfg.head_dim_qk, cfg.dtype),
             .v = contiguous(c.v.data() + g * vg, c.total_k, hk, cfg.head_dim_v, cfg.dtype),
             .work = &c.work->work,
-            .options = o};
+            .options = o,
+            .key_rows = key_rows(c)};
   }
 
   // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in
@@ -502,11 +496,13 @@ struct CpAttention::State {
   }
 
   // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
-  // "Overlap"): every group's K and V go to every peer at once, point to point (rank s's rows
-  // at layout.rank_begin[s] of the group's rank-major buffer, as all_gather_rows puts them);
-  // group g is put in document order and computed as soon as its blocks are in, the later
-  // groups' transfers polled between the kernel calls. Returns the seconds the payload was in
-  // flight beyond the time this rank waited for it (CpStats::comm_total_s).
+  // "Overlap"): every group's K and V go to every peer at once, point to point, into the
+  // context's group-major K/V ([groups][gathered rows, group row], rank s's rows at
+  // layout.rank_begin[s], as all_gather_rows puts them; this rank's own rows packed there and
+  // sent from there); group g is computed as soon as its blocks are in, reading them in
+  // document order through the plan's key_rows, the later groups' transfers polled between
+  // the kernel calls. Returns the seconds the payload was in flight beyond the time this rank
+  // waited for it (CpStats::comm_total_s).
   double grouped_forward(const CpForwardArgs& a, CpContext::State& ctx, int groups) {
     const RankPlan& plan = *ctx.plan;
     const SplitLayout& layout = plan.layout;
@@ -518,32 +514,7 @@ struct CpAttention::State {
     const auto vg = static_cast<std::size_t>(hk * cfg.head_dim_v) * es;
     const auto k_bytes = static_cast<std::size_t>(k_row()) * es, v_bytes = static_cast<std::size_t>(v_row()) * es;
     const auto row_off = [&](int rank) { return static_cast<std::size_t>(layout.rank_begin[rank]); };
-    // The send packs and the gathered groups (State::gather), kept alive past a throw-mode
-    // timeout (see below).
-    if (!gather || gather.use_count() > 1) gather = std::make_shared<GatherBuffers>();
-    const std::shared_ptr<GatherBuffers> b = gather;
     auto t0 = Clock::now();
-    b->send_k.resize(groups * t_loc * kg);
-    b->send_v.resize(groups * t_loc * vg);
-    b->all_k.resize(groups * t_all * kg);
-    b->all_v.resize(groups * t_all * vg);
-    // The moves into document order, cut at this rank's block: its own rows go from the send
-    // packs while the peers' blocks travel (they never enter the gathered buffer), the peers'
-    // from the gathered buffer once in. No moves: the gathered buffer is in document order.
-    const int64_t lo = layout.rank_begin[me], hi = layout.rank_begin[me + 1];
-    std::vector<RowMove> own, peers;
-    const std::vector<RowMove> identity{{.gathered = 0, .ordered = 0, .len = t_all}};
-    for (const RowMove& m : ctx.work->doc_order.empty() ? identity : ctx.work->doc_order) {
-      const int64_t a0 = std::max(m.gathered, lo), a1 = std::min(m.gathered + m.len, hi);
-      if (a0 >= a1) {
-        peers.push_back(m);
-        continue;
-      }
-      own.push_back({.gathered = a0 - lo, .ordered = m.ordered + (a0 - m.gathered), .len = a1 - a0});
-      if (a0 > m.gathered) peers.push_back({.gathered = m.gathered, .ordered = m.ordered, .len = a0 - m.gathered});
-      if (a1 < m.gathered + m.len)
-        peers.push_back({.gathered = a1, .ordered = m.ordered + (a1 - m.gathered), .len = m.gathered + m.len - a1});
-    }
     ctx.groups = groups;
     ctx.total_k = t_all;
     if (!spare_kv.empty()) {  // a fresh context's are empty; resized to the same size, not zeroed
@@ -551,14 +522,16 @@ struct CpAttention::State {
       ctx.v = std::move(spare_kv.back().v);
       spare_kv.pop_back();
     }
-    ctx.k.resize(b->all_k.size());  // every row gets one move
-    ctx.v.resize(b->all_v.size());
+    ctx.k.resize(groups * t_all * kg);  // every row is received or packed
+    ctx.v.resize(groups * t_all * vg);
     ctx.lse.assign(static_cast<std::size_t>(t_loc) * cfg.num_heads_q, -std::numeric_limits<float>::infinity());
     zero_padding_rows(a.out, plan);
     stats.compute_s += seconds_since(t0);
 
     const auto* k_in = static_cast<const std::byte*>(a.k.data);
     const auto* v_in = static_cast<const std::byte*>(a.v.data);
+    std::byte* const all_k = ctx.k.data();
+    std::byte* const all_v = ctx.v.data();
     InFlight f{.comm = comm, .reqs = {}};
     // recv_end[g]: the requests before it are groups 0..g's receives (every receive is posted
     // before any send: the peers' blocks have somewhere to land as soon as they are sent).
@@ -570,52 +543,45 @@ struct CpAttention::State {
         for (int st = 1; st < cp; ++st) {
           const int q = (me - st + cp) % cp;
           const std::size_t n = static_cast<std::size_t>(layout.rank_tokens(q));
-          f.reqs.push_back(comm.start_recv<std::byte>({b->all_k.data() + g * t_all * kg + row_off(q) * kg, n * kg}, q, kTagGather));
-          f.reqs.push_back(comm.start_recv<std::byte>({b->all_v.data() + g * t_all * vg + row_off(q) * vg, n * vg}, q, kTagGather));
+          f.reqs.push_back(comm.start_recv<std::byte>({all_k + g * t_all * kg + row_off(q) * kg, n * kg}, q, kTagGather));
+          f.reqs.push_back(comm.start_recv<std::byte>({all_v + g * t_all * vg + row_off(q) * vg, n * vg}, q, kTagGather));
         }
         recv_end[g] = f.reqs.size();
       }
       stats.comm_s += seconds_since(t0);
       stats.first_kv_s += seconds_since(t0);
       waited += seconds_since(t0);
-      // Group by group: pack, send to rank + 1, rank + 2, ... (each peer gets K then V of
-      // group 0, 1, ..., the order its receives were posted in), so that group 0 leaves first.
+      // Group by group: pack into the group's own rows, send to rank + 1, rank + 2, ... (each
+      // peer gets K then V of group 0, 1, ..., the order its receives were posted in), so that
+      // group 0 leaves first.
       for (int g = 0; g < groups; ++g) {
+        std::byte* const own_k = all_k + g * t_all * kg + row_off(me) * kg;
+        std::byte* const own_v = all_v + g * t_all * vg + row_off(me) * vg;
         t0 = Clock::now();
-        copy_columns(k_in, b->send_k.data() + g * t_loc * kg, t_loc, k_bytes, g * kg, kg, false);
-        copy_columns(v_in, b->send_v.data() + g * t_loc * vg, t_loc, v_bytes, g * vg, vg, false);
+        copy_columns(k_in, own_k, t_loc, k_bytes, g * kg, kg, false);
+        copy_columns(v_in, own_v, t_loc, v_bytes, g * vg, vg, false);
         stats.compute_s += seconds_since(t0);
         t0 = Clock::now();
         for (int st = 1; st < cp; ++st) {
           const int q = (me + st) % cp;
-          f.reqs.push_back(comm.start_send<std::byte>({b->send_k.data() + g * t_loc * kg, t_loc * kg}, q, kTagGather));
-          f.reqs.push_back(comm.start_send<std::byte>({b->send_v.data() + g * t_loc * vg, t_loc * vg}, q, kTagGather));
+          f.reqs.push_back(comm.start_send<std::byte>({own_k, t_loc * kg}, q, kTagGather));
+          f.reqs.push_back(comm.start_send<std::byte>({own_v, t_loc * vg}, q, kTagGather));
         }
         stats.comm_s += seconds_since(t0);
         stats.first_kv_s += seconds_since(t0);
         waited += seconds_since(t0);
       }
-      // This rank's own rows into document order while the peers' blocks travel.
-      t0 = Clock::now();
-      for (int g = 0; g < groups; ++g) {
-        move_rows(own, true, b->send_k.data() + g * t_loc * kg, ctx.k.data() + g * t_all * kg, kg);
-        move_rows(own, true, b->send_v.data() + g * t_loc * vg, ctx.v.data() + g * t_all * vg, vg);
-      }
-      stats.compute_s += seconds_since(t0);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
         // group g's blocks (and the earlier groups', done already)
         wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
 
         t0 = Clock::now();
-        move_rows(peers, true, b->all_k.data() + g * t_all * kg, ctx.k.data() + g * t_all * kg, kg);
-        move_rows(peers, true, b->all_v.data() + g * t_all * vg, ctx.v.data() + g * t_all * vg, vg);
         lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
         attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
         for (int64_t i = 0; i < t_loc; ++i)
           std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
-        if (g == 0)  // the forward's peak: the context beside the buffers (the gathered groups, the send packs)
-          note_peak(ctx.bytes());
+        if (g == 0) note_peak(ctx.bytes());  // the forward's peak: the context being filled
         stats.compute_s += seconds_since(t0);
 
         t0 = Clock::now();
@@ -627,18 +593,22 @@ struct CpAttention::State {
       wait_counted(f, 0, f.reqs.size(), waited, stats.later_kv_s);  // this rank's sends
     } catch (...) {
       // A throw-mode timeout, or any other throw after the posts (a kernel's bad_alloc), leaves
-      // requests that may still read or write the buffers: dropping them here hands them to
-      // the communicator (which poisons itself) before `b` could be freed, and `b` then stays
-      // alive until they complete.
+      // requests that may still read or write the context's K/V: dropping them here hands them
+      // to the communicator (which poisons itself), and the K/V's storage then stays alive
+      // until they complete, moved out of the context (which the throw frees).
       f.reqs.clear();
-      if (comm.poisoned()) comm.retain_while_pending(b);
+      if (comm.poisoned()) {
+        auto keep = std::make_shared<std::pair<std::vector<std::byte>, std::vector<std::byte>>>(std::move(ctx.k),
+                                                                                                 std::move(ctx.v));
+        comm.retain_while_pending(keep);
+      }
       throw;
     }
     return std::max(0.0, f.span() - waited);
   }
 
-  // The overlapped backward: group g's dK/dV (fp32, document order) are computed, moved back
-  // to rank-major and sent to their owners at once, while group g + 1 is computed; each
+  // The overlapped backward: group g's dK/dV (fp32) are written by the kernel at their
+  // rank-major rows (key_rows) and sent to their owners at once, while group g + 1 is computed; each
   // owner sums its blocks in the order the non-overlapped reduce-scatter does (the padded
   // split: the communicator's ring order ((x[r+1] + x[r+2]) + ...) + x[r]; the padding-free
   // split: ranks 0..cp-1 from 0), so the sums are bitwise those of reduce_scatter_rows.
@@ -650,7 +620,6 @@ struct CpAttention::State {
     const int64_t t_loc = plan.local_tokens, t_all = layout.rank_begin.back();
     const int hk = cfg.num_heads_k / groups, hq = cfg.num_heads_q / groups;
     const int64_t kg = int64_t{hk} * cfg.head_dim_qk, vg = int64_t{hk} * cfg.head_dim_v;  // floats per group row
-    const auto as_bytes = [](float* f) { return reinterpret_cast<std::byte*>(f); };
     auto t0 = Clock::now();
     dk_all.resize(static_cast<std::size_t>(groups * t_all * kg));  // [groups][t_all, kg], rank-major
     dv_all.resize(static_cast<std::size_t>(groups * t_all * vg));
@@ -663,19 +632,6 @@ struct CpAttention::State {
       t0 = Clock::now();
       float* dk_g = dk_all.data() + g * t_all * kg;
       float* dv_g = dv_all.data() + g * t_all * vg;
-      const std::vector<RowMove>& moves = cs.work->doc_order;
-      // Into document order when the moves reorder (dkx, dvx), else straight into the group's rows.
-      float* dkp = dk_g;
-      float* dvp = dv_g;
-      if (moves.empty()) {
-        std::fill_n(dk_g, t_all * kg, 0.0f);
-        std::fill_n(dv_g, t_all * vg, 0.0f);
-      } else {
-        dkx.assign(static_cast<std::size_t>(t_all * kg), 0.0f);
-        dvx.assign(static_cast<std::size_t>(t_all * vg), 0.0f);
-        dkp = dkx.data();
-        dvp = dvx.data();
-      }
       lse_group.resize(static_cast<std::size_t>(t_loc) * hq);
       for (int64_t i = 0; i < t_loc; ++i)
         std::copy_n(cs.lse.data() + i * cfg.num_heads_q + g * hq, hq, lse_group.data() + i * hq);
@@ -684,13 +640,9 @@ struct CpAttention::State {
                           .lse = lse_group.data(),
                           .dout = head_slice(a.dout, g * hq, hq),
                           .dq = head_slice(a.dq, g * hq, hq),
-                          .dk = contiguous(dkp, t_all, hk, cfg.head_dim_qk),
-                          .dv = contiguous(dvp, t_all, hk, cfg.head_dim_v),
-                          .grad_mode = GradMode::accumulate});
-      if (!moves.empty()) {  // every row of the group's rank-major dK/dV gets one move
-        move_rows(moves, false, as_bytes(dkx.data()), as_bytes(dk_g), static_cast<std::size_t>(kg) * sizeof(float));
-        move_rows(moves, false, as_bytes(dvx.data()), as_bytes(dv_g), static_cast<std::size_t>(vg) * sizeof(float));
-      }
+                          .dk = contiguous(dk_g, t_all, hk, cfg.head_dim_qk),  // every row written, in fp32
+                          .dv = contiguous(dv_g, t_all, hk, cfg.head_dim_v),
+                          .grad_mode = GradMode::write});
       stats.compute_s += seconds_since(t0);
 
       t0 = Clock::now();
@@ -837,7 +789,6 @@ struct CpAttention::State {
       bytes += f->capacity() * sizeof(float);
     bytes += ring.bytes() + passq.bytes();
     for (const SpareKv& e : spare_kv) bytes += e.k.capacity() + e.v.capacity();
-    if (gather) bytes += gather->send_k.capacity() + gather->send_v.capacity() + gather->all_k.capacity() + gather->all_v.capacity();
     if (a2a) bytes += a2a->buffer_bytes();
     return bytes;
   }
@@ -1127,18 +1078,12 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     s.stats.first_kv_s += seconds_since(t0);
 
     t0 = Clock::now();
-    // The keys the kernel reads: the gathered buffer in place (runs) or its index_select copy.
+    // The keys the kernel reads: the gathered buffer in place (runs: in document order
+    // through the plan's key_rows) or its index_select copy.
     if (s.indexed()) {
       index_select(k_all.data(), ctx->work->copy_index, s.k_row() * es, ctx->k);
       index_select(v_all.data(), ctx->work->copy_index, s.v_row() * es, ctx->v);
       ctx->total_k = static_cast<int64_t>(ctx->work->copy_index.size());
-    } else if (!ctx->work->doc_order.empty()) {
-      // Every row gets one move (resize still zeroes them first: std::vector has no other way).
-      ctx->k.resize(k_all.size());
-      ctx->v.resize(v_all.size());
-      move_rows(ctx->work->doc_order, true, k_all.data(), ctx->k.data(), static_cast<std::size_t>(s.k_row()) * es);
-      move_rows(ctx->work->doc_order, true, v_all.data(), ctx->v.data(), static_cast<std::size_t>(s.v_row()) * es);
-      ctx->total_k = t_all;
     } else {
       ctx->k = std::move(k_all);
       ctx->v = std::move(v_all);
@@ -1147,7 +1092,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     ctx->lse.assign(static_cast<std::size_t>(plan.local_tokens) * c.num_heads_q,
                     -std::numeric_limits<float>::infinity());
     zero_padding_rows(a.out, plan);
-    s.note_peak(ctx->bytes() + k_all.capacity() + v_all.capacity());  // the gathered K/V beside its copy
+    s.note_peak(ctx->bytes() + k_all.capacity() + v_all.capacity());  // index mode: the gathered K/V beside its copy
     attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
     if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
     s.stats.compute_s += seconds_since(t0);
@@ -1229,28 +1174,25 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   auto t0 = Clock::now();
   const int64_t k_row = s.k_row(), v_row = s.v_row();
   const int64_t t_all = plan.layout.rank_begin.back();
-  // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums. In index
-  // mode the kernel adds into the copy's rows, and index_add_ moves them here; in runs mode
-  // with the K/V in document order, into rows in that order, moved back here.
-  const std::vector<RowMove>& doc_order = cs->work->doc_order;
-  const bool reordered = !s.indexed() && !doc_order.empty();
-  if (reordered) {  // every row of dk_all gets one move: resized, not zeroed
-    s.dk_all.resize(static_cast<std::size_t>(t_all * k_row));
-    s.dv_all.resize(static_cast<std::size_t>(t_all * v_row));
-  } else {
-    s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
-    s.dv_all.assign(static_cast<std::size_t>(t_all * v_row), 0.0f);
-  }
-  float* dkp = s.dk_all.data();
-  float* dvp = s.dv_all.data();
+  // dK/dV of every gathered row, fp32, rank-major: what the reduce-scatter sums. In runs mode
+  // the kernel writes every row there (at the gathered rows, through the plan's key_rows); in
+  // index mode it adds into the copy's rows, and index_add_ moves them here.
   const std::vector<int64_t>& index = cs->work->copy_index;
   const auto n_idx = static_cast<int64_t>(index.size());
-  if (s.indexed() || reordered) {
-    const int64_t rows = s.indexed() ? n_idx : t_all;
-    s.dkx.assign(static_cast<std::size_t>(rows * k_row), 0.0f);
-    s.dvx.assign(static_cast<std::size_t>(rows * v_row), 0.0f);
+  float* dkp = nullptr;
+  float* dvp = nullptr;
+  if (s.indexed()) {
+    s.dk_all.assign(static_cast<std::size_t>(t_all * k_row), 0.0f);
+    s.dv_all.assign(static_cast<std::size_t>(t_all * v_row), 0.0f);
+    s.dkx.assign(static_cast<std::size_t>(n_idx * k_row), 0.0f);
+    s.dvx.assign(static_cast<std::size_t>(n_idx * v_row), 0.0f);
     dkp = s.dkx.data();
     dvp = s.dvx.data();
+  } else {  // every row written: resized, not zeroed
+    s.dk_all.resize(static_cast<std::size_t>(t_all * k_row));
+    s.dv_all.resize(static_cast<std::size_t>(t_all * v_row));
+    dkp = s.dk_all.data();
+    dvp = s.dv_all.data();
   }
   attention_backward({.in = s.inputs(a.q, *cs),
                       .out = a.out,
@@ -1259,7 +1201,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
                       .dq = a.dq,
                       .dk = contiguous(dkp, cs->total_k, c.num_heads_k, c.head_dim_qk),
                       .dv = contiguous(dvp, cs->total_k, c.num_heads_k, c.head_dim_v),
-                      .grad_mode = GradMode::accumulate});
+                      .grad_mode = s.indexed() ? GradMode::accumulate : GradMode::write});
   zero_padding_rows(a.dq, plan);
   if (s.indexed()) {
     // index_add_, in index order: deterministic.
@@ -1268,10 +1210,6 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
       for (int64_t e = 0; e < k_row; ++e) s.dk_all[g * k_row + e] += s.dkx[i * k_row + e];
       for (int64_t e = 0; e < v_row; ++e) s.dv_all[g * v_row + e] += s.dvx[i * v_row + e];
     }
-  } else if (reordered) {
-    const auto as_bytes = [](std::vector<float>& f) { return reinterpret_cast<std::byte*>(f.data()); };
-    move_rows(doc_order, false, as_bytes(s.dkx), as_bytes(s.dk_all), static_cast<std::size_t>(k_row) * sizeof(float));
-    move_rows(doc_order, false, as_bytes(s.dvx), as_bytes(s.dv_all), static_cast<std::size_t>(v_row) * sizeof(float));
   }
   s.stats.compute_s += seconds_since(t0);
 

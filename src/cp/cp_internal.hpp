@@ -67,8 +67,8 @@ void pack_rows(ConstTensorView t, std::byte* dst);
 CommRequest start_block_shift(Communicator& comm, DType t, const std::vector<std::byte>& send, int dest,
                               std::vector<std::byte>& recv, int source);
 
-// One copy of `len` rows from the all-gather's rank-major buffer (row `gathered`) to the
-// document-ordered one (row `ordered`).
+// `len` rows of the all-gather's rank-major buffer (from row `gathered`) that are rows
+// `ordered`.. of the document-ordered key set the kernel reads.
 struct RowMove {
   int64_t gathered = 0, ordered = 0, len = 0;
 };
@@ -77,8 +77,9 @@ struct RowMove {
 // document d's rows at docs[d].padded_begin (its padded rows under the padded split, its real
 // ones under the padding-free split), each chunk at its position. Chunks adjacent in both
 // buffers are one move. Empty when the gathered buffer already is in document order (cp = 1).
-// The moves cover every gathered row and every ordered row exactly once (the all-gather
-// scheme's dK/dV buffers are resized, not zeroed, relying on it; tests/cp/test_cp_worklists.cpp).
+// The moves cover every gathered row and every ordered row exactly once: their row map
+// (PreparedWork::key_rows) is the permutation AttnInputs::key_rows must be
+// (tests/cp/test_cp_worklists.cpp).
 std::vector<RowMove> document_order_moves(const RankPlan& plan);
 
 }  // namespace cpattn::cp_detail

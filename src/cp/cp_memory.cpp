@@ -60,27 +60,24 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     e.buffers = saturating_add(saturating_add(product(2, t, kv_row, es), product(5, t, kv_row, f)),
                                product(t, hq, static_cast<uint64_t>(c.head_dim_qk + c.head_dim_v + 1), f));
   } else if (const int groups = cp_overlap_groups(c, cp); groups > 1) {
-    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward), per
-    // group of KV heads: fp32 dK/dV of every gathered row (rank-major, all groups), one
-    // group's document-order dK/dV and its sums, the receive blocks of the reduce-scatter (cp
-    // of this rank's fp32 dK/dV rows, all groups), one group's lse, the forward's gathered
-    // groups (rank-major) and the send packs of this rank's K/V (beside the copy in document
-    // order, the context). All are kept between calls, so a forward's peak, and the first
+    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward):
+    // fp32 dK/dV of every gathered row (rank-major, all groups, written there by the kernel),
+    // one group's sums, the receive blocks of the reduce-scatter (cp of this rank's fp32 dK/dV
+    // rows, all groups) and one group's lse. The forward receives and packs straight into the
+    // context's K/V. All are kept between calls, so a forward's peak, and the first
     // backward's, is all of them at once. The consumed contexts' K/V that the layer keeps
     // for the next forwards are contexts' bytes: `contexts` x context bounds them with the
     // live contexts (an entry per backward, one taken per forward).
     const auto g = static_cast<uint64_t>(groups);
     const uint64_t kv_row_g = kv_row / g;  // cp_overlap_groups divides num_heads_k
     e.buffers = saturating_add(saturating_add(product(kv_rows, kv_row, f), product(t, kv_row_g, f)),
-                               saturating_add(product(kv_rows, kv_row_g, f), product(static_cast<uint64_t>(cp), t, kv_row, f)));
-    e.buffers = saturating_add(e.buffers, saturating_add(product(kv_rows, kv_row, es), product(t, kv_row, es)));
-    e.buffers = saturating_add(e.buffers, product(t, hq / g, f));
+                               saturating_add(product(static_cast<uint64_t>(cp), t, kv_row, f), product(t, hq / g, f)));
   } else {
     // dK/dV of every gathered row and this rank's share, fp32; index mode adds the copy's
-    // dK/dV and, during forward, the gathered buffer beside its copy; so does runs mode at
-    // cp > 1, whose copy is the gathered K/V in document order (one key run per task).
+    // dK/dV and, during forward, the gathered buffer beside its copy (runs mode reads the
+    // gathered buffer in place, in document order through the plan's key_rows).
     e.buffers = saturating_add(product(kv_rows, kv_row, f), product(t, kv_row, f));
-    if (index || cp > 1)
+    if (index)
       e.buffers = saturating_add(e.buffers, saturating_add(product(read_rows, kv_row, f), product(kv_rows, kv_row, es)));
     // The padding-free split's reduce-scatter receives cp blocks of this rank's dK/dV rows
     // (reduce_scatter_rows' scratch, added in rank order).

@@ -1033,6 +1033,7 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
   const DType dtype = in.dtype();
   const int64_t k_rs = K.row_step(), k_hs = K.head_step();
   const int64_t v_rs = V.row_step(), v_hs = V.head_step();
+  const int64_t* const key_rows = in.key_rows;  // key row r is stored row key_rows[r]
   pk.nblk = (total_k + BK - 1) / BK;
   pk.dp = pad_up(K.dim);
   pk.dvp = pad_up(V.dim);
@@ -1056,15 +1057,16 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
       const int64_t r = b * BK + c;
       const bool real = r < total_k;  // the last block's rows past total_k: zeros
       const int cp = c / PAD, cr = c % PAD;
+      const int64_t sr = real && key_rows ? key_rows[r] : r;  // the stored row
       if (real)
-        ld_row(K.data, dtype, r * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
+        ld_row(K.data, dtype, sr * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
       else
         std::fill(row.begin(), row.end(), 0.0f);
       for (int d = 0; d < pk.dp; ++d) {
         kt[(cp * pk.dp + d) * PAD + cr] = row[d];
         if (kr) kr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
       }
-      if (real) ld_row(V.data, dtype, r * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
+      if (real) ld_row(V.data, dtype, sr * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
       for (int d = 0; d < pk.dvp; ++d) {
         vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
         if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
@@ -1188,9 +1190,10 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
   parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
-    // Stored row r of K or V for this kv head, null past total_k.
-    auto k_row = [&](int64_t r) { return r < total_k ? kd + r * k_rs + hk * k_hs : nullptr; };
-    auto v_row = [&](int64_t r) { return r < total_k ? vd + r * v_rs + hk * v_hs : nullptr; };
+    // Key row r of K or V for this kv head (stored row in.key_rows[r] if given), null past total_k.
+    auto stored = [&](int64_t r) { return in.key_rows ? in.key_rows[r] : r; };
+    auto k_row = [&](int64_t r) { return r < total_k ? kd + stored(r) * k_rs + hk * k_hs : nullptr; };
+    auto v_row = [&](int64_t r) { return r < total_k ? vd + stored(r) * v_rs + hk * v_hs : nullptr; };
     uint32_t* kt2 = pk.kt2.data() + u * BK * dp / 2;
     uint32_t* vr2 = pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
     uint32_t* kr2 = transposed_too ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
@@ -1996,14 +1999,16 @@ void backward_impl(const AttnBwdParams& p) {
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
-  // Elements [d0, d0 + n) of key row r of kv head hk (dK when is_k, else dV) from their sums
-  // over the sets, src (unscaled dK).
+  // Elements [d0, d0 + n) of key row r of kv head hk (dK when is_k, else dV; stored row
+  // in.key_rows[r] if given) from their sums over the sets, src (unscaled dK). Write mode
+  // stores them in the views' dtype (the storage dtype or fp32).
   auto write_kv = [&](bool is_k, int64_t r, int hk, int d0, int n, const float* src) {
     void* const data = is_k ? dk_data : dv_data;
-    const int64_t at = r * (is_k ? dk_rs : dv_rs) + hk * (is_k ? dk_hs : dv_hs) + d0;
+    const int64_t sr = in.key_rows ? in.key_rows[r] : r;
+    const int64_t at = sr * (is_k ? dk_rs : dv_rs) + hk * (is_k ? dk_hs : dv_hs) + d0;
     const float mul = is_k ? cr.scale : 1.0f;
     if (p.grad_mode == GradMode::write) {
-      st_row(data, dtype, at, n, src, mul);
+      st_row(data, p.dk.dtype, at, n, src, mul);
     } else {  // fp32 views
       float* o = static_cast<float*>(data) + at;
       for (int d = 0; d < n; ++d) o[d] += src[d] * mul;

@@ -28,14 +28,15 @@ struct Visible {
 template <class Acc>
 class Dense {
  public:
-  explicit Dense(const ConstTensorView& t) : heads_(t.heads), dim_(t.dim) {
+  // Row r is stored row rows[r] of t when `rows` is given (AttnInputs::key_rows).
+  explicit Dense(const ConstTensorView& t, const int64_t* rows = nullptr) : heads_(t.heads), dim_(t.dim) {
     if (t.empty()) return;
     v_.resize(static_cast<size_t>(t.rows) * heads_ * dim_);
     for (int64_t r = 0; r < t.rows; ++r)
       for (int h = 0; h < heads_; ++h)
         for (int d = 0; d < dim_; ++d)
           v_[(r * heads_ + h) * dim_ + d] =
-              static_cast<Acc>(load_elem(t.data, t.dtype, t.offset(r, h) + d));
+              static_cast<Acc>(load_elem(t.data, t.dtype, t.offset(rows ? rows[r] : r, h) + d));
   }
   // Element (row, head, d).
   Acc operator()(int64_t row, int head, int d) const { return v_[(row * heads_ + head) * dim_ + d]; }
@@ -48,7 +49,7 @@ class Dense {
 // The inputs every query row reads, decoded.
 template <class Acc>
 struct DenseInputs {
-  explicit DenseInputs(const AttnInputs& in) : q(in.q), k(in.k), v(in.v) {}
+  explicit DenseInputs(const AttnInputs& in) : q(in.q), k(in.k, in.key_rows), v(in.v, in.key_rows) {}
   Dense<Acc> q, k, v;
 };
 
@@ -183,9 +184,10 @@ void backward_impl(const AttnBwdParams& p) {
         }
       }
     }
-  // write: store in the storage dtype; accumulate, accumulate_all: dk/dv are fp32 views, +=
+  // write: store in the views' dtype; accumulate, accumulate_all: dk/dv are fp32 views, +=.
+  // Key row r is stored row in.key_rows[r] when given.
   auto deliver = [&](const TensorView& out, int64_t r, int hk, int d, float g) {
-    const int64_t i = out.offset(r, hk) + d;
+    const int64_t i = out.offset(in.key_rows ? in.key_rows[r] : r, hk) + d;
     if (p.grad_mode == GradMode::write) store_elem(out.data, out.dtype, i, g);
     else static_cast<float*>(out.data)[i] += g;
   };

@@ -144,6 +144,17 @@ void check_inputs(const char* fn, const AttnInputs& in) {
              {s.num_heads_k, "num_heads_k = k.heads"}, {s.head_dim_qk, "head_dim_qk = q.dim"});
   check_view(fn, "v", in.v, {s.total_k, "total_k = k.rows"},
              {s.num_heads_k, "num_heads_k = k.heads"}, {s.head_dim_v, "head_dim_v = v.dim"});
+  if (in.key_rows) {  // a permutation: every row of k, v (dk, dv) read (written) once
+    std::vector<char> seen(static_cast<size_t>(s.total_k), 0);
+    for (int64_t r = 0; r < s.total_k; ++r) {
+      const int64_t to = in.key_rows[r];
+      CPATTN_CHECK(to >= 0 && to < s.total_k, fn, ": key_rows[", r, "] = ", to, " is outside k's rows [0, ",
+                   s.total_k, ")");
+      CPATTN_CHECK(!seen[static_cast<size_t>(to)], fn, ": key_rows must be a permutation of [0, total_k = ",
+                   s.total_k, "), row ", to, " appears twice (again at key_rows[", r, "])");
+      seen[static_cast<size_t>(to)] = 1;
+    }
+  }
 }
 
 // A view of q's rows and heads (out, dout, dq) of head dim `dim`.
@@ -197,9 +208,10 @@ void validate(const AttnBwdParams& p) {
                  to_string(p.dq.dtype));
   else
     check_dtype(fn, "dq", p.dq, dt);
-  if (p.grad_mode == GradMode::write) {
-    check_dtype(fn, "dk", p.dk, dt);
-    check_dtype(fn, "dv", p.dv, dt);
+  if (p.grad_mode == GradMode::write) {  // the storage dtype, or fp32 (a caller's sums)
+    CPATTN_CHECK(p.dk.dtype == p.dv.dtype && (p.dk.dtype == dt || p.dk.dtype == DType::f32), fn,
+                 ": grad_mode write needs dk and dv both of the inputs' dtype ", to_string(dt),
+                 " or both fp32, got dk ", to_string(p.dk.dtype), ", dv ", to_string(p.dv.dtype));
   } else {
     CPATTN_CHECK(p.dk.dtype == DType::f32 && p.dv.dtype == DType::f32, fn,
                  ": grad_mode accumulate and accumulate_all need fp32 dk and dv, got dk ", to_string(p.dk.dtype),

@@ -443,18 +443,16 @@ struct MemoryUse {
 // An all-gather's buffers past its context (cp_memory.cpp's gather_or_ring, runs mode): `rows`
 // local rows of kv_row elements and hq query heads gathered into `gathered` rows over `ranks`
 // ranks, in `groups` KV-head groups (overlap_groups).
-double allgather_buffers(double rows, double gathered, int ranks, double kv_row, double hq, int groups, double es) {
+double allgather_buffers(double rows, double gathered, int ranks, double kv_row, double hq, int groups) {
   if (groups > 1) {
-    // fp32 dK/dV of every gathered row, one group's document-order copy of them and its sums,
-    // the reduce-scatter's receive blocks (ranks x rows), one group's lse; in forward the
-    // gathered groups and the send packs of the local K/V.
+    // fp32 dK/dV of every gathered row, one group's sums, the reduce-scatter's receive blocks
+    // (ranks x rows), one group's lse (the forward receives and packs into its context).
     const double per = kv_row / groups;
-    return gathered * kv_row * 4 + rows * per * 4 + gathered * per * 4 + ranks * rows * kv_row * 4 +
-           (gathered + rows) * kv_row * es + rows * hq / groups * 4;
+    return gathered * kv_row * 4 + rows * per * 4 + ranks * rows * kv_row * 4 + rows * hq / groups * 4;
   }
-  // fp32 dK/dV of every gathered row, this rank's sums; past one rank, the document-order
-  // copy's fp32 dK/dV and, in forward, the gathered buffer beside its copy.
-  return gathered * kv_row * 4 + rows * kv_row * 4 + (ranks > 1 ? gathered * kv_row * (4 + es) : 0.0);
+  // fp32 dK/dV of every gathered row (the kernel writes them at their gathered rows), this
+  // rank's sums.
+  return gathered * kv_row * 4 + rows * kv_row * 4;
 }
 MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
   const auto t = static_cast<double>(c.t_loc);
@@ -464,8 +462,8 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
   m.saved = t * (q_row + kv_row) * es + t * c.hq * 4;  // q, out, k, v; lse
   switch (s) {
     case CpScheme::allgather:
-      m.saved += c.cp * t * kv_row * es;  // the gathered K/V (in document order at cp > 1)
-      m.transient = allgather_buffers(t, c.cp * t, c.cp, kv_row, c.hq, c.overlap_groups(c.hk, c.cp), es);
+      m.saved += c.cp * t * kv_row * es;  // the gathered K/V (read in document order through a row map)
+      m.transient = allgather_buffers(t, c.cp * t, c.cp, kv_row, c.hq, c.overlap_groups(c.hk, c.cp));
       break;
     case CpScheme::ring:
       m.saved += t * kv_row * es;                                // the local K/V copy
@@ -503,7 +501,7 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       // The outer all-gather over cp / inner groups of g rows (overlapped per KV-head group of
       // this member's heads when SimInput::overlap).
       const int outer = c.cp / inner;
-      m.transient += allgather_buffers(g, gathered, outer, kv_row_loc, hq_loc, c.overlap_groups(h.kv_loc(), outer), es);
+      m.transient += allgather_buffers(g, gathered, outer, kv_row_loc, hq_loc, c.overlap_groups(h.kv_loc(), outer));
       break;
     }
   }

@@ -4,12 +4,14 @@
 //                print the timeout line naming the operation and MPI_Abort the whole job;
 //   kill-before  dies by SIGKILL before forward;
 //   kill-during  dies by SIGKILL from a second thread while forward moves a large K/V;
-//   stall-during stops (SIGSTOP, as a hung rank) 50 ms into an overlapped forward (4 KV-head
-//                groups), its K/V posted and its kernels running: the others, computing on
-//                the groups that arrived, must time out on a point-to-point transfer with it
-//                and end the job (a rank whose every transfer with it completed before the stop
+//   stall-during stops (SIGSTOP, as a hung rank) 10 ms into an overlapped forward (4 KV-head
+//                groups), its transfers posted or in flight: the others, computing on the
+//                groups that arrived, must time out on a point-to-point transfer with it and end
+//                the job (a rank whose every transfer with it completed before the stop
 //                finishes that forward legitimately and goes on to a second one, which the
-//                stopped rank never joins: the others' timeout or the deadline ends it);
+//                stopped rank never joins: the others' timeout or the deadline ends it). 50 ms
+//                landed after the transfers once the forward stopped copying K/V (2026-12-04);
+//                10 ms lands in them here (recv timeouts in 8 runs of 8);
 //   throw-during throws in the middle of an overlapped forward (4 KV-head groups): its first
 //                kernel call, after group 0's blocks are in and groups 1-3 in flight both
 //                ways, finds CPATTN_KERNEL_PATH naming no path (set on this rank only, after the
@@ -61,7 +63,7 @@ int main(int argc, char** argv) {
     std::thread killer;
     if (faulty && fault == "stall-during")
       killer = std::thread([] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
         std::raise(SIGSTOP);  // the whole process, as a hung rank
       });
     if (faulty && fault == "kill-during")

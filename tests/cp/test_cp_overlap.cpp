@@ -175,9 +175,9 @@ TEST_F(CpAttentionTest, OverlapKeepsEachHeadsDropoutAndAlibi) {
 
 // The memory accounting holds the overlapped path's buffers, the forward's included: the
 // second step's forward holds the layer's kept buffers (dK/dV, receive blocks, one group's
-// lse) beside its context, the gathered groups and the send packs, and that peak is exactly
-// the estimate's context + buffers (so an estimate that left out the send packs, the gathered
-// groups or any backward buffer fails here, as would a measurement that missed them).
+// lse) beside its context (the gathered K/V, received and packed in place), and that peak is
+// exactly the estimate's context + buffers (so an estimate that left out any backward buffer
+// fails here, as would a measurement that missed one).
 TEST_F(CpAttentionTest, TheOverlapsPeakBuffersAreItsEstimateExactly) {
   for (const Shape& s : kGroupShapes)
     for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free}) {
@@ -203,14 +203,14 @@ TEST_F(CpAttentionTest, TheOverlapsPeakBuffersAreItsEstimateExactly) {
       }
       const CpMemoryEstimate e = cp_memory_estimate(cfg, p);
       EXPECT_EQ(attn.stats().peak_buffer_bytes, e.context + e.buffers) << e.describe();
-      // The forward's gathered groups and send packs are kept (like the backward's buffers):
-      // the first step's backward holds the context beside all of them, the steady state.
+      // The backward's buffers are kept: the first step's backward holds the context beside
+      // all of them, the steady state.
       EXPECT_EQ(after_first, e.context + e.buffers) << e.describe();
     }
 }
 
-// One layer kept over calls (its gathered groups, send packs and consumed contexts' K/V reused,
-// State::gather and State::spare_kv) gives bitwise what a fresh layer gives for each call: two
+// One layer kept over calls (its buffers and consumed contexts' K/V reused, State::spare_kv)
+// gives bitwise what a fresh layer gives for each call: two
 // contexts alive at once (two layers' forwards, then their backwards in reverse), a batch with
 // fewer tokens between two with more (buffers resized down, then up), for both splits.
 TEST_F(CpAttentionTest, ALayerKeptOverCallsGivesWhatFreshLayersGive) {

@@ -733,6 +733,117 @@ TEST(kernel_attention, QueryThatSeesOneKeyGetsItsValueRowExactly) {
   }
 }
 
+// ---- key_rows: the keys read (and dK/dV written) through a row map ---------------------------
+// K and V stored with key row r at row perm[r] (a random permutation), read through
+// AttnInputs::key_rows: out, lse and dq bitwise those of the same call on K, V in key order, and
+// dK, dV bitwise at the permuted rows; in write mode into storage-dtype and fp32 views and in
+// accumulate mode; the float64 reference likewise. Documents of 1, 37, 130 and 64 tokens,
+// GQA, odd head dims, a window, every path this CPU runs, fp32 and bf16.
+TEST(kernel_attention, KeyRowsReadAndWriteThePermutedRowsBitwise) {
+  AttnCase c{"key_rows", {1, 37, 130, 64}, {1, 37, 130, 64}, 4, 2, 72, 40, MaskType::causal};
+  c.window_left = 50;
+  const int64_t tk = c.total_k();
+  std::vector<int64_t> perm(static_cast<size_t>(tk));
+  for (int64_t r = 0; r < tk; ++r) perm[static_cast<size_t>(r)] = r;
+  std::mt19937_64 rng(5);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  // x's rows moved to their stored places: stored row perm[r] = row r.
+  const auto scatter = [&](const std::vector<float>& x, int64_t row) {
+    std::vector<float> y(x.size());
+    for (int64_t r = 0; r < tk; ++r)
+      std::copy_n(x.begin() + r * row, row, y.begin() + perm[static_cast<size_t>(r)] * row);
+    return y;
+  };
+  const int64_t krow = int64_t{c.num_heads_k} * c.head_dim_qk, vrow = int64_t{c.num_heads_k} * c.head_dim_v;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Problem pb(c, dt, 21);
+    const Tensor ks = Tensor::from(dt, pb.k_shape(), scatter(pb.k.f, krow));
+    const Tensor vs = Tensor::from(dt, pb.v_shape(), scatter(pb.v.f, vrow));
+    for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                            KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+      if (!kernel_path_supported(path)) continue;
+      SCOPED_TRACE(std::string(to_string(path)) + " " + std::string(to_string(dt)));
+      Tensor out(dt, pb.out_shape()), out_p(dt, pb.out_shape());
+      std::vector<float> lse(pb.lse_size()), lse_p(pb.lse_size());
+      attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 2));
+      AttnFwdParams fp = pb.fwd(pb.q, ks, vs, out_p, lse_p.data(), path, 2);
+      fp.in.key_rows = perm.data();
+      attention_forward(fp);
+      EXPECT_EQ(out_p.values(), out.values());
+      EXPECT_EQ(lse_p, lse);
+      for (const DType gt : {dt, DType::f32}) {  // write mode: the storage dtype, then fp32
+        Tensor dq(dt, pb.q_shape()), dk(gt, pb.k_shape()), dv(gt, pb.v_shape());
+        Tensor dq_p(dt, pb.q_shape()), dk_p(gt, pb.k_shape()), dv_p(gt, pb.v_shape());
+        attention_backward(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, path, 2));
+        AttnBwdParams bp = pb.bwd(pb.q, ks, vs, out, lse.data(), pb.dout, dq_p, dk_p, dv_p, path, 2);
+        bp.in.key_rows = perm.data();
+        attention_backward(bp);
+        EXPECT_EQ(dq_p.values(), dq.values());
+        EXPECT_EQ(dk_p.values(), scatter(dk.values(), krow)) << "dk in " << to_string(gt);
+        EXPECT_EQ(dv_p.values(), scatter(dv.values(), vrow)) << "dv in " << to_string(gt);
+        if (gt != DType::f32) continue;
+        // accumulate: added at the permuted rows, what the call in key order adds at its rows
+        std::vector<float> ak(pb.dk_size()), av(pb.dv_size());
+        for (size_t i = 0; i < ak.size(); ++i) ak[i] = 0.5f * static_cast<float>(i % 7);
+        for (size_t i = 0; i < av.size(); ++i) av[i] = -0.25f * static_cast<float>(i % 5);
+        std::vector<float> ak_p = scatter(ak, krow), av_p = scatter(av, vrow);
+        AttnBwdParams ba = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, path, 2);
+        ba.grad_mode = bp.grad_mode = GradMode::accumulate;
+        ba.dk = contiguous(ak.data(), tk, c.num_heads_k, c.head_dim_qk);
+        ba.dv = contiguous(av.data(), tk, c.num_heads_k, c.head_dim_v);
+        bp.dk = contiguous(ak_p.data(), tk, c.num_heads_k, c.head_dim_qk);
+        bp.dv = contiguous(av_p.data(), tk, c.num_heads_k, c.head_dim_v);
+        attention_backward(ba);
+        attention_backward(bp);
+        EXPECT_EQ(ak_p, scatter(ak, krow));
+        EXPECT_EQ(av_p, scatter(av, vrow));
+      }
+    }
+    // The float64 reference through the map: the same values at the permuted rows.
+    Tensor out(dt, pb.out_shape()), out_p(dt, pb.out_shape());
+    std::vector<float> lse(pb.lse_size()), lse_p(pb.lse_size());
+    attention_forward_reference(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1));
+    AttnFwdParams fp = pb.fwd(pb.q, ks, vs, out_p, lse_p.data(), KernelPath::automatic, 1);
+    fp.in.key_rows = perm.data();
+    attention_forward_reference(fp);
+    EXPECT_EQ(out_p.values(), out.values());
+    Tensor dq(dt, pb.q_shape()), dk(DType::f32, pb.k_shape()), dv(DType::f32, pb.v_shape());
+    Tensor dq_p(dt, pb.q_shape()), dk_p(DType::f32, pb.k_shape()), dv_p(DType::f32, pb.v_shape());
+    attention_backward_reference(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1));
+    AttnBwdParams bp = pb.bwd(pb.q, ks, vs, out, lse.data(), pb.dout, dq_p, dk_p, dv_p, KernelPath::automatic, 1);
+    bp.in.key_rows = perm.data();
+    attention_backward_reference(bp);
+    EXPECT_EQ(dk_p.values(), scatter(dk.values(), krow));
+    EXPECT_EQ(dv_p.values(), scatter(dv.values(), vrow));
+  }
+}
+
+TEST(kernel_attention, KeyRowsAndWriteModeDtypesAreChecked) {
+  const AttnCase c{"bad_rows", {5, 3}, {5, 3}, 2, 1, 8, 8, MaskType::causal};
+  const Problem pb(c, DType::bf16, 3);
+  Tensor out(DType::bf16, pb.out_shape());
+  std::vector<float> lse(pb.lse_size());
+  AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1);
+  std::vector<int64_t> rows{0, 1, 2, 3, 4, 5, 6, 8};
+  fp.in.key_rows = rows.data();
+  EXPECT_NE(error_of([&] { attention_forward(fp); }).find("key_rows[7] = 8 is outside k's rows [0, 8)"),
+            std::string::npos);
+  rows[7] = 2;
+  EXPECT_NE(error_of([&] { attention_forward(fp); })
+                .find("key_rows must be a permutation of [0, total_k = 8), row 2 appears twice (again at key_rows[7])"),
+            std::string::npos);
+  rows[7] = 7;
+  attention_forward(fp);
+  Tensor dq(DType::bf16, pb.q_shape()), dk(DType::f16, pb.k_shape()), dv(DType::f16, pb.v_shape());
+  AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
+  EXPECT_NE(error_of([&] { attention_backward(bp); })
+                .find("grad_mode write needs dk and dv both of the inputs' dtype bf16 or both fp32, got dk fp16, dv fp16"),
+            std::string::npos);
+  Tensor dk32(DType::f32, pb.k_shape());
+  bp.dk = dk32.view();
+  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("got dk fp32, dv fp16"), std::string::npos);
+}
+
 // ---- 64-bit offsets ----------------------------------------------------------------------------
 // Rows 2^31 elements apart, so that the rows start at 0, 2^31 and 2^32 elements (16 GiB):
 // past what signed and unsigned 32-bit arithmetic hold. The tensors are columns of one reserved, mostly untouched mapping
