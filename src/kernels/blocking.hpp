@@ -35,24 +35,26 @@ constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S
                           // softmax and O += P V FSB rows at a time, each product's operands
                           // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
                           // an 8 KiB K^T or V panel) within a 32 KiB L1
-constexpr int BWD_SETS = 4;  // backward head sets per kv head (bwd_set_heads): Hq = 16, Hkv = 4
-                             // has 16 units, and the scratch is at most 4 buffers of total_k
-                             // rows per kv head however many query heads share it
+constexpr int BWD_SETS = 2;       // backward head sets per kv head, at least (bwd_set_heads)
+constexpr int BWD_SET_HEADS = 4;  // query heads per backward head set, at most
 static_assert(BK % PAD == 0 && FBK % BK == 0 && FBK_TILES % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 
 // Query heads per backward unit. A unit is (kv head, set of consecutive query heads of its
-// group) and accumulates the set's dK/dV in one fp32 buffer, head after head; the sets' buffers
-// are summed in set order at the end. A kv head's group of G query heads runs as min(G,
-// BWD_SETS) sets of ceil(G / sets) heads (the last one smaller). A function of the group size
-// alone: never of num_threads (the summation order, and so the result, do not depend on the
-// thread count), nor of how many kv heads the call has, so that a call split into calls over
-// groups of kv heads (the overlapped CP backward) sums every gradient in the same order as
-// the whole call, bitwise.
+// group): for each key piece its heads' dK/dV add into one tile, which goes into the set's
+// fp32 buffer once; the sets' buffers are summed in set order at the end. A kv head's group of
+// G query heads runs as max(min(G, BWD_SETS), ceil(G / BWD_SET_HEADS)) sets of ceil(G / sets)
+// heads (the last one smaller): the fewer the sets, the less the buffers and their final sum
+// move (a CP rank's, over all gathered keys, were a quarter of its bf16 backward on AMX with 4
+// sets of one head), the more, the more units threads share; per-thread scratch grows with the
+// set's heads. A function of the group size alone: never of num_threads (the summation order,
+// and so the result, do not depend on the thread count), nor of how many kv heads the call
+// has, so that a call split into calls over groups of kv heads (the overlapped CP backward)
+// sums every gradient in the same order as the whole call, bitwise.
 constexpr int bwd_set_heads(int num_heads_q, int num_heads_k) {
   const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
-  const int sets = std::min(group, BWD_SETS);
+  const int sets = std::max(std::min(group, BWD_SETS), (group + BWD_SET_HEADS - 1) / BWD_SET_HEADS);
   return (group + sets - 1) / sets;
 }
 constexpr int bwd_sets(int num_heads_q, int num_heads_k) {
@@ -61,9 +63,12 @@ constexpr int bwd_sets(int num_heads_q, int num_heads_k) {
   return (group + per - 1) / per;
 }
 // The shapes docs/kernels.md and the head-set tests name.
-static_assert(bwd_set_heads(16, 4) == 1 && bwd_set_heads(64, 8) == 2 && bwd_set_heads(32, 8) == 1 &&
-              bwd_set_heads(40, 4) == 3 && bwd_sets(40, 4) == 4 && bwd_set_heads(16, 1) == 4 &&
-              bwd_set_heads(20, 4) == 2 && bwd_sets(20, 4) == 3 && bwd_set_heads(20, 4) == bwd_set_heads(10, 2));
+static_assert(bwd_set_heads(16, 4) == 2 && bwd_sets(16, 4) == 2 && bwd_set_heads(64, 8) == 4 &&
+              bwd_set_heads(32, 8) == 2 && bwd_set_heads(40, 4) == 4 && bwd_sets(40, 4) == 3 &&
+              bwd_set_heads(16, 1) == 4 && bwd_sets(16, 1) == 4 && bwd_set_heads(8, 8) == 1 &&
+              bwd_sets(8, 8) == 1 && bwd_set_heads(16, 8) == 1 && bwd_sets(16, 8) == 2 &&
+              bwd_set_heads(20, 4) == 3 && bwd_sets(20, 4) == 2 && bwd_set_heads(3, 1) == 2 &&
+              bwd_sets(3, 1) == 2 && bwd_set_heads(20, 4) == bwd_set_heads(10, 2));
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
@@ -94,14 +99,16 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   // (bf16 tiles: per block of BBK rows, the last one whole)
   const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) * g_rows * (dp + dvp);
-  // q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp]; lse, delta; S, P,
-  // dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles [BBK][dp + dvp]; row buffers (a packed row,
-  // an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp)
+  // Per head of a set: q, dq and the q panels [max_q][dp]; dout and its panels [max_q][dvp];
+  // lse, delta. Shared: S, P, dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles
+  // [BBK][dp + dvp]; row buffers (a packed row, an out row, the dK/dV sums of a key row) of at
+  // most 2 (dp + dvp)
   const size_t bq = bf16_tiles ? BQB_TILES : BQB;
-  f.per_thread = mq * (3 * dp + 2 * dvp + 2) + 3 * bq * BBK + BBK * (dp + dvp) + 2 * (dp + dvp);
-  if (bf16_tiles) {  // bf16 copies of Q, dO and their transposes (4-byte units), pairs of P and dS, dS in bf16
+  const auto per = static_cast<size_t>(bwd_set_heads(num_heads_q, num_heads_k));
+  f.per_thread = per * mq * (3 * dp + 2 * dvp + 2) + 3 * bq * BBK + BBK * (dp + dvp) + 2 * (dp + dvp);
+  if (bf16_tiles) {  // per head: bf16 copies of Q, dO and their transposes (4-byte units); pairs of P and dS, dS in bf16
     const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
-    f.per_thread += mq32 * (dq32 + dv32) + bq * BBK * 3 / 2 + size_t{BBK} * (dp + dvp);  // + the final sum's block
+    f.per_thread += per * mq32 * (dq32 + dv32) + bq * BBK * 3 / 2 + size_t{BBK} * (dp + dvp);  // + the final sum's block
   }
   return f;
 }

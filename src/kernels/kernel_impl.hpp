@@ -1606,49 +1606,70 @@ void forward_impl(const AttnFwdParams& p) {
 }
 
 // ---- backward ----------------------------------------------------------------------------
-struct BwdScratch {
+// One query head's rows of the task being run (a set's heads run side by side, so that their
+// dK/dV pieces add into one tile: BwdScratch::heads).
+struct BwdHead {
   fvec q, dout, dq, lse2, delta;  // per task rows, row-major
   fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD] (not with tiles)
-  fvec s, pd, dp;                 // [bqb][BBK] (bqb: BQB, or BQB_TILES with tiles)
-  fvec dk, dv;                    // piece tiles [BBK][dp], [BBK][dvp] (tiles: [dp][BBK], [dvp][BBK])
-  fvec orow;                      // an out row [dvp]
   // bf16 tiles (the amx path): Q and dO rows in bf16 [mq32][dq32], [mq32][dv32] (the A of S and
-  // dP) and transposed [dp][mq32], [dvp][mq32] (the A of dK^T and dV^T); a step's P and dS in
-  // pairs of query rows [bqb / 2][BBK] (the B of dV^T and dK^T) and dS rows in bf16 [bqb][BBK]
-  // (the A of dQ). mq32: max_q rounded up to 32.
-  u16vec q16, do16, qt16, dot16, ds16;
-  uvec pv2, ds2;
-  int64_t mq32 = 0;
-  // Sizes every buffer for tasks of at most max_q rows and padded head dims dqk, dvp.
-  BwdScratch(int64_t max_q, int dqk, int dvp, bool tiles) {
-    const size_t mq = static_cast<size_t>(max_q), kq = static_cast<size_t>(tiles ? BQB_TILES : BQB) * BBK;
+  // dP) and transposed [dp][mq32], [dvp][mq32] (the A of dK^T and dV^T). mq32: max_q rounded
+  // up to 32.
+  u16vec q16, do16, qt16, dot16;
+  BwdHead(int64_t max_q, int dqk, int dvp, bool tiles) {
+    const size_t mq = static_cast<size_t>(max_q);
     for (fvec* b : {&q, &dq}) b->resize(mq * dqk);
     dout.resize(mq * dvp);
     if (!tiles) {
       q_pan.resize(mq * dqk);
       dout_pan.resize(mq * dvp);
     } else {
-      mq32 = (max_q + 31) / 32 * 32;
-      const size_t m32 = static_cast<size_t>(mq32), dq32 = (dqk + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
+      const size_t m32 = static_cast<size_t>((max_q + 31) / 32 * 32), dq32 = (dqk + 31) / 32 * 32,
+                   dv32 = (dvp + 31) / 32 * 32;
       q16.resize(m32 * dq32);
       do16.resize(m32 * dv32);
       qt16.resize(static_cast<size_t>(dqk) * m32);
       dot16.resize(static_cast<size_t>(dvp) * m32);
+    }
+    for (fvec* b : {&lse2, &delta}) b->resize(mq);
+  }
+  size_t floats() const {  // in 4-byte units
+    size_t n = 0;
+    for (const fvec* b : {&q, &dout, &dq, &lse2, &delta, &q_pan, &dout_pan}) n += b->size();
+    for (const u16vec* b : {&q16, &do16, &qt16, &dot16}) n += (b->size() + 1) / 2;
+    return n;
+  }
+};
+
+struct BwdScratch {
+  std::vector<BwdHead> heads;     // a set's heads, in head order
+  fvec s, pd, dp;                 // [bqb][BBK] (bqb: BQB, or BQB_TILES with tiles)
+  fvec dk, dv;                    // piece tiles [BBK][dp], [BBK][dvp] (tiles: [dp][BBK], [dvp][BBK])
+  fvec orow;                      // an out row [dvp]
+  // bf16 tiles (the amx path): a step's P and dS in pairs of query rows [bqb / 2][BBK] (the B
+  // of dV^T and dK^T) and dS rows in bf16 [bqb][BBK] (the A of dQ).
+  u16vec ds16;
+  uvec pv2, ds2;
+  int64_t mq32 = 0;
+  // Sizes every buffer for `per` heads, tasks of at most max_q rows and padded head dims dqk, dvp.
+  BwdScratch(int per, int64_t max_q, int dqk, int dvp, bool tiles) {
+    const size_t kq = static_cast<size_t>(tiles ? BQB_TILES : BQB) * BBK;
+    heads.reserve(static_cast<size_t>(per));
+    for (int j = 0; j < per; ++j) heads.emplace_back(max_q, dqk, dvp, tiles);
+    if (tiles) {
+      mq32 = (max_q + 31) / 32 * 32;
       ds16.resize(kq);
       pv2.resize(kq / 2);
       ds2.resize(kq / 2);
     }
-    for (fvec* b : {&lse2, &delta}) b->resize(mq);
     for (fvec* b : {&s, &pd, &dp}) b->resize(kq);
     dk.resize(size_t{BBK} * dqk);
     dv.resize(size_t{BBK} * dvp);
     orow.resize(dvp);
   }
   size_t floats() const {  // in 4-byte units
-    size_t n = pv2.size() + ds2.size();
-    for (const fvec* b : {&q, &dout, &dq, &lse2, &delta, &q_pan, &dout_pan, &s, &pd, &dp, &dk, &dv, &orow})
-      n += b->size();
-    for (const u16vec* b : {&q16, &do16, &qt16, &dot16, &ds16}) n += (b->size() + 1) / 2;
+    size_t n = pv2.size() + ds2.size() + (ds16.size() + 1) / 2;
+    for (const fvec* b : {&s, &pd, &dp, &dk, &dv, &orow}) n += b->size();
+    for (const BwdHead& h : heads) n += h.floats();
     return n;
   }
 };
@@ -1708,7 +1729,7 @@ void backward_impl(const AttnBwdParams& p) {
   std::vector<char> touched(static_cast<size_t>(units * nbb), 0);
 
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
-  std::vector<BwdScratch> scr(nthr, BwdScratch(max_q, dp, dvp, t16));
+  std::vector<BwdScratch> scr(nthr, BwdScratch(per, max_q, dp, dvp, t16));
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
                   pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();
@@ -1722,68 +1743,73 @@ void backward_impl(const AttnBwdParams& p) {
                                   .total(std::max(nthr, red_thr)));
   }
 
-  // One query head h of unit u: its tasks in order, the pieces of each in key order.
-  auto run_head = [&](BwdScratch& S, int h, float* gku, float* gvu, char* tu) {
-    const int hk = h / group;
+  // The query heads [h0, h1) of a set of unit u (one kv head's): its tasks in order, the pieces
+  // of each in key order, and for each piece the set's heads in order, their dK/dV adding into
+  // one tile (a piece's tile is written out once per set, not once per head).
+  auto run_set = [&](BwdScratch& S, int h0, int h1, float* gku, float* gvu, char* tu) {
+    const int hk = h0 / group;
     for (const AttnTask& t : w.tasks) {
       const int64_t nq = t.q_len;
       float* const orow = S.orow.data();
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t row = t.q_row + i;
-        if (i + kRowsAhead < nq) {
-          const int64_t ahead = row + kRowsAhead;
-          prefetch_row(q_data, dtype, ahead * q_rs + h * q_hs, head_dim_qk);
-          prefetch_row(dout_data, dtype, ahead * dout_rs + h * dout_hs, head_dim_v);
-          prefetch_row(out_data, dtype, ahead * out_rs + h * out_hs, head_dim_v);
-        }
-        ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, S.q.data() + i * dp);
-        float* dor = S.dout.data() + i * dvp;
-        ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
-        ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow);
-        if (t16) {
-          uint16_t* q16 = S.q16.data() + i * dq32;
-          uint16_t* do16 = S.do16.data() + i * dv32;
-          round_row_bf16(S.q.data() + i * dp, dp, dq32, q16);
-          round_row_bf16(dor, dvp, dv32, do16);
-        } else {
-          for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
-            std::memcpy(S.q_pan.data() + ((d / PAD) * max_q + i) * PAD, S.q.data() + i * dp + d, PAD * sizeof(float));
-          for (int d = 0; d < dvp; d += PAD)
-            std::memcpy(S.dout_pan.data() + ((d / PAD) * max_q + i) * PAD, dor + d, PAD * sizeof(float));
-        }
-        float delta = 0.0f;  // dout_i . out_i
-        if (cr.bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
-          // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
-          // (a query that sees one key: out = v, dP = dout . v)
-          // (std::fma, not `delta += a * b` twice per pair: GCC 12.2 at -O3 vectorizes that
-          // in-order reduction over interleaved pairs wrongly)
-          for (int d = 0; d < dvp; d += 2) {
-            delta = std::fma(dor[d + 1], orow[d + 1], delta);
-            delta = std::fma(dor[d], orow[d], delta);
+      for (int h = h0; h < h1; ++h) {  // the heads' rows, in bf16 and transposed with tiles
+        BwdHead& H = S.heads[static_cast<size_t>(h - h0)];
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t row = t.q_row + i;
+          if (i + kRowsAhead < nq) {
+            const int64_t ahead = row + kRowsAhead;
+            prefetch_row(q_data, dtype, ahead * q_rs + h * q_hs, head_dim_qk);
+            prefetch_row(dout_data, dtype, ahead * dout_rs + h * dout_hs, head_dim_v);
+            prefetch_row(out_data, dtype, ahead * out_rs + h * out_hs, head_dim_v);
           }
-        } else if (cr.bd == Dot::bf16_tiles || cr.bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
-          delta = dot_tile_order(dor, orow, dvp, cr.bd == Dot::bf16_tiles);
-        } else {
-          for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
+          ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, H.q.data() + i * dp);
+          float* dor = H.dout.data() + i * dvp;
+          ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
+          ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow);
+          if (t16) {
+            uint16_t* q16 = H.q16.data() + i * dq32;
+            uint16_t* do16 = H.do16.data() + i * dv32;
+            round_row_bf16(H.q.data() + i * dp, dp, dq32, q16);
+            round_row_bf16(dor, dvp, dv32, do16);
+          } else {
+            for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
+              std::memcpy(H.q_pan.data() + ((d / PAD) * max_q + i) * PAD, H.q.data() + i * dp + d, PAD * sizeof(float));
+            for (int d = 0; d < dvp; d += PAD)
+              std::memcpy(H.dout_pan.data() + ((d / PAD) * max_q + i) * PAD, dor + d, PAD * sizeof(float));
+          }
+          float delta = 0.0f;  // dout_i . out_i
+          if (cr.bd == Dot::bf16_pairs) {  // in the order of the bf16 dot products (odd, then even element of each pair)
+            // that give dP, so that dP - delta is exactly 0 where it is in exact arithmetic
+            // (a query that sees one key: out = v, dP = dout . v)
+            // (std::fma, not `delta += a * b` twice per pair: GCC 12.2 at -O3 vectorizes that
+            // in-order reduction over interleaved pairs wrongly)
+            for (int d = 0; d < dvp; d += 2) {
+              delta = std::fma(dor[d + 1], orow[d + 1], delta);
+              delta = std::fma(dor[d], orow[d], delta);
+            }
+          } else if (cr.bd == Dot::bf16_tiles || cr.bd == Dot::fp16_tiles) {  // likewise, in the tiles' order
+            delta = dot_tile_order(dor, orow, dvp, cr.bd == Dot::bf16_tiles);
+          } else {
+            for (int d = 0; d < head_dim_v; ++d) delta += dor[d] * orow[d];
+          }
+          H.delta[i] = delta;
+          H.lse2[i] = lse[row * hq + h] * kLog2e;
         }
-        S.delta[i] = delta;
-        S.lse2[i] = lse[row * hq + h] * kLog2e;
-      }
-      std::fill(S.dq.begin(), S.dq.begin() + nq * dp, 0.0f);
-      if (t16) {
-        // The transposes, 32 rows at a time (their lines stay in L1 while the columns are
-        // written; a row at a time wrote every element to another line and page); their
-        // columns past the task's last query, up to a whole tile step, are zero.
-        for (int64_t j0 = 0; j0 < nq; j0 += 32) {
-          const int64_t j1 = std::min(nq, j0 + 32);
-          for (int d = 0; d < dp; ++d)
-            for (int64_t j = j0; j < j1; ++j) S.qt16[d * S.mq32 + j] = S.q16[j * dq32 + d];
-          for (int d = 0; d < dvp; ++d)
-            for (int64_t j = j0; j < j1; ++j) S.dot16[d * S.mq32 + j] = S.do16[j * dv32 + d];
+        std::fill(H.dq.begin(), H.dq.begin() + nq * dp, 0.0f);
+        if (t16) {
+          // The transposes, 32 rows at a time (their lines stay in L1 while the columns are
+          // written; a row at a time wrote every element to another line and page); their
+          // columns past the task's last query, up to a whole tile step, are zero.
+          for (int64_t j0 = 0; j0 < nq; j0 += 32) {
+            const int64_t j1 = std::min(nq, j0 + 32);
+            for (int d = 0; d < dp; ++d)
+              for (int64_t j = j0; j < j1; ++j) H.qt16[d * S.mq32 + j] = H.q16[j * dq32 + d];
+            for (int d = 0; d < dvp; ++d)
+              for (int64_t j = j0; j < j1; ++j) H.dot16[d * S.mq32 + j] = H.do16[j * dv32 + d];
+          }
+          const int64_t nq32 = (nq + 31) / 32 * 32;
+          for (int d = 0; d < dp; ++d) std::fill_n(H.qt16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
+          for (int d = 0; d < dvp; ++d) std::fill_n(H.dot16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
         }
-        const int64_t nq32 = (nq + 31) / 32 * 32;
-        for (int d = 0; d < dp; ++d) std::fill_n(S.qt16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
-        for (int d = 0; d < dvp; ++d) std::fill_n(S.dot16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
       }
 
       for_each_piece<BBK>(w, t, cr.vz, t.q_pos, t.q_pos + nq - 1, [&](const Piece& pc) {
@@ -1795,137 +1821,140 @@ void backward_impl(const AttnBwdParams& p) {
         // the last key position of the piece: query blocks past its left window end the loop
         const int64_t p_hi = pc.p_lo + (pc.c1 - pc.c0) - 1;
         bool first = true;  // the piece's first step writes its dK, dV tiles (no zero fill)
-        for (int64_t qb = qb0; qb * bqb < nq; ++qb) {
-          const int64_t i0 = qb * bqb, qp0 = t.q_pos + i0;
-          if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
-          const int m = static_cast<int>(std::min<int64_t>(bqb, nq - i0));
-          const float* qblk = S.q.data() + i0 * dp;
-          const float* doblk = S.dout.data() + i0 * dvp;
-          // S = Q Kt, dP = dO Vt   [m, a0:a1)
-          if (t16) {
-            gemm_tiles16<true>(false, m, n, dp, S.q16.data() + i0 * dq32, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2,
-                               S.s.data() + pc.a0, BBK);
-            gemm_tiles16<true>(false, m, n, dvp, S.do16.data() + i0 * dv32, dv32, pk.Vt2(hk, k0), PAD,
-                               dvp * PAD / 2, S.dp.data() + pc.a0, BBK);
-          } else {
-            const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-            const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
-            mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
-            mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
-          }
-          // The next query block's Q, dO and their panels come from L3 (per-task buffers of
-          // max_q rows): fetch them while this block's softmax and products run.
-          const bool more = !t16 && i0 + BQB < nq;
-          for (int r = 0; more && r < m; ++r) {
-            const int64_t ni = i0 + BQB + r;
-            if (ni >= nq) break;
-            for (int d = 0; d < dp; d += 16) __builtin_prefetch(S.q.data() + ni * dp + d);
-            for (int d = 0; d < dvp; d += 16) __builtin_prefetch(S.dout.data() + ni * dvp + d);
-            if (r % 4 == 0) {  // a panel row is 16 floats: 4 rows per line
-              for (int d = 0; d < dp; d += PAD) __builtin_prefetch(S.q_pan.data() + ((d / PAD) * max_q + ni) * PAD);
-              for (int d = 0; d < dvp; d += PAD) __builtin_prefetch(S.dout_pan.data() + ((d / PAD) * max_q + ni) * PAD);
+        for (int h = h0; h < h1; ++h) {
+          BwdHead& H = S.heads[static_cast<size_t>(h - h0)];
+          for (int64_t qb = qb0; qb * bqb < nq; ++qb) {
+            const int64_t i0 = qb * bqb, qp0 = t.q_pos + i0;
+            if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
+            const int m = static_cast<int>(std::min<int64_t>(bqb, nq - i0));
+            const float* qblk = H.q.data() + i0 * dp;
+            const float* doblk = H.dout.data() + i0 * dvp;
+            // S = Q Kt, dP = dO Vt   [m, a0:a1)
+            if (t16) {
+              gemm_tiles16<true>(false, m, n, dp, H.q16.data() + i0 * dq32, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2,
+                                 S.s.data() + pc.a0, BBK);
+              gemm_tiles16<true>(false, m, n, dvp, H.do16.data() + i0 * dv32, dv32, pk.Vt2(hk, k0), PAD,
+                                 dvp * PAD / 2, S.dp.data() + pc.a0, BBK);
+            } else {
+              const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
+              const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
+              mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
+              mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
             }
-          }
-          for (int r = 0; r < m; ++r) {
-            float* s = S.s.data() + r * BBK;   // -> P, then dS
-            float* dpr = S.dp.data() + r * BBK;
-            float* pd = S.pd.data() + r * BBK;  // P after dropout
-            const int ve = visible_end(pc, cr.vz, qp0 + r);
-            const int vb = visible_begin(pc, cr.vz, qp0 + r);
-            const float l2 = S.lse2[i0 + r];
-            if (ve <= vb || l2 == kNegInf) {
-              for (int c = pc.a0; c < pc.a1; ++c) s[c] = pd[c] = 0.0f;
-              continue;
+            // The next query block's Q, dO and their panels come from L3 (per-task buffers of
+            // max_q rows): fetch them while this block's softmax and products run.
+            const bool more = !t16 && i0 + BQB < nq;
+            for (int r = 0; more && r < m; ++r) {
+              const int64_t ni = i0 + BQB + r;
+              if (ni >= nq) break;
+              for (int d = 0; d < dp; d += 16) __builtin_prefetch(H.q.data() + ni * dp + d);
+              for (int d = 0; d < dvp; d += 16) __builtin_prefetch(H.dout.data() + ni * dvp + d);
+              if (r % 4 == 0) {  // a panel row is 16 floats: 4 rows per line
+                for (int d = 0; d < dp; d += PAD) __builtin_prefetch(H.q_pan.data() + ((d / PAD) * max_q + ni) * PAD);
+                for (int d = 0; d < dvp; d += PAD) __builtin_prefetch(H.dout_pan.data() + ((d / PAD) * max_q + ni) * PAD);
+              }
             }
-            if (cr.scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
-              const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
-              const float dl = S.delta[i0 + r];
-              const uint64_t key = cr.dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
-              for (int c = pc.a0; c < pc.a1; ++c) {
-                if (c < vb || c >= ve) {
-                  s[c] = pd[c] = 0.0f;
-                  continue;
+            for (int r = 0; r < m; ++r) {
+              float* s = S.s.data() + r * BBK;   // -> P, then dS
+              float* dpr = S.dp.data() + r * BBK;
+              float* pd = S.pd.data() + r * BBK;  // P after dropout
+              const int ve = visible_end(pc, cr.vz, qp0 + r);
+              const int vb = visible_begin(pc, cr.vz, qp0 + r);
+              const float l2 = H.lse2[i0 + r];
+              if (ve <= vb || l2 == kNegInf) {
+                for (int c = pc.a0; c < pc.a1; ++c) s[c] = pd[c] = 0.0f;
+                continue;
+              }
+              if (cr.scored) {  // soft cap / ALiBi: per element, scalar; dS gets the cap's derivative
+                const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+                const float dl = H.delta[i0 + r];
+                const uint64_t key = cr.dropout ? dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r) : 0;
+                for (int c = pc.a0; c < pc.a1; ++c) {
+                  if (c < vb || c >= ve) {
+                    s[c] = pd[c] = 0.0f;
+                    continue;
+                  }
+                  const int64_t kp = pc.p_lo + (c - pc.c0);
+                  float dcap;
+                  const float x = transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r, kp, dcap);
+                  const float pv = std::exp2(x * kLog2e - l2);
+                  const float kf = !cr.dropout ? 1.0f : dropout_keep_row(key, kp, cr.thr) ? cr.inv_keep : 0.0f;
+                  pd[c] = pv * kf;
+                  s[c] = pv * (dpr[c] * kf - dl) * dcap;
                 }
-                const int64_t kp = pc.p_lo + (c - pc.c0);
-                float dcap;
-                const float x = transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r, kp, dcap);
-                const float pv = std::exp2(x * kLog2e - l2);
-                const float kf = !cr.dropout ? 1.0f : dropout_keep_row(key, kp, cr.thr) ? cr.inv_keep : 0.0f;
-                pd[c] = pv * kf;
-                s[c] = pv * (dpr[c] * kf - dl) * dcap;
+                continue;
               }
+              const vf lv = vset(l2), cv = vset(cr.cl), dl = vset(H.delta[i0 + r]);
+              for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * cv - lv);
+              for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
+              for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
+              if (!cr.dropout) {
+                for (int c = pc.a0; c < pc.a1; c += W) {
+                  const vf pv = vexp2(vload(s + c));
+                  vstore(pd + c, pv);
+                  vstore(s + c, pv * (vload(dpr + c) - dl));  // dS = P (dP - delta)
+                }
+              } else {
+                const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
+                for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
+                for (int c = pc.a0; c < pc.a1; ++c) {
+                  const bool vis = c >= vb && c < ve;
+                  const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? cr.inv_keep : 0.0f;
+                  pd[c] = s[c] * kf;
+                  s[c] = s[c] * (dpr[c] * kf - H.delta[i0 + r]);
+                }
+              }
+            }
+            // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1). dS = P (dP - delta)
+            // is an fp32 intermediate whose range is dP's (a sum over the head dim of dO V): fp16
+            // tiles would round it to fp16 and overflow past 65504 (or flush it below 6e-8), so
+            // with fp16 storage its two products run on the FMA code; bf16 has fp32's range.
+            const Dot ds_dot = cr.bd == Dot::fp16_tiles ? Dot::fma : cr.bd;
+            if (t16) {
+              // dV^T[:, a0:a1) += dO^T P, dK^T[:, a0:a1) += Q^T dS (B: P, dS in pairs of query rows);
+              // dQ += dS K (A: dS rows in bf16)
+              const int n32 = (n + 31) / 32 * 32;
+              for (int r = 0; r < m; r += 2) {
+                pair_two_rows(S.pd.data(), BBK, r, m, pc.a0, pc.a1, S.pv2.data() + (r / 2) * BBK);
+                pair_two_rows(S.s.data(), BBK, r, m, pc.a0, pc.a1, S.ds2.data() + (r / 2) * BBK);
+                round_row_bf16(S.s.data() + r * BBK + pc.a0, n, n32, S.ds16.data() + r * BBK);
+                if (r + 1 < m) round_row_bf16(S.s.data() + (r + 1) * BBK + pc.a0, n, n32, S.ds16.data() + (r + 1) * BBK);
+              }
+              const uint16_t* dot = H.dot16.data() + i0;
+              const uint16_t* qt = H.qt16.data() + i0;
+              const uint32_t* pv2 = S.pv2.data() + pc.a0;
+              const uint32_t* ds2 = S.ds2.data() + pc.a0;
+              float* const tv = S.dv.data() + pc.a0;
+              float* const tk = S.dk.data() + pc.a0;
+              if (first) {
+                gemm_tiles16<true>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
+                gemm_tiles16<true>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+              } else {
+                gemm_tiles16<false>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
+                gemm_tiles16<false>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+              }
+              first = false;
+              gemm_tiles16<false>(false, m, dp, n, S.ds16.data(), BBK, pk.Kr2(hk, k0), PAD, pk.vr_ps() / 2,
+                                  H.dq.data() + i0 * dp, dp);
               continue;
             }
-            const vf lv = vset(l2), cv = vset(cr.cl), dl = vset(S.delta[i0 + r]);
-            for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vload(s + c) * cv - lv);
-            for (int c = pc.a0; c < vb; ++c) s[c] = kNegInf;
-            for (int c = ve; c < pc.a1; ++c) s[c] = kNegInf;
-            if (!cr.dropout) {
-              for (int c = pc.a0; c < pc.a1; c += W) {
-                const vf pv = vexp2(vload(s + c));
-                vstore(pd + c, pv);
-                vstore(s + c, pv * (vload(dpr + c) - dl));  // dS = P (dP - delta)
-              }
-            } else {
-              const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp0 + r);
-              for (int c = pc.a0; c < pc.a1; c += W) vstore(s + c, vexp2(vload(s + c)));
-              for (int c = pc.a0; c < pc.a1; ++c) {
-                const bool vis = c >= vb && c < ve;
-                const float kf = vis && dropout_keep_row(key, pc.p_lo + (c - pc.c0), cr.thr) ? cr.inv_keep : 0.0f;
-                pd[c] = s[c] * kf;
-                s[c] = s[c] * (dpr[c] * kf - S.delta[i0 + r]);
-              }
-            }
-          }
-          // dV[a0:a1) += Pd^T dO ; dK[a0:a1) += dS^T Q ; dQ += dS K[a0:a1). dS = P (dP - delta)
-          // is an fp32 intermediate whose range is dP's (a sum over the head dim of dO V): fp16
-          // tiles would round it to fp16 and overflow past 65504 (or flush it below 6e-8), so
-          // with fp16 storage its two products run on the FMA code; bf16 has fp32's range.
-          const Dot ds_dot = cr.bd == Dot::fp16_tiles ? Dot::fma : cr.bd;
-          if (t16) {
-            // dV^T[:, a0:a1) += dO^T P, dK^T[:, a0:a1) += Q^T dS (B: P, dS in pairs of query rows);
-            // dQ += dS K (A: dS rows in bf16)
-            const int n32 = (n + 31) / 32 * 32;
-            for (int r = 0; r < m; r += 2) {
-              pair_two_rows(S.pd.data(), BBK, r, m, pc.a0, pc.a1, S.pv2.data() + (r / 2) * BBK);
-              pair_two_rows(S.s.data(), BBK, r, m, pc.a0, pc.a1, S.ds2.data() + (r / 2) * BBK);
-              round_row_bf16(S.s.data() + r * BBK + pc.a0, n, n32, S.ds16.data() + r * BBK);
-              if (r + 1 < m) round_row_bf16(S.s.data() + (r + 1) * BBK + pc.a0, n, n32, S.ds16.data() + (r + 1) * BBK);
-            }
-            const uint16_t* dot = S.dot16.data() + i0;
-            const uint16_t* qt = S.qt16.data() + i0;
-            const uint32_t* pv2 = S.pv2.data() + pc.a0;
-            const uint32_t* ds2 = S.ds2.data() + pc.a0;
-            float* const tv = S.dv.data() + pc.a0;
-            float* const tk = S.dk.data() + pc.a0;
+            float* const tv = S.dv.data() + pc.a0 * dvp;
+            float* const tk = S.dk.data() + pc.a0 * dp;
             if (first) {
-              gemm_tiles16<true>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
-              gemm_tiles16<true>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+              mm<true>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BBK, H.dout_pan.data() + i0 * PAD, PAD,
+                         max_q * PAD, tv, dvp);
+              mm<true>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BBK, H.q_pan.data() + i0 * PAD, PAD,
+                         max_q * PAD, tk, dp);
             } else {
-              gemm_tiles16<false>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
-              gemm_tiles16<false>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+              mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BBK, H.dout_pan.data() + i0 * PAD, PAD,
+                          max_q * PAD, tv, dvp);
+              mm<false>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BBK, H.q_pan.data() + i0 * PAD, PAD,
+                          max_q * PAD, tk, dp);
             }
             first = false;
-            gemm_tiles16<false>(false, m, dp, n, S.ds16.data(), BBK, pk.Kr2(hk, k0), PAD, pk.vr_ps() / 2,
-                                S.dq.data() + i0 * dp, dp);
-            continue;
+            mm<false>(ds_dot, m, dp, n, S.s.data() + pc.a0, BBK, 1, pk.Kr(hk) + k0 * PAD, PAD,
+                        pk.vr_ps(), H.dq.data() + i0 * dp, dp, pk.paired(pk.Kr(hk) + k0 * PAD));
           }
-          float* const tv = S.dv.data() + pc.a0 * dvp;
-          float* const tk = S.dk.data() + pc.a0 * dp;
-          if (first) {
-            mm<true>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BBK, S.dout_pan.data() + i0 * PAD, PAD,
-                       max_q * PAD, tv, dvp);
-            mm<true>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BBK, S.q_pan.data() + i0 * PAD, PAD,
-                       max_q * PAD, tk, dp);
-          } else {
-            mm<false>(cr.bd, n, dvp, m, S.pd.data() + pc.a0, 1, BBK, S.dout_pan.data() + i0 * PAD, PAD,
-                        max_q * PAD, tv, dvp);
-            mm<false>(ds_dot, n, dp, m, S.s.data() + pc.a0, 1, BBK, S.q_pan.data() + i0 * PAD, PAD,
-                        max_q * PAD, tk, dp);
-          }
-          first = false;
-          mm<false>(ds_dot, m, dp, n, S.s.data() + pc.a0, BBK, 1, pk.Kr(hk) + k0 * PAD, PAD,
-                      pk.vr_ps(), S.dq.data() + i0 * dp, dp, pk.paired(pk.Kr(hk) + k0 * PAD));
         }
         if (first) return;  // no query block saw the piece: nothing to add
         // add the piece's rows to the unit's dK/dV: the block's first piece writes the whole
@@ -1974,28 +2003,31 @@ void backward_impl(const AttnBwdParams& p) {
           for (int d = 0; d < dvp; d += W) vstore(gvr + d, vload(gvr + d) + vload(tv + d));
         }
       });
-      for (int64_t i = 0; i < nq; ++i) {
-        const float* src = S.dq.data() + i * dp;
-        if (p.grad_mode == GradMode::accumulate_all) {  // fp32 view: added to
-          if (i + kRowsAhead < nq)
-            prefetch_row(dq_data, DType::f32, (t.q_row + i + kRowsAhead) * dq_rs + h * dq_hs, head_dim_qk);
-          float* o = static_cast<float*>(dq_data) + (t.q_row + i) * dq_rs + h * dq_hs;
-          for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * cr.scale;
-        } else {
-          st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, cr.scale);
+      for (int h = h0; h < h1; ++h) {
+        const BwdHead& H = S.heads[static_cast<size_t>(h - h0)];
+        for (int64_t i = 0; i < nq; ++i) {
+          const float* src = H.dq.data() + i * dp;
+          if (p.grad_mode == GradMode::accumulate_all) {  // fp32 view: added to
+            if (i + kRowsAhead < nq)
+              prefetch_row(dq_data, DType::f32, (t.q_row + i + kRowsAhead) * dq_rs + h * dq_hs, head_dim_qk);
+            float* o = static_cast<float*>(dq_data) + (t.q_row + i) * dq_rs + h * dq_hs;
+            for (int d = 0; d < head_dim_qk; ++d) o[d] += src[d] * cr.scale;
+          } else {
+            st_row(dq_data, dtype, (t.q_row + i) * dq_rs + h * dq_hs, head_dim_qk, src, cr.scale);
+          }
         }
       }
     }
   };
 
-  // Unit u = (kv head u / sets, set u % sets): its heads in head order.
+  // Unit u = (kv head u / sets, set u % sets): its heads side by side.
   parallel_for(units, nthr, [&](int64_t u, int th) {
     const int hk = static_cast<int>(u / sets), set = static_cast<int>(u % sets);
     float* gku = gk.data() + static_cast<size_t>(u) * g_rows * dp;
     float* gvu = gv.data() + static_cast<size_t>(u) * g_rows * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
     const TileScope tiles;
-    for (int h = h0; h < h1; ++h) run_head(scr[th], h, gku, gvu, touched.data() + u * nbb);
+    run_set(scr[th], h0, h1, gku, gvu, touched.data() + u * nbb);
   });
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.

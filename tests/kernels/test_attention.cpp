@@ -334,8 +334,8 @@ TEST(kernel_attention, DropoutSameForAnyTaskSplitAndMatchesReference) {
 }
 
 // The backward's units are (kv head, set of query heads) with the sets fixed by the shape
-// (blocking.hpp's bwd_set_heads): Hq = 40, Hkv = 4 gives sets of 3, 3, 3 and 1 heads per kv
-// head, Hq = 3, Hkv = 1 (MQA) three sets of 1. With CP-style tasks that share key rows, the
+// (blocking.hpp's bwd_set_heads): Hq = 40, Hkv = 4 gives sets of 4, 4 and 2 heads per kv
+// head, Hq = 3, Hkv = 1 (MQA) sets of 2 and 1. With CP-style tasks that share key rows, the
 // gradients match the float64 reference and are bitwise the same for 1 to 4 threads.
 TEST(kernel_attention, BackwardHeadSetsMatchReferenceForAnyThreadCount) {
   for (const AttnCase& c : {AttnCase{"sets", {130, 1, 300}, {130, 1, 300}, 40, 4, 40, 24, MaskType::causal},
