@@ -10,8 +10,10 @@
 //             see, read as one run of the global batch in document order (what
 //             attention_forward/backward are given without CP), dK/dV written.
 //
-//   document order  (thread CPU time only) the kernel calls as CpAttention makes them now: the
-//             gathered K/V in document order, one key run per task, dK/dV accumulated in fp32.
+//   document order  (thread CPU time only) the kernel calls over the gathered K/V in document
+//             order, one key run per task, dK/dV accumulated in fp32: what CpAttention ran
+//             until 2026-12-04 (a copy into that order; it now reads the rank-major buffer in
+//             that order through AttnInputs::key_rows, the same kernel work without the copy).
 //
 // cp / one - 1 is the CP overhead on the compute (target: within 3%); in place / one - 1 what
 // the split key runs cost the kernel. The kernel phases are also timed in thread CPU seconds,
@@ -145,7 +147,8 @@ int main(int argc, char** argv) {
     task.run_end = task.run_begin + 1;
   }
 
-  // The kernel calls as CpAttention makes them now: the gathered K/V in document order
+  // The kernel calls over the gathered K/V copied into document order (CpAttention's until
+  // 2026-12-04; it now reads them in that order through key_rows)
   // (document d's rows at docs[d].padded_begin, padding rows zero), one key run per task, dK/dV
   // accumulated in fp32 over all t_all rows.
   std::vector<std::byte> k_doc(k_all.size()), v_doc(v_all.size());

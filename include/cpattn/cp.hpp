@@ -120,8 +120,8 @@ struct CpMemoryEstimate {
                                 // group-layout q and out with the outer layer's context
   uint64_t buffers = 0;         // the layer's reused buffers: fp32 dK/dV of every gathered row
                                 // (index mode: and of the copy; padding-free: the reduce-scatter's
-                                // blocks; the overlap: one group's, its receive blocks, and the
-                                // forward's send packs and gathered groups, kept too), the ring's
+                                // blocks; the overlap: one group's sums and lse, and its receive
+                                // blocks, kept too), the ring's
                                 // and pass-Q's blocks and fp32 copies, the all-to-all's blocks and
                                 // the outer layer's buffers. The overlap also keeps consumed
                                 // contexts' K/V for the next forwards: in `context`, not here
@@ -213,8 +213,8 @@ struct CpStats {
   int64_t backward_calls = 0;
   // The largest the layer's own buffers plus the contexts it handed out and that are still
   // alive have been, a forward's own transients included (the non-overlapped all-gather's
-  // gathered K/V beside their copy; the overlap keeps its send packs and gathered groups as
-  // buffers, and consumed contexts' K/V for the next forwards) (the kernels' internal scratch,
+  // gathered K/V beside their index-mode copy; the overlap keeps consumed contexts' K/V for the
+  // next forwards) (the kernels' internal scratch,
   // see attention_backward_scratch_bytes, comes on top).
   std::size_t peak_buffer_bytes = 0;
   // Payload bytes this layer's calls sent and received, over every communicator it uses (the

@@ -322,7 +322,8 @@ struct CpContext::State {
   std::vector<std::byte> k, v;
   int64_t total_k = 0;
   // KV-head groups of k and v (cp_overlap_groups): > 1, group-major, [groups][total_k,
-  // Hkv / groups, D], each group in document order; 1: [total_k, Hkv, D].
+  // Hkv / groups, D], each group rank-major as gathered (read in document order through the
+  // plan's key_rows); 1: [total_k, Hkv, D].
   int groups = 1;
   std::vector<float> lse;
   std::unique_ptr<detail::A2aContext> a2a;  // the a2a and hybrid schemes' state

@@ -29,11 +29,12 @@
 //    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
 //    none of its rows sees the piece), so that a product's operands stay in L1; the softmax
 //    uses vexp2_softmax and leaves O alone where the row max did not move.
-//  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), its heads one after
-//    the other, all tasks in order. For each BBK = 128-key piece it runs the task's queries in
-//    steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece in a local tile
-//    and dQ of the task in a local fp32 buffer. The tiles are added to the set's fp32 dK/dV
-//    buffer head after head; the kv head's sets are summed in set order at the end. The sets
+//  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), all tasks in order,
+//    the set's heads side by side. For each BBK = 128-key piece it runs each head's task queries
+//    in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece for all the
+//    set's heads in one local tile and dQ of each head's task rows in a local fp32 buffer. The
+//    tile goes into the set's fp32 dK/dV buffer once per piece; the kv head's sets are summed
+//    in set order at the end. The sets
 //    depend on the shape alone, so each gradient element is a fixed-order sum, whatever
 //    num_threads is and however many tasks share key rows: the results are bitwise
 //    reproducible and independent of the thread count. The price is scratch of
@@ -1712,8 +1713,9 @@ void backward_impl(const AttnBwdParams& p) {
   int64_t max_q = 0;
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
   // A unit is (kv head, set of `per` consecutive query heads of its group): dK, dV of the
-  // set's heads accumulate, head after head, in the set's buffers [total_k][dp], [total_k][dvp]
-  // (fp32, unscaled dK), summed over the sets in order at the end (bwd_set_heads).
+  // set's heads accumulate, one tile per piece for all of them, in the set's buffers
+  // [total_k][dp], [total_k][dvp] (fp32, unscaled dK), summed over the sets in order at the end
+  // (bwd_set_heads).
   const int per = bwd_set_heads(hq, hkn), sets = bwd_sets(hq, hkn);
   const int64_t units = int64_t{hkn} * sets;
   // bf16 tiles keep them transposed per block of BBK key rows, [nbb][dp][BBK] and [nbb][dvp][BBK],
@@ -1729,7 +1731,9 @@ void backward_impl(const AttnBwdParams& p) {
   std::vector<char> touched(static_cast<size_t>(units * nbb), 0);
 
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
-  std::vector<BwdScratch> scr(nthr, BwdScratch(per, max_q, dp, dvp, t16));
+  std::vector<BwdScratch> scr;  // made in place: a copied template would be one more thread's worth
+  scr.reserve(static_cast<size_t>(nthr));
+  for (int i = 0; i < nthr; ++i) scr.emplace_back(per, max_q, dp, dvp, t16);
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
                   pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();

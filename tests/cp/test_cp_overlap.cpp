@@ -16,7 +16,7 @@ namespace cpattn {
 namespace {
 
 // Two KV-head groups (Hkv = 2) and three (Hkv = 3, GQA of 2), odd head dims; and Hkv = 4 with
-// GQA of 5, whose backward head sets (2, 2, 1 per kv head) must not change when the call is
+// GQA of 5, whose backward head sets (3, 2 per kv head) must not change when the call is
 // split over kv-head groups (a rule that looked at the call's kv-head count gave the groups
 // sets of 1 and broke bitwise equality; blocking.hpp's bwd_set_heads).
 constexpr Shape kGroupShapes[] = {{"gqa-odd", 4, 2, 17, 9}, {"kv3-odd", 6, 3, 11, 7}, {"kv4-gqa5", 20, 4, 9, 5}};

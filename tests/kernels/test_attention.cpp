@@ -367,6 +367,54 @@ TEST(kernel_attention, BackwardHeadSetsMatchReferenceForAnyThreadCount) {
   }
 }
 
+// One call per kv head (its query heads as strided views, its lse columns) gives bitwise what
+// the whole call gives: the backward's head sets depend on the group size alone, never on the
+// call's kv heads (what the overlapped CP backward's per-group calls rely on). Groups of 5
+// (sets of 3 and 2 heads) and 8 (2 sets of 4), tasks sharing key rows, fp32 and bf16.
+TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
+  const auto slice = [](auto view, int h0, int n) {  // heads [h0, h0 + n) of a contiguous view
+    auto s = view;
+    s.data = static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(view.data)>>,
+                                            const std::byte*, std::byte*>>(view.data) +
+             static_cast<std::size_t>(h0) * view.dim * dtype_size(view.dtype);
+    s.heads = n;
+    s.row_stride = int64_t{view.heads} * view.dim;
+    s.head_stride = view.dim;
+    return s;
+  };
+  for (const AttnCase& c : {AttnCase{"g5", {130, 1, 300}, {130, 1, 300}, 10, 2, 40, 24, MaskType::causal},
+                            AttnCase{"g8", {97, 1, 200}, {97, 1, 200}, 16, 2, 32, 32, MaskType::causal}})
+    for (DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(c.name + std::string(" ") + std::string(to_string(dt)));
+      const Problem pb(c, dt, 31);
+      const WorkList chunks = chunked_worklist(c, 3);
+      const int g = c.num_heads_q / c.num_heads_k;
+      const int64_t tq = c.total_q();
+      Tensor out(dt, pb.out_shape()), dq(dt, pb.q_shape()), dk(dt, pb.k_shape()), dv(dt, pb.v_shape());
+      std::vector<float> lse(pb.lse_size());
+      attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 2, &chunks));
+      attention_backward(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 2, &chunks));
+      Tensor out_s(dt, pb.out_shape()), dq_s(dt, pb.q_shape()), dk_s(dt, pb.k_shape()), dv_s(dt, pb.v_shape());
+      std::vector<float> lse_s(pb.lse_size()), lse_h(static_cast<std::size_t>(tq * g));
+      for (int hk = 0; hk < c.num_heads_k; ++hk) {
+        const AttnInputs in{.q = slice(pb.q.view(), hk * g, g), .k = slice(pb.k.view(), hk, 1),
+                            .v = slice(pb.v.view(), hk, 1), .work = &chunks,
+                            .options = pb.options(KernelPath::automatic, 2)};
+        attention_forward({.in = in, .out = slice(out_s.view(), hk * g, g), .lse = lse_h.data()});
+        for (int64_t i = 0; i < tq; ++i)
+          std::copy_n(lse_h.begin() + i * g, g, lse_s.begin() + i * c.num_heads_q + hk * g);
+        attention_backward({.in = in, .out = slice(out.view(), hk * g, g), .lse = lse_h.data(),
+                            .dout = slice(pb.dout.view(), hk * g, g), .dq = slice(dq_s.view(), hk * g, g),
+                            .dk = slice(dk_s.view(), hk, 1), .dv = slice(dv_s.view(), hk, 1)});
+      }
+      EXPECT_EQ(out_s.values(), out.values());
+      EXPECT_EQ(lse_s, lse);
+      EXPECT_EQ(dq_s.values(), dq.values());
+      EXPECT_EQ(dk_s.values(), dk.values());
+      EXPECT_EQ(dv_s.values(), dv.values());
+    }
+}
+
 TEST(kernel_attention, DropoutKeptFractionAndScaling) {
   // kept fraction over many pairs
   const float p = 0.25f;
@@ -738,9 +786,10 @@ TEST(kernel_attention, QueryThatSeesOneKeyGetsItsValueRowExactly) {
 // AttnInputs::key_rows: out, lse and dq bitwise those of the same call on K, V in key order, and
 // dK, dV bitwise at the permuted rows; in write mode into storage-dtype and fp32 views and in
 // accumulate mode; the float64 reference likewise. Documents of 1, 37, 130 and 64 tokens,
-// GQA, odd head dims, a window, every path this CPU runs, fp32 and bf16.
+// GQA of 4 (backward head sets of 2), odd head dims, a window, every path this CPU runs, fp32
+// and bf16.
 TEST(kernel_attention, KeyRowsReadAndWriteThePermutedRowsBitwise) {
-  AttnCase c{"key_rows", {1, 37, 130, 64}, {1, 37, 130, 64}, 4, 2, 72, 40, MaskType::causal};
+  AttnCase c{"key_rows", {1, 37, 130, 64}, {1, 37, 130, 64}, 8, 2, 72, 40, MaskType::causal};  // sets of 2 heads
   c.window_left = 50;
   const int64_t tk = c.total_k();
   std::vector<int64_t> perm(static_cast<size_t>(tk));
