@@ -1610,16 +1610,17 @@ void forward_impl(const AttnFwdParams& p) {
 // One query head's rows of the task being run (a set's heads run side by side, so that their
 // dK/dV pieces add into one tile: BwdScratch::heads).
 struct BwdHead {
-  fvec q, dout, dq, lse2, delta;  // per task rows, row-major
+  fvec q, dout, dq, lse2, delta;  // per task rows, row-major (tiles: q and dout one row, rounded to q16, do16)
   fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD] (not with tiles)
   // bf16 tiles (the amx path): Q and dO rows in bf16 [mq32][dq32], [mq32][dv32] (the A of S and
   // dP) and transposed [dp][mq32], [dvp][mq32] (the A of dK^T and dV^T). mq32: max_q rounded
   // up to 32.
   u16vec q16, do16, qt16, dot16;
   BwdHead(int64_t max_q, int dqk, int dvp, bool tiles) {
-    const size_t mq = static_cast<size_t>(max_q);
-    for (fvec* b : {&q, &dq}) b->resize(mq * dqk);
-    dout.resize(mq * dvp);
+    const size_t mq = static_cast<size_t>(max_q), rows = tiles ? 1 : mq;
+    q.resize(rows * dqk);
+    dq.resize(mq * dqk);
+    dout.resize(rows * dvp);
     if (!tiles) {
       q_pan.resize(mq * dqk);
       dout_pan.resize(mq * dvp);
@@ -1765,18 +1766,19 @@ void backward_impl(const AttnBwdParams& p) {
             prefetch_row(dout_data, dtype, ahead * dout_rs + h * dout_hs, head_dim_v);
             prefetch_row(out_data, dtype, ahead * out_rs + h * out_hs, head_dim_v);
           }
-          ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, H.q.data() + i * dp);
-          float* dor = H.dout.data() + i * dvp;
+          float* const qr = H.q.data() + (t16 ? 0 : i * dp);  // tiles: one row, rounded below
+          ld_row(q_data, dtype, row * q_rs + h * q_hs, head_dim_qk, dp, qr);
+          float* dor = H.dout.data() + (t16 ? 0 : i * dvp);
           ld_row(dout_data, dtype, row * dout_rs + h * dout_hs, head_dim_v, dvp, dor);
           ld_row(out_data, dtype, row * out_rs + h * out_hs, head_dim_v, dvp, orow);
           if (t16) {
             uint16_t* q16 = H.q16.data() + i * dq32;
             uint16_t* do16 = H.do16.data() + i * dv32;
-            round_row_bf16(H.q.data() + i * dp, dp, dq32, q16);
+            round_row_bf16(qr, dp, dq32, q16);
             round_row_bf16(dor, dvp, dv32, do16);
           } else {
             for (int d = 0; d < dp; d += PAD)  // a panel row is PAD consecutive floats
-              std::memcpy(H.q_pan.data() + ((d / PAD) * max_q + i) * PAD, H.q.data() + i * dp + d, PAD * sizeof(float));
+              std::memcpy(H.q_pan.data() + ((d / PAD) * max_q + i) * PAD, qr + d, PAD * sizeof(float));
             for (int d = 0; d < dvp; d += PAD)
               std::memcpy(H.dout_pan.data() + ((d / PAD) * max_q + i) * PAD, dor + d, PAD * sizeof(float));
           }
@@ -1831,8 +1833,6 @@ void backward_impl(const AttnBwdParams& p) {
             const int64_t i0 = qb * bqb, qp0 = t.q_pos + i0;
             if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
             const int m = static_cast<int>(std::min<int64_t>(bqb, nq - i0));
-            const float* qblk = H.q.data() + i0 * dp;
-            const float* doblk = H.dout.data() + i0 * dvp;
             // S = Q Kt, dP = dO Vt   [m, a0:a1)
             if (t16) {
               gemm_tiles16<true>(false, m, n, dp, H.q16.data() + i0 * dq32, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2,
@@ -1842,8 +1842,10 @@ void backward_impl(const AttnBwdParams& p) {
             } else {
               const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
               const float* vt = pk.Vt(hk, 0) + (k0 / PAD) * dvp * PAD;
-              mm<true>(cr.bd, m, n, dp, qblk, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK, pk.paired(kt));
-              mm<true>(cr.bd, m, n, dvp, doblk, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0, BBK, pk.paired(vt));
+              mm<true>(cr.bd, m, n, dp, H.q.data() + i0 * dp, dp, 1, kt, PAD, dp * PAD, S.s.data() + pc.a0, BBK,
+                       pk.paired(kt));
+              mm<true>(cr.bd, m, n, dvp, H.dout.data() + i0 * dvp, dvp, 1, vt, PAD, dvp * PAD, S.dp.data() + pc.a0,
+                       BBK, pk.paired(vt));
             }
             // The next query block's Q, dO and their panels come from L3 (per-task buffers of
             // max_q rows): fetch them while this block's softmax and products run.
