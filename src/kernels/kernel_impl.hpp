@@ -130,6 +130,22 @@ inline float hmax(vf v) {
   return m;
 }
 
+// The lane-wise max of s[c] * mul over the columns [a0, a1) (a multiple of W apart), in four
+// independent chains, since the row's exp pass waits on it (any order gives the same
+// maximum, so the results are bitwise those of one chain). mul = 1 leaves s as it is.
+inline vf row_max(const float* s, int a0, int a1, vf mul) {
+  vf m0 = vset(kNegInf), m1 = m0, m2 = m0, m3 = m0;
+  int c = a0;
+  for (; c + 4 * W <= a1; c += 4 * W) {
+    m0 = vmax(m0, vload(s + c) * mul);
+    m1 = vmax(m1, vload(s + c + W) * mul);
+    m2 = vmax(m2, vload(s + c + 2 * W) * mul);
+    m3 = vmax(m3, vload(s + c + 3 * W) * mul);
+  }
+  for (; c < a1; c += W) m0 = vmax(m0, vload(s + c) * mul);
+  return vmax(vmax(m0, m1), vmax(m2, m3));
+}
+
 // 2^xc for xc in [-127, 127]: xc = n + f rounded to nearest (|f| <= 1/2), p(f) by Horner's
 // rule from c[0], the highest coefficient, and 2^n added to p's exponent bits.
 template <size_t N>
@@ -1265,6 +1281,36 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
 void pack_kv_tiles(const AttnInputs&, bool, Packed&) {}  // t16 is false without tiles
 #endif
 
+// The forward's exp pass over a softmax row's computed columns [a0, a1) (a multiple of W
+// apart): e = 2^(s * mul - m) added to sum in column order and, with bf16 tiles, written
+// straight to the row's P operand as round_row_bf16 would write it from e (zero padded to
+// n32), so that e is neither stored in fp32 nor read again. Without bf16 rounding the
+// tiles never ask for it.
+#ifdef CPATTN_BF16_ROUND
+inline vf exp_row_bf16(const float* s, int a0, int a1, vf mulv, vf mv, int n32, uint16_t* prow) {
+  vf sum = vf{};
+  int c = a0;
+  for (; c + 2 * W <= a1; c += 2 * W) {
+    const vf e0 = vexp2_softmax(vload(s + c) * mulv - mv);
+    const vf e1 = vexp2_softmax(vload(s + c + W) * mulv - mv);
+    sum += e0;
+    sum += e1;
+    vstore_u(reinterpret_cast<uint32_t*>(prow + (c - a0)), Bf16Dot::words(e0, e1));
+  }
+  if (c < a1) {  // W columns left: their words and W zeros (a1 - a0 is a multiple of W, so
+                 // this stays within n32)
+    const vf e0 = vexp2_softmax(vload(s + c) * mulv - mv);
+    sum += e0;
+    vstore_u(reinterpret_cast<uint32_t*>(prow + (c - a0)), Bf16Dot::words(e0, vf{}));
+    c += 2 * W;
+  }
+  for (int k = c - a0; k < n32; ++k) prow[k] = 0;
+  return sum;
+}
+#else
+inline vf exp_row_bf16(const float*, int, int, vf, vf, int, uint16_t*) { return vf{}; }
+#endif
+
 // A piece: key columns [c0, c1) of block b of B rows (physical rows b*B + c), positions
 // p_lo + (c - c0); products run over the PAD-aligned columns [a0, a1).
 struct Piece {
@@ -1499,6 +1545,10 @@ void forward_impl(const AttnFwdParams& p) {
             mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, fbk, pk.paired(kt), BF16_NV);
           }
           bool any = false;
+          // With bf16 tiles and no dropout (which scales e in fp32 first), the exp pass writes
+          // P in bf16 itself.
+          const bool p_fused = t16 && !cr.dropout;
+          const int n32 = (n + 31) / 32 * 32;
           for (int r = 0; r < sb; ++r) {
             if (g == 0) {
               const int64_t ur = r0 + r;  // the row in the unit
@@ -1512,7 +1562,9 @@ void forward_impl(const AttnFwdParams& p) {
             const int ve = visible_end(ps, cr.vz, qp);
             const int vb = visible_begin(ps, cr.vz, qp);
             if (ve <= vb) {  // nothing visible in this piece for this row
-              for (int c = ps.a0; c < ps.a1; ++c) s[c] = 0.0f;
+              if (p_fused) std::fill_n(S.p16.data() + r * fbk, n32, uint16_t{0});
+              else
+                for (int c = ps.a0; c < ps.a1; ++c) s[c] = 0.0f;
               continue;
             }
             seen[r] = 1;
@@ -1531,21 +1583,20 @@ void forward_impl(const AttnFwdParams& p) {
                            ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp,
                                              ps.p_lo + (c - ps.c0), dcap) * kLog2e
                            : kNegInf;
-              for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c));
+              mx = row_max(s, ps.a0, ps.a1, vset(1.0f));
             } else if (full && vb == ps.c0 && ve == ps.c1) {
               mul = cr.cl;
               const vf cv = vset(cr.cl);
               if (cr.cl > 0.0f) {  // max(s * cl) = max(s) * cl exactly: rounding is monotonic
-                for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c));
-                mx = mx * cv;
+                mx = row_max(s, ps.a0, ps.a1, vset(1.0f)) * cv;
               } else {
-                for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c) * cv);
+                mx = row_max(s, ps.a0, ps.a1, cv);
               }
             } else {
               for (int c = ps.a0; c < ps.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
               for (int c = ps.a0; c < vb; ++c) s[c] = kNegInf;
               for (int c = ve; c < ps.a1; ++c) s[c] = kNegInf;
-              for (int c = ps.a0; c < ps.a1; c += W) mx = vmax(mx, vload(s + c));
+              mx = row_max(s, ps.a0, ps.a1, vset(1.0f));
             }
             const float m_old = m_g[r];
             const float m_new = std::fmax(m_old, hmax(mx));
@@ -1554,11 +1605,14 @@ void forward_impl(const AttnFwdParams& p) {
             const float alpha = m_old == m_new ? 1.0f : m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
             vf sum = vf{};
             const vf mv = vset(m_new), mulv = vset(mul);
-            for (int c = ps.a0; c < ps.a1; c += W) {
-              const vf e = vexp2_softmax(vload(s + c) * mulv - mv);
-              sum += e;
-              vstore(s + c, e);
-            }
+            if (p_fused)
+              sum = exp_row_bf16(s, ps.a0, ps.a1, mulv, mv, n32, S.p16.data() + r * fbk);
+            else
+              for (int c = ps.a0; c < ps.a1; c += W) {
+                const vf e = vexp2_softmax(vload(s + c) * mulv - mv);
+                sum += e;
+                vstore(s + c, e);
+              }
             l_g[r] = l_g[r] * alpha + hsum(sum);
             m_g[r] = m_new;
             if (alpha != 1.0f) {
@@ -1573,9 +1627,9 @@ void forward_impl(const AttnFwdParams& p) {
           }
           // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0)
           if (any && t16) {
-            const int n32 = (n + 31) / 32 * 32;
-            for (int r = 0; r < sb; ++r)
-              round_row_bf16(S.s.data() + r * fbk + ps.a0, n, n32, S.p16.data() + r * fbk);
+            if (!p_fused)
+              for (int r = 0; r < sb; ++r)
+                round_row_bf16(S.s.data() + r * fbk + ps.a0, n, n32, S.p16.data() + r * fbk);
             gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), fbk, pk.Vr2(hk, k0), PAD, pk.vr_ps() / 2, o_g,
                                 dvp);
           } else if (any)
