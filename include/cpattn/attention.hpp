@@ -152,6 +152,8 @@ struct AttnInputs {
   // it, where it copied the rows into that order before (docs/cp.md).
   const int64_t* key_rows = nullptr;
 
+  // The stored row of key row r: key_rows[r], or r without a map.
+  constexpr int64_t stored_key_row(int64_t r) const { return key_rows ? key_rows[r] : r; }
   constexpr AttnShape shape() const { return {q.rows, k.rows, q.heads, k.heads, q.dim, v.dim}; }
   constexpr DType dtype() const { return q.dtype; }
   // options.softmax_scale, or 1/sqrt(head_dim_qk) when unset.

@@ -1050,7 +1050,6 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
   const DType dtype = in.dtype();
   const int64_t k_rs = K.row_step(), k_hs = K.head_step();
   const int64_t v_rs = V.row_step(), v_hs = V.head_step();
-  const int64_t* const key_rows = in.key_rows;  // key row r is stored row key_rows[r]
   pk.nblk = (total_k + BK - 1) / BK;
   pk.dp = pad_up(K.dim);
   pk.dvp = pad_up(V.dim);
@@ -1074,7 +1073,7 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
       const int64_t r = b * BK + c;
       const bool real = r < total_k;  // the last block's rows past total_k: zeros
       const int cp = c / PAD, cr = c % PAD;
-      const int64_t sr = real && key_rows ? key_rows[r] : r;  // the stored row
+      const int64_t sr = real ? in.stored_key_row(r) : r;  // the stored row
       if (real)
         ld_row(K.data, dtype, sr * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
       else
@@ -1208,9 +1207,8 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
     // Key row r of K or V for this kv head (stored row in.key_rows[r] if given), null past total_k.
-    auto stored = [&](int64_t r) { return in.key_rows ? in.key_rows[r] : r; };
-    auto k_row = [&](int64_t r) { return r < total_k ? kd + stored(r) * k_rs + hk * k_hs : nullptr; };
-    auto v_row = [&](int64_t r) { return r < total_k ? vd + stored(r) * v_rs + hk * v_hs : nullptr; };
+    auto k_row = [&](int64_t r) { return r < total_k ? kd + in.stored_key_row(r) * k_rs + hk * k_hs : nullptr; };
+    auto v_row = [&](int64_t r) { return r < total_k ? vd + in.stored_key_row(r) * v_rs + hk * v_hs : nullptr; };
     uint32_t* kt2 = pk.kt2.data() + u * BK * dp / 2;
     uint32_t* vr2 = pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
     uint32_t* kr2 = transposed_too ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
@@ -2096,7 +2094,7 @@ void backward_impl(const AttnBwdParams& p) {
   // stores them in the views' dtype (the storage dtype or fp32).
   auto write_kv = [&](bool is_k, int64_t r, int hk, int d0, int n, const float* src) {
     void* const data = is_k ? dk_data : dv_data;
-    const int64_t sr = in.key_rows ? in.key_rows[r] : r;
+    const int64_t sr = in.stored_key_row(r);
     const int64_t at = sr * (is_k ? dk_rs : dv_rs) + hk * (is_k ? dk_hs : dv_hs) + d0;
     const float mul = is_k ? cr.scale : 1.0f;
     if (p.grad_mode == GradMode::write) {

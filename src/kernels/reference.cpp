@@ -187,7 +187,7 @@ void backward_impl(const AttnBwdParams& p) {
   // write: store in the views' dtype; accumulate, accumulate_all: dk/dv are fp32 views, +=.
   // Key row r is stored row in.key_rows[r] when given.
   auto deliver = [&](const TensorView& out, int64_t r, int hk, int d, float g) {
-    const int64_t i = out.offset(in.key_rows ? in.key_rows[r] : r, hk) + d;
+    const int64_t i = out.offset(in.stored_key_row(r), hk) + d;
     if (p.grad_mode == GradMode::write) store_elem(out.data, out.dtype, i, g);
     else static_cast<float*>(out.data)[i] += g;
   };
