@@ -832,6 +832,68 @@ __attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, cons
   }
 }
 
+// gemm_tiles16<Zero>(false, 32, n, k, a, ...) when every block is a full 2 x 2 (n and k
+// multiples of 32), one 32-element k step per step(): two A and two B tile loads and four
+// products, the block's C tiles loaded (or zeroed) before its first step and stored after its
+// last. The same products in the same order, so bitwise gemm_tiles16's C. The forward puts a
+// softmax row between steps: the tiles then multiply beside the vector units, where a whole
+// product in one go ran before or after them (only instructions close together in program
+// order overlap, within the core's reorder window). Between steps the job owns all eight
+// tiles: nothing else may use them until done().
+struct TileJob {
+  const uint16_t* a = nullptr;  // A rows, a_stride bytes apart
+  int64_t a_stride = 0;
+  const uint32_t* b = nullptr;  // B pairs: columns n at b + (n / 16) * b_panel + kp * b_ld + n % 16
+  int64_t b_ld = 0, b_panel = 0;
+  float* c = nullptr;
+  int64_t ldc = 0;
+  int n = 0, k = 0;
+  bool zero = false;
+  int n0 = 0, k0 = 0;  // the next step
+
+  bool done() const { return n0 >= n; }
+  int steps_left() const { return done() ? 0 : (n - n0) / 32 * (k / 32) - k0 / 32; }
+  void step() {
+    if (done()) return;
+    float* const cb = c + n0;
+    const int64_t cs = ldc * 4;
+    if (k0 == 0) {
+      tiles_begin();
+      if (zero) {
+        Tiles::zero<0>();
+        Tiles::zero<1>();
+        Tiles::zero<2>();
+        Tiles::zero<3>();
+      } else {
+        Tiles::load<0>(cb, cs);
+        Tiles::load<1>(cb + 16, cs);
+        Tiles::load<2>(cb + 16 * ldc, cs);
+        Tiles::load<3>(cb + 16 * ldc + 16, cs);
+      }
+    }
+    const uint32_t* const b0 = b + (n0 / 16) * b_panel + k0 / 2 * b_ld;
+    Tiles::load<4>(a + k0, a_stride);
+    Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
+    Tiles::load<6>(b0, b_ld * 4);
+    Tiles::load<7>(b0 + b_panel, b_ld * 4);
+    Tiles::dot<0, 4, 6>(false);
+    Tiles::dot<1, 4, 7>(false);
+    Tiles::dot<2, 5, 6>(false);
+    Tiles::dot<3, 5, 7>(false);
+    k0 += 32;
+    if (k0 < k) return;
+    Tiles::store<0>(cb, cs);
+    Tiles::store<1>(cb + 16, cs);
+    Tiles::store<2>(cb + 16 * ldc, cs);
+    Tiles::store<3>(cb + 16 * ldc + 16, cs);
+    k0 = 0;
+    n0 += 32;
+  }
+  void finish() {
+    while (!done()) step();
+  }
+};
+
 // n floats of src to bf16 at dst (the products' rounding, bf16_dot_bits), zero padded to
 // n_pad (both even; n_pad - n < 32 need not be a multiple of W).
 inline void round_row_bf16(const float* src, int n, int n_pad, uint16_t* dst) {
@@ -908,6 +970,20 @@ inline void gemm_tiles16(bool, int, int, int, const uint16_t*, int64_t, const ui
 inline void round_row_bf16(const float*, int, int, uint16_t*) {}
 inline void pair_two_rows(const float*, int64_t, int, int, int, int, uint32_t*) {}
 inline void tiles_end() {}
+struct TileJob {
+  const uint16_t* a = nullptr;
+  int64_t a_stride = 0;
+  const uint32_t* b = nullptr;
+  int64_t b_ld = 0, b_panel = 0;
+  float* c = nullptr;
+  int64_t ldc = 0;
+  int n = 0, k = 0;
+  bool zero = false;
+  bool done() const { return true; }
+  int steps_left() const { return 0; }
+  void step() {}
+  void finish() {}
+};
 #endif  // CPATTN_AMX
 // Releases the thread's tiles at the end of a unit however it ends (a no-op without tiles).
 struct TileScope {
@@ -1444,10 +1520,10 @@ void forward_impl(const AttnFwdParams& p) {
   for (auto& s : scr) {
     s.q.resize(gh * BQ * dp);
     s.o.resize(gh * BQ * dvp);
-    s.s.resize(static_cast<size_t>(fsb) * fbk);
+    s.s.resize(static_cast<size_t>(t16 ? 2 : 1) * fsb * fbk);  // two sub-blocks' on tiles
     if (t16) {
       s.q16.resize(gh * BQ * dq32);
-      s.p16.resize(static_cast<size_t>(fsb) * fbk);
+      s.p16.resize(static_cast<size_t>(2) * fsb * fbk);
     }
     s.m.resize(gh * BQ);
     s.l.resize(gh * BQ);
@@ -1517,124 +1593,200 @@ void forward_impl(const AttnFwdParams& p) {
         if (t16) return pk.Vr2(hk, next0) + (ln / v_lines_pp) * (pk.vr_ps() / 2) + (ln % v_lines_pp) * 16;
         return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + next0 * PAD + (ln % v_lines_pp) * 16;
       };
-      for (int g = 0; g < nh; ++g) {
-        const int h = h0 + g;
-        // The unit's rows run in sub-blocks of FSB rows (32 on tiles): S = Q Kt, the softmax and O += P V
-        // of a sub-block touch its Q, S and O rows only, which stay in L1 (blocking.hpp).
+      // The unit's rows run in sub-blocks of FSB rows (32 on tiles) per head of the set: S = Q
+      // Kt, the softmax and O += P V of a sub-block touch its Q, S and O rows only, which stay
+      // in L1 (blocking.hpp). The piece's sub-blocks that some row of theirs sees, in order:
+      struct Sub {
+        int g, r0, sb;
+        Piece ps;  // the piece as this sub-block computes it
+        bool any;  // whether a row saw a key (else P V is skipped)
+      };
+      std::array<Sub, GH * ((BQ + 15) / 16)> subs;
+      int ns = 0;
+      for (int g = 0; g < nh; ++g)
         for (int r0 = 0; r0 < m; r0 += fsb) {
           const int sb = std::min(fsb, m - r0);
-          Piece ps = pc;  // the piece as this sub-block computes it
+          Piece ps = pc;
           ps.a1 = trimmed_end(pc, qp0 + r0 + sb - 1);
-          if (ps.a1 <= ps.a0) continue;  // no row of the sub-block sees the piece
-          const int n = ps.a1 - ps.a0;
-          const int64_t k0 = ps.b * fbk + ps.a0;  // first physical key row computed
-          const bool full = ps.a0 == ps.c0 && ps.a1 == ps.c1;
-          float* q = S.q.data() + (g * BQ + r0) * dp;
-          float* o_g = S.o.data() + (g * BQ + r0) * dvp;
-          float* m_g = S.m.data() + g * BQ + r0;
-          float* l_g = S.l.data() + g * BQ + r0;
-          char* seen = S.seen.data() + g * BQ + r0;
-          // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1)
-          if (t16) {
-            gemm_tiles16<true>(false, sb, n, dp, S.q16.data() + (g * BQ + r0) * dq32, dq32, pk.Kt2(hk, k0), PAD,
-                               dp * PAD / 2, S.s.data() + ps.a0, fbk);
-          } else {
-            const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-            mm<true>(cr.bd, sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, S.s.data() + ps.a0, fbk, pk.paired(kt), BF16_NV);
-          }
-          bool any = false;
-          // With bf16 tiles and no dropout (which scales e in fp32 first), the exp pass writes
-          // P in bf16 itself.
-          const bool p_fused = t16 && !cr.dropout;
-          const int n32 = (n + 31) / 32 * 32;
-          for (int r = 0; r < sb; ++r) {
-            if (g == 0) {
-              const int64_t ur = r0 + r;  // the row in the unit
-              for (int64_t ln = ur * k_lines / m; ln < (ur + 1) * k_lines / m; ++ln)
-                __builtin_prefetch(next_k + ln * 64, 0, 1);
-              for (int64_t ln = ur * v_lines / m; ln < (ur + 1) * v_lines / m; ++ln)
-                __builtin_prefetch(next_v(ln), 0, 1);
-            }
-            float* s = S.s.data() + r * fbk;
-            const int64_t qp = qp0 + r0 + r;
-            const int ve = visible_end(ps, cr.vz, qp);
-            const int vb = visible_begin(ps, cr.vz, qp);
-            if (ve <= vb) {  // nothing visible in this piece for this row
-              if (p_fused) std::fill_n(S.p16.data() + r * fbk, n32, uint16_t{0});
-              else
-                for (int c = ps.a0; c < ps.a1; ++c) s[c] = 0.0f;
-              continue;
-            }
-            seen[r] = 1;
-            any = true;
-            // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
-            // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
-            // a partly masked row is scaled and masked in place first (cl may be negative, so
-            // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
-            vf mx = vset(kNegInf);
-            float mul = 1.0f;
-            if (cr.scored) {
-              const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
-              float dcap;
-              for (int c = ps.a0; c < ps.a1; ++c)
-                s[c] = c >= vb && c < ve
-                           ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp,
-                                             ps.p_lo + (c - ps.c0), dcap) * kLog2e
-                           : kNegInf;
-              mx = row_max(s, ps.a0, ps.a1, vset(1.0f));
-            } else if (full && vb == ps.c0 && ve == ps.c1) {
-              mul = cr.cl;
-              const vf cv = vset(cr.cl);
-              if (cr.cl > 0.0f) {  // max(s * cl) = max(s) * cl exactly: rounding is monotonic
-                mx = row_max(s, ps.a0, ps.a1, vset(1.0f)) * cv;
-              } else {
-                mx = row_max(s, ps.a0, ps.a1, cv);
-              }
-            } else {
-              for (int c = ps.a0; c < ps.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
-              for (int c = ps.a0; c < vb; ++c) s[c] = kNegInf;
-              for (int c = ve; c < ps.a1; ++c) s[c] = kNegInf;
-              mx = row_max(s, ps.a0, ps.a1, vset(1.0f));
-            }
-            const float m_old = m_g[r];
-            const float m_new = std::fmax(m_old, hmax(mx));
-            // alpha = 2^(m_old - m_new): 1 when the max did not move (exact), and O is then
-            // not rescaled
-            const float alpha = m_old == m_new ? 1.0f : m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
-            vf sum = vf{};
-            const vf mv = vset(m_new), mulv = vset(mul);
-            if (p_fused)
-              sum = exp_row_bf16(s, ps.a0, ps.a1, mulv, mv, n32, S.p16.data() + r * fbk);
-            else
-              for (int c = ps.a0; c < ps.a1; c += W) {
-                const vf e = vexp2_softmax(vload(s + c) * mulv - mv);
-                sum += e;
-                vstore(s + c, e);
-              }
-            l_g[r] = l_g[r] * alpha + hsum(sum);
-            m_g[r] = m_new;
-            if (alpha != 1.0f) {
-              float* o = o_g + r * dvp;
-              for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
-            }
-            if (cr.dropout) {
-              const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp);
-              for (int c = vb; c < ve; ++c)
-                s[c] = dropout_keep_row(key, ps.p_lo + (c - ps.c0), cr.thr) ? s[c] * cr.inv_keep : 0.0f;
-            }
-          }
-          // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0)
-          if (any && t16) {
-            if (!p_fused)
-              for (int r = 0; r < sb; ++r)
-                round_row_bf16(S.s.data() + r * fbk + ps.a0, n, n32, S.p16.data() + r * fbk);
-            gemm_tiles16<false>(false, sb, dvp, n, S.p16.data(), fbk, pk.Vr2(hk, k0), PAD, pk.vr_ps() / 2, o_g,
-                                dvp);
-          } else if (any)
-            mm<false>(cr.bd, sb, dvp, n, S.s.data() + ps.a0, fbk, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
-                      pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
+          if (ps.a1 > ps.a0) subs[ns++] = {g, r0, sb, ps, false};
         }
+      // On tiles sub-block i has S and P rows of its own, buffer i % 2: the tiles fill the next
+      // sub-block's S and multiply the last one's P while this one's softmax runs (below).
+      auto s_buf = [&](int i) { return S.s.data() + (t16 ? (i % 2) * fsb * fbk : 0); };
+      auto p_buf = [&](int i) { return S.p16.data() + (i % 2) * fsb * fbk; };
+      // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1). On tiles, when `job` is given and the product
+      // is whole 2 x 2 blocks, it is set up in *job to run step by step; otherwise it runs now
+      // (and *job stays done).
+      auto scores = [&](int i, TileJob* job) {
+        const Sub& x = subs[i];
+        const int n = x.ps.a1 - x.ps.a0;
+        const int64_t k0 = x.ps.b * fbk + x.ps.a0;  // first physical key row computed
+        if (t16) {
+          const uint16_t* a = S.q16.data() + (x.g * BQ + x.r0) * dq32;
+          if (job && x.sb == 32 && n % 32 == 0 && dp % 32 == 0) {
+            *job = TileJob{.a = a, .a_stride = dq32 * 2, .b = pk.Kt2(hk, k0), .b_ld = PAD, .b_panel = dp * PAD / 2,
+                           .c = s_buf(i) + x.ps.a0, .ldc = fbk, .n = n, .k = dp, .zero = true};
+            return;
+          }
+          gemm_tiles16<true>(false, x.sb, n, dp, a, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2, s_buf(i) + x.ps.a0, fbk);
+        } else {
+          const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
+          mm<true>(cr.bd, x.sb, n, dp, S.q.data() + (x.g * BQ + x.r0) * dp, dp, 1, kt, PAD, dp * PAD,
+                   s_buf(i) + x.ps.a0, fbk, pk.paired(kt), BF16_NV);
+        }
+      };
+      // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0); `job` as above.
+      auto pv = [&](int i, TileJob* job) {
+        const Sub& x = subs[i];
+        if (!x.any) return;
+        const int n = x.ps.a1 - x.ps.a0;
+        const int64_t k0 = x.ps.b * fbk + x.ps.a0;
+        float* o_g = S.o.data() + (x.g * BQ + x.r0) * dvp;
+        if (t16) {
+          if (cr.dropout)  // P is rounded after the dropout's scaling
+            for (int r = 0; r < x.sb; ++r)
+              round_row_bf16(s_buf(i) + r * fbk + x.ps.a0, n, (n + 31) / 32 * 32, p_buf(i) + r * fbk);
+          if (job && x.sb == 32 && n % 32 == 0 && dvp % 32 == 0) {
+            *job = TileJob{.a = p_buf(i), .a_stride = fbk * 2, .b = pk.Vr2(hk, k0), .b_ld = PAD,
+                           .b_panel = pk.vr_ps() / 2, .c = o_g, .ldc = dvp, .n = dvp, .k = n, .zero = false};
+            return;
+          }
+          gemm_tiles16<false>(false, x.sb, dvp, n, p_buf(i), fbk, pk.Vr2(hk, k0), PAD, pk.vr_ps() / 2, o_g, dvp);
+        } else {
+          mm<false>(cr.bd, x.sb, dvp, n, s_buf(i) + x.ps.a0, fbk, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
+                    pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
+        }
+      };
+      // The softmax of sub-block i's rows; between() runs before each row and before its exp pass.
+      auto softmax = [&](int i, auto&& between) {
+        Sub& x = subs[i];
+        const Piece& ps = x.ps;
+        const int g = x.g, r0 = x.r0, sb = x.sb, h = h0 + g;
+        const int n = ps.a1 - ps.a0;
+        const bool full = ps.a0 == ps.c0 && ps.a1 == ps.c1;
+        float* o_g = S.o.data() + (g * BQ + r0) * dvp;
+        float* m_g = S.m.data() + g * BQ + r0;
+        float* l_g = S.l.data() + g * BQ + r0;
+        char* seen = S.seen.data() + g * BQ + r0;
+        // With bf16 tiles and no dropout (which scales e in fp32 first), the exp pass writes
+        // P in bf16 itself.
+        const bool p_fused = t16 && !cr.dropout;
+        const int n32 = (n + 31) / 32 * 32;
+        for (int r = 0; r < sb; ++r) {
+          between();
+          if (g == 0) {
+            const int64_t ur = r0 + r;  // the row in the unit
+            for (int64_t ln = ur * k_lines / m; ln < (ur + 1) * k_lines / m; ++ln)
+              __builtin_prefetch(next_k + ln * 64, 0, 1);
+            for (int64_t ln = ur * v_lines / m; ln < (ur + 1) * v_lines / m; ++ln)
+              __builtin_prefetch(next_v(ln), 0, 1);
+          }
+          float* s = s_buf(i) + r * fbk;
+          const int64_t qp = qp0 + r0 + r;
+          const int ve = visible_end(ps, cr.vz, qp);
+          const int vb = visible_begin(ps, cr.vz, qp);
+          if (ve <= vb) {  // nothing visible in this piece for this row
+            if (p_fused) std::fill_n(p_buf(i) + r * fbk, n32, uint16_t{0});
+            else
+              for (int c = ps.a0; c < ps.a1; ++c) s[c] = 0.0f;
+            continue;
+          }
+          seen[r] = 1;
+          x.any = true;
+          // Scores to the log2 domain: x = s * cl. A row that sees every column of the piece
+          // (the common case) fuses the scale into the max and the exp (exp2(s * cl - m));
+          // a partly masked row is scaled and masked in place first (cl may be negative, so
+          // -inf must be written after the scale). Soft cap / ALiBi: per element, scalar.
+          vf mx = vset(kNegInf);
+          float mul = 1.0f;
+          if (cr.scored) {
+            const float slope = cr.vz.alibi ? opt.alibi_slopes[h] : 0.0f;
+            float dcap;
+            for (int c = ps.a0; c < ps.a1; ++c)
+              s[c] = c >= vb && c < ve
+                         ? transform_score(s[c] * cr.scale, opt.softcap, slope, qp,
+                                           ps.p_lo + (c - ps.c0), dcap) * kLog2e
+                         : kNegInf;
+            mx = row_max(s, ps.a0, ps.a1, vset(1.0f));
+          } else if (full && vb == ps.c0 && ve == ps.c1) {
+            mul = cr.cl;
+            const vf cv = vset(cr.cl);
+            if (cr.cl > 0.0f) {  // max(s * cl) = max(s) * cl exactly: rounding is monotonic
+              mx = row_max(s, ps.a0, ps.a1, vset(1.0f)) * cv;
+            } else {
+              mx = row_max(s, ps.a0, ps.a1, cv);
+            }
+          } else {
+            for (int c = ps.a0; c < ps.a1; c += W) vstore(s + c, vload(s + c) * vset(cr.cl));
+            for (int c = ps.a0; c < vb; ++c) s[c] = kNegInf;
+            for (int c = ve; c < ps.a1; ++c) s[c] = kNegInf;
+            mx = row_max(s, ps.a0, ps.a1, vset(1.0f));
+          }
+          between();
+          const float m_old = m_g[r];
+          const float m_new = std::fmax(m_old, hmax(mx));
+          // alpha = 2^(m_old - m_new): 1 when the max did not move (exact), and O is then
+          // not rescaled
+          const float alpha = m_old == m_new ? 1.0f : m_old == kNegInf ? 0.0f : std::exp2(m_old - m_new);
+          vf sum = vf{};
+          const vf mv = vset(m_new), mulv = vset(mul);
+          if (p_fused)
+            sum = exp_row_bf16(s, ps.a0, ps.a1, mulv, mv, n32, p_buf(i) + r * fbk);
+          else
+            for (int c = ps.a0; c < ps.a1; c += W) {
+              const vf e = vexp2_softmax(vload(s + c) * mulv - mv);
+              sum += e;
+              vstore(s + c, e);
+            }
+          l_g[r] = l_g[r] * alpha + hsum(sum);
+          m_g[r] = m_new;
+          if (alpha != 1.0f) {
+            float* o = o_g + r * dvp;
+            for (int d = 0; d < dvp; d += W) vstore(o + d, vload(o + d) * vset(alpha));
+          }
+          if (cr.dropout) {
+            const uint64_t key = dropout_row_key(opt.seed, h + opt.dropout_head_offset, t.doc, qp);
+            for (int c = vb; c < ve; ++c)
+              s[c] = dropout_keep_row(key, ps.p_lo + (c - ps.c0), cr.thr) ? s[c] * cr.inv_keep : 0.0f;
+          }
+        }
+      };
+      if (!t16) {
+        for (int i = 0; i < ns; ++i) {
+          scores(i, nullptr);
+          softmax(i, [] {});
+          pv(i, nullptr);
+        }
+        return;
       }
+      // On tiles the products of the neighbours run between the softmax's rows: sub-block i's
+      // softmax runs beside the tiles of S for i + 1 and of O += P V for i - 1, a few steps per
+      // row (TileJob), so that the AMX unit and the vector units work at once. Each sub-block's
+      // products and softmax are the same operations on the same operands as in turn, so the
+      // results are bitwise the same; a product that is not whole 2 x 2 blocks runs in one go
+      // before the softmax, while no job holds the tiles.
+      TileJob next_s, last_pv;
+      scores(0, nullptr);
+      for (int i = 0; i < ns; ++i) {
+        next_s = TileJob{};
+        last_pv = TileJob{};
+        if (i > 0) pv(i - 1, &last_pv);  // first: with dropout it rounds P from S's buffer (i - 1) % 2,
+        if (i + 1 < ns) scores(i + 1, &next_s);  // which this fills (now, or in steps)
+        // The steps, spread evenly over the softmax's two calls per row (before the row max
+        // and before the exp pass): finer than one burst per row, which ran 5% slower.
+        const int steps = next_s.steps_left() + last_pv.steps_left();
+        const int points = 2 * subs[i].sb;
+        int credit = 0;  // steps * calls - points * steps issued (no division per call)
+        softmax(i, [&] {
+          for (credit += steps; credit >= points; credit -= points) {
+            if (!next_s.done()) next_s.step();
+            else last_pv.step();
+          }
+        });
+        next_s.finish();
+        last_pv.finish();
+      }
+      if (ns > 0) pv(ns - 1, nullptr);
     };
     if (t16)
       for_each_piece<FBK_TILES>(w, t, cr.vz, qp0, qp_last, run_piece);
