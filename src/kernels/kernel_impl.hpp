@@ -1817,8 +1817,10 @@ struct BwdHead {
   fvec q, dout, dq, lse2, delta;  // per task rows, row-major (tiles: q and dout one row, rounded to q16, do16)
   fvec q_pan, dout_pan;           // q, dout in panels [d/PAD][max_q][PAD] (not with tiles)
   // bf16 tiles (the amx path): Q and dO rows in bf16 [mq32][dq32], [mq32][dv32] (the A of S and
-  // dP) and transposed [dp][mq32], [dvp][mq32] (the A of dK^T and dV^T). mq32: max_q rounded
-  // up to 32.
+  // dP) and transposed per step of BQB_TILES query rows, [mq128 / BQB_TILES][dp][BQB_TILES] and
+  // [.][dvp][.] (the A of dK^T and dV^T: a tile's rows 256 bytes apart; with [dp][mq32] they
+  // were mq32 * 2 bytes apart, 16 KiB at 8192 rows, all in one L1 set, and the backward ran
+  // 7-10% slower). mq32, mq128: max_q rounded up to 32, to BQB_TILES.
   u16vec q16, do16, qt16, dot16;
   BwdHead(int64_t max_q, int dqk, int dvp, bool tiles) {
     const size_t mq = static_cast<size_t>(max_q), rows = tiles ? 1 : mq;
@@ -1833,8 +1835,9 @@ struct BwdHead {
                    dv32 = (dvp + 31) / 32 * 32;
       q16.resize(m32 * dq32);
       do16.resize(m32 * dv32);
-      qt16.resize(static_cast<size_t>(dqk) * m32);
-      dot16.resize(static_cast<size_t>(dvp) * m32);
+      const size_t m128 = static_cast<size_t>((max_q + BQB_TILES - 1) / BQB_TILES * BQB_TILES);
+      qt16.resize(static_cast<size_t>(dqk) * m128);
+      dot16.resize(static_cast<size_t>(dvp) * m128);
     }
     for (fvec* b : {&lse2, &delta}) b->resize(mq);
   }
@@ -1855,14 +1858,12 @@ struct BwdScratch {
   // of dV^T and dK^T) and dS rows in bf16 [bqb][BBK] (the A of dQ).
   u16vec ds16;
   uvec pv2, ds2;
-  int64_t mq32 = 0;
   // Sizes every buffer for `per` heads, tasks of at most max_q rows and padded head dims dqk, dvp.
   BwdScratch(int per, int64_t max_q, int dqk, int dvp, bool tiles) {
     const size_t kq = static_cast<size_t>(tiles ? BQB_TILES : BQB) * BBK;
     heads.reserve(static_cast<size_t>(per));
     for (int j = 0; j < per; ++j) heads.emplace_back(max_q, dqk, dvp, tiles);
     if (tiles) {
-      mq32 = (max_q + 31) / 32 * 32;
       ds16.resize(kq);
       pv2.resize(kq / 2);
       ds2.resize(kq / 2);
@@ -2009,16 +2010,23 @@ void backward_impl(const AttnBwdParams& p) {
           // The transposes, 32 rows at a time (their lines stay in L1 while the columns are
           // written; a row at a time wrote every element to another line and page); their
           // columns past the task's last query, up to a whole tile step, are zero.
+          // Query row j of step j / BQB_TILES is column j % BQB_TILES of that step's block.
+          constexpr int B = BQB_TILES;
+          static_assert(B % 32 == 0);
           for (int64_t j0 = 0; j0 < nq; j0 += 32) {
-            const int64_t j1 = std::min(nq, j0 + 32);
+            const int64_t j1 = std::min(nq, j0 + 32), blk = j0 / B;
+            uint16_t* const qt = H.qt16.data() + blk * dp * B - blk * B;   // + d * B + j
+            uint16_t* const dot = H.dot16.data() + blk * dvp * B - blk * B;
             for (int d = 0; d < dp; ++d)
-              for (int64_t j = j0; j < j1; ++j) H.qt16[d * S.mq32 + j] = H.q16[j * dq32 + d];
+              for (int64_t j = j0; j < j1; ++j) qt[d * B + j] = H.q16[j * dq32 + d];
             for (int d = 0; d < dvp; ++d)
-              for (int64_t j = j0; j < j1; ++j) H.dot16[d * S.mq32 + j] = H.do16[j * dv32 + d];
+              for (int64_t j = j0; j < j1; ++j) dot[d * B + j] = H.do16[j * dv32 + d];
           }
-          const int64_t nq32 = (nq + 31) / 32 * 32;
-          for (int d = 0; d < dp; ++d) std::fill_n(H.qt16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
-          for (int d = 0; d < dvp; ++d) std::fill_n(H.dot16.data() + d * S.mq32 + nq, nq32 - nq, uint16_t{0});
+          const int64_t nq32 = (nq + 31) / 32 * 32, last = (nq - 1) / B;  // nq32 stays in the last block
+          for (int d = 0; d < dp; ++d)
+            std::fill_n(H.qt16.data() + (last * dp + d) * B + nq - last * B, nq32 - nq, uint16_t{0});
+          for (int d = 0; d < dvp; ++d)
+            std::fill_n(H.dot16.data() + (last * dvp + d) * B + nq - last * B, nq32 - nq, uint16_t{0});
         }
       }
 
@@ -2130,18 +2138,18 @@ void backward_impl(const AttnBwdParams& p) {
                 round_row_bf16(S.s.data() + r * BBK + pc.a0, n, n32, S.ds16.data() + r * BBK);
                 if (r + 1 < m) round_row_bf16(S.s.data() + (r + 1) * BBK + pc.a0, n, n32, S.ds16.data() + (r + 1) * BBK);
               }
-              const uint16_t* dot = H.dot16.data() + i0;
-              const uint16_t* qt = H.qt16.data() + i0;
+              const uint16_t* dot = H.dot16.data() + i0 * dvp;  // the step's block (i0 = its index * bqb)
+              const uint16_t* qt = H.qt16.data() + i0 * dp;
               const uint32_t* pv2 = S.pv2.data() + pc.a0;
               const uint32_t* ds2 = S.ds2.data() + pc.a0;
               float* const tv = S.dv.data() + pc.a0;
               float* const tk = S.dk.data() + pc.a0;
               if (first) {
-                gemm_tiles16<true>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
-                gemm_tiles16<true>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+                gemm_tiles16<true>(false, dvp, n, m, dot, bqb, pv2, BBK, 16, tv, BBK);
+                gemm_tiles16<true>(false, dp, n, m, qt, bqb, ds2, BBK, 16, tk, BBK);
               } else {
-                gemm_tiles16<false>(false, dvp, n, m, dot, S.mq32, pv2, BBK, 16, tv, BBK);
-                gemm_tiles16<false>(false, dp, n, m, qt, S.mq32, ds2, BBK, 16, tk, BBK);
+                gemm_tiles16<false>(false, dvp, n, m, dot, bqb, pv2, BBK, 16, tv, BBK);
+                gemm_tiles16<false>(false, dp, n, m, qt, bqb, ds2, BBK, 16, tk, BBK);
               }
               first = false;
               gemm_tiles16<false>(false, m, dp, n, S.ds16.data(), BBK, pk.Kr2(hk, k0), PAD, pk.vr_ps() / 2,
