@@ -131,8 +131,9 @@ inline float hmax(vf v) {
 }
 
 // The lane-wise max of s[c] * mul over the columns [a0, a1) (a multiple of W apart), in four
-// independent chains, since the row's exp pass waits on it (any order gives the same
-// maximum, so the results are bitwise those of one chain). mul = 1 leaves s as it is.
+// independent chains, since the row's exp pass waits on it (without NaN scores any order
+// gives the same maximum, so the results are bitwise those of one chain; with NaN scores,
+// whose output is NaN anyway, the chains may keep another lane). mul = 1 leaves s as it is.
 inline vf row_max(const float* s, int a0, int a1, vf mul) {
   vf m0 = vset(kNegInf), m1 = m0, m2 = m0, m3 = m0;
   int c = a0;
@@ -1382,7 +1383,8 @@ inline vf exp_row_bf16(const float* s, int a0, int a1, vf mulv, vf mv, int n32, 
   return sum;
 }
 #else
-inline vf exp_row_bf16(const float*, int, int, vf, vf, int, uint16_t*) { return vf{}; }
+// Never called: P is fused only on bf16 tiles, whose paths define CPATTN_BF16_ROUND.
+inline vf exp_row_bf16(const float*, int, int, vf, vf, int, uint16_t*) { __builtin_unreachable(); }
 #endif
 
 // A piece: key columns [c0, c1) of block b of B rows (physical rows b*B + c), positions
@@ -1465,8 +1467,8 @@ struct CallRules {
 
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
-  fvec q, o, s, m, l;
-  u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [32][FBK_TILES]
+  fvec q, o, s, m, l;      // s: S rows [FSB][FBK] (tiles: [2][32][FBK_TILES], by sub-block parity)
+  u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [2][32][FBK_TILES]
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
 };
 
@@ -1595,12 +1597,15 @@ void forward_impl(const AttnFwdParams& p) {
       };
       // The unit's rows run in sub-blocks of FSB rows (32 on tiles) per head of the set: S = Q
       // Kt, the softmax and O += P V of a sub-block touch its Q, S and O rows only, which stay
-      // in L1 (blocking.hpp). The piece's sub-blocks that some row of theirs sees, in order:
+      // in L1 on the vector paths (blocking.hpp; on tiles two sub-blocks' S and P, 96 KiB, are
+      // live at once, from L2). The piece's sub-blocks that some row of theirs sees, in order
+      // (at least one: for_each_piece passes only pieces the unit's last row sees):
       struct Sub {
         int g, r0, sb;
         Piece ps;  // the piece as this sub-block computes it
         bool any;  // whether a row saw a key (else P V is skipped)
       };
+      static_assert(FSB >= 16);  // fsb >= 16: at most BQ / 16 + 1 sub-blocks per head
       std::array<Sub, GH * ((BQ + 15) / 16)> subs;
       int ns = 0;
       for (int g = 0; g < nh; ++g)
@@ -1610,6 +1615,7 @@ void forward_impl(const AttnFwdParams& p) {
           ps.a1 = trimmed_end(pc, qp0 + r0 + sb - 1);
           if (ps.a1 > ps.a0) subs[ns++] = {g, r0, sb, ps, false};
         }
+      if (ns == 0) return;
       // On tiles sub-block i has S and P rows of its own, buffer i % 2: the tiles fill the next
       // sub-block's S and multiply the last one's P while this one's softmax runs (below).
       auto s_buf = [&](int i) { return S.s.data() + (t16 ? (i % 2) * fsb * fbk : 0); };
@@ -1786,7 +1792,7 @@ void forward_impl(const AttnFwdParams& p) {
         next_s.finish();
         last_pv.finish();
       }
-      if (ns > 0) pv(ns - 1, nullptr);
+      pv(ns - 1, nullptr);
     };
     if (t16)
       for_each_piece<FBK_TILES>(w, t, cr.vz, qp0, qp_last, run_piece);
