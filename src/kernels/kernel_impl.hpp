@@ -833,14 +833,15 @@ __attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, cons
   }
 }
 
-// gemm_tiles16<Zero>(false, 32, n, k, a, ...) when every block is a full 2 x 2 (n and k
-// multiples of 32), one 32-element k step per step(): two A and two B tile loads and four
-// products, the block's C tiles loaded (or zeroed) before its first step and stored after its
-// last. The same products in the same order, so bitwise gemm_tiles16's C. The forward puts a
-// softmax row between steps: the tiles then multiply beside the vector units, where a whole
-// product in one go ran before or after them (only instructions close together in program
-// order overlap, within the core's reorder window). Between steps the job owns all eight
-// tiles: nothing else may use them until done().
+// gemm_tiles16<Zero>(false, 32, n, k, a, ...) when its blocks are 2 x 2 tiles (2 x 1 for a
+// last 16 columns) with no k tail (n a multiple of 16, k of 32), one 32-element k step per
+// step(): two A tiles and the block's B tiles loaded, its products run, the block's C tiles
+// loaded (or zeroed) before its first step and stored after its last. The same products in
+// the same order, so bitwise gemm_tiles16's C. The forward puts a softmax row between steps:
+// the tiles then multiply beside the vector units, where a whole product in one go ran before
+// or after them (only instructions close together in program order overlap, within the core's
+// reorder window). Between steps the job owns all eight tiles: nothing else may use them
+// until done().
 struct TileJob {
   const uint16_t* a = nullptr;  // A rows, a_stride bytes apart
   int64_t a_stride = 0;
@@ -853,40 +854,52 @@ struct TileJob {
   int n0 = 0, k0 = 0;  // the next step
 
   bool done() const { return n0 >= n; }
-  int steps_left() const { return done() ? 0 : (n - n0) / 32 * (k / 32) - k0 / 32; }
+  int steps_left() const { return done() ? 0 : (n - n0 + 31) / 32 * (k / 32) - k0 / 32; }
   void step() {
     if (done()) return;
     float* const cb = c + n0;
     const int64_t cs = ldc * 4;
+    const bool two_n = n - n0 > 16;  // else the last 16 columns: C tiles 0 and 2, B tile 6
     if (k0 == 0) {
       tiles_begin();
       if (zero) {
         Tiles::zero<0>();
-        Tiles::zero<1>();
         Tiles::zero<2>();
-        Tiles::zero<3>();
+        if (two_n) {
+          Tiles::zero<1>();
+          Tiles::zero<3>();
+        }
       } else {
         Tiles::load<0>(cb, cs);
-        Tiles::load<1>(cb + 16, cs);
         Tiles::load<2>(cb + 16 * ldc, cs);
-        Tiles::load<3>(cb + 16 * ldc + 16, cs);
+        if (two_n) {
+          Tiles::load<1>(cb + 16, cs);
+          Tiles::load<3>(cb + 16 * ldc + 16, cs);
+        }
       }
     }
     const uint32_t* const b0 = b + (n0 / 16) * b_panel + k0 / 2 * b_ld;
     Tiles::load<4>(a + k0, a_stride);
     Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
     Tiles::load<6>(b0, b_ld * 4);
-    Tiles::load<7>(b0 + b_panel, b_ld * 4);
-    Tiles::dot<0, 4, 6>(false);
-    Tiles::dot<1, 4, 7>(false);
-    Tiles::dot<2, 5, 6>(false);
-    Tiles::dot<3, 5, 7>(false);
+    if (two_n) {
+      Tiles::load<7>(b0 + b_panel, b_ld * 4);
+      Tiles::dot<0, 4, 6>(false);
+      Tiles::dot<1, 4, 7>(false);
+      Tiles::dot<2, 5, 6>(false);
+      Tiles::dot<3, 5, 7>(false);
+    } else {
+      Tiles::dot<0, 4, 6>(false);
+      Tiles::dot<2, 5, 6>(false);
+    }
     k0 += 32;
     if (k0 < k) return;
     Tiles::store<0>(cb, cs);
-    Tiles::store<1>(cb + 16, cs);
     Tiles::store<2>(cb + 16 * ldc, cs);
-    Tiles::store<3>(cb + 16 * ldc + 16, cs);
+    if (two_n) {
+      Tiles::store<1>(cb + 16, cs);
+      Tiles::store<3>(cb + 16 * ldc + 16, cs);
+    }
     k0 = 0;
     n0 += 32;
   }
@@ -1623,13 +1636,14 @@ void forward_impl(const AttnFwdParams& p) {
       // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1). On tiles, when `job` is given and the product
       // is whole 2 x 2 blocks, it is set up in *job to run step by step; otherwise it runs now
       // (and *job stays done).
+      static_assert(PAD == 16);  // the jobs take key counts and head dims in whole 16-column tiles
       auto scores = [&](int i, TileJob* job) {
         const Sub& x = subs[i];
         const int n = x.ps.a1 - x.ps.a0;
         const int64_t k0 = x.ps.b * fbk + x.ps.a0;  // first physical key row computed
         if (t16) {
           const uint16_t* a = S.q16.data() + (x.g * BQ + x.r0) * dq32;
-          if (job && x.sb == 32 && n % 32 == 0 && dp % 32 == 0) {
+          if (job && x.sb == 32 && dp % 32 == 0) {  // (n is a multiple of PAD = 16)
             *job = TileJob{.a = a, .a_stride = dq32 * 2, .b = pk.Kt2(hk, k0), .b_ld = PAD, .b_panel = dp * PAD / 2,
                            .c = s_buf(i) + x.ps.a0, .ldc = fbk, .n = n, .k = dp, .zero = true};
             return;
@@ -1652,7 +1666,7 @@ void forward_impl(const AttnFwdParams& p) {
           if (cr.dropout)  // P is rounded after the dropout's scaling
             for (int r = 0; r < x.sb; ++r)
               round_row_bf16(s_buf(i) + r * fbk + x.ps.a0, n, (n + 31) / 32 * 32, p_buf(i) + r * fbk);
-          if (job && x.sb == 32 && n % 32 == 0 && dvp % 32 == 0) {
+          if (job && x.sb == 32 && n % 32 == 0) {  // (dvp is a multiple of PAD = 16)
             *job = TileJob{.a = p_buf(i), .a_stride = fbk * 2, .b = pk.Vr2(hk, k0), .b_ld = PAD,
                            .b_panel = pk.vr_ps() / 2, .c = o_g, .ldc = dvp, .n = dvp, .k = n, .zero = false};
             return;
