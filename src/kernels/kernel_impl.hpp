@@ -1634,8 +1634,8 @@ void forward_impl(const AttnFwdParams& p) {
       auto s_buf = [&](int i) { return S.s.data() + (t16 ? (i % 2) * fsb * fbk : 0); };
       auto p_buf = [&](int i) { return S.p16.data() + (i % 2) * fsb * fbk; };
       // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1). On tiles, when `job` is given and the product
-      // is whole 2 x 2 blocks, it is set up in *job to run step by step; otherwise it runs now
-      // (and *job stays done).
+      // has no edges a TileJob does not take (32 rows, k a multiple of 32), it is set up in *job
+      // to run step by step; otherwise it runs now (and *job stays done).
       static_assert(PAD == 16);  // the jobs take key counts and head dims in whole 16-column tiles
       auto scores = [&](int i, TileJob* job) {
         const Sub& x = subs[i];
@@ -1783,7 +1783,7 @@ void forward_impl(const AttnFwdParams& p) {
       // softmax runs beside the tiles of S for i + 1 and of O += P V for i - 1, a few steps per
       // row (TileJob), so that the AMX unit and the vector units work at once. Each sub-block's
       // products and softmax are the same operations on the same operands as in turn, so the
-      // results are bitwise the same; a product that is not whole 2 x 2 blocks runs in one go
+      // results are bitwise the same; a product with edges a job does not take runs in one go
       // before the softmax, while no job holds the tiles.
       TileJob next_s, last_pv;
       scores(0, nullptr);
