@@ -35,8 +35,9 @@ constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S
                           // softmax and O += P V FSB rows at a time, each product's operands
                           // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
                           // an 8 KiB K^T or V panel) within a 32 KiB L1
-constexpr int BWD_SETS = 2;       // backward head sets per kv head, at least (bwd_set_heads)
+constexpr int BWD_SETS = 2;       // backward head sets per kv head, at least (but see BWD_LONG_TASK)
 constexpr int BWD_SET_HEADS = 4;  // query heads per backward head set, at most
+constexpr int64_t BWD_LONG_TASK = 4096;  // bf16 tiles: query rows of a task past which BWD_SETS applies
 static_assert(BK % PAD == 0 && FBK % BK == 0 && FBK_TILES % BK == 0 && BBK % BK == 0 && FSB % MR == 0 && FSB <= BQ);
 
 constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
@@ -44,31 +45,47 @@ constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 // Query heads per backward unit. A unit is (kv head, set of consecutive query heads of its
 // group): for each key piece its heads' dK/dV add into one tile, which goes into the set's
 // fp32 buffer once; the sets' buffers are summed in set order at the end. A kv head's group of
-// G query heads runs as max(min(G, BWD_SETS), ceil(G / BWD_SET_HEADS)) sets of ceil(G / sets)
-// heads (the last one smaller): the fewer the sets, the less the buffers and their final sum
-// move (a CP rank's, over all gathered keys, were a quarter of its bf16 backward on AMX with 4
-// sets of one head), the more, the more units threads share; per-thread scratch grows with the
-// set's heads. A function of the group size alone: never of num_threads (the summation order,
-// and so the result, do not depend on the thread count), nor of how many kv heads the call
-// has, so that a call split into calls over groups of kv heads (the overlapped CP backward)
-// sums every gradient in the same order as the whole call, bitwise.
-constexpr int bwd_set_heads(int num_heads_q, int num_heads_k) {
+// G query heads runs as max(min(G, s), ceil(G / BWD_SET_HEADS)) sets of ceil(G / sets) heads
+// (the last one smaller), s = BWD_SETS, but s = 1 on bf16 tiles (the amx paths) when the
+// call's longest task (max_q) has at most BWD_LONG_TASK query rows. The fewer the sets, the
+// less the buffers and their final sum move, and the fewer times the unit loops stream the
+// packed K/V (a CP rank's, over all gathered keys, were a quarter of its bf16 backward on AMX
+// with 4 sets of one head; on packed batches of short documents one set of 4 heads runs the
+// bf16 tile backward 14-16% faster than 2 sets of 2); the more, the more units threads share,
+// and per-thread scratch grows with the set's heads (one set of 4 heads was slower with one
+// 8192-row task on bf16 tiles, 15% on two threads, and with 2048- and 4096-row tasks on the
+// fp32 path, 2-6%, whose per-row buffers are larger). A function of the group size, max_q and
+// the products alone: never of num_threads (the summation order, and so the result, do not
+// depend on the thread count), nor of how many kv heads the call has, so that a call split
+// into calls over groups of kv heads (the overlapped CP backward, whose calls share one work
+// list) sums every gradient in the same order as the whole call, bitwise.
+constexpr int bwd_set_heads(int num_heads_q, int num_heads_k, int64_t max_q, bool bf16_tiles) {
   const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
-  const int sets = std::max(std::min(group, BWD_SETS), (group + BWD_SET_HEADS - 1) / BWD_SET_HEADS);
+  const int at_least = bf16_tiles && max_q <= BWD_LONG_TASK ? 1 : BWD_SETS;
+  const int sets = std::max(std::min(group, at_least), (group + BWD_SET_HEADS - 1) / BWD_SET_HEADS);
   return (group + sets - 1) / sets;
 }
-constexpr int bwd_sets(int num_heads_q, int num_heads_k) {
+constexpr int bwd_sets(int num_heads_q, int num_heads_k, int64_t max_q, bool bf16_tiles) {
   const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
-  const int per = bwd_set_heads(num_heads_q, num_heads_k);
+  const int per = bwd_set_heads(num_heads_q, num_heads_k, max_q, bf16_tiles);
   return (group + per - 1) / per;
 }
-// The shapes docs/kernels.md and the head-set tests name.
-static_assert(bwd_set_heads(16, 4) == 2 && bwd_sets(16, 4) == 2 && bwd_set_heads(64, 8) == 4 &&
-              bwd_set_heads(32, 8) == 2 && bwd_set_heads(40, 4) == 4 && bwd_sets(40, 4) == 3 &&
-              bwd_set_heads(16, 1) == 4 && bwd_sets(16, 1) == 4 && bwd_set_heads(8, 8) == 1 &&
-              bwd_sets(8, 8) == 1 && bwd_set_heads(16, 8) == 1 && bwd_sets(16, 8) == 2 &&
-              bwd_set_heads(20, 4) == 3 && bwd_sets(20, 4) == 2 && bwd_set_heads(3, 1) == 2 &&
-              bwd_sets(3, 1) == 2 && bwd_set_heads(20, 4) == bwd_set_heads(10, 2));
+// The shapes docs/kernels.md and the head-set tests name: the rule of BWD_SETS (any task
+// on the fp32-product paths, long tasks on bf16 tiles), then short tasks on bf16 tiles.
+constexpr bool bwd_sets_rule(int hq, int hkv, int per, int sets) {
+  return bwd_set_heads(hq, hkv, 100, false) == per && bwd_sets(hq, hkv, 100, false) == sets &&
+         bwd_set_heads(hq, hkv, 8192, true) == per && bwd_sets(hq, hkv, 8192, true) == sets;
+}
+static_assert(bwd_sets_rule(16, 4, 2, 2) && bwd_sets_rule(64, 8, 4, 2) && bwd_sets_rule(32, 8, 2, 2) &&
+              bwd_sets_rule(40, 4, 4, 3) && bwd_sets_rule(16, 1, 4, 4) && bwd_sets_rule(8, 8, 1, 1) &&
+              bwd_sets_rule(16, 8, 1, 2) && bwd_sets_rule(20, 4, 3, 2) && bwd_sets_rule(3, 1, 2, 2) &&
+              bwd_set_heads(20, 4, 1, false) == bwd_set_heads(10, 2, 1, false));
+static_assert(bwd_set_heads(16, 4, 4096, true) == 4 && bwd_sets(16, 4, 4096, true) == 1 &&
+              bwd_set_heads(16, 4, 4097, true) == 2 && bwd_set_heads(32, 8, 1, true) == 4 &&
+              bwd_sets(64, 8, 4096, true) == 2 && bwd_sets(40, 4, 300, true) == 3 &&
+              bwd_set_heads(16, 8, 4096, true) == 2 && bwd_sets(16, 8, 4096, true) == 1 &&
+              bwd_set_heads(3, 1, 200, true) == 3 && bwd_sets(16, 1, 100, true) == 4 &&
+              bwd_set_heads(8, 8, 100, true) == 1 && bwd_set_heads(20, 4, 4096, true) == 3);
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
@@ -98,13 +115,13 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_tiles ? 1 : bf16_pairs ? 3 : 2) * (dp + dvp);
   // (bf16 tiles: per block of BBK rows, the last one whole)
   const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
-  f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k) * g_rows * (dp + dvp);
+  f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles) * g_rows * (dp + dvp);
   // Per head of a set: dq [max_q][dp], q and its panels [max_q][dp]; dout and its panels
   // [max_q][dvp]; lse, delta. Shared: S, P, dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles
   // [BBK][dp + dvp]; row buffers (a packed row, an out row, the dK/dV sums of a key row) of at
   // most 2 (dp + dvp)
   const size_t bq = bf16_tiles ? BQB_TILES : BQB;
-  const auto per = static_cast<size_t>(bwd_set_heads(num_heads_q, num_heads_k));
+  const auto per = static_cast<size_t>(bwd_set_heads(num_heads_q, num_heads_k, max_q, bf16_tiles));
   // (bf16 tiles: q and dout are one row each, their task rows held in bf16 below, no panels)
   const size_t q_rows = bf16_tiles ? 1 : mq, panel_rows = bf16_tiles ? 0 : mq;
   f.per_thread = per * (mq * (dp + 2) + (q_rows + panel_rows) * (dp + dvp)) + 3 * bq * BBK + BBK * (dp + dvp) +

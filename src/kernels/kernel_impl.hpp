@@ -1942,7 +1942,7 @@ void backward_impl(const AttnBwdParams& p) {
   // set's heads accumulate, one tile per piece for all of them, in the set's buffers
   // [total_k][dp], [total_k][dvp] (fp32, unscaled dK), summed over the sets in order at the end
   // (bwd_set_heads).
-  const int per = bwd_set_heads(hq, hkn), sets = bwd_sets(hq, hkn);
+  const int per = bwd_set_heads(hq, hkn, max_q, t16), sets = bwd_sets(hq, hkn, max_q, t16);
   const int64_t units = int64_t{hkn} * sets;
   // bf16 tiles keep them transposed per block of BBK key rows, [nbb][dp][BBK] and [nbb][dvp][BBK],
   // the layout of the pieces' dK^T, dV^T tiles, so that a piece is added in vectors.

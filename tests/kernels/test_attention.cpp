@@ -334,7 +334,7 @@ TEST(kernel_attention, DropoutSameForAnyTaskSplitAndMatchesReference) {
 }
 
 // The backward's units are (kv head, set of query heads) with the sets fixed by the shape
-// (blocking.hpp's bwd_set_heads): Hq = 40, Hkv = 4 gives sets of 4, 4 and 2 heads per kv
+// (blocking.hpp's bwd_set_heads; fp32 here, whose sets do not depend on task lengths): Hq = 40, Hkv = 4 gives sets of 4, 4 and 2 heads per kv
 // head, Hq = 3, Hkv = 1 (MQA) sets of 2 and 1. With CP-style tasks that share key rows, the
 // gradients match the float64 reference and are bitwise the same for 1 to 4 threads.
 TEST(kernel_attention, BackwardHeadSetsMatchReferenceForAnyThreadCount) {
@@ -368,9 +368,10 @@ TEST(kernel_attention, BackwardHeadSetsMatchReferenceForAnyThreadCount) {
 }
 
 // One call per kv head (its query heads as strided views, its lse columns) gives bitwise what
-// the whole call gives: the backward's head sets depend on the group size alone, never on the
-// call's kv heads (what the overlapped CP backward's per-group calls rely on). Groups of 5
-// (sets of 3 and 2 heads) and 8 (2 sets of 4), tasks sharing key rows, fp32 and bf16.
+// the whole call gives: the backward's head sets depend on the group size (and on bf16 tiles
+// the longest task) alone, never on the call's kv heads (what the overlapped CP backward's
+// per-group calls rely on). Groups of 5 (sets of 3 and 2 heads) and 8 (2 sets of 4), tasks
+// sharing key rows, fp32 and bf16.
 TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
   const auto slice = [](auto view, int h0, int n) {  // heads [h0, h0 + n) of a contiguous view
     auto s = view;
@@ -786,10 +787,10 @@ TEST(kernel_attention, QueryThatSeesOneKeyGetsItsValueRowExactly) {
 // AttnInputs::key_rows: out, lse and dq bitwise those of the same call on K, V in key order, and
 // dK, dV bitwise at the permuted rows; in write mode into storage-dtype and fp32 views and in
 // accumulate mode; the float64 reference likewise. Documents of 1, 37, 130 and 64 tokens,
-// GQA of 4 (backward head sets of 2), odd head dims, a window, every path this CPU runs, fp32
+// GQA of 4 (backward head sets of 2; one set of 4 on bf16 tiles), odd head dims, a window, every path this CPU runs, fp32
 // and bf16.
 TEST(kernel_attention, KeyRowsReadAndWriteThePermutedRowsBitwise) {
-  AttnCase c{"key_rows", {1, 37, 130, 64}, {1, 37, 130, 64}, 8, 2, 72, 40, MaskType::causal};  // sets of 2 heads
+  AttnCase c{"key_rows", {1, 37, 130, 64}, {1, 37, 130, 64}, 8, 2, 72, 40, MaskType::causal};  // sets of 2 heads (bf16 tiles: one of 4)
   c.window_left = 50;
   const int64_t tk = c.total_k();
   std::vector<int64_t> perm(static_cast<size_t>(tk));
