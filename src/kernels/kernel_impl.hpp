@@ -106,6 +106,8 @@ class RawFloats {
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -323,7 +325,6 @@ constexpr int BF16_NV = 2;
 #define CPATTN_BF16_ROUND CPATTN_AMX
 #endif
 #ifdef CPATTN_BF16_ROUND
-typedef uint32_t vu __attribute__((vector_size(W * 4)));
 inline vu vload_u(const uint32_t* p) {
   vu v;
   std::memcpy(&v, p, sizeof v);
@@ -1087,9 +1088,17 @@ inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, flo
       for (int d = 0; d < n; ++d) o[d] = f32_to_f16(src[d] * mul);
       return;
     }
-    case DType::bf16: {
+    case DType::bf16: {  // f32_to_bf16 (cpattn/dtype.hpp) W elements at a time: the same integer steps
       uint16_t* o = static_cast<uint16_t*>(base) + i0;
-      for (int d = 0; d < n; ++d) o[d] = f32_to_bf16(src[d] * mul);
+      const vf mv = vset(mul);
+      int d = 0;
+      for (; d + W <= n; d += W) {
+        const vu u = std::bit_cast<vu>(vload(src + d) * mv);
+        const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const vh h = __builtin_convertvector(r, vh);
+        std::memcpy(o + d, &h, sizeof h);
+      }
+      for (; d < n; ++d) o[d] = f32_to_bf16(src[d] * mul);
       return;
     }
   }
@@ -1275,6 +1284,36 @@ inline void transpose16x16_epi32(__m512i (&r)[16]) {
 }
 #endif
 
+#if CPATTN_AMX == 1
+// The pairs of rows r, r + 1 of two rows' 32 16-bit elements x0, x1, interleaved: words
+// (x0[i], x1[i]) for i in [0, 16) (lo) and [16, 32) (hi); the VNNI layout of a tile's B.
+inline __m512i pair_lo_index() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+                          35, 3, 34, 2, 33, 1, 32, 0);
+}
+
+// dst[d * dst_ld + j] = src[j * ld + d] for j < 32 and d < dims: 32 rows of 16-bit elements
+// (ld a multiple of 32, every row readable up to dims rounded up to 32), transposed; rows at
+// and past `rows` give zero columns. Per 32 x 32: rows paired into words (dims d, rows 2p and
+// 2p + 1) and two 16 x 16 transposes of words: column j's elements 64 bytes at a time.
+inline void transpose_rows32(const uint16_t* src, int64_t ld, int rows, int dims, uint16_t* dst, int64_t dst_ld) {
+  const __m512i lo = pair_lo_index(), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int d0 = 0; d0 < dims; d0 += 32) {
+    __m512i r0[16], r1[16];
+    for (int p = 0; p < 16; ++p) {
+      const __m512i x0 = 2 * p < rows ? _mm512_loadu_si512(src + 2 * p * ld + d0) : _mm512_setzero_si512();
+      const __m512i x1 = 2 * p + 1 < rows ? _mm512_loadu_si512(src + (2 * p + 1) * ld + d0) : _mm512_setzero_si512();
+      r0[p] = _mm512_permutex2var_epi16(x0, lo, x1);
+      r1[p] = _mm512_permutex2var_epi16(x0, hi, x1);
+    }
+    transpose16x16_epi32(r0);
+    transpose16x16_epi32(r1);
+    for (int i = 0; i < 16 && d0 + i < dims; ++i) _mm512_storeu_si512(dst + (d0 + i) * dst_ld, r0[i]);
+    for (int i = 0; i < 16 && d0 + 16 + i < dims; ++i) _mm512_storeu_si512(dst + (d0 + 16 + i) * dst_ld, r1[i]);
+  }
+}
+
+#endif
 void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
@@ -1319,8 +1358,7 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
     };
     // K, V: word (panel d / PAD, row pair r / 2, column d % PAD) = rows r, r + 1 at d: the two
     // rows' elements interleaved, two panels per 32 elements.
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i lo = pair_lo_index();
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     auto rows = [&](auto row_of, int dim, int dpad, uint32_t* head) {
       for (int64_t r = b * BK; r < (b + 1) * BK; r += 2) {
@@ -2037,16 +2075,23 @@ void backward_impl(const AttnBwdParams& p) {
             const int64_t j1 = std::min(nq, j0 + 32), blk = j0 / B;
             uint16_t* const qt = H.qt16.data() + blk * dp * B - blk * B;   // + d * B + j
             uint16_t* const dot = H.dot16.data() + blk * dvp * B - blk * B;
+#if CPATTN_AMX == 1
+            transpose_rows32(H.q16.data() + j0 * dq32, dq32, static_cast<int>(j1 - j0), dp, qt + j0, B);
+            transpose_rows32(H.do16.data() + j0 * dv32, dv32, static_cast<int>(j1 - j0), dvp, dot + j0, B);
+#else
             for (int d = 0; d < dp; ++d)
               for (int64_t j = j0; j < j1; ++j) qt[d * B + j] = H.q16[j * dq32 + d];
             for (int d = 0; d < dvp; ++d)
               for (int64_t j = j0; j < j1; ++j) dot[d * B + j] = H.do16[j * dv32 + d];
+#endif
           }
+#if CPATTN_AMX != 1  // (transpose_rows32 writes them)
           const int64_t nq32 = (nq + 31) / 32 * 32, last = (nq - 1) / B;  // nq32 stays in the last block
           for (int d = 0; d < dp; ++d)
             std::fill_n(H.qt16.data() + (last * dp + d) * B + nq - last * B, nq32 - nq, uint16_t{0});
           for (int d = 0; d < dvp; ++d)
             std::fill_n(H.dot16.data() + (last * dvp + d) * B + nq - last * B, nq32 - nq, uint16_t{0});
+#endif
         }
       }
 
@@ -2285,41 +2330,67 @@ void backward_impl(const AttnBwdParams& p) {
     }
   };
   if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, then rows
-    parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {
-      fvec ak(static_cast<size_t>(dp) * BBK), av(static_cast<size_t>(dvp) * BBK);
-      alignas(64) float rows16[16][16];  // 16 columns of 16 of a sum's rows, transposed
+    // Per thread: the sum of a kv head's sets for one block (when more than one set reached it).
+    const int red_thr = static_cast<int>(std::min<int64_t>(nbb, opt.num_threads));
+    std::vector<fvec> sum_k(static_cast<size_t>(std::max(red_thr, 1))), sum_v(sum_k.size());
+    parallel_for(nbb, opt.num_threads, [&](int64_t b, int th) {
+      alignas(64) float rows16[16][256];  // 16 of the block's rows, whole (dp <= 256), from 16 x 16 transposes
+      static_assert(PAD == 16);
       const int64_t r0 = b * BBK;
       const int rows = static_cast<int>(std::min<int64_t>(BBK, total_k - r0));
-      // Rows [r0, r0 + rows) of one kv head's dK or dV from its [dims][BBK] block a, 16 x 16 at a time.
+      // Rows [r0, r0 + rows) of one kv head's dK or dV from its [dims][BBK] block a (null: zeros),
+      // 16 rows at a time, each written whole.
       auto write_block = [&](bool is_k, int hk, const float* a, int dim) {
-        for (int c0 = 0; c0 < rows; c0 += 16)
-          for (int d0 = 0; d0 < dim; d0 += 16) {
+        const int dpad = pad_up(dim);
+        for (int c0 = 0; c0 < rows; c0 += 16) {
+          if (!a) {
+            std::fill_n(&rows16[0][0], 16 * 256, 0.0f);
+          } else {
+            for (int d0 = 0; d0 < dpad; d0 += 16) {
 #if CPATTN_AMX == 1
-            __m512i x[16];
-            for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(_mm512_loadu_ps(a + (d0 + i) * BBK + c0));
-            transpose16x16_epi32(x);
-            for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j], _mm512_castsi512_ps(x[j]));
+              __m512i x[16];
+              for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(_mm512_loadu_ps(a + (d0 + i) * BBK + c0));
+              transpose16x16_epi32(x);
+              for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
 #else
-            for (int j = 0; j < 16; ++j)
-              for (int i = 0; i < 16; ++i) rows16[j][i] = a[(d0 + i) * BBK + c0 + j];
+              for (int j = 0; j < 16; ++j)
+                for (int i = 0; i < 16; ++i) rows16[j][d0 + i] = a[(d0 + i) * BBK + c0 + j];
 #endif
-            for (int j = 0; j < std::min(16, rows - c0); ++j)
-              write_kv(is_k, r0 + c0 + j, hk, d0, std::min(16, dim - d0), rows16[j]);
+            }
           }
+          for (int j = 0; j < std::min(16, rows - c0); ++j) write_kv(is_k, r0 + c0 + j, hk, 0, dim, rows16[j]);
+        }
       };
       for (int hk = 0; hk < hkn; ++hk) {
-        std::fill(ak.begin(), ak.end(), 0.0f);
-        std::fill(av.begin(), av.end(), 0.0f);
+        // The kv head's sets that reached the block, in set order: one is used in place (its
+        // sum from zero would be itself: no buffer holds -0.0, as every one starts from +0.0,
+        // and x + +0.0 is x for every other x), more are summed.
+        const float* ks = nullptr;
+        const float* vs = nullptr;
+        int reached = 0;
         for (int st = 0; st < sets; ++st) {
           const size_t us = static_cast<size_t>(hk) * sets + st;
           if (!touched[us * nbb + b]) continue;  // no piece reached it: zeros
           const float* sk = gk.data() + (us * nbb + b) * BBK * dp;
           const float* sv = gv.data() + (us * nbb + b) * BBK * dvp;
+          if (reached++ == 0) {
+            ks = sk;
+            vs = sv;
+            continue;
+          }
+          fvec& ak = sum_k[static_cast<size_t>(th)];
+          fvec& av = sum_v[static_cast<size_t>(th)];
+          if (reached == 2) {
+            ak.assign(ks, ks + static_cast<size_t>(dp) * BBK);
+            av.assign(vs, vs + static_cast<size_t>(dvp) * BBK);
+            ks = ak.data();
+            vs = av.data();
+          }
           for (size_t i = 0; i < ak.size(); ++i) ak[i] += sk[i];
           for (size_t i = 0; i < av.size(); ++i) av[i] += sv[i];
         }
-        write_block(true, hk, ak.data(), head_dim_qk);
-        write_block(false, hk, av.data(), head_dim_v);
+        write_block(true, hk, ks, head_dim_qk);
+        write_block(false, hk, vs, head_dim_v);
       }
     });
     return;
