@@ -91,7 +91,7 @@ static_assert(bwd_set_heads(16, 4, 4096, true) == 4 && bwd_sets(16, 4, 4096, tru
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
 // stays within this bound).
 struct BwdScratchFloats {
-  size_t packed_kv;       // K^T, K, V, V^T packed per kv head in blocks of BK rows
+  size_t packed_kv;       // K^T, K and V^T (the backward's operands) packed per kv head in blocks of BK rows
   size_t per_set_grads;   // dK, dV per (kv head, head set)
   size_t per_thread;      // one thread's buffers
   size_t total(int threads) const {
@@ -112,7 +112,8 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   const size_t tk = static_cast<size_t>((total_k + BK - 1) / BK * BK);
   const size_t mq = static_cast<size_t>(max_q);
   BwdScratchFloats f{};
-  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_tiles ? 1 : bf16_pairs ? 3 : 2) * (dp + dvp);
+  // (fp32: 2 dp + dvp floats a row; bf16 tiles: their pairs alone, half; bf16 pairs: both, 1.5 times)
+  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_tiles ? 1 : bf16_pairs ? 3 : 2) * (2 * dp + dvp) / 2;
   // (bf16 tiles: per block of BBK rows, the last one whole)
   const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles) * g_rows * (dp + dvp);

@@ -1112,10 +1112,11 @@ struct Packed {
   // head's keys is at Kt(hk, 0) + j * dp * PAD, whatever the block), vt [BK/PAD][dvp][PAD]
   // (V^T, likewise). K and V are per kv head, not per block: kr [dp/PAD][nblk*BK][PAD],
   // vr [dvp/PAD][nblk*BK][PAD], so that dS K and P V can run over any number of consecutive
-  // blocks (B panel stride vr_ps(), the same for both).
+  // blocks (B panel stride vr_ps(), the same for both). A forward packs kt and vr, a backward
+  // kt, kr and vt (the others stay empty).
   raw_fvec kt, kr, vr, vt;  // every element written by pack_kv (no zero fill first)
   // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
-  // leaves the float buffers empty): the same four in bf16 pairs of rows (pair_panel_rows),
+  // leaves the float buffers empty): the same ones in bf16 pairs of rows (pair_panel_rows),
   // each half the length its float buffer has; empty on the fp32-product paths.
   raw_uvec kt2, kr2, vr2, vt2;
   // The pairs of a B operand that starts at B in one of the float buffers at an even k (every
@@ -1142,7 +1143,9 @@ struct Packed {
   const uint32_t* Vr2(int hk, int64_t k0) const { return vr2.data() + (hk * nblk * BK * dvp + k0 * PAD) / 2; }
 };
 
-void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) {
+// The packed K/V of a forward (backward = false: K^T and V, its products' B operands) or of a
+// backward (K^T, K and V^T; V rows are no operand of it).
+void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
   const int64_t total_k = K.rows;
@@ -1155,18 +1158,16 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
   // Not zeroed: every element is written below, the last block's rows past total_k as zeros.
   pk.kt.resize(nb * pk.dp);
-  pk.vr.resize(nb * pk.dvp);
-  if (transposed_too) {
-    pk.kr.resize(nb * pk.dp);
-    pk.vt.resize(nb * pk.dvp);
-  }
+  pk.vr.resize(backward ? 0 : nb * pk.dvp);
+  pk.kr.resize(backward ? nb * pk.dp : 0);
+  pk.vt.resize(backward ? nb * pk.dvp : 0);
   parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
     float* kt = pk.kt.data() + u * BK * pk.dp;
-    float* vr = pk.vr.data() + hk * pk.nblk * BK * pk.dvp;
-    float* kr = transposed_too ? pk.kr.data() + hk * pk.nblk * BK * pk.dp : nullptr;
-    float* vt = transposed_too ? pk.vt.data() + u * BK * pk.dvp : nullptr;
+    float* vr = backward ? nullptr : pk.vr.data() + hk * pk.nblk * BK * pk.dvp;
+    float* kr = backward ? pk.kr.data() + hk * pk.nblk * BK * pk.dp : nullptr;
+    float* vt = backward ? pk.vt.data() + u * BK * pk.dvp : nullptr;
     std::vector<float> row(std::max(pk.dp, pk.dvp));
     for (int c = 0; c < BK; ++c) {
       const int64_t r = b * BK + c;
@@ -1183,7 +1184,7 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
       }
       if (real) ld_row(V.data, dtype, sr * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
       for (int d = 0; d < pk.dvp; ++d) {
-        vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
+        if (vr) vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
         if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
       }
     }
@@ -1198,11 +1199,13 @@ void pack_kv(const AttnInputs& in, bool transposed_too, bool pairs, Packed& pk) 
   parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int64_t hk = u / pk.nblk, b = u % pk.nblk;
     pair_panel_rows(pk.kt.data() + u * BK * pk.dp, BK * pk.dp / PAD / 2, pk.kt2.data() + u * BK * pk.dp / 2);
-    for (int pn = 0; pn < pk.dvp / PAD; ++pn) {
-      const int64_t off = hk * pk.nblk * BK * pk.dvp + pn * pk.vr_ps() + b * BK * PAD;
-      pair_panel_rows(pk.vr.data() + off, BK / 2, pk.vr2.data() + off / 2);
+    if (!backward) {
+      for (int pn = 0; pn < pk.dvp / PAD; ++pn) {
+        const int64_t off = hk * pk.nblk * BK * pk.dvp + pn * pk.vr_ps() + b * BK * PAD;
+        pair_panel_rows(pk.vr.data() + off, BK / 2, pk.vr2.data() + off / 2);
+      }
+      return;
     }
-    if (!transposed_too) return;
     for (int pn = 0; pn < pk.dp / PAD; ++pn) {
       const int64_t off = hk * pk.nblk * BK * pk.dp + pn * pk.vr_ps() + b * BK * PAD;
       pair_panel_rows(pk.kr.data() + off, BK / 2, pk.kr2.data() + off / 2);
@@ -1314,7 +1317,8 @@ inline void transpose_rows32(const uint16_t* src, int64_t ld, int rows, int dims
 }
 
 #endif
-void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
+// pack_kv's operands (K^T and V, or with `backward` K^T, K and V^T) in bf16 pairs alone.
+void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
   const int64_t total_k = K.rows;
@@ -1326,9 +1330,9 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
   const int dp = pk.dp, dvp = pk.dvp;
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
   pk.kt2.resize(nb * dp / 2);
-  pk.vr2.resize(nb * dvp / 2);
-  pk.kr2.resize(transposed_too ? nb * dp / 2 : 0);
-  pk.vt2.resize(transposed_too ? nb * dvp / 2 : 0);
+  pk.vr2.resize(backward ? 0 : nb * dvp / 2);
+  pk.kr2.resize(backward ? nb * dp / 2 : 0);
+  pk.vt2.resize(backward ? nb * dvp / 2 : 0);
   const int64_t ps2 = pk.vr_ps() / 2;  // words per panel of K's and V's row pairs
   const auto* kd = static_cast<const uint16_t*>(K.data);
   const auto* vd = static_cast<const uint16_t*>(V.data);
@@ -1339,9 +1343,9 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
     auto k_row = [&](int64_t r) { return r < total_k ? kd + in.stored_key_row(r) * k_rs + hk * k_hs : nullptr; };
     auto v_row = [&](int64_t r) { return r < total_k ? vd + in.stored_key_row(r) * v_rs + hk * v_hs : nullptr; };
     uint32_t* kt2 = pk.kt2.data() + u * BK * dp / 2;
-    uint32_t* vr2 = pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
-    uint32_t* kr2 = transposed_too ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
-    uint32_t* vt2 = transposed_too ? pk.vt2.data() + u * BK * dvp / 2 : nullptr;
+    uint32_t* vr2 = backward ? nullptr : pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
+    uint32_t* kr2 = backward ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
+    uint32_t* vt2 = backward ? pk.vt2.data() + u * BK * dvp / 2 : nullptr;
 #if CPATTN_AMX == 1
     // K^T, V^T of the block: word (panel c / PAD, pair j, column c % PAD) = row c's elements
     // 2j, 2j + 1. Per panel of 16 rows and 16 pairs: 16 row loads, one 16 x 16 transpose.
@@ -1397,8 +1401,10 @@ void pack_kv_tiles(const AttnInputs& in, bool transposed_too, Packed& pk) {
     };
 #endif
     transposed(k_row, K.dim, dp, kt2);
-    rows(v_row, V.dim, dvp, vr2);
-    if (!transposed_too) return;
+    if (!backward) {
+      rows(v_row, V.dim, dvp, vr2);
+      return;
+    }
     rows(k_row, K.dim, dp, kr2);
     transposed(v_row, V.dim, dvp, vt2);
   });
