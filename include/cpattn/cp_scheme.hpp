@@ -64,12 +64,8 @@ std::string head_split_error(int num_heads_q, int num_heads_k, int inner);
 HeadSplit head_split(int num_heads_q, int num_heads_k, int inner, std::string_view what);
 
 // The KV-head groups the overlapped all-gather runs its kernels in (CpAttnConfig::overlap,
-// docs/cp.md "Overlap"): the largest divisor of num_heads_k that is at most 4 and at most
-// num_heads_k / num_threads (1: no overlap). The second bound gives each call at least
-// num_threads KV heads: a backward call's units are (KV head, head set), and on bf16 tiles a
-// short task's KV head of a group up to 4 has one set (blocking.hpp's bwd_set_heads), so a
-// call of one KV head would run on one thread. Pure: what cp_overlap_groups (with the kernels' num_threads) and the simulator
-// (one thread per rank) use.
-int overlap_kv_groups(int num_heads_k, int num_threads = 1);
+// docs/cp.md "Overlap"): the largest divisor of num_heads_k that is at most 4 (1: no overlap).
+// Pure: what cp_overlap_groups and the simulator use.
+int overlap_kv_groups(int num_heads_k);
 
 }  // namespace cpattn

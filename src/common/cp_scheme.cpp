@@ -23,10 +23,8 @@ HeadSplit head_split(int num_heads_q, int num_heads_k, int inner, std::string_vi
   return {.inner = inner, .hq = num_heads_q, .hkv = num_heads_k};
 }
 
-int overlap_kv_groups(int num_heads_k, int num_threads) {
-  // more groups: more progress points, smaller kernel calls; at least num_threads KV heads a
-  // call, so that each call's backward has a unit (KV head, head set) per thread
-  int groups = std::min({num_heads_k, 4, std::max(1, num_heads_k / std::max(num_threads, 1))});
+int overlap_kv_groups(int num_heads_k) {
+  int groups = std::min(num_heads_k, 4);  // more groups: more progress points, smaller kernel calls
   while (groups > 1 && num_heads_k % groups != 0) --groups;
   return std::max(groups, 1);
 }

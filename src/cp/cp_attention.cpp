@@ -935,7 +935,7 @@ struct CpAttention::State {
 
 int cp_overlap_groups(const CpAttnConfig& cfg, int cp) {
   if (!cfg.overlap || cfg.scheme != CpScheme::allgather || cfg.kv_mode != KvMode::runs || cp <= 1) return 1;
-  return overlap_kv_groups(cfg.num_heads_k, cfg.options.num_threads);
+  return overlap_kv_groups(cfg.num_heads_k);
 }
 
 void check_cp_scheme(const CpAttnConfig& cfg, int cp) {

@@ -51,7 +51,7 @@ constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 // less the buffers and their final sum move, and the fewer times the unit loops stream the
 // packed K/V (a CP rank's, over all gathered keys, were a quarter of its bf16 backward on AMX
 // with 4 sets of one head; on packed batches of short documents one set of 4 heads runs the
-// bf16 tile backward 14-16% faster than 2 sets of 2); the more, the more units threads share,
+// bf16 tile backward 16-17% faster than 2 sets of 2); the more, the more units threads share,
 // and per-thread scratch grows with the set's heads (one set of 4 heads was slower with one
 // 8192-row task on bf16 tiles, 15% on two threads, and with 2048- and 4096-row tasks on the
 // fp32 path, 2-6%, whose per-row buffers are larger). A function of the group size, max_q and

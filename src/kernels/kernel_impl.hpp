@@ -2345,32 +2345,32 @@ void backward_impl(const AttnBwdParams& p) {
       const int64_t r0 = b * BBK;
       const int rows = static_cast<int>(std::min<int64_t>(BBK, total_k - r0));
       // Rows [r0, r0 + rows) of one kv head's dK or dV from its [dims][BBK] block a (null: zeros),
-      // 16 rows at a time, each written whole.
+      // 16 rows at a time, each written whole. Every element gets + 0.0f: the sets' sum was
+      // 0 + s_0 + s_1 + ..., and a set's own -0.0 (a tile product that flushed to a zero of its
+      // sign) came out +0.0; (s_0 + s_1 + ...) + 0.0f is that sum bitwise (x + y is -0.0 only
+      // when both are).
       auto write_block = [&](bool is_k, int hk, const float* a, int dim) {
         const int dpad = pad_up(dim);
+        if (!a) std::fill_n(&rows16[0][0], 16 * 256, 0.0f);
         for (int c0 = 0; c0 < rows; c0 += 16) {
-          if (!a) {
-            std::fill_n(&rows16[0][0], 16 * 256, 0.0f);
-          } else {
-            for (int d0 = 0; d0 < dpad; d0 += 16) {
+          for (int d0 = 0; a && d0 < dpad; d0 += 16) {
 #if CPATTN_AMX == 1
-              __m512i x[16];
-              for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(_mm512_loadu_ps(a + (d0 + i) * BBK + c0));
-              transpose16x16_epi32(x);
-              for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
+            __m512i x[16];
+            for (int i = 0; i < 16; ++i)
+              x[i] = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(a + (d0 + i) * BBK + c0), _mm512_setzero_ps()));
+            transpose16x16_epi32(x);
+            for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
 #else
-              for (int j = 0; j < 16; ++j)
-                for (int i = 0; i < 16; ++i) rows16[j][d0 + i] = a[(d0 + i) * BBK + c0 + j];
+            for (int j = 0; j < 16; ++j)
+              for (int i = 0; i < 16; ++i) rows16[j][d0 + i] = a[(d0 + i) * BBK + c0 + j] + 0.0f;
 #endif
-            }
           }
           for (int j = 0; j < std::min(16, rows - c0); ++j) write_kv(is_k, r0 + c0 + j, hk, 0, dim, rows16[j]);
         }
       };
       for (int hk = 0; hk < hkn; ++hk) {
-        // The kv head's sets that reached the block, in set order: one is used in place (its
-        // sum from zero would be itself: no buffer holds -0.0, as every one starts from +0.0,
-        // and x + +0.0 is x for every other x), more are summed.
+        // The kv head's sets that reached the block, in set order: one is used in place, more
+        // are summed (write_block adds the sum's + 0.0f).
         const float* ks = nullptr;
         const float* vs = nullptr;
         int reached = 0;

@@ -108,20 +108,6 @@ TEST(CpOverlapGroups, LargestDivisorOfTheKvHeadsUpToFour) {
   EXPECT_EQ(groups(4, 2, false), 1);
   EXPECT_EQ(groups(4, 2, true, KvMode::index), 1);
   EXPECT_EQ(groups(4, 2, true, KvMode::runs, CpScheme::ring), 1);
-  // At least num_threads KV heads a call (each has a backward unit per thread): the largest
-  // divisor of Hkv up to min(4, Hkv / threads).
-  const auto threaded = [](int hkv, int threads) {
-    return cp_overlap_groups({.num_heads_q = 2 * hkv, .num_heads_k = hkv, .head_dim_qk = 8, .head_dim_v = 8,
-                              .options = {.num_threads = threads}, .overlap = true},
-                             2);
-  };
-  EXPECT_EQ(threaded(4, 1), 4);
-  EXPECT_EQ(threaded(4, 2), 2);
-  EXPECT_EQ(threaded(8, 2), 4);
-  EXPECT_EQ(threaded(8, 3), 2);  // 8 / 3 = 2
-  EXPECT_EQ(threaded(6, 2), 3);
-  EXPECT_EQ(threaded(2, 2), 1);
-  EXPECT_EQ(threaded(4, 8), 1);
 }
 
 TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {

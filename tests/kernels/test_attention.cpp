@@ -334,8 +334,8 @@ TEST(kernel_attention, DropoutSameForAnyTaskSplitAndMatchesReference) {
 }
 
 // The backward's units are (kv head, set of query heads) with the sets fixed by the shape
-// (blocking.hpp's bwd_set_heads; fp32 here, whose sets do not depend on task lengths): Hq = 40, Hkv = 4 gives sets of 4, 4 and 2 heads per kv
-// head, Hq = 3, Hkv = 1 (MQA) sets of 2 and 1. With CP-style tasks that share key rows, the
+// (blocking.hpp's bwd_set_heads; fp32 here, whose sets do not depend on task lengths): Hq =
+// 40, Hkv = 4 gives sets of 4, 4 and 2 heads per kv head, Hq = 3, Hkv = 1 (MQA) sets of 2 and 1. With CP-style tasks that share key rows, the
 // gradients match the float64 reference and are bitwise the same for 1 to 4 threads.
 TEST(kernel_attention, BackwardHeadSetsMatchReferenceForAnyThreadCount) {
   for (const AttnCase& c : {AttnCase{"sets", {130, 1, 300}, {130, 1, 300}, 40, 4, 40, 24, MaskType::causal},
@@ -360,6 +360,33 @@ TEST(kernel_attention, BackwardHeadSetsMatchReferenceForAnyThreadCount) {
       EXPECT_LE(rel_norm_error(one.*m, ref.*m), tolerance(DType::f32).rel_norm) << c.name;
     for (int threads = 2; threads <= 4; ++threads) {
       const Results r = go(false, threads);
+      EXPECT_EQ(r.dq, one.dq) << c.name << " threads " << threads;
+      EXPECT_EQ(r.dk, one.dk) << c.name << " threads " << threads;
+      EXPECT_EQ(r.dv, one.dv) << c.name << " threads " << threads;
+    }
+  }
+}
+
+// The same in bf16 on the best path (bf16 tiles where the CPU has AMX): a group of 4 query
+// heads runs as one set when no task has more than BWD_LONG_TASK = 4096 rows, and as 2 sets of
+// 2 with a task of 4200 rows. Both match the float64 reference and are bitwise the same for 1
+// to 3 threads.
+TEST(kernel_attention, Bf16BackwardHeadSetsOfShortAndLongTasksMatchReference) {
+  for (const AttnCase& c : {AttnCase{"short", {130, 1, 300}, {130, 1, 300}, 4, 1, 8, 8, MaskType::causal},
+                            AttnCase{"long", {37, 4200}, {37, 4200}, 4, 1, 8, 8, MaskType::causal}}) {
+    const Problem pb(c, DType::bf16, 23);
+    const Results ref = run_reference(pb, DType::f32, RefAccum::f64);
+    const Results one = run_kernels(pb, DType::bf16, KernelPath::automatic, 1, nullptr, &ref.lse);
+    const Tolerance tol = tolerance(DType::bf16);  // elementwise: |diff| <= atol + rtol |ref|
+    for (auto m : {&Results::dq, &Results::dk, &Results::dv}) {
+      ASSERT_EQ((one.*m).size(), (ref.*m).size());
+      size_t bad = 0;
+      for (size_t i = 0; i < (ref.*m).size(); ++i)
+        bad += std::abs((one.*m)[i] - (ref.*m)[i]) > tol.atol + tol.rtol * std::abs((ref.*m)[i]);
+      EXPECT_EQ(bad, 0u) << c.name;
+    }
+    for (int threads = 2; threads <= 3; ++threads) {
+      const Results r = run_kernels(pb, DType::bf16, KernelPath::automatic, threads, nullptr, &ref.lse);
       EXPECT_EQ(r.dq, one.dq) << c.name << " threads " << threads;
       EXPECT_EQ(r.dk, one.dk) << c.name << " threads " << threads;
       EXPECT_EQ(r.dv, one.dv) << c.name << " threads " << threads;
