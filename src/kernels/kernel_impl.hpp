@@ -834,15 +834,20 @@ __attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, cons
   }
 }
 
-// gemm_tiles16<Zero>(false, 32, n, k, a, ...) when its blocks are 2 x 2 tiles (2 x 1 for a
-// last 16 columns) with no k tail (n a multiple of 16, k of 32), one 32-element k step per
-// step(): two A tiles and the block's B tiles loaded, its products run, the block's C tiles
-// loaded (or zeroed) before its first step and stored after its last. The same products in
-// the same order, so bitwise gemm_tiles16's C. The forward puts a softmax row between steps:
-// the tiles then multiply beside the vector units, where a whole product in one go ran before
-// or after them (only instructions close together in program order overlap, within the core's
-// reorder window). Between steps the job owns all eight tiles: nothing else may use them
-// until done().
+// gemm_tiles16<Zero>(false, rows, n, k, a, ...) (rows <= 32, n a multiple of 16) one
+// 32-element k step of one block of C tiles (2 x 2, 2 x 1 for a last 16 columns; 1 x 2 or
+// 1 x 1 when rows <= 16, two_m false) per step(): the step's A tiles and the block's B tiles
+// loaded, its products run, the block's C tiles loaded (or zeroed) before its first step and
+// stored after its last. A k that is an odd multiple of 16 (k % 32 == 16) takes its last
+// step's B from `tails` (stage_tails: the last 8 pairs of each 16-column panel and 8 zero
+// pairs, as gemm_tiles16 stages them) and A's columns [k, k + 16) must be zero. The same
+// products in the same order, so bitwise gemm_tiles16's C in its valid rows; C's rows past
+// `rows`, up to the block's 16 or 32, are loaded and stored whole (the caller's buffers have
+// them, and no valid row reads them), where gemm_tiles16 stages them. The forward puts a
+// softmax row between steps: the tiles then multiply beside the vector units, where a whole
+// product in one go ran before or after them (only instructions close together in program
+// order overlap, within the core's reorder window). Between steps the job owns all eight
+// tiles: nothing else may use them until done().
 struct TileJob {
   const uint16_t* a = nullptr;  // A rows, a_stride bytes apart
   int64_t a_stride = 0;
@@ -852,10 +857,23 @@ struct TileJob {
   int64_t ldc = 0;
   int n = 0, k = 0;
   bool zero = false;
-  int n0 = 0, k0 = 0;  // the next step
+  bool two_m = true;                // rows > 16: two rows of tiles
+  const uint32_t* tails = nullptr;  // k % 32 == 16: panel j's last step at tails + 256 j
+  int n0 = 0, k0 = 0;               // the next step
 
   bool done() const { return n0 >= n; }
-  int steps_left() const { return done() ? 0 : (n - n0 + 31) / 32 * (k / 32) - k0 / 32; }
+  int steps_left() const { return done() ? 0 : (n - n0 + 31) / 32 * k_steps() - k0 / 32; }
+  int k_steps() const { return (k + 31) / 32; }
+  // Copies each of the n / 16 panels' last 8 pairs (k % 32 == 16) into tails[256 j, + 128)
+  // and zeroes the rest of its 16 x 16 tile.
+  static void stage_tails(const uint32_t* b, int64_t b_ld, int64_t b_panel, int n, int k, uint32_t* tails) {
+    const int kp0 = k / 32 * 16;  // the first pair of the last step
+    for (int j = 0; j < n / 16; ++j) {
+      uint32_t* t = tails + 256 * j;
+      for (int kp = 0; kp < 8; ++kp) std::memcpy(t + 16 * kp, b + j * b_panel + (kp0 + kp) * b_ld, 64);
+      std::memset(t + 128, 0, 128 * sizeof(uint32_t));
+    }
+  }
   void step() {
     if (done()) return;
     float* const cb = c + n0;
@@ -865,42 +883,33 @@ struct TileJob {
       tiles_begin();
       if (zero) {
         Tiles::zero<0>();
-        Tiles::zero<2>();
-        if (two_n) {
-          Tiles::zero<1>();
-          Tiles::zero<3>();
-        }
+        if (two_n) Tiles::zero<1>();
+        if (two_m) Tiles::zero<2>();
+        if (two_m && two_n) Tiles::zero<3>();
       } else {
         Tiles::load<0>(cb, cs);
-        Tiles::load<2>(cb + 16 * ldc, cs);
-        if (two_n) {
-          Tiles::load<1>(cb + 16, cs);
-          Tiles::load<3>(cb + 16 * ldc + 16, cs);
-        }
+        if (two_n) Tiles::load<1>(cb + 16, cs);
+        if (two_m) Tiles::load<2>(cb + 16 * ldc, cs);
+        if (two_m && two_n) Tiles::load<3>(cb + 16 * ldc + 16, cs);
       }
     }
-    const uint32_t* const b0 = b + (n0 / 16) * b_panel + k0 / 2 * b_ld;
+    const bool tail = tails && k0 + 32 > k;
+    const uint32_t* const b0 = tail ? tails + (n0 / 16) * 256 : b + (n0 / 16) * b_panel + k0 / 2 * b_ld;
+    const int64_t b_step = tail ? 256 : b_panel, b_stride = tail ? 64 : b_ld * 4;
     Tiles::load<4>(a + k0, a_stride);
-    Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
-    Tiles::load<6>(b0, b_ld * 4);
-    if (two_n) {
-      Tiles::load<7>(b0 + b_panel, b_ld * 4);
-      Tiles::dot<0, 4, 6>(false);
-      Tiles::dot<1, 4, 7>(false);
-      Tiles::dot<2, 5, 6>(false);
-      Tiles::dot<3, 5, 7>(false);
-    } else {
-      Tiles::dot<0, 4, 6>(false);
-      Tiles::dot<2, 5, 6>(false);
-    }
+    if (two_m) Tiles::load<5>(a + 16 * a_stride / 2 + k0, a_stride);
+    Tiles::load<6>(b0, b_stride);
+    if (two_n) Tiles::load<7>(b0 + b_step, b_stride);
+    Tiles::dot<0, 4, 6>(false);
+    if (two_n) Tiles::dot<1, 4, 7>(false);
+    if (two_m) Tiles::dot<2, 5, 6>(false);
+    if (two_m && two_n) Tiles::dot<3, 5, 7>(false);
     k0 += 32;
     if (k0 < k) return;
     Tiles::store<0>(cb, cs);
-    Tiles::store<2>(cb + 16 * ldc, cs);
-    if (two_n) {
-      Tiles::store<1>(cb + 16, cs);
-      Tiles::store<3>(cb + 16 * ldc + 16, cs);
-    }
+    if (two_n) Tiles::store<1>(cb + 16, cs);
+    if (two_m) Tiles::store<2>(cb + 16 * ldc, cs);
+    if (two_m && two_n) Tiles::store<3>(cb + 16 * ldc + 16, cs);
     k0 = 0;
     n0 += 32;
   }
@@ -994,6 +1003,9 @@ struct TileJob {
   int64_t ldc = 0;
   int n = 0, k = 0;
   bool zero = false;
+  bool two_m = true;
+  const uint32_t* tails = nullptr;
+  static void stage_tails(const uint32_t*, int64_t, int64_t, int, int, uint32_t*) {}
   bool done() const { return true; }
   int steps_left() const { return 0; }
   void step() {}
@@ -1526,6 +1538,7 @@ struct CallRules {
 struct FwdScratch {
   fvec q, o, s, m, l;      // s: S rows [FSB][FBK] (tiles: [2][32][FBK_TILES], by sub-block parity)
   u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [2][32][FBK_TILES]
+  uvec pv_tails;           // bf16_tiles: a P V job's staged last step, [dvp / 16][16 x 16] (TileJob::tails)
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
 };
 
@@ -1583,6 +1596,7 @@ void forward_impl(const AttnFwdParams& p) {
     if (t16) {
       s.q16.resize(gh * BQ * dq32);
       s.p16.resize(static_cast<size_t>(2) * fsb * fbk);
+      s.pv_tails.resize(static_cast<size_t>(dvp / 16) * 256);
     }
     s.m.resize(gh * BQ);
     s.l.resize(gh * BQ);
@@ -1678,18 +1692,21 @@ void forward_impl(const AttnFwdParams& p) {
       auto s_buf = [&](int i) { return S.s.data() + (t16 ? (i % 2) * fsb * fbk : 0); };
       auto p_buf = [&](int i) { return S.p16.data() + (i % 2) * fsb * fbk; };
       // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1). On tiles, when `job` is given and the product
-      // has no edges a TileJob does not take (32 rows, k a multiple of 32), it is set up in *job
-      // to run step by step; otherwise it runs now (and *job stays done).
-      static_assert(PAD == 16);  // the jobs take key counts and head dims in whole 16-column tiles
+      // has no edge a TileJob does not take (k = dp a multiple of 32), it is set up in *job to
+      // run step by step; otherwise it runs now (and *job stays done). A job's C rows past sb,
+      // up to 16 or 32, are computed too: S and P have 32 rows per sub-block, O and Q BQ per
+      // head (a multiple of 32), and those rows are past the unit's last (r0 + sb = m when
+      // sb < 32), read by no row of it.
+      static_assert(PAD == 16 && BQ % 32 == 0);  // the jobs take key counts and head dims in whole 16-column tiles
       auto scores = [&](int i, TileJob* job) {
         const Sub& x = subs[i];
         const int n = x.ps.a1 - x.ps.a0;
         const int64_t k0 = x.ps.b * fbk + x.ps.a0;  // first physical key row computed
         if (t16) {
           const uint16_t* a = S.q16.data() + (x.g * BQ + x.r0) * dq32;
-          if (job && x.sb == 32 && dp % 32 == 0) {  // (n is a multiple of PAD = 16)
+          if (job && dp % 32 == 0) {  // (n is a multiple of PAD = 16)
             *job = TileJob{.a = a, .a_stride = dq32 * 2, .b = pk.Kt2(hk, k0), .b_ld = PAD, .b_panel = dp * PAD / 2,
-                           .c = s_buf(i) + x.ps.a0, .ldc = fbk, .n = n, .k = dp, .zero = true};
+                           .c = s_buf(i) + x.ps.a0, .ldc = fbk, .n = n, .k = dp, .zero = true, .two_m = x.sb > 16};
             return;
           }
           gemm_tiles16<true>(false, x.sb, n, dp, a, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2, s_buf(i) + x.ps.a0, fbk);
@@ -1710,9 +1727,13 @@ void forward_impl(const AttnFwdParams& p) {
           if (cr.dropout)  // P is rounded after the dropout's scaling
             for (int r = 0; r < x.sb; ++r)
               round_row_bf16(s_buf(i) + r * fbk + x.ps.a0, n, (n + 31) / 32 * 32, p_buf(i) + r * fbk);
-          if (job && x.sb == 32 && n % 32 == 0) {  // (dvp is a multiple of PAD = 16)
-            *job = TileJob{.a = p_buf(i), .a_stride = fbk * 2, .b = pk.Vr2(hk, k0), .b_ld = PAD,
-                           .b_panel = pk.vr_ps() / 2, .c = o_g, .ldc = dvp, .n = dvp, .k = n, .zero = false};
+          if (job) {  // (dvp is a multiple of PAD = 16; P's columns [n, n rounded to 32) are zero)
+            const uint32_t* vb = pk.Vr2(hk, k0);
+            const bool tail = n % 32 != 0;
+            if (tail) TileJob::stage_tails(vb, PAD, pk.vr_ps() / 2, dvp, n, S.pv_tails.data());
+            *job = TileJob{.a = p_buf(i), .a_stride = fbk * 2, .b = vb, .b_ld = PAD, .b_panel = pk.vr_ps() / 2,
+                           .c = o_g, .ldc = dvp, .n = dvp, .k = n, .zero = false, .two_m = x.sb > 16,
+                           .tails = tail ? S.pv_tails.data() : nullptr};
             return;
           }
           gemm_tiles16<false>(false, x.sb, dvp, n, p_buf(i), fbk, pk.Vr2(hk, k0), PAD, pk.vr_ps() / 2, o_g, dvp);
