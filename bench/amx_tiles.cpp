@@ -1,0 +1,150 @@
+// The AMX tile products alone, against the tile peak (issue 14; docs/design.md section 14):
+// what 2 x 2 blocks of C tiles reach with their operands in L1, with C's load and store per
+// block, and as gemm_tiles16 (the kernels' product) over 128 x 128 x 128 with operands in L2.
+// It compiles the amx path's kernel code (kernel_isa.inc) in a namespace of its own, so that
+// it times the library's tile_block and gemm_tiles16 themselves.
+//
+//   build/release/bench/amx_tiles [--repeats 5]
+//
+// Prints one Markdown row per case: GFLOP/s, median of --repeats runs of about 0.1 s, and the
+// share of the first case (dot products alone, the peak). Exits 0 with a message on a CPU
+// without AMX-BF16 (or where Linux refuses the tile state).
+#define CPATTN_KNS amx_bench
+#define CPATTN_VW 16
+#define CPATTN_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c"
+#define CPATTN_AMX 1
+#define CPATTN_GCC_ONLY
+#include "kernel_isa.inc"
+
+#include <cpattn/attention.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#if defined(__clang__)
+int main() {
+  std::puts("amx_tiles: the amx path is built by GCC only");
+  return 0;
+}
+#else
+namespace {
+
+using namespace cpattn::kernels::amx_bench;
+using Clock = std::chrono::steady_clock;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+alignas(64) uint16_t g_a[2][16 * 32 * 8];   // two A tiles' rows for 8 k steps (512 bytes a row)
+alignas(64) uint32_t g_b[2][16 * 16 * 8];   // two B tiles for 8 k steps
+alignas(64) float g_c[32 * 64];             // a 2 x 2 block of C tiles (row stride 64 floats)
+
+// `blocks` 2 x 2 blocks of `ksteps` 32-element steps each: kLoads adds the A and B tile loads
+// per step, kC the C tiles' load before and store after each block.
+enum Mode { kDots, kLoads, kC };
+template <Mode M>
+__attribute__((noinline)) void blocks_run(int blocks, int ksteps) {
+  for (int i = 0; i < blocks; ++i) {
+    if (M == kC) {
+      Tiles::load<0>(g_c, 256);
+      Tiles::load<1>(g_c + 16, 256);
+      Tiles::load<2>(g_c + 16 * 64, 256);
+      Tiles::load<3>(g_c + 16 * 64 + 16, 256);
+    }
+    for (int k = 0; k < ksteps; ++k) {
+      if (M != kDots) {
+        Tiles::load<4>(g_a[0] + k * 32, 512);
+        Tiles::load<5>(g_a[1] + k * 32, 512);
+        Tiles::load<6>(g_b[0] + k * 256, 64);
+        Tiles::load<7>(g_b[1] + k * 256, 64);
+      }
+      Tiles::dot<0, 4, 6>(false);
+      Tiles::dot<1, 4, 7>(false);
+      Tiles::dot<2, 5, 6>(false);
+      Tiles::dot<3, 5, 7>(false);
+    }
+    if (M == kC) {
+      Tiles::store<0>(g_c, 256);
+      Tiles::store<1>(g_c + 16, 256);
+      Tiles::store<2>(g_c + 16 * 64, 256);
+      Tiles::store<3>(g_c + 16 * 64 + 16, 256);
+    }
+  }
+}
+#pragma GCC pop_options
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// GFLOP/s of fn(), which does `flops`, over `repeats` timed runs after one untimed.
+template <class Fn>
+double gflops(int repeats, double flops, Fn&& fn) {
+  fn();
+  std::vector<double> r;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    r.push_back(flops / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9);
+  }
+  return median(r);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int repeats = 5;
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (std::string(argv[i]) == "--repeats") repeats = std::max(1, std::atoi(argv[i + 1]));
+  if (!cpattn::kernel_path_supported(cpattn::KernelPath::amx)) {
+    std::puts("amx_tiles: this CPU (or its kernel) does not run the amx path; nothing to measure");
+    return 0;
+  }
+  tiles_begin();
+  constexpr double kBlockStep = 4.0 * 16 * 16 * 32 * 2;  // flops of one k step of a 2 x 2 block
+  const int blocks = 100000;
+  struct Row {
+    const char* what;
+    double gf;
+  };
+  // The products first: run after the block loops below they measured 25-40% lower here
+  // (AMX at its peak for a second or more lowers the core's clock, or its power state, for a
+  // while after).
+  std::vector<Row> products, rows;
+  // gemm_tiles16<false> over M = N = K = 128 (C += A B, the backward's products' shape), its
+  // operands (32 + 32 + 64 KiB) in L2 when one set repeats, from L3 when 16 sets rotate.
+  constexpr int M = 128, N = 128, K = 128;
+  for (const int sets : {1, 16}) {
+    std::vector<uint16_t> a(static_cast<size_t>(sets) * M * K, 0x3f80);       // 1.0 in bf16
+    std::vector<uint32_t> b(static_cast<size_t>(sets) * N * K / 2, 0x3f803f80);
+    std::vector<float> c(static_cast<size_t>(sets) * M * N, 0.0f);
+    const int calls = 2000;
+    products.push_back({sets == 1 ? "gemm_tiles16 128 x 128 x 128, one operand set (L2)"
+                                  : "gemm_tiles16 128 x 128 x 128, 16 operand sets in turn",
+                        gflops(repeats, 2.0 * M * N * K * calls, [&] {
+                          for (int i = 0; i < calls; ++i) {
+                            const size_t j = static_cast<size_t>(i % sets);
+                            gemm_tiles16<false>(false, M, N, K, a.data() + j * M * K, K, b.data() + j * N * K / 2,
+                                                16, int64_t{K} / 2 * 16, c.data() + j * M * N, N);
+                          }
+                        })});
+  }
+  rows.push_back({"2 x 2 blocks, dot products alone (4 k steps)",
+                  gflops(repeats, kBlockStep * 4 * blocks, [&] { blocks_run<kDots>(blocks, 4); })});
+  rows.push_back({"+ A and B tile loads from L1 (4 k steps)",
+                  gflops(repeats, kBlockStep * 4 * blocks, [&] { blocks_run<kLoads>(blocks, 4); })});
+  rows.push_back({"+ C tiles loaded and stored per block (4 k steps)",
+                  gflops(repeats, kBlockStep * 4 * blocks, [&] { blocks_run<kC>(blocks, 4); })});
+  rows.push_back({"+ C tiles loaded and stored per block (8 k steps)",
+                  gflops(repeats, kBlockStep * 8 * blocks / 2, [&] { blocks_run<kC>(blocks / 2, 8); })});
+  rows.insert(rows.end(), products.begin(), products.end());
+  tiles_end();
+  std::printf("| case | GFLOP/s | share of the first |\n|---|---|---|\n");
+  for (const Row& r : rows) std::printf("| %s | %.1f | %.0f%% |\n", r.what, r.gf, 100.0 * r.gf / rows[0].gf);
+  return 0;
+}
+#endif
