@@ -841,9 +841,10 @@ __attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, cons
 // stored after its last. A k that is an odd multiple of 16 (k % 32 == 16) takes its last
 // step's B from `tails` (stage_tails: the last 8 pairs of each 16-column panel and 8 zero
 // pairs, as gemm_tiles16 stages them) and A's columns [k, k + 16) must be zero. The same
-// products in the same order, so bitwise gemm_tiles16's C in its valid rows; C's rows past
-// `rows`, up to the block's 16 or 32, are loaded and stored whole (the caller's buffers have
-// them, and no valid row reads them), where gemm_tiles16 stages them. The forward puts a
+// products in the same order, so bitwise gemm_tiles16's C in its valid rows; C's rows past the
+// caller's valid rows, up to the block's 16 (two_m false) or 32, are loaded and stored whole
+// (the caller's buffers must have them, and no valid row reads them), where gemm_tiles16
+// stages them. The forward puts a
 // softmax row between steps: the tiles then multiply beside the vector units, where a whole
 // product in one go ran before or after them (only instructions close together in program
 // order overlap, within the core's reorder window). Between steps the job owns all eight
@@ -1695,8 +1696,8 @@ void forward_impl(const AttnFwdParams& p) {
       // has no edge a TileJob does not take (k = dp a multiple of 32), it is set up in *job to
       // run step by step; otherwise it runs now (and *job stays done). A job's C rows past sb,
       // up to 16 or 32, are computed too: S and P have 32 rows per sub-block, O and Q BQ per
-      // head (a multiple of 32), and those rows are past the unit's last (r0 + sb = m when
-      // sb < 32), read by no row of it.
+      // head (a multiple of 32; fsb = 32 on tiles, so r0 is 0 or 32 and r0 + 32 <= BQ), and
+      // those rows are past the unit's last (r0 + sb = m when sb < 32), read by no row of it.
       static_assert(PAD == 16 && BQ % 32 == 0);  // the jobs take key counts and head dims in whole 16-column tiles
       auto scores = [&](int i, TileJob* job) {
         const Sub& x = subs[i];
