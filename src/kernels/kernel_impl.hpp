@@ -793,6 +793,14 @@ void tile_block(bool fp16, int rows, const uint16_t* a, int64_t a_stride, const 
   if constexpr (MT == 2 && NT == 2) c_tile_end<1, 1>(c, ldc, last, stage[1]);
 }
 
+// The last, partial k step of one 16-column panel of B (pairs b_ld words apart) as a 16 x 16
+// tile: its `pairs` pairs from pair kp0 on, then zero pairs, so that nothing past the panel's
+// last pair is read (and A's zero columns never meet a non-finite B).
+inline void stage_tail(const uint32_t* panel, int64_t b_ld, int kp0, int pairs, uint32_t* tile) {
+  for (int kp = 0; kp < pairs; ++kp) std::memcpy(tile + 16 * kp, panel + (kp0 + kp) * b_ld, 64);
+  std::memset(tile + 16 * pairs, 0, static_cast<size_t>(16 - pairs) * 16 * sizeof(uint32_t));
+}
+
 // C[M x N] (+)= A B on tiles, the operands already in 16-bit form (N a multiple of 16):
 //   A row-major, row r at a + r * lda elements (lda even); rows up to M rounded to 16 readable
 //     (rows past M give C rows that are not stored), and columns [K, Kp) zero, Kp = K rounded
@@ -816,11 +824,7 @@ __attribute__((noinline)) void gemm_tiles16(bool fp16, int M, int N, int K, cons
     const uint32_t* bt[2] = {b + (n0 / 16) * b_panel, two_n ? b + (n0 / 16 + 1) * b_panel : nullptr};
     const uint32_t* tails[2] = {tail[0], tail[1]};
     if (k_full < Kp)
-      for (int j = 0; j < (two_n ? 2 : 1); ++j) {
-        std::memset(tail[j], 0, sizeof tail[j]);
-        for (int kp = 0; kp < tail_pairs; ++kp)
-          std::memcpy(tail[j] + kp * 16, bt[j] + (k_full / 2 + kp) * b_ld, 64);
-      }
+      for (int j = 0; j < (two_n ? 2 : 1); ++j) stage_tail(bt[j], b_ld, k_full / 2, tail_pairs, tail[j]);
     for (int m0 = 0; m0 < M; m0 += 32) {
       const int rows = std::min(32, M - m0);
       const uint16_t* am = a + m0 * lda;
@@ -865,15 +869,9 @@ struct TileJob {
   bool done() const { return n0 >= n; }
   int steps_left() const { return done() ? 0 : (n - n0 + 31) / 32 * k_steps() - k0 / 32; }
   int k_steps() const { return (k + 31) / 32; }
-  // Copies each of the n / 16 panels' last 8 pairs (k % 32 == 16) into tails[256 j, + 128)
-  // and zeroes the rest of its 16 x 16 tile.
+  // Stages each of the n / 16 panels' last step (k % 32 == 16: its 8 pairs) at tails + 256 j.
   static void stage_tails(const uint32_t* b, int64_t b_ld, int64_t b_panel, int n, int k, uint32_t* tails) {
-    const int kp0 = k / 32 * 16;  // the first pair of the last step
-    for (int j = 0; j < n / 16; ++j) {
-      uint32_t* t = tails + 256 * j;
-      for (int kp = 0; kp < 8; ++kp) std::memcpy(t + 16 * kp, b + j * b_panel + (kp0 + kp) * b_ld, 64);
-      std::memset(t + 128, 0, 128 * sizeof(uint32_t));
-    }
+    for (int j = 0; j < n / 16; ++j) stage_tail(b + j * b_panel, b_ld, k / 32 * 16, 8, tails + 256 * j);
   }
   void step() {
     if (done()) return;
@@ -1301,8 +1299,9 @@ inline void transpose16x16_epi32(__m512i (&r)[16]) {
 #endif
 
 #if CPATTN_AMX == 1
-// The pairs of rows r, r + 1 of two rows' 32 16-bit elements x0, x1, interleaved: words
-// (x0[i], x1[i]) for i in [0, 16) (lo) and [16, 32) (hi); the VNNI layout of a tile's B.
+// The _mm512_permutex2var_epi16 index that interleaves two rows' 32 16-bit elements x0, x1
+// into words (x0[i], x1[i]) for i in [0, 16); plus 16 in every lane, for i in [16, 32): a row
+// pair in the VNNI layout of a tile's B.
 inline __m512i pair_lo_index() {
   return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
                           35, 3, 34, 2, 33, 1, 32, 0);
