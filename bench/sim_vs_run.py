@@ -71,13 +71,15 @@ def overheads(p, dt):
 
 inner = 2 if np_ % 2 == 0 else 1
 # The run's batch first (its lengths come from --seed), so that calibrate times the same documents.
-probe = json.loads(sh(mpi + [cpattn, "run", "--scheme", "allgather", "--repeats", "1", "--json", *extra]))
+# The simulator models the message path: the runs keep to it (--shared-memory off).
+NO_SHM = ["--shared-memory", "off"]
+probe = json.loads(sh(mpi + [cpattn, "run", "--scheme", "allgather", "--repeats", "1", "--json", *NO_SHM, *extra]))
 errors = {}  # scheme -> [error of the mean prediction, per run]
 figures = {}  # scheme -> [(measured, predicted mean), per run]
 for k in range(runs):
     before = calibrate(probe["lengths"], probe)
     run = json.loads(sh(mpi + [cpattn, "run", "--scheme", "all", "--cp-inner", str(inner), "--repeats", repeats,
-                               "--json", *extra]))
+                               "--json", *NO_SHM, *extra]))
     after = calibrate(run["lengths"], run)
     pa, prof_a = predict(before, run, inner)
     pb, prof_b = predict(after, run, inner)

@@ -83,6 +83,12 @@ void add_run_command(CLI::App& app) {
                                          "one kernel call, one reduce-scatter (bitwise the same results)")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
+  cmd->add_option("--shared-memory", a->shared_memory,
+                  "All-gather scheme (runs mode), every rank on one node: on moves K/V and dK/dV through one "
+                  "shared-memory buffer each (no copies; --overlap is then moot), off: through messages (bitwise "
+                  "the same results)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   cmd->add_option("--seed", a->seed, "Seed of the default batch's lengths and tensors, and of dropout")
       ->capture_default_str();
   cmd->add_option("--repeats", a->repeats, "Forward+backward steps to time (medians are reported)")

@@ -270,15 +270,29 @@ class MpiSession {
 // boundaries and a call counter).
 struct Fingerprint {
   std::vector<std::pair<std::string, std::int64_t>> fields;
+  // Fields the ranks need not share (add_min, add_and): their indices into fields, and
+  // whether each is reduced by minimum (else by bitwise AND).
+  std::vector<std::pair<std::size_t, bool>> reduced;
   Fingerprint& add(std::string name, std::int64_t value) {
     fields.emplace_back(std::move(name), value);
     return *this;
+  }
+  // A field the ranks need not share: agree() does not compare it and returns its minimum
+  // over the ranks (e.g. whether a resource is free on every rank: 1 or 0) ...
+  Fingerprint& add_min(std::string name, std::int64_t value) {
+    reduced.emplace_back(fields.size(), true);
+    return add(std::move(name), value);
+  }
+  // ... or its bitwise AND over the ranks (up to 64 such flags in one field).
+  Fingerprint& add_and(std::string name, std::int64_t value) {
+    reduced.emplace_back(fields.size(), false);
+    return add(std::move(name), value);
   }
 };
 
 // Compares all ranks' values (all_values: [nranks][fields.size()] rank-major) and returns
 // nothing when they agree, else a message naming every field that differs and which ranks
-// hold which value, e.g.
+// hold which value (add_min's and add_and's fields are not compared), e.g.
 //   "ranks disagree on attention forward: num_heads_q: ranks 0,2,3 have 8, rank 1 has 4"
 // The same inputs give the same text on every rank.
 std::optional<std::string> describe_disagreement(const Fingerprint& mine,
@@ -293,7 +307,9 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
 // (through a hash), then the values, and throws describe_disagreement's message on every
 // rank when any differs. A rank with an error takes part all the same, so that the others
 // fail with its message instead of waiting for it.
-void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
-           std::string_view local_error = {});
+// Returns each add_min field's minimum and each add_and field's AND over the ranks, in the
+// order they were added.
+std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
+                                std::string_view local_error = {});
 
 }  // namespace cpattn

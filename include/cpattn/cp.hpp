@@ -84,6 +84,15 @@ struct CpAttnConfig {
   // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. Hkv = 1 cannot split: no overlap (not an error). Part of
   // the ranks' agreement; index mode, cp = 1 and the other schemes ignore it.
   bool overlap = true;
+  // The all-gather scheme in runs mode at cp > 1 (the hybrid's outer all-gather too), when every
+  // rank runs on one host (docs/cp.md "Shared memory"): true (the default) moves K/V and the
+  // dK/dV partials through shared-memory buffers instead of messages. Every rank writes its own
+  // rows there and reads its peers' in place after a barrier: no copy, no transfer to hide
+  // (and no KV-head groups: overlap is moot). Each context alive holds one K/V buffer of the
+  // layer's pool (up to 256); ranks on several hosts take the message path. Sums keep the
+  // ring reduce-scatter's order: bitwise the results of false (with CommAlgorithm::mpi, which
+  // sums in MPI's order, they may differ in rounding). Part of the ranks' agreement.
+  bool shared_memory = true;
 };
 
 // How many KV-head groups the all-gather scheme's forward and backward run one after the
@@ -182,7 +191,7 @@ class CpContext {
   bool valid() const;             // holds a forward's state (not yet consumed by backward)
   const RankPlan& plan() const;   // the forward's plan
   std::span<const float> lse() const;  // [local_tokens, Hq], the forward's lse
-  std::size_t bytes() const;      // memory held (gathered K/V, lse)
+  std::size_t bytes() const;      // memory held (gathered K/V, lse; a shared-memory K/V buffer is the layer's)
 
  private:
   friend class CpAttention;
@@ -211,10 +220,15 @@ struct CpStats {
   double agree_s = 0, first_kv_s = 0, later_kv_s = 0, dkv_s = 0;
   int64_t forward_calls = 0;
   int64_t backward_calls = 0;
+  // Of those, the calls whose K/V (forward) or dK/dV partials (backward) went through the
+  // node's shared memory (CpAttnConfig::shared_memory) instead of messages.
+  int64_t shared_forwards = 0;
+  int64_t shared_backwards = 0;
   // The largest the layer's own buffers plus the contexts it handed out and that are still
   // alive have been, a forward's own transients included (the non-overlapped all-gather's
   // gathered K/V beside their index-mode copy; the overlap keeps consumed contexts' K/V for the
-  // next forwards) (the kernels' internal scratch,
+  // next forwards; the shared-memory K/V buffers in full on every rank, the dK/dV buffer as
+  // one slot) (the kernels' internal scratch,
   // see attention_backward_scratch_bytes, comes on top).
   std::size_t peak_buffer_bytes = 0;
   // Payload bytes this layer's calls sent and received, over every communicator it uses (the

@@ -138,7 +138,10 @@ class ContextParallelAttention(torch.nn.Module):
     size), hybrid_outer ("allgather" or "ring"), split ("padded" or "padding-free", the
     planner's; the padding-free split needs scheme allgather), kv_mode ("runs" or "index"),
     overlap (the all-gather's overlap by KV-head groups, default True: bitwise the results of
-    False; docs/cp.md "Overlap"), deterministic, check_finite, plan_cache_capacity. They are checked here, on every rank
+    False; docs/cp.md "Overlap"), shared_memory (the all-gather's K/V and dK/dV through
+    shared-memory buffers when every rank runs on one host, default True: bitwise the
+    results of False; docs/cp.md "Shared memory"), deterministic, check_finite,
+    plan_cache_capacity. They are checked here, on every rank
     alike, before anything is sent. Dropout applies in training mode only, with a seed drawn
     from rank 0's torch generator. check_finite=True makes a NaN or inf in q, k, v or the
     incoming gradient a ValueError on every rank naming the tensor and its first bad element
@@ -151,7 +154,7 @@ class ContextParallelAttention(torch.nn.Module):
     def __init__(self, comm, *, scheme="allgather", cp_inner=None, hybrid_outer="allgather", split="padded",
                  kv_mode="runs", causal=True, softmax_scale=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, deterministic=True, check_finite=False, plan_cache_capacity=8,
-                 timeout=None, overlap=True):
+                 timeout=None, overlap=True, shared_memory=True):
         super().__init__()
         group = comm if _is_process_group(comm) else None
         size = _process_group_size(group) if group is not None else _mpi_comm(comm).Get_size()
@@ -175,7 +178,8 @@ class ContextParallelAttention(torch.nn.Module):
                                           hybrid_outer=hybrid_outer, split=split, kv_mode=kv_mode,
                                           overlap=bool(overlap), deterministic=bool(deterministic),
                                           check_finite=bool(check_finite),
-                                          plan_cache_capacity=plan_cache_capacity)
+                                          plan_cache_capacity=plan_cache_capacity,
+                                          shared_memory=bool(shared_memory))
         _cpattn.check_scheme(size, self._scheme)  # ValueError with the C++ layer's message
         # Every argument is checked: only now does anything move (a process group's rank check).
         self.group = group
@@ -185,7 +189,7 @@ class ContextParallelAttention(torch.nn.Module):
         self._comm_address = _mpi()._addressof(self.comm)
         self.scheme, self.cp_inner, self.hybrid_outer, self.split = scheme, cp_inner, hybrid_outer, split
         self.kv_mode, self.check_finite, self.plan_cache_capacity = kv_mode, check_finite, plan_cache_capacity
-        self.overlap = bool(overlap)
+        self.overlap, self.shared_memory = bool(overlap), bool(shared_memory)
         self.causal, self.softmax_scale, self.dropout_p = causal, softmax_scale, dropout_p
         self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
         self.alibi_slopes = alibi(alibi_slopes)

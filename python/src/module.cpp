@@ -360,13 +360,14 @@ struct SchemeArgs {
   int cp_inner = 0;
   bool overlap = true, deterministic = true, check_finite = false;
   std::size_t plan_cache_capacity = 8;
+  bool shared_memory = true;
 };
 
 CpAttnConfig scheme_config(const SchemeArgs& a) {
   return {.deterministic = a.deterministic, .kv_mode = parse_kv_mode(a.kv_mode), .check_finite = a.check_finite,
           .plan_cache_capacity = a.plan_cache_capacity, .scheme = parse_cp_scheme(a.scheme),
           .cp_inner = a.cp_inner, .hybrid_outer = parse_hybrid_outer(a.hybrid_outer),
-          .split = parse_split(a.split), .overlap = a.overlap};
+          .split = parse_split(a.split), .overlap = a.overlap, .shared_memory = a.shared_memory};
 }
 
 // The scheme's rules for a communicator of cp ranks (check_cp_scheme), with nothing sent: what
@@ -438,14 +439,14 @@ NB_MODULE(_cpattn, m) {
       .def("__init__",
            [](py::SchemeArgs* a, std::string scheme, int cp_inner, std::string hybrid_outer, std::string split,
               std::string kv_mode, bool overlap, bool deterministic, bool check_finite,
-              std::size_t plan_cache_capacity) {
+              std::size_t plan_cache_capacity, bool shared_memory) {
              new (a) py::SchemeArgs{.scheme = std::move(scheme), .hybrid_outer = std::move(hybrid_outer),
                                     .split = std::move(split), .kv_mode = std::move(kv_mode), .cp_inner = cp_inner,
                                     .overlap = overlap, .deterministic = deterministic, .check_finite = check_finite,
-                                    .plan_cache_capacity = plan_cache_capacity};
+                                    .plan_cache_capacity = plan_cache_capacity, .shared_memory = shared_memory};
            },
            "scheme"_a, "cp_inner"_a, "hybrid_outer"_a, "split"_a, "kv_mode"_a, "overlap"_a, "deterministic"_a, "check_finite"_a,
-           "plan_cache_capacity"_a);
+           "plan_cache_capacity"_a, "shared_memory"_a = true);
   m.def("check_scheme", &py::check_scheme, "cp"_a, "scheme"_a);
   m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,
         "head_dim_qk"_a, "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(),

@@ -52,6 +52,9 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
   std::ostringstream os;
   bool any = false;
   for (std::int64_t f = 0; f < nf; ++f) {
+    if (std::any_of(mine.reduced.begin(), mine.reduced.end(),
+                    [f](const auto& r) { return r.first == static_cast<std::size_t>(f); }))
+      continue;
     // Values in order of the first rank holding each, with the ranks holding it.
     std::vector<std::pair<std::int64_t, std::vector<int>>> groups;
     for (int q = 0; q < nranks; ++q) {
@@ -77,8 +80,8 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
   return "ranks disagree on " + std::string(what) + ": " + os.str();
 }
 
-void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
-           std::string_view local_error) {
+std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
+                                std::string_view local_error) {
   const int p = comm.size();
   // One all-gather in the common case: [error length, field count, names hash, values...]
   // per rank, the values padded to kInline slots (cpattn/agreement.hpp). The field count and
@@ -159,6 +162,16 @@ void agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
     gather([&] { comm.all_gather<std::int64_t>(v, values); });
   }
   if (auto msg = describe_disagreement(fp, values, p, what)) throw Error(*msg);
+  std::vector<std::int64_t> minima;
+  for (const auto& [f, by_min] : fp.reduced) {
+    std::int64_t m = values[f];
+    for (int q = 1; q < p; ++q) {
+      const std::int64_t x = values[static_cast<std::size_t>(q) * nf + f];
+      m = by_min ? std::min(m, x) : (m & x);
+    }
+    minima.push_back(m);
+  }
+  return minima;
 }
 
 }  // namespace cpattn

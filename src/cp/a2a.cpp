@@ -156,7 +156,7 @@ struct A2aLevel::Impl {
     if (o.alibi_slopes) o.alibi_slopes += member * split.hq_loc();
     o.dropout_head_offset += member * split.hq_loc();  // drops what a run of every head drops
     outer_cfg.scheme = cfg.scheme == CpScheme::hybrid ? cfg.hybrid_outer : CpScheme::allgather;
-    outer_cfg.cp_inner = 0;
+    outer_cfg.cp_inner = 0;  // shared_memory is the caller's: the hybrid's outer all-gather takes it
     outer_cfg.check_finite = false;     // checked on the caller's tensors
     outer_cfg.plan_cache_capacity = 1;  // it is handed plans
   }
@@ -212,6 +212,8 @@ struct A2aLevel::Impl {
   void add_outer(const CpStats& before, CpStats& stats) const {
     stats.compute_s += outer_attn->stats().compute_s - before.compute_s;
     stats.comm_s += outer_attn->stats().comm_s - before.comm_s;
+    stats.shared_forwards += outer_attn->stats().shared_forwards - before.shared_forwards;
+    stats.shared_backwards += outer_attn->stats().shared_backwards - before.shared_backwards;
   }
 
   void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& p, uint64_t seed, std::vector<float>& lse,

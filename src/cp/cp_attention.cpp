@@ -6,6 +6,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/memory.hpp>
+#include <cpattn/node_buffer.hpp>
 #include <cpattn/tensor.hpp>
 
 #include "cp_internal.hpp"
@@ -78,6 +79,26 @@ void reduce_scatter_rows(Communicator& comm, const RankPlan& plan, const std::ve
   for (int r = 0; r < cp; ++r) {
     const float* part = scratch.data() + r * local.size();
     for (std::size_t i = 0; i < local.size(); ++i) local[i] += part[i];
+  }
+}
+
+// out[i] = the sum over ranks q of part(q)[i], i < n, in reduce_scatter_rows' order (so that
+// the sums are bitwise its): the padded split's ring order ((x[me+1] + x[me+2]) + ...) + x[me],
+// the padding-free split's 0 + x[0] + x[1] + ... .
+template <class Part>
+void sum_rank_parts(CpSplit split, int cp, int me, const Part& part, std::size_t n, float* out) {
+  if (split == CpSplit::padded) {
+    std::copy_n(part((me + 1) % cp), n, out);
+    for (int st = 2; st <= cp; ++st) {
+      const float* x = part((me + st) % cp);
+      for (std::size_t i = 0; i < n; ++i) out[i] += x[i];
+    }
+  } else {
+    std::fill_n(out, n, 0.0f);
+    for (int q = 0; q < cp; ++q) {
+      const float* x = part(q);
+      for (std::size_t i = 0; i < n; ++i) out[i] += x[i];
+    }
   }
 }
 
@@ -325,6 +346,15 @@ struct CpContext::State {
   // Hkv / groups, D], each group rank-major as gathered (read in document order through the
   // plan's key_rows); 1: [total_k, Hkv, D].
   int groups = 1;
+  // Not null: k and v are empty and the K/V are in this node-shared buffer (CpAttnConfig::
+  // shared_memory), [total_k, Hkv, D_qk] then [total_k, Hkv, D_v], every rank's rows written
+  // by that rank. Held here so that the layer's next forward knows the buffer is taken.
+  std::shared_ptr<NodeBuffer> shared;
+  const std::byte* k_data() const { return shared ? shared->data() : k.data(); }
+  const std::byte* v_data() const {
+    return shared ? shared->data() + shared_v_offset : v.data();
+  }
+  std::size_t shared_v_offset = 0;  // bytes from the shared buffer's start to V
   std::vector<float> lse;
   std::unique_ptr<detail::A2aContext> a2a;  // the a2a and hybrid schemes' state
   // The live-context byte count of the CpAttention that made it (for its peak figure).
@@ -387,6 +417,19 @@ struct CpAttention::State {
     std::vector<std::byte> k, v;
   };
   std::vector<SpareKv> spare_kv;
+  // CpAttnConfig::shared_memory's buffers (docs/cp.md "Shared memory"), made by the first call
+  // that needs each and remade larger when a plan needs more. kv_pool: the gathered K/V of
+  // the contexts alive, one entry each (a context holding one shares its ownership: free when
+  // use_count() == 1 on every rank; a model's layers share this layer, so there are as many
+  // entries as contexts were alive at once, at most kKvPool); dkv_shared every rank's fp32
+  // dK/dV partials, [cp][gathered rows, k_row + v_row] (rank q's: dK of every gathered row,
+  // then dV). shm_off: a creation failed on some rank (ranks on several hosts), and every rank
+  // keeps to messages.
+  static constexpr std::size_t kKvPool = 256, kFlagsPerField = 63;
+  std::vector<std::shared_ptr<NodeBuffer>> kv_pool;
+  std::unique_ptr<NodeBuffer> dkv_shared;
+  bool shm_off = false;
+  std::vector<float> sum_rows;  // a few rows' dK or dV sums on their way out
   // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
   // accumulated (a sum of its own, so that without overlap comm_total_s is comm_s exactly;
   // reset with the stats).
@@ -406,6 +449,81 @@ struct CpAttention::State {
   }
 
   bool uses_a2a() const { return a2a != nullptr; }
+  // Whether this layer's calls may use the node's shared memory (the same on every rank:
+  // configuration, communicator size and shm_off are agreed).
+  bool shm_enabled() const {
+    return cfg.shared_memory && cfg.scheme == CpScheme::allgather && !indexed() && comm.size() > 1 && !shm_off;
+  }
+  static bool held(const std::shared_ptr<NodeBuffer>& b) { return b && b.use_count() > 1; }
+  // FNV-1a over the shared buffers' sizes (0 for none): the same on every rank.
+  uint64_t shared_sizes_hash() const {
+    uint64_t h = 1469598103934665603ull;
+    const auto mix = [&](std::size_t v) { h = (h ^ v) * 1099511628211ull; };
+    for (const auto& b : kv_pool) mix(b ? b->size() : 0);
+    mix(dkv_shared ? dkv_shared->size() : 0);
+    return h;
+  }
+  // Bytes of the shared buffers for a plan: one context's gathered K/V, every rank's partials.
+  std::size_t kv_shared_bytes(const RankPlan& p) const {
+    return static_cast<std::size_t>(p.layout.rank_begin.back() * (k_row() + v_row())) * dtype_size(cfg.dtype);
+  }
+  std::size_t dkv_shared_bytes(const RankPlan& p) const {
+    return static_cast<std::size_t>(comm.size() * p.layout.rank_begin.back() * (k_row() + v_row())) * sizeof(float);
+  }
+  // Makes `buf` hold at least `bytes` (remade at that size when it is smaller: the largest plan
+  // so far sets it, exactly what cp_memory_estimate counts). Collective: every rank calls it at
+  // the same point with the same arguments (agreed ones). false (and shm_off from then on)
+  // when not every rank could map the host's shared memory.
+  template <class Ptr>
+  bool ensure_shared(Ptr& buf, std::size_t bytes) {
+    if (buf && buf->size() >= bytes) return true;
+    buf.reset();
+    buf = NodeBuffer::create(comm, bytes);
+    shm_off = buf == nullptr;
+    if (shm_off) {  // messages from now on: nothing shared is used again
+      kv_pool.clear();
+      dkv_shared.reset();
+    }
+    return !shm_off;
+  }
+  // The K/V pool entry a forward takes: the first free on every rank (`free_everywhere`, the
+  // agreement's minima, one per entry), else a new one; grown or made here (collective, on
+  // agreed facts only). Null: the message path (shared memory off or unusable, or the pool full).
+  std::shared_ptr<NodeBuffer> take_kv_shared(const RankPlan& plan, const std::vector<char>& free_everywhere) {
+    if (!shm_enabled()) return nullptr;
+    std::size_t i = 0;
+    while (i < kv_pool.size() && !free_everywhere[i]) ++i;
+    if (i == kv_pool.size()) {
+      if (kv_pool.size() == kKvPool) return nullptr;
+      kv_pool.emplace_back();
+    }
+    if (!ensure_shared(kv_pool[i], kv_shared_bytes(plan))) return nullptr;
+    return kv_pool[i];
+  }
+  // This rank's writes, then every peer's: a barrier between two fences, its time counted as
+  // exposed communication and in `part`.
+  void shared_barrier(double& part) {
+    const auto t0 = Clock::now();
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // this rank's rows, before the barrier
+    comm.barrier();
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the peers' rows, after it
+    stats.comm_s += seconds_since(t0);
+    part += seconds_since(t0);
+  }
+  // A consumed context's K/V storage, or empty vectors: what a next forward fills.
+  SpareKv take_spare_kv() {
+    if (spare_kv.empty()) return {};
+    SpareKv e = std::move(spare_kv.back());
+    spare_kv.pop_back();
+    return e;
+  }
+  // Keeps a consumed context's K/V storage for a next forward (counted as a buffer from here;
+  // reserve first: a bad_alloc leaves the context whole).
+  void recycle_kv(CpContext::State& c) {
+    if (c.k.capacity() == 0 && c.v.capacity() == 0) return;
+    spare_kv.reserve(spare_kv.size() + 1);
+    spare_kv.push_back({std::move(c.k), std::move(c.v)});
+  }
   int64_t bytes_sent() const { return comm.bytes_sent() + (a2a ? a2a->bytes_sent() : 0); }
   int64_t bytes_received() const { return comm.bytes_received() + (a2a ? a2a->bytes_received() : 0); }
 
@@ -454,8 +572,8 @@ struct CpAttention::State {
     AttnOptions o = cfg.options;
     o.seed = c.seed;
     return {.q = q,
-            .k = contiguous(c.k.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
-            .v = contiguous(c.v.data(), c.total_k, cfg.num_heads_k, cfg.head_dim_v, cfg.dtype),
+            .k = contiguous(c.k_data(), c.total_k, cfg.num_heads_k, cfg.head_dim_qk, cfg.dtype),
+            .v = contiguous(c.v_data(), c.total_k, cfg.num_heads_k, cfg.head_dim_v, cfg.dtype),
             .work = &c.work->work,
             .options = o,
             .key_rows = key_rows(c)};
@@ -518,11 +636,9 @@ struct CpAttention::State {
     auto t0 = Clock::now();
     ctx.groups = groups;
     ctx.total_k = t_all;
-    if (!spare_kv.empty()) {  // a fresh context's are empty; resized to the same size, not zeroed
-      ctx.k = std::move(spare_kv.back().k);
-      ctx.v = std::move(spare_kv.back().v);
-      spare_kv.pop_back();
-    }
+    SpareKv e = take_spare_kv();  // a fresh context's are empty; resized to the same size, not zeroed
+    ctx.k = std::move(e.k);
+    ctx.v = std::move(e.v);
     ctx.k.resize(groups * t_all * kg);  // every row is received or packed
     ctx.v.resize(groups * t_all * vg);
     ctx.lse.assign(static_cast<std::size_t>(t_loc) * cfg.num_heads_q, -std::numeric_limits<float>::infinity());
@@ -608,6 +724,92 @@ struct CpAttention::State {
     return std::max(0.0, f.span() - waited);
   }
 
+  // The forward over the host's shared memory (`buf`: a K/V pool entry free on every rank and
+  // large enough): this rank writes its K/V rows at their gathered rows, a barrier, and the
+  // kernel reads every rank's rows in place. The context holds the entry until its backward.
+  void shared_forward(const CpForwardArgs& a, CpContext::State& ctx, std::shared_ptr<NodeBuffer> buf) {
+    const RankPlan& plan = *ctx.plan;
+    const std::size_t es = dtype_size(cfg.dtype);
+    const int64_t t_all = plan.layout.rank_begin.back(), t_loc = plan.local_tokens;
+    const auto kb = static_cast<std::size_t>(k_row()) * es, vb = static_cast<std::size_t>(v_row()) * es;
+    const auto mine = static_cast<std::size_t>(plan.layout.rank_begin[comm.rank()]);
+    auto t0 = Clock::now();
+    ctx.shared = std::move(buf);
+    ctx.shared_v_offset = static_cast<std::size_t>(t_all) * kb;
+    ctx.total_k = t_all;
+    std::byte* const base = ctx.shared->data();
+    if (t_loc > 0) {  // a padding-free rank may hold no token
+      std::memcpy(base + mine * kb, a.k.data, static_cast<std::size_t>(t_loc) * kb);
+      std::memcpy(base + ctx.shared_v_offset + mine * vb, a.v.data, static_cast<std::size_t>(t_loc) * vb);
+    }
+    ctx.lse.assign(static_cast<std::size_t>(t_loc) * cfg.num_heads_q, -std::numeric_limits<float>::infinity());
+    zero_padding_rows(a.out, plan);
+    stats.compute_s += seconds_since(t0);
+
+    shared_barrier(stats.first_kv_s);
+
+    t0 = Clock::now();
+    note_peak(ctx.bytes());
+    attention_forward({.in = inputs(a.q, ctx), .out = a.out, .lse = ctx.lse.data()});
+    stats.compute_s += seconds_since(t0);
+    ++stats.shared_forwards;
+  }
+
+  // The backward's dK/dV over the node's shared memory (dkv_shared large enough): the kernel
+  // writes this rank's fp32 partials of every gathered row into its own slot, a barrier, and
+  // each rank sums its own rows from every slot in place, in reduce_scatter_rows' order
+  // (bitwise its sums). The slots are written again only after the next call's agreement, which
+  // every peer enters after its sums.
+  void shared_backward(const CpBackwardArgs& a, const CpContext::State& cs) {
+    const RankPlan& plan = *cs.plan;
+    const int64_t t_all = plan.layout.rank_begin.back(), kr = k_row(), vr = v_row();
+    const auto slot = [&](int q) { return reinterpret_cast<float*>(dkv_shared->data()) + q * t_all * (kr + vr); };
+    auto t0 = Clock::now();
+    float* const dkp = slot(comm.rank());
+    float* const dvp = dkp + t_all * kr;
+    attention_backward({.in = inputs(a.q, cs),
+                        .out = a.out,
+                        .lse = cs.lse.data(),
+                        .dout = a.dout,
+                        .dq = a.dq,
+                        .dk = contiguous(dkp, t_all, cfg.num_heads_k, cfg.head_dim_qk),  // every row written
+                        .dv = contiguous(dvp, t_all, cfg.num_heads_k, cfg.head_dim_v),
+                        .grad_mode = GradMode::write});
+    zero_padding_rows(a.dq, plan);
+    stats.compute_s += seconds_since(t0);
+
+    shared_barrier(stats.dkv_s);
+
+    t0 = Clock::now();
+    store_sums(plan, [&](int q, bool is_k) { return slot(q) + (is_k ? 0 : t_all * kr); }, a.dk.data, a.dv.data);
+    stats.compute_s += seconds_since(t0);
+    ++stats.shared_backwards;
+  }
+
+  // This rank's dK and dV in the storage dtype (dk, dv: [local_tokens, k_row] and [.., v_row]):
+  // the sums over ranks q of rank q's fp32 partials, part(q, is_k) pointing at q's dK
+  // (is_k) or dV of every gathered row, rank-major, in reduce_scatter_rows' order (bitwise its
+  // sums). A few rows at a time, so that the sums stay in cache on their way to the store.
+  template <class Part>
+  void store_sums(const RankPlan& plan, const Part& part, void* dk, void* dv) {
+    const int cp = comm.size(), me = comm.rank();
+    const int64_t t_loc = plan.local_tokens, mine = plan.layout.rank_begin[me], kr = k_row(), vr = v_row();
+    const std::size_t es = dtype_size(cfg.dtype);
+    // At most the local rows: never more than the dk_loc/dv_loc the memory estimate counts.
+    const int64_t rows = std::clamp<int64_t>(8192 / std::max(kr, vr), 1, std::max<int64_t>(t_loc, 1));
+    sum_rows.resize(static_cast<std::size_t>(rows * std::max(kr, vr)));
+    for (int64_t i0 = 0; i0 < t_loc; i0 += rows) {
+      const int64_t n = std::min(rows, t_loc - i0);
+      for (const bool is_k : {true, false}) {
+        const int64_t w = is_k ? kr : vr;
+        const auto rows_of = [&](int q) -> const float* { return part(q, is_k) + (mine + i0) * w; };
+        sum_rank_parts(plan.split, cp, me, rows_of, static_cast<std::size_t>(n * w), sum_rows.data());
+        from_float(sum_rows.data(), static_cast<std::size_t>(n * w), cfg.dtype,
+                   static_cast<std::byte*>(is_k ? dk : dv) + static_cast<std::size_t>(i0 * w) * es);
+      }
+    }
+  }
+
   // The overlapped backward: group g's dK/dV (fp32) are written by the kernel at their
   // rank-major rows (key_rows) and sent to their owners at once, while group g + 1 is computed; each
   // owner sums its blocks in the order the non-overlapped reduce-scatter does (the padded
@@ -674,20 +876,7 @@ struct CpAttention::State {
       loc.resize(static_cast<std::size_t>(t_loc * w));
       const float* own = all.data() + g * t_all * w + layout.rank_begin[me] * w;
       const auto part = [&](int q) { return q == me ? own : rs.data() + (g * cp + q) * t_loc * w; };
-      const auto n = static_cast<std::size_t>(t_loc * w);
-      if (plan.split == CpSplit::padded) {
-        std::copy_n(part((me + 1) % cp), n, loc.data());
-        for (int st = 2; st <= cp; ++st) {
-          const float* x = part((me + st) % cp);
-          for (std::size_t i = 0; i < n; ++i) loc[i] += x[i];
-        }
-      } else {
-        std::fill(loc.begin(), loc.end(), 0.0f);
-        for (int q = 0; q < cp; ++q) {
-          const float* x = part(q);
-          for (std::size_t i = 0; i < n; ++i) loc[i] += x[i];
-        }
-      }
+      sum_rank_parts(plan.split, cp, me, part, static_cast<std::size_t>(t_loc * w), loc.data());
     };
     // Group by group as its blocks come in: the earlier groups' sums run while the last
     // group's dK/dV are still in flight or a slower peer still computes them. Per group the
@@ -713,7 +902,8 @@ struct CpAttention::State {
   // Every rank learns every rank's local error, and all throw the same message; else the
   // ranks agree on the fingerprint. One all-gather, before any payload moves. A rank with an
   // error still takes part, so that the others fail with its message instead of waiting.
-  void agree_or_throw(const std::string& local_error, const RankPlan* plan, int64_t local_tokens,
+  // Returns, per K/V pool entry, whether it is free on every rank (1) or not (0).
+  std::vector<char> agree_or_throw(const std::string& local_error, const RankPlan* plan, int64_t local_tokens,
                       int64_t phase, int64_t context_forward_call, uint64_t seed) {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
@@ -744,6 +934,8 @@ struct CpAttention::State {
         .add("hybrid_outer", static_cast<int64_t>(cfg.hybrid_outer))
         .add("split (0 padded, 1 padding-free)", static_cast<int64_t>(cfg.split))
         .add("overlap", cfg.overlap)
+        .add("shared_memory", cfg.shared_memory)
+        .add("shared memory found unusable", shm_off)
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -761,9 +953,23 @@ struct CpAttention::State {
                                             : static_cast<int64_t>(hash_boundaries(plan->layout.rank_begin)))
         .add("documents", static_cast<int64_t>(plan->docs.size()))
         .add("global tokens", plan->global_tokens)
-        .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(plan->cu_seqlens)));
+        .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(plan->cu_seqlens)))
+        .add("shared K/V buffers", static_cast<int64_t>(kv_pool.size()))
+        // Made and remade only on agreed facts; a rank whose creation threw after its
+        // collectives would differ here (an error, not a wait in a collective the others skip).
+        .add("shared buffers' sizes (hash)", static_cast<int64_t>(shared_sizes_hash()));
+    // May differ: a context another rank has dropped already (the AND decides). 63 entries'
+    // flags per field: the pool's 256 take 5, within the agreement's one all-gather.
+    if (local_error.empty())
+      for (std::size_t i0 = 0; i0 < kv_pool.size(); i0 += kFlagsPerField) {
+        int64_t flags = 0;
+        for (std::size_t i = i0; i < std::min(kv_pool.size(), i0 + kFlagsPerField); ++i)
+          if (!held(kv_pool[i])) flags |= int64_t{1} << (i - i0);
+        fp.add_and("shared K/V buffers " + std::to_string(i0) + ".. free", flags);
+      }
+    std::vector<int64_t> minima;
     try {
-      agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
+      minima = agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
     } catch (...) {
       stats.comm_s += seconds_since(t0);
       stats.agree_s += seconds_since(t0);
@@ -771,26 +977,34 @@ struct CpAttention::State {
     }
     stats.comm_s += seconds_since(t0);
     stats.agree_s += seconds_since(t0);
+    std::vector<char> free_everywhere(kv_pool.size());
+    for (std::size_t i = 0; i < kv_pool.size(); ++i)
+      free_everywhere[i] = static_cast<char>((minima[i / kFlagsPerField] >> (i % kFlagsPerField)) & 1);
+    return free_everywhere;
   }
 
   // A new plan's forward + backward must fit in what the machine has, beside the buffers this
   // layer already holds (reused) and the contexts alive (already allocated).
   void check_memory_for(const RankPlan& plan) const {
     const CpMemoryEstimate e = cp_memory_estimate(cfg, plan);
-    const uint64_t held = buffer_bytes();
+    const uint64_t held = buffer_bytes(true);
     const uint64_t needed = e.total() > held ? e.total() - held : 0;
     check_memory(needed, "CpAttention: a forward and backward of " + std::to_string(plan.local_tokens) +
                  " local tokens", e.describe() + (held > 0 ? ", less the " + format_bytes(held) + " of buffers held" : ""));
   }
 
-  std::size_t buffer_bytes() const {
+  // `reusable`: only what a next call can reuse (not the K/V buffers live contexts hold).
+  std::size_t buffer_bytes(bool reusable = false) const {
     std::size_t bytes = 0;
     for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &rs_k, &rs_v, &lse_group,
-                                        &acc_out, &acc_lse, &dq_acc, &dkv_home})
+                                        &acc_out, &acc_lse, &dq_acc, &dkv_home, &sum_rows})
       bytes += f->capacity() * sizeof(float);
     bytes += ring.bytes() + passq.bytes();
     for (const SpareKv& e : spare_kv) bytes += e.k.capacity() + e.v.capacity();
     if (a2a) bytes += a2a->buffer_bytes();
+    for (const auto& b : kv_pool)
+      if (b && !(reusable && held(b))) bytes += b->size();  // every rank's K/V rows, read by this rank
+    if (dkv_shared) bytes += dkv_shared->size() / static_cast<std::size_t>(comm.size());  // its own slot
     return bytes;
   }
 
@@ -1041,7 +1255,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   }
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
-  s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
+  const std::vector<char> kv_free = s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
   if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
 
@@ -1053,6 +1267,9 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     s.ring_forward(a, *ctx);
   } else if (c.scheme == CpScheme::pass_q) {
     s.pass_q_forward(a, *ctx);
+  } else if (std::shared_ptr<NodeBuffer> buf = s.take_kv_shared(*ctx->plan, kv_free)) {
+    s.shared_forward(a, *ctx, std::move(buf));
+    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   } else if (const int groups = cp_overlap_groups(c, s.comm.size()); groups > 1) {
     hidden = s.grouped_forward(a, *ctx, groups);
     if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
@@ -1061,8 +1278,14 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     const std::size_t es = dtype_size(c.dtype);
     const int64_t t_all = plan.layout.rank_begin.back();  // cp * local_tokens when padded
     auto t0 = Clock::now();
-    std::vector<std::byte> k_all(static_cast<std::size_t>(t_all * s.k_row()) * es),
-        v_all(static_cast<std::size_t>(t_all * s.v_row()) * es);
+    std::vector<std::byte> k_all, v_all;
+    if (!s.indexed()) {  // runs mode: a consumed context's, resized (every row is gathered)
+      State::SpareKv e = s.take_spare_kv();
+      k_all = std::move(e.k);
+      v_all = std::move(e.v);
+    }
+    k_all.resize(static_cast<std::size_t>(t_all * s.k_row()) * es);
+    v_all.resize(static_cast<std::size_t>(t_all * s.v_row()) * es);
     try {
       all_gather_rows(s.comm, c.dtype, plan, a.k.data, s.k_row(), k_all.data());
       all_gather_rows(s.comm, c.dtype, plan, a.v.data, s.v_row(), v_all.data());
@@ -1160,14 +1383,19 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     ctx.s_.reset();
     return;
   }
+  if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes(*cs->plan))) {
+    s.shared_backward(a, *cs);
+    count_bytes();
+    s.note_peak();
+    s.recycle_kv(*ctx.s_);  // a message-path context's K/V storage (a shared one's is its pool entry)
+    ctx.s_.reset();  // consumed: its K/V pool entry is free again once every rank's is
+    return;
+  }
   if (cs->groups > 1) {
     hidden = s.grouped_backward(a, *cs);
     count_bytes();
     s.note_peak();
-    // For a next forward's context (counted as a buffer from here). reserve first: a
-    // bad_alloc leaves the context whole.
-    s.spare_kv.reserve(s.spare_kv.size() + 1);
-    s.spare_kv.push_back({std::move(ctx.s_->k), std::move(ctx.s_->v)});
+    s.recycle_kv(*ctx.s_);  // for a next forward's context
     ctx.s_.reset();
     return;
   }
@@ -1214,19 +1442,26 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   }
   s.stats.compute_s += seconds_since(t0);
 
-  t0 = Clock::now();
-  reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.dkx);
-  reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.dvx);
-  s.stats.comm_s += seconds_since(t0);
-  s.stats.dkv_s += seconds_since(t0);
+  if (s.comm.size() == 1) {  // the reduce-scatter of one rank: its own rows, summed as it would
+    t0 = Clock::now();
+    s.store_sums(plan, [&](int, bool is_k) { return is_k ? s.dk_all.data() : s.dv_all.data(); }, a.dk.data, a.dv.data);
+    s.stats.compute_s += seconds_since(t0);
+  } else {
+    t0 = Clock::now();
+    reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.dkx);
+    reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.dvx);
+    s.stats.comm_s += seconds_since(t0);
+    s.stats.dkv_s += seconds_since(t0);
 
-  t0 = Clock::now();
-  from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk.data);
-  from_float(s.dv_loc.data(), s.dv_loc.size(), c.dtype, a.dv.data);
-  s.stats.compute_s += seconds_since(t0);
+    t0 = Clock::now();
+    from_float(s.dk_loc.data(), s.dk_loc.size(), c.dtype, a.dk.data);
+    from_float(s.dv_loc.data(), s.dv_loc.size(), c.dtype, a.dv.data);
+    s.stats.compute_s += seconds_since(t0);
+  }
   count_bytes();
   s.note_peak();
-  ctx.s_.reset();  // consumed: its gathered K/V are released
+  if (!s.indexed()) s.recycle_kv(*ctx.s_);  // runs mode: the K/V storage for a next forward
+  ctx.s_.reset();  // consumed
 }
 
 const CpAttnConfig& CpAttention::config() const { return s_->cfg; }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -18,6 +19,7 @@
 
 #include "mpi_world.hpp"
 #include "cpattn/comm.hpp"
+#include "cpattn/node_buffer.hpp"
 #include "cpattn/error.hpp"
 
 namespace cpattn {
@@ -456,6 +458,59 @@ TEST(Agree, OneRankDiffersSameErrorEverywhere) {
   comm.all_reduce<std::int64_t>(mn, ReduceOp::max);
   EXPECT_EQ(mx[0], -mn[0]);
   EXPECT_EQ(mx[1], -mn[1]);
+}
+
+// add_min's fields differ freely: not compared, and agree() returns each one's minimum over
+// the ranks, in the order added, with fewer fields than fit inline and with more (the second
+// all-gather's path).
+TEST(Agree, MinFieldsAreNotComparedButReduced) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  const int p = comm.size(), r = comm.rank();
+  for (const int padding : {0, 60}) {
+    SCOPED_TRACE(::testing::Message() << padding << " more fields");
+    Fingerprint fp;
+    fp.add("tokens", 4096).add_min("rank + 10", r + 10).add_min("free", r == p - 1 ? 0 : 1);
+    for (int i = 0; i < padding; ++i) fp.add("field " + std::to_string(i), i);
+    const std::vector<std::int64_t> minima = agree(comm, fp, "x");
+    EXPECT_EQ(minima, (std::vector<std::int64_t>{10, 0}));  // the last rank has 0
+  }
+  Fingerprint both;  // bitwise AND: bit r clear on rank r only
+  both.add_min("min", 7).add_and("and", ~(std::int64_t{1} << (r % 60)));
+  std::int64_t want = ~std::int64_t{0};
+  for (int q = 0; q < p; ++q) want &= ~(std::int64_t{1} << (q % 60));
+  EXPECT_EQ(agree(comm, both, "x"), (std::vector<std::int64_t>{7, want}));
+  Fingerprint fp;
+  fp.add("a", 1).add_min("b", r);
+  const std::vector<std::int64_t> all{1, 0, 1, 5, 1, 9};  // b differs: no disagreement
+  EXPECT_FALSE(describe_disagreement(fp, all, 3, "x").has_value());
+  EXPECT_TRUE(agree(comm, Fingerprint{}.add("a", 1), "x").empty());
+}
+
+// A buffer every rank maps: what one rank writes, the others read after a barrier, at their
+// own addresses; a second buffer is another file; sizes of 0 and of a few MiB.
+TEST(NodeBufferTest, EveryRankSeesTheOthersWritesAfterABarrier) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  const int p = comm.size(), r = comm.rank();
+  const std::size_t n = 3 << 20;
+  std::string why;
+  const std::unique_ptr<NodeBuffer> a = NodeBuffer::create(comm, n, &why), b = NodeBuffer::create(comm, 64, &why),
+                                    c = NodeBuffer::create(comm, 0, &why);
+  ASSERT_NE(a, nullptr) << why;  // the test's ranks share a host
+  ASSERT_NE(b, nullptr) << why;
+  ASSERT_NE(c, nullptr) << why;
+  EXPECT_EQ(a->size(), n);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a->data()) % 64, 0u);
+  const std::size_t slot = n / static_cast<std::size_t>(p);
+  std::memset(a->data() + r * slot, r + 1, slot);
+  if (r == 0) std::memset(b->data(), 0x5a, 64);  // another file: a's bytes stay
+  comm.barrier();
+  EXPECT_EQ(b->data()[63], std::byte{0x5a});
+  for (int q = 0; q < p; ++q) {
+    const std::byte* x = a->data() + q * slot;
+    EXPECT_EQ(x[0], std::byte(q + 1)) << "rank " << q << "'s slot";
+    EXPECT_EQ(x[slot - 1], std::byte(q + 1)) << "rank " << q << "'s slot";
+  }
+  comm.barrier();  // nobody writes again before everyone has read
 }
 
 TEST(Agree, OtherFieldListFailsBeforeGatheringValues) {

@@ -12,6 +12,10 @@
 //                stopped rank never joins: the others' timeout or the deadline ends it). 50 ms
 //                landed after the transfers once the forward stopped copying K/V (2026-12-04);
 //                10 ms lands in them here (recv timeouts in 8 runs of 8);
+//   stall-shared the same stop in a forward over the node's shared memory (the others take
+//                the message path in every other fault): the others wait in the barrier after
+//                writing their K/V rows (or, if the stop came after it, in the next forward's
+//                agreement) and time out there;
 //   throw-during throws in the middle of an overlapped forward (4 KV-head groups): its first
 //                kernel call, after group 0's blocks are in and groups 1-3 in flight both
 //                ways, finds CPATTN_KERNEL_PATH naming no path (set on this rank only, after the
@@ -45,14 +49,14 @@ int main(int argc, char** argv) {
     const bool faulty = comm.rank() == comm.size() - 1;
     // Large enough that the all-gather of K and V takes a while; for the stall, small enough
     // that the overlapped forward's first groups take well under the deadline (also under ASan).
-    const bool overlapped = fault == "stall-during" || fault == "throw-during";
+    const bool overlapped = fault == "stall-during" || fault == "throw-during" || fault == "stall-shared";
     const std::vector<int64_t> cu = overlapped ? std::vector<int64_t>{0, 6000, 8192}
                                                : std::vector<int64_t>{0, 40000, 65536};
     const cpattn::RankPlan p = cpattn::get_thd_load_balanced_cp_metadata(cu, comm.size(), comm.rank());
     const int h = 8, d = 64;
     std::vector<float> q(p.local_tokens * h * d, 0.01f), k(q.size(), 0.02f), v(q.size(), 0.03f), out(q.size());
     cpattn::CpAttention attn(comm, {.num_heads_q = h, .num_heads_k = h, .head_dim_qk = d, .head_dim_v = d,
-                                    .overlap = overlapped});
+                                    .overlap = overlapped, .shared_memory = fault == "stall-shared"});
     comm.barrier();
     if (faulty && fault == "sleep") {
       std::this_thread::sleep_for(std::chrono::seconds(60));
@@ -61,7 +65,7 @@ int main(int argc, char** argv) {
     if (faulty && fault == "kill-before") std::raise(SIGKILL);
     if (faulty && fault == "throw-during") ::setenv("CPATTN_KERNEL_PATH", "no-such-path", 1);
     std::thread killer;
-    if (faulty && fault == "stall-during")
+    if (faulty && (fault == "stall-during" || fault == "stall-shared"))
       killer = std::thread([] {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         std::raise(SIGSTOP);  // the whole process, as a hung rank
@@ -73,7 +77,7 @@ int main(int argc, char** argv) {
       });
     const int64_t t = p.local_tokens;
     try {
-      for (int call = 0; call < (fault == "stall-during" ? 2 : 1); ++call)
+      for (int call = 0; call < (fault == "stall-during" || fault == "stall-shared" ? 2 : 1); ++call)
         (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d),
                             .k = cpattn::contiguous(k.data(), t, h, d), .v = cpattn::contiguous(v.data(), t, h, d),
                             .out = cpattn::contiguous(out.data(), t, h, d)});

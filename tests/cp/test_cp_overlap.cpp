@@ -1,9 +1,11 @@
-// The all-gather scheme's overlap (CpAttnConfig::overlap, docs/cp.md "Overlap"): the kernels
-// run per group of KV heads while the later groups' K/V, and the earlier groups' dK/dV, are in
-// flight. Overlapped and non-overlapped runs (one all-gather, one fused kernel call, one
-// reduce-scatter) are bitwise equal (out, lse, dq, dk, dv) for every dtype and mask, at the
-// rank count mpiexec gives (CTest runs 2, 3 and 4), on documents of 1 to 1100 tokens with odd
-// head dims, for 2 and 3 KV-head groups; and the overlapped run matches a single process.
+// The all-gather scheme's three ways to move K/V and dK/dV: the overlap by KV-head groups
+// (CpAttnConfig::overlap, docs/cp.md "Overlap": the kernels run per group of KV heads while the
+// later groups' K/V, and the earlier groups' dK/dV, are in flight), the node's shared memory
+// (CpAttnConfig::shared_memory, docs/cp.md "Shared memory": every rank's rows read in place after
+// a barrier), and neither (one all-gather, one fused kernel call, one reduce-scatter). All three
+// are bitwise equal (out, lse, dq, dk, dv) for every dtype and mask, at the rank count mpiexec
+// gives (CTest runs 2, 3 and 4), on documents of 1 to 1100 tokens with odd head dims, for 2 and
+// 3 KV-head groups; and the overlapped and shared runs match a single process.
 #include "cp_test_helpers.hpp"
 
 #include <cpattn/error.hpp>
@@ -41,17 +43,31 @@ struct Outputs {
   int64_t calls = 0;      // communicator calls the forward and backward made
 };
 
+// How K/V and dK/dV move: messages in one piece (plain), messages per KV-head group
+// (overlapped), the node's shared memory (shared).
+enum class Path { plain, overlapped, shared };
+
+Outputs run_on(CpAttention& attn, Communicator& comm, const check::Batch& b, const RankPlan& p, const Shape& s,
+               DType t);
+
 Outputs run(Communicator& comm, const check::Batch& b, const RankPlan& p, const Shape& s, DType t,
-            const AttnOptions& o, CpSplit split, bool overlap) {
+            const AttnOptions& o, CpSplit split, Path path) {
   const CpAttnConfig cfg{.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
-                         .dtype = t, .options = o, .split = split, .overlap = overlap};
+                         .dtype = t, .options = o, .split = split, .overlap = path == Path::overlapped,
+                         .shared_memory = path == Path::shared};
   CpAttention attn(comm, cfg);
+  return run_on(attn, comm, b, p, s, t);
+}
+
+// One forward + backward of `attn` (kept by the caller over calls); stats are the layer's so far.
+Outputs run_on(CpAttention& attn, Communicator& comm, const check::Batch& b, const RankPlan& p, const Shape& s,
+               DType t) {
   const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
                       dout = check::local_rows(b.dout, p);
   Outputs r{.out = check::Tensor(t, {p.local_tokens, s.hq, s.dv}), .dq = check::Tensor(t, q.shape),
             .dk = check::Tensor(t, k.shape), .dv = check::Tensor(t, v.shape),
             .lse = std::vector<float>(static_cast<std::size_t>(p.local_tokens * s.hq)), .stats = {},
-            .estimate = cp_memory_estimate(cfg, p).total()};
+            .estimate = cp_memory_estimate(attn.config(), p).total()};
   const int64_t calls0 = comm.calls();
   CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
                                 .out = r.out.view(), .lse = r.lse.data()});
@@ -120,9 +136,22 @@ TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
                             .window_size_right = m.right};
         const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 5);
         const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
-        const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, true);
-        const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, false);
+        const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, Path::overlapped);
+        const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, Path::plain);
+        const Outputs shm = run(comm, b, p, s, t, o, CpSplit::padded, Path::shared);
         expect_bitwise_equal(on, off);
+        {
+          SCOPED_TRACE("shared memory");
+          expect_bitwise_equal(shm, off);
+        }
+        // Shared memory ran (this test's ranks share a host): the agreements and one barrier
+        // per call, and the two buffers' creation (an all-gather of the host names, a
+        // broadcast of where to find the file, an all-gather of who could map it, each), no
+        // payload message.
+        EXPECT_EQ(shm.stats.shared_forwards, 1);
+        EXPECT_EQ(shm.stats.shared_backwards, 1);
+        EXPECT_EQ(shm.calls, 2 + 2 + 2 * 3);
+        EXPECT_LE(shm.stats.peak_buffer_bytes, shm.estimate);
         // The overlapped path ran: per group and peer, a send and a receive of K, V, dK, dV
         // (8 calls) beside the two agreements, where the other makes 2 + 2 + 2 collectives.
         const int groups = cp_overlap_groups({.num_heads_q = s.hq, .num_heads_k = s.hkv, .overlap = true}, comm.size());
@@ -134,6 +163,7 @@ TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
         EXPECT_EQ(on.stats.bytes_sent, off.stats.bytes_sent);  // the same payload, point to point
         EXPECT_LE(on.stats.peak_buffer_bytes, on.estimate);
         if (t == DType::bf16) expect_matches_single_process(comm, b, p, s, t, o, on);
+        if (t == DType::f16) expect_matches_single_process(comm, b, p, s, t, o, shm);
         if (HasFailure()) return;
       }
 }
@@ -148,11 +178,17 @@ TEST_F(CpAttentionTest, OverlapIsBitwiseNeutralWithThePaddingFreeSplit) {
     const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 6);
     const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
                                                          PlanOptions{.split = CpSplit::padding_free});
-    const Outputs on = run(comm, b, p, s, t, o, CpSplit::padding_free, true);
-    const Outputs off = run(comm, b, p, s, t, o, CpSplit::padding_free, false);
+    const Outputs on = run(comm, b, p, s, t, o, CpSplit::padding_free, Path::overlapped);
+    const Outputs off = run(comm, b, p, s, t, o, CpSplit::padding_free, Path::plain);
+    const Outputs shm = run(comm, b, p, s, t, o, CpSplit::padding_free, Path::shared);
     expect_bitwise_equal(on, off);
+    expect_bitwise_equal(shm, off);
+    EXPECT_EQ(shm.stats.shared_forwards, 1);
+    EXPECT_EQ(shm.stats.shared_backwards, 1);
     EXPECT_LE(on.stats.peak_buffer_bytes, on.estimate);
+    EXPECT_LE(shm.stats.peak_buffer_bytes, shm.estimate);
     expect_matches_single_process(comm, b, p, s, t, o, on);
+    expect_matches_single_process(comm, b, p, s, t, o, shm);
   }
 }
 
@@ -167,9 +203,12 @@ TEST_F(CpAttentionTest, OverlapKeepsEachHeadsDropoutAndAlibi) {
                       .alibi_slopes = slopes.data()};
   const check::Batch b = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{37, 1, 200, 9}), s.batch(), t, 7);
   const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
-  const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, true);
-  const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, false);
+  const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, Path::overlapped);
+  const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, Path::plain);
   expect_bitwise_equal(on, off);
+  const Outputs shm = run(comm, b, p, s, t, o, CpSplit::padded, Path::shared);
+  EXPECT_EQ(shm.stats.shared_forwards + shm.stats.shared_backwards, 2);
+  expect_bitwise_equal(shm, off);
   expect_matches_single_process(comm, b, p, s, t, o, on);
 }
 
@@ -187,7 +226,8 @@ TEST_F(CpAttentionTest, TheOverlapsPeakBuffersAreItsEstimateExactly) {
       const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
                                                            PlanOptions{.split = split});
       const CpAttnConfig cfg{.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
-                             .dtype = t, .options = {.path = best_kernel_path(t)}, .split = split, .overlap = true};
+                             .dtype = t, .options = {.path = best_kernel_path(t)}, .split = split, .overlap = true,
+                             .shared_memory = false};
       ASSERT_GT(cp_overlap_groups(cfg, comm.size()), 1);
       CpAttention attn(comm, cfg);
       const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
@@ -209,16 +249,19 @@ TEST_F(CpAttentionTest, TheOverlapsPeakBuffersAreItsEstimateExactly) {
     }
 }
 
-// One layer kept over calls (its buffers and consumed contexts' K/V reused, State::spare_kv)
-// gives bitwise what a fresh layer gives for each call: two
+// One layer kept over calls (its buffers and consumed contexts' K/V reused, State::spare_kv;
+// with shared memory, a K/V buffer of the layer's pool per context alive) gives bitwise what
+// a fresh layer gives for each call: two
 // contexts alive at once (two layers' forwards, then their backwards in reverse), a batch with
 // fewer tokens between two with more (buffers resized down, then up), for both splits.
 TEST_F(CpAttentionTest, ALayerKeptOverCallsGivesWhatFreshLayersGive) {
   const Shape& s = kGroupShapes[0];
   const DType t = DType::f32;
   const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t)};
+  for (const bool shared : {false, true})
   for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free}) {
-    SCOPED_TRACE(::testing::Message() << "split " << to_string(split) << " cp " << comm.size());
+    SCOPED_TRACE(::testing::Message() << "split " << to_string(split) << " shared memory " << shared << " cp "
+                                      << comm.size());
     const check::Batch big = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 11);
     const check::Batch small = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{3, 90, 1, 25}), s.batch(), t, 12);
     const check::Batch* batches[] = {&big, &small};
@@ -227,12 +270,13 @@ TEST_F(CpAttentionTest, ALayerKeptOverCallsGivesWhatFreshLayersGive) {
     for (const check::Batch* b : batches) {
       plans.push_back(get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank(),
                                                         PlanOptions{.split = split}));
-      fresh.push_back(run(comm, *b, plans.back(), s, t, o, split, true));
+      fresh.push_back(run(comm, *b, plans.back(), s, t, o, split, Path::overlapped));
     }
     const CpAttnConfig cfg{.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
-                           .dtype = t, .options = o, .split = split, .overlap = true};
+                           .dtype = t, .options = o, .split = split, .overlap = true, .shared_memory = shared};
     ASSERT_GT(cp_overlap_groups(cfg, comm.size()), 1);
     CpAttention attn(comm, cfg);
+    int64_t shared_forwards = 0;
     struct Call {
       check::Tensor q, k, v, dout;
       Outputs r;
@@ -262,7 +306,12 @@ TEST_F(CpAttentionTest, ALayerKeptOverCallsGivesWhatFreshLayersGive) {
     // Step 3: big again.
     for (const std::vector<int>& step : {std::vector<int>{0, 1}, std::vector<int>{1, 0}, std::vector<int>{0}}) {
       std::vector<std::unique_ptr<Call>> calls;
-      for (const int i : step) calls.push_back(start(i));
+      for (const int i : step) {
+        calls.push_back(start(i));
+        // Shared: each context alive holds a K/V buffer of the layer's pool (a second one is
+        // made for the second context of step 1, and both are reused after).
+        EXPECT_EQ(attn.stats().shared_forwards, shared_forwards += shared ? 1 : 0);
+      }
       for (std::size_t j = calls.size(); j-- > 0;) {
         finish(*calls[j]);
         SCOPED_TRACE(::testing::Message() << "batch " << step[j]);
@@ -273,17 +322,75 @@ TEST_F(CpAttentionTest, ALayerKeptOverCallsGivesWhatFreshLayersGive) {
   }
 }
 
-// Ranks that disagree on overlap fail every rank, naming it, before any payload moves.
-TEST_F(CpAttentionTest, RanksThatDisagreeOnOverlapFailNamingIt) {
+// A context one rank still holds while the others have dropped theirs (no backward): its K/V
+// buffer is not free on every rank, so every rank's next forward takes another (the
+// agreement's minimum; none waits in a collective the others skip), with the same results;
+// once the last holder lets go, the first buffer is taken again, nothing made.
+TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuffer) {
   SmallBatch b(comm.size(), comm.rank());
-  CpAttnConfig c = b.config();
-  c.overlap = comm.rank() != 0;
-  CpAttention attn(comm, c);
-  try {
-    (void)attn.forward(b.fwd());
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.message()).find("overlap: rank 0 has 0"), std::string::npos) << e.message();
+  randomize(b, comm.rank());
+  CpAttention attn(comm, b.config());
+  CpContext first = attn.forward(b.fwd());
+  ASSERT_EQ(attn.stats().shared_forwards, 1);
+  const std::vector<float> out1 = b.out;
+  if (comm.rank() != 0) first = CpContext{};  // dropped
+  int64_t calls = comm.calls();
+  CpContext second = attn.forward(b.fwd());
+  EXPECT_EQ(comm.calls() - calls, 5);  // the agreement, a new buffer's 3 collectives, the barrier
+  EXPECT_EQ(attn.stats().shared_forwards, 2);
+  EXPECT_EQ(b.out, out1);
+  attn.backward(second, b.bwd());
+  EXPECT_EQ(attn.stats().shared_backwards, 1);
+  const std::vector<float> dk2 = b.dk;
+  first = CpContext{};  // rank 0 lets go too
+  calls = comm.calls();
+  CpContext third = attn.forward(b.fwd());
+  EXPECT_EQ(comm.calls() - calls, 2);  // the agreement and the barrier: no buffer made
+  EXPECT_EQ(attn.stats().shared_forwards, 3);
+  EXPECT_EQ(b.out, out1);
+  attn.backward(third, b.bwd());
+  EXPECT_EQ(attn.stats().shared_backwards, 2);
+  EXPECT_EQ(b.dk, dk2);
+}
+
+// The shared buffers are made for the first batch and made again, larger, for a batch past
+// them, then kept for a small batch again: every call bitwise what the message path gives.
+TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
+  const Shape& s = kGroupShapes[0];
+  const DType t = DType::f32;
+  const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t)};
+  const check::Batch small = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{5, 17}), s.batch(), t, 13);
+  const check::Batch big = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>(12, 100)), s.batch(), t, 14);
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                          .dtype = t, .options = o});
+  int64_t n = 0;
+  const int64_t calls[] = {10, 10, 4};  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making
+  for (const check::Batch* b : {&small, &big, &small}) {
+    SCOPED_TRACE(::testing::Message() << b->tokens() << " tokens, cp " << comm.size());
+    const RankPlan p = get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank());
+    const Outputs got = run_on(attn, comm, *b, p, s, t);
+    EXPECT_EQ(attn.stats().shared_forwards, ++n);
+    EXPECT_EQ(attn.stats().shared_backwards, n);
+    EXPECT_EQ(got.calls, calls[n - 1]);
+    expect_bitwise_equal(got, run(comm, *b, p, s, t, o, CpSplit::padded, Path::plain));
+  }
+}
+
+// Ranks that disagree on overlap, or on shared_memory, fail every rank, naming the field,
+// before any payload moves.
+TEST_F(CpAttentionTest, RanksThatDisagreeOnOverlapOrSharedMemoryFailNamingIt) {
+  for (bool CpAttnConfig::*flag : {&CpAttnConfig::overlap, &CpAttnConfig::shared_memory}) {
+    const std::string want = flag == &CpAttnConfig::overlap ? "overlap: rank 0 has 0" : "shared_memory: rank 0 has 0";
+    SmallBatch b(comm.size(), comm.rank());
+    CpAttnConfig c = b.config();
+    c.*flag = comm.rank() != 0;
+    CpAttention attn(comm, c);
+    try {
+      (void)attn.forward(b.fwd());
+      ADD_FAILURE() << "no error for " << want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.message()).find(want), std::string::npos) << e.message();
+    }
   }
 }
 

@@ -12,14 +12,16 @@ import pytest
 SCRIPT = pathlib.Path(__file__).with_name("cp_script.py")
 # Every scheme; the hybrid at every cp_inner dividing the ranks (1: the outer scheme alone,
 # cp: a2a) with both outer schemes, the padding-free split (the all-gather scheme's) and the
-# index key mode, and the all-gather's overlap off (the default allgather runs it: two KV-head
-# groups at 2 ranks; MQA at 3 has one group). Heads: GQA with split KV heads at 2 ranks, MQA (replicated KV heads
+# index key mode, and the all-gather's shared memory off (the default allgather runs over it,
+# these ranks sharing a host), then the overlap off too (shared_memory=off runs the overlap:
+# two KV-head groups at 2 ranks; MQA at 3 has one group). Heads: GQA with split KV heads at 2 ranks, MQA (replicated KV heads
 # under a2a) at 3. A torch.distributed gloo group: the default one at 2 ranks, new_group([0, 2])
 # at 3 (rank 0, which prints the count, is in it). A hybrid with both cp_inner and cp_outer
 # above 1 (2 x 2) is the C++ cp_a2a_test.np4's: the binding passes the same fields at any size.
 RUNS = {
     "2 ranks + torch.distributed": (2, "allgather,ring,pass-q,a2a,hybrid:cp_inner=1,hybrid:cp_inner=2:hybrid_outer=ring,"
-                                       "allgather:split=padding-free,allgather:kv_mode=index,allgather:overlap=off", "1,7,16", "4,2",
+                                       "allgather:split=padding-free,allgather:kv_mode=index,allgather:shared_memory=off:overlap=off,"
+                                       "allgather:shared_memory=off", "1,7,16", "4,2",
                                     ["--torch-group", "ring,hybrid:cp_inner=2,allgather:split=padding-free"]),
     "3 ranks + torch.distributed group of ranks 0, 2": (3, "allgather,ring,pass-q,a2a,hybrid:cp_inner=3,hybrid:cp_inner=1:hybrid_outer=ring,"
                    "allgather:split=padding-free", "5,1,12,2", "6,1", ["--torch-group", "ring", "0,2"]),

@@ -46,7 +46,8 @@ void expect_bytes_match(Communicator& comm, const Case& k, CpScheme scheme, int 
 
   CpAttnConfig cfg{.num_heads_q = k.hq, .num_heads_k = k.hkv, .head_dim_qk = k.dqk, .head_dim_v = k.dv,
                    .dtype = k.dtype, .options = {.mask = k.mask}, .scheme = scheme,
-                   .cp_inner = scheme == CpScheme::hybrid ? cp_inner : 0, .overlap = overlap};
+                   .cp_inner = scheme == CpScheme::hybrid ? cp_inner : 0, .overlap = overlap,
+                   .shared_memory = false};  // the simulator models messages (ranks past one host)
   CpAttention attn(comm, cfg);
   const auto plan = attn.plan(cu);
   const int64_t t = plan->local_tokens;

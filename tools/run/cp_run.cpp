@@ -141,7 +141,8 @@ CpAttnConfig config_of(const RunArgs& a, const check::BatchShape& s, DType dtype
                       .window_size_right = window.right, .softcap = a.softcap, .alibi_slopes = slopes},
           .kv_mode = parse_kv_mode(a.mode) == "runs" ? KvMode::runs : KvMode::index,
           .split = parse_split(a.split),
-          .overlap = a.overlap == "on"};
+          .overlap = a.overlap == "on",
+          .shared_memory = a.shared_memory == "on"};
 }
 
 // One configuration per scheme the run measures (schemes_of), each a copy of `base`.
@@ -244,12 +245,15 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
                                  median(backward), peak_rss_mb(),
                                  static_cast<double>(attn.stats().peak_buffer_bytes) / (1 << 20),
                                  static_cast<double>(sent), static_cast<double>(received), mean(agree),
-                                 mean(first_kv), mean(later_kv), mean(dkv), mean(communication)};
+                                 mean(first_kv), mean(later_kv), mean(dkv), mean(communication),
+                                 static_cast<double>(attn.stats().shared_forwards + attn.stats().shared_backwards),
+                                 2.0};  // the last step's forward and backward
   std::vector<double> per_rank(mine.size() * comm.size());
   comm.all_gather<double>(mine, per_rank);
   for (int r = 0; r < comm.size(); ++r) {
     const double* f = &per_rank[r * mine.size()];
-    m.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]});
+    m.ranks.push_back(
+        {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14], f[15], f[16]});
   }
   return m;
 }

@@ -52,6 +52,8 @@ nlohmann::json scheme_json(const SchemeResult& x) {
     j["later_kv_s"].push_back(f.later_kv_s);
     j["dkv_s"].push_back(f.dkv_s);
     j["comm_mean_s"].push_back(f.comm_mean_s);
+    j["shared_calls"].push_back(static_cast<int64_t>(f.shared_calls));
+    j["calls"].push_back(static_cast<int64_t>(f.calls));
   }
   return j;
 }
@@ -113,6 +115,7 @@ nlohmann::json report_json(const RunReport& r) {
   report["cp_inner"] = a.cp_inner;
   report["split"] = a.split;
   report["overlap"] = a.overlap == "on";
+  report["shared_memory"] = a.shared_memory == "on";
   report["mask"] = a.mask;
   {
     const Window w = parse_window(a.window);
@@ -153,11 +156,12 @@ void print_report(const RunReport& r) {
   const std::string group_note =
       r.cp_groups > 1 ? " in each of " + std::to_string(r.cp_groups) + " CP groups (group 0 shown)" : "";
   std::printf("cpattn run: cp = %d%s, seq len %lld in %zu documents (padded to %lld), heads %d, kv heads %d, "
-              "head dim qk/v %d/%d, %s, mode %s, mask %s, split %s, overlap %s, %d thread(s) per rank, kernel path %s\n",
+              "head dim qk/v %d/%d, %s, mode %s, mask %s, split %s, overlap %s, shared memory %s, %d thread(s) per rank, "
+              "kernel path %s\n",
               r.cp, group_note.c_str(), static_cast<long long>(b.tokens()), b.cu_seqlens.size() - 1,
               static_cast<long long>(r.balance.padded_tokens), b.shape.heads_q, b.shape.heads_k,
               b.shape.head_dim_qk, b.shape.head_dim_v, a.dtype.c_str(), a.mode.c_str(), a.mask.c_str(),
-              a.split.c_str(), a.overlap.c_str(), a.threads, r.kernel_path.c_str());
+              a.split.c_str(), a.overlap.c_str(), a.shared_memory.c_str(), a.threads, r.kernel_path.c_str());
   if (!a.window.empty() || a.softcap > 0.0f || a.alibi) {
     const Window w = parse_window(a.window);
     std::printf("masks: window %lld,%lld, softcap %g, alibi %s\n", static_cast<long long>(w.left),
@@ -203,6 +207,10 @@ void print_report(const RunReport& r) {
     std::printf("  %-5d agreement %.4f + first K/V %.4f + later K/V %.4f + dK/dV %.4f = %.4f\n", static_cast<int>(i),
                 f.agree_s, f.first_kv_s, f.later_kv_s, f.dkv_s, f.comm_mean_s);
   }
+  if (!ranks.empty() && ranks[0].shared_calls > 0)
+    std::printf("  through shared memory (K/V, dK/dV; their waits above are then barriers): %.0f of the last step's %.0f "
+                "calls\n",
+                ranks[0].shared_calls, ranks[0].calls);
   std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
               compute_imbalance(ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);
 }

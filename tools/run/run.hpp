@@ -29,6 +29,7 @@ struct RunArgs {
               mask = "causal", kernel_path = "automatic";  // canonical (vocab.hpp)
   std::string split = "padded";  // canonical (vocab.hpp)
   std::string overlap = "on";    // --overlap on|off (CpAttnConfig::overlap)
+  std::string shared_memory = "on";  // --shared-memory on|off (CpAttnConfig::shared_memory)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
@@ -102,6 +103,9 @@ struct RankFigures {  // medians over the timed steps, and memory
   // comm_s by part (CpStats::agree_s, first_kv_s, later_kv_s, dkv_s) and comm_s itself: means
   // over the steps (the parts add up to comm_mean_s)
   double agree_s = 0, first_kv_s = 0, later_kv_s = 0, dkv_s = 0, comm_mean_s = 0;
+  // Of the last step's calls (a forward and a backward), those whose K/V or dK/dV went through
+  // the node's shared memory (CpStats::shared_forwards + shared_backwards).
+  double shared_calls = 0, calls = 0;
 };
 // One scheme's run: its check and every rank's figures.
 struct SchemeResult {
