@@ -35,6 +35,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -224,6 +225,11 @@ struct CpStats {
   // node's shared memory (CpAttnConfig::shared_memory) instead of messages.
   int64_t shared_forwards = 0;
   int64_t shared_backwards = 0;
+  // Why the layer gave up the node's shared memory and took the message path for good, as the
+  // ranks found it when they tried to map a buffer (the ranks on several hosts, a rank in
+  // another pid namespace, no memory for the buffer; NodeBuffer::create's `why`); empty while
+  // it has not. Kept by reset_stats.
+  std::string shared_memory_off;
   // The largest the layer's own buffers plus the contexts it handed out and that are still
   // alive have been, a forward's own transients included (the non-overlapped all-gather's
   // gathered K/V beside their index-mode copy; the overlap keeps consumed contexts' K/V for the

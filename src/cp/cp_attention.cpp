@@ -478,9 +478,11 @@ struct CpAttention::State {
   bool ensure_shared(Ptr& buf, std::size_t bytes) {
     if (buf && buf->size() >= bytes) return true;
     buf.reset();
-    buf = NodeBuffer::create(comm, bytes);
+    std::string why;
+    buf = NodeBuffer::create(comm, bytes, &why);
     shm_off = buf == nullptr;
     if (shm_off) {  // messages from now on: nothing shared is used again
+      stats.shared_memory_off = why.empty() ? "the shared buffer could not be made" : why;
       kv_pool.clear();
       dkv_shared.reset();
     }
@@ -1048,7 +1050,6 @@ struct CpAttention::State {
     stats.compute_s += seconds_since(t0);
     SchemeEnv e = env();
     cp_detail::pass_q_forward(e, passq, ctx.work->passq, ctx.seed, a.q, a.k, a.v, a.out, ctx.lse);
-    if (a.lse) std::memcpy(a.lse, ctx.lse.data(), ctx.lse.size() * sizeof(float));
   }
 
   void pass_q_backward(const CpBackwardArgs& a, const CpContext::State& ctx) {
@@ -1097,7 +1098,6 @@ struct CpAttention::State {
     t0 = Clock::now();
     store_f32(acc_out.data(), a.out);  // padding rows: 0 (no task writes them)
     ctx.lse = acc_lse;
-    if (a.lse) std::memcpy(a.lse, ctx.lse.data(), ctx.lse.size() * sizeof(float));
     stats.compute_s += seconds_since(t0);
   }
 
@@ -1262,17 +1262,14 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   if (s.uses_a2a()) {
     ctx->a2a = std::make_unique<detail::A2aContext>();
     s.a2a->forward(a, ctx->plan, ctx->seed, ctx->lse, *ctx->a2a, s.stats);
-    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   } else if (c.scheme == CpScheme::ring) {
     s.ring_forward(a, *ctx);
   } else if (c.scheme == CpScheme::pass_q) {
     s.pass_q_forward(a, *ctx);
   } else if (std::shared_ptr<NodeBuffer> buf = s.take_kv_shared(*ctx->plan, kv_free)) {
     s.shared_forward(a, *ctx, std::move(buf));
-    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   } else if (const int groups = cp_overlap_groups(c, s.comm.size()); groups > 1) {
     hidden = s.grouped_forward(a, *ctx, groups);
-    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
   } else {
     const RankPlan& plan = *ctx->plan;
     const std::size_t es = dtype_size(c.dtype);
@@ -1318,7 +1315,11 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     zero_padding_rows(a.out, plan);
     s.note_peak(ctx->bytes() + k_all.capacity() + v_all.capacity());  // index mode: the gathered K/V beside its copy
     attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
-    if (a.lse) std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
+    s.stats.compute_s += seconds_since(t0);
+  }
+  if (a.lse) {  // every scheme leaves the local queries' lse in the context
+    const auto t0 = Clock::now();
+    std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
     s.stats.compute_s += seconds_since(t0);
   }
   s.stats.bytes_sent += s.bytes_sent() - sent0;
@@ -1469,7 +1470,9 @@ const CpStats& CpAttention::stats() const { return s_->stats; }
 const PlanCache& CpAttention::plan_cache() const { return s_->cache; }
 void CpAttention::reset_stats() {
   const int64_t f = s_->stats.forward_calls, b = s_->stats.backward_calls;
+  std::string off = std::move(s_->stats.shared_memory_off);  // a fact of the layer, not a figure
   s_->stats = CpStats{};
+  s_->stats.shared_memory_off = std::move(off);
   s_->hidden_s = 0;
   s_->stats.forward_calls = f;  // the counters are part of the agreement: never reset
   s_->stats.backward_calls = b;

@@ -10,6 +10,9 @@
 
 #include <cpattn/error.hpp>
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <memory>
 #include <string>
 #include <vector>
@@ -374,6 +377,47 @@ TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
     EXPECT_EQ(got.calls, calls[n - 1]);
     expect_bitwise_equal(got, run(comm, *b, p, s, t, o, CpSplit::padded, Path::plain));
   }
+}
+
+// A shared buffer that rank 0 cannot make (its file size limit is 0 while the layer's first
+// forward runs: posix_fallocate fails) sends every rank to the message path for good, bitwise
+// what it gives anyway, and every rank's stats say why.
+TEST_F(CpAttentionTest, ABufferThatCannotBeMadeSendsEveryRankToMessagesSayingWhy) {
+  const Shape& s = kGroupShapes[0];
+  const DType t = DType::f32;
+  const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t)};
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 15);
+  const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                          .dtype = t, .options = o, .overlap = false});
+  ASSERT_TRUE(attn.stats().shared_memory_off.empty());
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG, not the signal's default end
+  if (comm.rank() == 0) {
+    const rlimit none{0, saved.rlim_max};
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &none), 0);
+  }
+  const Outputs first = run_on(attn, comm, b, p, s, t);
+  if (comm.rank() == 0) {
+    EXPECT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  }
+  std::signal(SIGXFSZ, old_handler);
+  const std::string& why = attn.stats().shared_memory_off;
+  EXPECT_NE(why.find("rank 0 could not map the buffer"), std::string::npos) << why;
+  if (comm.rank() == 0) {
+    EXPECT_NE(why.find("posix_fallocate"), std::string::npos) << why;
+  }
+  EXPECT_EQ(first.stats.shared_forwards + first.stats.shared_backwards, 0);
+  const Outputs plain = run(comm, b, p, s, t, o, CpSplit::padded, Path::plain);
+  expect_bitwise_equal(first, plain);
+  // Given up for good: the next call tries no buffer (the limit is back), and the reason stays.
+  attn.reset_stats();
+  const Outputs second = run_on(attn, comm, b, p, s, t);
+  EXPECT_EQ(second.stats.shared_forwards, 0);
+  EXPECT_EQ(second.calls, plain.calls);
+  EXPECT_EQ(attn.stats().shared_memory_off, why);
+  expect_bitwise_equal(second, plain);
 }
 
 // Ranks that disagree on overlap, or on shared_memory, fail every rank, naming the field,

@@ -69,6 +69,13 @@ with tempfile.TemporaryDirectory() as d:
     for n in res["on"]:
         check(res["on"][n].tobytes() == res["off"][n].tobytes(), f"--overlap on/off differ in {n}")
 check(run_json(2, *PQ)["overlap"] is True, "--overlap default")
+
+# --shared-memory on|off (default on): on one host both calls of the last step go through shared
+# memory (shared_calls of calls), none with off; no reason to give it up (shared_memory_off).
+for sm, want in (("on", 2), ("off", 0)):
+    j = run_json(2, *PQ, "--shared-memory", sm)
+    check(j is not None and j["passed"] and j["shared_calls"] == [want, want] and j["calls"] == [2, 2]
+          and j["shared_memory_off"] == "", f"--shared-memory {sm}: {j}")
 r = run(2, *PQ, "--overlap", "maybe")
 check(r.returncode == 2 and "--overlap" in r.stderr, f"bad --overlap: exit {r.returncode} {r.stderr[-500:]}")
 

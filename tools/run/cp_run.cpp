@@ -203,6 +203,7 @@ Local prepare(const RunArgs& a, Communicator& comm) {
 struct Measured {
   check::Results got;
   std::vector<RankFigures> ranks;
+  std::string shared_memory_off;  // CpStats::shared_memory_off (this rank's)
 };
 Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttention& attn) {
   const check::Batch& b = l.b;
@@ -239,6 +240,7 @@ Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttenti
   }
 
   Measured m;
+  m.shared_memory_off = attn.stats().shared_memory_off;
   m.got = check::gather_results(
       comm, p, {.out = out.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .lse = lse.data()});
   const std::vector<double> mine{median(compute), median(communication), median(comm_total), median(wall), median(forward),
@@ -324,7 +326,8 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
                      .single_process_s = ref.seconds, .schemes = {}};
     for (std::size_t i = 0; i < measured.size(); ++i)
       report.schemes.push_back({.scheme = std::string(to_string(l.attns[i]->config().scheme)),
-                                .check = check_against(b, ref, measured[i].got), .ranks = measured[i].ranks});
+                                .check = check_against(b, ref, measured[i].got), .ranks = measured[i].ranks,
+                                .shared_memory_off = measured[i].shared_memory_off});
     if (!report.pass()) pass = 0;
     if (groups.world.rank() != 0) {
       // Another CP group's rank 0: it checked; world rank 0 reports.

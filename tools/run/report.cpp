@@ -36,6 +36,7 @@ nlohmann::json scheme_json(const SchemeResult& x) {
   }
   j["max_abs_err"]["lse"] = x.check.lse_max_abs;
   j["passed"] = x.check.pass;
+  j["shared_memory_off"] = x.shared_memory_off;
   for (const RankFigures& f : x.ranks) {
     j["compute_s"].push_back(f.compute_s);
     j["comm_s"].push_back(f.comm_s);
@@ -95,6 +96,9 @@ void print_schemes(const RunReport& r) {
     std::printf(" %s %.4f", x.scheme.c_str(),
                 max_over_ranks(x.ranks, &RankFigures::forward_s) + max_over_ranks(x.ranks, &RankFigures::backward_s));
   std::printf("\n");
+  for (const SchemeResult& x : r.schemes)
+    if (!x.shared_memory_off.empty())
+      std::printf("%s: shared memory off, the message path taken: %s\n", x.scheme.c_str(), x.shared_memory_off.c_str());
 }
 
 }  // namespace
@@ -211,6 +215,8 @@ void print_report(const RunReport& r) {
     std::printf("  through shared memory (K/V, dK/dV; their waits above are then barriers): %.0f of the last step's %.0f "
                 "calls\n",
                 ranks[0].shared_calls, ranks[0].calls);
+  if (!r.schemes[0].shared_memory_off.empty())
+    std::printf("  shared memory off, the message path taken: %s\n", r.schemes[0].shared_memory_off.c_str());
   std::printf("\nimbalance (max/mean): compute %.3f; visible pairs: balanced %.3f, contiguous split %.3f\n",
               compute_imbalance(ranks), r.balance.imbalance_balanced, r.balance.imbalance_contiguous);
 }

@@ -112,6 +112,7 @@ struct SchemeResult {
   std::string scheme;  // to_string(CpScheme)
   RunCheck check;
   std::vector<RankFigures> ranks;
+  std::string shared_memory_off;  // rank 0's CpStats::shared_memory_off: why shared memory was given up, or ""
 };
 struct RunReport {
   const RunArgs& args;
