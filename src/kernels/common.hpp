@@ -117,6 +117,14 @@ struct KernelTable {
   // b in the VNNI layout [k2][n][2] (B(k, j) at b[(k / 2) * 2 n + 2 j + k % 2]); m, k2, n in
   // [1, 16]. nullptr on the other paths.
   void (*tile_dot)(float* c, const uint16_t* a, const uint16_t* b, int m, int k2, int n, bool fp16) = nullptr;
+  // The amx paths' two ways to run one bf16 product on tiles (kernel_impl.hpp), for their
+  // tests: C[m x n] (+ when !zero)= A B in one go (gemm_tiles16, job false) or step by step
+  // (TileJob, job true), with gemm_tiles16's operand layout (A rows lda elements apart, columns
+  // [k, k rounded up to 32) zero; B pairs b_ld words apart, 16-column panels b_panel words
+  // apart). For the job: m <= 32, n a multiple of 16, k a multiple of 16, and C readable and
+  // writable up to 16 rows (m <= 16) or 32. nullptr on the other paths.
+  void (*tile_gemm)(bool job, bool zero, int m, int n, int k, const uint16_t* a, int64_t lda, const uint32_t* b,
+                    int64_t b_ld, int64_t b_panel, float* c, int64_t ldc) = nullptr;
 };
 namespace portable {
 extern const KernelTable table;

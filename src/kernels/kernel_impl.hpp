@@ -985,6 +985,26 @@ void tile_dot_one(float* c, const uint16_t* a, const uint16_t* b, int m, int k2,
   Tiles::store<0>(c, n * 4);
   Tiles::release();
 }
+
+// One product by gemm_tiles16 or by a TileJob (job), for tests: the KernelTable's tile_gemm.
+void tile_gemm_one(bool job, bool zero, int m, int n, int k, const uint16_t* a, int64_t lda, const uint32_t* b,
+                   int64_t b_ld, int64_t b_panel, float* c, int64_t ldc) {
+  if (!job) {
+    if (zero) gemm_tiles16<true>(false, m, n, k, a, lda, b, b_ld, b_panel, c, ldc);
+    else gemm_tiles16<false>(false, m, n, k, a, lda, b, b_ld, b_panel, c, ldc);
+    tiles_end();
+    return;
+  }
+  std::vector<uint32_t> tails;
+  if (k % 32 == 16) {
+    tails.resize(static_cast<size_t>(n / 16) * 256);
+    TileJob::stage_tails(b, b_ld, b_panel, n, k, tails.data());
+  }
+  TileJob j{.a = a, .a_stride = lda * 2, .b = b, .b_ld = b_ld, .b_panel = b_panel, .c = c, .ldc = ldc, .n = n,
+            .k = k, .zero = zero, .two_m = m > 16, .tails = tails.empty() ? nullptr : tails.data()};
+  j.finish();
+  tiles_end();
+}
 #else
 // The tiles' operand helpers exist on the amx paths only; every call is behind Dot::bf16_tiles.
 template <bool Zero>

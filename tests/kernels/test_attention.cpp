@@ -8,7 +8,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
-#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot and tile_dot, the dot-product steps
+#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, tile_dot and tile_gemm, the products' steps
 #include "error_of.hpp"
 
 #include <gtest/gtest.h>
@@ -1621,6 +1621,59 @@ TEST(kernel_amx_tiles, ProductsMatchFloat64OnFullAndPartialTiles) {
       expect_tile_product(path, 3, 5, 7, f);     // configured shapes below the full ones
       expect_tile_product(path, 1, 1, 1, f);
     }
+  }
+}
+
+// A TileJob (the forward's products step by step, between the softmax's rows) gives bitwise
+// gemm_tiles16's C (the products in one go) in the valid rows: written (zero) and added to,
+// one and two rows of tiles (m <= 16, <= 32, partial ones), 16 to 128 columns (a last panel of
+// 16 alone), k a multiple of 32 and an odd multiple of 16 (the last step's B staged: B's pairs
+// past k are NaN), operands at strides wider than their shapes. Inputs include large and small magnitudes, so that
+// another order of the pair sums or of the k steps would change some bits.
+TEST(kernel_amx_tiles, AStepByStepJobIsBitwiseTheProductInOneGo) {
+  for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
+    if (!kernel_path_supported(path)) continue;  // amx: see InstructionsFollowTheDocumentedSemantics
+    const kernels::KernelTable* t = kernels::path_table(path);
+    ASSERT_NE(t, nullptr);
+    ASSERT_NE(t->tile_gemm, nullptr);
+    int cases = 0;
+    for (const int m : {1, 16, 17, 32})
+      for (const int n : {16, 48, 128})
+        for (const int k : {16, 32, 48, 128})
+          for (const bool zero : {true, false}) {
+            SCOPED_TRACE(::testing::Message() << to_string(path) << " m " << m << " n " << n << " k " << k
+                                              << (zero ? " written" : " added to"));
+            std::mt19937 rng(static_cast<unsigned>(m * 100000 + n * 1000 + k * 10 + zero));
+            std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+            std::uniform_int_distribution<int> e(-12, 12);
+            const auto value = [&] { return std::ldexp(u(rng), e(rng)); };
+            const int kp = (k + 31) / 32 * 32, lda = kp + 32, k2 = (k + 1) / 2;
+            const int64_t b_ld = n + 16, b_panel = 16, ldc = n + 8;  // B: pair kp of panel j at j * 16 + kp * b_ld
+            std::vector<uint16_t> a(static_cast<size_t>(32) * lda, 0);
+            for (int r = 0; r < m; ++r)
+              for (int c = 0; c < k; ++c) a[static_cast<size_t>(r * lda + c)] = f32_to_bf16(value());
+            // Pairs past k are NaN: a product that read them would spoil C (A's zero columns
+            // must never meet them).
+            std::vector<uint32_t> b(static_cast<size_t>(k2 + 16) * b_ld, 0x7fc07fc0u);
+            for (size_t i = 0; i < static_cast<size_t>(k2) * b_ld; ++i)
+              b[i] = uint32_t{f32_to_bf16(value())} | uint32_t{f32_to_bf16(value())} << 16;
+            std::vector<float> c0(static_cast<size_t>(32) * ldc);
+            for (auto& x : c0) x = value();
+            std::vector<float> one = c0, job = c0;
+            t->tile_gemm(false, zero, m, n, k, a.data(), lda, b.data(), b_ld, b_panel, one.data(), ldc);
+            t->tile_gemm(true, zero, m, n, k, a.data(), lda, b.data(), b_ld, b_panel, job.data(), ldc);
+            int differ = 0;
+            for (int r = 0; r < m; ++r)
+              for (int c = 0; c < n; ++c) {
+                const size_t i = static_cast<size_t>(r * ldc + c);
+                differ += std::bit_cast<uint32_t>(one[i]) != std::bit_cast<uint32_t>(job[i]);
+              }
+            EXPECT_EQ(differ, 0);
+            // Not equal by doing nothing: the product changed C.
+            EXPECT_NE(std::memcmp(one.data(), c0.data(), static_cast<size_t>(n) * sizeof(float)), 0);
+            ++cases;
+          }
+    EXPECT_EQ(cases, 96);
   }
 }
 
