@@ -214,6 +214,7 @@ struct A2aLevel::Impl {
     stats.comm_s += outer_attn->stats().comm_s - before.comm_s;
     stats.shared_forwards += outer_attn->stats().shared_forwards - before.shared_forwards;
     stats.shared_backwards += outer_attn->stats().shared_backwards - before.shared_backwards;
+    if (stats.shared_memory_off.empty()) stats.shared_memory_off = outer_attn->stats().shared_memory_off;
   }
 
   void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& p, uint64_t seed, std::vector<float>& lse,

@@ -14,6 +14,7 @@
 
 #include <csignal>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -379,35 +380,64 @@ TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
   }
 }
 
-// A shared buffer that rank 0 cannot make (its file size limit is 0 while the layer's first
-// forward runs: posix_fallocate fails) sends every rank to the message path for good, bitwise
-// what it gives anyway, and every rank's stats say why.
+// Rank 0 cannot grow a file while it lives (RLIMIT_FSIZE 0, SIGXFSZ ignored: EFBIG instead of
+// the signal's end): its posix_fallocate of a shared buffer fails. Restores both on the way out,
+// also when the call throws.
+class NoFileGrowthOnRank0 {
+ public:
+  explicit NoFileGrowthOnRank0(Communicator& comm) : rank0_(comm.rank() == 0) {
+    handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    ok_ = handler_ != SIG_ERR && getrlimit(RLIMIT_FSIZE, &saved_) == 0;
+    if (ok_ && rank0_) {
+      const rlimit none{0, saved_.rlim_max};
+      ok_ = setrlimit(RLIMIT_FSIZE, &none) == 0;
+    }
+    // Every rank learns whether every rank could, before any collective of the test.
+    const int64_t mine = ok_ ? 1 : 0;
+    std::vector<int64_t> all(static_cast<std::size_t>(comm.size()));
+    comm.all_gather<int64_t>(std::span(&mine, 1), all);
+    for (const int64_t x : all) ok_ = ok_ && x == 1;
+  }
+  ~NoFileGrowthOnRank0() {
+    if (rank0_) setrlimit(RLIMIT_FSIZE, &saved_);
+    if (handler_ != SIG_ERR) std::signal(SIGXFSZ, handler_);
+  }
+  NoFileGrowthOnRank0(const NoFileGrowthOnRank0&) = delete;
+  NoFileGrowthOnRank0& operator=(const NoFileGrowthOnRank0&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  bool rank0_ = false, ok_ = false;
+  rlimit saved_{};
+  void (*handler_)(int) = SIG_ERR;
+};
+
+// A shared buffer that rank 0 cannot make sends every rank to the message path for good,
+// bitwise what it gives anyway, and every rank's stats say why; the hybrid's outer all-gather
+// reports its own reason as the layer's.
 TEST_F(CpAttentionTest, ABufferThatCannotBeMadeSendsEveryRankToMessagesSayingWhy) {
   const Shape& s = kGroupShapes[0];
   const DType t = DType::f32;
   const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t)};
   const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 15);
   const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+  const auto expect_reason = [&](const std::string& why) {
+    EXPECT_NE(why.find("rank 0 could not map the buffer"), std::string::npos) << why;
+    if (comm.rank() == 0) {
+      EXPECT_NE(why.find("posix_fallocate"), std::string::npos) << why;
+    }
+  };
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
                           .dtype = t, .options = o, .overlap = false});
   ASSERT_TRUE(attn.stats().shared_memory_off.empty());
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG, not the signal's default end
-  if (comm.rank() == 0) {
-    const rlimit none{0, saved.rlim_max};
-    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &none), 0);
+  Outputs first;
+  {
+    const NoFileGrowthOnRank0 limit(comm);
+    ASSERT_TRUE(limit.ok());
+    first = run_on(attn, comm, b, p, s, t);
   }
-  const Outputs first = run_on(attn, comm, b, p, s, t);
-  if (comm.rank() == 0) {
-    EXPECT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
-  }
-  std::signal(SIGXFSZ, old_handler);
-  const std::string& why = attn.stats().shared_memory_off;
-  EXPECT_NE(why.find("rank 0 could not map the buffer"), std::string::npos) << why;
-  if (comm.rank() == 0) {
-    EXPECT_NE(why.find("posix_fallocate"), std::string::npos) << why;
-  }
+  const std::string why = attn.stats().shared_memory_off;  // a copy: reset_stats must keep it
+  expect_reason(why);
   EXPECT_EQ(first.stats.shared_forwards + first.stats.shared_backwards, 0);
   const Outputs plain = run(comm, b, p, s, t, o, CpSplit::padded, Path::plain);
   expect_bitwise_equal(first, plain);
@@ -416,8 +446,20 @@ TEST_F(CpAttentionTest, ABufferThatCannotBeMadeSendsEveryRankToMessagesSayingWhy
   const Outputs second = run_on(attn, comm, b, p, s, t);
   EXPECT_EQ(second.stats.shared_forwards, 0);
   EXPECT_EQ(second.calls, plain.calls);
-  EXPECT_EQ(attn.stats().shared_memory_off, why);
+  EXPECT_EQ(second.stats.shared_memory_off, why);
   expect_bitwise_equal(second, plain);
+
+  // The hybrid with all-to-all groups of one rank: its outer all-gather spans every rank.
+  CpAttention hybrid(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                            .dtype = t, .options = o, .scheme = CpScheme::hybrid, .cp_inner = 1});
+  Outputs h;
+  {
+    const NoFileGrowthOnRank0 limit(comm);
+    ASSERT_TRUE(limit.ok());
+    h = run_on(hybrid, comm, b, p, s, t);
+  }
+  EXPECT_EQ(h.stats.shared_forwards + h.stats.shared_backwards, 0);
+  expect_reason(h.stats.shared_memory_off);
 }
 
 // Ranks that disagree on overlap, or on shared_memory, fail every rank, naming the field,

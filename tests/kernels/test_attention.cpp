@@ -1631,6 +1631,7 @@ TEST(kernel_amx_tiles, ProductsMatchFloat64OnFullAndPartialTiles) {
 // past k are NaN), operands at strides wider than their shapes. Inputs include large and small magnitudes, so that
 // another order of the pair sums or of the k steps would change some bits.
 TEST(kernel_amx_tiles, AStepByStepJobIsBitwiseTheProductInOneGo) {
+  if (!kernel_path_supported(KernelPath::amx_emulated)) GTEST_SKIP() << "amx_emulated needs AVX2, FMA and F16C";
   for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
     if (!kernel_path_supported(path)) continue;  // amx: see InstructionsFollowTheDocumentedSemantics
     const kernels::KernelTable* t = kernels::path_table(path);

@@ -203,7 +203,7 @@ Local prepare(const RunArgs& a, Communicator& comm) {
 struct Measured {
   check::Results got;
   std::vector<RankFigures> ranks;
-  std::string shared_memory_off;  // CpStats::shared_memory_off (this rank's)
+  std::string shared_memory_off;  // this rank's CpStats::shared_memory_off (rank 0's is reported)
 };
 Measured measure(Communicator& comm, const RunArgs& a, const Local& l, CpAttention& attn) {
   const check::Batch& b = l.b;
