@@ -33,6 +33,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -139,6 +140,21 @@ struct AttnShape {
 
 // What forward and backward share: the inputs, which keys each query sees, and the options.
 // All views have one storage dtype.
+// K/V packed once for several callers that map one buffer (CpAttention's ranks over a node's
+// shared memory, docs/cp.md "Shared memory"): every caller's call has the same k, v, key_rows
+// and shapes; each packs the share `part` of `parts` of the packed K/V operands into `buffer`,
+// calls `sync` (which returns once every caller has packed its share: a barrier) and then
+// reads all of them. Paths whose bf16 products run on AMX tiles (amx, amx_emulated) pack so;
+// the others pack their own operands as without it, and call `sync` at the same point.
+struct KvPackShare {
+  std::byte* buffer = nullptr;  // 64-byte aligned, at least attention_kv_pack_bytes(...)
+  std::size_t bytes = 0;
+  int part = 0, parts = 1;
+  std::function<void()> sync;
+};
+// The bytes of KvPackShare::buffer for K/V of total_k rows (forward and backward alike).
+std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v);
+
 struct AttnInputs {
   ConstTensorView q = {};  // [total_q, num_heads_q, head_dim_qk]
   ConstTensorView k = {};  // [total_k, num_heads_k, head_dim_qk]
@@ -151,6 +167,8 @@ struct AttnInputs {
   // as one run: CpAttention reads the all-gather's rank-major buffer in document order through
   // it, where it copied the rows into that order before (docs/cp.md).
   const int64_t* key_rows = nullptr;
+  // Optional: K/V packed together with other callers (KvPackShare). Null: this call packs alone.
+  const KvPackShare* kv_pack_share = nullptr;
 
   // The stored row of key row r: key_rows[r], or r without a map.
   constexpr int64_t stored_key_row(int64_t r) const { return key_rows ? key_rows[r] : r; }

@@ -428,6 +428,9 @@ struct CpAttention::State {
   static constexpr std::size_t kKvPool = 256, kFlagsPerField = 63;
   std::vector<std::shared_ptr<NodeBuffer>> kv_pool;
   std::unique_ptr<NodeBuffer> dkv_shared;
+  // The K/V packed for the kernels once per node (KvPackShare: each rank packs its share of
+  // the units), read by every rank's call; rewritten by every shared call.
+  std::unique_ptr<NodeBuffer> pack_shared;
   bool shm_off = false;
   std::vector<float> sum_rows;  // a few rows' dK or dV sums on their way out
   // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
@@ -461,11 +464,33 @@ struct CpAttention::State {
     const auto mix = [&](std::size_t v) { h = (h ^ v) * 1099511628211ull; };
     for (const auto& b : kv_pool) mix(b ? b->size() : 0);
     mix(dkv_shared ? dkv_shared->size() : 0);
+    mix(pack_shared ? pack_shared->size() : 0);
     return h;
   }
   // Bytes of the shared buffers for a plan: one context's gathered K/V, every rank's partials.
   std::size_t kv_shared_bytes(const RankPlan& p) const {
     return static_cast<std::size_t>(p.layout.rank_begin.back() * (k_row() + v_row())) * dtype_size(cfg.dtype);
+  }
+  std::size_t pack_shared_bytes(const RankPlan& p) const {
+    return attention_kv_pack_bytes(p.layout.rank_begin.back(), cfg.num_heads_k, cfg.head_dim_qk, cfg.head_dim_v);
+  }
+  // A shared call's kernel inputs with the K/V packed once per node: this rank packs its share,
+  // then a barrier (its wait counted in comm_s and `part`; returned in `waited` so that the
+  // caller can take it out of the call's compute time).
+  struct PackShare {
+    KvPackShare share;
+    double waited = 0;
+  };
+  void make_pack_share(PackShare& ps, double& part) {
+    ps.share = {.buffer = pack_shared->data(),
+                .bytes = pack_shared->size(),
+                .part = comm.rank(),
+                .parts = comm.size(),
+                .sync = [this, &ps, &part] {
+                  const double c0 = stats.comm_s;
+                  shared_barrier(part);
+                  ps.waited += stats.comm_s - c0;
+                }};
   }
   std::size_t dkv_shared_bytes(const RankPlan& p) const {
     return static_cast<std::size_t>(comm.size() * p.layout.rank_begin.back() * (k_row() + v_row())) * sizeof(float);
@@ -485,6 +510,7 @@ struct CpAttention::State {
       stats.shared_memory_off = why.empty() ? "the shared buffer could not be made" : why;
       kv_pool.clear();
       dkv_shared.reset();
+      pack_shared.reset();
     }
     return !shm_off;
   }
@@ -500,6 +526,7 @@ struct CpAttention::State {
       kv_pool.emplace_back();
     }
     if (!ensure_shared(kv_pool[i], kv_shared_bytes(plan))) return nullptr;
+    if (!ensure_shared(pack_shared, pack_shared_bytes(plan))) return nullptr;
     return kv_pool[i];
   }
   // This rank's writes, then every peer's: a barrier between two fences, its time counted as
@@ -752,8 +779,12 @@ struct CpAttention::State {
 
     t0 = Clock::now();
     note_peak(ctx.bytes());
-    attention_forward({.in = inputs(a.q, ctx), .out = a.out, .lse = ctx.lse.data()});
-    stats.compute_s += seconds_since(t0);
+    PackShare ps;
+    make_pack_share(ps, stats.first_kv_s);
+    AttnInputs in = inputs(a.q, ctx);
+    in.kv_pack_share = &ps.share;
+    attention_forward({.in = in, .out = a.out, .lse = ctx.lse.data()});
+    stats.compute_s += seconds_since(t0) - ps.waited;
     ++stats.shared_forwards;
   }
 
@@ -769,7 +800,11 @@ struct CpAttention::State {
     auto t0 = Clock::now();
     float* const dkp = slot(comm.rank());
     float* const dvp = dkp + t_all * kr;
-    attention_backward({.in = inputs(a.q, cs),
+    PackShare ps;
+    make_pack_share(ps, stats.dkv_s);
+    AttnInputs in = inputs(a.q, cs);
+    in.kv_pack_share = &ps.share;
+    attention_backward({.in = in,
                         .out = a.out,
                         .lse = cs.lse.data(),
                         .dout = a.dout,
@@ -778,7 +813,7 @@ struct CpAttention::State {
                         .dv = contiguous(dvp, t_all, cfg.num_heads_k, cfg.head_dim_v),
                         .grad_mode = GradMode::write});
     zero_padding_rows(a.dq, plan);
-    stats.compute_s += seconds_since(t0);
+    stats.compute_s += seconds_since(t0) - ps.waited;
 
     shared_barrier(stats.dkv_s);
 
@@ -1007,6 +1042,9 @@ struct CpAttention::State {
     for (const auto& b : kv_pool)
       if (b && !(reusable && held(b))) bytes += b->size();  // every rank's K/V rows, read by this rank
     if (dkv_shared) bytes += dkv_shared->size() / static_cast<std::size_t>(comm.size());  // its own slot
+    // Its own share (the kernels' packed K/V, which a kernel call without it allocates as
+    // scratch, attention_backward_scratch_bytes, once per rank)
+    if (pack_shared) bytes += pack_shared->size() / static_cast<std::size_t>(comm.size());
     return bytes;
   }
 
@@ -1384,7 +1422,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     ctx.s_.reset();
     return;
   }
-  if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes(*cs->plan))) {
+  if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes(*cs->plan)) &&
+      s.ensure_shared(s.pack_shared, s.pack_shared_bytes(*cs->plan))) {
     s.shared_backward(a, *cs);
     count_bytes();
     s.note_peak();

@@ -296,6 +296,16 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
                                    kernels::dropout_threshold(p));
 }
 
+std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v) {
+  // pack_kv_tiles' pair buffers (kernel_impl.hpp): K^T, then V (forward) or K and V^T
+  // (backward), each [Hkv][key rows rounded up to BK][dims padded] 16-bit elements.
+  const auto rows = static_cast<std::size_t>((std::max<int64_t>(total_k, 0) + kernels::BK - 1) / kernels::BK) *
+                    kernels::BK * static_cast<std::size_t>(std::max(num_heads_k, 0));
+  const auto dp = static_cast<std::size_t>(kernels::pad_up(head_dim_qk)),
+             dvp = static_cast<std::size_t>(kernels::pad_up(head_dim_v));
+  return rows * (2 * dp + dvp) * sizeof(uint16_t);
+}
+
 void attention_forward(const AttnFwdParams& p) {
   kernels::validate(p);
   kernel_table(p.in.options.path, p.in.dtype()).forward(p);

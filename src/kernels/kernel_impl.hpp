@@ -1149,7 +1149,21 @@ struct Packed {
   // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
   // leaves the float buffers empty): the same ones in bf16 pairs of rows (pair_panel_rows),
   // each half the length its float buffer has; empty on the fp32-product paths.
-  raw_uvec kt2, kr2, vr2, vt2;
+  // A pair buffer: its own storage, or `ext` (KvPackShare's buffer) when set before resize.
+  struct Pairs {
+    raw_uvec own;
+    uint32_t* ext = nullptr;
+    size_t n = 0;
+    void resize(size_t m) {
+      n = m;
+      if (!ext) own.resize(m);
+    }
+    uint32_t* data() { return ext ? ext : own.data(); }
+    const uint32_t* data() const { return ext ? ext : own.data(); }
+    size_t size() const { return n; }
+    bool empty() const { return n == 0; }
+  };
+  Pairs kt2, kr2, vr2, vt2;
   // The pairs of a B operand that starts at B in one of the float buffers at an even k (every
   // panel's row count is even), or null when there are none.
   const uint32_t* paired(const float* B) const {
@@ -1349,7 +1363,9 @@ inline void transpose_rows32(const uint16_t* src, int64_t ld, int rows, int dims
 }
 
 #endif
-// pack_kv's operands (K^T and V, or with `backward` K^T, K and V^T) in bf16 pairs alone.
+// pack_kv's operands (K^T and V, or with `backward` K^T, K and V^T) in bf16 pairs alone. With
+// in.kv_pack_share: in its buffer (K^T first, then V, or K then V^T), this call's share of the
+// (kv head, block) units alone; the caller syncs before any read.
 void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
@@ -1361,6 +1377,18 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   pk.dvp = pad_up(V.dim);
   const int dp = pk.dp, dvp = pk.dvp;
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
+  const KvPackShare* share = in.kv_pack_share;
+  if (share) {  // attention_kv_pack_bytes: nb * (2 dp + dvp) 16-bit elements
+    auto* w = reinterpret_cast<uint32_t*>(share->buffer);
+    pk.kt2.ext = w;
+    w += nb * dp / 2;
+    if (backward) {
+      pk.kr2.ext = w;
+      pk.vt2.ext = w + nb * dp / 2;
+    } else {
+      pk.vr2.ext = w;
+    }
+  }
   pk.kt2.resize(nb * dp / 2);
   pk.vr2.resize(backward ? 0 : nb * dvp / 2);
   pk.kr2.resize(backward ? nb * dp / 2 : 0);
@@ -1368,7 +1396,11 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   const int64_t ps2 = pk.vr_ps() / 2;  // words per panel of K's and V's row pairs
   const auto* kd = static_cast<const uint16_t*>(K.data);
   const auto* vd = static_cast<const uint16_t*>(V.data);
-  parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
+  const int64_t units = K.heads * pk.nblk;
+  const int64_t u0 = share ? units * share->part / share->parts : 0;
+  const int64_t u1 = share ? units * (share->part + 1) / share->parts : units;
+  parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int) {
+    const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
     // Key row r of K or V for this kv head (stored row in.key_rows[r] if given), null past total_k.
@@ -1587,6 +1619,8 @@ void forward_impl(const AttnFwdParams& p) {
     pack_kv_tiles(in, false, pk);
   else
     pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk);
+  // Every caller's share packed (tiles); on the other paths a barrier the callers keep alike.
+  if (in.kv_pack_share) in.kv_pack_share->sync();
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32;
   // Sub-block rows: FSB for the vector products, two 16-row tiles for the tiles.
@@ -2017,6 +2051,7 @@ void backward_impl(const AttnBwdParams& p) {
     pack_kv_tiles(in, true, pk);
   else
     pack_kv(in, true, cr.bd == Dot::bf16_pairs, pk);
+  if (in.kv_pack_share) in.kv_pack_share->sync();
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
   const int bqb = t16 ? BQB_TILES : BQB;  // query rows per step

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -154,6 +155,16 @@ void check_inputs(const char* fn, const AttnInputs& in) {
                    s.total_k, "), row ", to, " appears twice (again at key_rows[", r, "])");
       seen[static_cast<size_t>(to)] = 1;
     }
+  }
+  if (const KvPackShare* sh = in.kv_pack_share) {
+    const std::size_t need = attention_kv_pack_bytes(s.total_k, s.num_heads_k, s.head_dim_qk, s.head_dim_v);
+    CPATTN_CHECK(sh->buffer != nullptr && reinterpret_cast<std::uintptr_t>(sh->buffer) % 64 == 0, fn,
+                 ": kv_pack_share.buffer must be 64-byte aligned and not null");
+    CPATTN_CHECK(sh->bytes >= need, fn, ": kv_pack_share.bytes = ", sh->bytes,
+                 " is less than attention_kv_pack_bytes = ", need);
+    CPATTN_CHECK(sh->parts >= 1 && sh->part >= 0 && sh->part < sh->parts, fn, ": kv_pack_share.part = ", sh->part,
+                 " must be in [0, parts = ", sh->parts, ")");
+    CPATTN_CHECK(static_cast<bool>(sh->sync), fn, ": kv_pack_share.sync must be set");
   }
 }
 

@@ -130,6 +130,37 @@ TEST(CpOverlapGroups, LargestDivisorOfTheKvHeadsUpToFour) {
   EXPECT_EQ(groups(4, 2, true, KvMode::runs, CpScheme::ring), 1);
 }
 
+// With shared memory the ranks pack the kernels' K/V once per node, each its share of the
+// (KV head, key block) units (AttnInputs::kv_pack_share): on the tile paths (amx_emulated on
+// every CPU with AVX2, amx where the CPU has it) that is bitwise what each rank packing alone
+// gives, for both splits, bf16 and fp16, every mask, and matches a single process.
+TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
+  int ran = 0;
+  for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
+    if (!kernel_path_supported(path)) continue;
+    for (const Shape& s : kGroupShapes)
+      for (const DType t : {DType::bf16, DType::f16})
+        for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free})
+          for (const MaskCase& m : kMasks) {
+            SCOPED_TRACE(::testing::Message() << to_string(path) << " " << s.name << " dtype " << to_string(t)
+                                              << " split " << to_string(split) << " mask " << m.name << " cp "
+                                              << comm.size());
+            const AttnOptions o{.mask = m.mask, .path = path, .window_size_left = m.left,
+                                .window_size_right = m.right};
+            const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 21);
+            const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
+                                                                 PlanOptions{.split = split});
+            const Outputs shm = run(comm, b, p, s, t, o, split, Path::shared);
+            EXPECT_EQ(shm.stats.shared_forwards, 1);
+            EXPECT_EQ(shm.stats.shared_backwards, 1);
+            expect_bitwise_equal(shm, run(comm, b, p, s, t, o, split, Path::plain));
+            if (m.mask == MaskType::causal && m.left < 0) expect_matches_single_process(comm, b, p, s, t, o, shm);
+            ++ran;
+          }
+  }
+  if (ran == 0) GTEST_SKIP() << "no tile path on this CPU (amx_emulated needs AVX2, FMA and F16C)";
+}
+
 TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
   for (const Shape& s : kGroupShapes)
     for (const DType t : {DType::f32, DType::f16, DType::bf16})
@@ -148,13 +179,14 @@ TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
           SCOPED_TRACE("shared memory");
           expect_bitwise_equal(shm, off);
         }
-        // Shared memory ran (this test's ranks share a host): the agreements and one barrier
-        // per call, and the two buffers' creation (an all-gather of the host names, a
+        // Shared memory ran (this test's ranks share a host): the agreements, two barriers
+        // per call (the K/V packed once per node, then the rows or the partials), and the
+        // three buffers' creation (K/V, packed K/V, dK/dV: an all-gather of the host names, a
         // broadcast of where to find the file, an all-gather of who could map it, each), no
         // payload message.
         EXPECT_EQ(shm.stats.shared_forwards, 1);
         EXPECT_EQ(shm.stats.shared_backwards, 1);
-        EXPECT_EQ(shm.calls, 2 + 2 + 2 * 3);
+        EXPECT_EQ(shm.calls, 2 + 2 * 2 + 3 * 3);
         EXPECT_LE(shm.stats.peak_buffer_bytes, shm.estimate);
         // The overlapped path ran: per group and peer, a send and a receive of K, V, dK, dV
         // (8 calls) beside the two agreements, where the other makes 2 + 2 + 2 collectives.
@@ -340,7 +372,7 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   if (comm.rank() != 0) first = CpContext{};  // dropped
   int64_t calls = comm.calls();
   CpContext second = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 5);  // the agreement, a new buffer's 3 collectives, the barrier
+  EXPECT_EQ(comm.calls() - calls, 6);  // the agreement, a new buffer's 3 collectives, 2 barriers
   EXPECT_EQ(attn.stats().shared_forwards, 2);
   EXPECT_EQ(b.out, out1);
   attn.backward(second, b.bwd());
@@ -349,7 +381,7 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   first = CpContext{};  // rank 0 lets go too
   calls = comm.calls();
   CpContext third = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 2);  // the agreement and the barrier: no buffer made
+  EXPECT_EQ(comm.calls() - calls, 3);  // the agreement and 2 barriers: no buffer made
   EXPECT_EQ(attn.stats().shared_forwards, 3);
   EXPECT_EQ(b.out, out1);
   attn.backward(third, b.bwd());
@@ -368,7 +400,8 @@ TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
                           .dtype = t, .options = o});
   int64_t n = 0;
-  const int64_t calls[] = {10, 10, 4};  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making
+  // made, made again larger, kept: 2 x (agreement, 2 barriers) + 3 x 3 per making
+  const int64_t calls[] = {15, 15, 6};
   for (const check::Batch* b : {&small, &big, &small}) {
     SCOPED_TRACE(::testing::Message() << b->tokens() << " tokens, cp " << comm.size());
     const RankPlan p = get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank());
