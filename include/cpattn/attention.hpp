@@ -144,8 +144,9 @@ struct AttnShape {
 // shared memory, docs/cp.md "Shared memory"): every caller's call has the same k, v, key_rows
 // and shapes; each packs the share `part` of `parts` of the packed K/V operands into `buffer`,
 // calls `sync` (which returns once every caller has packed its share: a barrier) and then
-// reads all of them. Paths whose bf16 products run on AMX tiles (amx, amx_emulated) pack so;
-// the others pack their own operands as without it, and call `sync` at the same point.
+// reads all of them. bf16 storage on the tile paths (amx, amx_emulated) packs so
+// (attention_shares_kv_pack); the others pack their own operands as without it, and call
+// `sync` at the same point. Every caller must run the same kernel path.
 struct KvPackShare {
   std::byte* buffer = nullptr;  // 64-byte aligned, at least attention_kv_pack_bytes(...)
   std::size_t bytes = 0;
@@ -154,6 +155,11 @@ struct KvPackShare {
 };
 // The bytes of KvPackShare::buffer for K/V of total_k rows (forward and backward alike).
 std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v);
+// Whether a call with options.path = `path` and `dtype` storage packs a KvPackShare (bf16 on
+// the tile paths) rather than alone; false also when `path` does not resolve (a bad
+// CPATTN_KERNEL_PATH, which the call itself reports). Callers that share must all see true,
+// on the same kernel path.
+bool attention_shares_kv_pack(KernelPath path, DType dtype);
 
 struct AttnInputs {
   ConstTensorView q = {};  // [total_q, num_heads_q, head_dim_qk]

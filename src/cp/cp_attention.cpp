@@ -431,6 +431,9 @@ struct CpAttention::State {
   // The K/V packed for the kernels once per node (KvPackShare: each rank packs its share of
   // the units), read by every rank's call; rewritten by every shared call.
   std::unique_ptr<NodeBuffer> pack_shared;
+  // Whether this call's shared forward or backward packs the kernels' K/V with its peers
+  // (attention_shares_kv_pack, once shared memory has been made on this host): agreed.
+  bool share_pack = false;
   bool shm_off = false;
   std::vector<float> sum_rows;  // a few rows' dK or dV sums on their way out
   // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
@@ -478,6 +481,9 @@ struct CpAttention::State {
   // then a barrier (its wait counted in comm_s and `part`; returned in `waited` so that the
   // caller can take it out of the call's compute time).
   struct PackShare {
+    PackShare() = default;
+    PackShare(const PackShare&) = delete;  // share.sync refers to this object
+    PackShare& operator=(const PackShare&) = delete;
     KvPackShare share;
     double waited = 0;
   };
@@ -526,7 +532,7 @@ struct CpAttention::State {
       kv_pool.emplace_back();
     }
     if (!ensure_shared(kv_pool[i], kv_shared_bytes(plan))) return nullptr;
-    if (!ensure_shared(pack_shared, pack_shared_bytes(plan))) return nullptr;
+    if (share_pack && !ensure_shared(pack_shared, pack_shared_bytes(plan))) return nullptr;
     return kv_pool[i];
   }
   // This rank's writes, then every peer's: a barrier between two fences, its time counted as
@@ -780,9 +786,12 @@ struct CpAttention::State {
     t0 = Clock::now();
     note_peak(ctx.bytes());
     PackShare ps;
-    make_pack_share(ps, stats.first_kv_s);
     AttnInputs in = inputs(a.q, ctx);
-    in.kv_pack_share = &ps.share;
+    if (share_pack) {
+      make_pack_share(ps, stats.first_kv_s);
+      in.kv_pack_share = &ps.share;
+      ++stats.shared_packs;
+    }
     attention_forward({.in = in, .out = a.out, .lse = ctx.lse.data()});
     stats.compute_s += seconds_since(t0) - ps.waited;
     ++stats.shared_forwards;
@@ -801,9 +810,12 @@ struct CpAttention::State {
     float* const dkp = slot(comm.rank());
     float* const dvp = dkp + t_all * kr;
     PackShare ps;
-    make_pack_share(ps, stats.dkv_s);
     AttnInputs in = inputs(a.q, cs);
-    in.kv_pack_share = &ps.share;
+    if (share_pack) {
+      make_pack_share(ps, stats.dkv_s);
+      in.kv_pack_share = &ps.share;
+      ++stats.shared_packs;
+    }
     attention_backward({.in = in,
                         .out = a.out,
                         .lse = cs.lse.data(),
@@ -945,6 +957,7 @@ struct CpAttention::State {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
     const AttnOptions& o = cfg.options;
+    share_pack = shm_enabled() && !kv_pool.empty() && attention_shares_kv_pack(o.path, cfg.dtype);
     // A rank with a local error may have no plan: it sends an empty fingerprint, and the
     // agreement reports the errors before it compares fingerprints.
     Fingerprint fp;
@@ -973,6 +986,9 @@ struct CpAttention::State {
         .add("overlap", cfg.overlap)
         .add("shared_memory", cfg.shared_memory)
         .add("shared memory found unusable", shm_off)
+        // Only once shared memory was made (one host, so one CPU): ranks on several hosts may
+        // run different kernel paths; ranks of one host must agree to pack K/V together.
+        .add("packs K/V with its peers (bf16 on a tile path, shared memory in use)", share_pack)
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))
@@ -1423,7 +1439,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     return;
   }
   if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes(*cs->plan)) &&
-      s.ensure_shared(s.pack_shared, s.pack_shared_bytes(*cs->plan))) {
+      (!s.share_pack || s.ensure_shared(s.pack_shared, s.pack_shared_bytes(*cs->plan)))) {
     s.shared_backward(a, *cs);
     count_bytes();
     s.note_peak();

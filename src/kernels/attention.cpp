@@ -306,6 +306,15 @@ std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_d
   return rows * (2 * dp + dvp) * sizeof(uint16_t);
 }
 
+bool attention_shares_kv_pack(KernelPath path, DType dtype) {
+  if (dtype != DType::bf16) return false;  // fp16 tiles pack through pack_kv (kernel_impl.hpp)
+  try {
+    return kernel_table(path, dtype).tile_dot != nullptr;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 void attention_forward(const AttnFwdParams& p) {
   kernels::validate(p);
   kernel_table(p.in.options.path, p.in.dtype()).forward(p);

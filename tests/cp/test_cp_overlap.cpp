@@ -131,14 +131,17 @@ TEST(CpOverlapGroups, LargestDivisorOfTheKvHeadsUpToFour) {
 }
 
 // With shared memory the ranks pack the kernels' K/V once per node, each its share of the
-// (KV head, key block) units (AttnInputs::kv_pack_share): on the tile paths (amx_emulated on
-// every CPU with AVX2, amx where the CPU has it) that is bitwise what each rank packing alone
-// gives, for both splits, bf16 and fp16, every mask, and matches a single process.
+// (KV head, key block) units (AttnInputs::kv_pack_share), from a layer's second shared call on
+// (its first backward): bf16 on the tile paths (amx_emulated on every CPU with AVX2, amx where
+// the CPU has it). That is bitwise what each rank packing alone gives, for both splits, every
+// mask, head dims padded past 32 (MLA 48/40), and matches a single process; fp16 (whose tiles
+// pack through the FMA path's packing) packs alone.
 TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
   int ran = 0;
+  const Shape mla{"mla-48-40", 4, 2, 48, 40};
   for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
     if (!kernel_path_supported(path)) continue;
-    for (const Shape& s : kGroupShapes)
+    for (const Shape& s : {kGroupShapes[0], kGroupShapes[2], mla})
       for (const DType t : {DType::bf16, DType::f16})
         for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free})
           for (const MaskCase& m : kMasks) {
@@ -150,11 +153,16 @@ TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
             const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 21);
             const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
                                                                  PlanOptions{.split = split});
-            const Outputs shm = run(comm, b, p, s, t, o, split, Path::shared);
-            EXPECT_EQ(shm.stats.shared_forwards, 1);
-            EXPECT_EQ(shm.stats.shared_backwards, 1);
-            expect_bitwise_equal(shm, run(comm, b, p, s, t, o, split, Path::plain));
-            if (m.mask == MaskType::causal && m.left < 0) expect_matches_single_process(comm, b, p, s, t, o, shm);
+            CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk,
+                                    .head_dim_v = s.dv, .dtype = t, .options = o, .split = split});
+            const Outputs plain = run(comm, b, p, s, t, o, split, Path::plain);
+            const Outputs first = run_on(attn, comm, b, p, s, t);  // its backward shares already
+            expect_bitwise_equal(first, plain);
+            const Outputs second = run_on(attn, comm, b, p, s, t);
+            expect_bitwise_equal(second, plain);
+            EXPECT_EQ(second.stats.shared_forwards, 2);
+            EXPECT_EQ(second.stats.shared_packs, t == DType::bf16 ? 3 : 0);
+            if (m.mask == MaskType::causal && m.left < 0) expect_matches_single_process(comm, b, p, s, t, o, second);
             ++ran;
           }
   }
@@ -179,14 +187,16 @@ TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
           SCOPED_TRACE("shared memory");
           expect_bitwise_equal(shm, off);
         }
-        // Shared memory ran (this test's ranks share a host): the agreements, two barriers
-        // per call (the K/V packed once per node, then the rows or the partials), and the
-        // three buffers' creation (K/V, packed K/V, dK/dV: an all-gather of the host names, a
+        // Shared memory ran (this test's ranks share a host): the agreements and one barrier
+        // per call, and the two buffers' creation (an all-gather of the host names, a
         // broadcast of where to find the file, an all-gather of who could map it, each), no
-        // payload message.
+        // payload message; where the backward packs K/V with the peers (bf16 on a tile path),
+        // a third buffer for it and one more barrier.
         EXPECT_EQ(shm.stats.shared_forwards, 1);
         EXPECT_EQ(shm.stats.shared_backwards, 1);
-        EXPECT_EQ(shm.calls, 2 + 2 * 2 + 3 * 3);
+        const bool packs = attention_shares_kv_pack(o.path, t);
+        EXPECT_EQ(shm.stats.shared_packs, packs ? 1 : 0);
+        EXPECT_EQ(shm.calls, 2 + 2 + 2 * 3 + (packs ? 3 + 1 : 0));
         EXPECT_LE(shm.stats.peak_buffer_bytes, shm.estimate);
         // The overlapped path ran: per group and peer, a send and a receive of K, V, dK, dV
         // (8 calls) beside the two agreements, where the other makes 2 + 2 + 2 collectives.
@@ -372,7 +382,7 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   if (comm.rank() != 0) first = CpContext{};  // dropped
   int64_t calls = comm.calls();
   CpContext second = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 6);  // the agreement, a new buffer's 3 collectives, 2 barriers
+  EXPECT_EQ(comm.calls() - calls, 5);  // the agreement, a new buffer's 3 collectives, the barrier
   EXPECT_EQ(attn.stats().shared_forwards, 2);
   EXPECT_EQ(b.out, out1);
   attn.backward(second, b.bwd());
@@ -381,7 +391,7 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   first = CpContext{};  // rank 0 lets go too
   calls = comm.calls();
   CpContext third = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 3);  // the agreement and 2 barriers: no buffer made
+  EXPECT_EQ(comm.calls() - calls, 2);  // the agreement and the barrier: no buffer made
   EXPECT_EQ(attn.stats().shared_forwards, 3);
   EXPECT_EQ(b.out, out1);
   attn.backward(third, b.bwd());
@@ -400,8 +410,7 @@ TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
                           .dtype = t, .options = o});
   int64_t n = 0;
-  // made, made again larger, kept: 2 x (agreement, 2 barriers) + 3 x 3 per making
-  const int64_t calls[] = {15, 15, 6};
+  const int64_t calls[] = {10, 10, 4};  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making
   for (const check::Batch* b : {&small, &big, &small}) {
     SCOPED_TRACE(::testing::Message() << b->tokens() << " tokens, cp " << comm.size());
     const RankPlan p = get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank());
