@@ -133,18 +133,20 @@ TEST(CpOverlapGroups, LargestDivisorOfTheKvHeadsUpToFour) {
 // With shared memory the ranks pack the kernels' K/V once per node, each its share of the
 // (KV head, key block) units (AttnInputs::kv_pack_share), from a layer's second shared call on
 // (its first backward): bf16 on the tile paths (amx_emulated on every CPU with AVX2, amx where
-// the CPU has it). That is bitwise what each rank packing alone gives, for both splits, every
-// mask, head dims padded past 32 (MLA 48/40), and matches a single process; fp16 (whose tiles
-// pack through the FMA path's packing) packs alone.
+// the CPU has it). That is bitwise what each rank packing alone gives, for both splits, the
+// causal mask with and without a window, head dims padded past 32 (MLA 48/40), and matches a
+// single process; fp16 (whose tiles pack through the FMA path's packing) packs alone.
 TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
   int ran = 0;
   const Shape mla{"mla-48-40", 4, 2, 48, 40};
   for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
     if (!kernel_path_supported(path)) continue;
-    for (const Shape& s : {kGroupShapes[0], kGroupShapes[2], mla})
+    for (const Shape& s : {kGroupShapes[0], mla})
       for (const DType t : {DType::bf16, DType::f16})
         for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free})
-          for (const MaskCase& m : kMasks) {
+          for (const MaskCase& m : {kMasks[0], kMasks[2]}) {
+            // fp16 packs alone: one case shows it (the emulated tiles are slow under sanitizers)
+            if (t == DType::f16 && (split != CpSplit::padded || m.left >= 0 || s.dqk != kGroupShapes[0].dqk)) continue;
             SCOPED_TRACE(::testing::Message() << to_string(path) << " " << s.name << " dtype " << to_string(t)
                                               << " split " << to_string(split) << " mask " << m.name << " cp "
                                               << comm.size());
