@@ -487,7 +487,11 @@ struct CpAttention::State {
     KvPackShare share;
     double waited = 0;
   };
-  void make_pack_share(PackShare& ps, double& part) {
+  // When this call shares its packing (share_pack): `in` packs through `ps`, counted.
+  void attach_pack_share(PackShare& ps, AttnInputs& in, double& part) {
+    if (!share_pack) return;
+    in.kv_pack_share = &ps.share;
+    ++stats.shared_packs;
     ps.share = {.buffer = pack_shared->data(),
                 .bytes = pack_shared->size(),
                 .part = comm.rank(),
@@ -787,11 +791,7 @@ struct CpAttention::State {
     note_peak(ctx.bytes());
     PackShare ps;
     AttnInputs in = inputs(a.q, ctx);
-    if (share_pack) {
-      make_pack_share(ps, stats.first_kv_s);
-      in.kv_pack_share = &ps.share;
-      ++stats.shared_packs;
-    }
+    attach_pack_share(ps, in, stats.first_kv_s);
     attention_forward({.in = in, .out = a.out, .lse = ctx.lse.data()});
     stats.compute_s += seconds_since(t0) - ps.waited;
     ++stats.shared_forwards;
@@ -811,11 +811,7 @@ struct CpAttention::State {
     float* const dvp = dkp + t_all * kr;
     PackShare ps;
     AttnInputs in = inputs(a.q, cs);
-    if (share_pack) {
-      make_pack_share(ps, stats.dkv_s);
-      in.kv_pack_share = &ps.share;
-      ++stats.shared_packs;
-    }
+    attach_pack_share(ps, in, stats.dkv_s);
     attention_backward({.in = in,
                         .out = a.out,
                         .lse = cs.lse.data(),
