@@ -299,11 +299,19 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
 std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v) {
   // pack_kv_tiles' pair buffers (kernel_impl.hpp): K^T, then V (forward) or K and V^T
   // (backward), each [Hkv][key rows rounded up to BK][dims padded] 16-bit elements.
-  const auto rows = static_cast<std::size_t>((std::max<int64_t>(total_k, 0) + kernels::BK - 1) / kernels::BK) *
-                    kernels::BK * static_cast<std::size_t>(std::max(num_heads_k, 0));
-  const auto dp = static_cast<std::size_t>(kernels::pad_up(head_dim_qk)),
-             dvp = static_cast<std::size_t>(kernels::pad_up(head_dim_v));
-  return rows * (2 * dp + dvp) * sizeof(uint16_t);
+  CPATTN_CHECK(total_k >= 0 && num_heads_k >= 0 && head_dim_qk >= 0 && head_dim_v >= 0,
+               "attention_kv_pack_bytes: total_k, num_heads_k, head_dim_qk and head_dim_v must be >= 0, got ", total_k,
+               ", ", num_heads_k, ", ", head_dim_qk, ", ", head_dim_v);
+  const auto blocks = static_cast<std::size_t>(total_k / kernels::BK + (total_k % kernels::BK != 0));
+  const auto pad = [](int d) { return (static_cast<std::size_t>(d) + kernels::PAD - 1) / kernels::PAD * kernels::PAD; };
+  const std::size_t row_elems = 2 * pad(head_dim_qk) + pad(head_dim_v);  // (each < 2^32: no wrap)
+  std::size_t bytes = 0;
+  const bool wraps = __builtin_mul_overflow(blocks, std::size_t{kernels::BK} * sizeof(uint16_t), &bytes) ||
+                     __builtin_mul_overflow(bytes, static_cast<std::size_t>(num_heads_k), &bytes) ||
+                     __builtin_mul_overflow(bytes, row_elems, &bytes);
+  CPATTN_CHECK(!wraps, "attention_kv_pack_bytes: total_k = ", total_k, " keys of ", num_heads_k, " KV heads (head dims ",
+               head_dim_qk, ", ", head_dim_v, ") need more bytes than size_t holds");
+  return bytes;
 }
 
 bool attention_shares_kv_pack(KernelPath path, DType dtype) {

@@ -1161,6 +1161,7 @@ struct Packed {
     uint32_t* data() { return ext ? ext : own.data(); }
     const uint32_t* data() const { return ext ? ext : own.data(); }
     size_t size() const { return n; }
+    size_t owned() const { return ext ? 0 : n; }  // 4-byte words this call allocated
     bool empty() const { return n == 0; }
   };
   Pairs kt2, kr2, vr2, vt2;
@@ -2082,7 +2083,7 @@ void backward_impl(const AttnBwdParams& p) {
   for (int i = 0; i < nthr; ++i) scr.emplace_back(per, max_q, dp, dvp, t16);
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
-                  pk.kt2.size() + pk.kr2.size() + pk.vr2.size() + pk.vt2.size();
+                  pk.kt2.owned() + pk.kr2.owned() + pk.vr2.owned() + pk.vt2.owned();  // (not a KvPackShare's)
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
     // the tiles' final sum: a block per thread of its own loop (rows leave through a 16 x 16
     // tile on the stack)

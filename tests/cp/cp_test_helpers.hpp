@@ -40,6 +40,16 @@ const std::vector<int64_t> kLengths{37, 100, 1, 64, 23, 9};
 constexpr uint64_t kSeed = 1;  // the batch of every single-process comparison
 
 // Asserts the pass rule of check/tolerance.hpp; the message names the tensor and its worst row.
+// One rank's rows of a batch (plan p), and buffers for its outputs and gradients.
+struct LocalRows {
+  check::Tensor q, k, v, dout, out, dq, dk, dv;
+  std::vector<float> lse;
+  LocalRows(const check::Batch& b, const RankPlan& p, const Shape& s, DType t)
+      : q(check::local_rows(b.q, p)), k(check::local_rows(b.k, p)), v(check::local_rows(b.v, p)),
+        dout(check::local_rows(b.dout, p)), out(t, {p.local_tokens, s.hq, s.dv}), dq(t, q.shape), dk(t, k.shape),
+        dv(t, v.shape), lse(static_cast<std::size_t>(p.local_tokens * s.hq)) {}
+};
+
 void expect_pass(const check::TensorReport& r) { EXPECT_TRUE(r.pass) << r.describe(); }
 
 // Every padding row of a rank's output exactly zero, of its lse exactly -inf.
@@ -84,10 +94,8 @@ struct Masks {
                           .head_dim_v = s.dv, .dtype = t, .options = options, .kv_mode = mode,
                           .scheme = scheme});
   const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
-  const check::Tensor q = check::local_rows(b.q, p), k = check::local_rows(b.k, p), v = check::local_rows(b.v, p),
-                      dout = check::local_rows(b.dout, p);
-  check::Tensor out(t, {p.local_tokens, s.hq, s.dv}), dq(t, q.shape), dk(t, k.shape), dv(t, v.shape);
-  std::vector<float> lse(static_cast<std::size_t>(p.local_tokens * s.hq));
+  LocalRows rows(b, p, s, t);
+  auto& [q, k, v, dout, out, dq, dk, dv, lse] = rows;
   CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
                                 .out = out.view(), .lse = lse.data()});
   attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),

@@ -171,6 +171,39 @@ TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
   if (ran == 0) GTEST_SKIP() << "no tile path on this CPU (amx_emulated needs AVX2, FMA and F16C)";
 }
 
+// Ranks of one host whose kernels would not pack K/V alike (rank 0 on a tile path, which packs
+// with its peers, the others on avx2, which packs alone): the first forward packs alone on
+// every rank (shared memory is not made yet), and from its backward on the agreement fails on
+// every rank alike, naming the field, before any rank packs or waits in the pack's barrier.
+TEST_F(CpAttentionTest, RanksOfOneHostOnPathsThatPackApartFailAtTheAgreement) {
+  if (!kernel_path_supported(KernelPath::amx_emulated) || !kernel_path_supported(KernelPath::avx2))
+    GTEST_SKIP() << "needs the amx_emulated and avx2 paths (AVX2, FMA and F16C)";
+  const Shape& s = kGroupShapes[0];
+  const DType t = DType::bf16;
+  const AttnOptions o{.path = comm.rank() == 0 ? KernelPath::amx_emulated : KernelPath::avx2};
+  ASSERT_NE(attention_shares_kv_pack(KernelPath::amx_emulated, t), attention_shares_kv_pack(KernelPath::avx2, t));
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 23);
+  const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                          .dtype = t, .options = o, .shared_memory = true});
+  LocalRows rows(b, p, s, t);
+  auto& [q, k, v, dout, out, dq, dk, dv, lse] = rows;
+  CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                                .out = out.view(), .lse = lse.data()});
+  EXPECT_EQ(attn.stats().shared_forwards, 1);
+  EXPECT_EQ(attn.stats().shared_packs, 0);
+  std::string error = "no error";
+  try {
+    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
+                        .dv = dv.view()});
+  } catch (const Error& e) {
+    error = e.message();
+  }
+  EXPECT_NE(error.find("packs K/V with its peers"), std::string::npos) << error;
+  EXPECT_EQ(attn.stats().shared_packs, 0);
+  EXPECT_EQ(attn.stats().shared_backwards, 0);
+}
+
 TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
   for (const Shape& s : kGroupShapes)
     for (const DType t : {DType::f32, DType::f16, DType::bf16})

@@ -1106,6 +1106,31 @@ TEST_F(kernel_bad_params, BackwardRaises) {
   EXPECT_THROW(attention_backward(b), Error);
 }
 
+// The shared packing's buffer: pack_kv_tiles' pairs, K^T, K (or V) and V^T rows of every kv
+// head, key rows rounded up to 64 and head dims to 16, two bytes each, worked by hand; sizes
+// whose bytes would wrap size_t, and negative ones, are refused naming the arguments.
+TEST(kernel_kv_pack_bytes, AreThePackedPairsAndRefuseSizesThatWrap) {
+  EXPECT_EQ(attention_kv_pack_bytes(65, 2, 48, 40), size_t{128} * 2 * (48 + 48 + 48) * 2);
+  EXPECT_EQ(attention_kv_pack_bytes(64, 1, 128, 128), size_t{64} * 1 * (3 * 128) * 2);
+  EXPECT_EQ(attention_kv_pack_bytes(0, 4, 128, 128), size_t{0});
+  EXPECT_EQ(attention_kv_pack_bytes(1, 1, 1, 1), size_t{64} * 48 * 2);
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  const std::string negative = message([] { (void)attention_kv_pack_bytes(-1, 4, 128, 128); });
+  EXPECT_NE(negative.find("total_k, num_heads_k, head_dim_qk and head_dim_v must be >= 0"), std::string::npos)
+      << negative;
+  for (const int64_t keys : {std::numeric_limits<int64_t>::max(), int64_t{1} << 40}) {
+    const std::string wraps = message([keys] { (void)attention_kv_pack_bytes(keys, 1 << 20, 256, 256); });
+    EXPECT_NE(wraps.find("need more bytes than size_t holds"), std::string::npos) << keys << ": " << wraps;
+  }
+}
+
 TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
   const std::vector<int64_t> cq{0, 2, 5}, ck{0, 4, 7};
   const WorkList w = varlen_worklist(cq, ck);
