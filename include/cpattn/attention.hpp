@@ -196,6 +196,16 @@ struct AttnFwdParams {
   OutMode out_mode = OutMode::write;
 };
 
+// A backward's dK/dV left where another process can finish them (CpAttention's ranks over a
+// node's shared memory, docs/cp.md "Shared memory"): the kernel's own fp32 partial sums (per
+// KV head and query-head set, in its layout, with a header that describes it), so that each
+// rank reads every rank's partials of its own rows once, instead of each kernel writing fp32
+// dK/dV of every row for its peers to read back.
+struct KvGradShare {
+  std::byte* buffer = nullptr;  // 64-byte aligned, at least attention_grad_share_bytes(params)
+  std::size_t bytes = 0;
+};
+
 struct AttnBwdParams {
   AttnInputs in = {};               // as in the forward
   ConstTensorView out = {};         // [total_q, num_heads_q, head_dim_v], the forward's out
@@ -209,7 +219,21 @@ struct AttnBwdParams {
   TensorView dk = {};
   TensorView dv = {};
   GradMode grad_mode = GradMode::write;
+  // Optional (KvGradShare): the call leaves its dK/dV unsummed in this buffer, for any process
+  // that maps it to finish with attention_grad_share_rows, and writes neither dk nor dv (which
+  // may then be empty views; grad_mode must be write). Null: dk and dv are written.
+  const KvGradShare* grad_share = nullptr;
 };
+
+// The bytes of KvGradShare::buffer that a backward with these params needs (its shapes, work
+// list, dtype and kernel path: the layout of the kernel's partial sums); with no work list
+// (in.work null), the most that any work list over these shapes needs.
+std::size_t attention_grad_share_bytes(const AttnBwdParams& p);
+// Key rows [r0, r0 + n) (rows as the work list addresses them, before AttnInputs::key_rows) of
+// the dK and dV that the backward which left `buffer` (a KvGradShare's, filled by a call that
+// has returned) would have written into fp32 views with grad_mode write: fp32 rows
+// [n][num_heads_k][head_dim_qk] into dk and [n][num_heads_k][head_dim_v] into dv, bitwise.
+void attention_grad_share_rows(const std::byte* buffer, int64_t r0, int64_t n, float* dk, float* dv);
 
 // The checks of a call's sizes and options alone (heads, head dims, dropout, scale, threads,
 // kernel path), as attention_forward/backward make them: for layers that hold a configuration

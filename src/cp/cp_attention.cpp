@@ -421,9 +421,9 @@ struct CpAttention::State {
   // that needs each and remade larger when a plan needs more. kv_pool: the gathered K/V of
   // the contexts alive, one entry each (a context holding one shares its ownership: free when
   // use_count() == 1 on every rank; a model's layers share this layer, so there are as many
-  // entries as contexts were alive at once, at most kKvPool); dkv_shared every rank's fp32
-  // dK/dV partials, [cp][gathered rows, k_row + v_row] (rank q's: dK of every gathered row,
-  // then dV). shm_off: a creation failed on some rank (ranks on several hosts), and every rank
+  // entries as contexts were alive at once, at most kKvPool); dkv_shared every rank's slot of
+  // grad_slot_bytes, where its backward kernel leaves its fp32 partial sums of dK/dV
+  // (KvGradShare, in the kernel's layout). shm_off: a creation failed on some rank (ranks on several hosts), and every rank
   // keeps to messages.
   static constexpr std::size_t kKvPool = 256, kFlagsPerField = 63;
   std::vector<std::shared_ptr<NodeBuffer>> kv_pool;
@@ -436,6 +436,11 @@ struct CpAttention::State {
   bool share_pack = false;
   bool shm_off = false;
   std::vector<float> sum_rows;  // a few rows' dK or dV sums on their way out
+  std::vector<float> share_rows;  // the shared backward: those rows' dK and dV from each rank's partial sums
+  std::vector<int64_t> share_src;  // the shared backward: the key row (work-list order) of each local row
+  // The shared backward's slot per rank in dkv_shared: the largest attention_grad_share_bytes
+  // over the ranks (agreed), rounded up to 64 bytes.
+  std::size_t grad_slot_bytes = 0;
   // CpStats::comm_total_s - comm_s: the overlapped transfers' time in flight beyond the waits,
   // accumulated (a sum of its own, so that without overlap comm_total_s is comm_s exactly;
   // reset with the stats).
@@ -502,9 +507,7 @@ struct CpAttention::State {
                   ps.waited += stats.comm_s - c0;
                 }};
   }
-  std::size_t dkv_shared_bytes(const RankPlan& p) const {
-    return static_cast<std::size_t>(comm.size() * p.layout.rank_begin.back() * (k_row() + v_row())) * sizeof(float);
-  }
+  std::size_t dkv_shared_bytes() const { return static_cast<std::size_t>(comm.size()) * grad_slot_bytes; }
   // Makes `buf` hold at least `bytes` (remade at that size when it is smaller: the largest plan
   // so far sets it, exactly what cp_memory_estimate counts). Collective: every rank calls it at
   // the same point with the same arguments (agreed ones). false (and shm_off from then on)
@@ -798,37 +801,76 @@ struct CpAttention::State {
   }
 
   // The backward's dK/dV over the node's shared memory (dkv_shared large enough): the kernel
-  // writes this rank's fp32 partials of every gathered row into its own slot, a barrier, and
-  // each rank sums its own rows from every slot in place, in reduce_scatter_rows' order
-  // (bitwise its sums). The slots are written again only after the next call's agreement, which
-  // every peer enters after its sums.
+  // leaves this rank's fp32 partial sums (KvGradShare: per KV head and head set, in its own
+  // layout) in its own slot, a barrier, and each rank finishes its own rows from every slot
+  // (attention_grad_share_rows: what each kernel would have written as fp32 dK/dV) and sums
+  // them in reduce_scatter_rows' order (bitwise its sums). The slots are written again only
+  // after the next call's agreement, which every peer enters after its sums.
   void shared_backward(const CpBackwardArgs& a, const CpContext::State& cs) {
     const RankPlan& plan = *cs.plan;
-    const int64_t t_all = plan.layout.rank_begin.back(), kr = k_row(), vr = v_row();
-    const auto slot = [&](int q) { return reinterpret_cast<float*>(dkv_shared->data()) + q * t_all * (kr + vr); };
+    const auto slot = [&](int q) -> std::byte* { return dkv_shared->data() + static_cast<std::size_t>(q) * grad_slot_bytes; };
     auto t0 = Clock::now();
-    float* const dkp = slot(comm.rank());
-    float* const dvp = dkp + t_all * kr;
     PackShare ps;
     AttnInputs in = inputs(a.q, cs);
     attach_pack_share(ps, in, stats.dkv_s);
+    const KvGradShare gs{.buffer = slot(comm.rank()), .bytes = grad_slot_bytes};
     attention_backward({.in = in,
                         .out = a.out,
                         .lse = cs.lse.data(),
                         .dout = a.dout,
                         .dq = a.dq,
-                        .dk = contiguous(dkp, t_all, cfg.num_heads_k, cfg.head_dim_qk),  // every row written
-                        .dv = contiguous(dvp, t_all, cfg.num_heads_k, cfg.head_dim_v),
-                        .grad_mode = GradMode::write});
+                        .grad_mode = GradMode::write,
+                        .grad_share = &gs});
     zero_padding_rows(a.dq, plan);
     stats.compute_s += seconds_since(t0) - ps.waited;
 
     shared_barrier(stats.dkv_s);
 
     t0 = Clock::now();
-    store_sums(plan, [&](int q, bool is_k) { return slot(q) + (is_k ? 0 : t_all * kr); }, a.dk.data, a.dv.data);
+    store_shared_sums(plan, cs, slot, a.dk.data, a.dv.data);
     stats.compute_s += seconds_since(t0);
     ++stats.shared_backwards;
+  }
+
+  // store_sums' sums from the ranks' KvGradShare slots: this rank's rows (gathered rows
+  // [mine, mine + local_tokens)) are the kernels' key rows share_src[i] (through the context's
+  // key_rows, or the rows themselves), read in runs of consecutive key rows, a few at a time.
+  template <class Slot>
+  void store_shared_sums(const RankPlan& plan, const CpContext::State& cs, const Slot& slot, void* dk, void* dv) {
+    const int cp = comm.size(), me = comm.rank();
+    const int64_t t_loc = plan.local_tokens, mine = plan.layout.rank_begin[me], kr = k_row(), vr = v_row();
+    const std::size_t es = dtype_size(cfg.dtype);
+    share_src.resize(static_cast<std::size_t>(t_loc));
+    if (const int64_t* map = key_rows(cs)) {
+      for (int64_t r = 0; r < cs.total_k; ++r)
+        if (map[r] >= mine && map[r] < mine + t_loc) share_src[static_cast<std::size_t>(map[r] - mine)] = r;
+    } else {
+      for (int64_t i = 0; i < t_loc; ++i) share_src[static_cast<std::size_t>(i)] = mine + i;
+    }
+    // At most the local rows, a multiple of 16 (the kernels' partial sums go 16 rows at a time)
+    const int64_t rows = std::min<int64_t>(std::max<int64_t>(16, 16384 / std::max(kr, vr) / 16 * 16),
+                                           std::max<int64_t>(t_loc, 1));
+    const int64_t per = rows * (kr + vr);  // one rank's rows: dK, then dV
+    share_rows.resize(static_cast<std::size_t>(cp * per));
+    sum_rows.resize(static_cast<std::size_t>(rows * std::max(kr, vr)));
+    for (int64_t i0 = 0; i0 < t_loc;) {
+      // local rows [i0, i0 + n): key rows [src, src + n), ending where a 16-row group does
+      const int64_t src = share_src[static_cast<std::size_t>(i0)];
+      int64_t n = 1;
+      while (i0 + n < t_loc && n < rows - src % 16 && share_src[static_cast<std::size_t>(i0 + n)] == src + n) ++n;
+      for (int q = 0; q < cp; ++q) {
+        float* part = share_rows.data() + q * per;
+        attention_grad_share_rows(slot(q), src, n, part, part + rows * kr);
+      }
+      for (const bool is_k : {true, false}) {
+        const int64_t w = is_k ? kr : vr;
+        const auto rows_of = [&](int q) -> const float* { return share_rows.data() + q * per + (is_k ? 0 : rows * kr); };
+        sum_rank_parts(plan.split, cp, me, rows_of, static_cast<std::size_t>(n * w), sum_rows.data());
+        from_float(sum_rows.data(), static_cast<std::size_t>(n * w), cfg.dtype,
+                   static_cast<std::byte*>(is_k ? dk : dv) + static_cast<std::size_t>(i0 * w) * es);
+      }
+      i0 += n;
+    }
   }
 
   // This rank's dK and dV in the storage dtype (dk, dv: [local_tokens, k_row] and [.., v_row]):
@@ -948,8 +990,10 @@ struct CpAttention::State {
   // ranks agree on the fingerprint. One all-gather, before any payload moves. A rank with an
   // error still takes part, so that the others fail with its message instead of waiting.
   // Returns, per K/V pool entry, whether it is free on every rank (1) or not (0).
+  // grad_share_need: a shared backward's attention_grad_share_bytes on this rank (0 otherwise);
+  // their maximum over the ranks sets grad_slot_bytes.
   std::vector<char> agree_or_throw(const std::string& local_error, const RankPlan* plan, int64_t local_tokens,
-                      int64_t phase, int64_t context_forward_call, uint64_t seed) {
+                      int64_t phase, int64_t context_forward_call, uint64_t seed, int64_t grad_share_need = 0) {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
     const AttnOptions& o = cfg.options;
@@ -1016,6 +1060,8 @@ struct CpAttention::State {
           if (!held(kv_pool[i])) flags |= int64_t{1} << (i - i0);
         fp.add_and("shared K/V buffers " + std::to_string(i0) + ".. free", flags);
       }
+    // (negated: the minimum is minus the largest)
+    if (local_error.empty()) fp.add_min("grad share bytes, negated", -grad_share_need);
     std::vector<int64_t> minima;
     try {
       minima = agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
@@ -1029,6 +1075,8 @@ struct CpAttention::State {
     std::vector<char> free_everywhere(kv_pool.size());
     for (std::size_t i = 0; i < kv_pool.size(); ++i)
       free_everywhere[i] = static_cast<char>((minima[i / kFlagsPerField] >> (i % kFlagsPerField)) & 1);
+    const auto most = static_cast<std::size_t>(-minima.back());
+    grad_slot_bytes = (most + 63) / 64 * 64;
     return free_everywhere;
   }
 
@@ -1046,8 +1094,9 @@ struct CpAttention::State {
   std::size_t buffer_bytes(bool reusable = false) const {
     std::size_t bytes = 0;
     for (const std::vector<float>* f : {&dk_all, &dv_all, &dkx, &dvx, &dk_loc, &dv_loc, &rs_k, &rs_v, &lse_group,
-                                        &acc_out, &acc_lse, &dq_acc, &dkv_home, &sum_rows})
+                                        &acc_out, &acc_lse, &dq_acc, &dkv_home, &sum_rows, &share_rows})
       bytes += f->capacity() * sizeof(float);
+    bytes += share_src.capacity() * sizeof(int64_t);
     bytes += ring.bytes() + passq.bytes();
     for (const SpareKv& e : spare_kv) bytes += e.k.capacity() + e.v.capacity();
     if (a2a) bytes += a2a->buffer_bytes();
@@ -1393,6 +1442,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const char* fn = "CpAttention::backward";
   ++s.stats.backward_calls;
   std::string err;
+  int64_t grad_need = 0;  // a shared backward's attention_grad_share_bytes
   try {
     CPATTN_CHECK(ctx.s_ != nullptr, fn, ": the context holds no forward (each forward's context is consumed by "
                  "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
@@ -1405,6 +1455,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     check_view(fn, "dk", a.dk, s.k_like(t), true);
     check_view(fn, "dv", a.dv, s.v_like(t), true);
     if (c.check_finite) check_finite(fn, "dout", a.dout, *ctx.s_->plan);
+    if (c.scheme == CpScheme::allgather && !s.uses_a2a() && ctx.s_->groups == 1 && s.shm_enabled())
+      grad_need = static_cast<int64_t>(attention_grad_share_bytes({.in = s.inputs(a.q, *ctx.s_)}));
   } catch (const Error& e) {
     err = e.message();
   } catch (const std::exception& e) {
@@ -1412,7 +1464,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   }
   const CpContext::State* cs = ctx.s_.get();
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
-  s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0);
+  s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0,
+                   grad_need);
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
   // Counted however backward leaves (the all-gather path below returns at its end).
   const auto count_bytes = [&] {
@@ -1434,7 +1487,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     ctx.s_.reset();
     return;
   }
-  if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes(*cs->plan)) &&
+  if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes()) &&
       (!s.share_pack || s.ensure_shared(s.pack_shared, s.pack_shared_bytes(*cs->plan)))) {
     s.shared_backward(a, *cs);
     count_bytes();

@@ -83,6 +83,26 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // (reduce_scatter_rows' scratch, added in rank order).
     if (c.split == CpSplit::padding_free) e.buffers = saturating_add(e.buffers, product(static_cast<uint64_t>(cp), t, kv_row, f));
   }
+  if (!ring && c.shared_memory && cp > 1 && !index) {
+    const uint64_t dkv_all = product(kv_rows, kv_row, f);  // (both all-gather forms hold it)
+    // Over one host's shared memory (cp_attention.cpp's shared_backward): this rank's slot of
+    // the kernel's partial sums (KvGradShare: attention_grad_share_bytes with no work list,
+    // the most any rank's needs; they leave the kernel's scratch, counted there still for the
+    // message path) in place of dK/dV of every gathered row, and cp + 1 blocks of the rows it
+    // finishes at a time (store_shared_sums) and its rows' sources.
+    const auto krow = static_cast<uint64_t>(c.num_heads_k) * static_cast<uint64_t>(std::max(c.head_dim_qk, c.head_dim_v));
+    const uint64_t at_once = std::min<uint64_t>(std::max<uint64_t>(16, 16384 / std::max<uint64_t>(krow, 1) / 16 * 16),
+                                                std::max<uint64_t>(t, 1));
+    const auto k_rows = static_cast<int64_t>(std::min<uint64_t>(kv_rows, uint64_t{1} << 32));  // (absurd sizes: no wrap)
+    const AttnBwdParams p{.in = {.q = {nullptr, 1, c.num_heads_q, c.head_dim_qk, c.dtype},
+                                 .k = {nullptr, k_rows, c.num_heads_k, c.head_dim_qk, c.dtype},
+                                 .v = {nullptr, k_rows, c.num_heads_k, c.head_dim_v, c.dtype},
+                                 .options = c.options}};
+    const uint64_t slot = (attention_grad_share_bytes(p) + 63) / 64 * 64;
+    const uint64_t shared = saturating_add(saturating_add(slot, product(static_cast<uint64_t>(cp) + 1, at_once, kv_row, f)),
+                                           product(t, sizeof(int64_t)));
+    e.buffers = std::max(e.buffers, saturating_add(e.buffers - dkv_all, shared));
+  }
   e.kernel_scratch = kernel_scratch(c, local_tokens, read_rows, c.num_heads_q, c.num_heads_k, work);
   return e;
 }

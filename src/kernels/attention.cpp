@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -314,6 +316,36 @@ std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_d
   return bytes;
 }
 
+namespace {
+// The layout backward_impl gives a KvGradShare for these params (bf16 tiles, as
+// attention_backward_scratch_bytes decides them: the table the call runs).
+// With no work list: the layout of the most head sets any work list gives (the longest tasks).
+kernels::GradShareLayout grad_share_layout_of(const AttnBwdParams& p) {
+  int64_t max_q = p.in.work ? 0 : std::numeric_limits<int64_t>::max();
+  if (p.in.work)
+    for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
+  const bool tiles = p.in.dtype() == DType::bf16 && kernel_table(p.in.options.path, DType::bf16).tile_dot != nullptr;
+  return kernels::grad_share_layout(p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, tiles,
+                                    p.in.softmax_scale());
+}
+
+}  // namespace
+
+std::size_t attention_grad_share_bytes(const AttnBwdParams& p) { return grad_share_layout_of(p).bytes(); }
+
+void attention_grad_share_rows(const std::byte* buffer, int64_t r0, int64_t n, float* dk, float* dv) {
+  CPATTN_CHECK(buffer != nullptr, "attention_grad_share_rows: buffer must not be null");
+  kernels::GradShareLayout L;
+  std::memcpy(&L, buffer, sizeof L);
+  CPATTN_CHECK(L.magic == kernels::GradShareLayout::kMagic,
+               "attention_grad_share_rows: the buffer holds no backward's partial sums (a KvGradShare's buffer after "
+               "attention_backward returned)");
+  CPATTN_CHECK(r0 >= 0 && n >= 0 && r0 <= L.total_k - n, "attention_grad_share_rows: rows [", r0, ", ", r0 + n,
+               ") are not within the call's ", L.total_k, " key rows");
+  CPATTN_CHECK(n == 0 || (dk != nullptr && dv != nullptr), "attention_grad_share_rows: dk and dv must not be null");
+  kernel_table(KernelPath::automatic, DType::f32).grad_share_rows(L, buffer, r0, n, dk, dv);
+}
+
 bool attention_shares_kv_pack(KernelPath path, DType dtype) {
   if (dtype != DType::bf16) return false;  // fp16 tiles pack through pack_kv (kernel_impl.hpp)
   try {
@@ -358,8 +390,9 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
     pairs = table.bf16_dot != nullptr;
     tiles = table.tile_dot != nullptr;
   }
-  const kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
+  kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
       p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, pairs, tiles);
+  if (p.grad_share) f.per_set_grads = 0;  // the share's buffer holds them
   return sizeof(float) * f.total(p.in.options.num_threads);
 }
 

@@ -136,4 +136,46 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   return f;
 }
 
+// The layout of a KvGradShare's buffer (attention_grad_share_bytes and _rows in attention.cpp;
+// backward_impl fills it): this header (kHeader bytes), then the unscaled dK partial sums of
+// every unit (KV head hk, head set st: unit hk * sets + st) over g_rows rows of dp floats
+// ([g_rows][dp] per unit, or with `transposed` (bf16 tiles) [nbb][dp][BBK]: per block of BBK
+// rows, transposed), then dV's likewise with dvp, then `touched`, one byte per (unit, block of
+// BBK rows): 0 where no piece reached the block, whose floats were never written and count as
+// zeros. The sum over a row's sets and the scale are the reader's, as backward_impl's own
+// final sum does them.
+struct GradShareLayout {
+  static constexpr uint64_t kMagic = 0x63706174'6e475348ull;  // "cpatnGSH"
+  static constexpr std::size_t kHeader = 64;
+  uint64_t magic = kMagic;
+  int64_t total_k = 0, nbb = 0, g_rows = 0;
+  int32_t hkv = 0, sets = 0, dqk = 0, dv = 0, dp = 0, dvp = 0, transposed = 0;
+  float scale = 1.0f;  // dK's (the softmax scale); dV's is 1
+  std::size_t units() const { return static_cast<std::size_t>(hkv) * static_cast<std::size_t>(sets); }
+  std::size_t gk_floats() const { return units() * static_cast<std::size_t>(g_rows) * static_cast<std::size_t>(dp); }
+  std::size_t gv_floats() const { return units() * static_cast<std::size_t>(g_rows) * static_cast<std::size_t>(dvp); }
+  std::size_t gv_offset() const { return kHeader + gk_floats() * sizeof(float); }
+  std::size_t touched_offset() const { return gv_offset() + gv_floats() * sizeof(float); }
+  std::size_t bytes() const { return touched_offset() + units() * static_cast<std::size_t>(nbb); }
+};
+static_assert(sizeof(GradShareLayout) <= GradShareLayout::kHeader);
+// The layout for a backward of these sizes (max_q: its longest task; bf16_tiles: bf16 on a
+// tile path), as backward_impl lays its partial sums out.
+constexpr GradShareLayout grad_share_layout(int64_t total_k, int num_heads_q, int num_heads_k, int head_dim_qk,
+                                            int head_dim_v, int64_t max_q, bool bf16_tiles, float scale) {
+  GradShareLayout L;
+  L.total_k = total_k;
+  L.nbb = (total_k + BBK - 1) / BBK;
+  L.g_rows = bf16_tiles ? L.nbb * BBK : total_k;
+  L.hkv = num_heads_k;
+  L.sets = bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles);
+  L.dqk = head_dim_qk;
+  L.dv = head_dim_v;
+  L.dp = pad_up(head_dim_qk);
+  L.dvp = pad_up(head_dim_v);
+  L.transposed = bf16_tiles ? 1 : 0;
+  L.scale = scale;
+  return L;
+}
+
 }  // namespace cpattn::kernels

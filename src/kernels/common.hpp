@@ -99,6 +99,8 @@ void parallel_for(int64_t n, int threads, Fn&& fn);
 // ---- fast paths (kernel_*.cpp, one source compiled per ISA) -----------------------------
 // A kernel path's entry points. Each kernel_<path>.cpp defines its `table`; attention.cpp
 // picks one (kernel_table) after validation, so the kernels trust their arguments.
+struct GradShareLayout;  // blocking.hpp
+
 struct KernelTable {
   void (*forward)(const AttnFwdParams& p);
   void (*backward)(const AttnBwdParams& p);
@@ -125,6 +127,10 @@ struct KernelTable {
   // writable up to 16 rows (m <= 16) or 32. nullptr on the other paths.
   void (*tile_gemm)(bool job, bool zero, int m, int n, int k, const uint16_t* a, int64_t lda, const uint32_t* b,
                     int64_t b_ld, int64_t b_panel, float* c, int64_t ldc) = nullptr;
+  // attention_grad_share_rows on this path's vectors (any path reads any path's layout: the
+  // same operations, so the same bits).
+  void (*grad_share_rows)(const GradShareLayout& layout, const std::byte* buffer, int64_t r0, int64_t n, float* dk,
+                          float* dv) = nullptr;
 };
 namespace portable {
 extern const KernelTable table;

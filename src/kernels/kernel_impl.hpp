@@ -1260,38 +1260,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   });
 }
 
-#ifdef CPATTN_AMX
-// bf16_dot_bits of a stored bf16 value, from its bits: a denormal to a zero of its sign, a NaN
-// made quiet, every other value itself (it is a bf16 already: nothing to round).
-inline uint32_t dot_bits_of_bf16(uint16_t b) {
-  if ((b & 0x7f80u) == 0) return b & 0x8000u;
-  return (b & 0x7fffu) > 0x7f80u ? b | 0x40u : b;
-}
-
-// pack_kv for bf16 storage on tiles: the four pair buffers alone, straight from the stored
-// rows (the tiles read nothing else of K and V), bitwise what pack_kv's pairs hold. No float
-// buffer: a third of pack_kv's writes, and no float pass between the source and the pairs.
-// Every word is written (the last block's rows past total_k and the head dims' padding as
-// zeros), so the buffers are not zero-filled first.
-#if CPATTN_AMX == 1
-// dot_bits_of_bf16 on 32 stored bf16 values at once.
-inline __m512i dot_bits_of_bf16(__m512i x) {
-  const __m512i exponent = _mm512_set1_epi16(0x7f80);
-  const __mmask32 denormal = _mm512_testn_epi16_mask(x, exponent);
-  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7fff)), exponent);
-  x = _mm512_mask_mov_epi16(x, denormal, _mm512_and_si512(x, _mm512_set1_epi16(static_cast<int16_t>(0x8000))));
-  return _mm512_mask_mov_epi16(x, nan, _mm512_or_si512(x, _mm512_set1_epi16(0x40)));
-}
-
-// The 32 elements of a stored row from element e0 (those past `dim` as zeros), as dot bits;
-// a null row (past total_k) is all zeros.
-inline __m512i load_dot_bits(const uint16_t* row, int e0, int dim) {
-  if (row == nullptr || e0 >= dim) return _mm512_setzero_si512();
-  const int n = dim - e0;
-  const __mmask32 m = n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
-  return dot_bits_of_bf16(_mm512_maskz_loadu_epi16(m, row + e0));
-}
-
+#if CPATTN_VW == 16  // (AVX-512F: the avx512, avx512_bf16 and amx paths)
 // r[i] (16 dwords each) transposed in place: r[j] element i = old r[i] element j. Two-source
 // permutes throughout (GCC 12 warns of an uninitialized operand in its unpack and lane-shuffle
 // intrinsics): per 128-bit lane the unpacks of dwords, then of dword pairs, then lane moves.
@@ -1332,6 +1301,41 @@ inline void transpose16x16_epi32(__m512i (&r)[16]) {
   }
 }
 #endif
+
+#ifdef CPATTN_AMX
+// bf16_dot_bits of a stored bf16 value, from its bits: a denormal to a zero of its sign, a NaN
+// made quiet, every other value itself (it is a bf16 already: nothing to round).
+inline uint32_t dot_bits_of_bf16(uint16_t b) {
+  if ((b & 0x7f80u) == 0) return b & 0x8000u;
+  return (b & 0x7fffu) > 0x7f80u ? b | 0x40u : b;
+}
+
+// pack_kv for bf16 storage on tiles: the four pair buffers alone, straight from the stored
+// rows (the tiles read nothing else of K and V), bitwise what pack_kv's pairs hold. No float
+// buffer: a third of pack_kv's writes, and no float pass between the source and the pairs.
+// Every word is written (the last block's rows past total_k and the head dims' padding as
+// zeros), so the buffers are not zero-filled first.
+#if CPATTN_AMX == 1
+// dot_bits_of_bf16 on 32 stored bf16 values at once.
+inline __m512i dot_bits_of_bf16(__m512i x) {
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  const __mmask32 denormal = _mm512_testn_epi16_mask(x, exponent);
+  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7fff)), exponent);
+  x = _mm512_mask_mov_epi16(x, denormal, _mm512_and_si512(x, _mm512_set1_epi16(static_cast<int16_t>(0x8000))));
+  return _mm512_mask_mov_epi16(x, nan, _mm512_or_si512(x, _mm512_set1_epi16(0x40)));
+}
+
+// The 32 elements of a stored row from element e0 (those past `dim` as zeros), as dot bits;
+// a null row (past total_k) is all zeros.
+inline __m512i load_dot_bits(const uint16_t* row, int e0, int dim) {
+  if (row == nullptr || e0 >= dim) return _mm512_setzero_si512();
+  const int n = dim - e0;
+  const __mmask32 m = n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+  return dot_bits_of_bf16(_mm512_maskz_loadu_epi16(m, row + e0));
+}
+
+#endif
+
 
 #if CPATTN_AMX == 1
 // The _mm512_permutex2var_epi16 index that interleaves two rows' 32 16-bit elements x0, x1
@@ -2073,16 +2077,30 @@ void backward_impl(const AttnBwdParams& p) {
   // (the piece's keys copied, the block's others zeroed), and added to by the later ones;
   // `touched` says which blocks have been, and the final sum reads those alone: no pass
   // zeroes the buffers.
-  RawFloats gk(static_cast<size_t>(units) * g_rows * dp);
-  RawFloats gv(static_cast<size_t>(units) * g_rows * dvp);
-  std::vector<char> touched(static_cast<size_t>(units * nbb), 0);
+  // With a KvGradShare they are its buffer's (GradShareLayout), left there for
+  // attention_grad_share_rows to sum: this call has no final sum.
+  const KvGradShare* const share = p.grad_share;
+  RawFloats gk_own(share ? 0 : static_cast<size_t>(units) * g_rows * dp);
+  RawFloats gv_own(share ? 0 : static_cast<size_t>(units) * g_rows * dvp);
+  std::vector<char> touched_own(share ? 0 : static_cast<size_t>(units * nbb), 0);
+  float* gk = gk_own.data();
+  float* gv = gv_own.data();
+  char* touched = touched_own.data();
+  if (share) {
+    const GradShareLayout L = grad_share_layout(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q, t16, cr.scale);
+    std::memcpy(share->buffer, &L, sizeof L);
+    gk = reinterpret_cast<float*>(share->buffer + GradShareLayout::kHeader);
+    gv = reinterpret_cast<float*>(share->buffer + L.gv_offset());
+    touched = reinterpret_cast<char*>(share->buffer + L.touched_offset());
+    std::memset(touched, 0, static_cast<size_t>(units * nbb));
+  }
 
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
   std::vector<BwdScratch> scr;  // made in place: a copied template would be one more thread's worth
   scr.reserve(static_cast<size_t>(nthr));
   for (int i = 0; i < nthr; ++i) scr.emplace_back(per, max_q, dp, dvp, t16);
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
-    size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk.size() + gv.size() +
+    size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk_own.size() + gv_own.size() +
                   pk.kt2.owned() + pk.kr2.owned() + pk.vr2.owned() + pk.vt2.owned();  // (not a KvPackShare's)
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
     // the tiles' final sum: a block per thread of its own loop (rows leave through a 16 x 16
@@ -2389,12 +2407,13 @@ void backward_impl(const AttnBwdParams& p) {
   // Unit u = (kv head u / sets, set u % sets): its heads side by side.
   parallel_for(units, nthr, [&](int64_t u, int th) {
     const int hk = static_cast<int>(u / sets), set = static_cast<int>(u % sets);
-    float* gku = gk.data() + static_cast<size_t>(u) * g_rows * dp;
-    float* gvu = gv.data() + static_cast<size_t>(u) * g_rows * dvp;
+    float* gku = gk + static_cast<size_t>(u) * g_rows * dp;
+    float* gvu = gv + static_cast<size_t>(u) * g_rows * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
     const TileScope tiles;
-    run_set(scr[th], h0, h1, gku, gvu, touched.data() + u * nbb);
+    run_set(scr[th], h0, h1, gku, gvu, touched + u * nbb);
   });
+  if (share) return;  // the reader sums (attention_grad_share_rows)
 
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
   // Elements [d0, d0 + n) of key row r of kv head hk (dK when is_k, else dV; stored row
@@ -2454,8 +2473,8 @@ void backward_impl(const AttnBwdParams& p) {
         for (int st = 0; st < sets; ++st) {
           const size_t us = static_cast<size_t>(hk) * sets + st;
           if (!touched[us * nbb + b]) continue;  // no piece reached it: zeros
-          const float* sk = gk.data() + (us * nbb + b) * BBK * dp;
-          const float* sv = gv.data() + (us * nbb + b) * BBK * dvp;
+          const float* sk = gk + (us * nbb + b) * BBK * dp;
+          const float* sv = gv + (us * nbb + b) * BBK * dvp;
           if (reached++ == 0) {
             ks = sk;
             vs = sv;
@@ -2489,8 +2508,8 @@ void backward_impl(const AttnBwdParams& p) {
         for (int s = 0; s < sets; ++s) {
           const size_t us = static_cast<size_t>(hk) * sets + s;
           if (!touched[us * nbb + r / BBK]) continue;  // no piece reached its block: zeros
-          const float* sk = gk.data() + (us * total_k + r) * dp;
-          const float* sv = gv.data() + (us * total_k + r) * dvp;
+          const float* sk = gk + (us * total_k + r) * dp;
+          const float* sv = gv + (us * total_k + r) * dvp;
           for (int d = 0; d < dp; ++d) ak[d] += sk[d];
           for (int d = 0; d < dvp; ++d) av[d] += sv[d];
         }
@@ -2498,6 +2517,83 @@ void backward_impl(const AttnBwdParams& p) {
         write_kv(false, r, hk, 0, head_dim_v, av.data());
       }
   });
+}
+
+
+// attention_grad_share_rows (attention.cpp) on this path: key rows [r0, r0 + n) of the dK and
+// dV a backward left in a KvGradShare's buffer (GradShareLayout), with the operations of
+// backward_impl's own final sum, so bitwise what it writes into fp32 views: per row and KV
+// head the sum over the sets that reached the row's block, in set order (transposed, bf16
+// tiles: s_0 + s_1 + ... then + 0.0f, or 0.0f where no set did; otherwise 0.0f + s_0 + s_1 +
+// ...), times the scale (dK) or 1 (dV). Rows go 16 at a time (one 16 x 16 transpose of a
+// transposed block's 16 columns per 16 dims); a group's rows outside [r0, r0 + n) are summed and
+// not written.
+void grad_share_rows_impl(const GradShareLayout& L, const std::byte* buffer, int64_t r0, int64_t n, float* dk,
+                          float* dv) {
+  const auto* touched = reinterpret_cast<const char*>(buffer + L.touched_offset());
+  std::vector<int> reached(static_cast<size_t>(L.sets));
+  alignas(64) float rows16[16][256];  // a group's 16 rows of one KV head, whole (dims <= 256)
+  for (const bool is_k : {true, false}) {
+    const int dim = is_k ? L.dqk : L.dv, dpad = is_k ? L.dp : L.dvp;
+    const float mul = is_k ? L.scale : 1.0f;
+    const auto* g = reinterpret_cast<const float*>(buffer + (is_k ? GradShareLayout::kHeader : L.gv_offset()));
+    float* const out = is_k ? dk : dv;
+    const int64_t row_out = int64_t{L.hkv} * dim;
+    for (int64_t a = r0; a < r0 + n;) {
+      const int64_t g0 = a / 16 * 16, e = std::min(r0 + n, g0 + 16);  // rows [a, e) of the group from g0
+      const int64_t b = g0 / BBK;
+      const int c16 = static_cast<int>(g0 - b * BBK);  // the group's first column in its block
+      for (int hk = 0; hk < L.hkv; ++hk) {
+        int nr = 0;  // the sets that reached block b, in order
+        for (int st = 0; st < L.sets; ++st) {
+          const int64_t u = int64_t{hk} * L.sets + st;
+          if (touched[u * L.nbb + b]) reached[static_cast<size_t>(nr++)] = st;
+        }
+        auto unit = [&](int i) { return int64_t{hk} * L.sets + reached[static_cast<size_t>(i)]; };
+        if (nr == 0) {
+          for (int j = 0; j < 16; ++j) std::fill_n(rows16[j], dpad, 0.0f);
+        } else if (L.transposed) {
+          for (int d0 = 0; d0 < dpad; d0 += 16) {  // (dpad is a multiple of PAD = 16)
+            static_assert(PAD == 16);
+            // set k's block: dims [d0, d0 + 16) of the group's 16 columns, BBK floats apart
+            auto at = [&](int k) { return g + (unit(k) * L.nbb + b) * BBK * dpad + int64_t{d0} * BBK + c16; };
+#if CPATTN_VW == 16
+            __m512i x[16];
+            for (int i = 0; i < 16; ++i) {
+              __m512 s = _mm512_loadu_ps(at(0) + i * BBK);
+              for (int k = 1; k < nr; ++k) s = _mm512_add_ps(s, _mm512_loadu_ps(at(k) + i * BBK));
+              x[i] = _mm512_castps_si512(_mm512_add_ps(s, _mm512_setzero_ps()));
+            }
+            transpose16x16_epi32(x);
+            for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
+#else
+            for (int i = 0; i < 16; ++i)
+              for (int j = 0; j < 16; ++j) {
+                float s = at(0)[i * BBK + j];
+                for (int k = 1; k < nr; ++k) s += at(k)[i * BBK + j];
+                rows16[j][d0 + i] = s + 0.0f;
+              }
+#endif
+          }
+        } else {
+          for (int64_t r = a; r < e; ++r) {
+            float* acc = rows16[r - g0];
+            std::fill_n(acc, dpad, 0.0f);
+            for (int i = 0; i < nr; ++i) {
+              const float* src = g + (unit(i) * L.g_rows + r) * dpad;
+              for (int d = 0; d < dpad; ++d) acc[d] += src[d];
+            }
+          }
+        }
+        for (int64_t r = a; r < e; ++r) {
+          float* o = out + (r - r0) * row_out + int64_t{hk} * dim;
+          const float* src = rows16[r - g0];
+          for (int d = 0; d < dim; ++d) o[d] = src[d] * mul;
+        }
+      }
+      a = e;
+    }
+  }
 }
 
 }  // namespace

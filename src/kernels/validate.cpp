@@ -204,10 +204,12 @@ void validate(const AttnBwdParams& p) {
   check_q_like(fn, "out", s, p.out, dv);
   check_q_like(fn, "dout", s, p.dout, dv);
   check_q_like(fn, "dq", s, p.dq, dqk);
-  check_view(fn, "dk", p.dk, {s.total_k, "total_k = k.rows"},
-             {s.num_heads_k, "num_heads_k = k.heads"}, dqk);
-  check_view(fn, "dv", p.dv, {s.total_k, "total_k = k.rows"},
-             {s.num_heads_k, "num_heads_k = k.heads"}, dv);
+  if (!p.grad_share) {
+    check_view(fn, "dk", p.dk, {s.total_k, "total_k = k.rows"},
+               {s.num_heads_k, "num_heads_k = k.heads"}, dqk);
+    check_view(fn, "dv", p.dv, {s.total_k, "total_k = k.rows"},
+               {s.num_heads_k, "num_heads_k = k.heads"}, dv);
+  }
   CPATTN_CHECK(p.lse != nullptr, fn, ": lse must not be null");
   check_dtype(fn, "out", p.out, dt);
   check_dtype(fn, "dout", p.dout, dt);
@@ -219,7 +221,16 @@ void validate(const AttnBwdParams& p) {
                  to_string(p.dq.dtype));
   else
     check_dtype(fn, "dq", p.dq, dt);
-  if (p.grad_mode == GradMode::write) {  // the storage dtype, or fp32 (a caller's sums)
+  if (p.grad_share) {  // dk and dv are not written: the buffer holds the partial sums
+    CPATTN_CHECK(p.grad_mode == GradMode::write, fn, ": grad_share needs grad_mode write, got ",
+                 static_cast<int>(p.grad_mode));
+    CPATTN_CHECK(p.grad_share->buffer != nullptr && reinterpret_cast<uintptr_t>(p.grad_share->buffer) % 64 == 0, fn,
+                 ": grad_share.buffer must be a 64-byte aligned, non-null pointer");
+    check_work(fn, p.in.work, s.total_q, s.total_k);
+    const std::size_t need = attention_grad_share_bytes(p);
+    CPATTN_CHECK(p.grad_share->bytes >= need, fn, ": grad_share.bytes is ", p.grad_share->bytes,
+                 ", the call needs attention_grad_share_bytes = ", need);
+  } else if (p.grad_mode == GradMode::write) {  // the storage dtype, or fp32 (a caller's sums)
     CPATTN_CHECK(p.dk.dtype == p.dv.dtype && (p.dk.dtype == dt || p.dk.dtype == DType::f32), fn,
                  ": grad_mode write needs dk and dv both of the inputs' dtype ", to_string(dt),
                  " or both fp32, got dk ", to_string(p.dk.dtype), ", dv ", to_string(p.dv.dtype));

@@ -18,6 +18,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -895,6 +896,125 @@ TEST(kernel_attention, KeyRowsReadAndWriteThePermutedRowsBitwise) {
   }
 }
 
+// ---- KvGradShare: the partial sums left for another process --------------------------------
+// attention_grad_share_rows over the buffer a backward with grad_share left: every row
+// bitwise what the same call writes into fp32 views in write mode (at the stored row, through
+// key_rows when given), read in uneven pieces (1, 15, 16, 17, 100 rows: the 16-row groups and
+// BBK blocks cut anywhere). Cases: GQA of 4 with odd head dims (two head sets on the fp32 and
+// bf16-pair paths, one on bf16 tiles), keys no query reaches (a 300-key document seen by one
+// query through a 10-key window: blocks that no piece touched), MHA; fp32, fp16, bf16, every
+// path this CPU runs, with and without a row map; and on amx a task past BWD_LONG_TASK (two
+// head sets on bf16 tiles).
+TEST(kernel_grad_share, RowsAreBitwiseTheFp32WriteOfTheSameCall) {
+  AttnCase gqa{"gqa", {1, 37, 130, 64}, {1, 37, 130, 64}, 8, 2, 72, 40, MaskType::causal};
+  gqa.window_left = 50;
+  AttnCase unseen{"unseen", {1, 37}, {300, 37}, 4, 4, 32, 32, MaskType::causal};
+  unseen.window_left = 10;
+  AttnCase long_task{"long", {4200}, {4200}, 4, 1, 16, 16, MaskType::causal};
+  int ran = 0;
+  for (const AttnCase* c : {&gqa, &unseen, &long_task})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16})
+      for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                              KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+        if (!kernel_path_supported(path)) continue;
+        if (c == &long_task && !(path == KernelPath::amx && dt == DType::bf16)) continue;  // (slow elsewhere)
+        const int64_t tk = c->total_k();
+        std::vector<int64_t> perm(static_cast<size_t>(tk));
+        for (int64_t r = 0; r < tk; ++r) perm[static_cast<size_t>(r)] = r;
+        std::mt19937_64 rng(9);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (const bool mapped : {false, true}) {
+          SCOPED_TRACE(c->name + " " + std::string(to_string(dt)) + " " + std::string(to_string(path)) +
+                       (mapped ? " key_rows" : ""));
+          const Problem pb(*c, dt, 31);
+          Tensor out(dt, pb.out_shape());
+          std::vector<float> lse(pb.lse_size());
+          AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 2);
+          if (mapped) fp.in.key_rows = perm.data();
+          attention_forward(fp);
+          Tensor dq(dt, pb.q_shape()), dk(DType::f32, pb.k_shape()), dv(DType::f32, pb.v_shape());
+          Tensor dq_s(dt, pb.q_shape()), none_k(DType::f32, pb.k_shape()), none_v(DType::f32, pb.v_shape());
+          AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, path, 2);
+          if (mapped) bp.in.key_rows = perm.data();
+          attention_backward(bp);
+          AttnBwdParams sp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq_s, none_k, none_v, path, 2);
+          if (mapped) sp.in.key_rows = perm.data();
+          sp.dk = {};
+          sp.dv = {};
+          const std::size_t bytes = attention_grad_share_bytes(sp);
+          std::vector<std::byte> raw(bytes + 64);
+          auto* buf = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) / 64 * 64);
+          const KvGradShare share{.buffer = buf, .bytes = bytes};
+          sp.grad_share = &share;
+          EXPECT_LT(attention_backward_scratch_bytes(sp), attention_backward_scratch_bytes(bp));
+          attention_backward(sp);
+          EXPECT_EQ(dq_s.values(), dq.values());
+          const int64_t krow = int64_t{c->num_heads_k} * c->head_dim_qk, vrow = int64_t{c->num_heads_k} * c->head_dim_v;
+          // row r of the reader is stored row perm[r] of the write
+          std::vector<float> want_k(static_cast<size_t>(tk * krow)), want_v(static_cast<size_t>(tk * vrow));
+          const std::vector<float> dkw = dk.values(), dvw = dv.values();
+          for (int64_t r = 0; r < tk; ++r) {
+            const int64_t sr = mapped ? perm[static_cast<size_t>(r)] : r;
+            std::copy_n(dkw.begin() + sr * krow, krow, want_k.begin() + r * krow);
+            std::copy_n(dvw.begin() + sr * vrow, vrow, want_v.begin() + r * vrow);
+          }
+          // The reader runs on the path automatic picks (or CPATTN_KERNEL_PATH's): each one
+          // this CPU has reads what this path wrote.
+          for (const char* reader : {"portable", "avx2", "avx512"}) {
+            if (!kernel_path_supported(parse_kernel_path(reader))) continue;
+            ::setenv("CPATTN_KERNEL_PATH", reader, 1);
+            std::vector<float> gk(want_k.size(), -1.0f), gv(want_v.size(), -1.0f);
+            const int64_t steps[] = {1, 15, 16, 17, 100};
+            for (int64_t r0 = 0, i = 0; r0 < tk; ++i) {
+              const int64_t n = std::min(steps[i % 5], tk - r0);
+              attention_grad_share_rows(buf, r0, n, gk.data() + r0 * krow, gv.data() + r0 * vrow);
+              r0 += n;
+            }
+            ::unsetenv("CPATTN_KERNEL_PATH");
+            EXPECT_EQ(0, std::memcmp(gk.data(), want_k.data(), gk.size() * sizeof(float))) << "dk, read on " << reader;
+            EXPECT_EQ(0, std::memcmp(gv.data(), want_v.data(), gv.size() * sizeof(float))) << "dv, read on " << reader;
+          }
+          ++ran;
+          if (HasFailure()) return;
+        }
+      }
+  EXPECT_GT(ran, 0);
+}
+
+// Bad uses of a KvGradShare, each refused naming what is wrong: a buffer too small, unaligned,
+// or with grad_mode accumulate; a reader on a buffer no backward filled, or rows past the keys.
+TEST(kernel_grad_share, BadUsesAreRefused) {
+  const AttnCase c{"small", {5, 3}, {5, 3}, 2, 1, 8, 8, MaskType::causal};
+  const Problem pb(c, DType::f32, 3);
+  Tensor out(DType::f32, pb.out_shape()), dq(DType::f32, pb.q_shape()), dk(DType::f32, pb.k_shape()),
+      dv(DType::f32, pb.v_shape());
+  std::vector<float> lse(pb.lse_size());
+  attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1));
+  AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
+  const std::size_t bytes = attention_grad_share_bytes(bp);
+  std::vector<std::byte> raw(bytes + 128);
+  auto* buf = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) / 64 * 64);
+  KvGradShare share{.buffer = buf, .bytes = bytes - 1};
+  bp.grad_share = &share;
+  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share.bytes is"), std::string::npos);
+  share = {.buffer = buf + 4, .bytes = bytes};
+  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share.buffer must be a 64-byte aligned"),
+            std::string::npos);
+  share = {.buffer = buf, .bytes = bytes};
+  bp.grad_mode = GradMode::accumulate;
+  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share needs grad_mode write"), std::string::npos);
+  std::vector<float> rk(8 * 8), rv(8 * 8);
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, 0, 1, rk.data(), rv.data()); })
+                .find("holds no backward's partial sums"),
+            std::string::npos);
+  bp.grad_mode = GradMode::write;
+  attention_backward(bp);
+  EXPECT_NO_THROW(attention_grad_share_rows(buf, 0, 8, rk.data(), rv.data()));
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, 5, 4, rk.data(), rv.data()); })
+                .find("rows [5, 9) are not within the call's 8 key rows"),
+            std::string::npos);
+}
+
 TEST(kernel_attention, KeyRowsAndWriteModeDtypesAreChecked) {
   const AttnCase c{"bad_rows", {5, 3}, {5, 3}, 2, 1, 8, 8, MaskType::causal};
   const Problem pb(c, DType::bf16, 3);
@@ -1114,19 +1234,11 @@ TEST(kernel_kv_pack_bytes, AreThePackedPairsAndRefuseSizesThatWrap) {
   EXPECT_EQ(attention_kv_pack_bytes(64, 1, 128, 128), size_t{64} * 1 * (3 * 128) * 2);
   EXPECT_EQ(attention_kv_pack_bytes(0, 4, 128, 128), size_t{0});
   EXPECT_EQ(attention_kv_pack_bytes(1, 1, 1, 1), size_t{64} * 48 * 2);
-  const auto message = [](auto&& call) {
-    try {
-      call();
-    } catch (const Error& e) {
-      return e.message();
-    }
-    return std::string("no error");
-  };
-  const std::string negative = message([] { (void)attention_kv_pack_bytes(-1, 4, 128, 128); });
+  const std::string negative = error_of([] { (void)attention_kv_pack_bytes(-1, 4, 128, 128); });
   EXPECT_NE(negative.find("total_k, num_heads_k, head_dim_qk and head_dim_v must be >= 0"), std::string::npos)
       << negative;
   for (const int64_t keys : {std::numeric_limits<int64_t>::max(), int64_t{1} << 40}) {
-    const std::string wraps = message([keys] { (void)attention_kv_pack_bytes(keys, 1 << 20, 256, 256); });
+    const std::string wraps = error_of([keys] { (void)attention_kv_pack_bytes(keys, 1 << 20, 256, 256); });
     EXPECT_NE(wraps.find("need more bytes than size_t holds"), std::string::npos) << keys << ": " << wraps;
   }
 }
