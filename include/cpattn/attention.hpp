@@ -153,7 +153,8 @@ struct KvPackShare {
   int part = 0, parts = 1;
   std::function<void()> sync;
 };
-// The bytes of KvPackShare::buffer for K/V of total_k rows (forward and backward alike).
+// The bytes of KvPackShare::buffer for K/V of total_k rows (forward and backward alike);
+// throws cpattn::Error for negative sizes and sizes whose bytes would wrap size_t.
 std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v);
 // Whether a call with options.path = `path` and `dtype` storage packs a KvPackShare (bf16 on
 // the tile paths) rather than alone; false also when `path` does not resolve (a bad
@@ -227,13 +228,18 @@ struct AttnBwdParams {
 
 // The bytes of KvGradShare::buffer that a backward with these params needs (its shapes, work
 // list, dtype and kernel path: the layout of the kernel's partial sums); with no work list
-// (in.work null), the most that any work list over these shapes needs.
+// (in.work null), the most that any work list over these shapes needs. Throws cpattn::Error
+// for sizes whose bytes would wrap size_t.
 std::size_t attention_grad_share_bytes(const AttnBwdParams& p);
 // Key rows [r0, r0 + n) (rows as the work list addresses them, before AttnInputs::key_rows) of
-// the dK and dV that the backward which left `buffer` (a KvGradShare's, filled by a call that
-// has returned) would have written into fp32 views with grad_mode write: fp32 rows
-// [n][num_heads_k][head_dim_qk] into dk and [n][num_heads_k][head_dim_v] into dv, bitwise.
-void attention_grad_share_rows(const std::byte* buffer, int64_t r0, int64_t n, float* dk, float* dv);
+// the dK and dV that the backward which left `buffer` (a KvGradShare's of `bytes`, filled by a
+// call that has returned) would have written into fp32 views with grad_mode write: fp32 rows
+// [n][num_heads_k][head_dim_qk] into dk and [n][num_heads_k][head_dim_v] into dv, bitwise. On
+// the calling thread, on the vector path automatic (or CPATTN_KERNEL_PATH) picks. The layout
+// comes from the buffer's header, which is checked (sizes within `bytes`, head dims, counts):
+// throws cpattn::Error for a buffer no backward filled or rows outside the call's keys.
+void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, int64_t r0, int64_t n, float* dk,
+                               float* dv);
 
 // The checks of a call's sizes and options alone (heads, head dims, dropout, scale, threads,
 // kernel path), as attention_forward/backward make them: for layers that hold a configuration

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 
 namespace cpattn {
@@ -842,14 +843,18 @@ struct CpAttention::State {
     const std::size_t es = dtype_size(cfg.dtype);
     share_src.resize(static_cast<std::size_t>(t_loc));
     if (const int64_t* map = key_rows(cs)) {
+      // The map is the global layout's (PreparedWork: the same on every rank) and a permutation
+      // of the gathered rows, so it names the same key row in every rank's slot, and each of
+      // this rank's rows once.
+      std::fill(share_src.begin(), share_src.end(), int64_t{-1});
       for (int64_t r = 0; r < cs.total_k; ++r)
         if (map[r] >= mine && map[r] < mine + t_loc) share_src[static_cast<std::size_t>(map[r] - mine)] = r;
+      if (std::find(share_src.begin(), share_src.end(), int64_t{-1}) != share_src.end())
+        throw std::logic_error("CpAttention: the context's key_rows do not reach every local row");
     } else {
       for (int64_t i = 0; i < t_loc; ++i) share_src[static_cast<std::size_t>(i)] = mine + i;
     }
-    // At most the local rows, a multiple of 16 (the kernels' partial sums go 16 rows at a time)
-    const int64_t rows = std::min<int64_t>(std::max<int64_t>(16, 16384 / std::max(kr, vr) / 16 * 16),
-                                           std::max<int64_t>(t_loc, 1));
+    const int64_t rows = shared_sum_rows(kr, vr, t_loc);
     const int64_t per = rows * (kr + vr);  // one rank's rows: dK, then dV
     share_rows.resize(static_cast<std::size_t>(cp * per));
     sum_rows.resize(static_cast<std::size_t>(rows * std::max(kr, vr)));
@@ -860,7 +865,7 @@ struct CpAttention::State {
       while (i0 + n < t_loc && n < rows - src % 16 && share_src[static_cast<std::size_t>(i0 + n)] == src + n) ++n;
       for (int q = 0; q < cp; ++q) {
         float* part = share_rows.data() + q * per;
-        attention_grad_share_rows(slot(q), src, n, part, part + rows * kr);
+        attention_grad_share_rows(slot(q), grad_slot_bytes, src, n, part, part + rows * kr);
       }
       for (const bool is_k : {true, false}) {
         const int64_t w = is_k ? kr : vr;
@@ -1061,6 +1066,7 @@ struct CpAttention::State {
         fp.add_and("shared K/V buffers " + std::to_string(i0) + ".. free", flags);
       }
     // (negated: the minimum is minus the largest)
+    const std::size_t grad_field = fp.reduced.size();
     if (local_error.empty()) fp.add_min("grad share bytes, negated", -grad_share_need);
     std::vector<int64_t> minima;
     try {
@@ -1075,8 +1081,7 @@ struct CpAttention::State {
     std::vector<char> free_everywhere(kv_pool.size());
     for (std::size_t i = 0; i < kv_pool.size(); ++i)
       free_everywhere[i] = static_cast<char>((minima[i / kFlagsPerField] >> (i % kFlagsPerField)) & 1);
-    const auto most = static_cast<std::size_t>(-minima.back());
-    grad_slot_bytes = (most + 63) / 64 * 64;
+    if (phase == 2) grad_slot_bytes = (static_cast<std::size_t>(-minima[grad_field]) + 63) / 64 * 64;
     return free_everywhere;
   }
 

@@ -10,7 +10,9 @@
 #include <cpattn/tensor.hpp>
 #include <cpattn/worklist.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstddef>
 #include <vector>
 
@@ -81,5 +83,13 @@ struct RowMove {
 // (PreparedWork::key_rows) is the permutation AttnInputs::key_rows must be
 // (tests/cp/test_cp_worklists.cpp).
 std::vector<RowMove> document_order_moves(const RankPlan& plan);
+
+// The local rows the shared backward finishes at a time (store_shared_sums), for dK and dV rows
+// of kr and vr floats: about 64 KiB of either, a multiple of 16 rows (the kernels' partial
+// sums go 16 rows at a time), at most the local rows (at least one).
+inline int64_t shared_sum_rows(int64_t kr, int64_t vr, int64_t local_rows) {
+  const int64_t widest = std::max<int64_t>({kr, vr, 1});
+  return std::min<int64_t>(std::max<int64_t>(16, 16384 / widest / 16 * 16), std::max<int64_t>(local_rows, 1));
+}
 
 }  // namespace cpattn::cp_detail

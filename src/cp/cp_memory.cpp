@@ -3,9 +3,13 @@
 // tests/cp compares them).
 #include <cpattn/attention.hpp>
 #include <cpattn/cp.hpp>
+#include <cpattn/error.hpp>
 #include <cpattn/memory.hpp>
 
+#include "cp_internal.hpp"
+
 #include <algorithm>
+#include <limits>
 #include <string>
 
 namespace cpattn {
@@ -90,15 +94,20 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // the most any rank's needs; they leave the kernel's scratch, counted there still for the
     // message path) in place of dK/dV of every gathered row, and cp + 1 blocks of the rows it
     // finishes at a time (store_shared_sums) and its rows' sources.
-    const auto krow = static_cast<uint64_t>(c.num_heads_k) * static_cast<uint64_t>(std::max(c.head_dim_qk, c.head_dim_v));
-    const uint64_t at_once = std::min<uint64_t>(std::max<uint64_t>(16, 16384 / std::max<uint64_t>(krow, 1) / 16 * 16),
-                                                std::max<uint64_t>(t, 1));
-    const auto k_rows = static_cast<int64_t>(std::min<uint64_t>(kv_rows, uint64_t{1} << 32));  // (absurd sizes: no wrap)
+    const auto at_once = static_cast<uint64_t>(cp_detail::shared_sum_rows(
+        int64_t{c.num_heads_k} * c.head_dim_qk, int64_t{c.num_heads_k} * c.head_dim_v,
+        static_cast<int64_t>(std::min<uint64_t>(t, uint64_t{1} << 50))));
+    const auto k_rows = static_cast<int64_t>(std::min<uint64_t>(kv_rows, uint64_t{1} << 50));
     const AttnBwdParams p{.in = {.q = {nullptr, 1, c.num_heads_q, c.head_dim_qk, c.dtype},
                                  .k = {nullptr, k_rows, c.num_heads_k, c.head_dim_qk, c.dtype},
                                  .v = {nullptr, k_rows, c.num_heads_k, c.head_dim_v, c.dtype},
                                  .options = c.options}};
-    const uint64_t slot = (attention_grad_share_bytes(p) + 63) / 64 * 64;
+    uint64_t slot = std::numeric_limits<uint64_t>::max();  // absurd sizes: saturated, as everything here
+    try {
+      const uint64_t bytes = attention_grad_share_bytes(p);
+      slot = bytes > slot - 63 ? slot : (bytes + 63) / 64 * 64;
+    } catch (const Error&) {
+    }
     const uint64_t shared = saturating_add(saturating_add(slot, product(static_cast<uint64_t>(cp) + 1, at_once, kv_row, f)),
                                            product(t, sizeof(int64_t)));
     e.buffers = std::max(e.buffers, saturating_add(e.buffers - dkv_all, shared));

@@ -331,19 +331,42 @@ kernels::GradShareLayout grad_share_layout_of(const AttnBwdParams& p) {
 
 }  // namespace
 
-std::size_t attention_grad_share_bytes(const AttnBwdParams& p) { return grad_share_layout_of(p).bytes(); }
+std::size_t attention_grad_share_bytes(const AttnBwdParams& p) {
+  const kernels::GradShareLayout L = grad_share_layout_of(p);
+  CPATTN_CHECK(L.total_k >= 0 && L.hkv >= 0 && L.dp >= 0 && L.dvp >= 0, "attention_grad_share_bytes: k.rows = ",
+               L.total_k, ", k.heads = ", L.hkv, " and the head dims must be >= 0");
+  const auto bytes = L.checked_bytes();
+  CPATTN_CHECK(bytes.has_value(), "attention_grad_share_bytes: total_k = ", L.total_k, " keys of ", L.hkv,
+               " KV heads (", L.sets, " head sets, head dims ", L.dqk, ", ", L.dv, ") need more bytes than size_t holds");
+  return *bytes;
+}
 
-void attention_grad_share_rows(const std::byte* buffer, int64_t r0, int64_t n, float* dk, float* dv) {
-  CPATTN_CHECK(buffer != nullptr, "attention_grad_share_rows: buffer must not be null");
+void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, int64_t r0, int64_t n, float* dk,
+                               float* dv) {
+  const char* fn = "attention_grad_share_rows";
+  CPATTN_CHECK(buffer != nullptr && bytes >= sizeof(kernels::GradShareLayout), fn,
+               ": buffer must not be null and hold at least the header's ", sizeof(kernels::GradShareLayout), " bytes");
   kernels::GradShareLayout L;
   std::memcpy(&L, buffer, sizeof L);
-  CPATTN_CHECK(L.magic == kernels::GradShareLayout::kMagic,
-               "attention_grad_share_rows: the buffer holds no backward's partial sums (a KvGradShare's buffer after "
-               "attention_backward returned)");
-  CPATTN_CHECK(r0 >= 0 && n >= 0 && r0 <= L.total_k - n, "attention_grad_share_rows: rows [", r0, ", ", r0 + n,
+  // A header that no backward wrote, or that a stray write changed: refused, not followed.
+  const bool sane = L.magic == kernels::GradShareLayout::kMagic && L.total_k >= 0 && L.hkv >= 1 && L.sets >= 1 &&
+                    L.dqk >= 1 && L.dqk <= 256 && L.dv >= 1 && L.dv <= 256 && L.dp == kernels::pad_up(L.dqk) &&
+                    L.dvp == kernels::pad_up(L.dv) && (L.transposed == 0 || L.transposed == 1) &&
+                    L.nbb == (L.total_k + kernels::BBK - 1) / kernels::BBK &&
+                    L.g_rows == (L.transposed ? L.nbb * kernels::BBK : L.total_k);
+  CPATTN_CHECK(sane, fn, ": the buffer holds no backward's partial sums (a KvGradShare's buffer after "
+               "attention_backward returned), or its header was overwritten");
+  const auto need = L.checked_bytes();
+  CPATTN_CHECK(need.has_value() && *need <= bytes, fn, ": the buffer has ", bytes,
+               " bytes, the layout in its header needs ", need.value_or(0));
+  CPATTN_CHECK(r0 >= 0 && n >= 0 && r0 <= L.total_k - n, fn, ": rows [", r0, ", ", r0 + n,
                ") are not within the call's ", L.total_k, " key rows");
-  CPATTN_CHECK(n == 0 || (dk != nullptr && dv != nullptr), "attention_grad_share_rows: dk and dv must not be null");
-  kernel_table(KernelPath::automatic, DType::f32).grad_share_rows(L, buffer, r0, n, dk, dv);
+  CPATTN_CHECK(n == 0 || (dk != nullptr && dv != nullptr), fn, ": dk and dv must not be null");
+  // The path automatic picks, without resolve_kernel_path's reasons (a CP rank calls this
+  // cp times per few rows).
+  const KernelPath env = env_kernel_path();
+  find_path(env != KernelPath::automatic ? env : best_kernel_path(DType::f32))->table->grad_share_rows(L, buffer, r0,
+                                                                                                       n, dk, dv);
 }
 
 bool attention_shares_kv_pack(KernelPath path, DType dtype) {

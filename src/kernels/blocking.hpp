@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 namespace cpattn::kernels {
 
@@ -157,6 +158,19 @@ struct GradShareLayout {
   std::size_t gv_offset() const { return kHeader + gk_floats() * sizeof(float); }
   std::size_t touched_offset() const { return gv_offset() + gv_floats() * sizeof(float); }
   std::size_t bytes() const { return touched_offset() + units() * static_cast<std::size_t>(nbb); }
+  // bytes(), or nothing when it would wrap size_t (every count non-negative)
+  std::optional<std::size_t> checked_bytes() const {
+    const auto u = static_cast<std::size_t>(hkv), rows = static_cast<std::size_t>(g_rows);
+    std::size_t units_n = 0, per_row = 0, floats = 0, all = 0, flags = 0;
+    if (__builtin_mul_overflow(u, static_cast<std::size_t>(sets), &units_n) ||
+        __builtin_add_overflow(static_cast<std::size_t>(dp), static_cast<std::size_t>(dvp), &per_row) ||
+        __builtin_mul_overflow(units_n, rows, &floats) || __builtin_mul_overflow(floats, per_row, &floats) ||
+        __builtin_mul_overflow(floats, sizeof(float), &all) ||
+        __builtin_mul_overflow(units_n, static_cast<std::size_t>(nbb), &flags) ||
+        __builtin_add_overflow(all, flags, &all) || __builtin_add_overflow(all, kHeader, &all))
+      return std::nullopt;
+    return all;
+  }
 };
 static_assert(sizeof(GradShareLayout) <= GradShareLayout::kHeader);
 // The layout for a backward of these sizes (max_q: its longest task; bf16_tiles: bf16 on a

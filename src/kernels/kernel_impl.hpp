@@ -2107,9 +2107,10 @@ void backward_impl(const AttnBwdParams& p) {
     // tile on the stack)
     const int red_thr = t16 ? static_cast<int>(std::min<int64_t>(nbb, opt.num_threads)) : 0;
     used += static_cast<size_t>(red_thr) * BBK * (dp + dvp);
-    check_scratch_bound(used, backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q,
-                                                      cr.bd == Dot::bf16_pairs, t16)
-                                  .total(std::max(nthr, red_thr)));
+    BwdScratchFloats bound =
+        backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q, cr.bd == Dot::bf16_pairs, t16);
+    if (share) bound.per_set_grads = 0;  // (the share's buffer holds them: attention_backward_scratch_bytes)
+    check_scratch_bound(used, bound.total(std::max(nthr, red_thr)));
   }
 
   // The query heads [h0, h1) of a set of unit u (one kv head's): its tasks in order, the pieces
@@ -2531,7 +2532,8 @@ void backward_impl(const AttnBwdParams& p) {
 void grad_share_rows_impl(const GradShareLayout& L, const std::byte* buffer, int64_t r0, int64_t n, float* dk,
                           float* dv) {
   const auto* touched = reinterpret_cast<const char*>(buffer + L.touched_offset());
-  std::vector<int> reached(static_cast<size_t>(L.sets));
+  thread_local std::vector<int> reached;  // (called cp times per few rows: no allocation per call)
+  reached.resize(static_cast<size_t>(L.sets));
   alignas(64) float rows16[16][256];  // a group's 16 rows of one KV head, whole (dims <= 256)
   for (const bool is_k : {true, false}) {
     const int dim = is_k ? L.dqk : L.dv, dpad = is_k ? L.dp : L.dvp;

@@ -226,10 +226,6 @@ void validate(const AttnBwdParams& p) {
                  static_cast<int>(p.grad_mode));
     CPATTN_CHECK(p.grad_share->buffer != nullptr && reinterpret_cast<uintptr_t>(p.grad_share->buffer) % 64 == 0, fn,
                  ": grad_share.buffer must be a 64-byte aligned, non-null pointer");
-    check_work(fn, p.in.work, s.total_q, s.total_k);
-    const std::size_t need = attention_grad_share_bytes(p);
-    CPATTN_CHECK(p.grad_share->bytes >= need, fn, ": grad_share.bytes is ", p.grad_share->bytes,
-                 ", the call needs attention_grad_share_bytes = ", need);
   } else if (p.grad_mode == GradMode::write) {  // the storage dtype, or fp32 (a caller's sums)
     CPATTN_CHECK(p.dk.dtype == p.dv.dtype && (p.dk.dtype == dt || p.dk.dtype == DType::f32), fn,
                  ": grad_mode write needs dk and dv both of the inputs' dtype ", to_string(dt),
@@ -240,6 +236,11 @@ void validate(const AttnBwdParams& p) {
                  ", dv ", to_string(p.dv.dtype));
   }
   check_work(fn, p.in.work, s.total_q, s.total_k);
+  if (p.grad_share) {  // (the layout reads the work list's tasks: checked above)
+    const std::size_t need = attention_grad_share_bytes(p);
+    CPATTN_CHECK(p.grad_share->bytes >= need, fn, ": grad_share.bytes is ", p.grad_share->bytes,
+                 ", the call needs attention_grad_share_bytes = ", need);
+  }
 }
 
 }  // namespace cpattn::kernels

@@ -39,7 +39,6 @@ const std::vector<int64_t> kLengths{37, 100, 1, 64, 23, 9};
 
 constexpr uint64_t kSeed = 1;  // the batch of every single-process comparison
 
-// Asserts the pass rule of check/tolerance.hpp; the message names the tensor and its worst row.
 // One rank's rows of a batch (plan p), and buffers for its outputs and gradients.
 struct LocalRows {
   check::Tensor q, k, v, dout, out, dq, dk, dv;
@@ -50,6 +49,7 @@ struct LocalRows {
         dv(t, v.shape), lse(static_cast<std::size_t>(p.local_tokens * s.hq)) {}
 };
 
+// Asserts the pass rule of check/tolerance.hpp; the message names the tensor and its worst row.
 void expect_pass(const check::TensorReport& r) { EXPECT_TRUE(r.pass) << r.describe(); }
 
 // Every padding row of a rank's output exactly zero, of its lse exactly -inf.

@@ -8,6 +8,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
+#include "../src/kernels/blocking.hpp"  // GradShareLayout
 #include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, tile_dot and tile_gemm, the products' steps
 #include "error_of.hpp"
 
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -896,12 +898,28 @@ TEST(kernel_attention, KeyRowsReadAndWriteThePermutedRowsBitwise) {
   }
 }
 
+// Sets CPATTN_KERNEL_PATH for one scope and restores what was there.
+class EnvPath {
+ public:
+  explicit EnvPath(const char* value) {
+    if (const char* v = std::getenv("CPATTN_KERNEL_PATH")) old_ = v;
+    setenv("CPATTN_KERNEL_PATH", value, 1);
+  }
+  ~EnvPath() { old_ ? setenv("CPATTN_KERNEL_PATH", old_->c_str(), 1) : unsetenv("CPATTN_KERNEL_PATH"); }
+  EnvPath(const EnvPath&) = delete;
+  EnvPath& operator=(const EnvPath&) = delete;
+
+ private:
+  std::optional<std::string> old_;
+};
+
 // ---- KvGradShare: the partial sums left for another process --------------------------------
 // attention_grad_share_rows over the buffer a backward with grad_share left: every row
 // bitwise what the same call writes into fp32 views in write mode (at the stored row, through
 // key_rows when given), read in uneven pieces (1, 15, 16, 17, 100 rows: the 16-row groups and
 // BBK blocks cut anywhere). Cases: GQA of 4 with odd head dims (two head sets on the fp32 and
-// bf16-pair paths, one on bf16 tiles), keys no query reaches (a 300-key document seen by one
+// bf16-pair paths, one on bf16 tiles), GQA of 8 (two sets of 4 on every path, bf16 tiles and
+// amx_emulated included), keys no query reaches (a 300-key document seen by one
 // query through a 10-key window: blocks that no piece touched), MHA; fp32, fp16, bf16, every
 // path this CPU runs, with and without a row map; and on amx a task past BWD_LONG_TASK (two
 // head sets on bf16 tiles).
@@ -910,9 +928,10 @@ TEST(kernel_grad_share, RowsAreBitwiseTheFp32WriteOfTheSameCall) {
   gqa.window_left = 50;
   AttnCase unseen{"unseen", {1, 37}, {300, 37}, 4, 4, 32, 32, MaskType::causal};
   unseen.window_left = 10;
+  AttnCase wide{"gqa8", {19, 140}, {19, 140}, 16, 2, 16, 48, MaskType::causal};  // two sets of 4 also on tiles
   AttnCase long_task{"long", {4200}, {4200}, 4, 1, 16, 16, MaskType::causal};
   int ran = 0;
-  for (const AttnCase* c : {&gqa, &unseen, &long_task})
+  for (const AttnCase* c : {&gqa, &unseen, &wide, &long_task})
     for (DType dt : {DType::f32, DType::f16, DType::bf16})
       for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                               KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
@@ -962,15 +981,14 @@ TEST(kernel_grad_share, RowsAreBitwiseTheFp32WriteOfTheSameCall) {
           // this CPU has reads what this path wrote.
           for (const char* reader : {"portable", "avx2", "avx512"}) {
             if (!kernel_path_supported(parse_kernel_path(reader))) continue;
-            ::setenv("CPATTN_KERNEL_PATH", reader, 1);
+            const EnvPath env(reader);
             std::vector<float> gk(want_k.size(), -1.0f), gv(want_v.size(), -1.0f);
             const int64_t steps[] = {1, 15, 16, 17, 100};
             for (int64_t r0 = 0, i = 0; r0 < tk; ++i) {
               const int64_t n = std::min(steps[i % 5], tk - r0);
-              attention_grad_share_rows(buf, r0, n, gk.data() + r0 * krow, gv.data() + r0 * vrow);
+              attention_grad_share_rows(buf, bytes, r0, n, gk.data() + r0 * krow, gv.data() + r0 * vrow);
               r0 += n;
             }
-            ::unsetenv("CPATTN_KERNEL_PATH");
             EXPECT_EQ(0, std::memcmp(gk.data(), want_k.data(), gk.size() * sizeof(float))) << "dk, read on " << reader;
             EXPECT_EQ(0, std::memcmp(gv.data(), want_v.data(), gv.size() * sizeof(float))) << "dv, read on " << reader;
           }
@@ -1004,14 +1022,24 @@ TEST(kernel_grad_share, BadUsesAreRefused) {
   bp.grad_mode = GradMode::accumulate;
   EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share needs grad_mode write"), std::string::npos);
   std::vector<float> rk(8 * 8), rv(8 * 8);
-  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, 0, 1, rk.data(), rv.data()); })
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, 0, 1, rk.data(), rv.data()); })
                 .find("holds no backward's partial sums"),
             std::string::npos);
   bp.grad_mode = GradMode::write;
   attention_backward(bp);
-  EXPECT_NO_THROW(attention_grad_share_rows(buf, 0, 8, rk.data(), rv.data()));
-  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, 5, 4, rk.data(), rv.data()); })
+  EXPECT_NO_THROW(attention_grad_share_rows(buf, bytes, 0, 8, rk.data(), rv.data()));
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, 5, 4, rk.data(), rv.data()); })
                 .find("rows [5, 9) are not within the call's 8 key rows"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes - 1, 0, 8, rk.data(), rv.data()); })
+                .find("the layout in its header needs " + std::to_string(bytes)),
+            std::string::npos);
+  std::vector<std::byte> copy(raw);  // a header that a stray write changed: refused, not followed
+  auto* bad = copy.data() + (buf - raw.data());
+  int32_t huge = 4096;
+  std::memcpy(bad + offsetof(kernels::GradShareLayout, dp), &huge, sizeof huge);
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(bad, bytes, 0, 8, rk.data(), rv.data()); })
+                .find("holds no backward's partial sums"),
             std::string::npos);
 }
 
@@ -1354,21 +1382,6 @@ TEST(kernel_paths, AutomaticPicksTheFastestPathTheCpuHasByTheDocumentedOrder) {
   EXPECT_EQ(resolve_kernel_path(KernelPath::portable, DType::bf16).path, KernelPath::portable);
   EXPECT_EQ(resolve_kernel_path(KernelPath::portable, DType::bf16).reason, "forced by AttnOptions::path");
 }
-
-// Sets CPATTN_KERNEL_PATH for one scope and restores what was there.
-class EnvPath {
- public:
-  explicit EnvPath(const char* value) {
-    if (const char* v = std::getenv("CPATTN_KERNEL_PATH")) old_ = v;
-    setenv("CPATTN_KERNEL_PATH", value, 1);
-  }
-  ~EnvPath() { old_ ? setenv("CPATTN_KERNEL_PATH", old_->c_str(), 1) : unsetenv("CPATTN_KERNEL_PATH"); }
-  EnvPath(const EnvPath&) = delete;
-  EnvPath& operator=(const EnvPath&) = delete;
-
- private:
-  std::optional<std::string> old_;
-};
 
 TEST(kernel_paths, EnvironmentOverridesAutomaticAndIsValidated) {
   const AttnCase c{"env", {33, 1, 20}, {33, 1, 20}, 2, 1, 24, 24, MaskType::causal};
