@@ -236,10 +236,12 @@ std::size_t attention_grad_share_bytes(const AttnBwdParams& p);
 // call that has returned) would have written into fp32 views with grad_mode write: fp32 rows
 // [n][num_heads_k][head_dim_qk] into dk and [n][num_heads_k][head_dim_v] into dv, bitwise. On
 // the calling thread, on the vector path automatic (or CPATTN_KERNEL_PATH) picks. The layout
-// comes from the buffer's header, which is checked (sizes within `bytes`, head dims, counts):
-// throws cpattn::Error for a buffer no backward filled or rows outside the call's keys.
-void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, int64_t r0, int64_t n, float* dk,
-                               float* dv);
+// comes from the buffer's header, which is checked (sizes within `bytes`, head dims, counts)
+// and must hold `shape`'s num_heads_k, head_dim_qk and head_dim_v (the widths of the rows
+// written; its other fields are not read): throws cpattn::Error for a buffer no backward
+// filled, another shape, or rows outside the call's keys.
+void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, const AttnShape& shape, int64_t r0,
+                               int64_t n, float* dk, float* dv);
 
 // The checks of a call's sizes and options alone (heads, head dims, dropout, scale, threads,
 // kernel path), as attention_forward/backward make them: for layers that hold a configuration

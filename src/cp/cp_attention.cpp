@@ -856,6 +856,7 @@ struct CpAttention::State {
     }
     const int64_t rows = shared_sum_rows(kr, vr, t_loc);
     const int64_t per = rows * (kr + vr);  // one rank's rows: dK, then dV
+    const AttnShape shape{.num_heads_k = cfg.num_heads_k, .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v};
     share_rows.resize(static_cast<std::size_t>(cp * per));
     sum_rows.resize(static_cast<std::size_t>(rows * std::max(kr, vr)));
     for (int64_t i0 = 0; i0 < t_loc;) {
@@ -865,7 +866,7 @@ struct CpAttention::State {
       while (i0 + n < t_loc && n < rows - src % 16 && share_src[static_cast<std::size_t>(i0 + n)] == src + n) ++n;
       for (int q = 0; q < cp; ++q) {
         float* part = share_rows.data() + q * per;
-        attention_grad_share_rows(slot(q), grad_slot_bytes, src, n, part, part + rows * kr);
+        attention_grad_share_rows(slot(q), grad_slot_bytes, shape, src, n, part, part + rows * kr);
       }
       for (const bool is_k : {true, false}) {
         const int64_t w = is_k ? kr : vr;

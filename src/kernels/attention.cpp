@@ -333,7 +333,7 @@ kernels::GradShareLayout grad_share_layout_of(const AttnBwdParams& p) {
 
 std::size_t attention_grad_share_bytes(const AttnBwdParams& p) {
   const kernels::GradShareLayout L = grad_share_layout_of(p);
-  CPATTN_CHECK(L.total_k >= 0 && L.hkv >= 0 && L.dp >= 0 && L.dvp >= 0, "attention_grad_share_bytes: k.rows = ",
+  CPATTN_CHECK(L.total_k >= 0 && L.hkv >= 0 && L.dqk >= 0 && L.dv >= 0, "attention_grad_share_bytes: k.rows = ",
                L.total_k, ", k.heads = ", L.hkv, " and the head dims must be >= 0");
   const auto bytes = L.checked_bytes();
   CPATTN_CHECK(bytes.has_value(), "attention_grad_share_bytes: total_k = ", L.total_k, " keys of ", L.hkv,
@@ -341,16 +341,21 @@ std::size_t attention_grad_share_bytes(const AttnBwdParams& p) {
   return *bytes;
 }
 
-void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, int64_t r0, int64_t n, float* dk,
-                               float* dv) {
+void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, const AttnShape& shape, int64_t r0,
+                               int64_t n, float* dk, float* dv) {
   const char* fn = "attention_grad_share_rows";
-  CPATTN_CHECK(buffer != nullptr && bytes >= sizeof(kernels::GradShareLayout), fn,
-               ": buffer must not be null and hold at least the header's ", sizeof(kernels::GradShareLayout), " bytes");
+  CPATTN_CHECK(buffer != nullptr && bytes >= sizeof(kernels::GradShareLayout) &&
+                   reinterpret_cast<uintptr_t>(buffer) % alignof(float) == 0,
+               fn, ": buffer must be a float-aligned pointer to at least the header's ",
+               sizeof(kernels::GradShareLayout), " bytes");
   kernels::GradShareLayout L;
   std::memcpy(&L, buffer, sizeof L);
-  // A header that no backward wrote, or that a stray write changed: refused, not followed.
-  const bool sane = L.magic == kernels::GradShareLayout::kMagic && L.total_k >= 0 && L.hkv >= 1 && L.sets >= 1 &&
-                    L.dqk >= 1 && L.dqk <= 256 && L.dv >= 1 && L.dv <= 256 && L.dp == kernels::pad_up(L.dqk) &&
+  // A header that no backward wrote, or that a stray write changed: refused, not followed
+  // (total_k first: every key row takes bytes, so nothing below overflows).
+  const bool sane = L.magic == kernels::GradShareLayout::kMagic && L.total_k >= 0 &&
+                    static_cast<uint64_t>(L.total_k) <= bytes && L.hkv >= 1 && L.sets >= 1 &&
+                    static_cast<uint64_t>(L.sets) <= bytes && L.dqk >= 1 && L.dqk <= 256 && L.dv >= 1 &&
+                    L.dv <= 256 && L.dp == kernels::pad_up(L.dqk) &&
                     L.dvp == kernels::pad_up(L.dv) && (L.transposed == 0 || L.transposed == 1) &&
                     L.nbb == (L.total_k + kernels::BBK - 1) / kernels::BBK &&
                     L.g_rows == (L.transposed ? L.nbb * kernels::BBK : L.total_k);
@@ -358,10 +363,16 @@ void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, int64
                "attention_backward returned), or its header was overwritten");
   const auto need = L.checked_bytes();
   CPATTN_CHECK(need.has_value() && *need <= bytes, fn, ": the buffer has ", bytes,
-               " bytes, the layout in its header needs ", need.value_or(0));
+               " bytes, the layout in its header needs ",
+               need ? std::to_string(*need) : std::string("more than size_t holds"));
+  // The rows written are the caller's: its shape must be the header's.
+  CPATTN_CHECK(shape.num_heads_k == L.hkv && shape.head_dim_qk == L.dqk && shape.head_dim_v == L.dv, fn,
+               ": the caller's num_heads_k, head_dim_qk, head_dim_v are ", shape.num_heads_k, ", ", shape.head_dim_qk,
+               ", ", shape.head_dim_v, "; the buffer's backward had ", L.hkv, ", ", L.dqk, ", ", L.dv);
   CPATTN_CHECK(r0 >= 0 && n >= 0 && r0 <= L.total_k - n, fn, ": rows [", r0, ", ", r0 + n,
                ") are not within the call's ", L.total_k, " key rows");
   CPATTN_CHECK(n == 0 || (dk != nullptr && dv != nullptr), fn, ": dk and dv must not be null");
+  if (n == 0) return;
   // The path automatic picks, without resolve_kernel_path's reasons (a CP rank calls this
   // cp times per few rows).
   const KernelPath env = env_kernel_path();

@@ -986,7 +986,8 @@ TEST(kernel_grad_share, RowsAreBitwiseTheFp32WriteOfTheSameCall) {
             const int64_t steps[] = {1, 15, 16, 17, 100};
             for (int64_t r0 = 0, i = 0; r0 < tk; ++i) {
               const int64_t n = std::min(steps[i % 5], tk - r0);
-              attention_grad_share_rows(buf, bytes, r0, n, gk.data() + r0 * krow, gv.data() + r0 * vrow);
+              attention_grad_share_rows(buf, bytes, sp.in.shape(), r0, n, gk.data() + r0 * krow,
+                                        gv.data() + r0 * vrow);
               r0 += n;
             }
             EXPECT_EQ(0, std::memcmp(gk.data(), want_k.data(), gk.size() * sizeof(float))) << "dk, read on " << reader;
@@ -1010,6 +1011,7 @@ TEST(kernel_grad_share, BadUsesAreRefused) {
   attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1));
   AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, KernelPath::automatic, 1);
   const std::size_t bytes = attention_grad_share_bytes(bp);
+  const AttnShape shape = bp.in.shape();
   std::vector<std::byte> raw(bytes + 128);
   auto* buf = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) / 64 * 64);
   KvGradShare share{.buffer = buf, .bytes = bytes - 1};
@@ -1022,25 +1024,52 @@ TEST(kernel_grad_share, BadUsesAreRefused) {
   bp.grad_mode = GradMode::accumulate;
   EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share needs grad_mode write"), std::string::npos);
   std::vector<float> rk(8 * 8), rv(8 * 8);
-  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, 0, 1, rk.data(), rv.data()); })
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, shape, 0, 1, rk.data(), rv.data()); })
                 .find("holds no backward's partial sums"),
             std::string::npos);
   bp.grad_mode = GradMode::write;
   attention_backward(bp);
-  EXPECT_NO_THROW(attention_grad_share_rows(buf, bytes, 0, 8, rk.data(), rv.data()));
-  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, 5, 4, rk.data(), rv.data()); })
+  EXPECT_NO_THROW(attention_grad_share_rows(buf, bytes, shape, 0, 8, rk.data(), rv.data()));
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, shape, 5, 4, rk.data(), rv.data()); })
                 .find("rows [5, 9) are not within the call's 8 key rows"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes - 1, 0, 8, rk.data(), rv.data()); })
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes - 1, shape, 0, 8, rk.data(), rv.data()); })
                 .find("the layout in its header needs " + std::to_string(bytes)),
             std::string::npos);
-  std::vector<std::byte> copy(raw);  // a header that a stray write changed: refused, not followed
-  auto* bad = copy.data() + (buf - raw.data());
-  int32_t huge = 4096;
-  std::memcpy(bad + offsetof(kernels::GradShareLayout, dp), &huge, sizeof huge);
-  EXPECT_NE(error_of([&] { attention_grad_share_rows(bad, bytes, 0, 8, rk.data(), rv.data()); })
-                .find("holds no backward's partial sums"),
+  AttnShape other = shape;  // rows of another width than the buffer's backward wrote
+  other.head_dim_v = 9;
+  EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, other, 0, 8, rk.data(), rv.data()); })
+                .find("the caller's num_heads_k, head_dim_qk, head_dim_v are 1, 8, 9; the buffer's backward had 1, 8, 8"),
             std::string::npos);
+  // Headers that a stray write changed: refused, not followed. A head dim past 256 (whose
+  // padded dims are consistent and whose bytes fit: only the dims' bound stops it), a block
+  // count, a row count and a layout flag that do not follow from total_k.
+  for (const auto& [field, value] : {std::pair{offsetof(kernels::GradShareLayout, dqk), 496},
+                                     {offsetof(kernels::GradShareLayout, nbb), 7},
+                                     {offsetof(kernels::GradShareLayout, transposed), 2}}) {
+    std::vector<std::byte> copy(raw);
+    auto* bad = copy.data() + (buf - raw.data());
+    kernels::GradShareLayout L;
+    std::memcpy(&L, bad, sizeof L);
+    if (field == offsetof(kernels::GradShareLayout, dqk)) {
+      L.dqk = L.dp = value;
+      L.dv = L.dvp = 16;
+      L.hkv = L.sets = 1;
+      L.total_k = L.nbb = L.g_rows = 1;
+      L.transposed = 0;
+      ASSERT_LE(L.bytes(), bytes);
+    } else if (field == offsetof(kernels::GradShareLayout, nbb)) {
+      L.nbb = value;
+    } else {
+      L.transposed = value;
+    }
+    std::memcpy(bad, &L, sizeof L);
+    const AttnShape as{.num_heads_k = L.hkv, .head_dim_qk = L.dqk, .head_dim_v = L.dv};
+    EXPECT_NE(error_of([&] { attention_grad_share_rows(bad, bytes, as, 0, 1, rk.data(), rv.data()); })
+                  .find("holds no backward's partial sums"),
+              std::string::npos)
+        << "field at " << field;
+  }
 }
 
 TEST(kernel_attention, KeyRowsAndWriteModeDtypesAreChecked) {
