@@ -424,8 +424,8 @@ struct CpAttention::State {
   // use_count() == 1 on every rank; a model's layers share this layer, so there are as many
   // entries as contexts were alive at once, at most kKvPool); dkv_shared every rank's slot of
   // grad_slot_bytes, where its backward kernel leaves its fp32 partial sums of dK/dV
-  // (KvGradShare, in the kernel's layout). shm_off: a creation failed on some rank (ranks on several hosts), and every rank
-  // keeps to messages.
+  // (KvGradShare, in the kernel's layout). shm_off: a creation failed on some rank (ranks on
+  // several hosts), and every rank keeps to messages.
   static constexpr std::size_t kKvPool = 256, kFlagsPerField = 63;
   std::vector<std::shared_ptr<NodeBuffer>> kv_pool;
   std::unique_ptr<NodeBuffer> dkv_shared;
@@ -509,6 +509,11 @@ struct CpAttention::State {
                 }};
   }
   std::size_t dkv_shared_bytes() const { return static_cast<std::size_t>(comm.size()) * grad_slot_bytes; }
+  // Whether a backward of context c takes shared_backward (when its buffers can be made): the
+  // one place that says so, for its agreement (the slot size) and for the call itself.
+  bool takes_shared_backward(const CpContext::State& c) const {
+    return cfg.scheme == CpScheme::allgather && !uses_a2a() && c.groups == 1 && shm_enabled();
+  }
   // Makes `buf` hold at least `bytes` (remade at that size when it is smaller: the largest plan
   // so far sets it, exactly what cp_memory_estimate counts). Collective: every rank calls it at
   // the same point with the same arguments (agreed ones). false (and shm_off from then on)
@@ -1461,7 +1466,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     check_view(fn, "dk", a.dk, s.k_like(t), true);
     check_view(fn, "dv", a.dv, s.v_like(t), true);
     if (c.check_finite) check_finite(fn, "dout", a.dout, *ctx.s_->plan);
-    if (c.scheme == CpScheme::allgather && !s.uses_a2a() && ctx.s_->groups == 1 && s.shm_enabled())
+    if (s.takes_shared_backward(*ctx.s_))
       grad_need = static_cast<int64_t>(attention_grad_share_bytes({.in = s.inputs(a.q, *ctx.s_)}));
   } catch (const Error& e) {
     err = e.message();
@@ -1493,7 +1498,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     ctx.s_.reset();
     return;
   }
-  if (cs->groups == 1 && s.shm_enabled() && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes()) &&
+  if (s.takes_shared_backward(*cs) && s.ensure_shared(s.dkv_shared, s.dkv_shared_bytes()) &&
       (!s.share_pack || s.ensure_shared(s.pack_shared, s.pack_shared_bytes(*cs->plan)))) {
     s.shared_backward(a, *cs);
     count_bytes();
