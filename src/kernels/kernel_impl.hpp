@@ -1135,6 +1135,48 @@ inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, flo
   }
 }
 
+#if CPATTN_VW == 16  // (AVX-512F: the avx512, avx512_bf16 and amx paths)
+// r[i] (16 dwords each) transposed in place: r[j] element i = old r[i] element j. Two-source
+// permutes throughout (GCC 12 warns of an uninitialized operand in its unpack and lane-shuffle
+// intrinsics): per 128-bit lane the unpacks of dwords, then of dword pairs, then lane moves.
+inline void transpose16x16_epi32(__m512i (&r)[16]) {
+  auto lanes = [](int a, int b, int c, int d) {  // dword i of lane L from the 4L-relative index (16+: b's)
+    return _mm512_setr_epi32(a, b, c, d, a + 4, b + 4, c + 4, d + 4, a + 8, b + 8, c + 8, d + 8, a + 12, b + 12,
+                             c + 12, d + 12);
+  };
+  const __m512i lo32 = lanes(0, 16, 1, 17), hi32 = lanes(2, 18, 3, 19);
+  const __m512i lo64 = lanes(0, 1, 16, 17), hi64 = lanes(2, 3, 18, 19);
+  const __m512i even_lanes = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i odd_lanes = _mm512_add_epi32(even_lanes, _mm512_set1_epi32(4));
+  auto perm = [](__m512i a, __m512i idx, __m512i b) { return _mm512_permutex2var_epi32(a, idx, b); };
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = perm(r[i], lo32, r[i + 1]);
+    t[i + 1] = perm(r[i], hi32, r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = perm(t[i], lo64, t[i + 2]);
+    r[i + 1] = perm(t[i], hi64, t[i + 2]);
+    r[i + 2] = perm(t[i + 1], lo64, t[i + 3]);
+    r[i + 3] = perm(t[i + 1], hi64, t[i + 3]);
+  }
+  // Each 128-bit lane of r[i] now holds a 4 x 4 block of the transpose; two lane shuffles
+  // put the blocks in place.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = perm(r[i], even_lanes, r[i + 4]);
+    t[i + 4] = perm(r[i], odd_lanes, r[i + 4]);
+    t[i + 8] = perm(r[i + 8], even_lanes, r[i + 12]);
+    t[i + 12] = perm(r[i + 8], odd_lanes, r[i + 12]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = perm(t[i], even_lanes, t[i + 8]);
+    r[i + 8] = perm(t[i], odd_lanes, t[i + 8]);
+    r[i + 4] = perm(t[i + 4], even_lanes, t[i + 12]);
+    r[i + 12] = perm(t[i + 4], odd_lanes, t[i + 12]);
+  }
+}
+#endif
+
 // ---- packed K/V --------------------------------------------------------------------------
 struct Packed {
   int64_t nblk = 0;  // blocks of BK physical key rows
@@ -1214,25 +1256,57 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
     float* vr = backward ? nullptr : pk.vr.data() + hk * pk.nblk * BK * pk.dvp;
     float* kr = backward ? pk.kr.data() + hk * pk.nblk * BK * pk.dp : nullptr;
     float* vt = backward ? pk.vt.data() + u * BK * pk.dvp : nullptr;
-    std::vector<float> row(std::max(pk.dp, pk.dvp));
-    for (int c = 0; c < BK; ++c) {
-      const int64_t r = b * BK + c;
-      const bool real = r < total_k;  // the last block's rows past total_k: zeros
-      const int cp = c / PAD, cr = c % PAD;
-      const int64_t sr = real ? in.stored_key_row(r) : r;  // the stored row
-      if (real)
-        ld_row(K.data, dtype, sr * k_rs + hk * k_hs, K.dim, pk.dp, row.data());
-      else
-        std::fill(row.begin(), row.end(), 0.0f);
-      for (int d = 0; d < pk.dp; ++d) {
-        kt[(cp * pk.dp + d) * PAD + cr] = row[d];
-        if (kr) kr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
+    // A panel of PAD rows at a time: loaded into `rows` ([PAD][width], the pad past the head
+    // dim and rows past total_k as zeros), then stored as rows (K, V: PAD-float pieces of each
+    // row) and transposed (K^T, V^T). The next panel's rows are asked for first: the rows of
+    // one kv head are a row step apart (2 KiB and more), a stride the hardware prefetchers do
+    // not follow across pages, and each row's load waited for memory.
+    std::vector<float> rows(static_cast<size_t>(PAD) * std::max(pk.dp, pk.dvp));
+    auto load = [&](const ConstTensorView& X, int64_t rs, int64_t hs, int64_t r0, int width) {
+      for (int c = 0; c < PAD; ++c) {
+        const int64_t r = r0 + c;
+        float* row = rows.data() + c * width;
+        if (r < total_k)
+          ld_row(X.data, dtype, in.stored_key_row(r) * rs + hk * hs, X.dim, width, row);
+        else
+          std::fill(row, row + width, 0.0f);
       }
-      if (real) ld_row(V.data, dtype, sr * v_rs + hk * v_hs, V.dim, pk.dvp, row.data());
-      for (int d = 0; d < pk.dvp; ++d) {
-        if (vr) vr[(d / PAD) * pk.vr_ps() + r * PAD + d % PAD] = row[d];
-        if (vt) vt[(cp * pk.dvp + d) * PAD + cr] = row[d];
+    };
+    auto prefetch = [&](const ConstTensorView& X, int64_t rs, int64_t hs, int64_t r0) {
+      for (int64_t r = r0; r < std::min(r0 + PAD, total_k); ++r)
+        prefetch_row(X.data, dtype, in.stored_key_row(r) * rs + hk * hs, X.dim);
+    };
+    // rows as PAD-float pieces of each row: piece d / PAD of row r at dst + (d / PAD) * vr_ps() + r * PAD.
+    auto store_rows = [&](int64_t r0, int width, float* dst) {
+      for (int c = 0; c < PAD; ++c)
+        for (int d0 = 0; d0 < width; d0 += PAD)
+          std::memcpy(dst + (d0 / PAD) * pk.vr_ps() + (r0 + c) * PAD, rows.data() + c * width + d0, PAD * sizeof(float));
+    };
+    // rows transposed: dst[d * PAD + c] = row c's element d.
+    auto store_transposed = [&](int width, float* dst) {
+#if CPATTN_VW == 16
+      static_assert(PAD == 16);
+      __m512i x[16];
+      for (int d0 = 0; d0 < width; d0 += 16) {
+        for (int c = 0; c < 16; ++c) x[c] = _mm512_loadu_si512(rows.data() + c * width + d0);
+        transpose16x16_epi32(x);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (d0 + i) * PAD, x[i]);
       }
+#else
+      for (int d = 0; d < width; ++d)
+        for (int c = 0; c < PAD; ++c) dst[d * PAD + c] = rows[c * width + d];
+#endif
+    };
+    for (int p = 0; p < BK / PAD; ++p) {
+      const int64_t r0 = b * BK + p * PAD;
+      prefetch(K, k_rs, k_hs, r0 + PAD);
+      prefetch(V, v_rs, v_hs, r0 + PAD);
+      load(K, k_rs, k_hs, r0, pk.dp);
+      store_transposed(pk.dp, kt + p * pk.dp * PAD);
+      if (kr) store_rows(r0, pk.dp, kr);
+      load(V, v_rs, v_hs, r0, pk.dvp);
+      if (vr) store_rows(r0, pk.dvp, vr);
+      if (vt) store_transposed(pk.dvp, vt + p * pk.dvp * PAD);
     }
   });
   if (!pairs) return;
@@ -1260,47 +1334,6 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   });
 }
 
-#if CPATTN_VW == 16  // (AVX-512F: the avx512, avx512_bf16 and amx paths)
-// r[i] (16 dwords each) transposed in place: r[j] element i = old r[i] element j. Two-source
-// permutes throughout (GCC 12 warns of an uninitialized operand in its unpack and lane-shuffle
-// intrinsics): per 128-bit lane the unpacks of dwords, then of dword pairs, then lane moves.
-inline void transpose16x16_epi32(__m512i (&r)[16]) {
-  auto lanes = [](int a, int b, int c, int d) {  // dword i of lane L from the 4L-relative index (16+: b's)
-    return _mm512_setr_epi32(a, b, c, d, a + 4, b + 4, c + 4, d + 4, a + 8, b + 8, c + 8, d + 8, a + 12, b + 12,
-                             c + 12, d + 12);
-  };
-  const __m512i lo32 = lanes(0, 16, 1, 17), hi32 = lanes(2, 18, 3, 19);
-  const __m512i lo64 = lanes(0, 1, 16, 17), hi64 = lanes(2, 3, 18, 19);
-  const __m512i even_lanes = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i odd_lanes = _mm512_add_epi32(even_lanes, _mm512_set1_epi32(4));
-  auto perm = [](__m512i a, __m512i idx, __m512i b) { return _mm512_permutex2var_epi32(a, idx, b); };
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = perm(r[i], lo32, r[i + 1]);
-    t[i + 1] = perm(r[i], hi32, r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = perm(t[i], lo64, t[i + 2]);
-    r[i + 1] = perm(t[i], hi64, t[i + 2]);
-    r[i + 2] = perm(t[i + 1], lo64, t[i + 3]);
-    r[i + 3] = perm(t[i + 1], hi64, t[i + 3]);
-  }
-  // Each 128-bit lane of r[i] now holds a 4 x 4 block of the transpose; two lane shuffles
-  // put the blocks in place.
-  for (int i = 0; i < 4; ++i) {
-    t[i] = perm(r[i], even_lanes, r[i + 4]);
-    t[i + 4] = perm(r[i], odd_lanes, r[i + 4]);
-    t[i + 8] = perm(r[i + 8], even_lanes, r[i + 12]);
-    t[i + 12] = perm(r[i + 8], odd_lanes, r[i + 12]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = perm(t[i], even_lanes, t[i + 8]);
-    r[i + 8] = perm(t[i], odd_lanes, t[i + 8]);
-    r[i + 4] = perm(t[i + 4], even_lanes, t[i + 12]);
-    r[i + 12] = perm(t[i + 4], odd_lanes, t[i + 12]);
-  }
-}
-#endif
 
 #ifdef CPATTN_AMX
 // bf16_dot_bits of a stored bf16 value, from its bits: a denormal to a zero of its sign, a NaN
