@@ -144,23 +144,30 @@ struct AttnShape {
 // shared memory, docs/cp.md "Shared memory"): every caller's call has the same k, v, key_rows
 // and shapes; each packs the share `part` of `parts` of the packed K/V operands into `buffer`,
 // calls `sync` (which returns once every caller has packed its share: a barrier) and then
-// reads all of them. bf16 storage on the tile paths (amx, amx_emulated) packs so
-// (attention_shares_kv_pack); the others pack their own operands as without it, and call
-// `sync` at the same point. Every caller must run the same kernel path.
+// reads all of them. A call whose path and dtype have no KvPackLayout (alone) packs its own
+// operands as without it, and calls `sync` at the same point. Every caller must pack in the
+// same layout (attention_kv_pack_layout).
 struct KvPackShare {
   std::byte* buffer = nullptr;  // 64-byte aligned, at least attention_kv_pack_bytes(...)
   std::size_t bytes = 0;
   int part = 0, parts = 1;
   std::function<void()> sync;
 };
-// The bytes of KvPackShare::buffer for K/V of total_k rows (forward and backward alike);
-// throws cpattn::Error for negative sizes and sizes whose bytes would wrap size_t.
-std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v);
-// Whether a call with options.path = `path` and `dtype` storage packs a KvPackShare (bf16 on
-// the tile paths) rather than alone; false also when `path` does not resolve (a bad
-// CPATTN_KERNEL_PATH, which the call itself reports). Callers that share must all see true,
-// on the same kernel path.
-bool attention_shares_kv_pack(KernelPath path, DType dtype);
+// How a call packs K/V into a KvPackShare, by its kernel path and storage dtype:
+//   fp32:       the fp32 products' panels (K^T, V or K^T, K, V^T in floats): fp32 and fp16
+//               storage on every path, bf16 on the paths without bf16 products;
+//   bf16_tiles: the tiles' bf16 pairs alone: bf16 on the tile paths (amx, amx_emulated);
+//   alone:      no share (bf16 on the bf16 dot-product paths, avx512_bf16 and bf16_emulated,
+//               which pack floats and their pairs), and when `path` does not resolve (a bad
+//               CPATTN_KERNEL_PATH, a path this CPU lacks: the call itself reports it).
+// Ranks of one host that pack together must all see the same layout.
+enum class KvPackLayout { alone = 0, fp32 = 1, bf16_tiles = 2 };
+KvPackLayout attention_kv_pack_layout(KernelPath path, DType dtype);
+// The bytes of KvPackShare::buffer for K/V of total_k rows in `layout` (forward and backward
+// alike; 0 for alone); throws cpattn::Error for negative sizes and sizes whose bytes would
+// wrap size_t.
+std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v,
+                                    KvPackLayout layout);
 
 struct AttnInputs {
   ConstTensorView q = {};  // [total_q, num_heads_q, head_dim_qk]

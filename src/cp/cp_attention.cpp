@@ -433,8 +433,10 @@ struct CpAttention::State {
   // the units), read by every rank's call; rewritten by every shared call.
   std::unique_ptr<NodeBuffer> pack_shared;
   // Whether this call's shared forward or backward packs the kernels' K/V with its peers
-  // (attention_shares_kv_pack, once shared memory has been made on this host): agreed.
+  // (a layout other than alone, once shared memory has been made on this host), and how
+  // (attention_kv_pack_layout): agreed.
   bool share_pack = false;
+  KvPackLayout pack_layout = KvPackLayout::alone;
   bool shm_off = false;
   std::vector<float> sum_rows;  // a few rows' dK or dV sums on their way out
   std::vector<float> share_rows;  // the shared backward: those rows' dK and dV from each rank's partial sums
@@ -481,7 +483,8 @@ struct CpAttention::State {
     return static_cast<std::size_t>(p.layout.rank_begin.back() * (k_row() + v_row())) * dtype_size(cfg.dtype);
   }
   std::size_t pack_shared_bytes(const RankPlan& p) const {
-    return attention_kv_pack_bytes(p.layout.rank_begin.back(), cfg.num_heads_k, cfg.head_dim_qk, cfg.head_dim_v);
+    return attention_kv_pack_bytes(p.layout.rank_begin.back(), cfg.num_heads_k, cfg.head_dim_qk, cfg.head_dim_v,
+                                   pack_layout);
   }
   // A shared call's kernel inputs with the K/V packed once per node: this rank packs its share,
   // then a barrier (its wait counted in comm_s and `part`; returned in `waited` so that the
@@ -1008,7 +1011,8 @@ struct CpAttention::State {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
     const AttnOptions& o = cfg.options;
-    share_pack = shm_enabled() && !kv_pool.empty() && attention_shares_kv_pack(o.path, cfg.dtype);
+    pack_layout = attention_kv_pack_layout(o.path, cfg.dtype);
+    share_pack = shm_enabled() && !kv_pool.empty() && pack_layout != KvPackLayout::alone;
     // A rank with a local error may have no plan: it sends an empty fingerprint, and the
     // agreement reports the errors before it compares fingerprints.
     Fingerprint fp;
@@ -1039,7 +1043,8 @@ struct CpAttention::State {
         .add("shared memory found unusable", shm_off)
         // Only once shared memory was made (one host, so one CPU): ranks on several hosts may
         // run different kernel paths; ranks of one host must agree to pack K/V together.
-        .add("packs K/V with its peers (bf16 on a tile path, shared memory in use)", share_pack)
+        .add("packs K/V with its peers in layout (KvPackLayout: 0 alone, 1 fp32, 2 bf16_tiles; shared memory in use)",
+             share_pack ? static_cast<int64_t>(pack_layout) : 0)
         .add("softmax_scale set", o.softmax_scale.has_value())
         .add("softmax_scale (bits)", std::bit_cast<int32_t>(o.softmax_scale.value_or(0.0f)))
         .add("dropout_p (bits)", std::bit_cast<int32_t>(o.dropout_p))

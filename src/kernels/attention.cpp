@@ -298,17 +298,20 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
                                    kernels::dropout_threshold(p));
 }
 
-std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v) {
-  // pack_kv_tiles' pair buffers (kernel_impl.hpp): K^T, then V (forward) or K and V^T
-  // (backward), each [Hkv][key rows rounded up to BK][dims padded] 16-bit elements.
+std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v,
+                                    KvPackLayout layout) {
+  // pack_kv's float panels or pack_kv_tiles' pairs (kernel_impl.hpp): K^T, then V (forward) or
+  // K and V^T (backward), each [Hkv][key rows rounded up to BK][dims padded] elements.
   CPATTN_CHECK(total_k >= 0 && num_heads_k >= 0 && head_dim_qk >= 0 && head_dim_v >= 0,
                "attention_kv_pack_bytes: total_k, num_heads_k, head_dim_qk and head_dim_v must be >= 0, got ", total_k,
                ", ", num_heads_k, ", ", head_dim_qk, ", ", head_dim_v);
+  if (layout == KvPackLayout::alone) return 0;
+  const std::size_t element = layout == KvPackLayout::fp32 ? sizeof(float) : sizeof(uint16_t);
   const auto blocks = static_cast<std::size_t>(total_k / kernels::BK + (total_k % kernels::BK != 0));
   const auto pad = [](int d) { return (static_cast<std::size_t>(d) + kernels::PAD - 1) / kernels::PAD * kernels::PAD; };
   const std::size_t row_elems = 2 * pad(head_dim_qk) + pad(head_dim_v);  // (each < 2^32: no wrap)
   std::size_t bytes = 0;
-  const bool wraps = __builtin_mul_overflow(blocks, std::size_t{kernels::BK} * sizeof(uint16_t), &bytes) ||
+  const bool wraps = __builtin_mul_overflow(blocks, std::size_t{kernels::BK} * element, &bytes) ||
                      __builtin_mul_overflow(bytes, static_cast<std::size_t>(num_heads_k), &bytes) ||
                      __builtin_mul_overflow(bytes, row_elems, &bytes);
   CPATTN_CHECK(!wraps, "attention_kv_pack_bytes: total_k = ", total_k, " keys of ", num_heads_k, " KV heads (head dims ",
@@ -380,12 +383,16 @@ void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, const
                                                                                                        n, dk, dv);
 }
 
-bool attention_shares_kv_pack(KernelPath path, DType dtype) {
-  if (dtype != DType::bf16) return false;  // fp16 tiles pack through pack_kv (kernel_impl.hpp)
+KvPackLayout attention_kv_pack_layout(KernelPath path, DType dtype) {
   try {
-    return kernel_table(path, dtype).tile_dot != nullptr;
+    // The kernels' choice (dot_for, kernel_impl.hpp): bf16 storage on tiles packs their pairs
+    // alone, on bf16 dot products floats and pairs (alone); every other call floats.
+    const kernels::KernelTable& table = kernel_table(path, dtype);
+    if (dtype != DType::bf16) return KvPackLayout::fp32;
+    if (table.tile_dot != nullptr) return KvPackLayout::bf16_tiles;
+    return table.bf16_dot != nullptr ? KvPackLayout::alone : KvPackLayout::fp32;
   } catch (const Error&) {
-    return false;
+    return KvPackLayout::alone;
   }
 }
 

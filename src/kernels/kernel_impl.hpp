@@ -1187,25 +1187,27 @@ struct Packed {
   // vr [dvp/PAD][nblk*BK][PAD], so that dS K and P V can run over any number of consecutive
   // blocks (B panel stride vr_ps(), the same for both). A forward packs kt and vr, a backward
   // kt, kr and vt (the others stay empty).
-  raw_fvec kt, kr, vr, vt;  // every element written by pack_kv (no zero fill first)
-  // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
-  // leaves the float buffers empty): the same ones in bf16 pairs of rows (pair_panel_rows),
-  // each half the length its float buffer has; empty on the fp32-product paths.
-  // A pair buffer: its own storage, or `ext` (KvPackShare's buffer) when set before resize.
-  struct Pairs {
-    raw_uvec own;
-    uint32_t* ext = nullptr;
+  // A packed buffer: its own storage, or `ext` (KvPackShare's buffer) when set before resize.
+  template <class T, class Vec>
+  struct Buf {
+    Vec own;
+    T* ext = nullptr;
     size_t n = 0;
     void resize(size_t m) {
       n = m;
       if (!ext) own.resize(m);
     }
-    uint32_t* data() { return ext ? ext : own.data(); }
-    const uint32_t* data() const { return ext ? ext : own.data(); }
+    T* data() { return ext ? ext : own.data(); }
+    const T* data() const { return ext ? ext : own.data(); }
     size_t size() const { return n; }
-    size_t owned() const { return ext ? 0 : n; }  // 4-byte words this call allocated
+    size_t owned() const { return ext ? 0 : n; }  // elements this call allocated
     bool empty() const { return n == 0; }
   };
+  Buf<float, raw_fvec> kt, kr, vr, vt;  // every element written by pack_kv (no zero fill first)
+  // For bf16 products (pack_kv's `pairs`, or pack_kv_tiles alone on the amx paths, which
+  // leaves the float buffers empty): the same ones in bf16 pairs of rows (pair_panel_rows),
+  // each half the length its float buffer has; empty on the fp32-product paths.
+  using Pairs = Buf<uint32_t, raw_uvec>;
   Pairs kt2, kr2, vr2, vt2;
   // The pairs of a B operand that starts at B in one of the float buffers at an even k (every
   // panel's row count is even), or null when there are none.
@@ -1231,6 +1233,27 @@ struct Packed {
   const uint32_t* Vr2(int hk, int64_t k0) const { return vr2.data() + (hk * nblk * BK * dvp + k0 * PAD) / 2; }
 };
 
+// A KvPackShare's buffer as a call's packed operands: k_elems elements of K^T, then V (a
+// forward) or K, then V^T (a backward), in the element type of `kt`'s buffer (floats, or
+// words of bf16 pairs). Set before the buffers' resize.
+template <class B>
+void point_at_share(const KvPackShare& share, bool backward, size_t k_elems, B& kt, B& kr, B& vr, B& vt) {
+  auto* w = reinterpret_cast<decltype(kt.ext)>(share.buffer);
+  kt.ext = w;
+  w += k_elems;
+  if (backward) {
+    kr.ext = w;
+    vt.ext = w + k_elems;
+  } else {
+    vr.ext = w;
+  }
+}
+// The (kv head, block) units [first, second) a call packs of `units`: its share's, or all.
+inline std::pair<int64_t, int64_t> packed_units(const KvPackShare* share, int64_t units) {
+  if (!share) return {0, units};
+  return {units * share->part / share->parts, units * (share->part + 1) / share->parts};
+}
+
 // The packed K/V of a forward (backward = false: K^T and V, its products' B operands) or of a
 // backward (K^T, K and V^T; V rows are no operand of it).
 void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
@@ -1244,12 +1267,19 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   pk.dp = pad_up(K.dim);
   pk.dvp = pad_up(V.dim);
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
+  // With in.kv_pack_share (KvPackLayout::fp32: not with pairs, which pack alone): the floats
+  // in its buffer (K^T first, then V, or K then V^T), this call's share of the (kv head,
+  // block) units alone; the caller syncs before any read.
+  const KvPackShare* share = pairs ? nullptr : in.kv_pack_share;
+  if (share) point_at_share(*share, backward, nb * pk.dp, pk.kt, pk.kr, pk.vr, pk.vt);  // nb (2 dp + dvp) floats
   // Not zeroed: every element is written below, the last block's rows past total_k as zeros.
   pk.kt.resize(nb * pk.dp);
   pk.vr.resize(backward ? 0 : nb * pk.dvp);
   pk.kr.resize(backward ? nb * pk.dp : 0);
   pk.vt.resize(backward ? nb * pk.dvp : 0);
-  parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
+  const auto [u0, u1] = packed_units(share, K.heads * pk.nblk);
+  parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int) {
+    const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
     float* kt = pk.kt.data() + u * BK * pk.dp;
@@ -1290,7 +1320,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
       for (int d0 = 0; d0 < width; d0 += 16) {
         for (int c = 0; c < 16; ++c) x[c] = _mm512_loadu_si512(rows.data() + c * width + d0);
         transpose16x16_epi32(x);
-        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (d0 + i) * PAD, x[i]);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (d0 + j) * PAD, x[j]);
       }
 #else
       for (int d = 0; d < width; ++d)
@@ -1416,17 +1446,7 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   const int dp = pk.dp, dvp = pk.dvp;
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
   const KvPackShare* share = in.kv_pack_share;
-  if (share) {  // attention_kv_pack_bytes: nb * (2 dp + dvp) 16-bit elements
-    auto* w = reinterpret_cast<uint32_t*>(share->buffer);
-    pk.kt2.ext = w;
-    w += nb * dp / 2;
-    if (backward) {
-      pk.kr2.ext = w;
-      pk.vt2.ext = w + nb * dp / 2;
-    } else {
-      pk.vr2.ext = w;
-    }
-  }
+  if (share) point_at_share(*share, backward, nb * dp / 2, pk.kt2, pk.kr2, pk.vr2, pk.vt2);  // nb (2 dp + dvp) bf16
   pk.kt2.resize(nb * dp / 2);
   pk.vr2.resize(backward ? 0 : nb * dvp / 2);
   pk.kr2.resize(backward ? nb * dp / 2 : 0);
@@ -1434,9 +1454,7 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   const int64_t ps2 = pk.vr_ps() / 2;  // words per panel of K's and V's row pairs
   const auto* kd = static_cast<const uint16_t*>(K.data);
   const auto* vd = static_cast<const uint16_t*>(V.data);
-  const int64_t units = K.heads * pk.nblk;
-  const int64_t u0 = share ? units * share->part / share->parts : 0;
-  const int64_t u1 = share ? units * (share->part + 1) / share->parts : units;
+  const auto [u0, u1] = packed_units(share, K.heads * pk.nblk);
   parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int) {
     const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
@@ -1657,7 +1675,7 @@ void forward_impl(const AttnFwdParams& p) {
     pack_kv_tiles(in, false, pk);
   else
     pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk);
-  // Every caller's share packed (tiles); on the other paths a barrier the callers keep alike.
+  // Every caller's share packed (KvPackLayout fp32 or bf16_tiles); alone, a barrier the callers keep alike.
   if (in.kv_pack_share) in.kv_pack_share->sync();
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32;
@@ -2133,7 +2151,7 @@ void backward_impl(const AttnBwdParams& p) {
   scr.reserve(static_cast<size_t>(nthr));
   for (int i = 0; i < nthr; ++i) scr.emplace_back(per, max_q, dp, dvp, t16);
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
-    size_t used = pk.kt.size() + pk.kr.size() + pk.vr.size() + pk.vt.size() + gk_own.size() + gv_own.size() +
+    size_t used = pk.kt.owned() + pk.kr.owned() + pk.vr.owned() + pk.vt.owned() + gk_own.size() + gv_own.size() +
                   pk.kt2.owned() + pk.kr2.owned() + pk.vr2.owned() + pk.vt2.owned();  // (not a KvPackShare's)
     for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
     // the tiles' final sum: a block per thread of its own loop (rows leave through a 16 x 16

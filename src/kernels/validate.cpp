@@ -157,7 +157,8 @@ void check_inputs(const char* fn, const AttnInputs& in) {
     }
   }
   if (const KvPackShare* sh = in.kv_pack_share) {
-    const std::size_t need = attention_kv_pack_bytes(s.total_k, s.num_heads_k, s.head_dim_qk, s.head_dim_v);
+    const std::size_t need = attention_kv_pack_bytes(s.total_k, s.num_heads_k, s.head_dim_qk, s.head_dim_v,
+                                                     attention_kv_pack_layout(in.options.path, in.dtype()));
     CPATTN_CHECK(sh->buffer != nullptr && reinterpret_cast<std::uintptr_t>(sh->buffer) % 64 == 0, fn,
                  ": kv_pack_share.buffer must be 64-byte aligned and not null");
     CPATTN_CHECK(sh->bytes >= need, fn, ": kv_pack_share.bytes = ", sh->bytes,

@@ -12,6 +12,7 @@
 
 #include <sys/resource.h>
 
+#include <array>
 #include <csignal>
 #include <memory>
 #include <span>
@@ -132,21 +133,27 @@ TEST(CpOverlapGroups, LargestDivisorOfTheKvHeadsUpToFour) {
 
 // With shared memory the ranks pack the kernels' K/V once per node, each its share of the
 // (KV head, key block) units (AttnInputs::kv_pack_share), from a layer's second shared call on
-// (its first backward): bf16 on the tile paths (amx_emulated on every CPU with AVX2, amx where
-// the CPU has it). That is bitwise what each rank packing alone gives, for both splits, the
-// causal mask with and without a window, head dims padded past 32 (MLA 48/40), and matches a
-// single process; fp16 (whose tiles pack through the FMA path's packing) packs alone.
+// (its first backward): in the tiles' bf16 pairs for bf16 on the tile paths (amx_emulated on
+// every CPU with AVX2, amx where the CPU has it), in fp32 panels for fp16 there and for fp32
+// on the FMA paths (avx2, avx512). That is bitwise what each rank packing alone gives, for
+// both splits, the causal mask with and without a window, head dims padded past 32 (MLA
+// 48/40), and matches a single process; bf16 on the bf16 dot-product paths packs alone.
 TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
   int ran = 0;
   const Shape mla{"mla-48-40", 4, 2, 48, 40};
-  for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx}) {
+  for (const KernelPath path : {KernelPath::amx_emulated, KernelPath::amx, KernelPath::avx2, KernelPath::avx512,
+                                KernelPath::avx512_bf16}) {
     if (!kernel_path_supported(path)) continue;
+    const bool tiles = path == KernelPath::amx_emulated || path == KernelPath::amx;
     for (const Shape& s : {kGroupShapes[0], mla})
-      for (const DType t : {DType::bf16, DType::f16})
+      for (const DType t : {DType::bf16, DType::f16, DType::f32})
         for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free})
           for (const MaskCase& m : {kMasks[0], kMasks[2]}) {
-            // fp16 packs alone: one case shows it (the emulated tiles are slow under sanitizers)
-            if (t == DType::f16 && (split != CpSplit::padded || m.left >= 0 || s.dqk != kGroupShapes[0].dqk)) continue;
+            // the tile paths' bf16 in every case; one case of the others (the emulated tiles and
+            // every path's fp32 and fp16 are slow under sanitizers)
+            if (!(tiles && t == DType::bf16) && (split != CpSplit::padded || m.left >= 0 || s.dqk != kGroupShapes[0].dqk))
+              continue;
+            if (!tiles && t == DType::f16) continue;  // (fp16 is fp32's packing; the tiles' case shows it)
             SCOPED_TRACE(::testing::Message() << to_string(path) << " " << s.name << " dtype " << to_string(t)
                                               << " split " << to_string(split) << " mask " << m.name << " cp "
                                               << comm.size());
@@ -163,16 +170,16 @@ TEST_F(CpAttentionTest, KvPackedOncePerNodeIsBitwiseEachRankPackingAlone) {
             const Outputs second = run_on(attn, comm, b, p, s, t);
             expect_bitwise_equal(second, plain);
             EXPECT_EQ(second.stats.shared_forwards, 2);
-            EXPECT_EQ(second.stats.shared_packs, t == DType::bf16 ? 3 : 0);
+            EXPECT_EQ(second.stats.shared_packs, attention_kv_pack_layout(path, t) != KvPackLayout::alone ? 3 : 0);
             if (m.mask == MaskType::causal && m.left < 0) expect_matches_single_process(comm, b, p, s, t, o, second);
             ++ran;
           }
   }
-  if (ran == 0) GTEST_SKIP() << "no tile path on this CPU (amx_emulated needs AVX2, FMA and F16C)";
+  if (ran == 0) GTEST_SKIP() << "none of the paths on this CPU (amx_emulated and avx2 need AVX2, FMA and F16C)";
 }
 
-// Ranks of one host whose kernels would not pack K/V alike (rank 0 on a tile path, which packs
-// with its peers, the others on avx2, which packs alone): the first forward packs alone on
+// Ranks of one host whose kernels would not pack K/V alike (bf16: rank 0 on a tile path, which
+// packs the tiles' pairs, the others on avx2, which pack fp32 panels): the first forward packs alone on
 // every rank (shared memory is not made yet), and from its backward on the agreement fails on
 // every rank alike, naming the field, before any rank packs or waits in the pack's barrier.
 TEST_F(CpAttentionTest, RanksOfOneHostOnPathsThatPackApartFailAtTheAgreement) {
@@ -181,7 +188,7 @@ TEST_F(CpAttentionTest, RanksOfOneHostOnPathsThatPackApartFailAtTheAgreement) {
   const Shape& s = kGroupShapes[0];
   const DType t = DType::bf16;
   const AttnOptions o{.path = comm.rank() == 0 ? KernelPath::amx_emulated : KernelPath::avx2};
-  ASSERT_NE(attention_shares_kv_pack(KernelPath::amx_emulated, t), attention_shares_kv_pack(KernelPath::avx2, t));
+  ASSERT_NE(attention_kv_pack_layout(KernelPath::amx_emulated, t), attention_kv_pack_layout(KernelPath::avx2, t));
   const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kOverlapLengths), s.batch(), t, 23);
   const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
@@ -199,7 +206,7 @@ TEST_F(CpAttentionTest, RanksOfOneHostOnPathsThatPackApartFailAtTheAgreement) {
   } catch (const Error& e) {
     error = e.message();
   }
-  EXPECT_NE(error.find("packs K/V with its peers"), std::string::npos) << error;
+  EXPECT_NE(error.find("packs K/V with its peers in layout"), std::string::npos) << error;
   EXPECT_EQ(attn.stats().shared_packs, 0);
   EXPECT_EQ(attn.stats().shared_backwards, 0);
 }
@@ -225,11 +232,11 @@ TEST_F(CpAttentionTest, OverlappedAndNonOverlappedRunsAreBitwiseEqual) {
         // Shared memory ran (this test's ranks share a host): the agreements and one barrier
         // per call, and the two buffers' creation (an all-gather of the host names, a
         // broadcast of where to find the file, an all-gather of who could map it, each), no
-        // payload message; where the backward packs K/V with the peers (bf16 on a tile path),
+        // payload message; where the backward packs K/V with the peers (its layout is not alone),
         // a third buffer for it and one more barrier.
         EXPECT_EQ(shm.stats.shared_forwards, 1);
         EXPECT_EQ(shm.stats.shared_backwards, 1);
-        const bool packs = attention_shares_kv_pack(o.path, t);
+        const bool packs = attention_kv_pack_layout(o.path, t) != KvPackLayout::alone;
         EXPECT_EQ(shm.stats.shared_packs, packs ? 1 : 0);
         EXPECT_EQ(shm.calls, 2 + 2 + 2 * 3 + (packs ? 3 + 1 : 0));
         EXPECT_LE(shm.stats.peak_buffer_bytes, shm.estimate);
@@ -415,9 +422,12 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   ASSERT_EQ(attn.stats().shared_forwards, 1);
   const std::vector<float> out1 = b.out;
   if (comm.rank() != 0) first = CpContext{};  // dropped
+  // fp32 packs the kernels' K/V with the peers from the second shared call on (KvPackLayout):
+  // its buffer's 3 collectives, once, and a barrier per call
+  const int packs = attention_kv_pack_layout(KernelPath::automatic, DType::f32) != KvPackLayout::alone ? 1 : 0;
   int64_t calls = comm.calls();
   CpContext second = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 5);  // the agreement, a new buffer's 3 collectives, the barrier
+  EXPECT_EQ(comm.calls() - calls, 5 + 4 * packs);  // the agreement, a new buffer's 3 collectives, the barrier
   EXPECT_EQ(attn.stats().shared_forwards, 2);
   EXPECT_EQ(b.out, out1);
   attn.backward(second, b.bwd());
@@ -426,7 +436,7 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   first = CpContext{};  // rank 0 lets go too
   calls = comm.calls();
   CpContext third = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 2);  // the agreement and the barrier: no buffer made
+  EXPECT_EQ(comm.calls() - calls, 2 + packs);  // the agreement and the barrier: no buffer made
   EXPECT_EQ(attn.stats().shared_forwards, 3);
   EXPECT_EQ(b.out, out1);
   attn.backward(third, b.bwd());
@@ -445,7 +455,11 @@ TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
                           .dtype = t, .options = o});
   int64_t n = 0;
-  const int64_t calls[] = {10, 10, 4};  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making
+  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making; where fp32
+  // packs K/V with the peers (from the first backward on), that buffer's 3 per making and a
+  // barrier per call
+  const bool packs = attention_kv_pack_layout(o.path, t) != KvPackLayout::alone;
+  const std::array<int64_t, 3> calls = packs ? std::array<int64_t, 3>{14, 15, 6} : std::array<int64_t, 3>{10, 10, 4};
   for (const check::Batch* b : {&small, &big, &small}) {
     SCOPED_TRACE(::testing::Message() << b->tokens() << " tokens, cp " << comm.size());
     const RankPlan p = get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank());

@@ -16,6 +16,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -30,6 +31,7 @@
 #include <stdexcept>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 
 namespace cpattn::testing {
@@ -1283,21 +1285,129 @@ TEST_F(kernel_bad_params, BackwardRaises) {
   EXPECT_THROW(attention_backward(b), Error);
 }
 
-// The shared packing's buffer: pack_kv_tiles' pairs, K^T, K (or V) and V^T rows of every kv
-// head, key rows rounded up to 64 and head dims to 16, two bytes each, worked by hand; sizes
-// whose bytes would wrap size_t, and negative ones, are refused naming the arguments.
-TEST(kernel_kv_pack_bytes, AreThePackedPairsAndRefuseSizesThatWrap) {
-  EXPECT_EQ(attention_kv_pack_bytes(65, 2, 48, 40), size_t{128} * 2 * (48 + 48 + 48) * 2);
-  EXPECT_EQ(attention_kv_pack_bytes(64, 1, 128, 128), size_t{64} * 1 * (3 * 128) * 2);
-  EXPECT_EQ(attention_kv_pack_bytes(0, 4, 128, 128), size_t{0});
-  EXPECT_EQ(attention_kv_pack_bytes(1, 1, 1, 1), size_t{64} * 48 * 2);
-  const std::string negative = error_of([] { (void)attention_kv_pack_bytes(-1, 4, 128, 128); });
-  EXPECT_NE(negative.find("total_k, num_heads_k, head_dim_qk and head_dim_v must be >= 0"), std::string::npos)
-      << negative;
+// The shared packing's buffer: K^T, K (or V) and V^T rows of every kv head, key rows rounded
+// up to 64 and head dims to 16, four bytes each (fp32 panels) or two (the tiles' bf16 pairs),
+// none alone; worked by hand. Sizes whose bytes would wrap size_t, and negative ones, are
+// refused naming the arguments.
+TEST(kernel_kv_pack_bytes, AreThePackedOperandsAndRefuseSizesThatWrap) {
+  for (const auto& [layout, bytes] : {std::pair{KvPackLayout::bf16_tiles, size_t{2}}, {KvPackLayout::fp32, size_t{4}}}) {
+    EXPECT_EQ(attention_kv_pack_bytes(65, 2, 48, 40, layout), size_t{128} * 2 * (48 + 48 + 48) * bytes);
+    EXPECT_EQ(attention_kv_pack_bytes(64, 1, 128, 128, layout), size_t{64} * 1 * (3 * 128) * bytes);
+    EXPECT_EQ(attention_kv_pack_bytes(0, 4, 128, 128, layout), size_t{0});
+    EXPECT_EQ(attention_kv_pack_bytes(1, 1, 1, 1, layout), size_t{64} * 48 * bytes);
+  }
+  EXPECT_EQ(attention_kv_pack_bytes(64, 1, 128, 128, KvPackLayout::alone), size_t{0});
+  for (const KvPackLayout layout : {KvPackLayout::alone, KvPackLayout::fp32, KvPackLayout::bf16_tiles}) {
+    const std::string negative = error_of([layout] { (void)attention_kv_pack_bytes(-1, 4, 128, 128, layout); });
+    EXPECT_NE(negative.find("total_k, num_heads_k, head_dim_qk and head_dim_v must be >= 0"), std::string::npos)
+        << negative;
+  }
   for (const int64_t keys : {std::numeric_limits<int64_t>::max(), int64_t{1} << 40}) {
-    const std::string wraps = error_of([keys] { (void)attention_kv_pack_bytes(keys, 1 << 20, 256, 256); });
+    const std::string wraps =
+        error_of([keys] { (void)attention_kv_pack_bytes(keys, 1 << 20, 256, 256, KvPackLayout::fp32); });
     EXPECT_NE(wraps.find("need more bytes than size_t holds"), std::string::npos) << keys << ": " << wraps;
   }
+}
+
+// Which layout each path packs a KvPackShare in, by storage dtype: the tiles' pairs for bf16
+// on the tile paths, none for bf16 on the bf16 dot-product paths, fp32 panels otherwise.
+TEST(kernel_kv_pack_layout, FollowsEachPathsProducts) {
+  for (const DType dt : {DType::f32, DType::f16}) {
+    for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                                  KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated})
+      EXPECT_EQ(attention_kv_pack_layout(path, dt), KvPackLayout::fp32) << to_string(path) << " " << to_string(dt);
+  }
+  const DType bf = DType::bf16;
+  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512})
+    EXPECT_EQ(attention_kv_pack_layout(path, bf), KvPackLayout::fp32) << to_string(path);
+  for (const KernelPath path : {KernelPath::avx512_bf16, KernelPath::bf16_emulated})
+    EXPECT_EQ(attention_kv_pack_layout(path, bf), KvPackLayout::alone) << to_string(path);
+  for (const KernelPath path : {KernelPath::amx, KernelPath::amx_emulated})
+    EXPECT_EQ(attention_kv_pack_layout(path, bf), KvPackLayout::bf16_tiles) << to_string(path);
+}
+
+// Callers that pack K/V together (KvPackShare: each packs its part of the units into one
+// buffer, then a barrier, then all read every part) get bitwise what one call packing alone
+// gets, forward and backward, on every path this CPU has and every storage dtype (the layouts
+// fp32 and bf16_tiles, and alone, where the call only keeps the barrier), 2 and 3 callers, with
+// a key_rows map, GQA and head dims that pad (72/40). The buffer starts as NaN words: a part no
+// caller packed would show in the results, and where the layout is not alone every word of it
+// is written.
+TEST(kernel_kv_pack_share, CallersPackingTogetherGetBitwiseACallAlone) {
+  AttnCase c{"gqa-72-40", {1, 37, 130, 64}, {1, 37, 130, 64}, 8, 2, 72, 40, MaskType::causal};
+  int ran = 0;
+  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                                KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    for (const DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      const Problem pb(c, dt, 41);
+      const int64_t tk = c.total_k();
+      std::vector<int64_t> perm(static_cast<size_t>(tk));
+      for (int64_t r = 0; r < tk; ++r) perm[static_cast<size_t>(r)] = (r * 7 + 3) % tk;  // 7 is prime to 232
+      Tensor out(dt, pb.out_shape()), dq(dt, pb.q_shape()), dk(dt, pb.k_shape()), dv(dt, pb.v_shape());
+      std::vector<float> lse(pb.lse_size());
+      AttnFwdParams f = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 1);
+      f.in.key_rows = perm.data();
+      attention_forward(f);
+      AttnBwdParams b = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, path, 1);
+      b.in.key_rows = perm.data();
+      attention_backward(b);
+      const KvPackLayout layout = attention_kv_pack_layout(path, dt);
+      const std::size_t bytes = attention_kv_pack_bytes(tk, c.num_heads_k, c.head_dim_qk, c.head_dim_v, layout);
+      for (const int parts : {2, 3}) {
+        SCOPED_TRACE(std::string(to_string(path)) + " " + std::string(to_string(dt)) + " parts " +
+                     std::to_string(parts));
+        std::vector<uint32_t> raw(bytes / 4 + 16, 0xffffffffu);
+        auto* buf = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) / 64 * 64);
+        std::barrier sync(parts);
+        struct Caller {
+          Tensor out, dq, dk, dv;
+          std::vector<float> lse;
+          KvPackShare share;
+          std::string error;
+        };
+        std::vector<Caller> callers;
+        for (int i = 0; i < parts; ++i)
+          callers.push_back({Tensor(dt, pb.out_shape()), Tensor(dt, pb.q_shape()), Tensor(dt, pb.k_shape()),
+                             Tensor(dt, pb.v_shape()), std::vector<float>(pb.lse_size()),
+                             {.buffer = buf, .bytes = bytes, .part = i, .parts = parts,
+                              .sync = [&sync] { sync.arrive_and_wait(); }},
+                             {}});
+        std::vector<std::thread> threads;
+        for (Caller& k : callers)
+          threads.emplace_back([&] {
+            try {
+              AttnFwdParams fk = pb.fwd(pb.q, pb.k, pb.v, k.out, k.lse.data(), path, 1);
+              fk.in.key_rows = perm.data();
+              fk.in.kv_pack_share = &k.share;
+              attention_forward(fk);
+              sync.arrive_and_wait();  // every caller has read the forward's packing
+              AttnBwdParams bk = pb.bwd(pb.q, pb.k, pb.v, k.out, k.lse.data(), pb.dout, k.dq, k.dk, k.dv, path, 1);
+              bk.in.key_rows = perm.data();
+              bk.in.kv_pack_share = &k.share;
+              attention_backward(bk);
+            } catch (const std::exception& e) {
+              k.error = e.what();
+              sync.arrive_and_drop();
+            }
+          });
+        for (std::thread& t : threads) t.join();
+        for (const Caller& k : callers) {
+          ASSERT_EQ(k.error, "");
+          EXPECT_EQ(k.out.values(), out.values());
+          EXPECT_EQ(k.lse, lse);
+          EXPECT_EQ(k.dq.values(), dq.values());
+          EXPECT_EQ(k.dk.values(), dk.values());
+          EXPECT_EQ(k.dv.values(), dv.values());
+        }
+        const auto* words = reinterpret_cast<const uint32_t*>(buf);
+        EXPECT_EQ(std::count(words, words + bytes / 4, 0xffffffffu), 0) << "words of the share no caller packed";
+        EXPECT_EQ(bytes == 0, layout == KvPackLayout::alone);
+        ++ran;
+      }
+    }
+  }
+  EXPECT_GT(ran, 0);
 }
 
 TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
