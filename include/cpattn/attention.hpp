@@ -154,12 +154,13 @@ struct KvPackShare {
   std::function<void()> sync;
 };
 // How a call packs K/V into a KvPackShare, by its kernel path and storage dtype:
-//   fp32:       the fp32 products' panels (K^T, V or K^T, K, V^T in floats): fp32 and fp16
-//               storage on every path, bf16 on the paths without bf16 products;
+//   fp32:       float panels (K^T, V or K^T, K, V^T): every call that packs floats alone,
+//               fp32 and fp16 storage on every path (fp16 tiles included: they pack floats),
+//               bf16 on portable, avx2 and avx512;
 //   bf16_tiles: the tiles' bf16 pairs alone: bf16 on the tile paths (amx, amx_emulated);
 //   alone:      no share (bf16 on the bf16 dot-product paths, avx512_bf16 and bf16_emulated,
-//               which pack floats and their pairs), and when `path` does not resolve (a bad
-//               CPATTN_KERNEL_PATH, a path this CPU lacks: the call itself reports it).
+//               which pack floats and their pairs), and for bf16 when `path` does not resolve
+//               (a bad CPATTN_KERNEL_PATH: the call itself reports it).
 // Ranks of one host that pack together must all see the same layout.
 enum class KvPackLayout { alone = 0, fp32 = 1, bf16_tiles = 2 };
 KvPackLayout attention_kv_pack_layout(KernelPath path, DType dtype);

@@ -89,8 +89,9 @@ struct CpAttnConfig {
   // rank runs on one host (docs/cp.md "Shared memory"): true (the default) moves K/V and the
   // dK/dV partials through shared-memory buffers instead of messages. Every rank writes its own
   // rows there and reads its peers' in place after a barrier: no copy, no transfer to hide
-  // (and no KV-head groups: overlap is moot); for bf16 on the amx paths the kernels' packed K/V
-  // too, each rank packing a share, in a third buffer. Each context alive holds one K/V buffer of the
+  // (and no KV-head groups: overlap is moot); the kernels' packed K/V too, each rank packing
+  // a share, in a third buffer (where the path and dtype have a KvPackLayout: all but bf16 on
+  // the bf16 dot-product paths). Each context alive holds one K/V buffer of the
   // layer's pool (up to 256); ranks on several hosts take the message path. Sums keep the
   // ring reduce-scatter's order: bitwise the results of false (with CommAlgorithm::mpi, which
   // sums in MPI's order, they may differ in rounding). Part of the ranks' agreement.
@@ -227,7 +228,7 @@ struct CpStats {
   int64_t shared_forwards = 0;
   int64_t shared_backwards = 0;
   // Of those, the calls whose kernels packed K/V together with the peers, each rank a share
-  // (bf16 on the tile paths, from the layer's second shared call on: docs/cp.md).
+  // (attention_kv_pack_layout not alone, from the layer's second shared call on: docs/cp.md).
   int64_t shared_packs = 0;
   // Why the layer gave up the node's shared memory and took the message path for good, as the
   // ranks found it when they tried to map a buffer (the ranks on several hosts, a rank in

@@ -518,7 +518,8 @@ struct CpAttention::State {
     return cfg.scheme == CpScheme::allgather && !uses_a2a() && c.groups == 1 && shm_enabled();
   }
   // Makes `buf` hold at least `bytes` (remade at that size when it is smaller: the largest plan
-  // so far sets it, exactly what cp_memory_estimate counts). Collective: every rank calls it at
+  // so far sets it, which cp_memory_estimate counts: whole for the K/V pool's entries, this
+  // rank's share for the others). Collective: every rank calls it at
   // the same point with the same arguments (agreed ones). false (and shm_off from then on)
   // when not every rank could map the host's shared memory.
   template <class Ptr>

@@ -108,8 +108,19 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
       slot = bytes > slot - 63 ? slot : (bytes + 63) / 64 * 64;
     } catch (const Error&) {
     }
-    const uint64_t shared = saturating_add(saturating_add(slot, product(static_cast<uint64_t>(cp) + 1, at_once, kv_row, f)),
-                                           product(t, sizeof(int64_t)));
+    // And its 1/cp of the kernels' K/V packed once per host (KvPackShare, where the path and
+    // dtype have a layout; counted whole in the kernel's scratch, which packs alone on the
+    // message path).
+    uint64_t pack = std::numeric_limits<uint64_t>::max();
+    try {
+      pack = attention_kv_pack_bytes(k_rows, c.num_heads_k, c.head_dim_qk, c.head_dim_v,
+                                     attention_kv_pack_layout(c.options.path, c.dtype));
+      pack = pack / static_cast<uint64_t>(cp) + (pack % static_cast<uint64_t>(cp) != 0);
+    } catch (const Error&) {
+    }
+    const uint64_t shared = saturating_add(
+        saturating_add(saturating_add(slot, pack), product(static_cast<uint64_t>(cp) + 1, at_once, kv_row, f)),
+        product(t, sizeof(int64_t)));
     e.buffers = std::max(e.buffers, saturating_add(e.buffers - dkv_all, shared));
   }
   e.kernel_scratch = kernel_scratch(c, local_tokens, read_rows, c.num_heads_q, c.num_heads_k, work);

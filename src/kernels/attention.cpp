@@ -320,6 +320,22 @@ std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_d
 }
 
 namespace {
+// How the kernels of the table a call runs take its products (dot_for, kernel_impl.hpp, which
+// tests CPATTN_BF16_DOT before CPATTN_AMX, as the tables' fields are set: kernel_isa.inc):
+// bf16 storage as bf16 dot products (avx512_bf16, bf16_emulated: K/V packed in floats and
+// pairs) or on tiles (the amx paths: pairs alone, bf16 copies of the query side); everything
+// else on floats. Only bf16 storage resolves the path, so that a bad CPATTN_KERNEL_PATH is
+// found by the kernel call itself, as for every other dtype.
+struct CallProducts {
+  bool bf16_pairs = false, bf16_tiles = false;
+};
+CallProducts call_products(KernelPath path, DType dtype) {
+  if (dtype != DType::bf16) return {};
+  const kernels::KernelTable& table = kernel_table(path, DType::bf16);
+  const bool pairs = table.bf16_dot != nullptr;
+  return {.bf16_pairs = pairs, .bf16_tiles = !pairs && table.tile_dot != nullptr};
+}
+
 // The layout backward_impl gives a KvGradShare for these params (bf16 tiles, as
 // attention_backward_scratch_bytes decides them: the table the call runs).
 // With no work list: the layout of the most head sets any work list gives (the longest tasks).
@@ -327,7 +343,7 @@ kernels::GradShareLayout grad_share_layout_of(const AttnBwdParams& p) {
   int64_t max_q = p.in.work ? 0 : std::numeric_limits<int64_t>::max();
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
-  const bool tiles = p.in.dtype() == DType::bf16 && kernel_table(p.in.options.path, DType::bf16).tile_dot != nullptr;
+  const bool tiles = call_products(p.in.options.path, p.in.dtype()).bf16_tiles;
   return kernels::grad_share_layout(p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, tiles,
                                     p.in.softmax_scale());
 }
@@ -385,12 +401,8 @@ void attention_grad_share_rows(const std::byte* buffer, std::size_t bytes, const
 
 KvPackLayout attention_kv_pack_layout(KernelPath path, DType dtype) {
   try {
-    // The kernels' choice (dot_for, kernel_impl.hpp): bf16 storage on tiles packs their pairs
-    // alone, on bf16 dot products floats and pairs (alone); every other call floats.
-    const kernels::KernelTable& table = kernel_table(path, dtype);
-    if (dtype != DType::bf16) return KvPackLayout::fp32;
-    if (table.tile_dot != nullptr) return KvPackLayout::bf16_tiles;
-    return table.bf16_dot != nullptr ? KvPackLayout::alone : KvPackLayout::fp32;
+    const CallProducts c = call_products(path, dtype);
+    return c.bf16_tiles ? KvPackLayout::bf16_tiles : c.bf16_pairs ? KvPackLayout::alone : KvPackLayout::fp32;
   } catch (const Error&) {
     return KvPackLayout::alone;
   }
@@ -420,19 +432,10 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   int64_t max_q = 0;
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
-  // bf16 storage on a path whose products are bf16 dot products (bf16_dot) or tile products
-  // (tile_dot: the amx paths) packs K/V in pairs too, and the tiles keep bf16 copies of the
-  // query side (blocking.hpp): the table attention_backward runs decides it
-  // (only for bf16 storage: the path is not resolved otherwise, so that a bad CPATTN_KERNEL_PATH
-  // is found by the kernel call itself, as for every other dtype)
-  bool pairs = false, tiles = false;
-  if (p.in.dtype() == DType::bf16) {
-    const kernels::KernelTable& table = kernel_table(p.in.options.path, DType::bf16);
-    pairs = table.bf16_dot != nullptr;
-    tiles = table.tile_dot != nullptr;
-  }
+  // (blocking.hpp: bf16 products pack K/V in pairs too, tiles keep bf16 copies of the query side)
+  const CallProducts c = call_products(p.in.options.path, p.in.dtype());
   kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
-      p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, pairs, tiles);
+      p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, c.bf16_pairs, c.bf16_tiles);
   if (p.grad_share) f.per_set_grads = 0;  // the share's buffer holds them
   return sizeof(float) * f.total(p.in.options.num_threads);
 }

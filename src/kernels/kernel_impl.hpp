@@ -1288,9 +1288,10 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
     float* vt = backward ? pk.vt.data() + u * BK * pk.dvp : nullptr;
     // A panel of PAD rows at a time: loaded into `rows` ([PAD][width], the pad past the head
     // dim and rows past total_k as zeros), then stored as rows (K, V: PAD-float pieces of each
-    // row) and transposed (K^T, V^T). The next panel's rows are asked for first: the rows of
-    // one kv head are a row step apart (2 KiB and more), a stride the hardware prefetchers do
-    // not follow across pages, and each row's load waited for memory.
+    // row) and transposed (K^T, V^T). The next panel's rows are asked for first (the first
+    // panel's before the loop): the rows of one kv head are a row step apart (2 KiB and more),
+    // a stride the hardware prefetchers do not follow across pages, and each row's load waited
+    // for memory.
     std::vector<float> rows(static_cast<size_t>(PAD) * std::max(pk.dp, pk.dvp));
     auto load = [&](const ConstTensorView& X, int64_t rs, int64_t hs, int64_t r0, int width) {
       for (int c = 0; c < PAD; ++c) {
@@ -1327,10 +1328,14 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
         for (int c = 0; c < PAD; ++c) dst[d * PAD + c] = rows[c * width + d];
 #endif
     };
+    prefetch(K, k_rs, k_hs, b * BK);
+    prefetch(V, v_rs, v_hs, b * BK);
     for (int p = 0; p < BK / PAD; ++p) {
       const int64_t r0 = b * BK + p * PAD;
-      prefetch(K, k_rs, k_hs, r0 + PAD);
-      prefetch(V, v_rs, v_hs, r0 + PAD);
+      if (p + 1 < BK / PAD) {  // (the block's own rows: the next block may be another caller's)
+        prefetch(K, k_rs, k_hs, r0 + PAD);
+        prefetch(V, v_rs, v_hs, r0 + PAD);
+      }
       load(K, k_rs, k_hs, r0, pk.dp);
       store_transposed(pk.dp, kt + p * pk.dp * PAD);
       if (kr) store_rows(r0, pk.dp, kr);

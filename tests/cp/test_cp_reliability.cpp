@@ -114,17 +114,23 @@ TEST_F(CpReliabilityTest, AnInfiniteGradientIsNamedInBackward) {
 
 TEST_F(CpReliabilityTest, TheEstimateBoundsWhatEverySchemeHolds) {
   // 6 query and 3 KV heads of odd dims: the a2a group of the 3 ranks splits them (2 and 1 per
-  // rank); hybrid at cp_inner 1 runs a ring over the 3 ranks behind its all-to-all level.
-  constexpr check::BatchShape shape{.heads_q = 6, .heads_k = 3, .head_dim_qk = 13, .head_dim_v = 7};
+  // rank); hybrid at cp_inner 1 runs a ring over the 3 ranks behind its all-to-all level. And
+  // MHA (one head set: no slack in the shared backward's slot) for the all-gather over shared
+  // memory, whose ranks each hold a share of the kernels' packed K/V (fp32 panels, bf16 pairs).
+  constexpr check::BatchShape gqa{.heads_q = 6, .heads_k = 3, .head_dim_qk = 13, .head_dim_v = 7};
+  constexpr check::BatchShape mha{.heads_q = 3, .heads_k = 3, .head_dim_qk = 13, .head_dim_v = 7};
   const struct {
     CpScheme scheme;
     KvMode mode;
     CpSplit split;
     DType dtype;
+    check::BatchShape shape = gqa;
   } cases[] = {{CpScheme::allgather, KvMode::runs, CpSplit::padded, DType::f32},
                {CpScheme::allgather, KvMode::index, CpSplit::padded, DType::f32},
                {CpScheme::allgather, KvMode::runs, CpSplit::padding_free, DType::f32},
                {CpScheme::allgather, KvMode::index, CpSplit::padding_free, DType::bf16},
+               {CpScheme::allgather, KvMode::runs, CpSplit::padded, DType::f32, mha},
+               {CpScheme::allgather, KvMode::runs, CpSplit::padded, DType::bf16, mha},
                {CpScheme::ring, KvMode::runs, CpSplit::padded, DType::f32},
                {CpScheme::pass_q, KvMode::runs, CpSplit::padded, DType::f32},
                {CpScheme::pass_q, KvMode::runs, CpSplit::padded, DType::bf16},
@@ -132,8 +138,10 @@ TEST_F(CpReliabilityTest, TheEstimateBoundsWhatEverySchemeHolds) {
                {CpScheme::a2a, KvMode::index, CpSplit::padded, DType::bf16},
                {CpScheme::hybrid, KvMode::runs, CpSplit::padded, DType::f32}};
   for (const auto& c : cases) {
+    const check::BatchShape& shape = c.shape;
     SCOPED_TRACE(std::string(to_string(c.scheme)) + (c.mode == KvMode::index ? " index" : " runs") +
-                 (c.split == CpSplit::padded ? " padded " : " padding-free ") + std::string(to_string(c.dtype)));
+                 (c.split == CpSplit::padded ? " padded " : " padding-free ") + std::string(to_string(c.dtype)) +
+                 (shape.heads_q == shape.heads_k ? " MHA" : " GQA"));
     const check::Batch b = check::random_batch({0, 1, 37, 38, 138, 161}, shape, c.dtype, 5);
     Local l(b, comm.size(), comm.rank(), c.split);
     CpAttnConfig cfg{.num_heads_q = shape.heads_q, .num_heads_k = shape.heads_k, .head_dim_qk = shape.head_dim_qk,

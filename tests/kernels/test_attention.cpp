@@ -1329,10 +1329,11 @@ TEST(kernel_kv_pack_layout, FollowsEachPathsProducts) {
 // Callers that pack K/V together (KvPackShare: each packs its part of the units into one
 // buffer, then a barrier, then all read every part) get bitwise what one call packing alone
 // gets, forward and backward, on every path this CPU has and every storage dtype (the layouts
-// fp32 and bf16_tiles, and alone, where the call only keeps the barrier), 2 and 3 callers, with
-// a key_rows map, GQA and head dims that pad (72/40). The buffer starts as NaN words: a part no
-// caller packed would show in the results, and where the layout is not alone every word of it
-// is written.
+// fp32 and bf16_tiles, and alone, where the call only keeps the barrier), 2 and 3 callers of 2
+// threads each, with a key_rows map, GQA and head dims that pad (72/40). The buffer is all NaN
+// words before each call: a part no caller packed would show in the results, and where the
+// layout is not alone every word the call packs is written (K^T and V: the forward's first
+// nb (dp + dvp) elements; the backward's K^T, K and V^T: all of them).
 TEST(kernel_kv_pack_share, CallersPackingTogetherGetBitwiseACallAlone) {
   AttnCase c{"gqa-72-40", {1, 37, 130, 64}, {1, 37, 130, 64}, 8, 2, 72, 40, MaskType::causal};
   int ran = 0;
@@ -1359,6 +1360,12 @@ TEST(kernel_kv_pack_share, CallersPackingTogetherGetBitwiseACallAlone) {
                      std::to_string(parts));
         std::vector<uint32_t> raw(bytes / 4 + 16, 0xffffffffu);
         auto* buf = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) / 64 * 64);
+        auto* words = reinterpret_cast<uint32_t*>(buf);
+        const auto unpacked = [&](size_t n) { return std::count(words, words + n, 0xffffffffu); };
+        // the words of K^T and V a forward packs, of the backward's K^T, K and V^T (head dims padded to 16)
+        const size_t dp = (c.head_dim_qk + 15) / 16 * 16, dvp = (c.head_dim_v + 15) / 16 * 16;
+        const size_t fwd_words = bytes / 4 / (2 * dp + dvp) * (dp + dvp);
+        int64_t forward_unpacked = -1;
         std::barrier sync(parts);
         struct Caller {
           Tensor out, dq, dk, dv;
@@ -1377,12 +1384,17 @@ TEST(kernel_kv_pack_share, CallersPackingTogetherGetBitwiseACallAlone) {
         for (Caller& k : callers)
           threads.emplace_back([&] {
             try {
-              AttnFwdParams fk = pb.fwd(pb.q, pb.k, pb.v, k.out, k.lse.data(), path, 1);
+              AttnFwdParams fk = pb.fwd(pb.q, pb.k, pb.v, k.out, k.lse.data(), path, 2);
               fk.in.key_rows = perm.data();
               fk.in.kv_pack_share = &k.share;
               attention_forward(fk);
               sync.arrive_and_wait();  // every caller has read the forward's packing
-              AttnBwdParams bk = pb.bwd(pb.q, pb.k, pb.v, k.out, k.lse.data(), pb.dout, k.dq, k.dk, k.dv, path, 1);
+              if (k.share.part == 0) {
+                forward_unpacked = unpacked(fwd_words);
+                std::fill(words, words + bytes / 4, 0xffffffffu);
+              }
+              sync.arrive_and_wait();
+              AttnBwdParams bk = pb.bwd(pb.q, pb.k, pb.v, k.out, k.lse.data(), pb.dout, k.dq, k.dk, k.dv, path, 2);
               bk.in.key_rows = perm.data();
               bk.in.kv_pack_share = &k.share;
               attention_backward(bk);
@@ -1400,8 +1412,8 @@ TEST(kernel_kv_pack_share, CallersPackingTogetherGetBitwiseACallAlone) {
           EXPECT_EQ(k.dk.values(), dk.values());
           EXPECT_EQ(k.dv.values(), dv.values());
         }
-        const auto* words = reinterpret_cast<const uint32_t*>(buf);
-        EXPECT_EQ(std::count(words, words + bytes / 4, 0xffffffffu), 0) << "words of the share no caller packed";
+        EXPECT_EQ(forward_unpacked, 0) << "words of the forward's share no caller packed";
+        EXPECT_EQ(unpacked(bytes / 4), 0) << "words of the backward's share no caller packed";
         EXPECT_EQ(bytes == 0, layout == KvPackLayout::alone);
         ++ran;
       }
