@@ -131,8 +131,7 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   if (bf16_tiles) {  // per head: bf16 copies of Q, dO and their transposes (4-byte units); pairs of P and dS, dS in bf16
     const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
     const size_t mq128 = (mq + BQB_TILES - 1) / BQB_TILES * BQB_TILES;  // the transposes, per step
-    f.per_thread += per * ((mq32 * (dq32 + dv32) + mq128 * (dp + dvp)) / 2) + bq * BBK * 3 / 2 +
-                    size_t{BBK} * (dp + dvp);  // + the final sum's block
+    f.per_thread += per * ((mq32 * (dq32 + dv32) + mq128 * (dp + dvp)) / 2) + bq * BBK * 3 / 2;
   }
   return f;
 }

@@ -2081,6 +2081,52 @@ struct BwdScratch {
   }
 };
 
+// The sums over a KV head's head sets of its dK or dV (the per-set buffers of a backward),
+// in set order: the one code of backward_impl's final sum and of attention_grad_share_rows, so
+// that a KvGradShare's reader writes bitwise what the kernel writes itself.
+//
+// Transposed blocks (bf16 tiles: [dpad][BBK] floats a set's block of BBK key rows), 16 rows
+// from column c16: rows16[j][d] = (set 0's element (d, c16 + j) + set 1's + ...) + 0.0f over
+// the nr blocks in set order, d < dpad (a multiple of 16); zeros when nr == 0. The + 0.0f: the
+// sum was 0 + s_0 + s_1 + ..., and a set's own -0.0 (a tile product that flushed to a zero of
+// its sign) came out +0.0; (s_0 + s_1 + ...) + 0.0f is that sum bitwise (x + y is -0.0 only
+// when both are). 16 x 16 transposes on the AVX-512 paths.
+inline void sum_sets_rows16(const float* const* blocks, int nr, int dpad, int c16, float (&rows16)[16][256]) {
+  static_assert(PAD == 16);
+  if (nr == 0) {
+    for (int j = 0; j < 16; ++j) std::fill_n(rows16[j], dpad, 0.0f);
+    return;
+  }
+  for (int d0 = 0; d0 < dpad; d0 += 16) {
+#if CPATTN_VW == 16
+    __m512i x[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t at = int64_t{d0 + i} * BBK + c16;
+      __m512 sum = _mm512_loadu_ps(blocks[0] + at);
+      for (int k = 1; k < nr; ++k) sum = _mm512_add_ps(sum, _mm512_loadu_ps(blocks[k] + at));
+      x[i] = _mm512_castps_si512(_mm512_add_ps(sum, _mm512_setzero_ps()));
+    }
+    transpose16x16_epi32(x);
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
+#else
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        const int64_t at = int64_t{d0 + i} * BBK + c16 + j;
+        float sum = blocks[0][at];
+        for (int k = 1; k < nr; ++k) sum += blocks[k][at];
+        rows16[j][d0 + i] = sum + 0.0f;
+      }
+#endif
+  }
+}
+// Rows (the other paths: a set's key row of n floats): acc[d] = 0 + set 0's + set 1's + ...
+// over the nr rows in set order, d < n.
+inline void sum_sets_row(const float* const* rows, int nr, int n, float* acc) {
+  std::fill_n(acc, n, 0.0f);
+  for (int k = 0; k < nr; ++k)
+    for (int d = 0; d < n; ++d) acc[d] += rows[k][d];
+}
+
 void backward_impl(const AttnBwdParams& p) {
   const AttnInputs& in = p.in;
   const AttnOptions& opt = in.options;
@@ -2158,15 +2204,12 @@ void backward_impl(const AttnBwdParams& p) {
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.owned() + pk.kr.owned() + pk.vr.owned() + pk.vt.owned() + gk_own.size() + gv_own.size() +
                   pk.kt2.owned() + pk.kr2.owned() + pk.vr2.owned() + pk.vt2.owned();  // (not a KvPackShare's)
-    for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;  // + the sums' row buffers (ak, av)
-    // the tiles' final sum: a block per thread of its own loop (rows leave through a 16 x 16
-    // tile on the stack)
-    const int red_thr = t16 ? static_cast<int>(std::min<int64_t>(nbb, opt.num_threads)) : 0;
-    used += static_cast<size_t>(red_thr) * BBK * (dp + dvp);
+    // + the final sum's row buffers (ak, av; the tiles' sums leave through 16 rows on the stack)
+    for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;
     BwdScratchFloats bound =
         backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q, cr.bd == Dot::bf16_pairs, t16);
     if (share) bound.per_set_grads = 0;  // (the share's buffer holds them: attention_backward_scratch_bytes)
-    check_scratch_bound(used, bound.total(std::max(nthr, red_thr)));
+    check_scratch_bound(used, bound.total(nthr));
   }
 
   // The query heads [h0, h1) of a set of unit u (one kv head's): its tasks in order, the pieces
@@ -2488,68 +2531,27 @@ void backward_impl(const AttnBwdParams& p) {
       for (int d = 0; d < n; ++d) o[d] += src[d] * mul;
     }
   };
-  if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, then rows
-    // Per thread: the sum of a kv head's sets for one block (when more than one set reached it).
-    const int red_thr = static_cast<int>(std::min<int64_t>(nbb, opt.num_threads));
-    std::vector<fvec> sum_k(static_cast<size_t>(std::max(red_thr, 1))), sum_v(sum_k.size());
-    parallel_for(nbb, opt.num_threads, [&](int64_t b, int th) {
-      alignas(64) float rows16[16][256];  // 16 of the block's rows, whole (dp <= 256), from 16 x 16 transposes
-      static_assert(PAD == 16);
+  if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, 16 rows at a time
+    parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {
+      alignas(64) float rows16[16][256];  // 16 of the block's rows, whole (dp <= 256)
+      std::vector<const float*> ks(static_cast<size_t>(sets)), vs(ks.size());
       const int64_t r0 = b * BBK;
       const int rows = static_cast<int>(std::min<int64_t>(BBK, total_k - r0));
-      // Rows [r0, r0 + rows) of one kv head's dK or dV from its [dims][BBK] block a (null: zeros),
-      // 16 rows at a time, each written whole. Every element gets + 0.0f: the sets' sum was
-      // 0 + s_0 + s_1 + ..., and a set's own -0.0 (a tile product that flushed to a zero of its
-      // sign) came out +0.0; (s_0 + s_1 + ...) + 0.0f is that sum bitwise (x + y is -0.0 only
-      // when both are).
-      auto write_block = [&](bool is_k, int hk, const float* a, int dim) {
-        const int dpad = pad_up(dim);
-        if (!a) std::fill_n(&rows16[0][0], 16 * 256, 0.0f);
-        for (int c0 = 0; c0 < rows; c0 += 16) {
-          for (int d0 = 0; a && d0 < dpad; d0 += 16) {
-#if CPATTN_AMX == 1
-            __m512i x[16];
-            for (int i = 0; i < 16; ++i)
-              x[i] = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(a + (d0 + i) * BBK + c0), _mm512_setzero_ps()));
-            transpose16x16_epi32(x);
-            for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
-#else
-            for (int j = 0; j < 16; ++j)
-              for (int i = 0; i < 16; ++i) rows16[j][d0 + i] = a[(d0 + i) * BBK + c0 + j] + 0.0f;
-#endif
-          }
-          for (int j = 0; j < std::min(16, rows - c0); ++j) write_kv(is_k, r0 + c0 + j, hk, 0, dim, rows16[j]);
-        }
-      };
       for (int hk = 0; hk < hkn; ++hk) {
-        // The kv head's sets that reached the block, in set order: one is used in place, more
-        // are summed (write_block adds the sum's + 0.0f).
-        const float* ks = nullptr;
-        const float* vs = nullptr;
-        int reached = 0;
+        int nr = 0;  // the kv head's sets that reached the block, in set order (none: zeros)
         for (int st = 0; st < sets; ++st) {
           const size_t us = static_cast<size_t>(hk) * sets + st;
-          if (!touched[us * nbb + b]) continue;  // no piece reached it: zeros
-          const float* sk = gk + (us * nbb + b) * BBK * dp;
-          const float* sv = gv + (us * nbb + b) * BBK * dvp;
-          if (reached++ == 0) {
-            ks = sk;
-            vs = sv;
-            continue;
-          }
-          fvec& ak = sum_k[static_cast<size_t>(th)];
-          fvec& av = sum_v[static_cast<size_t>(th)];
-          if (reached == 2) {
-            ak.assign(ks, ks + static_cast<size_t>(dp) * BBK);
-            av.assign(vs, vs + static_cast<size_t>(dvp) * BBK);
-            ks = ak.data();
-            vs = av.data();
-          }
-          for (size_t i = 0; i < ak.size(); ++i) ak[i] += sk[i];
-          for (size_t i = 0; i < av.size(); ++i) av[i] += sv[i];
+          if (!touched[us * nbb + b]) continue;
+          ks[static_cast<size_t>(nr)] = gk + (us * nbb + b) * BBK * dp;
+          vs[static_cast<size_t>(nr++)] = gv + (us * nbb + b) * BBK * dvp;
         }
-        write_block(true, hk, ks, head_dim_qk);
-        write_block(false, hk, vs, head_dim_v);
+        for (const bool is_k : {true, false}) {
+          const int dim = is_k ? head_dim_qk : head_dim_v;
+          for (int c0 = 0; c0 < rows; c0 += 16) {
+            sum_sets_rows16((is_k ? ks : vs).data(), nr, pad_up(dim), c0, rows16);
+            for (int j = 0; j < std::min(16, rows - c0); ++j) write_kv(is_k, r0 + c0 + j, hk, 0, dim, rows16[j]);
+          }
+        }
       }
     });
     return;
@@ -2557,19 +2559,19 @@ void backward_impl(const AttnBwdParams& p) {
   const int64_t rows_per = 256;
   parallel_for((total_k + rows_per - 1) / rows_per, opt.num_threads, [&](int64_t u, int) {
     std::vector<float> ak(dp), av(dvp);
+    std::vector<const float*> ks(static_cast<size_t>(sets)), vs(ks.size());
     const int64_t r1 = std::min(total_k, (u + 1) * rows_per);
     for (int64_t r = u * rows_per; r < r1; ++r)
       for (int hk = 0; hk < hkn; ++hk) {
-        std::fill(ak.begin(), ak.end(), 0.0f);
-        std::fill(av.begin(), av.end(), 0.0f);
-        for (int s = 0; s < sets; ++s) {
-          const size_t us = static_cast<size_t>(hk) * sets + s;
-          if (!touched[us * nbb + r / BBK]) continue;  // no piece reached its block: zeros
-          const float* sk = gk + (us * total_k + r) * dp;
-          const float* sv = gv + (us * total_k + r) * dvp;
-          for (int d = 0; d < dp; ++d) ak[d] += sk[d];
-          for (int d = 0; d < dvp; ++d) av[d] += sv[d];
+        int nr = 0;  // the sets that reached the row's block, in set order (none: zeros)
+        for (int st = 0; st < sets; ++st) {
+          const size_t us = static_cast<size_t>(hk) * sets + st;
+          if (!touched[us * nbb + r / BBK]) continue;
+          ks[static_cast<size_t>(nr)] = gk + (us * total_k + r) * dp;
+          vs[static_cast<size_t>(nr++)] = gv + (us * total_k + r) * dvp;
         }
+        sum_sets_row(ks.data(), nr, dp, ak.data());
+        sum_sets_row(vs.data(), nr, dvp, av.data());
         write_kv(true, r, hk, 0, head_dim_qk, ak.data());
         write_kv(false, r, hk, 0, head_dim_v, av.data());
       }
@@ -2588,8 +2590,8 @@ void backward_impl(const AttnBwdParams& p) {
 void grad_share_rows_impl(const GradShareLayout& L, const std::byte* buffer, int64_t r0, int64_t n, float* dk,
                           float* dv) {
   const auto* touched = reinterpret_cast<const char*>(buffer + L.touched_offset());
-  thread_local std::vector<int> reached;  // (called cp times per few rows: no allocation per call)
-  reached.resize(static_cast<size_t>(L.sets));
+  thread_local std::vector<const float*> src;  // (called cp times per few rows: no allocation per call)
+  src.resize(static_cast<size_t>(L.sets));
   alignas(64) float rows16[16][256];  // a group's 16 rows of one KV head, whole (dims <= 256)
   for (const bool is_k : {true, false}) {
     const int dim = is_k ? L.dqk : L.dv, dpad = is_k ? L.dp : L.dvp;
@@ -2602,51 +2604,26 @@ void grad_share_rows_impl(const GradShareLayout& L, const std::byte* buffer, int
       const int64_t b = g0 / BBK;
       const int c16 = static_cast<int>(g0 - b * BBK);  // the group's first column in its block
       for (int hk = 0; hk < L.hkv; ++hk) {
-        int nr = 0;  // the sets that reached block b, in order
+        // The sets that reached block b, in order: transposed, each one's block b ([dpad][BBK]
+        // floats); otherwise each one's row a ([g_rows][dpad] floats a set).
+        int nr = 0;
         for (int st = 0; st < L.sets; ++st) {
           const int64_t u = int64_t{hk} * L.sets + st;
-          if (touched[u * L.nbb + b]) reached[static_cast<size_t>(nr++)] = st;
+          if (touched[u * L.nbb + b])
+            src[static_cast<size_t>(nr++)] = g + (L.transposed ? (u * L.nbb + b) * BBK : u * L.g_rows + a) * dpad;
         }
-        auto unit = [&](int i) { return int64_t{hk} * L.sets + reached[static_cast<size_t>(i)]; };
-        if (nr == 0) {
-          for (int j = 0; j < 16; ++j) std::fill_n(rows16[j], dpad, 0.0f);
-        } else if (L.transposed) {
-          for (int d0 = 0; d0 < dpad; d0 += 16) {  // (dpad is a multiple of PAD = 16)
-            static_assert(PAD == 16);
-            // set k's block: dims [d0, d0 + 16) of the group's 16 columns, BBK floats apart
-            auto at = [&](int k) { return g + (unit(k) * L.nbb + b) * BBK * dpad + int64_t{d0} * BBK + c16; };
-#if CPATTN_VW == 16
-            __m512i x[16];
-            for (int i = 0; i < 16; ++i) {
-              __m512 s = _mm512_loadu_ps(at(0) + i * BBK);
-              for (int k = 1; k < nr; ++k) s = _mm512_add_ps(s, _mm512_loadu_ps(at(k) + i * BBK));
-              x[i] = _mm512_castps_si512(_mm512_add_ps(s, _mm512_setzero_ps()));
-            }
-            transpose16x16_epi32(x);
-            for (int j = 0; j < 16; ++j) _mm512_store_ps(rows16[j] + d0, _mm512_castsi512_ps(x[j]));
-#else
-            for (int i = 0; i < 16; ++i)
-              for (int j = 0; j < 16; ++j) {
-                float s = at(0)[i * BBK + j];
-                for (int k = 1; k < nr; ++k) s += at(k)[i * BBK + j];
-                rows16[j][d0 + i] = s + 0.0f;
-              }
-#endif
-          }
+        if (L.transposed) {
+          sum_sets_rows16(src.data(), nr, dpad, c16, rows16);
         } else {
           for (int64_t r = a; r < e; ++r) {
-            float* acc = rows16[r - g0];
-            std::fill_n(acc, dpad, 0.0f);
-            for (int i = 0; i < nr; ++i) {
-              const float* src = g + (unit(i) * L.g_rows + r) * dpad;
-              for (int d = 0; d < dpad; ++d) acc[d] += src[d];
-            }
+            sum_sets_row(src.data(), nr, dpad, rows16[r - g0]);
+            for (int k = 0; k < nr; ++k) src[static_cast<size_t>(k)] += dpad;
           }
         }
         for (int64_t r = a; r < e; ++r) {
           float* o = out + (r - r0) * row_out + int64_t{hk} * dim;
-          const float* src = rows16[r - g0];
-          for (int d = 0; d < dim; ++d) o[d] = src[d] * mul;
+          const float* row = rows16[r - g0];
+          for (int d = 0; d < dim; ++d) o[d] = row[d] * mul;
         }
       }
       a = e;
