@@ -224,7 +224,7 @@ void validate(const AttnBwdParams& p) {
     check_dtype(fn, "dq", p.dq, dt);
   if (p.grad_share) {  // dk and dv are not written: the buffer holds the partial sums
     CPATTN_CHECK(p.grad_mode == GradMode::write, fn, ": grad_share needs grad_mode write, got ",
-                 static_cast<int>(p.grad_mode));
+                 p.grad_mode == GradMode::accumulate ? "accumulate" : "accumulate_all");
     CPATTN_CHECK(p.grad_share->buffer != nullptr && reinterpret_cast<uintptr_t>(p.grad_share->buffer) % 64 == 0, fn,
                  ": grad_share.buffer must be a 64-byte aligned, non-null pointer");
   } else if (p.grad_mode == GradMode::write) {  // the storage dtype, or fp32 (a caller's sums)

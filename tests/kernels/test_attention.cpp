@@ -1024,7 +1024,7 @@ TEST(kernel_grad_share, BadUsesAreRefused) {
             std::string::npos);
   share = {.buffer = buf, .bytes = bytes};
   bp.grad_mode = GradMode::accumulate;
-  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share needs grad_mode write"), std::string::npos);
+  EXPECT_NE(error_of([&] { attention_backward(bp); }).find("grad_share needs grad_mode write, got accumulate"), std::string::npos);
   std::vector<float> rk(8 * 8), rv(8 * 8);
   EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, shape, 0, 1, rk.data(), rv.data()); })
                 .find("holds no backward's partial sums"),
