@@ -2104,6 +2104,7 @@ inline void sum_sets_rows16(const float* const* blocks, int nr, int dpad, int c1
       const int64_t at = int64_t{d0 + i} * BBK + c16;
       __m512 sum = _mm512_loadu_ps(blocks[0] + at);
       for (int k = 1; k < nr; ++k) sum = _mm512_add_ps(sum, _mm512_loadu_ps(blocks[k] + at));
+      for (int k = 0; k < nr; ++k) __builtin_prefetch(blocks[k] + at + 16);  // the next 16 rows' line
       x[i] = _mm512_castps_si512(_mm512_add_ps(sum, _mm512_setzero_ps()));
     }
     transpose16x16_epi32(x);
