@@ -10,7 +10,7 @@ the machine's drift falls on all of them alike:
     that sets the step, over the step (the faster rank's waits are the ranks' skew);
   - the faster rank's waits, for the skew.
 
-    bench/cp_rank_overhead.py build/release/tools/cpattn [--rounds 6] [--dtypes bf16,fp32]
+    bench/cp_rank_overhead.py build/release/tools/cpattn [--rounds 6] [--dtypes bf16,fp32] [--lengths N ...]
 
 Every `cpattn run` checks its result against a single process first. Prints one line a round
 and the medians."""
@@ -26,13 +26,15 @@ ap.add_argument("--rounds", type=int, default=6)
 ap.add_argument("--dtypes", default="bf16,fp32")
 ap.add_argument("--seq-len", type=int, default=8192)
 ap.add_argument("--repeats", type=int, default=10)
+ap.add_argument("--lengths", type=int, nargs="*", help="document lengths (cpattn run --lengths) instead of --seq-len's mix")
 args = ap.parse_args()
 env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 
 def shape(dtype, heads, kv_heads, threads):
-    return [args.cpattn, "run", "--seq-len", str(args.seq_len), "--heads", str(heads), "--kv-heads", str(kv_heads),
-            "--head-dim", "128", "--dtype", dtype, "--repeats", str(args.repeats), "--threads", str(threads), "--json"]
+    docs = ["--lengths", *map(str, args.lengths)] if args.lengths else ["--seq-len", str(args.seq_len)]
+    return [args.cpattn, "run", *docs, "--heads", str(heads), "--kv-heads", str(kv_heads), "--head-dim", "128",
+            "--dtype", dtype, "--repeats", str(args.repeats), "--threads", str(threads), "--json"]
 
 
 def parse(out):
