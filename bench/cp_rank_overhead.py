@@ -7,8 +7,8 @@ the machine's drift falls on all of them alike:
     heads) with a second such process side by side on the other core, as the ranks run
     (`taskset -c 0` and `-c 1`): the largest rank's over the largest process's;
   - exposed communication: the waits (`comm_s`) of the rank with the most compute, the one
-    that sets the step, over the step (the faster rank's waits are the ranks' skew);
-  - the faster rank's waits, for the skew.
+    that sets the step, over the step;
+  - the faster rank's waits over the step: the ranks' skew.
 
     bench/cp_rank_overhead.py build/release/tools/cpattn [--rounds 6] [--dtypes bf16,fp32] [--lengths N ...]
 
@@ -50,7 +50,10 @@ def run(cmd):
 def side_by_side(dtype):
     procs = [subprocess.Popen(["taskset", "-c", str(c), *shape(dtype, 8, 2, 1)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, env=env) for c in (0, 1)]
-    return [parse(p.communicate()[0])["compute_s"][0] for p in procs]
+    outs = [p.communicate()[0] for p in procs]
+    for c, p in enumerate(procs):
+        assert p.returncode == 0, f"the half-head run on core {c} failed ({p.returncode})"
+    return [parse(out)["compute_s"][0] for out in outs]
 
 
 rows = {d: [] for d in args.dtypes.split(",")}

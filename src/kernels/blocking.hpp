@@ -120,14 +120,15 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles) * g_rows * (dp + dvp);
   // Per head of a set: dq [max_q][dp], q and its panels [max_q][dp]; dout and its panels
   // [max_q][dvp]; lse, delta. Shared: S, P, dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles
-  // [BBK][dp + dvp]; row buffers (a packed row, an out row, the dK/dV sums of a key row) of at
-  // most 2 (dp + dvp)
+  // [BBK][dp + dvp]; row buffers (an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp);
+  // the final sum's pointers to the sets' buffers (2 x sets, two floats each). (The packing's
+  // panel of 16 rows per thread is gone before these are made.)
   const size_t bq = bf16_tiles ? BQB_TILES : BQB;
   const auto per = static_cast<size_t>(bwd_set_heads(num_heads_q, num_heads_k, max_q, bf16_tiles));
   // (bf16 tiles: q and dout are one row each, their task rows held in bf16 below, no panels)
   const size_t q_rows = bf16_tiles ? 1 : mq, panel_rows = bf16_tiles ? 0 : mq;
   f.per_thread = per * (mq * (dp + 2) + (q_rows + panel_rows) * (dp + dvp)) + 3 * bq * BBK + BBK * (dp + dvp) +
-                 2 * (dp + dvp);
+                 2 * (dp + dvp) + 4 * static_cast<size_t>(bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles));
   if (bf16_tiles) {  // per head: bf16 copies of Q, dO and their transposes (4-byte units); pairs of P and dS, dS in bf16
     const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
     const size_t mq128 = (mq + BQB_TILES - 1) / BQB_TILES * BQB_TILES;  // the transposes, per step

@@ -1278,7 +1278,9 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   pk.kr.resize(backward ? nb * pk.dp : 0);
   pk.vt.resize(backward ? nb * pk.dvp : 0);
   const auto [u0, u1] = packed_units(share, K.heads * pk.nblk);
-  parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int) {
+  // one panel buffer per thread (live while packing, before a backward's per-thread buffers)
+  std::vector<std::vector<float>> panels(static_cast<size_t>(std::max(in.options.num_threads, 1)));
+  parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int th) {
     const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
@@ -1292,7 +1294,8 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
     // panel's before the loop): the rows of one kv head are a row step apart (2 KiB and more),
     // a stride the hardware prefetchers do not follow across pages, and each row's load waited
     // for memory.
-    std::vector<float> rows(static_cast<size_t>(PAD) * std::max(pk.dp, pk.dvp));
+    std::vector<float>& rows = panels[static_cast<size_t>(th)];
+    rows.resize(static_cast<size_t>(PAD) * std::max(pk.dp, pk.dvp));
     auto load = [&](const ConstTensorView& X, int64_t rs, int64_t hs, int64_t r0, int width) {
       for (int c = 0; c < PAD; ++c) {
         const int64_t r = r0 + c;
@@ -2081,6 +2084,8 @@ struct BwdScratch {
   }
 };
 
+constexpr int64_t kFinalSumRows = 256;  // key rows per item of the final sum's loop (not on tiles)
+
 // The sums over a KV head's head sets of its dK or dV (the per-set buffers of a backward),
 // in set order: the one code of backward_impl's final sum and of attention_grad_share_rows, so
 // that a KvGradShare's reader writes bitwise what the kernel writes itself.
@@ -2090,7 +2095,8 @@ struct BwdScratch {
 // the nr blocks in set order, d < dpad (a multiple of 16); zeros when nr == 0. The + 0.0f: the
 // sum was 0 + s_0 + s_1 + ..., and a set's own -0.0 (a tile product that flushed to a zero of
 // its sign) came out +0.0; (s_0 + s_1 + ...) + 0.0f is that sum bitwise (x + y is -0.0 only
-// when both are). 16 x 16 transposes on the AVX-512 paths.
+// when both are). 16 x 16 transposes on the AVX-512 paths, aligned stores: rows16 is 64-byte
+// aligned.
 inline void sum_sets_rows16(const float* const* blocks, int nr, int dpad, int c16, float (&rows16)[16][256]) {
   static_assert(PAD == 16);
   if (nr == 0) {
@@ -2205,12 +2211,17 @@ void backward_impl(const AttnBwdParams& p) {
   {  // what was allocated stays within attention_backward_scratch_bytes (blocking.hpp)
     size_t used = pk.kt.owned() + pk.kr.owned() + pk.vr.owned() + pk.vt.owned() + gk_own.size() + gv_own.size() +
                   pk.kt2.owned() + pk.kr2.owned() + pk.vr2.owned() + pk.vt2.owned();  // (not a KvPackShare's)
-    // + the final sum's row buffers (ak, av; the tiles' sums leave through 16 rows on the stack)
-    for (const BwdScratch& s : scr) used += s.floats() + dp + dvp;
+    for (const BwdScratch& s : scr) used += s.floats();
+    // + the final sum's, per thread of its own loop: the sets' pointers (2 x sets, two floats
+    // each) and, on rows, the sums of a key row (ak, av; the tiles' leave through 16 rows on
+    // the stack)
+    const int64_t fin_items = t16 ? nbb : (total_k + kFinalSumRows - 1) / kFinalSumRows;
+    const int fin_thr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, fin_items)));
+    used += static_cast<size_t>(fin_thr) * (4 * static_cast<size_t>(sets) + (t16 ? 0 : dp + dvp));
     BwdScratchFloats bound =
         backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q, cr.bd == Dot::bf16_pairs, t16);
     if (share) bound.per_set_grads = 0;  // (the share's buffer holds them: attention_backward_scratch_bytes)
-    check_scratch_bound(used, bound.total(nthr));
+    check_scratch_bound(used, bound.total(std::max(nthr, fin_thr)));
   }
 
   // The query heads [h0, h1) of a set of unit u (one kv head's): its tasks in order, the pieces
@@ -2557,12 +2568,11 @@ void backward_impl(const AttnBwdParams& p) {
     });
     return;
   }
-  const int64_t rows_per = 256;
-  parallel_for((total_k + rows_per - 1) / rows_per, opt.num_threads, [&](int64_t u, int) {
+  parallel_for((total_k + kFinalSumRows - 1) / kFinalSumRows, opt.num_threads, [&](int64_t u, int) {
     std::vector<float> ak(dp), av(dvp);
     std::vector<const float*> ks(static_cast<size_t>(sets)), vs(ks.size());
-    const int64_t r1 = std::min(total_k, (u + 1) * rows_per);
-    for (int64_t r = u * rows_per; r < r1; ++r)
+    const int64_t r1 = std::min(total_k, (u + 1) * kFinalSumRows);
+    for (int64_t r = u * kFinalSumRows; r < r1; ++r)
       for (int hk = 0; hk < hkn; ++hk) {
         int nr = 0;  // the sets that reached the row's block, in set order (none: zeros)
         for (int st = 0; st < sets; ++st) {

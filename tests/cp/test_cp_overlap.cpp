@@ -12,7 +12,6 @@
 
 #include <sys/resource.h>
 
-#include <array>
 #include <csignal>
 #include <memory>
 #include <span>
@@ -422,12 +421,13 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   ASSERT_EQ(attn.stats().shared_forwards, 1);
   const std::vector<float> out1 = b.out;
   if (comm.rank() != 0) first = CpContext{};  // dropped
-  // fp32 packs the kernels' K/V with the peers from the second shared call on (KvPackLayout):
-  // its buffer's 3 collectives, once, and a barrier per call
-  const int packs = attention_kv_pack_layout(KernelPath::automatic, DType::f32) != KvPackLayout::alone ? 1 : 0;
+  // fp32 packs the kernels' K/V with the peers (KvPackLayout::fp32, on every path) from the
+  // second shared call on: its buffer's 3 collectives, once, and a barrier per call
+  ASSERT_EQ(attention_kv_pack_layout(KernelPath::automatic, DType::f32), KvPackLayout::fp32);
   int64_t calls = comm.calls();
   CpContext second = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 5 + 4 * packs);  // the agreement, a new buffer's 3 collectives, the barrier
+  // the agreement, a new K/V buffer's 3 collectives, the pack buffer's 3, the pack's barrier, the barrier
+  EXPECT_EQ(comm.calls() - calls, 9);
   EXPECT_EQ(attn.stats().shared_forwards, 2);
   EXPECT_EQ(b.out, out1);
   attn.backward(second, b.bwd());
@@ -436,7 +436,7 @@ TEST_F(CpAttentionTest, ARankStillHoldingAContextSendsTheNextForwardToAnotherBuf
   first = CpContext{};  // rank 0 lets go too
   calls = comm.calls();
   CpContext third = attn.forward(b.fwd());
-  EXPECT_EQ(comm.calls() - calls, 2 + packs);  // the agreement and the barrier: no buffer made
+  EXPECT_EQ(comm.calls() - calls, 3);  // the agreement and the two barriers: no buffer made
   EXPECT_EQ(attn.stats().shared_forwards, 3);
   EXPECT_EQ(b.out, out1);
   attn.backward(third, b.bwd());
@@ -455,11 +455,11 @@ TEST_F(CpAttentionTest, SharedBuffersGrowWithTheBatch) {
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
                           .dtype = t, .options = o});
   int64_t n = 0;
-  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making; where fp32
-  // packs K/V with the peers (from the first backward on), that buffer's 3 per making and a
-  // barrier per call
-  const bool packs = attention_kv_pack_layout(o.path, t) != KvPackLayout::alone;
-  const std::array<int64_t, 3> calls = packs ? std::array<int64_t, 3>{14, 15, 6} : std::array<int64_t, 3>{10, 10, 4};
+  // made, made again larger, kept: 2 x (agreement, barrier) + 2 x 3 per making; and fp32 packs
+  // K/V with the peers (KvPackLayout::fp32, from the first backward on): that buffer's 3 per
+  // making and a barrier per call
+  ASSERT_EQ(attention_kv_pack_layout(o.path, t), KvPackLayout::fp32);
+  const int64_t calls[] = {14, 15, 6};
   for (const check::Batch* b : {&small, &big, &small}) {
     SCOPED_TRACE(::testing::Message() << b->tokens() << " tokens, cp " << comm.size());
     const RankPlan p = get_thd_load_balanced_cp_metadata(b->cu_seqlens, comm.size(), comm.rank());

@@ -1074,6 +1074,88 @@ TEST(kernel_grad_share, BadUsesAreRefused) {
   }
 }
 
+// The sums over head sets, against their formula worked independently here: a hand-made
+// buffer (GradShareLayout) of 4 KV heads whose sets reached a block 0, 1, 2 and 3 times (set 0
+// alone, sets 0 and 2, all three), values whose sum depends on the order (+-1e8 and small
+// ones), -0.0 and a denormal; 40 keys, a partial last block. Transposed (the tiles' blocks, [dp][128]
+// per set): (s_0 + s_1 + ...) + 0.0f, zeros where no set reached; rows (the other paths):
+// 0.0f + s_0 + s_1 + ...; dK times the scale. Read on every vector width this CPU has: the
+// one code of the reader and of the backward's own final sum (sum_sets_rows16, sum_sets_row).
+TEST(kernel_grad_share, SetSumsFollowTheirFormula) {
+  const float smalls[] = {1.0f, 0.5f, 1.0e-40f, 3.0f, -0.0f};
+  for (const int transposed : {1, 0}) {
+    kernels::GradShareLayout L;
+    L.total_k = 40;
+    L.nbb = 1;
+    L.g_rows = transposed ? 128 : 40;
+    L.hkv = 4;
+    L.sets = 3;
+    L.dqk = 16;
+    L.dv = 13;
+    L.dp = L.dvp = 16;
+    L.transposed = transposed;
+    L.scale = 0.25f;
+    const std::size_t bytes = L.bytes();
+    std::vector<std::byte> raw(bytes + 64);
+    auto* buf = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) / 64 * 64);
+    std::memcpy(buf, &L, sizeof L);
+    auto* gk = reinterpret_cast<float*>(buf + kernels::GradShareLayout::kHeader);
+    auto* gv = reinterpret_cast<float*>(buf + L.gv_offset());
+    auto* touched = reinterpret_cast<char*>(buf + L.touched_offset());
+    const std::vector<std::vector<int>> reached = {{}, {0}, {0, 2}, {0, 1, 2}};
+    // Set st's value at (key row r, dim d) of dK (k) or dV: set 0 a big B = +-1e8 (or -0.0),
+    // set 1 -B (-0.0 for -0.0), set 2 small: (B - B) + s = s, where another order loses s
+    // to B; a set alone of -0.0 gives +0.0 only through the transposed sum's + 0.0f.
+    const auto value = [&](bool k, int hk, int st, int64_t r, int d) {
+      const int64_t i = r * 16 + d + (k ? 0 : 3) + hk;
+      const float big = i % 5 == 0 ? -0.0f : (i % 2 ? 1e8f : -1e8f);
+      return st == 0 ? big : st == 1 ? (big == 0.0f ? -0.0f : -big) : smalls[static_cast<size_t>(i % 5)];
+    };
+    for (int hk = 0; hk < L.hkv; ++hk)
+      for (int st = 0; st < L.sets; ++st) {
+        const int64_t u = int64_t{hk} * L.sets + st;
+        touched[u] = std::find(reached[hk].begin(), reached[hk].end(), st) != reached[hk].end() ? 1 : 0;
+        for (const bool k : {true, false}) {
+          float* g = (k ? gk : gv) + u * L.g_rows * 16;
+          for (int64_t r = 0; r < L.g_rows; ++r)
+            for (int d = 0; d < 16; ++d)
+              (transposed ? g[d * 128 + r] : g[r * 16 + d]) = touched[u] ? value(k, hk, st, r, d) : std::nanf("");
+        }
+      }
+    const AttnShape shape{.num_heads_k = L.hkv, .head_dim_qk = L.dqk, .head_dim_v = L.dv};
+    std::vector<float> want_k(static_cast<size_t>(40 * 4 * 16)), want_v(static_cast<size_t>(40 * 4 * 13));
+    for (int64_t r = 0; r < 40; ++r)
+      for (int hk = 0; hk < 4; ++hk)
+        for (const bool k : {true, false}) {
+          const int dim = k ? 16 : 13;
+          for (int d = 0; d < dim; ++d) {
+            float sum = 0.0f;
+            if (transposed && !reached[hk].empty()) {
+              sum = value(k, hk, reached[hk][0], r, d);
+              for (size_t i = 1; i < reached[hk].size(); ++i) sum += value(k, hk, reached[hk][i], r, d);
+              sum += 0.0f;
+            } else {
+              for (const int st : reached[hk]) sum += value(k, hk, st, r, d);
+            }
+            (k ? want_k : want_v)[static_cast<size_t>((r * 4 + hk) * dim + d)] = sum * (k ? 0.25f : 1.0f);
+          }
+        }
+    for (const char* reader : {"portable", "avx2", "avx512"}) {
+      if (!kernel_path_supported(parse_kernel_path(reader))) continue;
+      SCOPED_TRACE(std::string(transposed ? "transposed" : "rows") + ", read on " + reader);
+      const EnvPath env(reader);
+      std::vector<float> dk(want_k.size(), -7.0f), dv(want_v.size(), -7.0f);
+      for (int64_t r0 = 0; r0 < 40; r0 += 13) {  // groups and pieces cut anywhere
+        const int64_t n = std::min<int64_t>(13, 40 - r0);
+        attention_grad_share_rows(buf, bytes, shape, r0, n, dk.data() + r0 * 64, dv.data() + r0 * 52);
+      }
+      EXPECT_EQ(0, std::memcmp(dk.data(), want_k.data(), dk.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(dv.data(), want_v.data(), dv.size() * sizeof(float)));
+      EXPECT_EQ(std::signbit(dk[0]), std::signbit(want_k[0]));
+    }
+  }
+}
+
 TEST(kernel_attention, KeyRowsAndWriteModeDtypesAreChecked) {
   const AttnCase c{"bad_rows", {5, 3}, {5, 3}, 2, 1, 8, 8, MaskType::causal};
   const Problem pb(c, DType::bf16, 3);
