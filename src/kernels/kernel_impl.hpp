@@ -2126,6 +2126,17 @@ inline void sum_sets_rows16(const float* const* blocks, int nr, int dpad, int c1
 #endif
   }
 }
+// The head sets of KV head hk that reached key block b, in set order (touched: a flag per (unit
+// hk * sets + st, block)): out[i] = at(unit) for each; returns how many (none: the sums are zeros).
+template <class At>
+int reached_sets(const char* touched, int hk, int sets, int64_t nbb, int64_t b, const float** out, At at) {
+  int nr = 0;
+  for (int st = 0; st < sets; ++st) {
+    const int64_t u = int64_t{hk} * sets + st;
+    if (touched[u * nbb + b]) out[nr++] = at(u);
+  }
+  return nr;
+}
 // Rows (the other paths: a set's key row of n floats): acc[d] = 0 + set 0's + set 1's + ...
 // over the nr rows in set order, d < n.
 inline void sum_sets_row(const float* const* rows, int nr, int n, float* acc) {
@@ -2550,13 +2561,11 @@ void backward_impl(const AttnBwdParams& p) {
       const int64_t r0 = b * BBK;
       const int rows = static_cast<int>(std::min<int64_t>(BBK, total_k - r0));
       for (int hk = 0; hk < hkn; ++hk) {
-        int nr = 0;  // the kv head's sets that reached the block, in set order (none: zeros)
-        for (int st = 0; st < sets; ++st) {
-          const size_t us = static_cast<size_t>(hk) * sets + st;
-          if (!touched[us * nbb + b]) continue;
-          ks[static_cast<size_t>(nr)] = gk + (us * nbb + b) * BBK * dp;
-          vs[static_cast<size_t>(nr++)] = gv + (us * nbb + b) * BBK * dvp;
-        }
+        const auto block = [&](const float* g, int dims) {
+          return [=](int64_t unit) { return g + (unit * nbb + b) * BBK * dims; };
+        };
+        const int nr = reached_sets(touched, hk, sets, nbb, b, ks.data(), block(gk, dp));
+        reached_sets(touched, hk, sets, nbb, b, vs.data(), block(gv, dvp));
         for (const bool is_k : {true, false}) {
           const int dim = is_k ? head_dim_qk : head_dim_v;
           for (int c0 = 0; c0 < rows; c0 += 16) {
@@ -2574,13 +2583,11 @@ void backward_impl(const AttnBwdParams& p) {
     const int64_t r1 = std::min(total_k, (u + 1) * kFinalSumRows);
     for (int64_t r = u * kFinalSumRows; r < r1; ++r)
       for (int hk = 0; hk < hkn; ++hk) {
-        int nr = 0;  // the sets that reached the row's block, in set order (none: zeros)
-        for (int st = 0; st < sets; ++st) {
-          const size_t us = static_cast<size_t>(hk) * sets + st;
-          if (!touched[us * nbb + r / BBK]) continue;
-          ks[static_cast<size_t>(nr)] = gk + (us * total_k + r) * dp;
-          vs[static_cast<size_t>(nr++)] = gv + (us * total_k + r) * dvp;
-        }
+        const auto row = [&](const float* g, int dims) {
+          return [=](int64_t unit) { return g + (unit * total_k + r) * dims; };
+        };
+        const int nr = reached_sets(touched, hk, sets, nbb, r / BBK, ks.data(), row(gk, dp));
+        reached_sets(touched, hk, sets, nbb, r / BBK, vs.data(), row(gv, dvp));
         sum_sets_row(ks.data(), nr, dp, ak.data());
         sum_sets_row(vs.data(), nr, dvp, av.data());
         write_kv(true, r, hk, 0, head_dim_qk, ak.data());
@@ -2615,14 +2622,11 @@ void grad_share_rows_impl(const GradShareLayout& L, const std::byte* buffer, int
       const int64_t b = g0 / BBK;
       const int c16 = static_cast<int>(g0 - b * BBK);  // the group's first column in its block
       for (int hk = 0; hk < L.hkv; ++hk) {
-        // The sets that reached block b, in order: transposed, each one's block b ([dpad][BBK]
-        // floats); otherwise each one's row a ([g_rows][dpad] floats a set).
-        int nr = 0;
-        for (int st = 0; st < L.sets; ++st) {
-          const int64_t u = int64_t{hk} * L.sets + st;
-          if (touched[u * L.nbb + b])
-            src[static_cast<size_t>(nr++)] = g + (L.transposed ? (u * L.nbb + b) * BBK : u * L.g_rows + a) * dpad;
-        }
+        // The sets that reached block b: transposed, each one's block b ([dpad][BBK] floats);
+        // otherwise each one's row a ([g_rows][dpad] floats a set).
+        const int nr = reached_sets(touched, hk, L.sets, L.nbb, b, src.data(), [&](int64_t unit) {
+          return g + (L.transposed ? (unit * L.nbb + b) * BBK : unit * L.g_rows + a) * dpad;
+        });
         if (L.transposed) {
           sum_sets_rows16(src.data(), nr, dpad, c16, rows16);
         } else {
