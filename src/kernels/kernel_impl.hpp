@@ -24,7 +24,10 @@
 //    of the unit can see are not computed, pieces wholly left of the sliding window are
 //    skipped, and the first piece past the right limit (causal or window) ends the loop.
 //    Soft cap and ALiBi (AttnOptions) transform the scores of a row element by element in a
-//    branch taken once per call; without them the rows run the vector code as before. The next piece's K^T and V are prefetched while the current one runs.
+//    branch taken once per call; without them the rows run the vector code as before. The
+//    packed K^T/V are contiguous per kv head and left to the hardware prefetchers (a software
+//    prefetch of the next piece cost 4-8% of the forward on a mix of documents, where a
+//    unit's next block is mostly another document's, and gained nothing on a long one).
 //    Within a unit, each head's rows go through S = Q K^T, the softmax and O += P V in
 //    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
 //    none of its rows sees the piece), so that a product's operands stay in L1; the softmax
@@ -1771,19 +1774,6 @@ void forward_impl(const AttnFwdParams& p) {
       // Columns past the last row's right limit (causal or window) are masked for every row:
       // not computed.
       pc.a1 = trimmed_end(pc, qp_last);
-      // The next piece's K^T and V (contiguous after this one for a key run) are fetched
-      // from L3 while this piece runs, a few lines per row of the group's first head: their
-      // floats, or their pairs on tiles (half the lines).
-      const int64_t next0 = (pc.b + 1) * fbk;  // the next piece's first key row
-      const char* next_k = t16 ? reinterpret_cast<const char*>(pk.Kt2(hk, next0))
-                               : reinterpret_cast<const char*>(pk.Kt(hk, 0) + next0 * dp);
-      const int64_t per_line = t16 ? 32 : 16;  // pairs hold two values in a float's 4 bytes
-      const int64_t k_lines = fbk * dp / per_line, v_lines_pp = fbk * PAD / per_line;  // 64-byte lines
-      const int64_t v_lines = v_lines_pp * (dvp / PAD);
-      auto next_v = [&](int64_t ln) -> const void* {
-        if (t16) return pk.Vr2(hk, next0) + (ln / v_lines_pp) * (pk.vr_ps() / 2) + (ln % v_lines_pp) * 16;
-        return pk.Vr(hk) + (ln / v_lines_pp) * pk.vr_ps() + next0 * PAD + (ln % v_lines_pp) * 16;
-      };
       // The unit's rows run in sub-blocks of FSB rows (32 on tiles) per head of the set: S = Q
       // Kt, the softmax and O += P V of a sub-block touch its Q, S and O rows only, which stay
       // in L1 on the vector paths (blocking.hpp; on tiles two sub-blocks' S and P, 96 KiB, are
@@ -1877,13 +1867,6 @@ void forward_impl(const AttnFwdParams& p) {
         const int n32 = (n + 31) / 32 * 32;
         for (int r = 0; r < sb; ++r) {
           between();
-          if (g == 0) {
-            const int64_t ur = r0 + r;  // the row in the unit
-            for (int64_t ln = ur * k_lines / m; ln < (ur + 1) * k_lines / m; ++ln)
-              __builtin_prefetch(next_k + ln * 64, 0, 1);
-            for (int64_t ln = ur * v_lines / m; ln < (ur + 1) * v_lines / m; ++ln)
-              __builtin_prefetch(next_v(ln), 0, 1);
-          }
           float* s = s_buf(i) + r * fbk;
           const int64_t qp = qp0 + r0 + r;
           const int ve = visible_end(ps, cr.vz, qp);
