@@ -849,7 +849,6 @@ struct CpAttention::State {
   void store_shared_sums(const RankPlan& plan, const CpContext::State& cs, const Slot& slot, void* dk, void* dv) {
     const int cp = comm.size(), me = comm.rank();
     const int64_t t_loc = plan.local_tokens, mine = plan.layout.rank_begin[me], kr = k_row(), vr = v_row();
-    const std::size_t es = dtype_size(cfg.dtype);
     share_src.resize(static_cast<std::size_t>(t_loc));
     if (const int64_t* map = key_rows(cs)) {
       // The map is the global layout's (PreparedWork: the same on every rank) and a permutation
@@ -877,14 +876,24 @@ struct CpAttention::State {
         float* part = share_rows.data() + q * per;
         attention_grad_share_rows(slot(q), grad_slot_bytes, shape, src, n, part, part + rows * kr);
       }
-      for (const bool is_k : {true, false}) {
-        const int64_t w = is_k ? kr : vr;
-        const auto rows_of = [&](int q) -> const float* { return share_rows.data() + q * per + (is_k ? 0 : rows * kr); };
-        sum_rank_parts(plan.split, cp, me, rows_of, static_cast<std::size_t>(n * w), sum_rows.data());
-        from_float(sum_rows.data(), static_cast<std::size_t>(n * w), cfg.dtype,
-                   static_cast<std::byte*>(is_k ? dk : dv) + static_cast<std::size_t>(i0 * w) * es);
-      }
+      store_rank_sums(plan, i0, n, [&](int q, bool is_k) { return share_rows.data() + q * per + (is_k ? 0 : rows * kr); },
+                      dk, dv);
       i0 += n;
+    }
+  }
+
+  // Local rows [i0, i0 + n) of dK and dV (dk, dv: [local_tokens, k_row] and [.., v_row]) in the
+  // storage dtype: the sums over ranks q of the n rows of q's fp32 partial at rows_of(q, is_k)
+  // (dK when is_k, else dV), in reduce_scatter_rows' order (bitwise its sums).
+  template <class RowsOf>
+  void store_rank_sums(const RankPlan& plan, int64_t i0, int64_t n, const RowsOf& rows_of, void* dk, void* dv) {
+    const std::size_t es = dtype_size(cfg.dtype);
+    for (const bool is_k : {true, false}) {
+      const int64_t w = is_k ? k_row() : v_row();
+      sum_rank_parts(plan.split, comm.size(), comm.rank(), [&](int q) -> const float* { return rows_of(q, is_k); },
+                     static_cast<std::size_t>(n * w), sum_rows.data());
+      from_float(sum_rows.data(), static_cast<std::size_t>(n * w), cfg.dtype,
+                 static_cast<std::byte*>(is_k ? dk : dv) + static_cast<std::size_t>(i0 * w) * es);
     }
   }
 
@@ -894,21 +903,14 @@ struct CpAttention::State {
   // sums). A few rows at a time, so that the sums stay in cache on their way to the store.
   template <class Part>
   void store_sums(const RankPlan& plan, const Part& part, void* dk, void* dv) {
-    const int cp = comm.size(), me = comm.rank();
-    const int64_t t_loc = plan.local_tokens, mine = plan.layout.rank_begin[me], kr = k_row(), vr = v_row();
-    const std::size_t es = dtype_size(cfg.dtype);
+    const int64_t t_loc = plan.local_tokens, mine = plan.layout.rank_begin[comm.rank()], kr = k_row(), vr = v_row();
     // At most the local rows: never more than the dk_loc/dv_loc the memory estimate counts.
     const int64_t rows = std::clamp<int64_t>(8192 / std::max(kr, vr), 1, std::max<int64_t>(t_loc, 1));
     sum_rows.resize(static_cast<std::size_t>(rows * std::max(kr, vr)));
     for (int64_t i0 = 0; i0 < t_loc; i0 += rows) {
       const int64_t n = std::min(rows, t_loc - i0);
-      for (const bool is_k : {true, false}) {
-        const int64_t w = is_k ? kr : vr;
-        const auto rows_of = [&](int q) -> const float* { return part(q, is_k) + (mine + i0) * w; };
-        sum_rank_parts(plan.split, cp, me, rows_of, static_cast<std::size_t>(n * w), sum_rows.data());
-        from_float(sum_rows.data(), static_cast<std::size_t>(n * w), cfg.dtype,
-                   static_cast<std::byte*>(is_k ? dk : dv) + static_cast<std::size_t>(i0 * w) * es);
-      }
+      store_rank_sums(plan, i0, n, [&](int q, bool is_k) { return part(q, is_k) + (mine + i0) * (is_k ? kr : vr); }, dk,
+                      dv);
     }
   }
 
