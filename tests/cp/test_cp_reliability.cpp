@@ -4,6 +4,7 @@
 // both sizes; 200 forward/backward calls over changing batches keep RSS flat and the plan cache
 // bounded (the short soak; bench/soak.py is the long one). Also the MPI-free helpers behind
 // them (first_overflow, format_bytes, check_memory).
+#include <cpattn/attention.hpp>
 #include <cpattn/check/batch.hpp>
 #include <cpattn/check/tensor.hpp>
 #include <cpattn/comm.hpp>
@@ -110,6 +111,29 @@ TEST_F(CpReliabilityTest, AnInfiniteGradientIsNamedInBackward) {
   CpAttention attn(comm, config(true));
   CpContext ctx = attn.forward(l.fwd(b.cu_seqlens));
   EXPECT_THAT(error_of([&] { attn.backward(ctx, l.bwd()); }), HasSubstr("dout holds -inf at token 17, head 1, dim 7"));
+}
+
+// Over shared memory a rank counts its 1/cp of the kernels' packed K/V (KvPackShare), rounded
+// up, where its path and dtype pack with the peers, and nothing where they pack alone: bf16 on
+// the portable path (KvPackLayout::fp32) against bf16 on the emulated dot products (alone),
+// whose dK/dV slots and every other buffer are the same. On the message path neither shares.
+TEST(CpMemoryEstimate, OverSharedMemoryARankCountsItsShareOfThePackedKv) {
+  for (const int cp : {2, 3, 4})
+    for (const int64_t local : {int64_t{1}, int64_t{37}, int64_t{4096}}) {
+      SCOPED_TRACE(::testing::Message() << "cp " << cp << ", " << local << " local tokens");
+      CpAttnConfig cfg{.num_heads_q = 8, .num_heads_k = 2, .head_dim_qk = 72, .head_dim_v = 40, .dtype = DType::bf16};
+      auto buffers = [&](KernelPath path, bool shared) {
+        cfg.options.path = path;
+        cfg.shared_memory = shared;
+        return cp_memory_estimate(cfg, cp, local).buffers;
+      };
+      ASSERT_EQ(attention_kv_pack_layout(KernelPath::bf16_emulated, DType::bf16), KvPackLayout::alone);
+      ASSERT_EQ(attention_kv_pack_layout(KernelPath::portable, DType::bf16), KvPackLayout::fp32);
+      const uint64_t whole = attention_kv_pack_bytes(cp * local, 2, 72, 40, KvPackLayout::fp32);
+      EXPECT_EQ(buffers(KernelPath::portable, true) - buffers(KernelPath::bf16_emulated, true),
+                (whole + static_cast<uint64_t>(cp) - 1) / static_cast<uint64_t>(cp));
+      EXPECT_EQ(buffers(KernelPath::portable, false), buffers(KernelPath::bf16_emulated, false));
+    }
 }
 
 TEST_F(CpReliabilityTest, TheEstimateBoundsWhatEverySchemeHolds) {
