@@ -884,7 +884,8 @@ struct CpAttention::State {
 
   // Local rows [i0, i0 + n) of dK and dV (dk, dv: [local_tokens, k_row] and [.., v_row]) in the
   // storage dtype: the sums over ranks q of the n rows of q's fp32 partial at rows_of(q, is_k)
-  // (dK when is_k, else dV), in reduce_scatter_rows' order (bitwise its sums).
+  // (dK when is_k, else dV), in reduce_scatter_rows' order (bitwise its sums). sum_rows, the
+  // sums on their way to the store, holds n * max(k_row, v_row) floats: the caller sizes it.
   template <class RowsOf>
   void store_rank_sums(const RankPlan& plan, int64_t i0, int64_t n, const RowsOf& rows_of, void* dk, void* dv) {
     const std::size_t es = dtype_size(cfg.dtype);

@@ -26,8 +26,9 @@
 //    Soft cap and ALiBi (AttnOptions) transform the scores of a row element by element in a
 //    branch taken once per call; without them the rows run the vector code as before. The
 //    packed K^T/V are contiguous per kv head and left to the hardware prefetchers (a software
-//    prefetch of the next piece cost 4-8% of the forward on a mix of documents, where a
-//    unit's next block is mostly another document's, and gained nothing on a long one).
+//    prefetch of the next piece cost bf16's forward 8-9% on a mix of documents, where a unit's
+//    next block is mostly another document's, and gained nothing on a long one or in fp32:
+//    Intel Xeon with AMX, docs/benchmarks.md; Zen not re-measured).
 //    Within a unit, each head's rows go through S = Q K^T, the softmax and O += P V in
 //    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
 //    none of its rows sees the piece), so that a product's operands stay in L1; the softmax

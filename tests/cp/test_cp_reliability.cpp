@@ -1,9 +1,10 @@
 // CP attention's honesty checks at cp = 3 (tests/cp/CMakeLists.txt): check_finite names the
 // tensor and the first bad element by global token, head and dim; the memory estimate bounds
-// what the layer holds, and a request past the available memory is refused on every rank with
-// both sizes; 200 forward/backward calls over changing batches keep RSS flat and the plan cache
-// bounded (the short soak; bench/soak.py is the long one). Also the MPI-free helpers behind
-// them (first_overflow, format_bytes, check_memory).
+// what the layer holds (and counts a rank's share of the packed K/V over shared memory), and a
+// request past the available memory is refused on every rank with both sizes; 200
+// forward/backward calls over changing batches keep RSS flat and the plan cache bounded (the
+// short soak; bench/soak.py is the long one). Also the MPI-free helpers behind them
+// (first_overflow, format_bytes, check_memory).
 #include <cpattn/attention.hpp>
 #include <cpattn/check/batch.hpp>
 #include <cpattn/check/tensor.hpp>
