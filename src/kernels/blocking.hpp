@@ -34,8 +34,10 @@ constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): 
 constexpr int MR = 6;     // micro-kernel rows
 constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S = Q K^T, the
                           // softmax and O += P V FSB rows at a time, each product's operands
-                          // (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128, beside
-                          // an 8 KiB K^T or V panel) within a 32 KiB L1
+                          // per head (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128,
+                          // beside an 8 KiB K^T or V panel) within a 32 KiB L1; on vectors the
+                          // set's heads run each product together (gemm's groups), a K^T or V
+                          // panel serving all their sub-blocks (18 and 48 rows ran no faster)
 constexpr int BWD_SETS = 2;       // backward head sets per kv head, at least (but see BWD_LONG_TASK)
 constexpr int BWD_SET_HEADS = 4;  // query heads per backward head set, at most
 constexpr int64_t BWD_LONG_TASK = 4096;  // bf16 tiles: query rows of a task past which BWD_SETS applies
