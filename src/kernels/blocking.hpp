@@ -32,12 +32,13 @@ constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): 
                           // Q and O blocks (4 x 2 x 32 KiB at D = 128) and a K^T/V piece
                           // (128 KiB) fit a 512 KiB L2
 constexpr int MR = 6;     // micro-kernel rows
-constexpr int FSB = 24;   // forward sub-block rows: a unit's rows run through S = Q K^T, the
-                          // softmax and O += P V FSB rows at a time, each product's operands
-                          // per head (Q and S rows, then P and O rows: 2 x 12 KiB at D = 128,
-                          // beside an 8 KiB K^T or V panel) within a 32 KiB L1; on vectors the
-                          // set's heads run each product together (gemm's groups), a K^T or V
-                          // panel serving all their sub-blocks (18 and 48 rows ran no faster)
+constexpr int FSB = 24;   // forward sub-block rows (vector paths): a unit's rows run through
+                          // S = Q K^T, the softmax and O += P V FSB rows at a time (a multiple
+                          // of MR, chosen by measurement: 18 and 48 ran no faster), so that a
+                          // sub-block's S rows are still in L1 or L2 for its softmax; with fp32
+                          // products on AVX-512 the set's heads run each product together
+                          // (gemm_groups), a B column tile staying in L1 while the heads' A
+                          // and C rows stream
 constexpr int BWD_SETS = 2;       // backward head sets per kv head, at least (but see BWD_LONG_TASK)
 constexpr int BWD_SET_HEADS = 4;  // query heads per backward head set, at most
 constexpr int64_t BWD_LONG_TASK = 4096;  // bf16 tiles: query rows of a task past which BWD_SETS applies

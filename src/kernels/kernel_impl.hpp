@@ -32,9 +32,10 @@
 //    Within a unit, each head's rows go through S = Q K^T, the softmax and O += P V in
 //    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
 //    none of its rows sees the piece), so that a product's operands stay in L1; the softmax
-//    uses vexp2_softmax and leaves O alone where the row max did not move. On vectors the
-//    heads' sub-blocks of the same rows run each product as one (gemm's groups: they share the
-//    piece's K^T and V); on tiles sub-block by sub-block, the products beside the softmax.
+//    uses vexp2_softmax and leaves O alone where the row max did not move. With fp32 products
+//    on AVX-512 the heads' sub-blocks of the same rows run each product as one (gemm_groups:
+//    they share the piece's K^T and V); on tiles sub-block by sub-block, the products beside
+//    the softmax; elsewhere sub-block by sub-block.
 //  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), all tasks in order,
 //    the set's heads side by side. For each BBK = 128-key piece it runs each head's task queries
 //    in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece for all the
@@ -149,14 +150,15 @@ inline float reduce_halves(typename FloatVec<N>::type v, Op op) {
 inline float hsum(vf v) {
   return reduce_halves<W>(v, [](auto a, auto b) { return a + b; });
 }
-inline float hmax(vf v) {  // (the max of the lanes whatever the order, NaN aside)
+inline float hmax(vf v) {  // (the max of the lanes whatever the order when none is NaN)
   return reduce_halves<W>(v, [](auto a, auto b) { return a > b ? a : b; });
 }
 
 // The lane-wise max of s[c] * mul over the columns [a0, a1) (a multiple of W apart), in four
 // independent chains, since the row's exp pass waits on it (without NaN scores any order
-// gives the same maximum, so the results are bitwise those of one chain; with NaN scores,
-// whose output is NaN anyway, the chains may keep another lane). mul = 1 leaves s as it is.
+// gives the same maximum, so the results are bitwise those of one chain; with NaN scores the
+// chains may keep another lane: NaN inputs have no defined output, and CpAttention refuses
+// them unless its finite check is turned off). mul = 1 leaves s as it is.
 inline vf row_max(const float* s, int a0, int a1, vf mul) {
   vf m0 = vset(kNegInf), m1 = m0, m2 = m0, m3 = m0;
   int c = a0;
@@ -298,16 +300,12 @@ constexpr int F32_NV = W == 16 ? 4 : 2;
 // row-major B is bps = PAD. Packed operands use ldb = PAD, so that a panel is one contiguous
 // block (a strided panel maps to few L1 sets and thrashes). Column panels outside, rows
 // inside: the panel stays in L1 while A streams.
-// Never inlined: inlined into a caller with constant strides, GCC has been seen to spill the
-// accumulators of the micro-kernel to the stack (30% slower forward).
-// G > 1: G products with the same B, product j's A at A + j * a_gs and C at C + j * c_gs, each
-// column panel of B multiplied by all G products' rows before the next: the forward's heads
-// of one KV head share K^T and V, and a panel read from L2 once per G * M rows instead of once
-// per M ran the fp32 micro-kernel 76% -> 83% of the FMA peak (24 rows against 96, Intel Xeon
-// with AMX). Each C element is the same sum in the same order as G calls would give.
+// The column loop of gemm and gemm_groups: G products with the same B, product j's A at A +
+// j * a_gs and C at C + j * c_gs, each column tile of B multiplied by all G products' rows
+// before the next. Each C element is the same sum in the same order for any G.
 template <bool Zero>
-__attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
-          int64_t ldb, int64_t bps, float* C, int64_t ldc, int G = 1, int64_t a_gs = 0, int64_t c_gs = 0) {
+inline void gemm_panels(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K, const float* A, int64_t ars,
+                        int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
   column_tiles<F32_NV>(N, F32_NV, [&](auto nv, int n) {
     constexpr int NV = decltype(nv)::value;
@@ -315,6 +313,23 @@ __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t
     for (int c = 0; c < NV; ++c) bv[c] = col(n + c * W);
     for (int j = 0; j < G; ++j) col_panel<MR, NV, Zero>(M, K, A + j * a_gs, ars, acs, bv, ldb, C + j * c_gs + n, ldc);
   });
+}
+// Never inlined: inlined into a caller with constant strides, GCC has been seen to spill the
+// accumulators of the micro-kernel to the stack (30% slower forward).
+template <bool Zero>
+__attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
+          int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+  gemm_panels<Zero>(1, 0, 0, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+}
+// G products of gemm's contract sharing B (gemm_panels): the fp32 forward's heads of one KV
+// head, which share the piece's K^T and V, so that a column tile read from L2 serves every
+// head's rows. A 6 x 4 tile with B from L2 ran 76% of the FMA peak at 24 rows a B tile and
+// 83% at 96 (a standalone loop on the Intel Xeon with AMX; 85% with B in L1).
+template <bool Zero>
+__attribute__((noinline)) void gemm_groups(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K, const float* A,
+                                           int64_t ars, int64_t acs, const float* B, int64_t ldb, int64_t bps,
+                                           float* C, int64_t ldc) {
+  gemm_panels<Zero>(G, a_gs, c_gs, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
 
 // Column vectors per bf16 micro-kernel tile: MR x 4 on 32 zmm registers (24 accumulators,
@@ -1087,25 +1102,18 @@ inline Dot dot_for(DType dtype) {
 template <bool Zero>
 inline void mm(Dot dot, int M, int N, int K, const float* A, int64_t ars, int64_t acs,
                const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc,
-               const uint32_t* paired = nullptr, int nv_max = 2, int G = 1, int64_t a_gs = 0, int64_t c_gs = 0) {
+               const uint32_t* paired = nullptr, int nv_max = 2) {
 #ifdef CPATTN_BF16_DOT
-  if (dot == Dot::bf16_pairs) {
-    for (int j = 0; j < G; ++j)
-      gemm_bf16<Zero>(M, N, K, A + j * a_gs, ars, acs, B, ldb, bps, C + j * c_gs, ldc, paired, nv_max);
-    return;
-  }
+  if (dot == Dot::bf16_pairs)
+    return gemm_bf16<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired, nv_max);
 #endif
   (void)paired, (void)nv_max;
 #ifdef CPATTN_AMX
-  if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles) {
-    for (int j = 0; j < G; ++j)
-      gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A + j * a_gs, ars, acs, B, ldb, bps, C + j * c_gs, ldc,
-                       paired);
-    return;
-  }
+  if (dot == Dot::bf16_tiles || dot == Dot::fp16_tiles)
+    return gemm_tiles<Zero>(dot == Dot::fp16_tiles, M, N, K, A, ars, acs, B, ldb, bps, C, ldc, paired);
 #endif
   (void)dot;
-  gemm<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc, G, a_gs, c_gs);
+  gemm<Zero>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
 
 // ---- storage conversion ------------------------------------------------------------------
@@ -1685,7 +1693,7 @@ struct CallRules {
 
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
-  fvec q, o, s, m, l;      // s: S rows [FSB][FBK] (tiles: [2][32][FBK_TILES], by sub-block parity)
+  fvec q, o, s, m, l;      // s: S rows [GH][FSB][FBK], a sub-block per head (tiles: [2][32][FBK_TILES], by parity)
   u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [2][32][FBK_TILES]
   uvec pv_tails;           // bf16_tiles: a P V job's staged last step, [dvp / 16][16 x 16] (TileJob::tails)
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
@@ -1969,24 +1977,33 @@ void forward_impl(const AttnFwdParams& p) {
         }
       };
       if (!t16) {
-        // The set's heads share the piece's K^T and V, so the same rows of every head run as one
-        // product (gemm's G groups: each B panel serves nh sub-blocks from L1), then their softmax,
-        // then one P V. Which sub-blocks are kept depends on their rows alone, so every head has
-        // the same ns / nh of them, sub-block k of head g at subs[g * nk + k], and the same
-        // piece; whether a row saw a key does not depend on the head either (x.any).
-        const int nk = ns / nh;
-        for (int k = 0; k < nk; ++k) {
-          const Sub& x = subs[k];
-          const int n = x.ps.a1 - x.ps.a0;
-          const int64_t k0 = x.ps.b * fbk + x.ps.a0;
-          const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          mm<true>(cr.bd, x.sb, n, dp, S.q.data() + x.r0 * dp, dp, 1, kt, PAD, dp * PAD, s_buf(k) + x.ps.a0, fbk,
-                   pk.paired(kt), BF16_NV, nh, int64_t{BQ} * dp, int64_t{fsb} * fbk);
-          for (int g = 0; g < nh; ++g) softmax(g * nk + k, [] {});
-          if (!x.any) continue;
-          mm<false>(cr.bd, x.sb, dvp, n, s_buf(k) + x.ps.a0, fbk, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(),
-                    S.o.data() + x.r0 * dvp, dvp, pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV, nh, int64_t{fsb} * fbk,
-                    int64_t{BQ} * dvp);
+        // fp32 products on AVX-512 (measured there): the set's heads share the piece's K^T and
+        // V, so the same rows of every head run as one product (gemm_groups: a K^T or V column
+        // tile serves all the heads' rows), then their softmax, then one P V. Which sub-blocks
+        // are kept depends on their rows alone, so every head has the same ns / nh of them,
+        // sub-block k of head g at subs[g * nk + k] with the same piece; whether a row saw a
+        // key does not depend on the head either (x.any). Elsewhere (AVX2's narrower tiles
+        // would stream the heads' rows from L2 once per 16 columns; the bf16 and fp16 products
+        // do not share B), each sub-block in turn.
+        if (W == 16 && cr.bd == Dot::fma && nh > 1) {
+          const int nk = ns / nh;
+          for (int k = 0; k < nk; ++k) {
+            const Sub& x = subs[k];
+            const int n = x.ps.a1 - x.ps.a0;
+            const int64_t k0 = x.ps.b * fbk + x.ps.a0;
+            gemm_groups<true>(nh, int64_t{BQ} * dp, int64_t{fsb} * fbk, x.sb, n, dp, S.q.data() + x.r0 * dp, dp, 1,
+                              pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD, s_buf(k) + x.ps.a0, fbk);
+            for (int g = 0; g < nh; ++g) softmax(g * nk + k, [] {});
+            if (x.any)
+              gemm_groups<false>(nh, int64_t{fsb} * fbk, int64_t{BQ} * dvp, x.sb, dvp, n, s_buf(k) + x.ps.a0, fbk, 1,
+                                 pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), S.o.data() + x.r0 * dvp, dvp);
+          }
+        } else {
+          for (int i = 0; i < ns; ++i) {
+            scores(i, nullptr);
+            softmax(i, [] {});
+            pv(i, nullptr);
+          }
         }
         return;
       }

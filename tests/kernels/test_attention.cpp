@@ -404,17 +404,20 @@ TEST(kernel_attention, Bf16BackwardHeadSetsOfShortAndLongTasksMatchReference) {
 // the longest task) alone, never on the call's kv heads (what the overlapped CP backward's
 // per-group calls rely on). Groups of 5 (sets of 3 and 2 heads) and 8 (2 sets of 4), tasks
 // sharing key rows, fp32 and bf16.
+// Heads [h0, h0 + n) of a contiguous [rows, heads, dim] view (const or not).
+template <class View>
+View head_slice(View view, int h0, int n) {
+  View s = view;
+  s.data = static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(view.data)>>,
+                                          const std::byte*, std::byte*>>(view.data) +
+           static_cast<std::size_t>(h0) * view.dim * dtype_size(view.dtype);
+  s.heads = n;
+  s.row_stride = int64_t{view.heads} * view.dim;
+  s.head_stride = view.dim;
+  return s;
+}
+
 TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
-  const auto slice = [](auto view, int h0, int n) {  // heads [h0, h0 + n) of a contiguous view
-    auto s = view;
-    s.data = static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(view.data)>>,
-                                            const std::byte*, std::byte*>>(view.data) +
-             static_cast<std::size_t>(h0) * view.dim * dtype_size(view.dtype);
-    s.heads = n;
-    s.row_stride = int64_t{view.heads} * view.dim;
-    s.head_stride = view.dim;
-    return s;
-  };
   for (const AttnCase& c : {AttnCase{"g5", {130, 1, 300}, {130, 1, 300}, 10, 2, 40, 24, MaskType::causal},
                             AttnCase{"g8", {97, 1, 200}, {97, 1, 200}, 16, 2, 32, 32, MaskType::causal}})
     for (DType dt : {DType::f32, DType::bf16}) {
@@ -430,15 +433,15 @@ TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
       Tensor out_s(dt, pb.out_shape()), dq_s(dt, pb.q_shape()), dk_s(dt, pb.k_shape()), dv_s(dt, pb.v_shape());
       std::vector<float> lse_s(pb.lse_size()), lse_h(static_cast<std::size_t>(tq * g));
       for (int hk = 0; hk < c.num_heads_k; ++hk) {
-        const AttnInputs in{.q = slice(pb.q.view(), hk * g, g), .k = slice(pb.k.view(), hk, 1),
-                            .v = slice(pb.v.view(), hk, 1), .work = &chunks,
+        const AttnInputs in{.q = head_slice(pb.q.view(), hk * g, g), .k = head_slice(pb.k.view(), hk, 1),
+                            .v = head_slice(pb.v.view(), hk, 1), .work = &chunks,
                             .options = pb.options(KernelPath::automatic, 2)};
-        attention_forward({.in = in, .out = slice(out_s.view(), hk * g, g), .lse = lse_h.data()});
+        attention_forward({.in = in, .out = head_slice(out_s.view(), hk * g, g), .lse = lse_h.data()});
         for (int64_t i = 0; i < tq; ++i)
           std::copy_n(lse_h.begin() + i * g, g, lse_s.begin() + i * c.num_heads_q + hk * g);
-        attention_backward({.in = in, .out = slice(out.view(), hk * g, g), .lse = lse_h.data(),
-                            .dout = slice(pb.dout.view(), hk * g, g), .dq = slice(dq_s.view(), hk * g, g),
-                            .dk = slice(dk_s.view(), hk, 1), .dv = slice(dv_s.view(), hk, 1)});
+        attention_backward({.in = in, .out = head_slice(out.view(), hk * g, g), .lse = lse_h.data(),
+                            .dout = head_slice(pb.dout.view(), hk * g, g), .dq = head_slice(dq_s.view(), hk * g, g),
+                            .dk = head_slice(dk_s.view(), hk, 1), .dv = head_slice(dv_s.view(), hk, 1)});
       }
       EXPECT_EQ(out_s.values(), out.values());
       EXPECT_EQ(lse_s, lse);
@@ -446,6 +449,36 @@ TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
       EXPECT_EQ(dk_s.values(), dk.values());
       EXPECT_EQ(dv_s.values(), dv.values());
     }
+}
+
+// The vector forward runs a set's heads' sub-blocks of the same rows as one grouped product
+// (kernel_impl.hpp, gemm's groups), which must give each element the sum a call of that head
+// alone gives: one call per query head (its K/V head alone, no group) against the whole call,
+// out and lse bit for bit, on every path this CPU has, with GQA sets of 4 + 2 and 4 heads.
+TEST(kernel_attention, ForwardOfOneCallPerQueryHeadIsBitwiseTheWholeCall) {
+  for (const AttnCase& c : {AttnCase{"g6", {130, 1, 300}, {130, 1, 300}, 12, 2, 40, 24, MaskType::causal},
+                            AttnCase{"g4", {97, 33, 200}, {97, 33, 200}, 8, 2, 64, 64, MaskType::none}})
+    for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                            KernelPath::bf16_emulated})
+      for (DType dt : {DType::f32, DType::bf16}) {
+        if (!kernel_path_supported(path)) continue;
+        SCOPED_TRACE(c.name + std::string(" ") + std::string(to_string(path)) + " " + std::string(to_string(dt)));
+        const Problem pb(c, dt, 37);
+        const WorkList chunks = chunked_worklist(c, 3);
+        const int g = c.num_heads_q / c.num_heads_k;
+        const int64_t tq = c.total_q();
+        Tensor out(dt, pb.out_shape()), out_s(dt, pb.out_shape());
+        std::vector<float> lse(pb.lse_size()), lse_s(pb.lse_size()), lse_h(static_cast<std::size_t>(tq));
+        attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 1, &chunks));
+        for (int h = 0; h < c.num_heads_q; ++h) {
+          const AttnInputs in{.q = head_slice(pb.q.view(), h, 1), .k = head_slice(pb.k.view(), h / g, 1),
+                              .v = head_slice(pb.v.view(), h / g, 1), .work = &chunks, .options = pb.options(path, 1)};
+          attention_forward({.in = in, .out = head_slice(out_s.view(), h, 1), .lse = lse_h.data()});
+          for (int64_t i = 0; i < tq; ++i) lse_s[static_cast<std::size_t>(i * c.num_heads_q + h)] = lse_h[i];
+        }
+        EXPECT_EQ(out_s.values(), out.values());
+        EXPECT_EQ(lse_s, lse);
+      }
 }
 
 TEST(kernel_attention, DropoutKeptFractionAndScaling) {
