@@ -104,8 +104,8 @@ std::vector<AttnCase> attention_cases() {
   // keys on tiles, 128 on vectors): on tiles a forward unit is then one sub-block per piece,
   // the same rows piece after piece, which a pipeline of the tiles' products across pieces
   // must keep in order (a trial of one, its guard for these rows removed, failed only the CP
-  // overlap test before this row existed). Last, so that the seeds
-  // of the rows before it (1234 + the row's index) stay as they were.
+  // overlap test before this row existed). Last, so that the seeds of the rows before it
+  // (1234 + the row's index) stay as they were.
   cases.push_back({"mha_short_queries_long_keys", {1, 20, 32}, {600, 700, 1100}, 2, 2, 64, 64, M::causal});
   return cases;
 }

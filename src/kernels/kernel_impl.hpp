@@ -31,7 +31,8 @@
 //    Intel Xeon with AMX, docs/benchmarks.md; Zen not re-measured).
 //    Within a unit, each head's rows go through S = Q K^T, the softmax and O += P V in
 //    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
-//    none of its rows sees the piece), so that a product's operands stay in L1; the softmax
+//    none of its rows sees the piece), so that a product's operands stay in L1 (grouped: its
+//    B column tile, the heads' A and C rows streaming); the softmax
 //    uses vexp2_softmax and leaves O alone where the row max did not move. With fp32 products
 //    on AVX-512 the heads' sub-blocks of the same rows run each product as one (gemm_groups:
 //    they share the piece's K^T and V); on tiles sub-block by sub-block, the products beside
@@ -157,8 +158,9 @@ inline float hmax(vf v) {  // (the max of the lanes whatever the order when none
 // The lane-wise max of s[c] * mul over the columns [a0, a1) (a multiple of W apart), in four
 // independent chains, since the row's exp pass waits on it (without NaN scores any order
 // gives the same maximum, so the results are bitwise those of one chain; with NaN scores the
-// chains may keep another lane: NaN inputs have no defined output, and CpAttention refuses
-// them unless its finite check is turned off). mul = 1 leaves s as it is.
+// chains may keep another lane: NaN inputs have no defined output; CpAttention refuses them
+// when CpAttnConfig::check_finite is set, which `cpattn run` does unless --no-check-finite).
+// mul = 1 leaves s as it is.
 inline vf row_max(const float* s, int a0, int a1, vf mul) {
   vf m0 = vset(kNegInf), m1 = m0, m2 = m0, m3 = m0;
   int c = a0;
@@ -275,7 +277,7 @@ inline void col_panel(int M, int K, const float* A, int64_t ars, int64_t acs, co
 
 // Visits N's columns (a multiple of W) in micro-kernel tiles of NV column vectors, the widest
 // first: Widest where nv_max allows it, then 2, then 1 (panel(std::integral_constant<int, NV>{},
-// n) for the tile at column n). The one column loop of gemm and gemm_bf16.
+// n) for the tile at column n). The one column loop of gemm, gemm_groups and gemm_bf16.
 template <int Widest, class Panel>
 inline void column_tiles(int N, int nv_max, Panel&& panel) {
   int n = 0;
@@ -304,7 +306,7 @@ constexpr int F32_NV = W == 16 ? 4 : 2;
 // j * a_gs and C at C + j * c_gs, each column tile of B multiplied by all G products' rows
 // before the next. Each C element is the same sum in the same order for any G.
 template <bool Zero>
-inline void gemm_panels(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K, const float* A, int64_t ars,
+__attribute__((always_inline)) inline void gemm_panels(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K, const float* A, int64_t ars,
                         int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
   column_tiles<F32_NV>(N, F32_NV, [&](auto nv, int n) {
@@ -1094,7 +1096,8 @@ inline Dot dot_for(DType dtype) {
   return Dot::fma;
 }
 
-// The one call of every product: gemm, or the products of the call's Dot (dot_for).
+// The one call of every product but the grouped forward's (gemm_groups): gemm, or the
+// products of the call's Dot (dot_for).
 // `paired`: B in bf16 pairs (Packed::paired), for the bf16_pairs products; ignored otherwise.
 // `nv_max`: the widest bf16 tile, in vectors (BF16_NV where it is 4, otherwise 2): the forward's
 // two products take the wide tiles; the backward's keep 2 (its products with 4 ran 3-8% slower
@@ -1693,7 +1696,7 @@ struct CallRules {
 
 // ---- forward -----------------------------------------------------------------------------
 struct FwdScratch {
-  fvec q, o, s, m, l;      // s: S rows [GH][FSB][FBK], a sub-block per head (tiles: [2][32][FBK_TILES], by parity)
+  fvec q, o, s, m, l;      // s: S rows [FSB][FBK] ([GH][..] grouped; tiles: [2][32][FBK_TILES], by parity)
   u16vec q16, p16;         // bf16_tiles: Q rows [GH * BQ][dp rounded to 32], P rows [2][32][FBK_TILES]
   uvec pv_tails;           // bf16_tiles: a P V job's staged last step, [dvp / 16][16 x 16] (TileJob::tails)
   std::vector<char> seen;  // [GH * BQ]: whether the row saw a key in this call
@@ -1748,10 +1751,13 @@ void forward_impl(const AttnFwdParams& p) {
   const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
   std::vector<FwdScratch> scr(nthr);
   const size_t gh = static_cast<size_t>(std::min(group, GH));
+  // fp32 products on AVX-512 run a set's heads' sub-blocks of the same rows as one product
+  // (gemm_groups, below).
+  const bool grouping = !t16 && W == 16 && cr.bd == Dot::fma;
   for (auto& s : scr) {
     s.q.resize(gh * BQ * dp);
     s.o.resize(gh * BQ * dvp);
-    s.s.resize((t16 ? 2 : gh) * fsb * fbk);  // two sub-blocks' on tiles, a sub-block per head on vectors
+    s.s.resize((t16 ? 2 : grouping ? gh : 1) * fsb * fbk);  // (s_buf)
     if (t16) {
       s.q16.resize(gh * BQ * dq32);
       s.p16.resize(static_cast<size_t>(2) * fsb * fbk);
@@ -1814,7 +1820,7 @@ void forward_impl(const AttnFwdParams& p) {
       pc.a1 = trimmed_end(pc, qp_last);
       // The unit's rows run in sub-blocks of FSB rows (32 on tiles) per head of the set: S = Q
       // Kt, the softmax and O += P V of a sub-block touch its Q, S and O rows only, which stay
-      // in L1 on the vector paths (blocking.hpp; on tiles two sub-blocks' S and P, 96 KiB, are
+      // in L1 on the vector paths unless grouped (blocking.hpp; on tiles two sub-blocks' S and P, 96 KiB, are
       // live at once, from L2). The piece's sub-blocks that some row of theirs sees, in order
       // (at least one: for_each_piece passes only pieces the unit's last row sees):
       struct Sub {
@@ -1835,8 +1841,9 @@ void forward_impl(const AttnFwdParams& p) {
       if (ns == 0) return;
       // On tiles sub-block i has S and P rows of its own, buffer i % 2: the tiles fill the next
       // sub-block's S and multiply the last one's P while this one's softmax runs (below).
-      // On vectors each head of the set has S rows of its own (its sub-blocks run together, below).
-      auto s_buf = [&](int i) { return S.s.data() + (t16 ? i % 2 : subs[i].g) * fsb * fbk; };
+      // Grouped, each head of the set has S rows of its own (its sub-blocks run together, below);
+      // otherwise the sub-blocks take the one buffer in turn, which stays in L1.
+      auto s_buf = [&](int i) { return S.s.data() + (t16 ? i % 2 : grouping ? subs[i].g : 0) * fsb * fbk; };
       auto p_buf = [&](int i) { return S.p16.data() + (i % 2) * fsb * fbk; };
       // S[sb, a0:a1) = Q[sb, dp] Kt[dp, a0:a1). On tiles, when `job` is given and the product
       // has no edge a TileJob does not take (k = dp a multiple of 32), it is set up in *job to
@@ -1977,15 +1984,16 @@ void forward_impl(const AttnFwdParams& p) {
         }
       };
       if (!t16) {
-        // fp32 products on AVX-512 (measured there): the set's heads share the piece's K^T and
-        // V, so the same rows of every head run as one product (gemm_groups: a K^T or V column
-        // tile serves all the heads' rows), then their softmax, then one P V. Which sub-blocks
-        // are kept depends on their rows alone, so every head has the same ns / nh of them,
-        // sub-block k of head g at subs[g * nk + k] with the same piece; whether a row saw a
-        // key does not depend on the head either (x.any). Elsewhere (AVX2's narrower tiles
-        // would stream the heads' rows from L2 once per 16 columns; the bf16 and fp16 products
-        // do not share B), each sub-block in turn.
-        if (W == 16 && cr.bd == Dot::fma && nh > 1) {
+        // Grouping (fp32 products on AVX-512, measured on the Intel Xeon with AMX; Zen 4 not
+        // measured): the set's heads share the piece's K^T and V, so the same rows of every head
+        // run as one product (gemm_groups: a B column tile stays in L1 while all the heads' A and
+        // C rows stream), then their softmax, then one P V. Which sub-blocks are kept depends on
+        // their rows alone, so every head has the same ns / nh of them, sub-block k of head g at
+        // subs[g * nk + k] with the same piece; whether a row saw a key does not depend on the
+        // head either (x.any). Elsewhere (AVX2's 16-column tiles would stream the heads' rows
+        // from L2 once per 16 columns; the bf16 and fp16 products convert their A operands per
+        // call) each sub-block in turn.
+        if (grouping && nh > 1) {
           const int nk = ns / nh;
           for (int k = 0; k < nk; ++k) {
             const Sub& x = subs[k];

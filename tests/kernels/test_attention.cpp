@@ -399,11 +399,6 @@ TEST(kernel_attention, Bf16BackwardHeadSetsOfShortAndLongTasksMatchReference) {
   }
 }
 
-// One call per kv head (its query heads as strided views, its lse columns) gives bitwise what
-// the whole call gives: the backward's head sets depend on the group size (and on bf16 tiles
-// the longest task) alone, never on the call's kv heads (what the overlapped CP backward's
-// per-group calls rely on). Groups of 5 (sets of 3 and 2 heads) and 8 (2 sets of 4), tasks
-// sharing key rows, fp32 and bf16.
 // Heads [h0, h0 + n) of a contiguous [rows, heads, dim] view (const or not).
 template <class View>
 View head_slice(View view, int h0, int n) {
@@ -417,6 +412,11 @@ View head_slice(View view, int h0, int n) {
   return s;
 }
 
+// One call per kv head (its query heads as strided views, its lse columns) gives bitwise what
+// the whole call gives: the backward's head sets depend on the group size (and on bf16 tiles
+// the longest task) alone, never on the call's kv heads (what the overlapped CP backward's
+// per-group calls rely on). Groups of 5 (sets of 3 and 2 heads) and 8 (2 sets of 4), tasks
+// sharing key rows, fp32 and bf16.
 TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
   for (const AttnCase& c : {AttnCase{"g5", {130, 1, 300}, {130, 1, 300}, 10, 2, 40, 24, MaskType::causal},
                             AttnCase{"g8", {97, 1, 200}, {97, 1, 200}, 16, 2, 32, 32, MaskType::causal}})
@@ -451,16 +451,17 @@ TEST(kernel_attention, OneCallPerKvHeadIsBitwiseTheWholeCall) {
     }
 }
 
-// The vector forward runs a set's heads' sub-blocks of the same rows as one grouped product
-// (kernel_impl.hpp, gemm's groups), which must give each element the sum a call of that head
-// alone gives: one call per query head (its K/V head alone, no group) against the whole call,
-// out and lse bit for bit, on every path this CPU has, with GQA sets of 4 + 2 and 4 heads.
+// With fp32 products on AVX-512 the forward runs a set's heads' sub-blocks of the same rows as
+// one grouped product (kernel_impl.hpp, gemm_groups), which must give each element the sum a
+// call of that head alone gives (no group: a sub-block at a time): one call per query head
+// against the whole call, out and lse bit for bit, with GQA sets of 4 + 2 and 4 heads, on every
+// path this CPU has (the grouped ones: avx512, and fp32 / fp16 storage on avx512_bf16 and amx).
 TEST(kernel_attention, ForwardOfOneCallPerQueryHeadIsBitwiseTheWholeCall) {
   for (const AttnCase& c : {AttnCase{"g6", {130, 1, 300}, {130, 1, 300}, 12, 2, 40, 24, MaskType::causal},
                             AttnCase{"g4", {97, 33, 200}, {97, 33, 200}, 8, 2, 64, 64, MaskType::none}})
     for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
-                            KernelPath::bf16_emulated})
-      for (DType dt : {DType::f32, DType::bf16}) {
+                            KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated})
+      for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
         if (!kernel_path_supported(path)) continue;
         SCOPED_TRACE(c.name + std::string(" ") + std::string(to_string(path)) + " " + std::string(to_string(dt)));
         const Problem pb(c, dt, 37);
