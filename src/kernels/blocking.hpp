@@ -33,10 +33,11 @@ constexpr int GH = 4;     // query heads of one kv head per forward unit (GQA): 
                           // (128 KiB) fit a 512 KiB L2
 constexpr int MR = 6;     // micro-kernel rows
 constexpr int FSB = 24;   // forward sub-block rows (vector paths): a unit's rows run through
-                          // S = Q K^T, the softmax and O += P V FSB rows at a time (a multiple
-                          // of MR, chosen by measurement: 18 and 48 ran no faster), so that a
-                          // sub-block's S rows are still in L1 or L2 for its softmax; with fp32
-                          // products on AVX-512 the set's heads run each product together
+                          // S = Q K^T, the softmax and O += P V FSB rows at a time, so that a
+                          // sub-block's S rows (24 x FBK floats, 12 KiB) are read back by its
+                          // softmax soon after they are written. A multiple of MR; 18 and 48
+                          // ran no faster than 24 (Intel Xeon with AMX, fp32 and bf16). With
+                          // fp32 products on AVX-512 the set's heads run each product together
                           // (gemm_groups), a B column tile staying in L1 while the heads' A
                           // and C rows stream
 constexpr int BWD_SETS = 2;       // backward head sets per kv head, at least (but see BWD_LONG_TASK)

@@ -30,13 +30,14 @@
 //    next block is mostly another document's, and gained nothing on a long one or in fp32:
 //    Intel Xeon with AMX, docs/benchmarks.md; Zen not re-measured).
 //    Within a unit, each head's rows go through S = Q K^T, the softmax and O += P V in
-//    sub-blocks of FSB rows (each trimmed to its own last row's right limit, skipped when
-//    none of its rows sees the piece), so that a product's operands stay in L1 (grouped: its
-//    B column tile, the heads' A and C rows streaming); the softmax
-//    uses vexp2_softmax and leaves O alone where the row max did not move. With fp32 products
-//    on AVX-512 the heads' sub-blocks of the same rows run each product as one (gemm_groups:
-//    they share the piece's K^T and V); on tiles sub-block by sub-block, the products beside
-//    the softmax; elsewhere sub-block by sub-block.
+//    sub-blocks of FSB rows (32 on tiles; each trimmed to its own last row's right limit,
+//    skipped when none of its rows sees the piece). The softmax uses vexp2_softmax and leaves
+//    O alone where the row max did not move. How the sub-blocks' products run depends on the
+//    path: with fp32 products on AVX-512 the heads' sub-blocks of the same rows run each
+//    product as one (gemm_groups: they share the piece's K^T and V, so a B column tile stays in
+//    L1 while the heads' A and C rows stream); on tiles one sub-block's softmax runs beside
+//    the next one's S and the last one's P V (TileJob); elsewhere sub-block by sub-block, its
+//    operands in L1.
 //  * Backward: a unit is (kv head, set of its query heads: bwd_set_heads), all tasks in order,
 //    the set's heads side by side. For each BBK = 128-key piece it runs each head's task queries
 //    in steps of BQB rows: recomputes P from lse, accumulates dV, dK of the piece for all the
@@ -306,8 +307,9 @@ constexpr int F32_NV = W == 16 ? 4 : 2;
 // j * a_gs and C at C + j * c_gs, each column tile of B multiplied by all G products' rows
 // before the next. Each C element is the same sum in the same order for any G.
 template <bool Zero>
-__attribute__((always_inline)) inline void gemm_panels(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K, const float* A, int64_t ars,
-                        int64_t acs, const float* B, int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+__attribute__((always_inline)) inline void gemm_panels(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K,
+                                                       const float* A, int64_t ars, int64_t acs, const float* B,
+                                                       int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   auto col = [&](int n) { return B + (n / PAD) * bps + n % PAD; };
   column_tiles<F32_NV>(N, F32_NV, [&](auto nv, int n) {
     constexpr int NV = decltype(nv)::value;
@@ -1820,9 +1822,10 @@ void forward_impl(const AttnFwdParams& p) {
       pc.a1 = trimmed_end(pc, qp_last);
       // The unit's rows run in sub-blocks of FSB rows (32 on tiles) per head of the set: S = Q
       // Kt, the softmax and O += P V of a sub-block touch its Q, S and O rows only, which stay
-      // in L1 on the vector paths unless grouped (blocking.hpp; on tiles two sub-blocks' S and P, 96 KiB, are
-      // live at once, from L2). The piece's sub-blocks that some row of theirs sees, in order
-      // (at least one: for_each_piece passes only pieces the unit's last row sees):
+      // in L1 on the vector paths unless grouped (blocking.hpp; on tiles two sub-blocks' S and
+      // P, 96 KiB, are live at once, from L2). The piece's sub-blocks that some row of theirs
+      // sees, in order (at least one: for_each_piece passes only pieces the unit's last row
+      // sees):
       struct Sub {
         int g, r0, sb;
         Piece ps;  // the piece as this sub-block computes it
@@ -1852,7 +1855,10 @@ void forward_impl(const AttnFwdParams& p) {
       // head (a multiple of 32; fsb = 32 on tiles, so r0 is 0 or 32 and r0 + 32 <= BQ), and
       // those rows are past the unit's last (r0 + sb = m when sb < 32), read by no row of it.
       static_assert(PAD == 16 && BQ % 32 == 0);  // the jobs take key counts and head dims in whole 16-column tiles
-      auto scores = [&](int i, TileJob* job) {
+      // `heads` > 1 (grouping only): sub-block i (head 0's) and the same rows of the set's next
+      // heads - 1 heads as one product (gemm_groups; their S buffers fsb * fbk floats apart, Q
+      // and O blocks BQ rows); on tiles `heads` is 1.
+      auto scores = [&](int i, TileJob* job, int heads) {
         const Sub& x = subs[i];
         const int n = x.ps.a1 - x.ps.a0;
         const int64_t k0 = x.ps.b * fbk + x.ps.a0;  // first physical key row computed
@@ -1866,12 +1872,16 @@ void forward_impl(const AttnFwdParams& p) {
           gemm_tiles16<true>(false, x.sb, n, dp, a, dq32, pk.Kt2(hk, k0), PAD, dp * PAD / 2, s_buf(i) + x.ps.a0, fbk);
         } else {
           const float* kt = pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD;
-          mm<true>(cr.bd, x.sb, n, dp, S.q.data() + (x.g * BQ + x.r0) * dp, dp, 1, kt, PAD, dp * PAD,
-                   s_buf(i) + x.ps.a0, fbk, pk.paired(kt), BF16_NV);
+          const float* q = S.q.data() + (x.g * BQ + x.r0) * dp;
+          if (heads > 1)
+            gemm_groups<true>(heads, int64_t{BQ} * dp, int64_t{fsb} * fbk, x.sb, n, dp, q, dp, 1, kt, PAD, dp * PAD,
+                              s_buf(i) + x.ps.a0, fbk);
+          else
+            mm<true>(cr.bd, x.sb, n, dp, q, dp, 1, kt, PAD, dp * PAD, s_buf(i) + x.ps.a0, fbk, pk.paired(kt), BF16_NV);
         }
       };
       // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0); `job` as above.
-      auto pv = [&](int i, TileJob* job) {
+      auto pv = [&](int i, TileJob* job, int heads) {
         const Sub& x = subs[i];
         if (!x.any) return;
         const int n = x.ps.a1 - x.ps.a0;
@@ -1892,8 +1902,13 @@ void forward_impl(const AttnFwdParams& p) {
           }
           gemm_tiles16<false>(false, x.sb, dvp, n, p_buf(i), fbk, pk.Vr2(hk, k0), PAD, pk.vr_ps() / 2, o_g, dvp);
         } else {
-          mm<false>(cr.bd, x.sb, dvp, n, s_buf(i) + x.ps.a0, fbk, 1, pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), o_g, dvp,
-                    pk.paired(pk.Vr(hk) + k0 * PAD), BF16_NV);
+          const float* v = pk.Vr(hk) + k0 * PAD;
+          if (heads > 1)
+            gemm_groups<false>(heads, int64_t{fsb} * fbk, int64_t{BQ} * dvp, x.sb, dvp, n, s_buf(i) + x.ps.a0, fbk, 1,
+                               v, PAD, pk.vr_ps(), o_g, dvp);
+          else
+            mm<false>(cr.bd, x.sb, dvp, n, s_buf(i) + x.ps.a0, fbk, 1, v, PAD, pk.vr_ps(), o_g, dvp, pk.paired(v),
+                      BF16_NV);
         }
       };
       // The softmax of sub-block i's rows; between() runs before each row and before its exp pass.
@@ -1995,22 +2010,16 @@ void forward_impl(const AttnFwdParams& p) {
         // call) each sub-block in turn.
         if (grouping && nh > 1) {
           const int nk = ns / nh;
-          for (int k = 0; k < nk; ++k) {
-            const Sub& x = subs[k];
-            const int n = x.ps.a1 - x.ps.a0;
-            const int64_t k0 = x.ps.b * fbk + x.ps.a0;
-            gemm_groups<true>(nh, int64_t{BQ} * dp, int64_t{fsb} * fbk, x.sb, n, dp, S.q.data() + x.r0 * dp, dp, 1,
-                              pk.Kt(hk, 0) + (k0 / PAD) * dp * PAD, PAD, dp * PAD, s_buf(k) + x.ps.a0, fbk);
+          for (int k = 0; k < nk; ++k) {  // subs[k]: head 0's (g = 0), the first of the product
+            scores(k, nullptr, nh);
             for (int g = 0; g < nh; ++g) softmax(g * nk + k, [] {});
-            if (x.any)
-              gemm_groups<false>(nh, int64_t{fsb} * fbk, int64_t{BQ} * dvp, x.sb, dvp, n, s_buf(k) + x.ps.a0, fbk, 1,
-                                 pk.Vr(hk) + k0 * PAD, PAD, pk.vr_ps(), S.o.data() + x.r0 * dvp, dvp);
+            pv(k, nullptr, nh);
           }
         } else {
           for (int i = 0; i < ns; ++i) {
-            scores(i, nullptr);
+            scores(i, nullptr, 1);
             softmax(i, [] {});
-            pv(i, nullptr);
+            pv(i, nullptr, 1);
           }
         }
         return;
@@ -2022,12 +2031,12 @@ void forward_impl(const AttnFwdParams& p) {
       // results are bitwise the same; a product with edges a job does not take runs in one go
       // before the softmax, while no job holds the tiles.
       TileJob next_s, last_pv;
-      scores(0, nullptr);
+      scores(0, nullptr, 1);
       for (int i = 0; i < ns; ++i) {
         next_s = TileJob{};
         last_pv = TileJob{};
-        if (i > 0) pv(i - 1, &last_pv);  // first: with dropout it rounds P from S's buffer (i - 1) % 2,
-        if (i + 1 < ns) scores(i + 1, &next_s);  // which this fills (now, or in steps)
+        if (i > 0) pv(i - 1, &last_pv, 1);  // first: with dropout it rounds P from S's buffer (i - 1) % 2,
+        if (i + 1 < ns) scores(i + 1, &next_s, 1);  // which this fills (now, or in steps)
         // The steps, spread evenly over the softmax's two calls per row (before the row max
         // and before the exp pass): finer than one burst per row, which ran 5% slower.
         const int steps = next_s.steps_left() + last_pv.steps_left();
@@ -2042,7 +2051,7 @@ void forward_impl(const AttnFwdParams& p) {
         next_s.finish();
         last_pv.finish();
       }
-      pv(ns - 1, nullptr);
+      pv(ns - 1, nullptr, 1);
     };
     if (t16)
       for_each_piece<FBK_TILES>(w, t, cr.vz, qp0, qp_last, run_piece);
