@@ -18,8 +18,9 @@
 
 #include <cpattn/attention.hpp>
 
+#include "gflops.hpp"
+
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,7 +35,6 @@ int main() {
 namespace {
 
 using namespace cpattn::kernels::amx_bench;
-using Clock = std::chrono::steady_clock;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
@@ -76,23 +76,7 @@ __attribute__((noinline)) void blocks_run(int blocks, int ksteps) {
 }
 #pragma GCC pop_options
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// GFLOP/s of fn(), which does `flops`, over `repeats` timed runs after one untimed.
-template <class Fn>
-double gflops(int repeats, double flops, Fn&& fn) {
-  fn();
-  std::vector<double> r;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    r.push_back(flops / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9);
-  }
-  return median(r);
-}
+using cpattn::bench::gflops;
 
 }  // namespace
 

@@ -131,6 +131,12 @@ struct KernelTable {
   // same operations, so the same bits).
   void (*grad_share_rows)(const GradShareLayout& layout, const std::byte* buffer, int64_t r0, int64_t n, float* dk,
                           float* dv) = nullptr;
+  // The fp32 product alone (kernel_impl.hpp's gemm, the micro-kernel of the fp32 paths), for
+  // its test and bench/fp32_tiles: C[M x N] (+ when !zero)= A B, A(r, k) at A[r * ars + k *
+  // acs], B(k, n) at B[(n / PAD) * bps + k * ldb + n % PAD], C row-major (ldc); N a multiple
+  // of the path's vector. Every path.
+  void (*gemm_f32)(bool zero, int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
+                   int64_t ldb, int64_t bps, float* C, int64_t ldc) = nullptr;
 };
 namespace portable {
 extern const KernelTable table;

@@ -335,6 +335,12 @@ __attribute__((noinline)) void gemm_groups(int G, int64_t a_gs, int64_t c_gs, in
                                            float* C, int64_t ldc) {
   gemm_panels<Zero>(G, a_gs, c_gs, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
+// gemm alone, for its test and bench/fp32_tiles: the KernelTable's gemm_f32.
+void gemm_f32_one(bool zero, int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
+                  int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+  if (zero) gemm<true>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+  else gemm<false>(M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
+}
 
 // Column vectors per bf16 micro-kernel tile: MR x 4 on 32 zmm registers (24 accumulators,
 // 4 B vectors, the broadcast), which issues a vdpbf16ps per cycle more often than MR x 2 (a

@@ -2041,6 +2041,58 @@ TEST(kernel_amx_tiles, ProductsMatchFloat64OnFullAndPartialTiles) {
   }
 }
 
+// The fp32 micro-kernel (KernelTable::gemm_f32, the gemm that bench/fp32_tiles times) on
+// every path this CPU runs, against a float64 product: rows that leave a partial tile (1 to 13
+// and 24), one to five 16-column panels, k of 1, 7 and 33, A row-major and transposed (read
+// through its column stride), C written and added to, at strides wider than the shapes.
+TEST(kernel_gemm, Fp32ProductMatchesFloat64OnEveryPath) {
+  int paths = 0;
+  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                                KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    const kernels::KernelTable* t = kernels::path_table(path);
+    ASSERT_NE(t, nullptr);
+    ASSERT_NE(t->gemm_f32, nullptr);
+    ++paths;
+    for (const int m : {1, 5, 6, 7, 13, 24})
+      for (const int n : {16, 48, 80})
+        for (const int k : {1, 7, 33})
+          for (const bool transposed : {false, true})
+            for (const bool zero : {true, false}) {
+              SCOPED_TRACE(::testing::Message() << to_string(path) << " m " << m << " n " << n << " k " << k
+                                                << (transposed ? " A transposed" : "") << (zero ? " written" : " added to"));
+              std::mt19937 rng(static_cast<unsigned>(m * 10000 + n * 100 + k * 4 + transposed * 2 + zero));
+              std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+              constexpr int PAD = kernels::PAD;
+              const int64_t ars = transposed ? 1 : k + 3, acs = transposed ? m + 5 : 1;
+              const int64_t ldb = PAD, bps = int64_t{k} * PAD + 32, ldc = n + 8;
+              std::vector<float> a(static_cast<size_t>(transposed ? k * acs : m * ars)), b(static_cast<size_t>(n / PAD * bps));
+              for (auto& x : a) x = u(rng);
+              for (auto& x : b) x = u(rng);
+              std::vector<float> c(static_cast<size_t>(m * ldc));
+              for (auto& x : c) x = u(rng);
+              const std::vector<float> c0 = c;
+              t->gemm_f32(zero, m, n, k, a.data(), ars, acs, b.data(), ldb, bps, c.data(), ldc);
+              for (int r = 0; r < m; ++r)
+                for (int j = 0; j < n; ++j) {
+                  const size_t ci = static_cast<size_t>(r * ldc + j);
+                  double ref = zero ? 0.0 : c0[ci], mag = std::abs(ref);
+                  for (int kk = 0; kk < k; ++kk) {
+                    const double p = double{a[static_cast<size_t>(r * ars + kk * acs)]} *
+                                     b[static_cast<size_t>(j / PAD * bps + kk * ldb + j % PAD)];
+                    ref += p;
+                    mag += std::abs(p);
+                  }
+                  ASSERT_NEAR(c[ci], ref, 4.0 * (k + 1) * std::numeric_limits<float>::epsilon() * mag)
+                      << "row " << r << " column " << j;
+                }
+              for (int r = 0; r < m; ++r)  // the columns past n are not C's: left alone
+                for (int j = n; j < ldc; ++j) ASSERT_EQ(c[static_cast<size_t>(r * ldc + j)], c0[static_cast<size_t>(r * ldc + j)]);
+            }
+  }
+  EXPECT_GE(paths, 1);  // portable runs everywhere
+}
+
 // A TileJob (the forward's products step by step, between the softmax's rows) gives bitwise
 // gemm_tiles16's C (the products in one go) in the valid rows: written (zero) and added to,
 // one and two rows of tiles (m <= 16, <= 32, partial ones), 16 to 128 columns (a last panel of

@@ -1,0 +1,30 @@
+// The timing of bench/amx_tiles and bench/fp32_tiles: GFLOP/s of a callable, the median of
+// several timed runs after one untimed (the machine is shared and noisy: medians, never means).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+namespace cpattn::bench {
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// GFLOP/s of fn(), which does `flops`, over `repeats` timed runs after one untimed.
+template <class Fn>
+double gflops(int repeats, double flops, Fn&& fn) {
+  using Clock = std::chrono::steady_clock;
+  fn();
+  std::vector<double> r;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    r.push_back(flops / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9);
+  }
+  return median(r);
+}
+
+}  // namespace cpattn::bench
