@@ -1,6 +1,7 @@
 // The AMX tile products alone, against the tile peak (issue 14; docs/design.md section 14):
 // what 2 x 2 blocks of C tiles reach with their operands in L1, with C's load and store per
-// block, and as gemm_tiles16 (the kernels' product) over 128 x 128 x 128 with operands in L2.
+// block, as gemm_tiles16 (the kernels' product) over 128 x 128 x 128 with operands in L2, and
+// the forward's S product of a unit in its block order and two others.
 // It compiles the amx path's kernel code (kernel_isa.inc) in a namespace of its own, so that
 // it times the library's tile_block and gemm_tiles16 themselves.
 //
@@ -74,6 +75,92 @@ __attribute__((noinline)) void blocks_run(int blocks, int ksteps) {
     }
   }
 }
+
+// The forward's S = Q K^T for one unit and piece of a GQA set (kernel_impl.hpp's TileJob: 4
+// heads x 64 query rows, 256 keys, D 128; K^T in the pairs of pack_kv_tiles, Q rows in bf16),
+// in three block orders: kBlocks22, the kernel's (per 32-row sub-block, 2 x 2 blocks of C
+// tiles: each B tile read for 2 products); kBlocks41 (per head, 4 x 1 blocks: each B tile read
+// for 4, the A tiles reloaded per product, from L1); kHeadsInner (2 x 2 blocks, the heads'
+// sub-blocks of the same rows one after another per column block, so that B comes from L1).
+constexpr int kSetHeads = 4, kUnitRows = 64, kPieceKeys = 256, kDim = 128;
+alignas(64) uint16_t g_q[kSetHeads * kUnitRows * kDim];
+alignas(64) uint32_t g_kt[kPieceKeys * kDim / 2];  // panel of 16 keys j: kDim / 2 pair rows of 16 words
+alignas(64) float g_s[kSetHeads * kUnitRows * kPieceKeys];
+enum Order { kBlocks22, kBlocks41, kHeadsInner };
+// C tiles 0-3 of the 2 x 2 block at (r, n0) of head h: zeroed, kDim / 32 steps, stored.
+inline void s_block22(int h, int r, int n0) {
+  const uint16_t* a = g_q + (h * kUnitRows + r) * kDim;
+  float* c = g_s + (h * kUnitRows + r) * kPieceKeys + n0;
+  const uint32_t* b0 = g_kt + (n0 / 16) * (kDim / 2) * 16;
+  const uint32_t* b1 = b0 + (kDim / 2) * 16;
+  Tiles::zero<0>();
+  Tiles::zero<1>();
+  Tiles::zero<2>();
+  Tiles::zero<3>();
+  for (int k0 = 0; k0 < kDim; k0 += 32) {
+    Tiles::load<4>(a + k0, kDim * 2);
+    Tiles::load<5>(a + 16 * kDim + k0, kDim * 2);
+    Tiles::load<6>(b0 + k0 / 2 * 16, 64);
+    Tiles::load<7>(b1 + k0 / 2 * 16, 64);
+    Tiles::dot<0, 4, 6>(false);
+    Tiles::dot<1, 4, 7>(false);
+    Tiles::dot<2, 5, 6>(false);
+    Tiles::dot<3, 5, 7>(false);
+  }
+  Tiles::store<0>(c, kPieceKeys * 4);
+  Tiles::store<1>(c + 16, kPieceKeys * 4);
+  Tiles::store<2>(c + 16 * kPieceKeys, kPieceKeys * 4);
+  Tiles::store<3>(c + 16 * kPieceKeys + 16, kPieceKeys * 4);
+}
+// C tiles 0-3 of the 4 x 1 block at column n0 of head h (its 64 rows); B alternates in 6, 7.
+inline void s_block41(int h, int n0) {
+  const uint16_t* a = g_q + h * kUnitRows * kDim;
+  float* c = g_s + h * kUnitRows * kPieceKeys + n0;
+  const uint32_t* b = g_kt + (n0 / 16) * (kDim / 2) * 16;
+  Tiles::zero<0>();
+  Tiles::zero<1>();
+  Tiles::zero<2>();
+  Tiles::zero<3>();
+  for (int k0 = 0; k0 < kDim; k0 += 64) {
+    Tiles::load<6>(b + k0 / 2 * 16, 64);
+    Tiles::load<4>(a + k0, kDim * 2);
+    Tiles::dot<0, 4, 6>(false);
+    Tiles::load<5>(a + 16 * kDim + k0, kDim * 2);
+    Tiles::dot<1, 5, 6>(false);
+    Tiles::load<4>(a + 32 * kDim + k0, kDim * 2);
+    Tiles::dot<2, 4, 6>(false);
+    Tiles::load<5>(a + 48 * kDim + k0, kDim * 2);
+    Tiles::dot<3, 5, 6>(false);
+    Tiles::load<7>(b + (k0 + 32) / 2 * 16, 64);
+    Tiles::load<4>(a + k0 + 32, kDim * 2);
+    Tiles::dot<0, 4, 7>(false);
+    Tiles::load<5>(a + 16 * kDim + k0 + 32, kDim * 2);
+    Tiles::dot<1, 5, 7>(false);
+    Tiles::load<4>(a + 32 * kDim + k0 + 32, kDim * 2);
+    Tiles::dot<2, 4, 7>(false);
+    Tiles::load<5>(a + 48 * kDim + k0 + 32, kDim * 2);
+    Tiles::dot<3, 5, 7>(false);
+  }
+  Tiles::store<0>(c, kPieceKeys * 4);
+  Tiles::store<1>(c + 16 * kPieceKeys, kPieceKeys * 4);
+  Tiles::store<2>(c + 32 * kPieceKeys, kPieceKeys * 4);
+  Tiles::store<3>(c + 48 * kPieceKeys, kPieceKeys * 4);
+}
+template <Order O>
+__attribute__((noinline)) void s_product() {
+  if constexpr (O == kBlocks41) {
+    for (int h = 0; h < kSetHeads; ++h)
+      for (int n0 = 0; n0 < kPieceKeys; n0 += 16) s_block41(h, n0);
+  } else if constexpr (O == kBlocks22) {
+    for (int h = 0; h < kSetHeads; ++h)
+      for (int r = 0; r < kUnitRows; r += 32)
+        for (int n0 = 0; n0 < kPieceKeys; n0 += 32) s_block22(h, r, n0);
+  } else {
+    for (int r = 0; r < kUnitRows; r += 32)
+      for (int n0 = 0; n0 < kPieceKeys; n0 += 32)
+        for (int h = 0; h < kSetHeads; ++h) s_block22(h, r, n0);
+  }
+}
 #pragma GCC pop_options
 
 using cpattn::bench::gflops;
@@ -117,6 +204,19 @@ int main(int argc, char** argv) {
                           }
                         })});
   }
+  // The forward's S product of a unit and piece (64 KiB of K^T: from L2), in the three orders.
+  std::fill(std::begin(g_q), std::end(g_q), uint16_t{0x3f80});
+  std::fill(std::begin(g_kt), std::end(g_kt), 0x3f803f80u);
+  const double s_flops = 2.0 * kSetHeads * kUnitRows * kPieceKeys * kDim, s_calls = 4000;
+  auto s_case = [&](const char* what, void (*fn)()) {
+    products.push_back({what, gflops(repeats, s_flops * s_calls, [&] {
+                          for (int i = 0; i < s_calls; ++i) fn();
+                        })});
+  };
+  s_case("forward S of a GQA set (4 x 64 rows, 256 keys, D 128): 2 x 2 blocks per sub-block (the kernel's)",
+         s_product<kBlocks22>);
+  s_case("the same, 4 x 1 blocks per head (each B tile read for 4 products)", s_product<kBlocks41>);
+  s_case("the same, 2 x 2 blocks, the heads' sub-blocks inner (B from L1)", s_product<kHeadsInner>);
   rows.push_back({"2 x 2 blocks, dot products alone (4 k steps)",
                   gflops(repeats, kBlockStep * 4 * blocks, [&] { blocks_run<kDots>(blocks, 4); })});
   rows.push_back({"+ A and B tile loads from L1 (4 k steps)",
