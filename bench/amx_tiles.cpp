@@ -1,7 +1,9 @@
 // The AMX tile products alone, against the tile peak (issue 14; docs/design.md section 14):
 // what 2 x 2 blocks of C tiles reach with their operands in L1, with C's load and store per
 // block, as gemm_tiles16 (the kernels' product) over 128 x 128 x 128 with operands in L2, and
-// the forward's S product of a unit in its block order and two others.
+// the forward's S product of a unit in its block order and two others; then how vector work
+// (512-bit FMAs, or adds) runs beside tile products, as the forward's softmax runs beside its
+// tiles (a second table: nanoseconds per iteration, each alone and both).
 // It compiles the amx path's kernel code (kernel_isa.inc) in a namespace of its own, so that
 // it times the library's tile_block and gemm_tiles16 themselves.
 //
@@ -161,9 +163,40 @@ __attribute__((noinline)) void s_product() {
         for (int h = 0; h < kSetHeads; ++h) s_block22(h, r, n0);
   }
 }
+
+// Vector work beside the tile products: per iteration `Dots` TDPBF16PS on tiles already loaded
+// (no memory) and `Groups` x 8 independent 512-bit FMAs (Fma) or adds, 8 chains. Alone, 16
+// groups of FMAs and 4 products each take about 64 cycles; together they take the larger of
+// the two where the vector unit and the tiles run side by side, and their sum where they take
+// turns.
+template <int Dots, int Groups, bool Fma>
+__attribute__((noinline)) float vector_beside_tiles(long iters) {
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_set1_ps(1.0f + static_cast<float>(i));
+  const __m512 m = _mm512_set1_ps(0.999f), a = _mm512_set1_ps(0.001f);
+  for (long it = 0; it < iters; ++it) {
+    if constexpr (Dots > 0) {
+      Tiles::dot<0, 4, 6>(false);
+      Tiles::dot<1, 4, 7>(false);
+      Tiles::dot<2, 5, 6>(false);
+      Tiles::dot<3, 5, 7>(false);
+    }
+    for (int g = 0; g < Groups; ++g)
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = Fma ? _mm512_fmadd_ps(acc[i], m, a) : _mm512_add_ps(acc[i], a);
+  }
+  alignas(64) float lanes[16];
+  float sum = 0.0f;
+  for (int i = 0; i < 8; ++i) {
+    _mm512_store_ps(lanes, acc[i]);
+    for (const float x : lanes) sum += x;
+  }
+  return sum;
+}
 #pragma GCC pop_options
 
 using cpattn::bench::gflops;
+using cpattn::bench::median_seconds;
 
 }  // namespace
 
@@ -226,9 +259,35 @@ int main(int argc, char** argv) {
   rows.push_back({"+ C tiles loaded and stored per block (8 k steps)",
                   gflops(repeats, kBlockStep * 8 * blocks / 2, [&] { blocks_run<kC>(blocks / 2, 8); })});
   rows.insert(rows.end(), products.begin(), products.end());
+
+  // Nanoseconds per iteration of vector_beside_tiles (median of --repeats runs of 2M).
+  Tiles::load<4>(g_a[0], 512);
+  Tiles::load<5>(g_a[1], 512);
+  Tiles::load<6>(g_b[0], 64);
+  Tiles::load<7>(g_b[1], 64);
+  struct Mixed {
+    const char* what;
+    double ns;
+  };
+  std::vector<Mixed> mixed;
+  auto ns_of = [&](const char* what, float (*fn)(long)) {
+    const long iters = 2000000;
+    const double s = median_seconds(repeats, [&] {
+      volatile float sink = fn(iters);
+      (void)sink;
+    });
+    mixed.push_back({what, s * 1e9 / static_cast<double>(iters)});
+  };
+  ns_of("4 tile products", vector_beside_tiles<4, 0, true>);
+  ns_of("16 x 8 FMAs", vector_beside_tiles<0, 16, true>);
+  ns_of("4 tile products + 16 x 8 FMAs", vector_beside_tiles<4, 16, true>);
+  ns_of("16 x 8 adds", vector_beside_tiles<0, 16, false>);
+  ns_of("4 tile products + 16 x 8 adds", vector_beside_tiles<4, 16, false>);
   tiles_end();
   std::printf("| case | GFLOP/s | share of the first |\n|---|---|---|\n");
   for (const Row& r : rows) std::printf("| %s | %.1f | %.0f%% |\n", r.what, r.gf, 100.0 * r.gf / rows[0].gf);
+  std::printf("\n| vector work beside the tiles, per iteration | ns |\n|---|---|\n");
+  for (const Mixed& r : mixed) std::printf("| %s | %.1f |\n", r.what, r.ns);
   return 0;
 }
 #endif

@@ -13,18 +13,24 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// GFLOP/s of fn(), which does `flops`, over `repeats` timed runs after one untimed.
+// Seconds of fn(), the median of `repeats` timed runs after one untimed.
 template <class Fn>
-double gflops(int repeats, double flops, Fn&& fn) {
+double median_seconds(int repeats, Fn&& fn) {
   using Clock = std::chrono::steady_clock;
   fn();
   std::vector<double> r;
   for (int i = 0; i < repeats; ++i) {
     const auto t0 = Clock::now();
     fn();
-    r.push_back(flops / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9);
+    r.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   return median(r);
+}
+
+// GFLOP/s of fn(), which does `flops`, at median_seconds' time.
+template <class Fn>
+double gflops(int repeats, double flops, Fn&& fn) {
+  return flops / median_seconds(repeats, fn) / 1e9;
 }
 
 }  // namespace cpattn::bench
