@@ -5,12 +5,16 @@
 // (512-bit FMAs, or adds) runs beside tile products, as the forward's softmax runs beside its
 // tiles (a second table: nanoseconds per iteration, each alone and both).
 // It compiles the amx path's kernel code (kernel_isa.inc) in a namespace of its own, so that
-// it times the library's tile_block and gemm_tiles16 themselves.
+// it times the library's gemm_tiles16 and TileJob themselves (the 2 x 2 block loops and two
+// of the S product's orders are this file's, on the same tile primitives).
 //
 //   build/release/bench/amx_tiles [--repeats 5]
 //
-// Prints one Markdown row per case: GFLOP/s, median of --repeats runs of about 0.1 s, and the
-// share of the first case (dot products alone, the peak). Exits 0 with a message on a CPU
+// Prints one Markdown row per case: GFLOP/s, median of --repeats runs (about 0.1 s each; the
+// S product's and the vector cases' 0.04-0.08 s), and the share of the first case (dot
+// products alone: the tile peak of this run). The products run first, the peak loops after
+// them, the vector cases last: after seconds of tiles at their peak the core's clock may be
+// lower, so read those in ratio to each other. Exits 0 with a message on a CPU
 // without AMX-BF16 (or where Linux refuses the tile state).
 #define CPATTN_KNS amx_bench
 #define CPATTN_VW 16
@@ -78,18 +82,20 @@ __attribute__((noinline)) void blocks_run(int blocks, int ksteps) {
   }
 }
 
-// The forward's S = Q K^T for one unit and piece of a GQA set (kernel_impl.hpp's TileJob: 4
-// heads x 64 query rows, 256 keys, D 128; K^T in the pairs of pack_kv_tiles, Q rows in bf16),
-// in three block orders: kBlocks22, the kernel's (per 32-row sub-block, 2 x 2 blocks of C
-// tiles: each B tile read for 2 products); kBlocks41 (per head, 4 x 1 blocks: each B tile read
-// for 4, the A tiles reloaded per product, from L1); kHeadsInner (2 x 2 blocks, the heads'
-// sub-blocks of the same rows one after another per column block, so that B comes from L1).
+// The forward's S = Q K^T for one unit and piece of a GQA set (4 heads x 64 query rows, 256
+// keys, D 128; K^T in the pairs of pack_kv_tiles, Q rows in bf16), in three block orders:
+// kBlocks22, the kernel's (a TileJob per 32-row sub-block, as the forward runs it: 2 x 2
+// blocks of C tiles, each B tile read for 2 products); kBlocks41 (per head, 4 x 1 blocks: each
+// B tile read for 4, the A tiles reloaded per product, from L1); kHeadsInner (2 x 2 blocks,
+// the heads' sub-blocks of the same rows one after another per column block, so that B comes
+// from L1). The last two are loops of this file's on the same tile primitives.
 constexpr int kSetHeads = 4, kUnitRows = 64, kPieceKeys = 256, kDim = 128;
 alignas(64) uint16_t g_q[kSetHeads * kUnitRows * kDim];
 alignas(64) uint32_t g_kt[kPieceKeys * kDim / 2];  // panel of 16 keys j: kDim / 2 pair rows of 16 words
 alignas(64) float g_s[kSetHeads * kUnitRows * kPieceKeys];
 enum Order { kBlocks22, kBlocks41, kHeadsInner };
-// C tiles 0-3 of the 2 x 2 block at (r, n0) of head h: zeroed, kDim / 32 steps, stored.
+// C tiles 0-3 of the 2 x 2 block at (r, n0) of head h: zeroed, kDim / 32 steps, stored (a
+// TileJob's block, by hand, for kHeadsInner's order).
 inline void s_block22(int h, int r, int n0) {
   const uint16_t* a = g_q + (h * kUnitRows + r) * kDim;
   float* c = g_s + (h * kUnitRows + r) * kPieceKeys + n0;
@@ -156,7 +162,10 @@ __attribute__((noinline)) void s_product() {
   } else if constexpr (O == kBlocks22) {
     for (int h = 0; h < kSetHeads; ++h)
       for (int r = 0; r < kUnitRows; r += 32)
-        for (int n0 = 0; n0 < kPieceKeys; n0 += 32) s_block22(h, r, n0);
+        TileJob{.a = g_q + (h * kUnitRows + r) * kDim, .a_stride = kDim * 2, .b = g_kt, .b_ld = 16,
+                .b_panel = (kDim / 2) * 16, .c = g_s + (h * kUnitRows + r) * kPieceKeys, .ldc = kPieceKeys,
+                .n = kPieceKeys, .k = kDim, .zero = true, .two_m = true}
+            .finish();
   } else {
     for (int r = 0; r < kUnitRows; r += 32)
       for (int n0 = 0; n0 < kPieceKeys; n0 += 32)
@@ -240,9 +249,10 @@ int main(int argc, char** argv) {
   // The forward's S product of a unit and piece (64 KiB of K^T: from L2), in the three orders.
   std::fill(std::begin(g_q), std::end(g_q), uint16_t{0x3f80});
   std::fill(std::begin(g_kt), std::end(g_kt), 0x3f803f80u);
-  const double s_flops = 2.0 * kSetHeads * kUnitRows * kPieceKeys * kDim, s_calls = 4000;
+  const double s_flops = 2.0 * kSetHeads * kUnitRows * kPieceKeys * kDim;
+  const int s_calls = 4000;
   auto s_case = [&](const char* what, void (*fn)()) {
-    products.push_back({what, gflops(repeats, s_flops * s_calls, [&] {
+    products.push_back({what, gflops(repeats, s_flops * static_cast<double>(s_calls), [&] {
                           for (int i = 0; i < s_calls; ++i) fn();
                         })});
   };

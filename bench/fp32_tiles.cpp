@@ -1,10 +1,11 @@
 // The fp32 micro-kernel alone against the FMA peak (issue 14; docs/benchmarks.md): the
 // library's gemm (MR x 4 vectors of accumulators on AVX-512, 6 x 4 at 16 floats; MR x 2 on
-// AVX2) over one 64-column panel of B, with B in L1, streamed from L2 at 24 and 96 rows per
-// call (the forward's sub-block, and a GQA set's four sub-blocks as gemm_groups runs them),
-// and from beyond L2. It calls the widest fp32 path this CPU runs (avx512, else avx2) through
-// its KernelTable's gemm_f32, so that it times the library's compiled gemm itself (a copy
-// compiled into this file with constant strides spilled its accumulators: 47% of the peak).
+// AVX2) over 64 columns of B (four 16-column panels), with B in L1, streamed from L2 at 24 and
+// 96 rows per call (the forward's sub-block, and a GQA set's four sub-blocks as gemm_groups
+// runs them; A and C then stream from L2 too), and from beyond L2. It calls the widest fp32
+// path this CPU runs (avx512, else avx2) through its KernelTable's gemm_f32, so that it times
+// the library's compiled gemm itself (a copy compiled into this file with constant strides
+// spilled its accumulators: 47% of the peak).
 //
 //   build/release/bench/fp32_tiles [--repeats 5]
 //
@@ -38,8 +39,9 @@ double run_case(const cpattn::kernels::KernelTable& t, int repeats, int M, int K
   auto aligned = [](std::vector<float>& v) {
     return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) / 64 * 64);
   };
-  std::vector<float> av(static_cast<size_t>(sets) * M * K + 16, 0.5f), bv(static_cast<size_t>(sets) * K * N + 16, 0.25f),
-      cv(static_cast<size_t>(sets) * M * N + 16, 0.0f);
+  std::vector<float> av(static_cast<size_t>(sets) * M * K + 16, 0.5f);
+  std::vector<float> bv(static_cast<size_t>(sets) * K * N + 16, 0.25f);
+  std::vector<float> cv(static_cast<size_t>(sets) * M * N + 16, 0.0f);
   float *a = aligned(av), *b = aligned(bv), *c = aligned(cv);
   const double per_call = 2.0 * M * N * K;
   const int calls = std::max(sets, static_cast<int>(2e10 / per_call / sets) * sets);
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
   };
   // B is K x 64 floats: 24 KiB at K = 96 (with A and C, 39 KiB: under a 48 KiB L1), 32 KiB at
   // K = 128; 16 sets of A, B and C are 0.8 MiB at 24 rows and 1.6 MiB at 96 (under a 2 MiB L2),
-  // 512 sets 25 and 53 MiB.
+  // 512 sets 25 and 52 MiB.
   const Case cases[] = {
       {"24 rows, K 96, one operand set (B in L1)", 24, 96, 1},
       {"24 rows, K 128, 16 sets in turn (B from L2)", 24, 128, 16},

@@ -35,8 +35,9 @@ constexpr int MR = 6;     // micro-kernel rows
 constexpr int FSB = 24;   // forward sub-block rows (vector paths): a unit's rows run through
                           // S = Q K^T, the softmax and O += P V FSB rows at a time, so that a
                           // sub-block's S rows (24 x FBK floats, 12 KiB) are read back by its
-                          // softmax soon after they are written. A multiple of MR; 18 and 48
-                          // ran no faster than 24 (Intel Xeon with AMX, fp32 and bf16). With
+                          // softmax soon after they are written. A multiple of MR: 24 was
+                          // chosen on Zen 3's avx2 path against 12 and 36, and 18 and 48 ran
+                          // no faster on the Intel Xeon with AMX's avx512 path (fp32). With
                           // fp32 products on AVX-512 the set's heads run each product together
                           // (gemm_groups), a B column tile staying in L1 while the heads' A
                           // and C rows stream

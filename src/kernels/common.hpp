@@ -134,7 +134,7 @@ struct KernelTable {
   // The fp32 product alone (kernel_impl.hpp's gemm, the micro-kernel of the fp32 paths), for
   // its test and bench/fp32_tiles: C[M x N] (+ when !zero)= A B, A(r, k) at A[r * ars + k *
   // acs], B(k, n) at B[(n / PAD) * bps + k * ldb + n % PAD], C row-major (ldc); N a multiple
-  // of the path's vector. Every path.
+  // of PAD (16), which every path's vector divides. Every path.
   void (*gemm_f32)(bool zero, int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
                    int64_t ldb, int64_t bps, float* C, int64_t ldc) = nullptr;
 };

@@ -322,13 +322,13 @@ __attribute__((always_inline)) inline void gemm_panels(int G, int64_t a_gs, int6
 // accumulators of the micro-kernel to the stack (30% slower forward).
 template <bool Zero>
 __attribute__((noinline)) void gemm(int M, int N, int K, const float* A, int64_t ars, int64_t acs, const float* B,
-          int64_t ldb, int64_t bps, float* C, int64_t ldc) {
+                                    int64_t ldb, int64_t bps, float* C, int64_t ldc) {
   gemm_panels<Zero>(1, 0, 0, M, N, K, A, ars, acs, B, ldb, bps, C, ldc);
 }
 // G products of gemm's contract sharing B (gemm_panels): the fp32 forward's heads of one KV
 // head, which share the piece's K^T and V, so that a column tile read from L2 serves every
-// head's rows. A 6 x 4 tile with B from L2 ran 76% of the FMA peak at 24 rows a B tile and
-// 83% at 96 (a standalone loop on the Intel Xeon with AMX; 85% with B in L1).
+// head's rows. gemm alone (bench/fp32_tiles, Intel Xeon with AMX) ran 79-83% of the FMA peak
+// with B in L1, 73-81% with B from L2 at 24 or 96 rows a call, 50-52% from beyond L2.
 template <bool Zero>
 __attribute__((noinline)) void gemm_groups(int G, int64_t a_gs, int64_t c_gs, int M, int N, int K, const float* A,
                                            int64_t ars, int64_t acs, const float* B, int64_t ldb, int64_t bps,
@@ -1865,6 +1865,7 @@ void forward_impl(const AttnFwdParams& p) {
       // heads - 1 heads as one product (gemm_groups; their S buffers fsb * fbk floats apart, Q
       // and O blocks BQ rows); on tiles `heads` is 1.
       auto scores = [&](int i, TileJob* job, int heads) {
+        assert(heads == 1 || (grouping && subs[i].g == 0));  // one S buffer per head only when grouping
         const Sub& x = subs[i];
         const int n = x.ps.a1 - x.ps.a0;
         const int64_t k0 = x.ps.b * fbk + x.ps.a0;  // first physical key row computed
@@ -1888,6 +1889,7 @@ void forward_impl(const AttnFwdParams& p) {
       };
       // O[sb, dvp] += P[sb, a0:a1) V[a0:a1, dvp] (P rows of unseen rows are 0); `job` as above.
       auto pv = [&](int i, TileJob* job, int heads) {
+        assert(heads == 1 || (grouping && subs[i].g == 0));
         const Sub& x = subs[i];
         if (!x.any) return;
         const int n = x.ps.a1 - x.ps.a0;

@@ -9,7 +9,7 @@
 #include <cpattn/reference.hpp>
 
 #include "../src/kernels/blocking.hpp"  // GradShareLayout
-#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, tile_dot and tile_gemm, the products' steps
+#include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, tile_dot, tile_gemm and gemm_f32: the products' steps
 #include "error_of.hpp"
 
 #include <gtest/gtest.h>
@@ -2042,10 +2042,13 @@ TEST(kernel_amx_tiles, ProductsMatchFloat64OnFullAndPartialTiles) {
 }
 
 // The fp32 micro-kernel (KernelTable::gemm_f32, the gemm that bench/fp32_tiles times) on
-// every path this CPU runs, against a float64 product: rows that leave a partial tile (1 to 13
-// and 24), one to five 16-column panels, k of 1, 7 and 33, A row-major and transposed (read
-// through its column stride), C written and added to, at strides wider than the shapes.
+// every path this CPU runs, against a float64 product: rows that leave a partial tile of 6 (1,
+// 5, 7, 13) and whole tiles (6, 24), one to five 16-column panels, k of 1, 7 and 33, A
+// row-major and transposed (read through its column stride), B's rows PAD and PAD + 16 floats
+// apart, C written and added to, at strides wider than the shapes; C's columns past n and its
+// rows past m are left alone.
 TEST(kernel_gemm, Fp32ProductMatchesFloat64OnEveryPath) {
+  constexpr int PAD = kernels::PAD;
   int paths = 0;
   for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                                 KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
@@ -2058,37 +2061,42 @@ TEST(kernel_gemm, Fp32ProductMatchesFloat64OnEveryPath) {
       for (const int n : {16, 48, 80})
         for (const int k : {1, 7, 33})
           for (const bool transposed : {false, true})
-            for (const bool zero : {true, false}) {
-              SCOPED_TRACE(::testing::Message() << to_string(path) << " m " << m << " n " << n << " k " << k
-                                                << (transposed ? " A transposed" : "") << (zero ? " written" : " added to"));
-              std::mt19937 rng(static_cast<unsigned>(m * 10000 + n * 100 + k * 4 + transposed * 2 + zero));
-              std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-              constexpr int PAD = kernels::PAD;
-              const int64_t ars = transposed ? 1 : k + 3, acs = transposed ? m + 5 : 1;
-              const int64_t ldb = PAD, bps = int64_t{k} * PAD + 32, ldc = n + 8;
-              std::vector<float> a(static_cast<size_t>(transposed ? k * acs : m * ars)), b(static_cast<size_t>(n / PAD * bps));
-              for (auto& x : a) x = u(rng);
-              for (auto& x : b) x = u(rng);
-              std::vector<float> c(static_cast<size_t>(m * ldc));
-              for (auto& x : c) x = u(rng);
-              const std::vector<float> c0 = c;
-              t->gemm_f32(zero, m, n, k, a.data(), ars, acs, b.data(), ldb, bps, c.data(), ldc);
-              for (int r = 0; r < m; ++r)
-                for (int j = 0; j < n; ++j) {
-                  const size_t ci = static_cast<size_t>(r * ldc + j);
-                  double ref = zero ? 0.0 : c0[ci], mag = std::abs(ref);
-                  for (int kk = 0; kk < k; ++kk) {
-                    const double p = double{a[static_cast<size_t>(r * ars + kk * acs)]} *
-                                     b[static_cast<size_t>(j / PAD * bps + kk * ldb + j % PAD)];
-                    ref += p;
-                    mag += std::abs(p);
+            for (const int64_t ldb : {int64_t{PAD}, int64_t{PAD} + 16})
+              for (const bool zero : {true, false}) {
+                SCOPED_TRACE(::testing::Message() << to_string(path) << " m " << m << " n " << n << " k " << k
+                                                  << (transposed ? " A transposed" : "") << " ldb " << ldb
+                                                  << (zero ? " written" : " added to"));
+                std::mt19937 rng(static_cast<unsigned>(m * 10000 + n * 100 + k * 4 + transposed * 2 + zero + ldb));
+                std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+                const int64_t ars = transposed ? 1 : k + 3, acs = transposed ? m + 5 : 1;
+                const int64_t bps = k * ldb + 32, ldc = n + 8, guard = 2;  // rows of C past m
+                std::vector<float> a(static_cast<size_t>(transposed ? k * acs : m * ars));
+                std::vector<float> b(static_cast<size_t>(n / PAD * bps));
+                for (auto& x : a) x = u(rng);
+                for (auto& x : b) x = u(rng);
+                std::vector<float> c(static_cast<size_t>((m + guard) * ldc));
+                for (auto& x : c) x = u(rng);
+                const std::vector<float> c0 = c;
+                t->gemm_f32(zero, m, n, k, a.data(), ars, acs, b.data(), ldb, bps, c.data(), ldc);
+                for (int r = 0; r < m + guard; ++r)
+                  for (int j = 0; j < ldc; ++j) {
+                    const size_t ci = static_cast<size_t>(r * ldc + j);
+                    if (r >= m || j >= n) {  // not C's: left alone
+                      ASSERT_EQ(std::bit_cast<uint32_t>(c[ci]), std::bit_cast<uint32_t>(c0[ci]))
+                          << "row " << r << " column " << j;
+                      continue;
+                    }
+                    double ref = zero ? 0.0 : c0[ci], mag = std::abs(ref);
+                    for (int kk = 0; kk < k; ++kk) {
+                      const double p = double{a[static_cast<size_t>(r * ars + kk * acs)]} *
+                                       b[static_cast<size_t>(j / PAD * bps + kk * ldb + j % PAD)];
+                      ref += p;
+                      mag += std::abs(p);
+                    }
+                    ASSERT_NEAR(c[ci], ref, 4.0 * (k + 1) * std::numeric_limits<float>::epsilon() * mag)
+                        << "row " << r << " column " << j;
                   }
-                  ASSERT_NEAR(c[ci], ref, 4.0 * (k + 1) * std::numeric_limits<float>::epsilon() * mag)
-                      << "row " << r << " column " << j;
-                }
-              for (int r = 0; r < m; ++r)  // the columns past n are not C's: left alone
-                for (int j = n; j < ldc; ++j) ASSERT_EQ(c[static_cast<size_t>(r * ldc + j)], c0[static_cast<size_t>(r * ldc + j)]);
-            }
+              }
   }
   EXPECT_GE(paths, 1);  // portable runs everywhere
 }
