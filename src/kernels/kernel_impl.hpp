@@ -1176,7 +1176,9 @@ inline void st_row(void* base, DType t, int64_t i0, int n, const float* src, flo
       const vf mv = vset(mul);
       int d = 0;
       for (; d + W <= n; d += W) {
-        const vu u = std::bit_cast<vu>(vload(src + d) * mv);
+        // A vector cast, not std::bit_cast: unoptimized, that is an out-of-line function of the
+        // baseline ISA, and passing it a 256- or 512-bit vector crashed a Debug build.
+        const vu u = (vu)(vload(src + d) * mv);
         const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
         const vh h = __builtin_convertvector(r, vh);
         std::memcpy(o + d, &h, sizeof h);
