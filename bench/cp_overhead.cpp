@@ -27,6 +27,8 @@
 // cp, document order and one give the same out and dq to rounding (dK/dV: the CP tests'),
 // then rank 0 prints one Markdown row per rank (medians of --repeats after one untimed round).
 // --only-cp 1 times CpAttention alone (for a profiler).
+#include "gflops.hpp"
+
 #include <cpattn/attention.hpp>
 #include <cpattn/check/batch.hpp>
 #include <cpattn/comm.hpp>
@@ -49,6 +51,7 @@
 namespace {
 
 using namespace cpattn;
+using cpattn::bench::median;
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -59,11 +62,6 @@ double thread_cpu_s() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 struct Args {

@@ -1,5 +1,5 @@
-// The timing of bench/amx_tiles and bench/fp32_tiles: GFLOP/s of a callable, the median of
-// several timed runs after one untimed (the machine is shared and noisy: medians, never means).
+// The benchmarks' timing: the median of several timed runs after one untimed, and GFLOP/s of a
+// callable at that time (the machine is shared and noisy: medians, never means).
 #pragma once
 
 #include <algorithm>
@@ -8,7 +8,9 @@
 
 namespace cpattn::bench {
 
+// The median of v (its upper middle when v has an even size); 0 for none.
 inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }

@@ -6,6 +6,7 @@
 // simulator's costs and a ping-pong of one boundary tensor as the transfer, then runs `reps`
 // more steps and prints the median measured makespan (the last rank to finish) next to the
 // simulated one.
+#include "gflops.hpp"
 #include "model.hpp"
 #include "pipeline_model.hpp"
 
@@ -26,15 +27,10 @@ namespace {
 
 using namespace cpattn;
 using namespace cpattn::train;
+using cpattn::bench::median;
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Forwards to a stage and records how long each action's computation took.
 class TimedStage final : public PipelineStage {
