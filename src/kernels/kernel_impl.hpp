@@ -143,10 +143,14 @@ inline float reduce_halves(typename FloatVec<N>::type v, Op op) {
   if constexpr (N == 2) {
     return op(v[0], v[1]);
   } else {
-    typename FloatVec<N / 2>::type lo, hi;
-    std::memcpy(&lo, &v, sizeof lo);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    return reduce_halves<N / 2>(op(lo, hi), op);
+    // The halves by shuffles, not copies out of v's bytes: a copy takes v's address, and
+    // inlined into a loop that kept the loop's vector in memory (the amx forward's exp pass
+    // stored and reloaded its sum every 32 columns).
+    return [&]<int... I>(std::integer_sequence<int, I...>) {
+      const typename FloatVec<N / 2>::type lo = __builtin_shufflevector(v, v, I...);
+      const typename FloatVec<N / 2>::type hi = __builtin_shufflevector(v, v, (I + N / 2)...);
+      return reduce_halves<N / 2>(op(lo, hi), op);
+    }(std::make_integer_sequence<int, N / 2>{});
   }
 }
 inline float hsum(vf v) {
