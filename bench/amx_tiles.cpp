@@ -2,8 +2,8 @@
 // what 2 x 2 blocks of C tiles reach with their operands in L1, with C's load and store per
 // block, as gemm_tiles16 (the kernels' product) over 128 x 128 x 128 with operands in L2, and
 // the forward's S product of a unit in its block order and two others; then how vector work
-// (512-bit FMAs, or adds) runs beside tile products, as the forward's softmax runs beside its
-// tiles (a second table: nanoseconds per iteration, each alone and both).
+// (512-bit FMAs or adds, 256-bit FMAs) runs beside tile products, as the forward's softmax
+// runs beside its tiles (a second table: nanoseconds per iteration, each alone and both).
 // It compiles the amx path's kernel code (kernel_isa.inc) in a namespace of its own, so that
 // it times the library's gemm_tiles16 and TileJob themselves (the 2 x 2 block loops and two
 // of the S product's orders are this file's, on the same tile primitives).
@@ -94,6 +94,20 @@ alignas(64) uint16_t g_q[kSetHeads * kUnitRows * kDim];
 alignas(64) uint32_t g_kt[kPieceKeys * kDim / 2];  // panel of 16 keys j: kDim / 2 pair rows of 16 words
 alignas(64) float g_s[kSetHeads * kUnitRows * kPieceKeys];
 enum Order { kBlocks22, kBlocks41, kHeadsInner };
+// A hand block's framing: C tiles 0-3 zeroed before its steps, then stored at c + off[t]
+// (rows of S, kPieceKeys floats apart).
+inline void zero_c() {
+  Tiles::zero<0>();
+  Tiles::zero<1>();
+  Tiles::zero<2>();
+  Tiles::zero<3>();
+}
+inline void store_c(float* c, const int (&off)[4]) {
+  Tiles::store<0>(c + off[0], kPieceKeys * 4);
+  Tiles::store<1>(c + off[1], kPieceKeys * 4);
+  Tiles::store<2>(c + off[2], kPieceKeys * 4);
+  Tiles::store<3>(c + off[3], kPieceKeys * 4);
+}
 // C tiles 0-3 of the 2 x 2 block at (r, n0) of head h: zeroed, kDim / 32 steps, stored (a
 // TileJob's block, by hand, for kHeadsInner's order).
 inline void s_block22(int h, int r, int n0) {
@@ -101,10 +115,7 @@ inline void s_block22(int h, int r, int n0) {
   float* c = g_s + (h * kUnitRows + r) * kPieceKeys + n0;
   const uint32_t* b0 = g_kt + (n0 / 16) * (kDim / 2) * 16;
   const uint32_t* b1 = b0 + (kDim / 2) * 16;
-  Tiles::zero<0>();
-  Tiles::zero<1>();
-  Tiles::zero<2>();
-  Tiles::zero<3>();
+  zero_c();
   for (int k0 = 0; k0 < kDim; k0 += 32) {
     Tiles::load<4>(a + k0, kDim * 2);
     Tiles::load<5>(a + 16 * kDim + k0, kDim * 2);
@@ -115,20 +126,14 @@ inline void s_block22(int h, int r, int n0) {
     Tiles::dot<2, 5, 6>(false);
     Tiles::dot<3, 5, 7>(false);
   }
-  Tiles::store<0>(c, kPieceKeys * 4);
-  Tiles::store<1>(c + 16, kPieceKeys * 4);
-  Tiles::store<2>(c + 16 * kPieceKeys, kPieceKeys * 4);
-  Tiles::store<3>(c + 16 * kPieceKeys + 16, kPieceKeys * 4);
+  store_c(c, {0, 16, 16 * kPieceKeys, 16 * kPieceKeys + 16});
 }
 // C tiles 0-3 of the 4 x 1 block at column n0 of head h (its 64 rows); B alternates in 6, 7.
 inline void s_block41(int h, int n0) {
   const uint16_t* a = g_q + h * kUnitRows * kDim;
   float* c = g_s + h * kUnitRows * kPieceKeys + n0;
   const uint32_t* b = g_kt + (n0 / 16) * (kDim / 2) * 16;
-  Tiles::zero<0>();
-  Tiles::zero<1>();
-  Tiles::zero<2>();
-  Tiles::zero<3>();
+  zero_c();
   for (int k0 = 0; k0 < kDim; k0 += 64) {
     Tiles::load<6>(b + k0 / 2 * 16, 64);
     Tiles::load<4>(a + k0, kDim * 2);
@@ -149,10 +154,7 @@ inline void s_block41(int h, int n0) {
     Tiles::load<5>(a + 48 * kDim + k0 + 32, kDim * 2);
     Tiles::dot<3, 5, 7>(false);
   }
-  Tiles::store<0>(c, kPieceKeys * 4);
-  Tiles::store<1>(c + 16 * kPieceKeys, kPieceKeys * 4);
-  Tiles::store<2>(c + 32 * kPieceKeys, kPieceKeys * 4);
-  Tiles::store<3>(c + 48 * kPieceKeys, kPieceKeys * 4);
+  store_c(c, {0, 16 * kPieceKeys, 32 * kPieceKeys, 48 * kPieceKeys});
 }
 template <Order O>
 __attribute__((noinline)) void s_product() {
@@ -174,15 +176,19 @@ __attribute__((noinline)) void s_product() {
 }
 
 // Vector work beside the tile products: per iteration `Dots` TDPBF16PS on tiles already loaded
-// (no memory) and `Groups` x 8 independent 512-bit FMAs (Fma) or adds, 8 chains. Alone, 16
-// groups of FMAs and 4 products each take about 64 cycles; together they take the larger of
-// the two where the vector unit and the tiles run side by side, and their sum where they take
-// turns.
-template <int Dots, int Groups, bool Fma>
+// (no memory) and `Groups` x 8 independent vector operations V, 8 chains: 512-bit FMAs or
+// adds, or 256-bit FMAs. Alone, 16 groups of FMAs (of either width) and 4 products each take
+// about 64 cycles; together they take the larger of the two where the vector unit and the
+// tiles run side by side, and their sum where they take turns. 32 groups of 256-bit FMAs do
+// the lane work of 16 groups of 512-bit ones.
+enum VecOp { kFma512, kAdd512, kFma256 };
+template <int Dots, int Groups, VecOp V>
 __attribute__((noinline)) float vector_beside_tiles(long iters) {
-  __m512 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm512_set1_ps(1.0f + static_cast<float>(i));
-  const __m512 m = _mm512_set1_ps(0.999f), a = _mm512_set1_ps(0.001f);
+  typedef float Vec __attribute__((vector_size(V == kFma256 ? 32 : 64)));
+  constexpr int kLanes = sizeof(Vec) / 4;
+  Vec acc[8];
+  const Vec m = Vec{} + 0.999f, a = Vec{} + 0.001f;
+  for (int i = 0; i < 8; ++i) acc[i] = Vec{} + (1.0f + static_cast<float>(i));
   for (long it = 0; it < iters; ++it) {
     if constexpr (Dots > 0) {
       Tiles::dot<0, 4, 6>(false);
@@ -192,12 +198,15 @@ __attribute__((noinline)) float vector_beside_tiles(long iters) {
     }
     for (int g = 0; g < Groups; ++g)
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) acc[i] = Fma ? _mm512_fmadd_ps(acc[i], m, a) : _mm512_add_ps(acc[i], a);
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (V == kAdd512) acc[i] = acc[i] + a;
+        else acc[i] = acc[i] * m + a;  // (an FMA: -ffp-contract=fast)
+      }
   }
-  alignas(64) float lanes[16];
+  alignas(64) float lanes[kLanes];
   float sum = 0.0f;
   for (int i = 0; i < 8; ++i) {
-    _mm512_store_ps(lanes, acc[i]);
+    std::memcpy(lanes, &acc[i], sizeof lanes);
     for (const float x : lanes) sum += x;
   }
   return sum;
@@ -288,11 +297,15 @@ int main(int argc, char** argv) {
     });
     mixed.push_back({what, s * 1e9 / static_cast<double>(iters)});
   };
-  ns_of("4 tile products", vector_beside_tiles<4, 0, true>);
-  ns_of("16 x 8 FMAs", vector_beside_tiles<0, 16, true>);
-  ns_of("4 tile products + 16 x 8 FMAs", vector_beside_tiles<4, 16, true>);
-  ns_of("16 x 8 adds", vector_beside_tiles<0, 16, false>);
-  ns_of("4 tile products + 16 x 8 adds", vector_beside_tiles<4, 16, false>);
+  ns_of("4 tile products", vector_beside_tiles<4, 0, kFma512>);
+  ns_of("16 x 8 FMAs", vector_beside_tiles<0, 16, kFma512>);
+  ns_of("4 tile products + 16 x 8 FMAs", vector_beside_tiles<4, 16, kFma512>);
+  ns_of("16 x 8 adds", vector_beside_tiles<0, 16, kAdd512>);
+  ns_of("4 tile products + 16 x 8 adds", vector_beside_tiles<4, 16, kAdd512>);
+  ns_of("16 x 8 256-bit FMAs", vector_beside_tiles<0, 16, kFma256>);
+  ns_of("4 tile products + 16 x 8 256-bit FMAs", vector_beside_tiles<4, 16, kFma256>);
+  ns_of("32 x 8 256-bit FMAs", vector_beside_tiles<0, 32, kFma256>);
+  ns_of("4 tile products + 32 x 8 256-bit FMAs", vector_beside_tiles<4, 32, kFma256>);
   tiles_end();
   std::printf("| case | GFLOP/s | share of the first |\n|---|---|---|\n");
   for (const Row& r : rows) std::printf("| %s | %.1f | %.0f%% |\n", r.what, r.gf, 100.0 * r.gf / rows[0].gf);
