@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: an optimized build with warnings as errors, then the same tests again
-# under AddressSanitizer + UndefinedBehaviorSanitizer; between the two, each libFuzzer target
-# runs for a bounded time from its seed corpus and the kernel tests run under ThreadSanitizer. Usage: scripts/test.sh [--fast]
-# (--fast skips the sanitizer and fuzzing passes).
+# under AddressSanitizer + UndefinedBehaviorSanitizer (internal asserts on); between the two,
+# each libFuzzer target runs for a bounded time from its seed corpus and the kernel tests run
+# under ThreadSanitizer; last, a Debug build (-O0) runs a few kernel cases on every path.
+# Usage: scripts/test.sh [--fast] (--fast skips the sanitizer, fuzzing and Debug passes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -19,4 +20,7 @@ if [ "${1:-}" != "--fast" ]; then
   cmake --preset asan >/dev/null
   cmake --build --preset asan -j "$jobs"
   ctest --preset asan -j "$jobs"
+  cmake --preset debug >/dev/null         # unoptimized code of every kernel path (a few cases)
+  cmake --build --preset debug -j "$jobs"
+  ctest --preset debug -j "$jobs"
 fi
