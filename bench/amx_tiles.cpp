@@ -11,7 +11,7 @@
 //   build/release/bench/amx_tiles [--repeats 5]
 //
 // Prints one Markdown row per case: GFLOP/s, median of --repeats runs (about 0.1 s each; the
-// S product's and the vector cases' 0.04-0.08 s), and the share of the first case (dot
+// S product's and the vector cases' 0.04-0.09 s), and the share of the first case (dot
 // products alone: the tile peak of this run). The products run first, the peak loops after
 // them, the vector cases last: after seconds of tiles at their peak the core's clock may be
 // lower, so read those in ratio to each other. Exits 0 with a message on a CPU
@@ -298,10 +298,10 @@ int main(int argc, char** argv) {
     mixed.push_back({what, s * 1e9 / static_cast<double>(iters)});
   };
   ns_of("4 tile products", vector_beside_tiles<4, 0, kFma512>);
-  ns_of("16 x 8 FMAs", vector_beside_tiles<0, 16, kFma512>);
-  ns_of("4 tile products + 16 x 8 FMAs", vector_beside_tiles<4, 16, kFma512>);
-  ns_of("16 x 8 adds", vector_beside_tiles<0, 16, kAdd512>);
-  ns_of("4 tile products + 16 x 8 adds", vector_beside_tiles<4, 16, kAdd512>);
+  ns_of("16 x 8 512-bit FMAs", vector_beside_tiles<0, 16, kFma512>);
+  ns_of("4 tile products + 16 x 8 512-bit FMAs", vector_beside_tiles<4, 16, kFma512>);
+  ns_of("16 x 8 512-bit adds", vector_beside_tiles<0, 16, kAdd512>);
+  ns_of("4 tile products + 16 x 8 512-bit adds", vector_beside_tiles<4, 16, kAdd512>);
   ns_of("16 x 8 256-bit FMAs", vector_beside_tiles<0, 16, kFma256>);
   ns_of("4 tile products + 16 x 8 256-bit FMAs", vector_beside_tiles<4, 16, kFma256>);
   ns_of("32 x 8 256-bit FMAs", vector_beside_tiles<0, 32, kFma256>);

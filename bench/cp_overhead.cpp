@@ -89,6 +89,10 @@ Args parse(int argc, char** argv) {
       std::exit(2);
     }
   }
+  if (a.repeats < 1) {
+    std::fprintf(stderr, "cp_overhead: --repeats must be at least 1\n");
+    std::exit(2);
+  }
   return a;
 }
 

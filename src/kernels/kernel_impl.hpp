@@ -143,10 +143,10 @@ inline float reduce_halves(typename FloatVec<N>::type v, Op op) {
   if constexpr (N == 2) {
     return op(v[0], v[1]);
   } else {
-    // The halves by shuffles, not copies out of v's bytes: a copy takes v's address, and
-    // inlined into a loop that kept the loop's vector in memory (the amx forward's exp pass
-    // stored and reloaded its sum every 32 columns).
-    return [&]<int... I>(std::integer_sequence<int, I...>) {
+    // The halves by shuffles of v's value, not copies out of its bytes: a copy takes v's
+    // address, and once inlined into the amx forward's exp pass that kept the pass's running
+    // sum in memory (a store and a reload every 32 columns).
+    return [v, &op]<int... I>(std::integer_sequence<int, I...>) {
       const typename FloatVec<N / 2>::type lo = __builtin_shufflevector(v, v, I...);
       const typename FloatVec<N / 2>::type hi = __builtin_shufflevector(v, v, (I + N / 2)...);
       return reduce_halves<N / 2>(op(lo, hi), op);
