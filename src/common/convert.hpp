@@ -1,12 +1,14 @@
 // The loops behind to_float and from_float (dtype.cpp), one per instruction set, chosen at run
 // time by what the CPU has (not by CPATTN_KERNEL_PATH: every one gives the scalar
-// conversions' bits). A test runs each one this CPU has against the scalar f32_to_bf16 & co.
+// conversions' bits under the default rounding mode, DAZ and FTZ or not). A test runs each one
+// this CPU has against the scalar f32_to_bf16 & co.
 #pragma once
 
 #include <cpattn/dtype.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace cpattn::detail {
 
@@ -15,6 +17,8 @@ enum class ConvertIsa {
   avx2,    // 8 lanes (AVX2 and F16C)
   avx512,  // 16 lanes (AVX-512F)
 };
+
+std::string_view to_string(ConvertIsa isa);  // scalar, avx2, avx512
 
 // Whether this CPU runs `isa`'s loops, and the widest one it runs.
 bool convert_isa_runs(ConvertIsa isa);

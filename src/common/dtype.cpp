@@ -6,6 +6,7 @@
 #include "convert.hpp"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define CPATTN_CONVERT_X86 1
 #endif
@@ -29,11 +30,12 @@ void from_float_scalar(const float* src, std::size_t n, DType t, uint16_t* h) {
 }
 
 #ifdef CPATTN_CONVERT_X86
-// fp16: the F16C instructions, which round to nearest even (the immediate, not MXCSR) and keep
+// fp16: the F16C instructions, which round to nearest even (the immediate; the scalar
+// conversions follow MXCSR's rounding mode, nearest even unless a program changes it) and keep
 // a NaN's sign and top payload bits with the quiet bit set, as the scalar conversions do; a
-// float too small for fp16's subnormals gives a zero of its sign whether or not MXCSR.DAZ is set.
-// bf16: f32_to_bf16's integer steps on every lane.
-constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+// float too small for fp16's subnormals gives a zero of its sign whether or not MXCSR.DAZ is
+// set, and VCVTPH2PS ignores DAZ. bf16: f32_to_bf16's integer steps on every lane.
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT;
 
 __attribute__((target("avx2,f16c"))) void to_float_avx2(const uint16_t* h, DType t, std::size_t n, float* dst) {
   std::size_t i = 0;
@@ -73,9 +75,11 @@ __attribute__((target("avx2,f16c"))) void from_float_avx2(const float* src, std:
 }
 
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_* operands that -Wmaybe-uninitialized
-// reports once they are inlined here.
+// reports once they are inlined here (clang has no such warning).
+#if !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 __attribute__((target("avx512f"))) void to_float_avx512(const uint16_t* h, DType t, std::size_t n, float* dst) {
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -87,34 +91,47 @@ __attribute__((target("avx512f"))) void to_float_avx512(const uint16_t* h, DType
   to_float_scalar(h + i, t, n - i, dst + i);
 }
 
+// f32_to_bf16 of 16 floats, each result in the low half of its 32-bit lane.
+__attribute__((target("avx512f"))) inline __m512i bf16_lanes_avx512(const float* p) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p));
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rne = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_mask_blend_epi32(nan, rne, quiet);
+}
+
 __attribute__((target("avx512f"))) void from_float_avx512(const float* src, std::size_t n, DType t, uint16_t* h) {
   std::size_t i = 0;
   if (t == DType::f16) {
     for (; i + 16 <= n; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), kRound));
   } else {
-    for (; i + 16 <= n; i += 16) {
-      const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                     _mm512_set1_epi32(0x7f800000));
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i rne = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-      const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rne, quiet)));
-    }
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtepi32_epi16(bf16_lanes_avx512(src + i)));
   }
   from_float_scalar(src + i, n - i, t, h + i);
 }
+#if !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif
 
 }  // namespace
+
+std::string_view to_string(ConvertIsa isa) {
+  return isa == ConvertIsa::avx512 ? "avx512" : isa == ConvertIsa::avx2 ? "avx2" : "scalar";
+}
 
 bool convert_isa_runs(ConvertIsa isa) {
 #ifdef CPATTN_CONVERT_X86
   switch (isa) {
     case ConvertIsa::scalar: return true;
-    case ConvertIsa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case ConvertIsa::avx2: {  // (F16C by CPUID: clang before 18 has no "f16c" for __builtin_cpu_supports)
+      unsigned a = 0, b = 0, c = 0, d = 0;
+      return __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+    }
     case ConvertIsa::avx512: return __builtin_cpu_supports("avx512f");
   }
   return false;
@@ -130,7 +147,7 @@ ConvertIsa best_convert_isa() {
   return best;
 }
 
-void to_float_with(ConvertIsa isa, const uint16_t* src, DType t, std::size_t n, float* dst) {
+void to_float_with([[maybe_unused]] ConvertIsa isa, const uint16_t* src, DType t, std::size_t n, float* dst) {
 #ifdef CPATTN_CONVERT_X86
   if (isa == ConvertIsa::avx512) return to_float_avx512(src, t, n, dst);
   if (isa == ConvertIsa::avx2) return to_float_avx2(src, t, n, dst);
@@ -138,7 +155,7 @@ void to_float_with(ConvertIsa isa, const uint16_t* src, DType t, std::size_t n, 
   to_float_scalar(src, t, n, dst);
 }
 
-void from_float_with(ConvertIsa isa, const float* src, std::size_t n, DType t, uint16_t* dst) {
+void from_float_with([[maybe_unused]] ConvertIsa isa, const float* src, std::size_t n, DType t, uint16_t* dst) {
 #ifdef CPATTN_CONVERT_X86
   if (isa == ConvertIsa::avx512) return from_float_avx512(src, n, t, dst);
   if (isa == ConvertIsa::avx2) return from_float_avx2(src, n, t, dst);
