@@ -237,7 +237,7 @@ struct Expected {
   DType dtype;
 };
 void check_view(const char* fn, const char* name, ConstTensorView t, const Expected& e, bool contiguous) {
-  CPATTN_CHECK(t.data != nullptr, fn, ": ", name, " must not be null");
+  CPATTN_CHECK(t.data != nullptr || t.rows == 0, fn, ": ", name, " must not be null");
   CPATTN_CHECK(t.rows == e.rows && t.heads == e.heads && t.dim == e.dim, fn, ": ", name,
                " must be [local_tokens = ", e.rows, ", ", e.heads_name, " = ", e.heads, ", ", e.dim_name, " = ",
                e.dim, "] (the plan's local tokens, the configuration's heads and head dim), got [", t.rows, ", ",
@@ -1604,9 +1604,11 @@ void CpAttention::reset_stats() {
 
 std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, ConstTensorView local) {
   std::string err;
-  if (local.data == nullptr || local.rows != p.local_tokens)
+  if (local.rows != p.local_tokens)
     err = "gather_global_rows: local must have the plan's local_tokens = " + std::to_string(p.local_tokens) +
           " rows, got " + std::to_string(local.rows);
+  else if (local.data == nullptr && local.rows > 0)
+    err = "gather_global_rows: local must not be null";
   Fingerprint fp;
   if (err.empty())
     fp.add("heads", local.heads).add("dim", local.dim).add("global tokens", p.global_tokens).add("cp", p.cp);

@@ -70,7 +70,7 @@ struct Want {
 // apart (no two (row, head) pairs share an element).
 void check_view(const char* fn, const char* name, const ConstTensorView& t, Want rows,
                 Want heads, Want dim) {
-  CPATTN_CHECK(t.data != nullptr, fn, ": ", name, " must not be null");
+  CPATTN_CHECK(t.data != nullptr || t.rows == 0, fn, ": ", name, " must not be null");
   CPATTN_CHECK(t.rows == rows.value, fn, ": ", name, ".rows must equal ", rows.name, " = ",
                rows.value, ", got ", t.rows);
   CPATTN_CHECK(t.heads == heads.value, fn, ": ", name, ".heads must equal ", heads.name, " = ",
@@ -131,9 +131,10 @@ void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t tota
 // What forward and backward share: the shape (of q, k, v, checked against each other), the
 // options, the dtype and the views q, k, v.
 void check_inputs(const char* fn, const AttnInputs& in) {
-  CPATTN_CHECK(in.q.data != nullptr, fn, ": q must not be null");
-  CPATTN_CHECK(in.k.data != nullptr, fn, ": k must not be null");
-  CPATTN_CHECK(in.v.data != nullptr, fn, ": v must not be null");
+  // (no rows, as on a rank of a padding-free split that holds no token: null is allowed)
+  CPATTN_CHECK(in.q.data != nullptr || in.q.rows == 0, fn, ": q must not be null");
+  CPATTN_CHECK(in.k.data != nullptr || in.k.rows == 0, fn, ": k must not be null");
+  CPATTN_CHECK(in.v.data != nullptr || in.v.rows == 0, fn, ": v must not be null");
   const AttnShape s = in.shape();
   check_shape(fn, s, in.options);
   const DType dt = in.dtype();
@@ -211,7 +212,7 @@ void validate(const AttnBwdParams& p) {
     check_view(fn, "dv", p.dv, {s.total_k, "total_k = k.rows"},
                {s.num_heads_k, "num_heads_k = k.heads"}, dv);
   }
-  CPATTN_CHECK(p.lse != nullptr, fn, ": lse must not be null");
+  CPATTN_CHECK(p.lse != nullptr || s.total_q == 0, fn, ": lse must not be null");
   check_dtype(fn, "out", p.out, dt);
   check_dtype(fn, "dout", p.dout, dt);
   CPATTN_CHECK(p.grad_mode == GradMode::write || p.grad_mode == GradMode::accumulate ||

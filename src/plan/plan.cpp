@@ -197,14 +197,16 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
 }
 
 namespace {
-void check_rows_args(const void* src, int64_t row_bytes, const void* dst) {
+// (a rank of a padding-free split may hold no token: its local buffer may then be null)
+void check_rows_args(const void* global, int64_t row_bytes, const void* local, const RankPlan& plan) {
   CPATTN_CHECK(row_bytes > 0, "row_bytes must be > 0, got ", row_bytes);
-  CPATTN_CHECK(src != nullptr && dst != nullptr, "row buffers must not be null");
+  CPATTN_CHECK(global != nullptr && (local != nullptr || plan.local_tokens == 0),
+               "row buffers must not be null (but the local one of a rank with no token)");
 }
 }  // namespace
 
 void take_local_rows(const void* global, int64_t row_bytes, const RankPlan& plan, void* local) {
-  check_rows_args(global, row_bytes, local);
+  check_rows_args(global, row_bytes, local, plan);
   const auto* src = static_cast<const std::byte*>(global);
   auto* dst = static_cast<std::byte*>(local);
   const auto n = static_cast<std::size_t>(row_bytes);
@@ -218,7 +220,7 @@ void take_local_rows(const void* global, int64_t row_bytes, const RankPlan& plan
 }
 
 void put_local_rows(const void* local, int64_t row_bytes, const RankPlan& plan, void* global) {
-  check_rows_args(local, row_bytes, global);
+  check_rows_args(global, row_bytes, local, plan);
   const auto* src = static_cast<const std::byte*>(local);
   auto* dst = static_cast<std::byte*>(global);
   for (int64_t i = 0; i < plan.local_tokens; ++i) {

@@ -74,12 +74,13 @@ SplitRun run_split(Communicator& comm, const check::Batch& b, const Shape& s, DT
   return r;
 }
 
-void compare_split(Communicator& comm, const Shape& s, DType t, MaskType mask, KvMode mode) {
+void compare_split(Communicator& comm, const Shape& s, DType t, MaskType mask, KvMode mode,
+                   const std::vector<int64_t>& lengths = kLengths) {
   SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mask "
                                     << (mask == MaskType::causal ? "causal" : "none") << " mode "
                                     << (mode == KvMode::runs ? "runs" : "index") << " cp " << comm.size());
   const AttnOptions options{.mask = mask, .seed = 7, .path = best_kernel_path()};
-  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kLengths), s.batch(), t, 3);
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(lengths), s.batch(), t, 3);
   const check::Results want = check::single_process(b, options);
   const SplitRun r = run_split(comm, b, s, t, options, mode);
   for (const auto& [name, got, ref, row] :
@@ -105,6 +106,23 @@ TEST_F(CpSplitTest, MatchesSingleProcessEveryDtypeGqaAndMla) {
 TEST_F(CpSplitTest, NoMaskAndIndexModeMatchToo) {
   compare_split(comm, kGqa, DType::f32, MaskType::none, KvMode::runs);
   compare_split(comm, kMla, DType::bf16, MaskType::causal, KvMode::index);
+}
+
+// One 1-token document: every rank but one holds no token, and its views have no rows (null
+// data): the call, the plan's row copies and the results' gather take them. (1 + 2 tokens: at
+// cp = 4 one rank holds none.)
+TEST_F(CpSplitTest, RanksWithNoTokenTakePart) {
+  for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{1}, std::vector<int64_t>{1, 2}}) {
+    const SplitLayout l = split_layout(cu_seqlens_from_lengths(lengths), comm.size(), CpSplit::padding_free);
+    int empty = 0;
+    for (int r = 0; r < comm.size(); ++r) empty += l.rank_tokens(r) == 0 ? 1 : 0;
+    if (lengths.size() == 1) {
+      EXPECT_EQ(empty, comm.size() - 1) << "ranks that hold no token";
+    }
+    compare_split(comm, kGqa, DType::f32, MaskType::causal, KvMode::runs, lengths);
+    compare_split(comm, kMla, DType::bf16, MaskType::causal, KvMode::index, lengths);
+    if (HasFailure()) return;
+  }
 }
 
 TEST_F(CpSplitTest, LocalCountsDifferAndRepeatsAreBitwiseEqual) {

@@ -54,6 +54,11 @@ with tempfile.TemporaryDirectory() as tmp:
         if r.returncode == 0:
             j = json.loads(r.stdout)
             check(j["split"] == "padding-free" and j["padded_tokens"] == 163, f"run np {np_} report")
+    # A 1-token document: every rank but one holds no token (empty views, null data) and takes part.
+    for np_ in (2, 3):
+        r = job(np_, "run", "--split", "padding-free", "--lengths", "1", "--heads", "2", "--kv-heads", "1",
+                "--head-dim", "16")
+        check(r.returncode == 0 and "PASS" in r.stdout, f"run np {np_}, one token: exit {r.returncode}\n{r.stderr[-1500:]}")
     r = job(2, "run", "--split", "padding-free", "--scheme", "ring", "--lengths", "9,9")
     check(r.returncode == 2 and r.stderr.count("padding-free split needs scheme allgather") >= 1,
           f"ring refuses the padding-free split: {r.returncode} {r.stderr[-800:]}")
