@@ -89,8 +89,9 @@ std::vector<int64_t> NpyArray::as_int64() const {
 NpyArray parse_npy(std::span<const std::byte> file, std::string_view name) {
   CPATTN_CHECK(file.size() >= 10 && std::memcmp(file.data(), kMagic, 6) == 0, name,
                ": not a .npy file (no \\x93NUMPY magic)");
-  const auto major = static_cast<uint8_t>(file[6]);
-  CPATTN_CHECK(major >= 1 && major <= 3, name, ": unsupported .npy format version ", int{major});
+  const auto major = static_cast<uint8_t>(file[6]), minor = static_cast<uint8_t>(file[7]);
+  CPATTN_CHECK(major >= 1 && major <= 3 && minor == 0, name, ": unsupported .npy format version ", int{major}, ".",
+               int{minor}, " (NumPy writes 1.0, 2.0 and 3.0)");
   std::size_t header_len = 0, header_at = 0;
   if (major == 1) {
     header_len = static_cast<std::size_t>(file[8]) | static_cast<std::size_t>(file[9]) << 8;

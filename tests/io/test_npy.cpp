@@ -89,7 +89,10 @@ TEST(Npy, MalformedFilesAreNamed) {
   EXPECT_THAT(error_of(long_header), HasSubstr("runs past the end"));
   std::string version = f;
   version[6] = '\x07';
-  EXPECT_THAT(error_of(version), HasSubstr("unsupported .npy format version 7"));
+  EXPECT_THAT(error_of(version), HasSubstr("unsupported .npy format version 7.0"));
+  std::string minor = f;
+  minor[7] = '\x05';
+  EXPECT_THAT(error_of(minor), HasSubstr("unsupported .npy format version 1.5"));
   EXPECT_THAT(error_of(std::string("\x93NUMPY\x01\x00\x04\x00{}  ", 14)), HasSubstr("no 'descr' key"));
   EXPECT_THROW(read_npy("/nonexistent/x.npy"), Error);
 }
