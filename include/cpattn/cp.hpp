@@ -166,6 +166,10 @@ struct CpForwardArgs {
   // This call's dropout seed (e.g. one per layer and step); unset: cfg.options.seed. Kept in
   // the context, so that backward drops the same entries.
   std::optional<uint64_t> dropout_seed = std::nullopt;
+  // A wrapper's own check of this rank's arguments failed with this message (e.g. a binding that
+  // could not view an array): the call sends nothing and fails on every rank with it, at its
+  // agreement, as with the layer's own checks (the other fields are then not read).
+  std::string_view caller_error = {};
 };
 
 struct CpBackwardArgs {
@@ -175,6 +179,7 @@ struct CpBackwardArgs {
   TensorView dq = {};         // [local_tokens, Hq, Dqk], written
   TensorView dk = {};         // [local_tokens, Hkv, Dqk], contiguous, written
   TensorView dv = {};         // [local_tokens, Hkv, Dv], contiguous, written
+  std::string_view caller_error = {};  // as CpForwardArgs'
 };
 
 // What a forward hands its backward, like an autograd context: the plan, the gathered K/V
@@ -247,6 +252,11 @@ struct CpStats {
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
 };
+
+// The name of every CpAttention call's agreement (cpattn::agree): its first collective, where
+// each rank's argument errors and fingerprint meet (a wrapper's own meetings may take it too,
+// so that their messages read the same).
+inline constexpr std::string_view kCpAgreement = "CP attention";
 
 class CpAttention {
  public:

@@ -2,9 +2,11 @@
 
 The tensors' memory is read and written in place: q, k, v (THD, unit head_dim stride) go to
 the kernels as they are, and out, softmax_lse and the gradients are allocated here and filled
-by the kernels. The forward saves what the backward needs (q, k, v, out, lse), as
-FlashAttention does.
+by the kernels. The forward saves what the backward needs (q, k, v, out, lse, as FlashAttention
+does, and the boundaries and slopes the backward reads again).
 """
+
+import operator
 
 import torch
 
@@ -43,9 +45,23 @@ def boundaries(name, cu):
     return cu.detach()
 
 
+def seqlen(name, m):
+    """max_seqlen as an int (a Python or NumPy int, or a one-element integer tensor)."""
+    try:
+        return operator.index(m)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(m).__name__}") from None
+
+
 def unit_head_dim(t):
-    """t itself when its head_dim is contiguous, else a contiguous copy (an incoming gradient)."""
-    return t if t.dim() != 3 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    """t itself when the kernels read it in place (unit head_dim stride, no broadcast dimension),
+    else a contiguous copy: an incoming gradient may be neither (the gradient of a sum over the
+    tokens is expanded over them, stride 0)."""
+    if t.dim() != 3:
+        return t
+    in_place = (t.stride(2) == 1 or t.shape[2] == 1) and all(
+        s > 0 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1)
+    return t if in_place else t.contiguous()
 
 
 def make_options(causal, softmax_scale, dropout_p, seed, window_size, softcap):
@@ -82,15 +98,20 @@ class _VarlenAttention(torch.autograd.Function):
         out = q_.new_empty((q.shape[0], q.shape[1], v.shape[2]))
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
         _cpattn.forward(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, slopes, out, lse)
-        ctx.save_for_backward(q_, k_, v_, out, lse)
-        ctx.call = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, slopes)
+        # The boundaries and slopes too, so that changing them in place before the backward is
+        # torch's error, not gradients of other documents.
+        ctx.save_for_backward(q_, k_, v_, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              *([] if slopes is None else [slopes]))
+        ctx.call = (max_seqlen_q, max_seqlen_k, options)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        cu_q, cu_k, max_q, max_k, options, slopes = ctx.call
+        q, k, v, out, lse, cu_q, cu_k, *slopes = ctx.saved_tensors
+        slopes = slopes[0] if slopes else None
+        max_q, max_k, options = ctx.call
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _cpattn.backward(q, k, v, cu_q, cu_k, max_q, max_k, options, slopes, out, lse,
                          unit_head_dim(dout).detach(), dq, dk, dv)
@@ -113,9 +134,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim] (3 dimensions), got {t.dim()}")
     check_same_dtype(q=q, k=k, v=v)
     options = make_options(causal, softmax_scale, dropout_p, dropout_seed(dropout_p), window_size, softcap)
     out, lse = _VarlenAttention.apply(q, k, v, boundaries("cu_seqlens_q", cu_seqlens_q),
-                                      boundaries("cu_seqlens_k", cu_seqlens_k), int(max_seqlen_q),
-                                      int(max_seqlen_k), options, alibi(alibi_slopes))
+                                      boundaries("cu_seqlens_k", cu_seqlens_k), seqlen("max_seqlen_q", max_seqlen_q),
+                                      seqlen("max_seqlen_k", max_seqlen_k), options, alibi(alibi_slopes))
     return (out, lse.t(), None) if return_attn_probs else out

@@ -112,6 +112,7 @@ class _CpFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, out = ctx.saved_tensors
         k_shape, v_shape = ctx.kv_shapes
@@ -184,9 +185,11 @@ class ContextParallelAttention(torch.nn.Module):
         # Every argument is checked: only now does anything move (a process group's rank check).
         self.group = group
         self.comm = _mpi_comm_of_group(group) if group is not None else comm
-        if group is not None:  # ours: freed with the module (the C++ layers hold their own duplicates)
+        if group is not None:  # ours: freed with the module (CpComm holds its own duplicate)
             weakref.finalize(self, _free_comm, self.comm)
-        self._comm_address = _mpi()._addressof(self.comm)
+        # The C++ layers' communicator, one duplicate for all of them (a collective, every rank
+        # alike): making a layer then sends nothing, and every call meets on it first.
+        self._cp_comm = _cpattn.CpComm(_mpi()._addressof(self.comm), timeout)
         self.scheme, self.cp_inner, self.hybrid_outer, self.split = scheme, cp_inner, hybrid_outer, split
         self.kv_mode, self.check_finite, self.plan_cache_capacity = kv_mode, check_finite, plan_cache_capacity
         self.overlap, self.shared_memory = bool(overlap), bool(shared_memory)
@@ -202,17 +205,28 @@ class ContextParallelAttention(torch.nn.Module):
             options = make_options(self.causal, self.softmax_scale, self.dropout_p if dropout else 0.0, 0,
                                    self.window_size, self.softcap)
             self._layers[key] = _cpattn.make_cp_layer(
-                self._comm_address, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
-                self._scheme, options, self.alibi_slopes, self.timeout)
+                self._cp_comm, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
+                self._scheme, options, self.alibi_slopes)
         return self._layers[key]
 
     def forward(self, q, k, v, cu_seqlens):
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            check_tensor(name, t)
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be [local_tokens, heads, head_dim] (3 dimensions), got {t.dim()}")
-        check_same_dtype(q=q, k=k, v=v)
+        # The checks here may fail on one rank alone (its tensors): the ranks then meet (one
+        # agreement under the deadline, which also carries rank 0's dropout seed) before anything
+        # else is sent, and every rank raises the failing ranks' messages (ValueError). Alone, the
+        # error is raised as it is.
         dropout = self.training and self.dropout_p > 0.0
-        seed = self.comm.bcast(int(torch.randint(0, 2**63 - 1, ())), root=0) if dropout else None
-        return _CpFunction.apply(q, k, v, boundaries("cu_seqlens", cu_seqlens), self._layer(q, k, v, dropout),
-                                 seed)
+        try:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                check_tensor(name, t)
+                if t.dim() != 3:
+                    raise ValueError(f"{name} must be [local_tokens, heads, head_dim] (3 dimensions), got {t.dim()}")
+            check_same_dtype(q=q, k=k, v=v)
+            cu = boundaries("cu_seqlens", cu_seqlens)
+            layer = self._layer(q, k, v, dropout)
+            error = ""
+        except (TypeError, ValueError) as e:
+            if self._cp_comm.size == 1:
+                raise
+            error = str(e)
+        seed = self._cp_comm.meet(error, int(torch.randint(0, 2**63 - 1, ())) if dropout else None)
+        return _CpFunction.apply(q, k, v, cu, layer, seed)

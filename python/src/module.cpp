@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -84,21 +85,21 @@ TensorView view3(const Array& a, const char* name) {
           .dim = static_cast<int>(a.shape(2)), .dtype = t, .row_stride = stride(0), .head_stride = stride(1)};
 }
 
-// A contiguous fp32 array of `rows` x `cols` (lse, alibi_slopes), as a pointer.
-float* f32_buffer(const Array& a, const char* name, int64_t rows, int64_t cols) {
+// A contiguous fp32 array of `rows` x `cols` (lse), or with no `rows` of `cols` (alibi_slopes),
+// as a pointer.
+float* f32_buffer(const Array& a, const char* name, std::optional<int64_t> rows, int64_t cols) {
   check_cpu(a, name);
   if (a.dtype() != nb::dtype<float>())
     throw nb::type_error((std::string(name) + " must be float32, got " + dtype_name(a.dtype())).c_str());
-  const bool shape_ok = rows == 0 ? a.ndim() == 1 && static_cast<int64_t>(a.shape(0)) == cols
-                                  : a.ndim() == 2 && static_cast<int64_t>(a.shape(0)) == rows &&
-                                        static_cast<int64_t>(a.shape(1)) == cols;
-  const bool contiguous = a.ndim() == 1 ? a.shape(0) <= 1 || a.stride(0) == 1
-                                        : (a.shape(1) <= 1 || a.stride(1) == 1) &&
-                                              (a.shape(0) <= 1 || a.stride(0) == static_cast<int64_t>(a.shape(1)));
+  const auto dim = [&](std::size_t d) { return static_cast<int64_t>(a.shape(d)); };
+  const bool shape_ok = !rows ? a.ndim() == 1 && dim(0) == cols : a.ndim() == 2 && dim(0) == *rows && dim(1) == cols;
+  const bool contiguous = !shape_ok || (a.ndim() == 1 ? dim(0) <= 1 || a.stride(0) == 1
+                                                      : (dim(1) <= 1 || a.stride(1) == 1) &&
+                                                            (dim(0) <= 1 || a.stride(0) == dim(1)));
   if (!shape_ok || !contiguous)
     throw nb::value_error((std::string(name) + " must be a contiguous float32 array of shape " +
-                           (rows == 0 ? "[" + std::to_string(cols) + "]"
-                                      : "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]")).c_str());
+                           (!rows ? "[" + std::to_string(cols) + "]"
+                                  : "[" + std::to_string(*rows) + ", " + std::to_string(cols) + "]")).c_str());
   return static_cast<float*>(a.data());
 }
 
@@ -157,7 +158,7 @@ AttnOptions make_options(bool causal, std::optional<float> softmax_scale, float 
 }
 
 AttnOptions with_alibi(AttnOptions o, const std::optional<Array>& alibi, int heads_q) {
-  if (alibi) o.alibi_slopes = f32_buffer(*alibi, "alibi_slopes", 0, heads_q);
+  if (alibi) o.alibi_slopes = f32_buffer(*alibi, "alibi_slopes", std::nullopt, heads_q);
   return o;
 }
 
@@ -305,38 +306,94 @@ MPI_Comm comm_handle(std::uintptr_t comm_handle_address) {
   return *reinterpret_cast<const MPI_Comm*>(comm_handle_address);
 }
 
-// One CpAttention over its own duplicate of the caller's communicator, which it outlives.
-class CpLayer {
+// The module's communicator: one duplicate of the caller's, made with the module (a collective
+// every rank makes alike) and shared by its layers, so that making a layer sends nothing and
+// every call of any layer meets in the same place.
+class CpComm {
  public:
-  CpLayer(std::uintptr_t comm_handle_address, const CpAttnConfig& cfg, std::optional<double> timeout_s)
-      : comm_(std::make_unique<Communicator>(comm_handle(comm_handle_address),
-                                             CommOptions{.timeout_s = timeout_s, .timeout_name = "timeout"})),
-        attn_(*comm_, cfg) {}
+  CpComm(std::uintptr_t comm_handle_address, std::optional<double> timeout_s)
+      : comm_(std::make_shared<Communicator>(comm_handle(comm_handle_address),
+                                             CommOptions{.timeout_s = timeout_s, .timeout_name = "timeout"})) {}
 
   int size() const { return comm_->size(); }
   int rank() const { return comm_->rank(); }
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+
+  // A forward's first meeting (ContextParallelAttention.forward, before its layer's call): every
+  // rank's error from the module's own checks (empty: none), whether it runs dropout, and rank
+  // 0's dropout seed, in one agreement under the communicator's deadline. An error on any rank
+  // raises on every rank (ValueError naming the ranks and the rule); ranks that disagree on
+  // dropout likewise. Returns rank 0's seed when dropout is on.
+  std::optional<uint64_t> meet(const std::string& local_error, std::optional<uint64_t> seed) {
+    Fingerprint fp;
+    if (local_error.empty())  // (a rank with an error sends no fields: errors are compared first)
+      fp.add("dropout (training mode and dropout_p > 0)", seed.has_value())
+          .add_min("rank 0's dropout seed", comm_->rank() == 0 && seed ? static_cast<int64_t>(*seed)
+                                                                        : std::numeric_limits<int64_t>::max());
+    std::vector<int64_t> minima;
+    {
+      nb::gil_scoped_release release;
+      minima = agree(*comm_, fp, kCpAgreement, local_error);
+    }
+    if (!seed) return std::nullopt;
+    return static_cast<uint64_t>(minima.at(0));
+  }
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+};
+
+// One CpAttention over the module's communicator (CpComm), which it keeps alive.
+class CpLayer {
+ public:
+  CpLayer(const CpComm& comm, const CpAttnConfig& cfg) : comm_(comm), attn_(*comm_.comm(), cfg) {}
+
+  int size() const { return comm_.size(); }
+  int rank() const { return comm_.rank(); }
 
   CpContext forward(const Array& cu_seqlens, const Array& q, const Array& k, const Array& v, const Array& out,
                     const Array& lse, std::optional<uint64_t> dropout_seed) {
-    const Boundaries cu = boundaries(cu_seqlens, "cu_seqlens");
-    const CpForwardArgs a{.plan = cu.i32.empty() ? attn_.plan(cu.i64) : attn_.plan(cu.i32), .q = view3(q, "q"),
-                          .k = view3(k, "k"), .v = view3(v, "v"), .out = view3(out, "out"),
-                          .lse = f32_buffer(lse, "lse", view3(q, "q").rows, attn_.config().num_heads_q),
-                          .dropout_seed = dropout_seed};
+    std::string error;
+    const CpForwardArgs a = checked(error, [&] {
+      const Boundaries cu = boundaries(cu_seqlens, "cu_seqlens");
+      const TensorView qv = view3(q, "q");
+      return CpForwardArgs{.plan = cu.i32.empty() ? attn_.plan(cu.i64) : attn_.plan(cu.i32), .q = qv,
+                           .k = view3(k, "k"), .v = view3(v, "v"), .out = view3(out, "out"),
+                           .lse = f32_buffer(lse, "lse", qv.rows, attn_.config().num_heads_q),
+                           .dropout_seed = dropout_seed};
+    });
     nb::gil_scoped_release release;
     return attn_.forward(a);
   }
 
   void backward(CpContext& ctx, const Array& q, const Array& out, const Array& dout, const Array& dq,
                 const Array& dk, const Array& dv) {
-    const CpBackwardArgs a{.q = view3(q, "q"), .out = view3(out, "out"), .dout = view3(dout, "dout"),
-                           .dq = view3(dq, "dq"), .dk = view3(dk, "dk"), .dv = view3(dv, "dv")};
+    std::string error;
+    const CpBackwardArgs a = checked(error, [&] {
+      return CpBackwardArgs{.q = view3(q, "q"), .out = view3(out, "out"), .dout = view3(dout, "dout"),
+                            .dq = view3(dq, "dq"), .dk = view3(dk, "dk"), .dv = view3(dv, "dv")};
+    });
     nb::gil_scoped_release release;
     attn_.backward(ctx, a);
   }
 
  private:
-  std::unique_ptr<Communicator> comm_;
+  // make()'s arguments (this rank's views of its arrays: the binding's checks). When a check
+  // fails and there are peers, they are on their way to the call's agreement: the call is made
+  // with the message as its caller_error (kept in `error`), so that every rank raises it, rather
+  // than the peers waiting out the deadline. Alone, the check's own error is raised.
+  template <class Make>
+  auto checked(std::string& error, Make&& make) -> decltype(make()) {
+    try {
+      return make();
+    } catch (const std::exception& e) {
+      if (comm_.size() == 1) throw;
+      error = e.what();
+      return {.caller_error = error};
+    }
+  }
+
+  CpComm comm_;  // (a copy: the communicator is shared)
   CpAttention attn_;
 };
 
@@ -374,16 +431,9 @@ CpAttnConfig scheme_config(const SchemeArgs& a) {
 // the module checks when it is made, on every rank alike.
 void check_scheme(int cp, const SchemeArgs& a) { check_cp_scheme(scheme_config(a), cp); }
 
-int comm_size(std::uintptr_t comm_handle_address) {
-  int size = 0;
-  MPI_Comm_size(comm_handle(comm_handle_address), &size);
-  return size;
-}
-
-CpLayer* make_cp_layer(std::uintptr_t comm_handle_address, int num_heads_q, int num_heads_k, int head_dim_qk,
-                       int head_dim_v, const std::string& dtype, const SchemeArgs& scheme,
-                       const AttnOptions& options, const std::optional<Array>& alibi,
-                       std::optional<double> timeout_s) {
+CpLayer* make_cp_layer(const CpComm& comm, int num_heads_q, int num_heads_k, int head_dim_qk, int head_dim_v,
+                       const std::string& dtype, const SchemeArgs& scheme, const AttnOptions& options,
+                       const std::optional<Array>& alibi) {
   CpAttnConfig cfg = scheme_config(scheme);
   cfg.num_heads_q = num_heads_q, cfg.num_heads_k = num_heads_k;
   cfg.head_dim_qk = head_dim_qk, cfg.head_dim_v = head_dim_v;
@@ -391,11 +441,10 @@ CpLayer* make_cp_layer(std::uintptr_t comm_handle_address, int num_heads_q, int 
   for (const DType d : {DType::f16, DType::bf16})
     if (dtype == to_string(d)) cfg.dtype = d;
   cfg.options = with_alibi(options, alibi, num_heads_q);
-  // Every rule but the communicator's own before its duplicate, the first collective: bad
-  // sizes for the scheme (a2a's head counts) fail every rank alike with nothing sent.
-  check_cp_attn_config(cfg, comm_size(comm_handle_address));
-  nb::gil_scoped_release release;  // the communicator's duplicate is collective
-  return new CpLayer(comm_handle_address, cfg, timeout_s);
+  // Bad sizes for the scheme (a2a's head counts) fail here, with nothing sent (the module's
+  // forward passes the message to every rank through CpComm::meet).
+  check_cp_attn_config(cfg, comm.size());
+  return new CpLayer(comm, cfg);
 }
 
 }  // namespace
@@ -429,6 +478,12 @@ NB_MODULE(_cpattn, m) {
   m.def("best_kernel_path", [] { return std::string(cpattn::to_string(cpattn::best_kernel_path())); });
 
   nb::class_<cpattn::CpContext>(m, "CpContext").def_prop_ro("valid", &cpattn::CpContext::valid);
+  nb::class_<py::CpComm>(m, "CpComm")
+      .def(nb::init<std::uintptr_t, std::optional<double>>(), "comm_handle_address"_a, "timeout_s"_a.none(),
+           nb::call_guard<nb::gil_scoped_release>())  // (the duplicate is collective)
+      .def_prop_ro("size", &py::CpComm::size)
+      .def_prop_ro("rank", &py::CpComm::rank)
+      .def("meet", &py::CpComm::meet, "local_error"_a, "dropout_seed"_a.none());
   nb::class_<py::CpLayer>(m, "CpLayer")
       .def_prop_ro("size", &py::CpLayer::size)
       .def_prop_ro("rank", &py::CpLayer::rank)
@@ -448,7 +503,6 @@ NB_MODULE(_cpattn, m) {
            "scheme"_a, "cp_inner"_a, "hybrid_outer"_a, "split"_a, "kv_mode"_a, "overlap"_a, "deterministic"_a, "check_finite"_a,
            "plan_cache_capacity"_a, "shared_memory"_a = true);
   m.def("check_scheme", &py::check_scheme, "cp"_a, "scheme"_a);
-  m.def("make_cp_layer", &py::make_cp_layer, "comm_handle_address"_a, "num_heads_q"_a, "num_heads_k"_a,
-        "head_dim_qk"_a, "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(),
-        "timeout_s"_a.none(), nb::rv_policy::take_ownership);
+  m.def("make_cp_layer", &py::make_cp_layer, "comm"_a, "num_heads_q"_a, "num_heads_k"_a, "head_dim_qk"_a,
+        "head_dim_v"_a, "dtype"_a, "scheme"_a, "options"_a, "alibi_slopes"_a.none(), nb::rv_policy::take_ownership);
 }

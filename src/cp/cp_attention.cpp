@@ -1085,7 +1085,7 @@ struct CpAttention::State {
     if (local_error.empty()) fp.add_min("grad share bytes, negated", -grad_share_need);
     std::vector<int64_t> minima;
     try {
-      minima = agree(comm, fp, "CP attention", local_error);  // one all-gather when all agree
+      minima = agree(comm, fp, kCpAgreement, local_error);  // one all-gather when all agree
     } catch (...) {
       stats.comm_s += seconds_since(t0);
       stats.agree_s += seconds_since(t0);
@@ -1342,8 +1342,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   const char* fn = "CpAttention::forward";
   ++s.stats.forward_calls;
   auto ctx = std::make_shared<CpContext::State>();
-  std::string err;
-  try {
+  std::string err(a.caller_error);
+  if (err.empty()) try {
     if (a.plan) {
       CPATTN_CHECK(a.plan->cp == s.comm.size() && a.plan->rank == s.comm.rank(), fn, ": plan is for rank ",
                    a.plan->rank, " of cp = ", a.plan->cp, ", this is rank ", s.comm.rank(), " of ", s.comm.size());
@@ -1461,9 +1461,9 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const CpAttnConfig& c = s.cfg;
   const char* fn = "CpAttention::backward";
   ++s.stats.backward_calls;
-  std::string err;
+  std::string err(a.caller_error);
   int64_t grad_need = 0;  // a shared backward's attention_grad_share_bytes
-  try {
+  if (err.empty()) try {
     CPATTN_CHECK(ctx.s_ != nullptr, fn, ": the context holds no forward (each forward's context is consumed by "
                  "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
     CPATTN_CHECK(ctx.s_->owner == s.id, fn, ": the context was made by another CpAttention's forward");

@@ -244,6 +244,26 @@ TEST_F(CpAttentionTest, BadArgumentsOnOneRankFailEveryRank) {
   EXPECT_THROW(CpAttention(comm, {.num_heads_q = 3, .num_heads_k = 2, .head_dim_qk = 8, .head_dim_v = 8}), Error);
 }
 
+// A wrapper's own failed check on one rank (CpForwardArgs / CpBackwardArgs::caller_error): every
+// rank fails with its message at the call's agreement, and the layer's next calls agree.
+TEST_F(CpAttentionTest, ACallersErrorOnOneRankFailsEveryRank) {
+  SmallBatch b(comm.size(), comm.rank());
+  CpAttention attn(comm, b.config());
+  const int last = comm.size() - 1;
+  const std::string last_s = std::to_string(last);
+  CpForwardArgs f = b.fwd();
+  if (comm.rank() == last) f = {.caller_error = "q must have unit stride in head_dim"};
+  const std::string m = same_error_everywhere(comm, [&] { (void)attn.forward(f); });
+  EXPECT_THAT(m, HasSubstr("[rank " + last_s + "] q must have unit stride in head_dim"));
+  CpContext ctx = attn.forward(b.fwd());
+  CpBackwardArgs g = b.bwd();
+  if (comm.rank() == last) g = {.caller_error = "dout: not viewable"};
+  EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(ctx, g); }),
+              HasSubstr("[rank " + last_s + "] dout: not viewable"));
+  ctx = attn.forward(b.fwd());
+  attn.backward(ctx, b.bwd());  // the counters still agree
+}
+
 TEST_F(CpAttentionTest, ADifferentCodePathIsCaughtByTheCallCounters) {
   if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
   SmallBatch b(comm.size(), comm.rank());

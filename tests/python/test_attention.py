@@ -145,6 +145,47 @@ def test_bitwise_equal_to_the_cpp_kernels(cli, tmp_path):
         assert np.array_equal(got.detach().numpy(), want), f"{name} differs from the C++ kernels' output"
 
 
+def test_incoming_gradients_of_any_layout():
+    """The gradient of a sum over the tokens is expanded over them (stride 0), of a slice has
+    gaps, of a permuted view other strides: each gives the gradients of its contiguous copy."""
+    lengths = [3, 6]
+    cu = cu_from_lengths(lengths)
+    q, k, v = batch(lengths, 4, 2, 8, 8, torch.float32, seed=3)
+    for name, loss in (("sum over tokens", lambda o: o.sum(0).pow(2).sum()),
+                       ("sum over heads", lambda o: o.sum(1).pow(2).sum()),
+                       ("every other dim", lambda o: o[..., ::2].pow(2).sum()),
+                       ("mean", lambda o: o.mean())):
+        out = cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+        got = torch.autograd.grad(loss(out), (q, k, v))
+        out2 = cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+        dout = torch.autograd.grad(loss(out2), out2, retain_graph=True)[0].contiguous()
+        want = torch.autograd.grad(out2, (q, k, v), dout)
+        for x, y, t in zip(got, want, "qkv"):
+            assert torch.equal(x, y), f"{name}: d{t} differs from the contiguous gradient's"
+
+
+def test_double_backward_is_refused():
+    """The backward is not differentiable: a second-order gradient raises instead of silently
+    leaving out the first-order gradients' dependence on the inputs."""
+    q, k, v = batch([5], 2, 1, 8, 8, torch.float32)
+    cu = cu_from_lengths([5])
+    out = cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        g.pow(2).sum().backward()
+
+
+def test_boundaries_changed_in_place_before_backward_are_refused():
+    """cu_seqlens changed in place between forward and backward: torch's in-place error, not the
+    gradients of other documents."""
+    q, k, v = batch([3, 5], 2, 1, 8, 8, torch.float32)
+    cu = cu_from_lengths([3, 5])
+    out = cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    cu[1] = 5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_strided_inputs_are_read_in_place():
     """q, k, v as strided views of one packed qkv buffer (unit head_dim stride): the autograd
     context holds the caller's tensors themselves (same storage, same strides), and the result
