@@ -65,19 +65,22 @@ DType storage_dtype(const Array& a, const char* name) {
 
 // [tokens, heads, head_dim] with unit head_dim stride, as a view of the same memory. A stride
 // of a dimension of size 1 is meaningless (PyTorch may report anything): left to the view's
-// contiguous default (0).
+// contiguous default (0), as are all of an empty array's.
 TensorView view3(const Array& a, const char* name) {
   check_cpu(a, name);
   const DType t = storage_dtype(a, name);
   if (a.ndim() != 3)
     throw nb::value_error((std::string(name) + " must be [tokens, heads, head_dim] (3 dimensions), got " +
                            std::to_string(a.ndim()) + " dimensions").c_str());
-  const auto stride = [&](std::size_t d) -> int64_t { return a.shape(d) == 1 ? 0 : a.stride(d); };
+  // (an array with no element has no meaningful strides either: torch calls any such tensor
+  // contiguous, whatever strides it reports)
+  const bool empty = a.shape(0) == 0 || a.shape(1) == 0 || a.shape(2) == 0;
+  const auto stride = [&](std::size_t d) -> int64_t { return a.shape(d) == 1 || empty ? 0 : a.stride(d); };
   if (stride(2) != 0 && stride(2) != 1)
     throw nb::value_error((std::string(name) + " must have unit stride in head_dim (its last dimension), got " +
                            std::to_string(a.stride(2)) + ": pass .contiguous()").c_str());
   for (std::size_t d = 0; d < 2; ++d)
-    if (a.shape(d) > 1 && stride(d) < 1)
+    if (!empty && a.shape(d) > 1 && stride(d) < 1)
       throw nb::value_error((std::string(name) + " must have positive strides (no broadcast or flipped "
                              "dimension), got stride " + std::to_string(a.stride(d)) + " in dimension " +
                              std::to_string(d)).c_str());

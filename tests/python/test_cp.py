@@ -25,6 +25,9 @@ RUNS = {
                                     ["--torch-group", "ring,hybrid:cp_inner=2,allgather:split=padding-free"]),
     "3 ranks + torch.distributed group of ranks 0, 2": (3, "allgather,ring,pass-q,a2a,hybrid:cp_inner=3,hybrid:cp_inner=1:hybrid_outer=ring,"
                    "allgather:split=padding-free", "5,1,12,2", "6,1", ["--torch-group", "ring", "0,2"]),
+    # One 1-token document, padding-free: the ranks but one hold no token (tensors of 0 rows).
+    "3 ranks, one token": (3, "allgather:split=padding-free,allgather:split=padding-free:shared_memory=off", "1",
+                           "4,2", []),
 }
 
 
