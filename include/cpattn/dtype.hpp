@@ -33,7 +33,8 @@ inline uint16_t f32_to_f16(float f) { return std::bit_cast<uint16_t>(static_cast
 inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (man << 13));  // inf, NaN
+  if (exp == 0x1f)  // inf; a NaN keeps its payload and is quiet (as F16C and libgcc give it)
+    return std::bit_cast<float>(sign | 0x7f800000u | (man != 0 ? 0x400000u : 0u) | (man << 13));
   if (exp == 0) {
     if (man == 0) return std::bit_cast<float>(sign);
     exp = 1;
@@ -48,7 +49,7 @@ inline uint16_t f32_to_f16(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);
   const auto sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);       // NaN
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN: quiet, top payload
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);      // rounds to inf
   if (a < 0x38800000u) {                                                   // subnormal or 0
     const float scaled = std::bit_cast<float>(a) * 16777216.0f;            // * 2^24, exact

@@ -129,7 +129,8 @@ class ContextParallelAttention(torch.nn.Module):
     [local_tokens, Hkv, Dv] are this rank's rows in the planner's order
     (get_thd_load_balanced_cp_metadata(cu_seqlens, cp, rank, split), take_local_rows);
     cu_seqlens [documents + 1] int32/int64 are the batch's global real boundaries, the same on
-    every rank. Returns out [local_tokens, Hq, Dv] (padding rows 0), differentiable.
+    every rank. Returns out [local_tokens, Hq, Dv] (padding rows 0), differentiable. Making the
+    module is collective (it duplicates the communicator): every rank makes it.
 
     comm: an mpi4py communicator, or a torch.distributed ProcessGroup made under mpirun whose
     ranks are MPI.COMM_WORLD's (the module then runs over the matching MPI communicator;
@@ -182,6 +183,7 @@ class ContextParallelAttention(torch.nn.Module):
                                           plan_cache_capacity=plan_cache_capacity,
                                           shared_memory=bool(shared_memory))
         _cpattn.check_scheme(size, self._scheme)  # ValueError with the C++ layer's message
+        slopes = alibi(alibi_slopes)
         # Every argument is checked: only now does anything move (a process group's rank check).
         self.group = group
         self.comm = _mpi_comm_of_group(group) if group is not None else comm
@@ -195,7 +197,7 @@ class ContextParallelAttention(torch.nn.Module):
         self.overlap, self.shared_memory = bool(overlap), bool(shared_memory)
         self.causal, self.softmax_scale, self.dropout_p = causal, softmax_scale, dropout_p
         self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
-        self.alibi_slopes = alibi(alibi_slopes)
+        self.alibi_slopes = slopes
         self.timeout = timeout
         self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, dropout on) -> _cpattn.CpLayer
 

@@ -165,7 +165,9 @@ void from_float_with([[maybe_unused]] ConvertIsa isa, const float* src, std::siz
 
 }  // namespace detail
 
+// (n = 0: nothing read or written, and either pointer may be null, as an empty buffer's is)
 void to_float(const void* src, DType t, std::size_t n, float* dst) {
+  if (n == 0) return;
   if (t == DType::f32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
@@ -174,6 +176,7 @@ void to_float(const void* src, DType t, std::size_t n, float* dst) {
 }
 
 void from_float(const float* src, std::size_t n, DType t, void* dst) {
+  if (n == 0) return;
   if (t == DType::f32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;

@@ -155,12 +155,14 @@ WorkList in_document_order(const RankPlan& plan, const WorkList& keys) {
   return w;
 }
 
-// Heads [h0, h0 + n) of `t`: the same rows and strides, `n` heads from head h0.
+// Heads [h0, h0 + n) of `t`: the same rows and strides, `n` heads from head h0 (a view of no
+// rows keeps its data, which may be null).
 template <class Ptr>
 BasicTensorView<Ptr> head_slice(BasicTensorView<Ptr> t, int h0, int n) {
   using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const std::byte, std::byte>;
   BasicTensorView<Ptr> s = t;
-  s.data = static_cast<Byte*>(t.data) + static_cast<std::size_t>(h0 * t.head_step()) * dtype_size(t.dtype);
+  if (t.rows > 0)
+    s.data = static_cast<Byte*>(t.data) + static_cast<std::size_t>(h0 * t.head_step()) * dtype_size(t.dtype);
   s.heads = n;
   s.row_stride = t.row_step();
   s.head_stride = t.head_step();
@@ -1436,7 +1438,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     attention_forward({.in = s.inputs(a.q, *ctx), .out = a.out, .lse = ctx->lse.data()});
     s.stats.compute_s += seconds_since(t0);
   }
-  if (a.lse) {  // every scheme leaves the local queries' lse in the context
+  if (a.lse && !ctx->lse.empty()) {  // every scheme leaves the local queries' lse in the context
     const auto t0 = Clock::now();
     std::memcpy(a.lse, ctx->lse.data(), ctx->lse.size() * sizeof(float));
     s.stats.compute_s += seconds_since(t0);

@@ -46,10 +46,17 @@ struct SplitRun {
   std::vector<std::byte> bytes;  // out, dq, dk, dv and lse of this rank, for bitwise repeats
 };
 
+// How the all-gather moves K/V and dK/dV (runs mode): shared memory (the default on one host),
+// or messages, overlapped by KV-head groups or not.
+struct Transport {
+  bool shared_memory = true, overlap = true;
+};
+
 SplitRun run_split(Communicator& comm, const check::Batch& b, const Shape& s, DType t, const AttnOptions& options,
-              KvMode mode) {
+              KvMode mode, Transport tr = {}) {
   CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
-                          .dtype = t, .options = options, .kv_mode = mode, .split = CpSplit::padding_free});
+                          .dtype = t, .options = options, .kv_mode = mode, .split = CpSplit::padding_free,
+                          .overlap = tr.overlap, .shared_memory = tr.shared_memory});
   const std::shared_ptr<const RankPlan> plan = attn.plan(b.cu_seqlens);
   const RankPlan& p = *plan;
   EXPECT_EQ(p.split, CpSplit::padding_free);
@@ -75,14 +82,15 @@ SplitRun run_split(Communicator& comm, const check::Batch& b, const Shape& s, DT
 }
 
 void compare_split(Communicator& comm, const Shape& s, DType t, MaskType mask, KvMode mode,
-                   const std::vector<int64_t>& lengths = kLengths) {
+                   const std::vector<int64_t>& lengths = kLengths, Transport tr = {}) {
   SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mask "
                                     << (mask == MaskType::causal ? "causal" : "none") << " mode "
-                                    << (mode == KvMode::runs ? "runs" : "index") << " cp " << comm.size());
+                                    << (mode == KvMode::runs ? "runs" : "index") << " cp " << comm.size()
+                                    << " shared memory " << tr.shared_memory << " overlap " << tr.overlap);
   const AttnOptions options{.mask = mask, .seed = 7, .path = best_kernel_path()};
   const check::Batch b = check::random_batch(cu_seqlens_from_lengths(lengths), s.batch(), t, 3);
   const check::Results want = check::single_process(b, options);
-  const SplitRun r = run_split(comm, b, s, t, options, mode);
+  const SplitRun r = run_split(comm, b, s, t, options, mode, tr);
   for (const auto& [name, got, ref, row] :
        {std::tuple{"out", &r.got.out, &want.out, b.out_shape().row_elements()},
         std::tuple{"dq", &r.got.dq, &want.dq, b.q_shape().row_elements()},
@@ -121,6 +129,11 @@ TEST_F(CpSplitTest, RanksWithNoTokenTakePart) {
     }
     compare_split(comm, kGqa, DType::f32, MaskType::causal, KvMode::runs, lengths);
     compare_split(comm, kMla, DType::bf16, MaskType::causal, KvMode::index, lengths);
+    compare_split(comm, kGqa, DType::f32, MaskType::causal, KvMode::index, lengths);
+    // through messages: overlapped by KV-head groups (GQA's two), and in one call
+    compare_split(comm, kGqa, DType::f32, MaskType::causal, KvMode::runs, lengths, {.shared_memory = false});
+    compare_split(comm, kGqa, DType::bf16, MaskType::causal, KvMode::runs, lengths,
+                  {.shared_memory = false, .overlap = false});
     if (HasFailure()) return;
   }
 }
