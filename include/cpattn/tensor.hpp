@@ -44,6 +44,9 @@ struct BasicTensorView {
     return head_step() == dim && row_step() == int64_t{heads} * dim;
   }
   constexpr bool empty() const { return data == nullptr; }
+  // Whether the view can be read as its shape says: data is null only where there is no row (a
+  // rank of the padding-free split that holds no token passes such views).
+  constexpr bool addressable() const { return data != nullptr || rows == 0; }
 
   // Every writable view is also a read-only one.
   constexpr operator BasicTensorView<const void*>() const

@@ -239,7 +239,7 @@ struct Expected {
   DType dtype;
 };
 void check_view(const char* fn, const char* name, ConstTensorView t, const Expected& e, bool contiguous) {
-  CPATTN_CHECK(t.data != nullptr || t.rows == 0, fn, ": ", name, " must not be null");
+  CPATTN_CHECK(t.addressable(), fn, ": ", name, " must not be null");
   CPATTN_CHECK(t.rows == e.rows && t.heads == e.heads && t.dim == e.dim, fn, ": ", name,
                " must be [local_tokens = ", e.rows, ", ", e.heads_name, " = ", e.heads, ", ", e.dim_name, " = ",
                e.dim, "] (the plan's local tokens, the configuration's heads and head dim), got [", t.rows, ", ",
@@ -253,6 +253,22 @@ void check_view(const char* fn, const char* name, ConstTensorView t, const Expec
   CPATTN_CHECK(!contiguous || t.is_contiguous(), fn, ": ", name, " must be contiguous (row_stride ",
                int64_t{e.heads} * e.dim, ", head_stride ", e.dim, "), got row_stride ", t.row_step(),
                ", head_stride ", t.head_step());
+}
+
+// This rank's error for a call's agreement: the caller's own (CpForwardArgs::caller_error), or
+// else the first check of `checks` that failed; empty when all passed. Any exception becomes the
+// error (bad_alloc and the like must fail on every rank too, not on this one alone).
+template <class Checks>
+std::string local_error(const char* fn, std::string_view caller_error, Checks&& checks) {
+  if (!caller_error.empty()) return std::string(caller_error);
+  try {
+    checks();
+  } catch (const Error& e) {
+    return e.message();
+  } catch (const std::exception& e) {
+    return std::string(fn) + ": " + e.what();
+  }
+  return {};
 }
 
 // Zero the rows of `t` that hold padding tokens (the kernel writes only real rows).
@@ -1344,8 +1360,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   const char* fn = "CpAttention::forward";
   ++s.stats.forward_calls;
   auto ctx = std::make_shared<CpContext::State>();
-  std::string err(a.caller_error);
-  if (err.empty()) try {
+  std::string err = local_error(fn, a.caller_error, [&] {
     if (a.plan) {
       CPATTN_CHECK(a.plan->cp == s.comm.size() && a.plan->rank == s.comm.rank(), fn, ": plan is for rank ",
                    a.plan->rank, " of cp = ", a.plan->cp, ", this is rank ", s.comm.rank(), " of ", s.comm.size());
@@ -1369,11 +1384,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       check_finite(fn, "v", a.v, *ctx->plan);
     }
     ctx->work = s.prepare(ctx->plan);
-  } catch (const Error& e) {
-    err = e.message();
-  } catch (const std::exception& e) {  // bad_alloc and the like: still fail on every rank
-    err = std::string(fn) + ": " + e.what();
-  }
+  });
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   const std::vector<char> kv_free = s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
@@ -1463,9 +1474,8 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   const CpAttnConfig& c = s.cfg;
   const char* fn = "CpAttention::backward";
   ++s.stats.backward_calls;
-  std::string err(a.caller_error);
   int64_t grad_need = 0;  // a shared backward's attention_grad_share_bytes
-  if (err.empty()) try {
+  std::string err = local_error(fn, a.caller_error, [&] {
     CPATTN_CHECK(ctx.s_ != nullptr, fn, ": the context holds no forward (each forward's context is consumed by "
                  "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
     CPATTN_CHECK(ctx.s_->owner == s.id, fn, ": the context was made by another CpAttention's forward");
@@ -1479,11 +1489,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     if (c.check_finite) check_finite(fn, "dout", a.dout, *ctx.s_->plan);
     if (s.takes_shared_backward(*ctx.s_))
       grad_need = static_cast<int64_t>(attention_grad_share_bytes({.in = s.inputs(a.q, *ctx.s_)}));
-  } catch (const Error& e) {
-    err = e.message();
-  } catch (const std::exception& e) {
-    err = std::string(fn) + ": " + e.what();
-  }
+  });
   const CpContext::State* cs = ctx.s_.get();
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0,
@@ -1609,7 +1615,7 @@ std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, Con
   if (local.rows != p.local_tokens)
     err = "gather_global_rows: local must have the plan's local_tokens = " + std::to_string(p.local_tokens) +
           " rows, got " + std::to_string(local.rows);
-  else if (local.data == nullptr && local.rows > 0)
+  else if (!local.addressable())
     err = "gather_global_rows: local must not be null";
   Fingerprint fp;
   if (err.empty())

@@ -70,7 +70,7 @@ struct Want {
 // apart (no two (row, head) pairs share an element).
 void check_view(const char* fn, const char* name, const ConstTensorView& t, Want rows,
                 Want heads, Want dim) {
-  CPATTN_CHECK(t.data != nullptr || t.rows == 0, fn, ": ", name, " must not be null");
+  CPATTN_CHECK(t.addressable(), fn, ": ", name, " must not be null");
   CPATTN_CHECK(t.rows == rows.value, fn, ": ", name, ".rows must equal ", rows.name, " = ",
                rows.value, ", got ", t.rows);
   CPATTN_CHECK(t.heads == heads.value, fn, ": ", name, ".heads must equal ", heads.name, " = ",
@@ -131,10 +131,9 @@ void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t tota
 // What forward and backward share: the shape (of q, k, v, checked against each other), the
 // options, the dtype and the views q, k, v.
 void check_inputs(const char* fn, const AttnInputs& in) {
-  // (no rows, as on a rank of a padding-free split that holds no token: null is allowed)
-  CPATTN_CHECK(in.q.data != nullptr || in.q.rows == 0, fn, ": q must not be null");
-  CPATTN_CHECK(in.k.data != nullptr || in.k.rows == 0, fn, ": k must not be null");
-  CPATTN_CHECK(in.v.data != nullptr || in.v.rows == 0, fn, ": v must not be null");
+  CPATTN_CHECK(in.q.addressable(), fn, ": q must not be null");
+  CPATTN_CHECK(in.k.addressable(), fn, ": k must not be null");
+  CPATTN_CHECK(in.v.addressable(), fn, ": v must not be null");
   const AttnShape s = in.shape();
   check_shape(fn, s, in.options);
   const DType dt = in.dtype();
