@@ -1,6 +1,7 @@
 // The command line's frame: parsing, dispatch and exit codes, shared by `cpattn` and the
 // command-line fuzzer. Exit codes (docs/cli.md): 0 success, 1 a run that failed its own check
 // or an unexpected error, 2 bad flags, values or files (one line on stderr, no stack trace).
+#include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/version.hpp>
 
@@ -8,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <string>
 #include <thread>
 
 #include "commands.hpp"
@@ -24,9 +26,14 @@ bool quiet_rank() {
 
 // A quiet rank's exit code: after a pause, because mpirun ends the whole job at the first
 // non-zero exit, and a quiet rank that exits first would kill rank 0 before it prints the
-// line that says why.
-int quiet_exit(int code) {
+// line that says why. An error met before MPI started may be this rank's alone (launched with
+// other flags than rank 0, say): the rank says it itself after the pause, naming its rank (the
+// job is usually over by then when rank 0 met it too). After MPI started, the errors ranks meet
+// are agreed, every rank's the same, and rank 0 says them.
+int quiet_exit(int code, const std::string& message) {
   std::this_thread::sleep_for(std::chrono::seconds(2));
+  if (!message.empty() && !MpiSession::ever_initialized())
+    std::fprintf(stderr, "cpattn: error (rank %s): %s\n", std::getenv("OMPI_COMM_WORLD_RANK"), message.c_str());
   return code;
 }
 }  // namespace
@@ -42,7 +49,7 @@ int run_app(CLI::App& app, int argc, const char* const* argv) {
   try {
     app.parse(argc, argv);
   } catch (const ExitCode& e) {
-    return e.code != 0 && quiet_rank() ? quiet_exit(e.code) : e.code;
+    return e.code != 0 && quiet_rank() ? quiet_exit(e.code, {}) : e.code;  // (the command said why)
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
@@ -50,14 +57,14 @@ int run_app(CLI::App& app, int argc, const char* const* argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    if (quiet_rank()) return quiet_exit(2);
+    if (quiet_rank()) return quiet_exit(2, e.what());
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
       std::fprintf(stderr, "cpattn: error: unknown command '%s' (see cpattn --help)\n", argv[1]);
     else
       std::fprintf(stderr, "cpattn: error: %s (see cpattn --help)\n", e.what());
     return 2;
   } catch (const Error& e) {
-    if (quiet_rank()) return quiet_exit(2);
+    if (quiet_rank()) return quiet_exit(2, e.message());
     std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
     return 2;
   } catch (const std::exception& e) {

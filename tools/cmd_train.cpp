@@ -277,7 +277,8 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.optim.warmup >= 0, "--warmup must be >= 0, got ", a.optim.warmup);
   CPATTN_CHECK(a.optim.lr > 0 && std::isfinite(a.optim.lr), "--lr must be > 0, got ", a.optim.lr);
-  CPATTN_CHECK(a.optim.weight_decay >= 0, "--weight-decay must be >= 0, got ", a.optim.weight_decay);
+  CPATTN_CHECK(a.optim.weight_decay >= 0 && std::isfinite(a.optim.weight_decay), "--weight-decay must be >= 0 and "
+               "finite, got ", a.optim.weight_decay);
   CPATTN_CHECK(a.optim.clip >= 0, "--clip must be >= 0 (0: no clipping), got ", a.optim.clip);
   CPATTN_CHECK(a.print_every >= 1, "--print-every must be >= 1, got ", a.print_every);
   CPATTN_CHECK(a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
@@ -296,12 +297,23 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(!hybrid || (a.cp_inner >= 1 && a.cp % a.cp_inner == 0),
                "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (", a.cp, " = inner x outer), got --cp-inner ",
                a.cp_inner);
+  // The scheme's own rules (the split it takes, the all-to-all's head counts) before MPI starts.
+  with_flag("--cp-scheme", [&] {
+    check_cp_attn_config({.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(),
+                          .head_dim_v = m.head_dim(), .dtype = parse_train_dtype(a.dtype),
+                          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
+                          .split = parse_split(a.split)},
+                         a.cp);
+  });
   parse_window(a.window);
   check_softcap(a.softcap);
   CPATTN_CHECK(a.model.dropout >= 0.0f && a.model.dropout < 1.0f, "--dropout must be in [0, 1) (0 = off), got ",
                a.model.dropout);
   CPATTN_CHECK(a.model.dropout == 0.0f || a.model.experts == 0, "--dropout is the dense MLP's hidden dropout: "
                "with --experts ", a.model.experts, " it must be 0, got ", a.model.dropout);
+  // (One token can be a lone end of document, which has no next token: a step with no label.)
+  CPATTN_CHECK(a.seq_len >= 2, "--seq-len must be >= 2 (a sequence of one token may hold only an end of "
+               "document, which has no label to learn), got ", a.seq_len);
   CPATTN_CHECK(a.seq_len >= train::min_seq_len(a.cp), "--seq-len ", a.seq_len,
                " cannot hold one padded chunk per rank: with --cp ", a.cp,
                " every document is cut into ", train::min_seq_len(a.cp),
@@ -402,7 +414,13 @@ void train_run(const TrainArgs& a) {
   train::on_every_rank(comm, [&] {
     if (rank != 0) return;
     if (!a.save.empty()) check_output_path(a.save, "--save");
-    if (!a.json_log.empty()) check_output_path(a.json_log, "--json-log");
+    if (a.json_log.empty()) return;
+    check_output_path(a.json_log, "--json-log");
+    // (A log in the checkpoint's file: resumed, its lines would be appended to the checkpoint;
+    // saved, the checkpoint would replace the log.)
+    for (const auto& [flag, path] : {std::pair{"--save", &a.save}, std::pair{"--resume", &a.resume}})
+      CPATTN_CHECK(path->empty() || !same_file(a.json_log, *path), "--json-log '", a.json_log, "' is the file of ",
+                   flag, " '", *path, "': the log and the checkpoint must be different files");
   });
 
   std::unique_ptr<train::DataStream> data;
@@ -417,6 +435,15 @@ void train_run(const TrainArgs& a) {
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed, mesh_config(a));
   const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = train::data_identity(data->documents())};
+  // Each rank reads --data itself: all must have read the same documents (names and bytes), or
+  // they would train on different tokens, silently or until a later collective disagrees.
+  with_flag("--data", [&] {
+    Fingerprint fp;
+    fp.add("documents", static_cast<int64_t>(data->documents().size()))
+        .add("tokens per epoch", data->total_tokens())
+        .add("hash of the documents' names and bytes", static_cast<int64_t>(identity.data_hash));
+    agree(comm, fp, "the documents each rank read");
+  });
   if (!a.resume.empty()) {
     train::DataPosition pos;
     with_flag("--resume", [&] { pos = trainer.load(a.resume, identity); });
@@ -583,6 +610,7 @@ TrainArgs with_compare_shape(const TrainArgs& a, const std::string& entry) {
     return Error("--compare: '" + entry + "' is neither a CP size nor a mesh shape such as dp2xcp2xpp2");
   };
   if (!entry.empty() && std::all_of(entry.begin(), entry.end(), ::isdigit)) {
+    if (entry.size() > 6) throw bad();
     c.cp = std::stoi(entry);
     return c;
   }

@@ -259,6 +259,8 @@ class MpiSession {
   MpiSession& operator=(const MpiSession&) = delete;
 
   bool initialized_here() const { return owner_; }  // this session called MPI_Init_thread
+  // Whether this process has initialized MPI (finalized or not), by anyone.
+  static bool ever_initialized();
 
  private:
   void init(int* argc, char*** argv);

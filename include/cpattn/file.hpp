@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace cpattn {
 
@@ -27,6 +28,15 @@ void check_output_path(const std::string& path, std::string_view what);
 // file is removed, the previous file is intact, and cpattn::Error names `path`. The new file
 // keeps the old one's permission bits (new files: 0666 less the umask).
 void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
+
+// Whether `a` and `b` name the same file (after their symbolic links): the same inode when
+// either exists, else the same name in the same folder. For refusing two outputs, or an output
+// and an input, that would overwrite each other.
+bool same_file(const std::string& a, const std::string& b);
+
+// The whole of the regular file `path` (its size when opened). A FIFO, a device or a folder is
+// refused without blocking or reading; throws cpattn::Error naming `path` on any error.
+std::vector<std::byte> read_regular_file(const std::string& path);
 
 // Writes all of `bytes` to the open descriptor `fd`, retrying short writes and EINTR; throws
 // cpattn::Error naming `path` on any error.

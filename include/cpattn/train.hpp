@@ -36,6 +36,7 @@
 #include <cpattn/train_config.hpp>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <span>
@@ -231,6 +232,8 @@ void on_every_rank(Communicator& comm, F&& f) {
   } catch (const Error& e) {
     err = e.message();
     if (err.empty()) err = "error";
+  } catch (const std::exception& e) {  // bad_alloc, a stream's failure: still every rank's error
+    err = std::string("unexpected error: ") + e.what();
   }
   rethrow_agreed(comm, err);
 }

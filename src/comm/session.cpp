@@ -23,6 +23,12 @@ void MpiSession::init(int* argc, char*** argv) {
   }
 }
 
+bool MpiSession::ever_initialized() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);  // (callable at any time, and true after MPI_Finalize too)
+  return initialized != 0;
+}
+
 MpiSession::~MpiSession() {
   if (!owner_) return;
   int finalized = 0;

@@ -66,6 +66,41 @@ void check_output_path(const std::string& path, std::string_view what) {
                "' is not writable: ", errno_text());
 }
 
+bool same_file(const std::string& a, const std::string& b) {
+  const std::string ra = resolve_output_path(a), rb = resolve_output_path(b);
+  struct stat sa {}, sb {};
+  const bool ea = ::stat(ra.c_str(), &sa) == 0, eb = ::stat(rb.c_str(), &sb) == 0;
+  if (ea || eb) return ea && eb && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  // Neither exists yet: the same name in the same folder.
+  struct stat da {}, db {};
+  return std::filesystem::path(ra).filename() == std::filesystem::path(rb).filename() &&
+         ::stat(folder_of(ra).c_str(), &da) == 0 && ::stat(folder_of(rb).c_str(), &db) == 0 &&
+         da.st_dev == db.st_dev && da.st_ino == db.st_ino;
+}
+
+std::vector<std::byte> read_regular_file(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO does not wait for a writer (it is then refused by its kind).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  CPATTN_CHECK(fd >= 0, "'", path, "': cannot read it: ", errno_text());
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  CPATTN_CHECK(::fstat(fd, &st) == 0, "'", path, "': cannot stat it: ", errno_text());
+  CPATTN_CHECK(S_ISREG(st.st_mode), "'", path, "' is ", kind_of(st.st_mode), ", not a regular file");
+  std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    CPATTN_CHECK(n >= 0, "'", path, "': read failed after ", done, " of ", bytes.size(), " bytes: ", errno_text());
+    CPATTN_CHECK(n > 0, "'", path, "' shrank while it was read: ", done, " of ", bytes.size(), " bytes");
+    done += static_cast<std::size_t>(n);
+  }
+  return bytes;
+}
+
 void write_all(int fd, std::span<const std::byte> bytes, const std::string& path) {
   std::size_t done = 0;
   while (done < bytes.size()) {

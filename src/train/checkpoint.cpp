@@ -151,11 +151,13 @@ void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64
 }
 
 CheckpointState load_checkpoint(const std::string& path, const CheckpointConfig& cfg) {
-  std::ifstream in(path, std::ios::binary);
-  CPATTN_CHECK(in.good(), "checkpoint '", path, "': cannot read it");
-  const std::vector<char> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  CPATTN_CHECK(!in.bad(), "checkpoint '", path, "': read error");
-  return parse_checkpoint(std::as_bytes(std::span(file)), path, cfg);
+  std::vector<std::byte> file;
+  try {
+    file = read_regular_file(path);
+  } catch (const Error& e) {
+    throw Error("checkpoint " + e.message());
+  }
+  return parse_checkpoint(file, path, cfg);
 }
 
 CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::string& path, const CheckpointConfig& cfg) {
@@ -216,6 +218,7 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   for (int64_t i = kConfigFields; i < kFieldCount; ++i)
     CPATTN_CHECK(got[i] >= 0, "checkpoint '", path, "' has a negative ", kFields[i].name, " (", got[i], ")");
   CheckpointState s;
+  s.checksum = stored;
   s.step = got[kConfigFields];
   s.data = {got[kConfigFields + 1], got[kConfigFields + 2], got[kConfigFields + 3]};
   const std::size_t n = static_cast<std::size_t>(n_file);

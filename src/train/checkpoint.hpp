@@ -50,6 +50,7 @@ struct CheckpointState {
   int64_t step = 0;
   DataPosition data;
   std::vector<float> params, m, v;
+  uint64_t checksum = 0;  // the file's own (header and data): ranks compare what they read by it
 };
 
 uint64_t fnv1a64(std::span<const std::byte> bytes, uint64_t h = 14695981039346656037ull);

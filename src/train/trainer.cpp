@@ -345,6 +345,7 @@ void Trainer::save(const std::string& path, const DataPosition& data, const RunI
 DataPosition Trainer::load(const std::string& path, const RunIdentity& id) {
   Impl& s = *impl_;
   DataPosition d;
+  uint64_t checksum = 0;
   on_every_rank(s.comm, [&] {
     CheckpointState c = load_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id));
     s.model.params = s.take_mine(c.params);
@@ -352,7 +353,13 @@ DataPosition Trainer::load(const std::string& path, const RunIdentity& id) {
     s.adam.v = s.take_mine(c.v);
     s.adam.step = c.step;
     d = c.data;
+    checksum = c.checksum;
   });
+  // Each rank reads the file itself (a folder of each node's own, say): all must have read the
+  // same one, or they would train on different weights and part at the next collective.
+  Fingerprint fp;
+  fp.add("step", s.adam.step).add("checksum", static_cast<int64_t>(checksum));
+  agree(s.comm, fp, "the checkpoint '" + path + "' each rank read");
   return d;
 }
 

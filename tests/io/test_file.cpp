@@ -1,5 +1,6 @@
 // write_file_atomically and check_output_path (include/cpattn/file.hpp): refused targets, a
-// followed symlink, a failing write that leaves the old file and no temporary behind.
+// followed symlink, a failing write that leaves the old file and no temporary behind; and
+// read_regular_file, same_file.
 #include <cpattn/error.hpp>
 #include <cpattn/file.hpp>
 #include <cpattn/npy.hpp>
@@ -100,6 +101,36 @@ TEST(SafeFile, FollowsASymlinkAndKeepsIt) {
   ASSERT_EQ(::mkfifo((t / "real/fifo").c_str(), 0600), 0);
   fs::create_symlink(t / "real/fifo", t / "to-fifo");
   EXPECT_THAT(message_of([&] { write_file_atomically(t / "to-fifo", bytes("x")); }), HasSubstr("is a FIFO"));
+}
+
+TEST(SafeFile, ReadsOnlyARegularFileWhole) {
+  TempDir t;
+  write_file_atomically(t / "a", bytes("contents"));
+  const std::vector<std::byte> got = read_regular_file(t / "a");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(got.data()), got.size()), "contents");
+  write_file_atomically(t / "empty", bytes(""));
+  EXPECT_TRUE(read_regular_file(t / "empty").empty());
+  ASSERT_EQ(::mkfifo((t / "fifo").c_str(), 0600), 0);  // no writer: open() must not wait for one
+  EXPECT_THAT(message_of([&] { read_regular_file(t / "fifo"); }), HasSubstr("is a FIFO, not a regular file"));
+  EXPECT_THAT(message_of([&] { read_regular_file(t.dir.string()); }), HasSubstr("is a folder, not a regular file"));
+  EXPECT_THAT(message_of([&] { read_regular_file("/dev/zero"); }),
+              HasSubstr("'/dev/zero' is a character device, not a regular file"));
+  EXPECT_THAT(message_of([&] { read_regular_file(t / "missing"); }), HasSubstr("cannot read it: No such file"));
+}
+
+TEST(SafeFile, SameFileByInodeOrByFolderAndName) {
+  TempDir t;
+  write_file_atomically(t / "a", bytes("x"));
+  write_file_atomically(t / "b", bytes("x"));
+  fs::create_directory(t / "sub");
+  fs::create_symlink("../a", t / "sub/link");
+  EXPECT_TRUE(same_file(t / "a", t / "a"));
+  EXPECT_TRUE(same_file(t / "a", t / "sub/../a"));
+  EXPECT_TRUE(same_file(t / "sub/link", t / "a"));  // through the link
+  EXPECT_FALSE(same_file(t / "a", t / "b"));        // the same bytes, another file
+  EXPECT_TRUE(same_file(t / "new", t / "sub/../new"));  // neither exists: the folder and the name
+  EXPECT_FALSE(same_file(t / "new", t / "sub/new"));
+  EXPECT_FALSE(same_file(t / "new", t / "a"));  // one exists, the other not
 }
 
 // A write that fails midway (the file-size limit, as a full disk would: EFBIG like ENOSPC):

@@ -4,7 +4,8 @@ missing or empty data, a too short --seq-len, --cp different from the MPI world 
 one clear line, no hang); every documented spelling of --dtype (docs/cli.md); --cp-scheme ring, hybrid and
 the attention masks (--window, --softcap, --alibi, all three at once) at CP=2 train to CP=1's curve
 (the ring with masks: train_test), the masks change the curve, a checkpoint records them and the
-ranks agree on them."""
+ranks agree on them; a --json-log in the checkpoint's file, a --resume that is no regular file, and
+ranks that read different checkpoints or documents are refused."""
 import os
 import signal
 import subprocess
@@ -99,6 +100,7 @@ with tempfile.TemporaryDirectory() as tmp:
     # Bad input: exit 2 with one clear line (rank 0 only), on every rank, no hang.
     os.mkdir(p("empty"))
     open(p("empty/nothing.txt"), "w").close()
+    os.mkfifo(p("fifo_in"))
     bad = [
         (2, ["--cp", "2", "--data", p("missing")], "no such file or folder"),
         (2, ["--cp", "2", "--data", p("empty")], "no non-empty document"),
@@ -112,6 +114,16 @@ with tempfile.TemporaryDirectory() as tmp:
         (2, ["--cp", "2", "--dtype", "fp64"], "--dtype must be one of fp32, bf16 (or float32, bfloat16)"),
         (0, ["--attn-dtype", "bf16"], "--attn-dtype"),  # the old name is gone
         (2, ["--cp", "2", "--resume", p("missing.ckpt")], "cannot read"),
+        # not a regular file: refused without blocking in open() (a FIFO) or reading for ever (a device)
+        (2, ["--cp", "2", "--resume", p("fifo_in")], "--resume: checkpoint '" + p("fifo_in") + "' is a FIFO, "
+                                                     "not a regular file"),
+        (0, ["--resume", tmp], "is a folder, not a regular file"),
+        (0, ["--resume", "/dev/zero"], "'/dev/zero' is a character device, not a regular file"),
+        (0, ["--seq-len", "1"], "--seq-len must be >= 2"),
+        (0, ["--weight-decay", "inf"], "--weight-decay must be >= 0 and finite, got inf"),
+        (0, ["--compare", "99999999999"], "--compare: '99999999999' is neither a CP size nor a mesh shape"),
+        (2, ["--cp", "2", "--cp-scheme", "ring", "--split", "padding-free"],
+         "--cp-scheme: scheme ring takes only the padded split"),
         (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, pass-q, a2a, hybrid, got 'zigzag'"),
         (0, ["--cp-scheme", "hybrid"], "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (1 = inner x outer), "
                                        "got --cp-inner 0"),
@@ -174,6 +186,21 @@ with tempfile.TemporaryDirectory() as tmp:
     r = train(0, *SMALL, "--steps", "2", "--save", p("link.ckpt"))
     check(r.returncode == 0 and os.path.islink(p("link.ckpt")) and os.path.getsize(p("real.ckpt")) > 1000,
           f"--save through a symlink: exit {r.returncode}\n{r.stderr[-800:]}")
+
+    # The JSON log in the checkpoint's file (by name, through a link): refused before training,
+    # the checkpoint left as it was.
+    with open(p("a.ckpt"), "rb") as f:
+        before = f.read()
+    os.symlink(p("a.ckpt"), p("a_link"))
+    for args, flag in ((["--resume", p("a.ckpt"), "--json-log", p("a.ckpt")], "--resume"),
+                       (["--resume", p("a.ckpt"), "--json-log", p("a_link")], "--resume"),
+                       (["--save", p("a.ckpt"), "--json-log", p("a.ckpt")], "--save"),
+                       (["--save", p("new.ckpt"), "--json-log", p("new.ckpt")], "--save")):
+        r = train(0, *SMALL, "--steps", "6", *args)
+        check(r.returncode == 2 and f"is the file of {flag} " in r.stderr and "step " not in r.stdout,
+              f"{args}: exit {r.returncode}\n{r.stderr[-800:]}")
+    with open(p("a.ckpt"), "rb") as f:
+        check(f.read() == before and not os.path.exists(p("new.ckpt")), "the checkpoint is left as it was")
 
     # Periodic checkpoints.
     r = train(0, *SMALL, "--steps", "5", "--save-every", "2", "--save", p("every.ckpt"))
@@ -240,6 +267,34 @@ with tempfile.TemporaryDirectory() as tmp:
         r, elapsed = mpmd([], args1)
         check(r.returncode == 2 and r.stderr.count(msg) == 1 and elapsed < 30,
               f"{args1} on rank 1 only: exit {r.returncode} in {elapsed:.1f} s\n{r.stderr[-800:]}")
+
+    # Each rank reads --resume and --data itself (here each in a folder of its own, as on nodes
+    # with local disks): ranks that read different checkpoints or documents fail at once, naming
+    # the flag, where they trained on different weights or tokens before.
+    def mpmd_in(folders, args):
+        cmd = [MPIEXEC, "--oversubscribe"]
+        for i, d in enumerate(folders):
+            cmd += ([":"] if i else []) + ["-np", "1", "--wdir", d, CPATTN, "train", "--timeout", "60", *SMALL,
+                                          "--cp", "2", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    wa, wb = p("node_a"), p("node_b")
+    for d, steps in ((wa, "3"), (wb, "1")):
+        os.makedirs(os.path.join(d, "docs"))
+        r = subprocess.run([CPATTN, "train", *SMALL, "--steps", steps, "--save", "r.ckpt"], cwd=d,
+                           capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0, f"checkpoint in {d}: {r.stderr[-800:]}")
+        with open(os.path.join(d, "docs", "doc.txt"), "w") as f:
+            f.write(("a" if d == wa else "b") * 300)
+    r = mpmd_in([wa, wb], ["--steps", "5", "--resume", "r.ckpt"])
+    check(r.returncode == 2 and "--resume: ranks disagree on the checkpoint 'r.ckpt' each rank read: step: rank 0 "
+          "has 3, rank 1 has 1" in r.stderr and "step " not in r.stdout, f"two checkpoints: {r.stderr[-800:]}")
+    r = mpmd_in([wa, wb], ["--steps", "2", "--data", "docs"])
+    check(r.returncode == 2 and "--data: ranks disagree on the documents each rank read: hash of the documents' "
+          "names and bytes" in r.stderr and "step " not in r.stdout, f"two data folders: {r.stderr[-800:]}")
+    # A flag check that fails on rank 1 alone, before MPI starts: rank 1 says it, naming itself.
+    r, elapsed = mpmd([], ["--clip", "-1"])
+    check(r.returncode == 2 and "cpattn: error (rank 1): --clip must be >= 0" in r.stderr
+          and elapsed < 30, f"bad flags on rank 1 alone: exit {r.returncode}\n{r.stderr[-800:]}")
 
 finish()
 print("all checks passed")
