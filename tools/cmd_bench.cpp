@@ -166,12 +166,12 @@ void add_bench_command(CLI::App& app) {
   CLI::App* at = bench->add_subcommand(
       "attention", "Fused attention forward/backward GFLOP/s against this core's FMA peak");
   at->add_option("--seq-len", args->seq_len, "One document of this many tokens")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(at_least_one())->capture_default_str();
   at->add_option("--lengths", args->lengths, "Document lengths of a packed batch (overrides --seq-len)")
       ->delimiter(',');
-  at->add_option("--heads", args->heads, "Query heads")->check(CLI::PositiveNumber)->capture_default_str();
+  at->add_option("--heads", args->heads, "Query heads")->check(at_least_one())->capture_default_str();
   at->add_option("--kv-heads", args->kv_heads, "Key/value heads (GQA when fewer than --heads)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(at_least_one())->capture_default_str();
   at->add_option("--head-dim", args->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
       ->capture_default_str();
   at->add_option("--head-dim-qk", args->head_dim_qk, "Head dimension of q and k (MLA), overrides --head-dim")
@@ -182,7 +182,7 @@ void add_bench_command(CLI::App& app) {
       ->transform(dtype_transformer())->capture_default_str();
   at->add_option("--kernel-path", args->kernel_path, "Kernel path (automatic: the fastest this CPU runs, or CPATTN_KERNEL_PATH when set)")
       ->transform(kernel_path_transformer())->capture_default_str();
-  at->add_option("--threads", args->threads, "Threads")->check(CLI::PositiveNumber)->capture_default_str();
+  at->add_option("--threads", args->threads, "Threads")->check(at_least_one())->capture_default_str();
   at->add_option("--mask", args->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
   at->add_option("--window", args->window, "Sliding window LEFT,RIGHT (FlashAttention's window_size; -1 = "
                                            "unbounded on that side)");
@@ -190,7 +190,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   at->add_flag("--alibi", args->alibi, "ALiBi biases with the standard slopes 2^(-8 (h + 1) / heads)");
   at->add_option("--repeats", args->repeats, "Timed runs per direction (median)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(at_least_one())->capture_default_str();
   at->add_flag("--json", args->json, "Print one JSON object");
   at->add_flag("--testing-fail-check", args->fail_check,
                "Testing only: corrupt the result before its check, which then fails (exit code 1)")

@@ -101,7 +101,7 @@ void add_mesh_command(CLI::App& app) {
   cmd->add_option("--etp", args->etp, "Expert tensor-parallel size (default: tp)");
   cmd->add_option("--edp", args->edp, "Expert data-parallel size (default: tp*cp*dp / (etp*ep))");
   cmd->add_option("--ranks-per-node", args->ranks_per_node,
-                  "Ranks per node: mark the groups that cross nodes");
+                  "Ranks per node: mark the groups that cross nodes")->check(at_least_one());
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: sizes, ranks (rank, coords: axis -> coordinate), groups "
                 "(axis -> list of rank lists) and crosses_nodes");

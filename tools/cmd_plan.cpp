@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -20,6 +21,8 @@
 namespace cpattn::cli {
 
 std::vector<int64_t> read_lengths_file(const std::string& path) {
+  std::error_code ec;
+  CPATTN_CHECK(!std::filesystem::is_directory(path, ec), "--lengths-file: '", path, "' is a folder, not a file");
   std::ifstream in(path);
   CPATTN_CHECK(in.good(), "--lengths-file: cannot open '", path, "'");
   std::vector<int64_t> lengths = parse_lengths_file(in, path);
@@ -302,7 +305,7 @@ void add_plan_command(CLI::App& app) {
                       ->delimiter(',');
   auto* file = cmd->add_option("--lengths-file", args->lengths_file,
                                "File with one document length per line ('#' starts a comment), "
-                               "packed in order into one batch");
+                               "packed in order into one batch")->check(path_flag());
   cu->excludes(ends, lengths, file);
   ends->excludes(lengths, file);
   lengths->excludes(file);
@@ -314,7 +317,7 @@ void add_plan_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--svg", args->svg,
                   "Also draw which rank holds which chunk of each document, and the work per rank, into "
-                  "this SVG file");
+                  "this SVG file")->check(path_flag());
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: cp, cu_seqlens_padded, ranks (with the metadata of each "
                 "rank) and imbalance");

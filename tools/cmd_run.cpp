@@ -34,18 +34,21 @@ void add_run_command(CLI::App& app) {
   auto* seq_len = cmd->add_option("--seq-len", a->seq_len, "Tokens of the default document mix")->capture_default_str();
   auto* npy = cmd->add_option("--npy-in", a->npy_in,
                               "Read the global unpadded batch from DIR: q.npy, k.npy, v.npy, dout.npy (float32 "
-                              "or float16, [T, H, D]) and cu_seqlens.npy (int32 or int64, leading 0)");
+                              "or float16, [T, H, D]) and cu_seqlens.npy (int32 or int64, leading 0)")->check(path_flag());
   npy->excludes(lengths, seq_len);
   cmd->add_option("--npy-out", a->npy_out, "Write out.npy, lse.npy ([T, Hq]), dq.npy, dk.npy, dv.npy (float32, "
-                                           "real tokens in global order) to DIR");
-  cmd->add_option("--heads", a->heads, "Query heads")->capture_default_str();
-  cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")->capture_default_str();
-  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
-      ->capture_default_str();
-  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA: e.g. 192), overrides --head-dim")
-      ->check(CLI::Range(1, 256));
-  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA: e.g. 128), overrides --head-dim")
-      ->check(CLI::Range(1, 256));
+                                           "real tokens in global order) to DIR")->check(path_flag());
+  // (The shape of --npy-in's batch is its files': these flags would be ignored with it.)
+  for (CLI::Option* shape :
+       {cmd->add_option("--heads", a->heads, "Query heads")->capture_default_str(),
+        cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")->capture_default_str(),
+        cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
+            ->capture_default_str(),
+        cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA: e.g. 192), overrides "
+                        "--head-dim")->check(CLI::Range(1, 256)),
+        cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA: e.g. 128), overrides --head-dim")
+            ->check(CLI::Range(1, 256))})
+    npy->excludes(shape);
   cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")
       ->transform(dtype_transformer())->capture_default_str();
   cmd->add_option("--mask", a->mask, "causal or none")->transform(mask_transformer())->capture_default_str();
@@ -59,7 +62,8 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--alibi", a->alibi, "ALiBi biases with the standard slopes 2^(-8 (h + 1) / heads)");
   cmd->add_option("--threads", a->threads, "Kernel threads per rank")->capture_default_str();
   cmd->add_option("--cp", a->cp, "Context-parallel size, dividing the MPI world size: world/cp CP groups "
-                                 "each run the check (default: the world size, one group)");
+                                 "each run the check (default: the world size, one group)")
+      ->check(at_least_one());
   cmd->add_option("--mode", a->mode, "How the kernel reads the gathered keys: runs (in place) or index "
                                      "(index_select copy, index_add_ in backward)")
       ->capture_default_str()

@@ -624,7 +624,7 @@ void add_simulate_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "simulate", "Predict every CP scheme's step (compute, exposed and hidden communication, pipeline bubble, "
                   "bytes per link class, memory) for a batch on a mesh and a machine profile. See docs/simulate.md.");
-  cmd->add_option("--lengths-file", a->lengths_file, "One document length per line ('#' comments)");
+  cmd->add_option("--lengths-file", a->lengths_file, "One document length per line ('#' comments)")->check(path_flag());
   cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated")->delimiter(',');
   cmd->add_option("--distribution", a->distribution, "A named length distribution: fixed, uniform or lognormal");
   cmd->add_option("--tokens", a->tokens, "--distribution: tokens of the batch")->capture_default_str();
@@ -642,8 +642,9 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--schedule", a->schedule, "Pipeline schedule: fill-drain, gpipe, 1f1b, interleaved, zb-h1")
       ->capture_default_str();
   cmd->add_option("--layers", a->layers, "Attention layers of the model (a multiple of --pp)")->capture_default_str();
-  cmd->add_option("--heads", a->heads, "Query heads")->capture_default_str();
-  cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")->capture_default_str();
+  cmd->add_option("--heads", a->heads, "Query heads")->check(at_least_one())->capture_default_str();
+  cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")
+      ->check(at_least_one())->capture_default_str();
   cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->capture_default_str();
   cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA), overrides --head-dim");
   cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA), overrides --head-dim");
@@ -657,12 +658,12 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--expert-skew", a->expert_skew, "Router skew s: expert e gets a share 1/(e+1)^s")
       ->capture_default_str();
   cmd->add_option("--profile", a->profile, "Machine profile JSON (cpattn calibrate, examples/profiles/; default: "
-                                           "the nominal gpu-8x-nvlink-400g)");
+                                           "the nominal gpu-8x-nvlink-400g)")->check(path_flag());
   cmd->add_option("--overlap", a->overlap, "All-gather scheme: on models its overlap by KV-head groups (cpattn "
                                          "run's default), off one all-gather, one kernel call, one reduce-scatter")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
-  cmd->add_option("--svg", a->svg, "Write a plot of predicted step time against CP size, per scheme");
+  cmd->add_option("--svg", a->svg, "Write a plot of predicted step time against CP size, per scheme")->check(path_flag());
   cmd->add_flag("--no-breakeven", a->no_breakeven, "Skip the sweeps for where CP stops paying");
   cmd->add_flag("--json", a->json, "Print one JSON object");
   cmd->callback([a] { run_simulate(*a); });
@@ -673,19 +674,19 @@ void add_calibrate_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "calibrate", "Measure this machine into a profile for simulate: attention kernel GFLOP/s by dtype, and (under "
                    "mpirun -np 2 or more) ring-shift latency and bandwidth by message size. See docs/simulate.md.");
-  cmd->add_option("--out", a->out, "Write the profile JSON here");
+  cmd->add_option("--out", a->out, "Write the profile JSON here")->check(path_flag());
   cmd->add_option("--name", a->name, "The profile's name")->capture_default_str();
   cmd->add_option("--seq-len", a->seq_len, "Kernel case: one causal document of this many tokens")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(at_least_one())->capture_default_str();
   cmd->add_option("--lengths", a->lengths, "Kernel case: these document lengths instead (e.g. a batch to predict)")
       ->delimiter(',');
-  cmd->add_option("--heads", a->heads, "Kernel case: query heads")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--kv-heads", a->kv_heads, "Kernel case: key/value heads")->check(CLI::PositiveNumber)
+  cmd->add_option("--heads", a->heads, "Kernel case: query heads")->check(at_least_one())->capture_default_str();
+  cmd->add_option("--kv-heads", a->kv_heads, "Kernel case: key/value heads")->check(at_least_one())
       ->capture_default_str();
   cmd->add_option("--head-dim", a->head_dim, "Kernel case: head dimension")->check(CLI::Range(1, 256))
       ->capture_default_str();
-  cmd->add_option("--threads", a->threads, "Kernel threads per rank")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--repeats", a->repeats, "Timed kernel runs per direction (median)")->check(CLI::PositiveNumber)
+  cmd->add_option("--threads", a->threads, "Kernel threads per rank")->check(at_least_one())->capture_default_str();
+  cmd->add_option("--repeats", a->repeats, "Timed kernel runs per direction (median)")->check(at_least_one())
       ->capture_default_str();
   cmd->add_option("--dtypes", a->dtypes, "Dtypes to measure, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--sizes", a->sizes, "Message sizes in bytes, comma-separated")->delimiter(',')->capture_default_str();

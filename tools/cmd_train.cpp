@@ -763,9 +763,9 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--alibi", a->alibi, "ALiBi attention biases with the standard slopes 2^(-8 (h + 1) / heads)");
   cmd->add_option("--threads", a->threads, "BLAS and attention threads per rank")->capture_default_str();
   cmd->add_option("--data", a->data, "Files or folders, one document per file (default: " +
-                                         std::string(train::kDefaultDataDir) + ")");
-  cmd->add_option("--json-log", a->json_log, "Write one JSON object per step to FILE");
-  cmd->add_option("--save", a->save, "Save a checkpoint to FILE at the end (and on SIGTERM/SIGINT)");
+                                         std::string(train::kDefaultDataDir) + ")")->check(path_flag());
+  cmd->add_option("--json-log", a->json_log, "Write one JSON object per step to FILE")->check(path_flag());
+  cmd->add_option("--save", a->save, "Save a checkpoint to FILE at the end (and on SIGTERM/SIGINT)")->check(path_flag());
   cmd->add_option("--save-every", a->save_every, "Also save the checkpoint every N steps (needs --save)")
       ->capture_default_str();
   cmd->add_flag("--skip-nonfinite", a->skip_nonfinite,
@@ -776,11 +776,11 @@ void add_train_command(CLI::App& app) {
       ->group("");
   cmd->add_option("--testing-nan-at-step", a->testing_nan_at_step, "Testing only: a NaN loss at this step")
       ->group("");
-  cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)");
+  cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)")->check(path_flag());
   cmd->add_option("--compare", a->compare,
                   "Run the same training at each CP size or mesh shape, e.g. 1,2,dp2xcp2,cp2xpp2, and compare")
       ->delimiter(',');
-  cmd->add_option("--svg", a->compare_svg, "With --compare: draw every run's loss curve on one chart in FILE");
+  cmd->add_option("--svg", a->compare_svg, "With --compare: draw every run's loss curve on one chart in FILE")->check(path_flag());
   cmd->add_option("--mpirun", a->mpirun, "mpirun used by --compare")->capture_default_str();
   add_timeout_option(cmd, a->timeout);
   cmd->add_option("--print-every", a->print_every, "Print every Nth step")->capture_default_str();

@@ -4,7 +4,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
 #include <iosfwd>
+#include <system_error>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,27 @@ struct ExitCode {
 // The app's name and global flags, and the parse-and-run frame with cpattn's exit codes.
 void configure_app(CLI::App& app);
 int run_app(CLI::App& app, int argc, const char* const* argv);
+
+// The check of every flag that takes a path: given, its value must not be empty (an empty
+// value was read as the flag not given, e.g. --svg "" drew nothing and said nothing).
+inline const CLI::Validator& path_flag() {
+  static const CLI::Validator v([](const std::string& s) { return s.empty() ? std::string("a path must not be empty") : std::string(); },
+                                "PATH");
+  return v;
+}
+
+// The check of a count flag that must be >= 1 ("must be >= 1, got 0"; CLI's PositiveNumber
+// prints the whole range of a double). A value that is no integer is left to the conversion.
+inline const CLI::Validator& at_least_one() {
+  static const CLI::Validator v(
+      [](const std::string& s) {
+        long long x = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+        return ec == std::errc() && end == s.data() + s.size() && x < 1 ? "must be >= 1, got " + s : std::string();
+      },
+      "INT >= 1");
+  return v;
+}
 
 // Parses one document length per line (blank lines and '#' comments skipped); errors name the
 // file and line.

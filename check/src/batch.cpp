@@ -58,6 +58,8 @@ Batch npy_batch(const std::string& dir, DType t, std::string_view what) {
   const NpyArray cu = load("cu_seqlens.npy");
   CPATTN_CHECK(cu.type == NpyType::i32 || cu.type == NpyType::i64,
                w, ": cu_seqlens.npy must hold int32 or int64");
+  CPATTN_CHECK(cu.shape.size() == 1, w, ": cu_seqlens.npy must be 1-D, [documents + 1], got ", cu.shape.size(),
+               " dimensions");
   Batch b;
   b.dtype = t;
   b.cu_seqlens = cu.as_int64();

@@ -1078,8 +1078,10 @@ struct CpAttention::State {
         .add("seed", static_cast<int64_t>(seed))
         .add("deterministic", cfg.deterministic)
         // Padded: every rank has the same local count. Padding-free: the counts differ, and
-        // the ranks agree on all of them (the gathered buffer's layout).
-        .add(plan->split == CpSplit::padded ? "local_tokens" : "ranks' local tokens (hash)",
+        // the ranks agree on all of them (the gathered buffer's layout). One name for both, so
+        // that ranks of two splits are told apart by the split's value, not by the names' hash.
+        .add("split", static_cast<int64_t>(plan->split))
+        .add("local tokens (padding-free: every rank's, hashed)",
              plan->split == CpSplit::padded ? local_tokens
                                             : static_cast<int64_t>(hash_boundaries(plan->layout.rank_begin)))
         .add("documents", static_cast<int64_t>(plan->docs.size()))

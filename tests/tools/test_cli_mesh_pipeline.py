@@ -108,6 +108,7 @@ bad = {
     ("mesh", "--world", "8", "--cp", "-1"): "cp must be >= 1",
     ("mesh", "--tp", "2"): "--world",
     ("mesh", "--world", "x"): "--world",
+    ("mesh", "--world", "8", "--ranks-per-node", "0"): "--ranks-per-node: must be >= 1, got 0",
     ("pipeline", "--stages", "0"): "--stages must be >= 1",
     ("pipeline", "--micro", "0"): "--micro must be >= 1",
     ("pipeline", "--schedule", "2f2b"): "--schedule",

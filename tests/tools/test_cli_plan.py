@@ -122,6 +122,9 @@ bad = {
     ("plan", "--ends", "16", "--cu-seqlens", "0,16"): "excludes",
     ("plan", "--lengths", "3,0"): "--lengths[1]",
     ("plan", "--lengths-file", "/nonexistent/file"): "cannot open",
+    ("plan", "--lengths-file", "/"): "--lengths-file: '/' is a folder, not a file",
+    ("plan", "--lengths-file", ""): "--lengths-file: a path must not be empty",  # (was: the default batch)
+    ("plan", "--svg", ""): "--svg: a path must not be empty",  # (was: no drawing, no word)
     ("nosuchcommand",): "nosuchcommand",
     ("plan", "--lengths", "6,4444444448", "--cp", "1"): "overflows int64",  # found by fuzz_cli
 }

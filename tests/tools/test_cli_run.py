@@ -177,6 +177,14 @@ with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout
     np.save(os.path.join(din, "q.npy"), q.astype(np.float16))
     j = run_json(2, "--npy-in", din, "--dtype", "bf16")
     check(j is not None and j["passed"], "fp16 files, bf16 run")
+    # The files give the shape: shape flags beside them are refused (they were ignored); a
+    # cu_seqlens.npy of two dimensions is refused (it was read flattened).
+    r = run(2, "--npy-in", din, "--heads", "4")
+    check(r.returncode == 2 and "--npy-in excludes --heads" in r.stderr, f"--npy-in with --heads: {r.stderr[-500:]}")
+    np.save(os.path.join(din, "cu_seqlens.npy"), np.stack([cu[:2], cu[-2:]]).astype(np.int32))
+    r = run(2, "--npy-in", din)
+    check(r.returncode == 2 and r.stderr.count("cu_seqlens.npy must be 1-D, [documents + 1], got 2 dimensions") == 1,
+          f"2-D cu_seqlens.npy: exit {r.returncode} {r.stderr[-500:]}")
 
 with open("/proc/cpuinfo") as f:
     HAS_AMX = " amx_tile" in f.read()
@@ -197,7 +205,11 @@ for args, needle in ((("--dtype", "fp64"),
                      (("--dropout", "1"), "--dropout must be in [0, 1)"),
                      (("--head-dim", "300"), "--head-dim"),
                      (("--mode", "gather"), "--mode must be one of runs, index"),
-                     (("--npy-in", "/nonexistent"), "cannot open")):
+                     (("--npy-in", "/nonexistent"), "cannot open"),
+                     # an empty path was read as the flag not given
+                     (("--npy-in", ""), "--npy-in: a path must not be empty"),
+                     (("--npy-out", ""), "--npy-out: a path must not be empty"),
+                     (("--cp", "0"), "--cp")):
     r = run(2, *args)
     check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2; {r.stderr[-500:]}")
     check(r.stderr.count(needle) == 1, f"{args}: want one line with {needle!r}, got {r.stderr[-800:]!r}")
@@ -230,6 +242,14 @@ check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)"
 r, elapsed = mpmd(["--seq-len", "100", "--cp", "2"], ["--seq-len", "100", "--cp", "1"])
 check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --cp: rank 0 has 2, rank 1 has 1") == 1
       and elapsed < 30, f"--cp differing between ranks: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
+# Flags no library agreement sees (--repeats: rank 1 would time more steps and wait in a
+# collective rank 0 never reaches); another --split (told apart by the split, not by field names).
+r, elapsed = mpmd(["--seq-len", "100", "--repeats", "1"], ["--seq-len", "100", "--repeats", "3"])
+check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --repeats: rank 0 has 1, rank 1 has 3") == 1
+      and elapsed < 30, f"--repeats differing between ranks: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
+r, elapsed = mpmd(["--seq-len", "100"], ["--seq-len", "100", "--split", "padding-free"])
+check(r.returncode == 2 and "split: rank 0 has 0, rank 1 has 1" in r.stderr and elapsed < 30,
+      f"--split differing between ranks: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
 # Flags only one rank rejects (its own --heads): the CLI's check, named by the flag.
 r, elapsed = mpmd(["--seq-len", "100"], ["--seq-len", "100", "--heads", "3", "--kv-heads", "2"])
 check(r.returncode == 2 and r.stderr.count("[rank 1]") == 1 and elapsed < 30

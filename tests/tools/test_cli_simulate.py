@@ -125,6 +125,8 @@ fp8["compute"]["fwd"]["fp8"] = 1000
 nobf16 = json.loads(json.dumps(good))
 del nobf16["compute"]["bwd"]["bf16"]
 base = ["simulate", "--lengths", "100,50", "--cp", "2"]
+bad(base + ["--heads", "-8", "--kv-heads", "-2"], "--heads: must be >= 1, got -8")  # (was: "-8 must be a multiple of -2")
+bad(base + ["--svg", ""], "--svg: a path must not be empty")
 bad(base + ["--profile", write("missing.json", missing)], "missing field profile.intra_node")
 bad(base + ["--profile", write("neg.json", neg)], "profile.inter_node.latency_us", ">= 0")
 bad(base + ["--profile", write("fp8.json", fp8)], "unknown dtype 'fp8'")

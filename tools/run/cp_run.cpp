@@ -301,7 +301,11 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   } catch (const std::exception& e) {
     local_error = std::string("unexpected error: ") + e.what();
   }
-  agree(groups.world, {}, "cpattn run", local_error);  // the same error on every rank, or none
+  // The same error on every rank, or none; and the flags the library's agreements do not see
+  // (a rank timing more steps would wait in a collective the others never reach).
+  Fingerprint fp;
+  fp.add("--repeats", a.repeats);
+  agree(groups.world, fp, "cpattn run", local_error);
   if (a.testing_stall_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(a.testing_stall_s));
   Local& l = *prepared;
   const check::Batch& b = l.b;
