@@ -241,6 +241,9 @@ class Communicator {
  private:
   friend class CommRequest;
   struct Impl;
+  // The state, or cpattn::Error when this object was moved from (a CpAttention that borrowed
+  // it would otherwise read through null).
+  Impl& impl() const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -260,7 +260,12 @@ inline constexpr std::string_view kCpAgreement = "CP attention";
 
 class CpAttention {
  public:
-  // Borrows `comm` (which must outlive this object); cp = comm.size(). Checks `cfg`.
+  // Borrows `comm` (which must outlive this object, unmoved); cp = comm.size(). Checks `cfg`
+  // (check_cp_attn_config) and throws cpattn::Error on this rank alone: not collective, so that
+  // a front end can make its layers among its other local preparations and share any rank's
+  // error in one agreement of its own before the first call (cpattn run does; a rank that
+  // throws here and goes on alone leaves the others waiting in their first call's agreement
+  // until the communicator's deadline).
   CpAttention(Communicator& comm, const CpAttnConfig& cfg);
   ~CpAttention();
   CpAttention(const CpAttention&) = delete;

@@ -283,7 +283,7 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
   CPATTN_CHECK(options.max_count_per_call >= 1 && options.max_count_per_call <= INT_MAX,
                "CommOptions::max_count_per_call must be in [1, INT_MAX], got ",
                options.max_count_per_call);
-  Impl& im = *impl_;
+  Impl& im = impl();
   im.opts = options;
   // While constructing: a timeout always aborts (in throw mode the pending requests would
   // outlive this constructor's buffers), and the options check below moves its data the same
@@ -347,16 +347,22 @@ Communicator& Communicator::operator=(Communicator&& other) noexcept {
   return *this;
 }
 
-int Communicator::rank() const { return impl_->rank; }
-int Communicator::size() const { return impl_->size; }
-double Communicator::timeout_s() const { return impl_->timeout_s; }
-std::int64_t Communicator::calls() const { return impl_->calls; }
-const CommOptions& Communicator::options() const { return impl_->opts; }
-MPI_Comm Communicator::mpi_comm() const { return impl_->comm; }
-bool Communicator::poisoned() const { return impl_->poisoned; }
+Communicator::Impl& Communicator::impl() const {
+  CPATTN_CHECK(impl_ != nullptr, "Communicator: used after it was moved from (a moved-from Communicator may only be "
+               "destroyed or assigned to; an object that borrowed it, such as a CpAttention, must not outlive it)");
+  return *impl_;
+}
+
+int Communicator::rank() const { return impl().rank; }
+int Communicator::size() const { return impl().size; }
+double Communicator::timeout_s() const { return impl().timeout_s; }
+std::int64_t Communicator::calls() const { return impl().calls; }
+const CommOptions& Communicator::options() const { return impl().opts; }
+MPI_Comm Communicator::mpi_comm() const { return impl().comm; }
+bool Communicator::poisoned() const { return impl().poisoned; }
 
 Communicator Communicator::split(int color, int key) const {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("split");
   // Every rank's color first, under the deadline; in place in a buffer of the Impl, so that a
   // timed-out request (throw_error mode) never points into this frame.
@@ -385,11 +391,11 @@ Communicator Communicator::split(int color, int key) const {
 }
 
 void Communicator::retain_while_pending(std::shared_ptr<void> owner) {
-  if (!impl_->settle()) impl_->retained.push_back(std::move(owner));
+  if (!impl().settle()) impl().retained.push_back(std::move(owner));
 }
 
 bool Communicator::drain(double timeout_s) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
   auto nap = std::chrono::microseconds(20);
@@ -405,7 +411,7 @@ bool Communicator::drain(double timeout_s) {
 
 template <CommElement T>
 void Communicator::all_gather(std::span<const T> send, std::span<T> recv) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("all_gather");
   const auto n = static_cast<std::int64_t>(send.size());
   const int p = im.size;
@@ -456,7 +462,7 @@ void Communicator::all_gather(std::span<const T> send, std::span<T> recv) {
 template <CommElement T>
 void Communicator::all_gather_v(std::span<const T> send, std::span<const std::int64_t> counts,
                                 std::span<T> recv) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("all_gather_v");
   const int p = im.size;
   CPATTN_CHECK(static_cast<int>(counts.size()) == p, "all_gather_v: counts.size() must be size() = ",
@@ -503,13 +509,13 @@ void Communicator::all_gather_v(std::span<const T> send, std::span<const std::in
 }
 
 std::vector<std::int64_t> Communicator::all_gather_counts(std::int64_t count) {
-  impl_->counts.resize(static_cast<std::size_t>(impl_->size));
-  all_gather<std::int64_t>(std::span<const std::int64_t>(&count, 1), impl_->counts);
-  return impl_->counts;
+  impl().counts.resize(static_cast<std::size_t>(impl().size));
+  all_gather<std::int64_t>(std::span<const std::int64_t>(&count, 1), impl().counts);
+  return impl().counts;
 }
 
 void Communicator::reduce_scatter_sum(std::span<const float> send, std::span<float> recv) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("reduce_scatter_sum");
   const int p = im.size;
   const auto n = static_cast<std::int64_t>(recv.size());
@@ -583,7 +589,7 @@ void Communicator::reduce_scatter_sum(std::span<const float> send, std::span<flo
 
 template <CommReduceElement T>
 void Communicator::all_reduce(std::span<T> data, ReduceOp rop) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin(rop == ReduceOp::sum ? "all_reduce(sum)" : "all_reduce(max)");
   const auto n = static_cast<std::int64_t>(data.size());
   if (n == 0 || im.size == 1) return;
@@ -599,7 +605,7 @@ void Communicator::all_reduce(std::span<T> data, ReduceOp rop) {
 
 template <CommElement T>
 void Communicator::broadcast(std::span<T> data, int root) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("broadcast");
   CPATTN_CHECK(root >= 0 && root < im.size, "broadcast: root must be in [0, ", im.size,
                "), got ", root);
@@ -615,19 +621,19 @@ void Communicator::broadcast(std::span<T> data, int root) {
 }
 
 void Communicator::barrier() {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("barrier");
   MPI_Request req = MPI_REQUEST_NULL;
   im.check(MPI_Ibarrier(im.comm, &req), op, "MPI_Ibarrier");
   im.wait(op, req);
 }
 
-std::int64_t Communicator::bytes_sent() const { return impl_->bytes_sent; }
-std::int64_t Communicator::bytes_received() const { return impl_->bytes_received; }
+std::int64_t Communicator::bytes_sent() const { return impl().bytes_sent; }
+std::int64_t Communicator::bytes_received() const { return impl().bytes_received; }
 
 template <CommElement T>
 CommRequest Communicator::start_shift(std::span<const T> send, int dest, std::span<T> recv, int source) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("shift");
   CPATTN_CHECK(dest >= 0 && dest < im.size && source >= 0 && source < im.size, "shift: dest (", dest,
                ") and source (", source, ") must be ranks in [0, ", im.size, ")");
@@ -647,7 +653,7 @@ CommRequest Communicator::start_shift(std::span<const T> send, int dest, std::sp
 
 template <CommElement T>
 CommRequest Communicator::start_send(std::span<const T> send, int dest, int tag) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin_p2p("send", "dest", dest, tag);
   CommRequest r = im.request(op);
   im.post_send(op, send.data(), static_cast<std::int64_t>(send.size()), dest, kTagUser + tag, r.reqs_);
@@ -656,7 +662,7 @@ CommRequest Communicator::start_send(std::span<const T> send, int dest, int tag)
 
 template <CommElement T>
 CommRequest Communicator::start_recv(std::span<T> recv, int source, int tag) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin_p2p("recv", "source", source, tag);
   CommRequest r = im.request(op);
   im.post_recv(op, recv.data(), static_cast<std::int64_t>(recv.size()), source, kTagUser + tag, r.reqs_);
@@ -666,7 +672,7 @@ CommRequest Communicator::start_recv(std::span<T> recv, int source, int tag) {
 template <CommElement T>
 void Communicator::all_to_all_v(std::span<const T> send, std::span<const std::int64_t> send_counts,
                                 std::span<T> recv, std::span<const std::int64_t> recv_counts) {
-  Impl& im = *impl_;
+  Impl& im = impl();
   const auto op = im.begin("all_to_all_v");
   const int p = im.size;
   CPATTN_CHECK(static_cast<int>(send_counts.size()) == p && static_cast<int>(recv_counts.size()) == p,
@@ -708,7 +714,7 @@ void Communicator::all_to_all_v(std::span<const T> send, std::span<const std::in
 }
 
 std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::int64_t> send_counts) {
-  const int p = impl_->size;
+  const int p = impl().size;
   CPATTN_CHECK(static_cast<int>(send_counts.size()) == p, "all_to_all_counts: send_counts.size() ",
                "must be size() = ", p, ", got ", send_counts.size());
   const std::vector<std::int64_t> ones(static_cast<std::size_t>(p), 1);
@@ -719,7 +725,7 @@ std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::i
 
 void Communicator::wait(CommRequest& r) {
   if (r.reqs_.empty()) return;
-  Impl& im = *impl_;
+  Impl& im = impl();
   CPATTN_CHECK(r.impl_ == &im, "wait: the request was started on another Communicator");
   // The deadline runs from the later of the post and this wait: the rank's own work between
   // them (a ring step's compute) is not the peer's delay.
@@ -736,7 +742,7 @@ void Communicator::wait(CommRequest& r) {
 
 bool Communicator::test(CommRequest& r) {
   if (r.reqs_.empty()) return true;
-  Impl& im = *impl_;
+  Impl& im = impl();
   CPATTN_CHECK(r.impl_ == &im, "test: the request was started on another Communicator");
   const Impl::Op op{r.name_, r.call_, Clock::time_point{}};
   int done = 0;

@@ -30,6 +30,8 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
                ": head_dim_qk (q.dim) must be in [1, 256], got ", s.head_dim_qk);
   CPATTN_CHECK(s.head_dim_v >= 1 && s.head_dim_v <= 256, fn,
                ": head_dim_v (v.dim) must be in [1, 256], got ", s.head_dim_v);
+  CPATTN_CHECK(o.mask == MaskType::none || o.mask == MaskType::causal, fn, ": mask must be none or causal, got ",
+               static_cast<int>(o.mask));
   CPATTN_CHECK(o.dropout_p >= 0.0f && o.dropout_p < 1.0f, fn,
                ": dropout_p must be in [0, 1), got ", o.dropout_p);
   CPATTN_CHECK(!o.softmax_scale || std::isfinite(*o.softmax_scale), fn,
@@ -137,6 +139,8 @@ void check_inputs(const char* fn, const AttnInputs& in) {
   const AttnShape s = in.shape();
   check_shape(fn, s, in.options);
   const DType dt = in.dtype();
+  CPATTN_CHECK(dt == DType::f32 || dt == DType::f16 || dt == DType::bf16, fn, ": q's dtype must be fp32, fp16 or "
+               "bf16, got ", static_cast<int>(dt));
   check_dtype(fn, "k", in.k, dt);
   check_dtype(fn, "v", in.v, dt);
   check_view(fn, "q", in.q, {s.total_q, "total_q = q.rows"},

@@ -404,6 +404,10 @@ TEST(CommOptionsTest, MoveKeepsOneDuplicate) {
   a = std::move(b);
   a.barrier();
   EXPECT_EQ(a.calls(), 2);
+  // The moved-from one (which a borrower such as a CpAttention may still hold): an error, not a
+  // read through null.
+  EXPECT_THROW((void)b.rank(), Error);
+  EXPECT_THROW(b.barrier(), Error);
 }
 
 // ---- agreement ----

@@ -1,6 +1,7 @@
 // CP attention over MPI against a single-process run of the whole batch (docs/design.md 7), at
 // the rank count mpiexec gives (CTest runs 1 to 5), and the agreement failures.
 #include "cp_test_helpers.hpp"
+#include "../error_of.hpp"
 
 #include <cpattn/check/batch.hpp>
 #include <cpattn/check/cases.hpp>
@@ -242,6 +243,13 @@ TEST_F(CpAttentionTest, BadArgumentsOnOneRankFailEveryRank) {
   EXPECT_THAT(same_error_everywhere(comm, [&] { attn.backward(none, b.bwd()); }),
               HasSubstr("the context holds no forward"));
   EXPECT_THROW(CpAttention(comm, {.num_heads_q = 3, .num_heads_k = 2, .head_dim_qk = 8, .head_dim_v = 8}), Error);
+  // Enums out of their range: refused, not run as another value (a dtype 9 wrote no output).
+  CpAttnConfig c = b.config();
+  c.dtype = static_cast<DType>(9);
+  EXPECT_THAT(cpattn::testing::error_of([&] { CpAttention bad_layer(comm, c); }), HasSubstr("dtype must be fp32, fp16 or bf16, got 9"));
+  c = b.config();
+  c.options.mask = static_cast<MaskType>(7);
+  EXPECT_THAT(cpattn::testing::error_of([&] { CpAttention bad_layer(comm, c); }), HasSubstr("mask must be none or causal, got 7"));
 }
 
 // A wrapper's own failed check on one rank (CpForwardArgs / CpBackwardArgs::caller_error): every

@@ -1336,6 +1336,12 @@ TEST_F(kernel_bad_params, Raise) {
   p.in.options.dropout_p = 1.0f;
   expect_error(p, "dropout_p must be in [0, 1)");
   p = good();
+  p.in.options.mask = static_cast<MaskType>(7);  // (ran as none)
+  expect_error(p, "mask must be none or causal, got 7");
+  p = good();
+  p.in.q.dtype = p.in.k.dtype = p.in.v.dtype = p.out.dtype = static_cast<DType>(9);  // (wrote no output)
+  expect_error(p, "q's dtype must be fp32, fp16 or bf16, got 9");
+  p = good();
   p.in.options.window_size_left = -2;
   expect_error(p, "window_size_left and window_size_right must be >= -1");
   p = good();

@@ -90,6 +90,13 @@ j = bench_json("--window", "40,0", "--softcap", "5", "--alibi")
 check(j is not None and j["window"] == [40, 0] and j["softcap"] == 5.0 and j["alibi"] is True,
       f"masks JSON: {j}")
 
+# A window that shows each query only itself: dq = dk = 0 exactly, and the check's floor lets
+# the kernels' rounding noise pass (it failed the relative norm alone on every fp32 path).
+r = subprocess.run([CPATTN, "bench", "attention", "--lengths", "1,1,67,300,2", "--heads", "3", "--kv-heads", "1",
+                    "--dtype", "fp32", "--head-dim", "256", "--window", "0,0", "--mask", "none", "--repeats", "1"],
+                   capture_output=True, text=True, timeout=300)
+check(r.returncode == 0 and "check passed" in r.stderr, f"self-only window: exit {r.returncode} {r.stderr[-800:]}")
+
 # Bad values and old flags: exit 2, one line naming the flag and listing the valid values.
 DTYPES = "--dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16)"
 bad = [
