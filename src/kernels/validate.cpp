@@ -100,7 +100,10 @@ void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t tota
     CPATTN_CHECK(run.len >= 1, fn, ": run ", r, " has len ", run.len, ", must be >= 1");
     CPATTN_CHECK(run.row >= 0 && run.row <= total_k - run.len, fn, ": run ", r, " rows [",
                  run.row, ", ", run.row + run.len, ") are outside k's rows [0, ", total_k, ")");
-    CPATTN_CHECK(run.pos >= 0, fn, ": run ", r, " has pos ", run.pos, ", must be >= 0");
+    // (Positions up to 2^48, kMaxTokens, as windows: pos + len and the masks' differences of
+    // positions stay far inside int64.)
+    CPATTN_CHECK(run.pos >= 0 && run.pos <= kMaxTokens - run.len, fn, ": run ", r, " positions [", run.pos, ", +",
+                 run.len, ") must be in [0, 2^48]");
   }
   std::vector<std::pair<int64_t, int64_t>> qranges;
   qranges.reserve(w->tasks.size());
@@ -110,7 +113,8 @@ void check_work(const char* fn, const WorkList* w, int64_t total_q, int64_t tota
     CPATTN_CHECK(a.q_row >= 0 && a.q_row <= total_q - a.q_len, fn, ": task ", t,
                  " query rows [", a.q_row, ", ", a.q_row + a.q_len,
                  ") are outside q's rows [0, ", total_q, ")");
-    CPATTN_CHECK(a.q_pos >= 0, fn, ": task ", t, " has q_pos ", a.q_pos, ", must be >= 0");
+    CPATTN_CHECK(a.q_pos >= 0 && a.q_pos <= kMaxTokens - a.q_len, fn, ": task ", t, " positions [", a.q_pos, ", +",
+                 a.q_len, ") must be in [0, 2^48]");
     CPATTN_CHECK(a.doc >= 0, fn, ": task ", t, " has doc ", a.doc, ", must be >= 0");
     CPATTN_CHECK(a.run_begin >= 0 && a.run_begin <= a.run_end && a.run_end <= nruns, fn,
                  ": task ", t, " runs [", a.run_begin, ", ", a.run_end,

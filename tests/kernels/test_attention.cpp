@@ -1388,6 +1388,15 @@ TEST_F(kernel_bad_params, Raise) {
   w.tasks[0].run_end = 5;
   p.in.work = &w;
   expect_error(p, "run_end <= runs.size()");
+  // Positions past 2^48 (q_pos + q_len overflowed int64 near its top: rows came out 0).
+  w = pb.work;
+  w.tasks[0].q_pos = std::numeric_limits<int64_t>::max() - 2;
+  p.in.work = &w;
+  expect_error(p, "task 0 positions [");
+  w = pb.work;
+  w.runs[0].pos = (int64_t{1} << 48);
+  p.in.work = &w;
+  expect_error(p, "run 0 positions [");
   p = good();
   p.in.work = nullptr;
   expect_error(p, "work must not be null");
