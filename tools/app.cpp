@@ -1,7 +1,6 @@
 // The command line's frame: parsing, dispatch and exit codes, shared by `cpattn` and the
 // command-line fuzzer. Exit codes (docs/cli.md): 0 success, 1 a run that failed its own check
 // or an unexpected error, 2 bad flags, values or files (one line on stderr, no stack trace).
-#include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/version.hpp>
 
@@ -19,8 +18,9 @@ namespace cpattn::cli {
 
 namespace {
 // Under mpirun every rank parses the same flags and meets the same error: only rank 0 says so.
+const char* world_rank() { return std::getenv("OMPI_COMM_WORLD_RANK"); }
 bool quiet_rank() {
-  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const char* rank = world_rank();
   return rank != nullptr && std::atoi(rank) != 0;
 }
 
@@ -32,8 +32,9 @@ bool quiet_rank() {
 // are agreed, every rank's the same, and rank 0 says them.
 int quiet_exit(int code, const std::string& message) {
   std::this_thread::sleep_for(std::chrono::seconds(2));
-  if (!message.empty() && !MpiSession::ever_initialized())
-    std::fprintf(stderr, "cpattn: error (rank %s): %s\n", std::getenv("OMPI_COMM_WORLD_RANK"), message.c_str());
+  const char* rank = world_rank();
+  if (!message.empty() && !(mpi_started != nullptr && mpi_started()))
+    std::fprintf(stderr, "cpattn: error (rank %s): %s\n", rank != nullptr ? rank : "?", message.c_str());
   return code;
 }
 }  // namespace

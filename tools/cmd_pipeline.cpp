@@ -364,7 +364,7 @@ void add_pipeline_command(CLI::App& app) {
                 "Print one JSON object: ticks (per tick, per stage: F<mb>, B<mb>, W<mb> or idle; "
                 "interleaved F<mb>.<chunk>), actions, timeline, makespan, bubble_fraction, "
                 "utilization, peak_activations");
-  cmd->add_option("--svg", args->svg, "Also draw the simulated timeline into this SVG file");
+  cmd->add_option("--svg", args->svg, "Also draw the simulated timeline into this SVG file")->check(path_flag());
   cmd->callback([args] { run_pipeline(*args); });
 }
 

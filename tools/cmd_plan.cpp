@@ -8,8 +8,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -21,13 +19,14 @@
 namespace cpattn::cli {
 
 std::vector<int64_t> read_lengths_file(const std::string& path) {
-  std::error_code ec;
-  CPATTN_CHECK(!std::filesystem::is_directory(path, ec), "--lengths-file: '", path, "' is a folder, not a file");
-  std::ifstream in(path);
-  CPATTN_CHECK(in.good(), "--lengths-file: cannot open '", path, "'");
-  std::vector<int64_t> lengths = parse_lengths_file(in, path);
-  CPATTN_CHECK(!in.bad(), "--lengths-file ", path, ": read error");
-  return lengths;
+  std::vector<std::byte> bytes;  // (a FIFO, a device or a folder refused without blocking)
+  try {
+    bytes = read_regular_file(path);
+  } catch (const Error& e) {
+    throw Error("--lengths-file: " + e.message());
+  }
+  std::istringstream in(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return parse_lengths_file(in, path);
 }
 
 std::vector<int64_t> parse_lengths_file(std::istream& in, const std::string& path) {

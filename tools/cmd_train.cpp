@@ -268,6 +268,15 @@ void check_mesh_args(const TrainArgs& a) {
   });
 }
 
+// The model's attention layers as the flags make them (masks aside), for the checks and the
+// memory estimate before any layer exists.
+CpAttnConfig attention_config(const TrainArgs& a) {
+  const train::ModelConfig& m = a.model;
+  return {.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(), .head_dim_v = m.head_dim(),
+          .dtype = parse_train_dtype(a.dtype), .options = {.num_threads = a.threads},
+          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner, .split = parse_split(a.split)};
+}
+
 // Checks that need no MPI, the same on every rank.
 void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.cp >= 1, "--cp must be >= 1, got ", a.cp);
@@ -298,13 +307,13 @@ void check_args(const TrainArgs& a) {
                "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (", a.cp, " = inner x outer), got --cp-inner ",
                a.cp_inner);
   // The scheme's own rules (the split it takes, the all-to-all's head counts) before MPI starts.
-  with_flag("--cp-scheme", [&] {
-    check_cp_attn_config({.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(),
-                          .head_dim_v = m.head_dim(), .dtype = parse_train_dtype(a.dtype),
-                          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
-                          .split = parse_split(a.split)},
-                         a.cp);
-  });
+  try {
+    check_cp_attn_config(attention_config(a), a.cp);
+  } catch (const Error& e) {
+    throw Error("--cp-scheme " + a.cp_scheme + " with --split " + a.split + ", --heads " + std::to_string(m.heads) +
+                ", --kv-heads " + std::to_string(m.kv_heads) + " and --cp " + std::to_string(a.cp) + ": " +
+                e.message());
+  }
   parse_window(a.window);
   check_softcap(a.softcap);
   CPATTN_CHECK(a.model.dropout >= 0.0f && a.model.dropout < 1.0f, "--dropout must be in [0, 1) (0 = off), got ",
@@ -372,12 +381,7 @@ void check_train_memory(const TrainArgs& a) {
       saturating_mul(saturating_mul(local, micro),
                      saturating_add(saturating_mul(layers, 16 * dim + mlp_acts), 3 * vocab)),
       4);
-  const CpAttnConfig attn{.num_heads_q = m.heads, .num_heads_k = m.kv_heads, .head_dim_qk = m.head_dim(),
-                          .head_dim_v = m.head_dim(), .dtype = parse_train_dtype(a.dtype),
-                          .options = {.num_threads = a.threads},
-                          .scheme = parse_scheme(a.cp_scheme, "--cp-scheme"), .cp_inner = a.cp_inner,
-                          .split = parse_split(a.split)};
-  const uint64_t cp = cp_memory_estimate(attn, a.cp, static_cast<int64_t>(local))
+  const uint64_t cp = cp_memory_estimate(attention_config(a), a.cp, static_cast<int64_t>(local))
                           .total(static_cast<int64_t>(saturating_mul(layers, micro)));
   // Parameters per block as ParamLayout lays them out (norms, q/k/v/o, then the MLP or the
   // router, its bias and the experts), `held` experts of them; wte, lnf and lm_head once.
@@ -435,13 +439,14 @@ void train_run(const TrainArgs& a) {
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed, mesh_config(a));
   const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = train::data_identity(data->documents())};
-  // Each rank reads --data itself: all must have read the same documents (names and bytes), or
-  // they would train on different tokens, silently or until a later collective disagrees.
+  // Each rank reads --data itself: all must have read the same documents (their bytes, in
+  // order; copies under other paths are the same data), or they would train on different
+  // tokens, silently or until a later collective disagrees.
   with_flag("--data", [&] {
     Fingerprint fp;
     fp.add("documents", static_cast<int64_t>(data->documents().size()))
         .add("tokens per epoch", data->total_tokens())
-        .add("hash of the documents' names and bytes", static_cast<int64_t>(identity.data_hash));
+        .add("hash of the documents' bytes", static_cast<int64_t>(train::data_content_hash(data->documents())));
     agree(comm, fp, "the documents each rank read");
   });
   if (!a.resume.empty()) {

@@ -4,9 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include <charconv>
 #include <iosfwd>
-#include <system_error>
 #include <string>
 #include <vector>
 
@@ -20,6 +18,10 @@ namespace cpattn::cli {
 struct ExitCode {
   int code;
 };
+
+// Whether MPI has started in this process (MpiSession::ever_initialized), for the quiet ranks'
+// messages (app.cpp): set by main(); the fuzzers, built without MPI, leave it null (not started).
+inline bool (*mpi_started)() = nullptr;
 
 // The app's name and global flags, and the parse-and-run frame with cpattn's exit codes.
 void configure_app(CLI::App& app);
@@ -38,9 +40,8 @@ inline const CLI::Validator& path_flag() {
 inline const CLI::Validator& at_least_one() {
   static const CLI::Validator v(
       [](const std::string& s) {
-        long long x = 0;
-        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
-        return ec == std::errc() && end == s.data() + s.size() && x < 1 ? "must be >= 1, got " + s : std::string();
+        long long x = 0;  // (read as the option's own conversion reads it: 0x0, " 0", ...)
+        return CLI::detail::lexical_cast(s, x) && x < 1 ? "must be >= 1, got " + s : std::string();
       },
       "INT >= 1");
   return v;

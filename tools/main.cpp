@@ -1,7 +1,10 @@
 // `cpattn`: the command line (see app.cpp for parsing and exit codes).
+#include <cpattn/comm.hpp>
+
 #include "commands.hpp"
 
 int main(int argc, char** argv) {
+  cpattn::cli::mpi_started = &cpattn::MpiSession::ever_initialized;
   CLI::App app{"cpattn: context-parallel attention on packed variable-length sequences"};
   cpattn::cli::configure_app(app);
   cpattn::cli::add_plan_command(app);

@@ -151,6 +151,9 @@ struct MeshConfig {
 
 // A 64-bit hash (FNV-1a) of every document's name and bytes, in order: the data's identity.
 uint64_t data_identity(std::span<const Document> docs);
+// The same of the bytes alone, in order: what the tokens are, wherever the files lie (the ranks
+// of a run compare it: copies on each node's own disk may lie under other paths).
+uint64_t data_content_hash(std::span<const Document> docs);
 
 // A parameter tensor inside the flat parameter vector.
 struct ParamTensor {

@@ -89,6 +89,9 @@ std::vector<std::byte> read_regular_file(const std::string& path) {
   struct stat st {};
   CPATTN_CHECK(::fstat(fd, &st) == 0, "'", path, "': cannot stat it: ", errno_text());
   CPATTN_CHECK(S_ISREG(st.st_mode), "'", path, "' is ", kind_of(st.st_mode), ", not a regular file");
+  const int flags = ::fcntl(fd, F_GETFL);  // reads block again (a network filesystem may say EAGAIN)
+  CPATTN_CHECK(flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0, "'", path, "': fcntl failed: ",
+               errno_text());
   std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
   std::size_t done = 0;
   while (done < bytes.size()) {

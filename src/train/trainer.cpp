@@ -320,6 +320,16 @@ uint64_t data_identity(std::span<const Document> docs) {
   return h;
 }
 
+uint64_t data_content_hash(std::span<const Document> docs) {
+  uint64_t h = fnv1a64({});
+  for (const Document& d : docs) {
+    const int64_t size = static_cast<int64_t>(d.bytes.size());
+    h = fnv1a64(std::as_bytes(std::span(&size, 1)), h);
+    h = fnv1a64(std::as_bytes(std::span(d.bytes)), h);
+  }
+  return h;
+}
+
 namespace {
 // n_params: the whole model's (every expert), whatever this rank holds.
 CheckpointConfig checkpoint_config(const Model& m, int64_t n_params, const OptimConfig& oc, uint64_t seed,

@@ -121,8 +121,8 @@ bad = {
     ("plan", "--bogus"): "--bogus",
     ("plan", "--ends", "16", "--cu-seqlens", "0,16"): "excludes",
     ("plan", "--lengths", "3,0"): "--lengths[1]",
-    ("plan", "--lengths-file", "/nonexistent/file"): "cannot open",
-    ("plan", "--lengths-file", "/"): "--lengths-file: '/' is a folder, not a file",
+    ("plan", "--lengths-file", "/nonexistent/file"): "--lengths-file: '/nonexistent/file': cannot read it",
+    ("plan", "--lengths-file", "/"): "--lengths-file: '/' is a folder, not a regular file",
     ("plan", "--lengths-file", ""): "--lengths-file: a path must not be empty",  # (was: the default batch)
     ("plan", "--svg", ""): "--svg: a path must not be empty",  # (was: no drawing, no word)
     ("nosuchcommand",): "nosuchcommand",

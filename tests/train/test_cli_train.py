@@ -123,7 +123,8 @@ with tempfile.TemporaryDirectory() as tmp:
         (0, ["--weight-decay", "inf"], "--weight-decay must be >= 0 and finite, got inf"),
         (0, ["--compare", "99999999999"], "--compare: '99999999999' is neither a CP size nor a mesh shape"),
         (2, ["--cp", "2", "--cp-scheme", "ring", "--split", "padding-free"],
-         "--cp-scheme: scheme ring takes only the padded split"),
+         "--cp-scheme ring with --split padding-free, --heads 4, --kv-heads 2 and --cp 2: scheme ring takes only "
+         "the padded split"),
         (0, ["--cp-scheme", "zigzag"], "--cp-scheme must be one of allgather, ring, pass-q, a2a, hybrid, got 'zigzag'"),
         (0, ["--cp-scheme", "hybrid"], "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (1 = inner x outer), "
                                        "got --cp-inner 0"),
@@ -290,7 +291,12 @@ with tempfile.TemporaryDirectory() as tmp:
           "has 3, rank 1 has 1" in r.stderr and "step " not in r.stdout, f"two checkpoints: {r.stderr[-800:]}")
     r = mpmd_in([wa, wb], ["--steps", "2", "--data", "docs"])
     check(r.returncode == 2 and "--data: ranks disagree on the documents each rank read: hash of the documents' "
-          "names and bytes" in r.stderr and "step " not in r.stdout, f"two data folders: {r.stderr[-800:]}")
+          "bytes" in r.stderr and "step " not in r.stdout, f"two data folders: {r.stderr[-800:]}")
+    # The same bytes under another absolute path (a node's own copy) are the same data: it trains.
+    with open(os.path.join(wb, "docs", "doc.txt"), "w") as f:
+        f.write("a" * 300)
+    r = mpmd_in([wa, wb], ["--steps", "2", "--data", "docs"])
+    check(r.returncode == 0 and "step     1" in r.stdout, f"the same bytes under other paths: {r.stderr[-800:]}")
     # A flag check that fails on rank 1 alone, before MPI starts: rank 1 says it, naming itself.
     r, elapsed = mpmd([], ["--clip", "-1"])
     check(r.returncode == 2 and "cpattn: error (rank 1): --clip must be >= 0" in r.stderr
