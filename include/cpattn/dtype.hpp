@@ -14,6 +14,8 @@ namespace cpattn {
 enum class DType { f32, f16, bf16 };
 
 constexpr std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+// Whether `t` is one of the enumerators (not a value cast from a bad integer).
+constexpr bool is_valid(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
 
 // The one spelling of a dtype in messages, reports and on the command line: fp32, fp16, bf16.
 constexpr std::string_view to_string(DType t) {

@@ -1315,8 +1315,7 @@ void check_cp_scheme(const CpAttnConfig& cfg, int cp) {
 }
 
 void check_cp_attn_config(const CpAttnConfig& cfg, int cp) {
-  CPATTN_CHECK(cfg.dtype == DType::f32 || cfg.dtype == DType::f16 || cfg.dtype == DType::bf16,
-               "CpAttention: dtype must be fp32, fp16 or bf16, got ", static_cast<int>(cfg.dtype));
+  CPATTN_CHECK(is_valid(cfg.dtype), "CpAttention: dtype must be fp32, fp16 or bf16, got ", static_cast<int>(cfg.dtype));
   // The kernels' own checks of sizes and options, before any tensor exists.
   check_attention_config({.num_heads_q = cfg.num_heads_q, .num_heads_k = cfg.num_heads_k,
                           .head_dim_qk = cfg.head_dim_qk, .head_dim_v = cfg.head_dim_v},

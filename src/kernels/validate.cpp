@@ -143,8 +143,7 @@ void check_inputs(const char* fn, const AttnInputs& in) {
   const AttnShape s = in.shape();
   check_shape(fn, s, in.options);
   const DType dt = in.dtype();
-  CPATTN_CHECK(dt == DType::f32 || dt == DType::f16 || dt == DType::bf16, fn, ": q's dtype must be fp32, fp16 or "
-               "bf16, got ", static_cast<int>(dt));
+  CPATTN_CHECK(is_valid(dt), fn, ": q's dtype must be fp32, fp16 or bf16, got ", static_cast<int>(dt));
   check_dtype(fn, "k", in.k, dt);
   check_dtype(fn, "v", in.v, dt);
   check_view(fn, "q", in.q, {s.total_q, "total_q = q.rows"},

@@ -13,6 +13,7 @@
 #include <cpattn/mesh.hpp>
 
 #include <algorithm>
+#include <string_view>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -309,26 +310,24 @@ int64_t Trainer::steps_done() const { return impl_->adam.step; }
 double Trainer::global_grad_norm() const { return impl_->norm; }
 int64_t Trainer::skipped_steps() const { return impl_->skipped; }
 
-uint64_t data_identity(std::span<const Document> docs) {
+namespace {
+// FNV-1a over every document in order: its sizes, its name when `names`, its bytes. (Without
+// names the name's size is hashed as 0, so the two hashes share one layout.)
+uint64_t hash_documents(std::span<const Document> docs, bool names) {
   uint64_t h = fnv1a64({});
   for (const Document& d : docs) {
-    const int64_t sizes[2] = {static_cast<int64_t>(d.name.size()), static_cast<int64_t>(d.bytes.size())};
+    const std::string_view name = names ? std::string_view(d.name) : std::string_view();
+    const int64_t sizes[2] = {static_cast<int64_t>(name.size()), static_cast<int64_t>(d.bytes.size())};
     h = fnv1a64(std::as_bytes(std::span(sizes)), h);
-    h = fnv1a64(std::as_bytes(std::span(d.name.data(), d.name.size())), h);
+    h = fnv1a64(std::as_bytes(std::span(name.data(), name.size())), h);
     h = fnv1a64(std::as_bytes(std::span(d.bytes)), h);
   }
   return h;
 }
+}  // namespace
 
-uint64_t data_content_hash(std::span<const Document> docs) {
-  uint64_t h = fnv1a64({});
-  for (const Document& d : docs) {
-    const int64_t size = static_cast<int64_t>(d.bytes.size());
-    h = fnv1a64(std::as_bytes(std::span(&size, 1)), h);
-    h = fnv1a64(std::as_bytes(std::span(d.bytes)), h);
-  }
-  return h;
-}
+uint64_t data_identity(std::span<const Document> docs) { return hash_documents(docs, true); }
+uint64_t data_content_hash(std::span<const Document> docs) { return hash_documents(docs, false); }
 
 namespace {
 // n_params: the whole model's (every expert), whatever this rank holds.
