@@ -257,15 +257,20 @@ void write_plan_svg(const std::string& path, const std::vector<int64_t>& cu, con
 
 void run_plan(const PlanArgs& a) {
   std::vector<int64_t> cu;
+  const char* source = "the built-in example";  // the flag that gave the boundaries
   if (!a.cu_seqlens.empty()) {
-    check_cu_seqlens(a.cu_seqlens, kUnknownTokens, "--cu-seqlens");
+    source = "--cu-seqlens";
+    check_cu_seqlens(a.cu_seqlens, kUnknownTokens, source);
     cu = a.cu_seqlens;
   } else if (!a.ends.empty()) {
-    cu = cu_seqlens_from_ends(a.ends, kUnknownTokens, "--ends");
+    source = "--ends";
+    cu = cu_seqlens_from_ends(a.ends, kUnknownTokens, source);
   } else if (!a.lengths_file.empty()) {
-    cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), "--lengths-file");
+    source = "--lengths-file";
+    cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), source);
   } else if (!a.lengths.empty()) {
-    cu = cu_seqlens_from_lengths(a.lengths, "--lengths");
+    source = "--lengths";
+    cu = cu_seqlens_from_lengths(a.lengths, source);
   } else {
     cu = cu_seqlens_from_lengths(kExampleLengths);
   }
@@ -273,7 +278,15 @@ void run_plan(const PlanArgs& a) {
   const CpSplit split = parse_split(a.split);
   if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
   if (a.json) check_json_size(cu, a.cp, split);
-  const SplitSummary both{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
+  // With --cp and --split checked, what the planner still refuses is the boundaries' own
+  // (documents too long to count their pairs in int64): named by the flag that gave them.
+  const SplitSummary both = [&] {
+    try {
+      return SplitSummary{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
+    } catch (const Error& e) {
+      throw Error(std::string(source) + ": " + e.message());
+    }
+  }();
   const BalanceReport& b = split == CpSplit::padded ? both.padded : both.padding_free;
   if (a.json) {
     print_json(b, cu, both);

@@ -126,7 +126,9 @@ bad = {
     ("plan", "--lengths-file", ""): "--lengths-file: a path must not be empty",  # (was: the default batch)
     ("plan", "--svg", ""): "--svg: a path must not be empty",  # (was: no drawing, no word)
     ("nosuchcommand",): "nosuchcommand",
-    ("plan", "--lengths", "6,4444444448", "--cp", "1"): "overflows int64",  # found by fuzz_cli
+    ("plan", "--lengths", "6,4444444448", "--cp", "1"): "--lengths: work count overflows int64",  # found by fuzz_cli
+    ("plan", "--cu-seqlens", "0,1099511627776", "--cp", "2"): "--cu-seqlens: work count overflows int64",
+    ("plan", "--ends", "4294967295", "--cp", "1"): "--ends: work count overflows int64",
 }
 for args, needle in bad.items():
     r = run(*args)
