@@ -194,8 +194,11 @@ inline vf exp2_split(vf xc, const float (&c)[N]) {
   return (vf)((vi)p + (ni << 23));
 }
 
-// 2^x for x <= 128, exactly 0 for x < -126 (so masked entries, -inf, give 0).
-// Degree-7 Taylor of 2^f (error < 1e-8).
+// The backward's P = 2^x, x a recomputed score minus its row's lse (log2 domain): at most 1
+// (x > 0 gives exactly 1: x <= 0 exactly, but the backward's products round in another order
+// than the forward's, and at huge logits, ~1e9 from fp16 inputs near its range, S - lse came
+// out hundreds above 0 and P, dV with it, inf), exactly 0 for x < -126 (so masked entries,
+// -inf, give 0). Degree-7 Taylor of 2^f (error < 1e-8; p(0) = 1 exactly).
 inline vf vexp2(vf x) {
   static constexpr float taylor7[] = {1.525273380405984e-05f, 1.5403530393381606e-04f,
                                       1.3333558146428443e-03f, 9.618129107628477e-03f,
@@ -204,7 +207,7 @@ inline vf vexp2(vf x) {
   const vf lo = vset(-126.0f);
   const vi keep = x >= lo;
   vf xc = x < lo ? lo : x;
-  xc = xc > vset(127.0f) ? vset(127.0f) : xc;
+  xc = xc > vf{} ? vf{} : xc;
   return (vf)((vi)exp2_split(xc, taylor7) & keep);
 }
 
@@ -2465,7 +2468,7 @@ void backward_impl(const AttnBwdParams& p) {
                   const int64_t kp = pc.p_lo + (c - pc.c0);
                   float dcap;
                   const float x = transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r, kp, dcap);
-                  const float pv = std::exp2(x * kLog2e - l2);
+                  const float pv = std::exp2(std::fmin(x * kLog2e - l2, 0.0f));  // P <= 1, as vexp2
                   const float kf = !cr.dropout ? 1.0f : dropout_keep_row(key, kp, cr.thr) ? cr.inv_keep : 0.0f;
                   pd[c] = pv * kf;
                   s[c] = pv * (dpr[c] * kf - dl) * dcap;

@@ -199,6 +199,40 @@ TEST(kernel_attention, LargeGradientsStayFiniteInFp16OnEveryPath) {
   }
 }
 
+// Logits of ~1e9 (fp16 q, k up to +-60000): the backward recomputes P = exp(S - lse) with S's
+// products in another order than the forward's, and fp32 rounding of S is then several
+// hundreds, so S - lse can come out > 0 where it is <= 0 exactly. P is a probability: the
+// backward clamps it at 1 (before, dV came out inf on every vector and tile path). With P <= 1,
+// |dV[j][d]| <= sum over the query rows and heads that see key j of |dO[i][h][d]|: checked
+// on every path this CPU runs, for one document without a mask and one causal.
+TEST(kernel_attention, RecomputedProbabilitiesStayAtMostOneInTheBackward) {
+  for (MaskType mask : {MaskType::none, MaskType::causal}) {
+    const AttnCase c{"huge_logits", {61}, {61}, 4, 2, 64, 64, mask};
+    const Problem pb(c, DType::f16, 5, 60000.0f);
+    const int group = c.num_heads_q / c.num_heads_k, d = c.head_dim_v;
+    for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                            KernelPath::amx, KernelPath::amx_emulated}) {
+      if (!kernel_path_supported(path)) continue;
+      const Results got = run_kernels(pb, DType::f16, path, 1);
+      double worst = 0;  // max over dV elements of |dV| / bound
+      for (int64_t j = 0; j < c.total_k(); ++j)
+        for (int hk = 0; hk < c.num_heads_k; ++hk)
+          for (int e = 0; e < d; ++e) {
+            double bound = 0;
+            for (int64_t i = mask == MaskType::causal ? j : 0; i < c.total_q(); ++i)
+              for (int h = hk * group; h < (hk + 1) * group; ++h)
+                bound += std::abs(pb.dout.f[static_cast<size_t>((i * c.num_heads_q + h) * d + e)]);
+            const double dv = got.dv[static_cast<size_t>((j * c.num_heads_k + hk) * d + e)];
+            worst = std::max(worst, std::isfinite(dv) ? std::abs(dv) / (bound * 1.01 + 1e-3) : HUGE_VAL);
+          }
+      EXPECT_LE(worst, 1.0) << to_string(path) << " mask " << static_cast<int>(mask);
+      // (dQ and dK, scale x dS x K or Q with |K|, |Q| near 2000... 60000, may pass fp16's range.)
+      for (const auto* v : {&got.out, &got.lse, &got.dv})
+        EXPECT_TRUE(all_finite(*v)) << to_string(path) << " mask " << static_cast<int>(mask);
+    }
+  }
+}
+
 // ---- determinism ----------------------------------------------------------------------------
 TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   const AttnCase c{"det", {150, 1, 77, 200}, {150, 1, 77, 200}, 4, 2, 64, 64, MaskType::causal};
