@@ -438,7 +438,6 @@ void train_run(const TrainArgs& a) {
                           .rope_local_offsets = a.rope_local, .skip_nonfinite = a.skip_nonfinite,
                           .testing_nan_at_step = a.testing_nan_at_step},
                          a.seed, mesh_config(a));
-  const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = train::data_identity(data->documents())};
   // Each rank reads --data itself: all must have read the same documents (their bytes, in
   // order; copies under other paths are the same data), or they would train on different
   // tokens, silently or until a later collective disagrees.
@@ -449,6 +448,11 @@ void train_run(const TrainArgs& a) {
         .add("hash of the documents' bytes", static_cast<int64_t>(train::data_content_hash(data->documents())));
     agree(comm, fp, "the documents each rank read");
   });
+  // The data identity a checkpoint holds (names and bytes) is rank 0's on every rank: the
+  // bytes agree, and a rank whose copy lies under another path resumes as rank 0 does.
+  std::array<int64_t, 1> data_id{rank == 0 ? static_cast<int64_t>(train::data_identity(data->documents())) : 0};
+  comm.broadcast<int64_t>(data_id, 0);
+  const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = static_cast<uint64_t>(data_id[0])};
   if (!a.resume.empty()) {
     train::DataPosition pos;
     with_flag("--resume", [&] { pos = trainer.load(a.resume, identity); });

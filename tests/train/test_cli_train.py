@@ -7,6 +7,7 @@ the attention masks (--window, --softcap, --alibi, all three at once) at CP=2 tr
 ranks agree on them; a --json-log in the checkpoint's file, a --resume that is no regular file, and
 ranks that read different checkpoints or documents are refused."""
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -297,6 +298,14 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write("a" * 300)
     r = mpmd_in([wa, wb], ["--steps", "2", "--data", "docs"])
     check(r.returncode == 0 and "step     1" in r.stdout, f"the same bytes under other paths: {r.stderr[-800:]}")
+    # ... and resume together from rank 0's checkpoint (copied to each node): the checkpoint's
+    # data identity (names and bytes) is rank 0's on every rank (rank 1's names differ).
+    r = mpmd_in([wa, wb], ["--steps", "2", "--data", "docs", "--save", "c.ckpt"])
+    check(r.returncode == 0 and os.path.exists(os.path.join(wa, "c.ckpt")), f"save on other paths: {r.stderr[-800:]}")
+    shutil.copy(os.path.join(wa, "c.ckpt"), os.path.join(wb, "c.ckpt"))
+    r = mpmd_in([wa, wb], ["--steps", "3", "--data", "docs", "--resume", "c.ckpt"])
+    check(r.returncode == 0 and "resumed at step 2" in r.stdout and "step     2" in r.stdout,
+          f"resume on other paths: {r.stderr[-800:]}")
     # A flag check that fails on rank 1 alone, before MPI starts: rank 1 says it, naming itself.
     r, elapsed = mpmd([], ["--clip", "-1"])
     check(r.returncode == 2 and "cpattn: error (rank 1): --clip must be >= 0" in r.stderr
