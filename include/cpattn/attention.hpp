@@ -270,7 +270,9 @@ void attention_backward(const AttnBwdParams& p);
 // a causal mask query row i sees keys 0 .. kv_len - q_len + i. Rules: both lists start at 0,
 // have the same number (>= 2) of entries and are strictly increasing (no empty documents);
 // with a causal mask q_len <= kv_len for every document. Without a mask any q_len goes
-// (cross-attention); a document with more queries than keys has q_pos = 0. Task d has doc = d.
+// (cross-attention); a document with more queries than keys has q_pos = 0 and its key run
+// position q_len - kv_len (the same differences query - key, which windows and ALiBi read, as
+// FlashAttention's bottom-right alignment). Task d has doc = d.
 // int32 boundaries (what PyTorch users hold) are accepted as they are.
 WorkList varlen_worklist(std::span<const int64_t> cu_seqlens_q,
                          std::span<const int64_t> cu_seqlens_k,

@@ -21,8 +21,18 @@ def check_tensor(name, t):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor (cpattn runs on the CPU), got device {t.device}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dtype not in _DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_thd(name, t, what="tokens"):
+    """ValueError naming `name` unless `t` is [tokens, heads >= 1, head_dim >= 1]."""
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be [{what}, heads, head_dim] (3 dimensions), got {t.dim()}")
+    if t.shape[1] < 1 or t.shape[2] < 1:
+        raise ValueError(f"{name} must have at least one head and head_dim >= 1, got shape {list(t.shape)}")
 
 
 def check_same_dtype(**tensors):
@@ -45,39 +55,77 @@ def boundaries(name, cu):
     return cu.detach()
 
 
+def integer(name, x):
+    """x as an int (a Python or NumPy int, or a one-element integer tensor; not a float or a
+    bool), within int64 (ValueError past it): TypeError naming `name` otherwise."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        x = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}") from None
+    if not -2**63 <= x < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {x}")
+    return x
+
+
+def number(name, x):
+    """x as a float (an int or float, a NumPy scalar or one-element tensor; not a bool or a
+    str): TypeError naming `name` otherwise."""
+    if isinstance(x, (bool, str, bytes)) or x is None:
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}") from None
+
+
 def seqlen(name, m):
     """max_seqlen as an int (a Python or NumPy int, or a one-element integer tensor)."""
-    try:
-        return operator.index(m)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(m).__name__}") from None
+    return integer(name, m)
 
 
 def unit_head_dim(t):
-    """t itself when the kernels read it in place (unit head_dim stride, no broadcast dimension),
-    else a contiguous copy: an incoming gradient may be neither (the gradient of a sum over the
-    tokens is expanded over them, stride 0)."""
+    """t itself when the kernels read it in place (unit head_dim stride, and heads and tokens
+    apart as the kernels' views need: head stride >= head_dim, token stride >= the last head's
+    end), else a contiguous copy: an incoming gradient may be neither (the gradient of a sum
+    over the tokens is expanded over them, stride 0; a head-major tensor's transpose has its
+    tokens inside its heads)."""
     if t.dim() != 3:
         return t
-    in_place = (t.stride(2) == 1 or t.shape[2] == 1) and all(
-        s > 0 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1)
+    tokens, heads, dim = t.shape
+    head_step = t.stride(1) if heads > 1 else dim
+    in_place = ((t.stride(2) == 1 or dim == 1) and (heads <= 1 or t.stride(1) >= dim)
+                and (tokens <= 1 or t.stride(0) >= head_step * (heads - 1) + dim))
     return t if in_place else t.contiguous()
+
+
+def in_place_or_copy(t):
+    """An input q, k or v as the kernels take it: t itself (unit head_dim stride, heads and
+    tokens apart), else, if its head_dim is unit-stride, a contiguous copy that autograd sees
+    (a head-major tensor's transpose, a broadcast); a head_dim of another stride is the
+    binding's error (FlashAttention's rule: the last dimension contiguous)."""
+    return t if t.stride(2) != 1 and t.shape[2] > 1 else unit_head_dim(t)
 
 
 def make_options(causal, softmax_scale, dropout_p, seed, window_size, softcap):
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = (integer(f"window_size[{i}]", w) for i, w in enumerate(window_size))
     return _cpattn.make_options(
-        causal=bool(causal), softmax_scale=None if softmax_scale is None else float(softmax_scale),
-        dropout_p=float(dropout_p), seed=int(seed), window_left=int(window_size[0]),
-        window_right=int(window_size[1]), softcap=float(softcap), num_threads=torch.get_num_threads())
+        causal=bool(causal), softmax_scale=None if softmax_scale is None else number("softmax_scale", softmax_scale),
+        dropout_p=number("dropout_p", dropout_p), seed=int(seed), window_left=left, window_right=right,
+        softcap=number("softcap", softcap), num_threads=torch.get_num_threads())
 
 
 def alibi(alibi_slopes):
     if alibi_slopes is None:
         return None
-    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.device.type != "cpu":
-        raise TypeError("alibi_slopes must be a CPU torch.Tensor of float32 [num_heads_q]")
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a CPU torch.Tensor of float32 [num_heads_q], got "
+                        f"{type(alibi_slopes).__name__}")
+    if alibi_slopes.device.type != "cpu":
+        raise ValueError(f"alibi_slopes must be a CPU tensor, got device {alibi_slopes.device}")
     if alibi_slopes.dim() != 1:
         raise ValueError("alibi_slopes must be [num_heads_q] (one slope per query head, the same for every "
                          f"document), got shape {list(alibi_slopes.shape)}")
@@ -134,9 +182,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be [tokens, heads, head_dim] (3 dimensions), got {t.dim()}")
+        check_thd(name, t)
     check_same_dtype(q=q, k=k, v=v)
+    q, k, v = (in_place_or_copy(t) for t in (q, k, v))
     options = make_options(causal, softmax_scale, dropout_p, dropout_seed(dropout_p), window_size, softcap)
     out, lse = _VarlenAttention.apply(q, k, v, boundaries("cu_seqlens_q", cu_seqlens_q),
                                       boundaries("cu_seqlens_k", cu_seqlens_k), seqlen("max_seqlen_q", max_seqlen_q),

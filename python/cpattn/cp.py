@@ -13,8 +13,8 @@ import weakref
 import torch
 
 from . import _cpattn
-from .attention import (alibi, boundaries, check_same_dtype, check_tensor, dtype_name, make_options,
-                        unit_head_dim)
+from .attention import (alibi, boundaries, check_same_dtype, check_tensor, check_thd, dtype_name,
+                        in_place_or_copy, make_options, unit_head_dim)
 
 
 def _mpi():
@@ -102,7 +102,7 @@ def _mpi_comm(comm):
 class _CpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, layer, seed):
-        q_, k_, v_ = q.detach(), k.detach().contiguous(), v.detach().contiguous()
+        q_, k_, v_ = in_place_or_copy(q.detach()), k.detach().contiguous(), v.detach().contiguous()
         out = q_.new_empty((q.shape[0], q.shape[1], v.shape[2]))
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
         ctx.cp = layer.forward(cu_seqlens, q_, k_, v_, out, lse, seed)
@@ -114,11 +114,15 @@ class _CpFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        if ctx.cp is None:  # the C++ context hands its saved state to the first backward
+            raise RuntimeError("ContextParallelAttention: a second backward through the same forward "
+                               "(retain_graph=True) is not supported; run the forward again")
         q, out = ctx.saved_tensors
         k_shape, v_shape = ctx.kv_shapes
         dq = torch.empty_like(q)
         dk, dv = q.new_empty(k_shape), q.new_empty(v_shape)
-        ctx.layer.backward(ctx.cp, q, out, unit_head_dim(dout).detach(), dq, dk, dv)
+        cp, ctx.cp = ctx.cp, None
+        ctx.layer.backward(cp, q, out, unit_head_dim(dout).detach(), dq, dk, dv)
         return dq, dk, dv, None, None, None
 
 
@@ -199,16 +203,21 @@ class ContextParallelAttention(torch.nn.Module):
         self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
         self.alibi_slopes = slopes
         self.timeout = timeout
-        self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, dropout on) -> _cpattn.CpLayer
+        self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, attention options) -> _cpattn.CpLayer
 
     def _layer(self, q, k, v, dropout):
-        key = (q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, dropout)
+        # The attention options are read at each call (attributes set after construction count)
+        # and are part of the key: a layer is made for each combination met.
+        slopes = alibi(self.alibi_slopes)
+        options = (bool(self.causal), self.softmax_scale, self.dropout_p if dropout else 0.0,
+                   tuple(self.window_size) if isinstance(self.window_size, (tuple, list)) else self.window_size,
+                   self.softcap, None if slopes is None else tuple(slopes.tolist()))
+        key = (q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, options)
         if key not in self._layers:
-            options = make_options(self.causal, self.softmax_scale, self.dropout_p if dropout else 0.0, 0,
-                                   self.window_size, self.softcap)
+            opts = make_options(self.causal, self.softmax_scale, options[2], 0, self.window_size, self.softcap)
             self._layers[key] = _cpattn.make_cp_layer(
                 self._cp_comm, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
-                self._scheme, options, self.alibi_slopes)
+                self._scheme, opts, slopes)
         return self._layers[key]
 
     def forward(self, q, k, v, cu_seqlens):
@@ -220,8 +229,7 @@ class ContextParallelAttention(torch.nn.Module):
         try:
             for name, t in (("q", q), ("k", k), ("v", v)):
                 check_tensor(name, t)
-                if t.dim() != 3:
-                    raise ValueError(f"{name} must be [local_tokens, heads, head_dim] (3 dimensions), got {t.dim()}")
+                check_thd(name, t, "local_tokens")
             check_same_dtype(q=q, k=k, v=v)
             cu = boundaries("cu_seqlens", cu_seqlens)
             layer = self._layer(q, k, v, dropout)

@@ -199,9 +199,11 @@ WorkList varlen_worklist_impl(std::span<const Int> cu_q, std::span<const Int> cu
     CPATTN_CHECK(mask != MaskType::causal || ql <= kl, "varlen_worklist: document ", d,
                  " has q_len ", ql, " > kv_len ", kl,
                  " (a causal mask with bottom-right alignment needs q_len <= kv_len)");
-    w.runs.push_back({.row = cu_k[d], .len = kl, .pos = 0});
-    // Bottom-right alignment; a cross-attention document with more queries than keys (no
-    // mask: positions do not matter but dropout's) starts its queries at 0.
+    // Bottom-right alignment (FlashAttention's): query i sits at key position i + kl - ql.
+    // With more queries than keys (no causal mask) that is negative for the first ones, so
+    // there the keys start at position ql - kl and the queries at 0: the same differences,
+    // which are all that windows, ALiBi and the masks read (dropout reads the positions).
+    w.runs.push_back({.row = cu_k[d], .len = kl, .pos = ql <= kl ? 0 : ql - kl});
     w.tasks.push_back({.q_row = cu_q[d], .q_len = ql, .q_pos = ql <= kl ? kl - ql : 0,
                        .doc = static_cast<int64_t>(d), .run_begin = static_cast<int64_t>(d),
                        .run_end = static_cast<int64_t>(d + 1)});

@@ -1603,12 +1603,17 @@ TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
   EXPECT_THROW(varlen_worklist(flat, k3), Error);
   EXPECT_THROW(varlen_worklist(big_q, small_k), Error);
   EXPECT_THROW(varlen_worklist(k2, k3), Error);
-  // Without a mask any lengths go (cross-attention): more queries than keys start at 0.
+  // Without a mask any lengths go (cross-attention): more queries than keys start at 0 and
+  // the keys at q_len - kv_len, so query i - key j = i + kv_len - q_len - j, FlashAttention's
+  // bottom-right difference, which windows and ALiBi read (before: keys at 0, so a window
+  // or ALiBi measured from the top-left corner).
   const WorkList x = varlen_worklist(big_q, small_k, MaskType::none);
   ASSERT_EQ(x.tasks.size(), 1u);
   EXPECT_EQ(x.tasks[0].q_len, 5);
   EXPECT_EQ(x.tasks[0].q_pos, 0);
   EXPECT_EQ(x.runs[0].len, 3);
+  EXPECT_EQ(x.runs[0].pos, 2);
+  EXPECT_EQ(w.runs[0].pos, 0);
   // int32 boundaries (what PyTorch users hold) give the same list.
   const std::vector<int32_t> cq32{0, 2, 5}, ck32{0, 4, 7};
   const WorkList w32 = varlen_worklist(cq32, ck32);

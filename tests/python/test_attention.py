@@ -98,6 +98,33 @@ def test_options_reach_the_kernel():
     assert_close("out", out, ref, torch.float32)
 
 
+def test_window_and_alibi_with_more_queries_than_keys_are_bottom_right():
+    """Cross-attention with q_len > k_len and no causal mask: query i sits at key position
+    i + k_len - q_len (FlashAttention's alignment, negative for the first queries), which the
+    window and the ALiBi distance read; rows that see no key give 0. Gradients too."""
+    lq, lk = [6, 9], [3, 4]
+    q, k, v = batch(lq, 2, 2, 8, 8, torch.float32, seed=7, lengths_k=lk)
+    cu_q, cu_k = cu_from_lengths(lq), cu_from_lengths(lk)
+    slopes = torch.tensor([0.5, 0.25])
+    out = cpattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 4, window_size=(2, 1), alibi_slopes=slopes)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    parts = []
+    for (a, b), (c, e) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        qpos, kpos = torch.arange(b - a) + (e - c) - (b - a), torch.arange(e - c)
+        dist = qpos[:, None] - kpos[None, :]
+        s = torch.einsum("qhd,khd->hqk", qd[a:b], kd[c:e]) / 8 ** 0.5 - slopes.double()[:, None, None] * dist.abs()
+        visible = (dist <= 2) & (dist >= -1)
+        seen = visible.any(-1, keepdim=True)
+        p = s.masked_fill(~visible, -torch.inf).masked_fill(~seen, 0).softmax(-1) * seen
+        parts.append(torch.einsum("hqk,khd->qhd", p, vd[c:e]))
+    ref = torch.cat(parts)
+    assert_close("out", out, ref, torch.float32)
+    for name, g, r in zip(("dq", "dk", "dv"), got, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert_close(name, g, r, torch.float32)
+
+
 def test_dropout_is_reproducible_and_differentiable():
     lengths = [8, 5]
     q, k, v = batch(lengths, 2, 2, 8, 8, torch.float32)
@@ -162,6 +189,26 @@ def test_incoming_gradients_of_any_layout():
         want = torch.autograd.grad(out2, (q, k, v), dout)
         for x, y, t in zip(got, want, "qkv"):
             assert torch.equal(x, y), f"{name}: d{t} differs from the contiguous gradient's"
+
+
+def test_head_major_inputs_and_gradients_are_taken():
+    """q, k, v as transposes of head-major [heads, tokens, head_dim] tensors, and an incoming
+    gradient of that layout (a model that keeps heads first): the same results and gradients
+    as the contiguous call's, bitwise (they were refused: the kernels' views need each token's
+    heads together)."""
+    lengths = [3, 6]
+    cu = cu_from_lengths(lengths)
+    q, k, v = batch(lengths, 4, 2, 8, 8, torch.float32, seed=4)
+    hq, hk, hv = (t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for t in (q, k, v))
+    assert hq.stride(0) == 8 and not hq.is_contiguous()
+    out = cpattn.flash_attn_varlen_func(hq, hk, hv, cu, cu, 6, 6, causal=True)
+    want = cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+    assert torch.equal(out, want)
+    g = torch.randn(4, 9, 8, generator=torch.Generator().manual_seed(6))  # heads first
+    got = torch.autograd.grad((out.transpose(0, 1) * g).sum(), (hq, hk, hv))
+    ref = torch.autograd.grad(want, (q, k, v), g.transpose(0, 1).contiguous())
+    for x, y, t in zip(got, ref, "qkv"):
+        assert torch.equal(x, y), f"d{t} differs"
 
 
 def test_double_backward_is_refused():

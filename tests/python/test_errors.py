@@ -53,6 +53,18 @@ CASES = [  # (arguments, exception, words the message must hold)
     (dict(alibi_slopes=torch.ones(2, 4)), ValueError, ["alibi_slopes", "num_heads_q"]),
     (dict(alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes", "[4]"]),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, ["alibi_slopes", "float32"]),
+    (dict(alibi_slopes=torch.ones(4, device="meta")), ValueError, ["alibi_slopes", "CPU"]),
+    (dict(softmax_scale="x"), TypeError, ["softmax_scale", "number", "str"]),
+    (dict(softcap=None), TypeError, ["softcap", "number"]),
+    (dict(dropout_p=None), TypeError, ["dropout_p", "number"]),
+    (dict(window_size=("a", 1)), TypeError, ["window_size[0]", "int"]),
+    (dict(window_size=(2.7, 0)), TypeError, ["window_size[0]", "int", "float"]),  # (was: truncated to 2)
+    (dict(window_size=(0, True)), TypeError, ["window_size[1]", "bool"]),
+    (dict(window_size=(2**70, 0)), ValueError, ["window_size[0]", "int64"]),
+    (dict(max_q=2**70), ValueError, ["max_seqlen_q", "int64"]),
+    (dict(q=torch.randn(8, 0, 8)), ValueError, ["q", "at least one head"]),
+    (dict(k=torch.randn(8, 2, 0), q=torch.randn(8, 4, 0), v=torch.randn(8, 2, 8)), ValueError, ["q", "head_dim >= 1"]),
+    (dict(q=torch.randn(8, 4, 8).to_sparse()), TypeError, ["q", "dense"]),
 ]
 
 
@@ -130,3 +142,21 @@ def test_cp_check_finite_and_timeout():
         cpattn.ContextParallelAttention(MPI.COMM_WORLD, timeout="5")
     with pytest.raises(ValueError, match="timeout must be in \\(0, 1e\\+07\\] seconds, got -1"):
         cpattn.ContextParallelAttention(MPI.COMM_WORLD, timeout=-1)(*qkv(), CU)
+
+
+def test_cp_module_options_follow_its_attributes_and_a_second_backward_raises():
+    """Options set on the module after its first call take effect (they were cached with the
+    first call's layer); a second backward through one forward is a clear RuntimeError."""
+    from mpi4py import MPI
+    q, k, v = (t.requires_grad_() for t in qkv())
+    attn = cpattn.ContextParallelAttention(MPI.COMM_WORLD)
+    causal = attn(q, k, v, CU)
+    attn.causal, attn.window_size = False, (1, 1)
+    windowed = attn(q, k, v, CU)
+    want = cpattn.flash_attn_varlen_func(q, k, v, CU, CU, 5, 5, causal=False, window_size=(1, 1))
+    assert (windowed - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (windowed - causal).abs().max() > 1e-2
+    out = attn(q, k, v, CU)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same forward"):
+        out.sum().backward()
