@@ -10,6 +10,7 @@ module derives the MPI communicator of the same processes (docs/python.md).
 
 import weakref
 
+import numpy as np
 import torch
 
 from . import _cpattn
@@ -169,7 +170,8 @@ class ContextParallelAttention(torch.nn.Module):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         for name, value, optional in (("cp_inner", cp_inner, True), ("plan_cache_capacity", plan_cache_capacity, False)):
-            if (value is not None or not optional) and (not isinstance(value, int) or isinstance(value, bool)):
+            if (value is not None or not optional) and (not isinstance(value, (int, np.integer))
+                                                        or isinstance(value, bool)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if scheme == "hybrid" and cp_inner is None:
             raise ValueError(f"cp_inner is required for scheme 'hybrid': the ranks of one all-to-all group, a "
@@ -180,6 +182,8 @@ class ContextParallelAttention(torch.nn.Module):
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
                 raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
             timeout = float(timeout)
+        cp_inner = None if cp_inner is None else int(cp_inner)
+        plan_cache_capacity = int(plan_cache_capacity)
         self._scheme = _cpattn.SchemeArgs(scheme=scheme, cp_inner=0 if cp_inner is None else cp_inner,
                                           hybrid_outer=hybrid_outer, split=split, kv_mode=kv_mode,
                                           overlap=bool(overlap), deterministic=bool(deterministic),

@@ -56,6 +56,8 @@ def as_boundaries(cu_seqlens, name="cu_seqlens"):
     if a.dtype not in (np.int32, np.int64):
         if a.dtype.kind not in "iu" and a.size:
             raise TypeError(f"{name} must hold integers (int32 or int64), got {a.dtype}")
+        if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"{name} must fit in int64, got {int(a.max())}")
         a = a.astype(np.int64)
     return np.ascontiguousarray(a)
 
@@ -64,6 +66,8 @@ def check_cp(cp_size, rank):
     for name, value in (("cp_size", cp_size), ("rank", rank)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank must be in [0, cp_size) = [0, {cp_size}), got {rank}")
 
@@ -83,14 +87,23 @@ def get_thd_load_balanced_cp_metadata(cu_seqlens, cp_size, rank, split="padded")
     return RankPlan(**_cpattn.plan(as_boundaries(cu_seqlens), int(cp_size), int(rank), split))
 
 
+def check_rows(name, t, rows, field):
+    """TypeError unless t is a torch.Tensor of at least one dimension; ValueError unless its
+    first dimension is the plan's `field` (= rows)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__} (torch.from_numpy converts an array)")
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have a token dimension first, got a 0-d tensor")
+    if t.shape[0] != rows:
+        raise ValueError(f"{name}.shape[0] must equal the plan's {field} = {rows}, got {t.shape[0]}")
+
+
 def take_local_rows(x, plan):
     """This rank's rows of a global tensor x [global_tokens, ...] in the plan's order; padding rows 0.
 
     Differentiable (an index copy): the gradient flows back to x's rows.
     """
-    if x.shape[0] != plan.global_tokens:
-        raise ValueError(f"x.shape[0] must equal the plan's global_tokens = {plan.global_tokens}, "
-                         f"got {x.shape[0]}")
+    check_rows("x", x, plan.global_tokens, "global_tokens")
     real = torch.from_numpy(plan.real_token_index)
     keep = real >= 0
     local = x.new_zeros((plan.local_tokens,) + tuple(x.shape[1:]))
@@ -99,11 +112,11 @@ def take_local_rows(x, plan):
 
 def put_local_rows(local, plan, out=None):
     """The inverse of take_local_rows: the real rows of `local` at their global rows of `out`."""
-    if local.shape[0] != plan.local_tokens:
-        raise ValueError(f"local.shape[0] must equal the plan's local_tokens = {plan.local_tokens}, "
-                         f"got {local.shape[0]}")
+    check_rows("local", local, plan.local_tokens, "local_tokens")
     if out is None:
         out = local.new_zeros((plan.global_tokens,) + tuple(local.shape[1:]))
+    else:
+        check_rows("out", out, plan.global_tokens, "global_tokens")
     real = torch.from_numpy(plan.real_token_index)
     keep = real >= 0
     out[real[keep]] = local[keep]
@@ -130,8 +143,10 @@ def get_batch_on_this_cp_rank(batch, cu_seqlens, cp_size, rank, pad_token_id=0, 
     for key, dtype in _BATCH_FIELDS.items():
         if key not in batch:
             raise ValueError(f"batch must have the key '{key}' (it needs {', '.join(_BATCH_FIELDS)})")
-        x = batch[key].detach().numpy() if isinstance(batch[key], torch.Tensor) else batch[key]
-        arrays[key] = np.ascontiguousarray(np.asarray(x), dtype=dtype)
+        x = np.asarray(batch[key].detach().numpy() if isinstance(batch[key], torch.Tensor) else batch[key])
+        if dtype is np.int64 and x.size and x.dtype.kind not in "iu":
+            raise TypeError(f"batch['{key}'] must hold integers, got {x.dtype}")  # (floats were truncated)
+        arrays[key] = np.ascontiguousarray(x, dtype=dtype)
         if arrays[key].ndim != 1:
             raise ValueError(f"batch['{key}'] must be 1-D [tokens], got shape {list(arrays[key].shape)}")
     local = _cpattn.batch_on_rank(**arrays, cu_seqlens=as_boundaries(cu_seqlens), cp_size=int(cp_size),

@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,6 +90,21 @@ def test_bad_planner_arguments():
         cpattn.get_batch_on_this_cp_rank({"tokens": [1], "labels": [1], "position_ids": [0]}, [0, 1], 1, 0)
     with pytest.raises(ValueError, match="global_tokens"):
         cpattn.take_local_rows(torch.zeros(5), cpattn.get_thd_load_balanced_cp_metadata([0, 4], 1, 0))
+    plan = cpattn.get_thd_load_balanced_cp_metadata([0, 4], 1, 0)
+    for call, error, words in (
+            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], 0, 0), ValueError, "cp_size must be >= 1, got 0"),
+            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], -1, 0), ValueError, "cp_size must be >= 1"),
+            (lambda: cpattn.get_thd_load_balanced_cp_metadata(np.array([0, 2**63], dtype=np.uint64), 1, 0),
+             ValueError, "cu_seqlens must fit in int64"),
+            (lambda: cpattn.take_local_rows(np.zeros(4), plan), TypeError, "x must be a torch.Tensor"),
+            (lambda: cpattn.take_local_rows(torch.tensor(1.0), plan), ValueError, "0-d"),
+            (lambda: cpattn.put_local_rows(torch.zeros(4), plan, out=torch.zeros(3)), ValueError,
+             "out.shape[0] must equal the plan's global_tokens = 4, got 3"),
+            (lambda: cpattn.get_batch_on_this_cp_rank({"tokens": [1.5, 2.0], "labels": [1, 2], "position_ids": [0, 1],
+                                                       "loss_mask": [1.0, 1.0]}, [0, 2], 1, 0),
+             TypeError, "batch['tokens'] must hold integers")):
+        with pytest.raises(error, match=re.escape(words)):
+            call()
 
 
 def test_bad_cp_arguments():
@@ -111,7 +127,8 @@ def test_bad_cp_arguments():
             (dict(kv_mode="copy"), ValueError, "kv_mode must be one of runs, index"),
             (dict(scheme="ring", kv_mode="index"), ValueError, "kv_mode index is the all-gather scheme's"),
             (dict(plan_cache_capacity=-1), ValueError, "plan_cache_capacity must be >= 0"),
-            (dict(plan_cache_capacity=None), TypeError, "plan_cache_capacity must be an int, got NoneType")):
+            (dict(plan_cache_capacity=None), TypeError, "plan_cache_capacity must be an int, got NoneType"),
+            (dict(scheme="hybrid", cp_inner=np.int64(2)), ValueError, "cp_inner = 2 must divide cp = 1")):
         with pytest.raises(error, match=re.escape(words)):
             cpattn.ContextParallelAttention(MPI.COMM_WORLD, **kwargs)
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
