@@ -282,9 +282,9 @@ WorkList varlen_worklist(std::span<const int32_t> cu_seqlens_q,
                          MaskType mask = MaskType::causal);
 
 // The fastest path this CPU supports for `dtype` storage: the first this CPU runs of the
-// preference order (docs/kernels.md, "Paths and dispatch"): bf16: avx512_bf16 > avx512 > avx2
-// > portable; fp16 and fp32: avx512 > avx2 > portable. Never automatic, bf16_emulated,
-// amx_emulated, nor amx (chosen by name only until it is measured on an AMX CPU). Ignores
+// measured preference order (docs/kernels.md, "Paths and dispatch"): bf16: amx > avx512_bf16 >
+// avx512 > avx2 > portable (on Intel CPUs amx > avx512 > avx512_bf16 > ...); fp16 and fp32:
+// avx512 > avx2 > portable. Never automatic, bf16_emulated nor amx_emulated. Ignores
 // CPATTN_KERNEL_PATH (resolve_kernel_path reads it).
 KernelPath best_kernel_path(DType dtype = DType::f32);
 // Whether `path` can run here (automatic and portable: always; amx: AMX-TILE, AMX-BF16 and

@@ -88,6 +88,17 @@ bool cpu_has_amx() {  // the permission is asked for once per process, here
   return has;
 }
 
+// An Intel CPU (CPUID leaf 0's vendor "GenuineIntel"): the bf16 preference order depends on it
+// (kPreferBf16Intel, below).
+bool cpu_is_intel() {
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "Genu" "ineI" "ntel"
+  }();
+  return intel;
+}
+
 bool always() { return true; }
 
 // The kernel paths, in KernelPath order: what each is called, whether this CPU runs it (and
@@ -133,17 +144,21 @@ const PathInfo* find_path(KernelPath path) {
 // What `automatic` prefers, fastest first, by what was measured (docs/kernels.md, "Paths and
 // dispatch"): avx512 over avx2 from issue 14's Zen 4 runs (every kernel test passes, 2-4%
 // faster); for bf16 storage, amx first (on an Intel Xeon with AMX-BF16, 2026-12-02: about 3x
-// the avx512 path forward and backward, where avx512_bf16 ran 0.7x avx512), then avx512_bf16
-// over avx512 (Zen 4: 1.6-1.8x, vdpbf16ps doing two fp32 FMAs' work per instruction there).
+// the avx512 path forward and backward), then avx512_bf16 over avx512 on AMD (Zen 4: 1.6-1.8x,
+// vdpbf16ps doing two fp32 FMAs' work per instruction there) and avx512 over avx512_bf16 on
+// Intel (Xeons of family 6 models 167 and 207: avx512_bf16 ran 0.57-0.76x avx512, vdpbf16ps at
+// half the FMA rate there; it matters where AMX is absent or its tile state is not granted).
 // fp16 storage keeps the vector order: the amx path runs fp16 on tiles only with AMX-FP16,
 // which no machine here had (without it, amx's fp16 is avx512's code). portable runs everywhere.
 constexpr KernelPath kPreferBf16[] = {KernelPath::amx, KernelPath::avx512_bf16, KernelPath::avx512,
                                       KernelPath::avx2, KernelPath::portable};
+constexpr KernelPath kPreferBf16Intel[] = {KernelPath::amx, KernelPath::avx512, KernelPath::avx512_bf16,
+                                           KernelPath::avx2, KernelPath::portable};
 constexpr KernelPath kPreferF16[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 constexpr KernelPath kPreferOther[] = {KernelPath::avx512, KernelPath::avx2, KernelPath::portable};
 
 std::span<const KernelPath> preference(DType dtype) {
-  if (dtype == DType::bf16) return kPreferBf16;
+  if (dtype == DType::bf16) return cpu_is_intel() ? std::span<const KernelPath>(kPreferBf16Intel) : kPreferBf16;
   if (dtype == DType::f16) return kPreferF16;
   return kPreferOther;
 }
@@ -267,7 +282,9 @@ KernelChoice resolve_kernel_path(KernelPath requested, DType dtype) {
   }
   const std::string reason = "chosen automatically: " + std::string(to_string(best)) +
                              " is the first path this CPU runs in the measured preference order for " +
-                             std::string(to_string(dtype)) + " storage, " + order + " (docs/kernels.md)" + skipped;
+                             std::string(to_string(dtype)) + " storage" +
+                             (dtype == DType::bf16 ? cpu_is_intel() ? " on Intel CPUs" : " on non-Intel CPUs" : "") +
+                             ", " + order + " (docs/kernels.md)" + skipped;
   return {.path = best, .reason = reason, .forced_by_env = false};
 }
 
