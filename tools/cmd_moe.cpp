@@ -57,7 +57,8 @@ MoeConfig config_of(const MoeArgs& a, int world) {
   CPATTN_CHECK(!a.capacity_factor || *a.capacity_factor > 0, "--capacity-factor must be > 0, got ",
                a.capacity_factor.value_or(0));
   CPATTN_CHECK(a.tokens >= 0 && a.hidden >= 1 && a.ffn >= 1, "--tokens must be >= 0, --hidden and --ffn >= 1");
-  CPATTN_CHECK(std::isfinite(a.skew), "--skew must be finite");
+  CPATTN_CHECK(std::isfinite(a.skew) && std::abs(a.skew) <= 1e4, "--skew must be in [-10000, 10000] (logits that "
+               "large already route every token alike; past the float range they made the router NaN), got ", a.skew);
   CPATTN_CHECK(a.repeat >= 1 && a.balance_steps >= 0, "--repeat must be >= 1 and --balance-steps >= 0");
   CPATTN_CHECK(a.balance_steps == 0 || a.router == "sigmoid-bias", "--balance-steps needs --router sigmoid-bias");
   return {.hidden = a.hidden,
@@ -86,9 +87,12 @@ std::vector<float> make_batch(const MoeArgs& a, const MoeConfig& cfg, MoeWeights
   return x;
 }
 
+// max |got - want| / max |want|; infinite where either side holds a NaN or an infinity (the
+// check fails: std::max would keep its old value past a NaN).
 double rel_error(std::span<const float> got, std::span<const float> want) {
   double err = 0, scale = 0;
   for (std::size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i]) || !std::isfinite(want[i])) return HUGE_VAL;
     err = std::max(err, std::abs(static_cast<double>(got[i]) - want[i]));
     scale = std::max(scale, std::abs(static_cast<double>(want[i])));
   }

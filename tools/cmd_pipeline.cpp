@@ -54,6 +54,7 @@ PipelineCosts parse_costs(const std::string& text, int stages, double transfer) 
   std::vector<std::string> triples;
   std::stringstream all(text);
   for (std::string t; std::getline(all, t, '/');) triples.push_back(t);
+  if (text.back() == '/') triples.emplace_back();  // (getline drops an empty last field)
   CPATTN_CHECK(triples.size() == 1 || triples.size() == static_cast<std::size_t>(stages),
                "--costs: give one F,B,W triple or one per stage (", stages, "), got ",
                triples.size(), " in '", text, "'");
@@ -62,6 +63,7 @@ PipelineCosts parse_costs(const std::string& text, int stages, double transfer) 
     std::vector<std::string> words;
     std::stringstream one(t);
     for (std::string w; std::getline(one, w, ',');) words.push_back(w);
+    if (!t.empty() && t.back() == ',') words.emplace_back();
     CPATTN_CHECK(words.size() == 3, "--costs: expected forward,backward,weight, got '", t, "'");
     const auto us = static_cast<std::size_t>(s);
     c.forward[us] = parse_cost(words[0], text);
@@ -328,7 +330,13 @@ void run_pipeline(const PipelineArgs& a) {
                                            .micro = a.micro,
                                            .schedule = kind,
                                            .virtual_stages = a.virtual_stages.value_or(interleaved ? 2 : 1)});
-  const Simulation sim = simulate(schedule, costs);
+  const Simulation sim = [&] {
+    try {
+      return simulate(schedule, costs);
+    } catch (const Error& e) {  // (the costs' sum past the largest double: the flags' values)
+      throw Error("--costs, --transfer: " + e.message());
+    }
+  }();
   const TickTable ticks = tick_table(schedule);
   if (!a.svg.empty()) write_svg(a.svg, sim, costs);
   if (a.json)

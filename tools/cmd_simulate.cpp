@@ -199,8 +199,12 @@ void run_simulate(const SimulateArgs& a) {
                  "planner and predictions " + format_bytes(sim));
   }
   const auto kind = parse_pipeline_schedule(a.schedule);
-  CPATTN_CHECK(kind.has_value(), "--schedule must be one of fill-drain, gpipe, 1f1b, interleaved, zb-h1, got '",
+  CPATTN_CHECK(kind.has_value(), "--schedule must be one of gpipe, 1f1b, interleaved, zb-h1, got '",
                a.schedule, "'");
+  // (fill-drain runs forwards only: its step would be a forward's time beside a training
+  // step's bytes; cpattn train refuses it too)
+  CPATTN_CHECK(*kind != PipelineSchedule::fill_drain, "--schedule fill-drain runs forwards only; cpattn "
+               "simulate predicts a training step (forward and backward): use gpipe, 1f1b, interleaved or zb-h1");
   SimInput in{.cu_seqlens = cu,
               .model = {.layers = a.layers,
                         .num_heads_q = a.heads,
@@ -639,7 +643,7 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--pp", a->pp, "Pipeline stages")->capture_default_str();
   cmd->add_option("--ep", a->ep, "Expert-parallel size (needs --experts)")->capture_default_str();
   cmd->add_option("--micro-batches", a->micro, "Micro-batches per step, each the given batch")->capture_default_str();
-  cmd->add_option("--schedule", a->schedule, "Pipeline schedule: fill-drain, gpipe, 1f1b, interleaved, zb-h1")
+  cmd->add_option("--schedule", a->schedule, "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1")
       ->capture_default_str();
   cmd->add_option("--layers", a->layers, "Attention layers of the model (a multiple of --pp)")->capture_default_str();
   cmd->add_option("--heads", a->heads, "Query heads")->check(at_least_one())->capture_default_str();

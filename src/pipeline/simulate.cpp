@@ -97,6 +97,8 @@ Simulation run(const Schedule& schedule, const std::function<double(int, const A
                  " waits on itself: an action's input never arrives");
   }
   for (double t : free_at) sim.makespan = std::max(sim.makespan, t);
+  CPATTN_CHECK(std::isfinite(sim.makespan), "the costs add up past the largest double (makespan ", sim.makespan,
+               "): forward, backward, weight and transfer costs must be smaller");
   const double slots = static_cast<double>(S) * sim.makespan;
   sim.utilization = slots > 0 ? sim.busy / slots : 1.0;
   sim.bubble_fraction = slots > 0 ? (slots - sim.busy) / slots : 0.0;

@@ -19,11 +19,14 @@ namespace cpattn {
 
 namespace {
 
-bool valid_rate(double x) { return std::isfinite(x) && x > 0; }
+// Rates (GFLOP/s, GB/s) from 1e-3 up: a subnormal one passed "> 0" and made the costs inf or
+// NaN far from the profile field that caused them.
+constexpr double kMinRate = 1e-3;
+bool valid_rate(double x) { return std::isfinite(x) && x >= kMinRate; }
 
 void check_link(const SimLink& l, const char* name) {
-  CPATTN_CHECK(std::isfinite(l.bandwidth_gbs) && l.bandwidth_gbs > 0, "profile.", name,
-               ".bandwidth_gbs must be a finite number > 0 (GB/s), got ", l.bandwidth_gbs);
+  CPATTN_CHECK(valid_rate(l.bandwidth_gbs), "profile.", name,
+               ".bandwidth_gbs must be a finite number >= 0.001 (GB/s), got ", l.bandwidth_gbs);
   CPATTN_CHECK(std::isfinite(l.latency_us) && l.latency_us >= 0, "profile.", name,
                ".latency_us must be a finite number >= 0 (microseconds), got ", l.latency_us);
 }
@@ -57,6 +60,16 @@ void add_bytes(SimBytes& a, const SimBytes& b) {
   a.sent_inter += b.sent_inter;
   a.received_intra += b.received_intra;
   a.received_inter += b.received_inter;
+}
+// a += times x b, in O(1) (a step's bytes are a layer's times layers and micro-batches).
+void add_bytes(SimBytes& a, const SimBytes& b, int64_t times) {
+  for (auto [x, y] : {std::pair{&a.sent_intra, b.sent_intra}, std::pair{&a.sent_inter, b.sent_inter},
+                      std::pair{&a.received_intra, b.received_intra}, std::pair{&a.received_inter, b.received_inter}}) {
+    int64_t prod = 0;
+    CPATTN_CHECK(!__builtin_mul_overflow(y, times, &prod) && !__builtin_add_overflow(*x, prod, x),
+                 "a step's bytes overflow int64 (", y, " bytes x ", times,
+                 "): the layers and micro-batches are too many to count them");
+  }
 }
 
 // The planner's side of a simulation: what depends on the batch, the CP size and the mask only.
@@ -598,7 +611,13 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   const double bwd = layers_per_stage * (b.time_s() + tp_time + ep_time);
   const bool pp_inter = int64_t{mesh.tp} * mesh.cp * mesh.dp >= in.profile.ranks_per_node;
   const double transfer = mesh.pp > 1 ? c.send_time(act, pp_inter) : 0.0;
-  const Schedule sched = make_schedule({.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule});
+  const Schedule sched = [&] {
+    try {
+      return make_schedule({.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule});
+    } catch (const Error& e) {  // named by the fields (the CLI's flags) that set the schedule
+      throw Error("SimMesh::schedule with SimMesh::pp stages and SimMesh::micro micro-batches: " + e.message());
+    }
+  }();
   const Simulation sim = simulate(sched, uniform_costs(mesh.pp, fwd, bwd, 0.0, transfer));
   p.step_s = sim.makespan;
   p.bubble_fraction = sim.bubble_fraction;
@@ -620,22 +639,14 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
     if (n_f * call_bytes(p.forward[r]) + n_b * call_bytes(p.backward[r]) >
         n_f * call_bytes(p.forward[busy]) + n_b * call_bytes(p.backward[busy]))
       busy = r;
-  for (int k = 0; k < n_f; ++k) {
-    for (int64_t l = 0; l < layers_i; ++l) {
-      add_bytes(p.step_bytes, p.forward[busy].payload);
-      add_bytes(p.step_bytes, p.forward[busy].agreement);
-    }
-  }
-  for (int k = 0; k < n_b; ++k) {
-    for (int64_t l = 0; l < layers_i; ++l) {
-      add_bytes(p.step_bytes, p.backward[busy].payload);
-      add_bytes(p.step_bytes, p.backward[busy].agreement);
-    }
-  }
+  add_bytes(p.step_bytes, p.forward[busy].payload, n_f * layers_i);
+  add_bytes(p.step_bytes, p.forward[busy].agreement, n_f * layers_i);
+  add_bytes(p.step_bytes, p.backward[busy].payload, n_b * layers_i);
+  add_bytes(p.step_bytes, p.backward[busy].agreement, n_b * layers_i);
   SimBytes per_layer;
   add_bytes(per_layer, tp_bytes);
   add_bytes(per_layer, ep_bytes);
-  for (int k = 0; k < mesh.micro * static_cast<int>(layers_i); ++k) add_bytes(p.step_bytes, per_layer);
+  add_bytes(p.step_bytes, per_layer, int64_t{mesh.micro} * layers_i);
   if (mesh.pp > 1) {
     const int64_t pp_bytes = 2 * int64_t{mesh.micro} * act;  // activation down, gradient up
     add_bytes(p.step_bytes, pp_inter, pp_bytes, pp_bytes);
@@ -656,7 +667,7 @@ void check_input(const SimInput& in) {
   CPATTN_CHECK(valid_rate(in.profile.fwd_gflops[di]) && valid_rate(in.profile.bwd_gflops[di]),
                "profile has no compute rate for dtype ", to_string(in.model.dtype), ": profile.compute.fwd.",
                to_string(in.model.dtype), " and profile.compute.bwd.", to_string(in.model.dtype),
-               " must be > 0 (GFLOP/s), got ", in.profile.fwd_gflops[di], " and ", in.profile.bwd_gflops[di]);
+               " must be >= 0.001 (GFLOP/s), got ", in.profile.fwd_gflops[di], " and ", in.profile.bwd_gflops[di]);
 }
 
 SchemePrediction predict_checked(const SimInput& in, CpScheme scheme, WorkCache& cache) {
@@ -874,11 +885,12 @@ std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, 
     double len = mean;
     if (distribution == "uniform") {
       len = static_cast<double>(
-          std::uniform_int_distribution<int64_t>(1, std::max<int64_t>(1, std::llround(2 * mean - 1)))(rng));
+          std::uniform_int_distribution<int64_t>(1, std::max<int64_t>(1, std::llround(std::min(2 * mean - 1, 1e18))))(rng));
     } else if (distribution == "lognormal") {
       len = std::lognormal_distribution<double>(std::log(mean) - sigma * sigma / 2, sigma)(rng);
     }
-    const int64_t l = std::clamp<int64_t>(std::llround(len), 1, tokens - cu.back());
+    // (clamped as a double first: llround of a value past int64 is undefined, and gave 1 here)
+    const int64_t l = std::llround(std::clamp(len, 1.0, static_cast<double>(tokens - cu.back())));
     cu.push_back(cu.back() + l);
   }
   return cu;

@@ -119,6 +119,11 @@ bad = {
     ("pipeline", "--costs", "1,-2,1"): "--costs",
     ("pipeline", "--stages", "3", "--costs", "1,1,1/1,1,1"): "--costs",
     ("pipeline", "--transfer", "-1"): "--transfer must be >= 0",
+    ("pipeline", "--costs", "1,1,1/"): "--costs",  # (trailing separators were dropped)
+    ("pipeline", "--costs", "1,1,1,"): "--costs",
+    # finite costs whose sum is not: the --svg axis loop ran forever on the infinite makespan
+    ("pipeline", "--costs", "1e308,1e308,1", "--svg", "/tmp/cpattn_pipeline_inf.svg"): "--costs, --transfer: the costs add up",
+    ("pipeline", "--transfer", "1e308"): "--costs, --transfer: the costs add up",
     ("pipeline", "--bogus"): "--bogus",
 }
 for args, needle in bad.items():

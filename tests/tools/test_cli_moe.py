@@ -44,6 +44,8 @@ for np, args, text in [
     (2, ["--experts", "4", "--ep", "3"], "--ep 3 must equal the number of MPI ranks (2)"),
     (1, ["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be > 0"),
     (1, ["--experts", "4", "--router", "topk"], "--router"),
+    # finite as a double, infinite as the router's float weight: NaN results passed the check
+    (1, ["--experts", "4", "--skew", "1e39"], "--skew must be in [-10000, 10000]"),
 ]:
     r = run(np, *args, *SMALL)
     check(r.returncode == 2, f"{args}: exit {r.returncode}")

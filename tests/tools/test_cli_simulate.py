@@ -5,6 +5,7 @@ line naming the field or flag for bad profiles and meshes; calibrate's --timeout
 CPATTN_COMM_TIMEOUT_S, and a bad value of either is refused naming it."""
 import json
 import os
+import time
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -139,6 +140,25 @@ bad(base + ["--schedule", "zigzag"], "--schedule must be one of")
 bad(["simulate", "--lengths", "100", "--lengths-file", lf, "--cp", "2"], "give the batch once")
 bad(base + ["--kv-heads", "3"], "--heads = 8 must be a multiple of --kv-heads = 3")
 bad(["simulate", "--distribution", "lognormal", "--mean-length", "0", "--cp", "2"], "--mean-length must be >= 1")
+# (from a helper's hunt) fill-drain predicted a forward's time beside a training step's bytes
+bad(base + ["--pp", "2", "--layers", "2", "--schedule", "fill-drain"], "--schedule fill-drain runs forwards only")
+# the schedule's own rules, named by the flags (they named make_schedule's fields)
+bad(base + ["--pp", "2", "--layers", "2", "--micro-batches", "3", "--schedule", "interleaved", "--no-breakeven"],
+    "--schedule with --pp stages and --micro-batches micro-batches:")
+sub = json.loads(json.dumps(good))
+sub["intra_node"]["bandwidth_gbs"] = 1e-320  # subnormal: passed "> 0", then inf costs named no field
+bad(base + ["--profile", write("subnormal.json", sub)], "profile.intra_node.bandwidth_gbs must be a finite number >= 0.001")
+sub = json.loads(json.dumps(good))
+sub["compute"]["fwd"]["bf16"] = 1e-320
+bad(base + ["--profile", write("subnormal2.json", sub)], "profile.compute.fwd.bf16", ">= 0.001 (GFLOP/s)")
+# A mean length past int64: one document of all the tokens (llround of it gave 1-token documents).
+r = run("simulate", "--distribution", "fixed", "--mean-length", "1e19", "--tokens", "100", "--cp", "2", "--json",
+        "--no-breakeven")
+check(r.returncode == 0 and json.loads(r.stdout)["documents"] == 1, f"--mean-length 1e19: {r.stdout[:300]} {r.stderr}")
+# A billion layers: the step's bytes in O(1) (they were added layer by layer: minutes).
+start = time.monotonic()
+r = run("simulate", "--lengths", "4096", "--cp", "2", "--no-breakeven", "--layers", "1000000000", "--json")
+check(r.returncode == 0 and time.monotonic() - start < 20, f"--layers 1e9: exit {r.returncode} {r.stderr[-300:]}")
 over = json.loads(json.dumps(good))
 over["cp_overhead"] = {"fwd": {"bf16": {"zigzag": 0.1}}}
 bad(base + ["--profile", write("zigzag.json", over)], "profile.cp_overhead.fwd.bf16.zigzag: unknown scheme 'zigzag'")
