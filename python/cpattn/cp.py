@@ -191,6 +191,9 @@ class ContextParallelAttention(torch.nn.Module):
                                           plan_cache_capacity=plan_cache_capacity,
                                           shared_memory=bool(shared_memory))
         _cpattn.check_scheme(size, self._scheme)  # ValueError with the C++ layer's message
+        # The attention options' types now (their ranges are the kernels' rules, checked with the
+        # tensors at the first call, on every rank alike).
+        make_options(causal, softmax_scale, dropout_p, 0, window_size, softcap)
         slopes = alibi(alibi_slopes)
         # Every argument is checked: only now does anything move (a process group's rank check).
         self.group = group

@@ -128,7 +128,9 @@ def test_bad_cp_arguments():
             (dict(scheme="ring", kv_mode="index"), ValueError, "kv_mode index is the all-gather scheme's"),
             (dict(plan_cache_capacity=-1), ValueError, "plan_cache_capacity must be >= 0"),
             (dict(plan_cache_capacity=None), TypeError, "plan_cache_capacity must be an int, got NoneType"),
-            (dict(scheme="hybrid", cp_inner=np.int64(2)), ValueError, "cp_inner = 2 must divide cp = 1")):
+            (dict(scheme="hybrid", cp_inner=np.int64(2)), ValueError, "cp_inner = 2 must divide cp = 1"),
+            (dict(window_size=(1.5, 0)), TypeError, "window_size[0] must be an int"),
+            (dict(softcap="x"), TypeError, "softcap must be a number")):
         with pytest.raises(error, match=re.escape(words)):
             cpattn.ContextParallelAttention(MPI.COMM_WORLD, **kwargs)
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
