@@ -120,7 +120,7 @@ Mesh make_mesh(const MeshShape& shape);
 
 // MPI_Comm_split's arguments that put `rank` into its group of `axis`, ordered by coordinate:
 //   auto [color, key] = split_color_key(mesh, rank, MeshAxis::dp_cp);
-//   Communicator dp_cp = world_comm.split(color, key);   // once Communicator::split exists
+//   Communicator dp_cp = world_comm.split(color, key);
 struct SplitColorKey {
   int color = 0;  // index of the group (the same on every rank of the group)
   int key = 0;    // the rank's coordinate in the group
