@@ -330,13 +330,8 @@ void run_pipeline(const PipelineArgs& a) {
                                            .micro = a.micro,
                                            .schedule = kind,
                                            .virtual_stages = a.virtual_stages.value_or(interleaved ? 2 : 1)});
-  const Simulation sim = [&] {
-    try {
-      return simulate(schedule, costs);
-    } catch (const Error& e) {  // (the costs' sum past the largest double: the flags' values)
-      throw Error("--costs, --transfer: " + e.message());
-    }
-  }();
+  // (what simulate still refuses is the costs' sum past the largest double: the flags' values)
+  const Simulation sim = with_flag("--costs, --transfer", [&] { return simulate(schedule, costs); });
   const TickTable ticks = tick_table(schedule);
   if (!a.svg.empty()) write_svg(a.svg, sim, costs);
   if (a.json)

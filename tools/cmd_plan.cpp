@@ -280,13 +280,9 @@ void run_plan(const PlanArgs& a) {
   if (a.json) check_json_size(cu, a.cp, split);
   // With --cp and --split checked, what the planner still refuses is the boundaries' own
   // (documents too long to count their pairs in int64): named by the flag that gave them.
-  const SplitSummary both = [&] {
-    try {
-      return SplitSummary{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
-    } catch (const Error& e) {
-      throw Error(std::string(source) + ": " + e.message());
-    }
-  }();
+  const SplitSummary both = with_flag(source, [&] {
+    return SplitSummary{balance_report(cu, a.cp, CpSplit::padded), balance_report(cu, a.cp, CpSplit::padding_free)};
+  });
   const BalanceReport& b = split == CpSplit::padded ? both.padded : both.padding_free;
   if (a.json) {
     print_json(b, cu, both);

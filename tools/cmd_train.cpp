@@ -199,17 +199,6 @@ double peak_rss_mb() {
 
 DType parse_train_dtype(const std::string& s) { return parse_dtype(s, kTrainDtypes, "cpattn train"); }
 
-// Runs `f`; a cpattn::Error from the library (which names its own arguments) gets the flag
-// that gave them in front.
-template <class F>
-void with_flag(const char* flag, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    throw Error(std::string(flag) + ": " + e.message());
-  }
-}
-
 // The mesh of the flags (checked by check_mesh_args).
 train::MeshConfig mesh_config(const TrainArgs& a) {
   const PipelineSchedule kind = *parse_pipeline_schedule(a.schedule);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cpattn/error.hpp>
 
 #include <iosfwd>
 #include <string>
@@ -45,6 +46,17 @@ inline const CLI::Validator& at_least_one() {
       },
       "INT >= 1");
   return v;
+}
+
+// Runs `f` and returns what it returns; a cpattn::Error from the library (which names its own
+// arguments) gets the flag (or flags) that gave them in front: "--costs: ...".
+template <class F>
+auto with_flag(const char* flag, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(std::string(flag) + ": " + e.message());
+  }
 }
 
 // Parses one document length per line (blank lines and '#' comments skipped); errors name the

@@ -108,14 +108,22 @@ def in_place_or_copy(t):
     return t if t.stride(2) != 1 and t.shape[2] > 1 else unit_head_dim(t)
 
 
-def make_options(causal, softmax_scale, dropout_p, seed, window_size, softcap):
+def option_values(causal, softmax_scale, dropout_p, window_size, softcap):
+    """The attention options as plain values (bool, float or None, float, int, int, float),
+    each checked for its type naming its argument (the ranges are the kernels' rules)."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = (integer(f"window_size[{i}]", w) for i, w in enumerate(window_size))
-    return _cpattn.make_options(
-        causal=bool(causal), softmax_scale=None if softmax_scale is None else number("softmax_scale", softmax_scale),
-        dropout_p=number("dropout_p", dropout_p), seed=int(seed), window_left=left, window_right=right,
-        softcap=number("softcap", softcap), num_threads=torch.get_num_threads())
+    return (bool(causal), None if softmax_scale is None else number("softmax_scale", softmax_scale),
+            number("dropout_p", dropout_p), left, right, number("softcap", softcap))
+
+
+def make_options(causal, softmax_scale, dropout_p, seed, window_size, softcap):
+    causal, scale, dropout_p, left, right, softcap = option_values(causal, softmax_scale, dropout_p, window_size,
+                                                                   softcap)
+    return _cpattn.make_options(causal=causal, softmax_scale=scale, dropout_p=dropout_p, seed=int(seed),
+                                window_left=left, window_right=right, softcap=softcap,
+                                num_threads=torch.get_num_threads())
 
 
 def alibi(alibi_slopes):
@@ -185,6 +193,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         check_thd(name, t)
     check_same_dtype(q=q, k=k, v=v)
     q, k, v = (in_place_or_copy(t) for t in (q, k, v))
+    dropout_p = number("dropout_p", dropout_p)  # (before the seed is drawn from torch's generator)
     options = make_options(causal, softmax_scale, dropout_p, dropout_seed(dropout_p), window_size, softcap)
     out, lse = _VarlenAttention.apply(q, k, v, boundaries("cu_seqlens_q", cu_seqlens_q),
                                       boundaries("cu_seqlens_k", cu_seqlens_k), seqlen("max_seqlen_q", max_seqlen_q),

@@ -9,13 +9,16 @@ module derives the MPI communicator of the same processes (docs/python.md).
 """
 
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from . import _cpattn
 from .attention import (alibi, boundaries, check_same_dtype, check_tensor, check_thd, dtype_name,
-                        in_place_or_copy, make_options, unit_head_dim)
+                        in_place_or_copy, make_options, number, option_values, unit_head_dim)
+
+_LAYERS_KEPT = 8  # layers (shapes x option combinations) a module keeps, the most recently used
 
 
 def _mpi():
@@ -210,21 +213,27 @@ class ContextParallelAttention(torch.nn.Module):
         self.window_size, self.softcap, self.deterministic = window_size, softcap, deterministic
         self.alibi_slopes = slopes
         self.timeout = timeout
-        self._layers = {}   # (Hq, Hkv, Dqk, Dv, dtype, attention options) -> _cpattn.CpLayer
+        self._layers = OrderedDict()  # (Hq, Hkv, Dqk, Dv, dtype, attention options) -> _cpattn.CpLayer
 
     def _layer(self, q, k, v, dropout):
-        # The attention options are read at each call (attributes set after construction count)
-        # and are part of the key: a layer is made for each combination met.
+        # The attention options are read at each call (attributes set after construction count),
+        # checked and normalised, and are part of the key: a layer is made for each combination
+        # met, the _LAYERS_KEPT most recently used kept (options that change every step, a
+        # dropout schedule say, would otherwise keep a layer, its plan cache and buffers, per step).
         slopes = alibi(self.alibi_slopes)
-        options = (bool(self.causal), self.softmax_scale, self.dropout_p if dropout else 0.0,
-                   tuple(self.window_size) if isinstance(self.window_size, (tuple, list)) else self.window_size,
-                   self.softcap, None if slopes is None else tuple(slopes.tolist()))
-        key = (q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, options)
-        if key not in self._layers:
-            opts = make_options(self.causal, self.softmax_scale, options[2], 0, self.window_size, self.softcap)
+        values = option_values(self.causal, self.softmax_scale, self.dropout_p if dropout else 0.0, self.window_size,
+                               self.softcap)
+        key = (q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, values,
+               None if slopes is None else tuple(slopes.tolist()))
+        if key in self._layers:
+            self._layers.move_to_end(key)
+        else:
+            opts = make_options(self.causal, self.softmax_scale, values[2], 0, self.window_size, self.softcap)
             self._layers[key] = _cpattn.make_cp_layer(
                 self._cp_comm, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
                 self._scheme, opts, slopes)
+            while len(self._layers) > _LAYERS_KEPT:
+                self._layers.popitem(last=False)
         return self._layers[key]
 
     def forward(self, q, k, v, cu_seqlens):
@@ -232,8 +241,9 @@ class ContextParallelAttention(torch.nn.Module):
         # agreement under the deadline, which also carries rank 0's dropout seed) before anything
         # else is sent, and every rank raises the failing ranks' messages (ValueError). Alone, the
         # error is raised as it is.
-        dropout = self.training and self.dropout_p > 0.0
+        dropout = False
         try:
+            dropout = self.training and number("dropout_p", self.dropout_p) > 0.0
             for name, t in (("q", q), ("k", k), ("v", v)):
                 check_tensor(name, t)
                 check_thd(name, t, "local_tokens")

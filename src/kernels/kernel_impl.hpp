@@ -2468,7 +2468,8 @@ void backward_impl(const AttnBwdParams& p) {
                   const int64_t kp = pc.p_lo + (c - pc.c0);
                   float dcap;
                   const float x = transform_score(s[c] * cr.scale, opt.softcap, slope, qp0 + r, kp, dcap);
-                  const float pv = std::exp2(std::fmin(x * kLog2e - l2, 0.0f));  // P <= 1, as vexp2
+                  const float x2 = x * kLog2e - l2;
+                  const float pv = std::exp2(x2 > 0.0f ? 0.0f : x2);  // P <= 1, as vexp2 (a NaN stays NaN)
                   const float kf = !cr.dropout ? 1.0f : dropout_keep_row(key, kp, cr.thr) ? cr.inv_keep : 0.0f;
                   pd[c] = pv * kf;
                   s[c] = pv * (dpr[c] * kf - dl) * dcap;

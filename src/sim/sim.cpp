@@ -68,7 +68,7 @@ void add_bytes(SimBytes& a, const SimBytes& b, int64_t times) {
     int64_t prod = 0;
     CPATTN_CHECK(!__builtin_mul_overflow(y, times, &prod) && !__builtin_add_overflow(*x, prod, x),
                  "a step's bytes overflow int64 (", y, " bytes x ", times,
-                 "): the layers and micro-batches are too many to count them");
+                 " times, added to the step's count): the layers and micro-batches are too many to count them");
   }
 }
 
@@ -876,7 +876,8 @@ std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, 
                                  uint64_t seed) {
   CPATTN_CHECK(tokens >= 1, "sim_lengths: tokens must be >= 1, got ", tokens);
   CPATTN_CHECK(std::isfinite(mean) && mean >= 1, "sim_lengths: mean must be >= 1, got ", mean);
-  CPATTN_CHECK(std::isfinite(sigma) && sigma >= 0, "sim_lengths: sigma must be >= 0, got ", sigma);
+  CPATTN_CHECK(std::isfinite(sigma) && sigma >= 0 && sigma <= 100,
+               "sim_lengths: sigma must be in [0, 100] (a lognormal's log-space spread), got ", sigma);
   CPATTN_CHECK(distribution == "fixed" || distribution == "uniform" || distribution == "lognormal",
                "sim_lengths: distribution must be one of fixed, uniform, lognormal, got '", distribution, "'");
   std::mt19937_64 rng(seed);
@@ -889,8 +890,10 @@ std::vector<int64_t> sim_lengths(std::string_view distribution, int64_t tokens, 
     } else if (distribution == "lognormal") {
       len = std::lognormal_distribution<double>(std::log(mean) - sigma * sigma / 2, sigma)(rng);
     }
-    // (clamped as a double first: llround of a value past int64 is undefined, and gave 1 here)
-    const int64_t l = std::llround(std::clamp(len, 1.0, static_cast<double>(tokens - cu.back())));
+    // (clamped as a double first: llround of a value past int64, or of a NaN, is undefined, and
+    // gave 1 or INT64_MIN here)
+    if (!(len >= 1.0)) len = 1.0;
+    const int64_t l = std::llround(std::min(len, static_cast<double>(tokens - cu.back())));
     cu.push_back(cu.back() + l);
   }
   return cu;

@@ -175,6 +175,14 @@ def test_cp_module_options_follow_its_attributes_and_a_second_backward_raises():
     want = cpattn.flash_attn_varlen_func(q, k, v, CU, CU, 5, 5, causal=False, window_size=(1, 1))
     assert (windowed - want).abs().max() <= 1e-5 * want.abs().max()
     assert (windowed - causal).abs().max() > 1e-2
+    for cap in range(1, 12):  # options changing every call: the module keeps 8 layers, not 11
+        attn.softcap = float(cap)
+        attn(q, k, v, CU)
+    assert len(attn._layers) == 8
+    attn.softmax_scale = [1.0]
+    with pytest.raises(TypeError, match="softmax_scale must be a number"):
+        attn(q, k, v, CU)
+    attn.softmax_scale, attn.softcap = None, 0.0
     out = attn(q, k, v, CU)
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward through the same forward"):

@@ -155,6 +155,10 @@ bad(base + ["--profile", write("subnormal2.json", sub)], "profile.compute.fwd.bf
 r = run("simulate", "--distribution", "fixed", "--mean-length", "1e19", "--tokens", "100", "--cp", "2", "--json",
         "--no-breakeven")
 check(r.returncode == 0 and json.loads(r.stdout)["documents"] == 1, f"--mean-length 1e19: {r.stdout[:300]} {r.stderr}")
+# A NaN length from a huge --sigma (inf - inf): refused, naming the flag (it gave a negative
+# document and an int64 overflow).
+bad(["simulate", "--distribution", "lognormal", "--sigma", "1e308", "--tokens", "100", "--cp", "2"],
+    "--sigma must be in [0, 100]")
 # A billion layers: the step's bytes in O(1) (they were added layer by layer: minutes).
 start = time.monotonic()
 r = run("simulate", "--lengths", "4096", "--cp", "2", "--no-breakeven", "--layers", "1000000000", "--json")
