@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "vocab.hpp"
 
 namespace cpattn::cli {
 
@@ -34,7 +35,8 @@ struct PipelineArgs {
   std::string svg;
 };
 
-double parse_cost(const std::string& word, const std::string& whole) {
+double parse_cost(std::string_view field, const std::string& whole) {
+  const std::string word(field);
   std::size_t used = 0;
   double v = -1;
   try {
@@ -51,19 +53,13 @@ double parse_cost(const std::string& word, const std::string& whole) {
 PipelineCosts parse_costs(const std::string& text, int stages, double transfer) {
   PipelineCosts c = uniform_costs(stages, 1, 1, 1, transfer);
   if (text.empty()) return c;
-  std::vector<std::string> triples;
-  std::stringstream all(text);
-  for (std::string t; std::getline(all, t, '/');) triples.push_back(t);
-  if (text.back() == '/') triples.emplace_back();  // (getline drops an empty last field)
+  const auto triples = split_fields(text, '/');
   CPATTN_CHECK(triples.size() == 1 || triples.size() == static_cast<std::size_t>(stages),
                "--costs: give one F,B,W triple or one per stage (", stages, "), got ",
                triples.size(), " in '", text, "'");
   for (int s = 0; s < stages; ++s) {
-    const std::string& t = triples[triples.size() == 1 ? 0 : static_cast<std::size_t>(s)];
-    std::vector<std::string> words;
-    std::stringstream one(t);
-    for (std::string w; std::getline(one, w, ',');) words.push_back(w);
-    if (!t.empty() && t.back() == ',') words.emplace_back();
+    const std::string_view t = triples[triples.size() == 1 ? 0 : static_cast<std::size_t>(s)];
+    const auto words = split_fields(t, ',');
     CPATTN_CHECK(words.size() == 3, "--costs: expected forward,backward,weight, got '", t, "'");
     const auto us = static_cast<std::size_t>(s);
     c.forward[us] = parse_cost(words[0], text);

@@ -82,12 +82,12 @@ void add_run_command(CLI::App& app) {
                                        "padding-free (allgather scheme only; docs/planner.md)")
       ->capture_default_str()
       ->transform(split_transformer());
-  cmd->add_option("--overlap", a->overlap, "All-gather scheme (runs mode): on runs the kernels per group of KV "
+  auto* overlap = cmd->add_option("--overlap", a->overlap, "All-gather scheme (runs mode): on runs the kernels per group of KV "
                                          "heads while the other groups' K/V and dK/dV travel; off: one all-gather, "
                                          "one kernel call, one reduce-scatter (bitwise the same results)")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
-  cmd->add_option("--shared-memory", a->shared_memory,
+  auto* shared_memory = cmd->add_option("--shared-memory", a->shared_memory,
                   "All-gather scheme (runs mode), every rank on one node: on moves K/V and dK/dV through one "
                   "shared-memory buffer each (no copies; --overlap is then moot), off: through messages (bitwise "
                   "the same results)")
@@ -105,7 +105,11 @@ void add_run_command(CLI::App& app) {
                                                           "first CP step (give it to one rank, mpirun's MPMD form)")
       ->group("");
   cmd->add_flag("--json", a->json, "Print the report as one JSON object");
-  cmd->callback([a] { run(*a); });
+  cmd->callback([a, overlap, shared_memory] {
+    a->overlap_given = overlap->count() > 0;
+    a->shared_memory_given = shared_memory->count() > 0;
+    run(*a);
+  });
 }
 
 }  // namespace cpattn::cli

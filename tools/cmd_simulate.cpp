@@ -80,11 +80,7 @@ std::string flag_names(std::string msg) {
 // Runs `f`; a cpattn::Error from the simulator gets its field names replaced by the flags.
 template <class F>
 decltype(auto) with_flags(F&& f) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    throw Error(flag_names(e.message()));
-  }
+  return rewrite_errors(f, flag_names);
 }
 
 nlohmann::json bytes_json(const SimBytes& b) {

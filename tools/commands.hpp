@@ -52,11 +52,7 @@ inline const CLI::Validator& at_least_one() {
 // arguments) gets the flag (or flags) that gave them in front: "--costs: ...".
 template <class F>
 auto with_flag(const char* flag, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    throw Error(std::string(flag) + ": " + e.message());
-  }
+  return rewrite_errors(f, [flag](const std::string& m) { return std::string(flag) + ": " + m; });
 }
 
 // Parses one document length per line (blank lines and '#' comments skipped); errors name the

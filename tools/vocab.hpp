@@ -67,6 +67,17 @@ inline MaskType parse_mask(std::string_view s, std::string_view flag = "--mask")
   throw Error(std::string(flag) + " must be one of causal, none, got '" + std::string(s) + "'");
 }
 
+// The fields of `s` between the separators, empty ones kept ("a,,b," is four fields; "" one).
+inline std::vector<std::string_view> split_fields(std::string_view s, char sep) {
+  std::vector<std::string_view> out;
+  for (size_t at = 0;; ) {
+    const size_t end = s.find(sep, at);
+    out.push_back(s.substr(at, end == std::string_view::npos ? std::string_view::npos : end - at));
+    if (end == std::string_view::npos) return out;
+    at = end + 1;
+  }
+}
+
 // --window LEFT,RIGHT (AttnOptions::window_size_left/right, -1 = unbounded): two integers >= -1.
 struct Window {
   int64_t left = -1, right = -1;
@@ -74,9 +85,9 @@ struct Window {
 inline Window parse_window(std::string_view s, std::string_view flag = "--window") {
   const std::string bad = std::string(flag) + " must be LEFT,RIGHT, two integers >= -1 (-1 = unbounded), got '" +
                           std::string(s) + "'";
-  const size_t comma = s.find(',');
   if (s.empty()) return {};
-  if (comma == std::string_view::npos) throw Error(bad);
+  const auto fields = split_fields(s, ',');
+  if (fields.size() != 2) throw Error(bad);
   auto num = [&](std::string_view x) {
     if (x.empty() || x.size() > 18) throw Error(bad);
     size_t i = x[0] == '-' ? 1 : 0;
@@ -87,7 +98,7 @@ inline Window parse_window(std::string_view s, std::string_view flag = "--window
     if (v < -1) throw Error(bad);
     return v;
   };
-  return {num(s.substr(0, comma)), num(s.substr(comma + 1))};
+  return {num(fields[0]), num(fields[1])};
 }
 // --softcap X: finite and >= 0 (0 = off).
 inline float check_softcap(float x, std::string_view flag = "--softcap") {

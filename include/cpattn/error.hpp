@@ -30,6 +30,18 @@ class Error : public std::runtime_error {
   std::string message_;
 };
 
+// Runs `f` and returns what it returns; a cpattn::Error it throws is thrown again with its
+// message passed through `rewrite` (a caller that knows which of its own arguments or flags
+// set the failing ones puts their names in front).
+template <class F, class R>
+decltype(auto) rewrite_errors(F&& f, R&& rewrite) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(rewrite(e.message()));
+  }
+}
+
 namespace detail {
 template <class... Parts>
 [[noreturn]] void fail(const char* file, int line, const Parts&... parts) {

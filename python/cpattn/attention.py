@@ -80,11 +80,6 @@ def number(name, x):
         raise TypeError(f"{name} must be a number, got {type(x).__name__}") from None
 
 
-def seqlen(name, m):
-    """max_seqlen as an int (a Python or NumPy int, or a one-element integer tensor)."""
-    return integer(name, m)
-
-
 def unit_head_dim(t):
     """t itself when the kernels read it in place (unit head_dim stride, and heads and tokens
     apart as the kernels' views need: head stride >= head_dim, token stride >= the last head's
@@ -119,8 +114,12 @@ def option_values(causal, softmax_scale, dropout_p, window_size, softcap):
 
 
 def make_options(causal, softmax_scale, dropout_p, seed, window_size, softcap):
-    causal, scale, dropout_p, left, right, softcap = option_values(causal, softmax_scale, dropout_p, window_size,
-                                                                   softcap)
+    return options_of(option_values(causal, softmax_scale, dropout_p, window_size, softcap), seed)
+
+
+def options_of(values, seed):
+    """The kernels' options from option_values' checked tuple and a dropout seed."""
+    causal, scale, dropout_p, left, right, softcap = values
     return _cpattn.make_options(causal=causal, softmax_scale=scale, dropout_p=dropout_p, seed=int(seed),
                                 window_left=left, window_right=right, softcap=softcap,
                                 num_threads=torch.get_num_threads())
@@ -196,6 +195,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dropout_p = number("dropout_p", dropout_p)  # (before the seed is drawn from torch's generator)
     options = make_options(causal, softmax_scale, dropout_p, dropout_seed(dropout_p), window_size, softcap)
     out, lse = _VarlenAttention.apply(q, k, v, boundaries("cu_seqlens_q", cu_seqlens_q),
-                                      boundaries("cu_seqlens_k", cu_seqlens_k), seqlen("max_seqlen_q", max_seqlen_q),
-                                      seqlen("max_seqlen_k", max_seqlen_k), options, alibi(alibi_slopes))
+                                      boundaries("cu_seqlens_k", cu_seqlens_k), integer("max_seqlen_q", max_seqlen_q),
+                                      integer("max_seqlen_k", max_seqlen_k), options, alibi(alibi_slopes))
     return (out, lse.t(), None) if return_attn_probs else out

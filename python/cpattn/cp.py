@@ -16,7 +16,7 @@ import torch
 
 from . import _cpattn
 from .attention import (alibi, boundaries, check_same_dtype, check_tensor, check_thd, dtype_name,
-                        in_place_or_copy, make_options, number, option_values, unit_head_dim)
+                        in_place_or_copy, number, option_values, options_of, unit_head_dim)
 
 _LAYERS_KEPT = 8  # layers (shapes x option combinations) a module keeps, the most recently used
 
@@ -196,7 +196,7 @@ class ContextParallelAttention(torch.nn.Module):
         _cpattn.check_scheme(size, self._scheme)  # ValueError with the C++ layer's message
         # The attention options' types now (their ranges are the kernels' rules, checked with the
         # tensors at the first call, on every rank alike).
-        make_options(causal, softmax_scale, dropout_p, 0, window_size, softcap)
+        option_values(causal, softmax_scale, dropout_p, window_size, softcap)
         slopes = alibi(alibi_slopes)
         # Every argument is checked: only now does anything move (a process group's rank check).
         self.group = group
@@ -228,7 +228,7 @@ class ContextParallelAttention(torch.nn.Module):
         if key in self._layers:
             self._layers.move_to_end(key)
         else:
-            opts = make_options(self.causal, self.softmax_scale, values[2], 0, self.window_size, self.softcap)
+            opts = options_of(values, 0)
             self._layers[key] = _cpattn.make_cp_layer(
                 self._cp_comm, q.shape[1], k.shape[1], q.shape[2], v.shape[2], dtype_name(q.dtype),
                 self._scheme, opts, slopes)

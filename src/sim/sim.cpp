@@ -611,13 +611,9 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   const double bwd = layers_per_stage * (b.time_s() + tp_time + ep_time);
   const bool pp_inter = int64_t{mesh.tp} * mesh.cp * mesh.dp >= in.profile.ranks_per_node;
   const double transfer = mesh.pp > 1 ? c.send_time(act, pp_inter) : 0.0;
-  const Schedule sched = [&] {
-    try {
-      return make_schedule({.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule});
-    } catch (const Error& e) {  // named by the fields (the CLI's flags) that set the schedule
-      throw Error("SimMesh::schedule with SimMesh::pp stages and SimMesh::micro micro-batches: " + e.message());
-    }
-  }();
+  const Schedule sched = rewrite_errors(  // named by the fields (the CLI's flags) that set the schedule
+      [&] { return make_schedule({.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule}); },
+      [](const std::string& m) { return "SimMesh::schedule with SimMesh::pp stages and SimMesh::micro micro-batches: " + m; });
   const Simulation sim = simulate(sched, uniform_costs(mesh.pp, fwd, bwd, 0.0, transfer));
   p.step_s = sim.makespan;
   p.bubble_fraction = sim.bubble_fraction;

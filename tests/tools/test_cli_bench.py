@@ -120,6 +120,8 @@ bad = [
     (["--head-dim", "300"], "--head-dim"),
     (["--window", "5"], "--window must be LEFT,RIGHT"),
     (["--window", "-2,3"], "--window must be LEFT,RIGHT"),
+    (["--window", "1,2,3"], "--window must be LEFT,RIGHT"),
+    (["--window", ",5"], "--window must be LEFT,RIGHT"),
     (["--softcap", "-1"], "--softcap must be finite and >= 0"),
 ]
 for args, needle in bad:

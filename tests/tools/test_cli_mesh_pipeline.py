@@ -121,6 +121,8 @@ bad = {
     ("pipeline", "--transfer", "-1"): "--transfer must be >= 0",
     ("pipeline", "--costs", "1,1,1/"): "--costs",  # (trailing separators were dropped)
     ("pipeline", "--costs", "1,1,1,"): "--costs",
+    ("pipeline", "--costs", "1,,1"): "--costs: every cost must be a number >= 0, got ''",
+    ("pipeline", "--stages", "2", "--costs", "1,1,1//"): "--costs: give one F,B,W triple or one per stage (2), got 3",
     # finite costs whose sum is not: the --svg axis loop ran forever on the infinite makespan
     ("pipeline", "--costs", "1e308,1e308,1", "--svg", "/tmp/cpattn_pipeline_inf.svg"): "--costs, --transfer: the costs add up",
     ("pipeline", "--transfer", "1e308"): "--costs, --transfer: the costs add up",

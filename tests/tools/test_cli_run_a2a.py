@@ -26,7 +26,10 @@ for np_, flags in ((2, ("--scheme", "a2a", "--heads", "4", "--kv-heads", "2", "-
 # Bad flags: exit 2, the flag named, the same line from every rank.
 for np_, flags, flag in ((4, ("--scheme", "hybrid", "--cp-inner", "3"), "--cp-inner must divide the CP size 4"),
                          (2, ("--scheme", "a2a", "--cp-inner", "2"), "--cp-inner is for --scheme hybrid only"),
-                         (4, ("--scheme", "a2a", "--heads", "12", "--kv-heads", "3"), "--kv-heads (3) must be divisible")):
+                         (4, ("--scheme", "a2a", "--heads", "12", "--kv-heads", "3"), "--kv-heads (3) must be divisible"),
+                         # the all-gather's flags, given to a scheme without one (they were ignored)
+                         (2, ("--scheme", "ring", "--overlap", "off"), "--overlap sets the all-gather's"),
+                         (2, ("--scheme", "a2a", "--shared-memory", "on"), "--shared-memory sets the all-gather's")):
     r = run(np_, *flags, "--lengths", "10")
     # Every rank rejects it: the line names all of them ([ranks 0,1], [ranks 0-3]).
     every = "0,1" if np_ == 2 else f"0-{np_ - 1}"

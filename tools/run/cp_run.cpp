@@ -115,6 +115,11 @@ std::vector<std::pair<CpScheme, int>> schemes_of(const RunArgs& a, int cp, const
                  a.cp_inner, " with --scheme ", to_string(s));
     CPATTN_CHECK(s != CpScheme::hybrid || a.cp_inner >= 1, "--scheme hybrid needs --cp-inner N (N dividing the CP size ",
                  cp, ")");
+    // (--overlap and --shared-memory set the all-gather: a scheme without one would ignore them)
+    for (const auto& [given, flag] : {std::pair{a.overlap_given, "--overlap"}, {a.shared_memory_given, "--shared-memory"}})
+      CPATTN_CHECK(!given || s == CpScheme::allgather || s == CpScheme::hybrid, flag, " sets the all-gather's K/V "
+                   "and dK/dV (--scheme allgather, or hybrid's outer all-gather): --scheme ", to_string(s),
+                   " has none and would ignore it");
     check_heads_split(shape, inner_of(s));
     return {{s, inner_of(s)}};
   }

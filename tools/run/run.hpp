@@ -30,6 +30,7 @@ struct RunArgs {
   std::string split = "padded";  // canonical (vocab.hpp)
   std::string overlap = "on";    // --overlap on|off (CpAttnConfig::overlap)
   std::string shared_memory = "on";  // --shared-memory on|off (CpAttnConfig::shared_memory)
+  bool overlap_given = false, shared_memory_given = false;  // on the command line (the all-gather's flags)
   int threads = 1, repeats = 1;
   int cp = 0;  // 0: the MPI world size
   int cp_inner = 0;  // --cp-inner, --scheme hybrid only: all-to-all group size, dividing cp
