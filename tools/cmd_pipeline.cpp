@@ -297,11 +297,7 @@ void write_svg(const std::string& path, const Simulation& sim, const PipelineCos
     << "\" font-size=\"12\" fill=\"#333\">colour = micro-batch" << (chunks ? "; label F&lt;mb&gt;.&lt;chunk&gt;" : "")
     << "</text>\n</svg>\n";
   const std::string text = o.str();
-  try {
-    write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size())));
-  } catch (const Error& e) {
-    throw Error("--svg: " + e.message());
-  }
+  with_flag("--svg", [&] { write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size()))); });
 }
 
 void run_pipeline(const PipelineArgs& a) {

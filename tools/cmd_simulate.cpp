@@ -46,6 +46,7 @@ struct SimulateArgs {
   uint64_t seed = 1;
   int cp = 0, cp_inner = 0, tp = 1, dp = 1, pp = 1, ep = 1, micro = 1;
   std::string schedule = "1f1b";
+  std::optional<int> virtual_stages;  // --virtual (unset: 2 with interleaved, else 1)
   int layers = 1, heads = 8, kv_heads = 2, head_dim = 128, head_dim_qk = 0, head_dim_v = 0, hidden = 0;
   int experts = 0, top_k = 1;
   double expert_skew = 0;
@@ -61,6 +62,7 @@ struct SimulateArgs {
 std::string flag_names(std::string msg) {
   static const std::pair<const char*, const char*> kFlags[] = {
       {"SimMesh::cp_inner", "--cp-inner"},     {"SimMesh::schedule", "--schedule"},
+      {"SimMesh::virtual_stages", "--virtual"},
       {"SimMesh::micro", "--micro-batches"},   {"SimMesh::tp", "--tp"},
       {"SimMesh::cp", "--cp"},                 {"SimMesh::dp", "--dp"},
       {"SimMesh::pp", "--pp"},                 {"SimMesh::ep", "--ep"},
@@ -214,7 +216,8 @@ void run_simulate(const SimulateArgs& a) {
                         .top_k = a.top_k,
                         .expert_skew = a.expert_skew},
               .mesh = {.tp = a.tp, .cp = a.cp, .cp_inner = a.cp_inner, .dp = a.dp, .pp = a.pp, .ep = a.ep,
-                       .micro = a.micro, .schedule = *kind},
+                       .micro = a.micro, .schedule = *kind,
+                       .virtual_stages = a.virtual_stages.value_or(*kind == PipelineSchedule::interleaved ? 2 : 1)},
               .profile = a.profile.empty() ? default_profile() : read_profile(a.profile),
               .find_breakeven = !a.no_breakeven,
               .overlap = a.overlap == "on"};
@@ -230,7 +233,8 @@ void run_simulate(const SimulateArgs& a) {
     j["padded_tokens"] = rep.padded_tokens;
     j["documents"] = cu.size() - 1;
     j["mesh"] = {{"tp", a.tp}, {"cp", a.cp}, {"cp_inner", a.cp_inner}, {"dp", a.dp}, {"pp", a.pp}, {"ep", a.ep},
-                 {"micro_batches", a.micro}, {"schedule", a.schedule}, {"world", world}};
+                 {"micro_batches", a.micro}, {"schedule", a.schedule},
+                 {"virtual_stages", in.mesh.virtual_stages}, {"world", world}};
     j["overlap"] = in.overlap;
     j["model"] = {{"layers", a.layers}, {"heads", in.model.num_heads_q}, {"kv_heads", in.model.num_heads_k},
                   {"head_dim_qk", in.model.head_dim_qk}, {"head_dim_v", in.model.head_dim_v},
@@ -272,10 +276,12 @@ void run_simulate(const SimulateArgs& a) {
   std::printf("cpattn simulate: %lld tokens (%lld padded) in %zu documents, profile %s\n",
               static_cast<long long>(rep.tokens), static_cast<long long>(rep.padded_tokens), cu.size() - 1,
               in.profile.name.c_str());
-  std::printf("mesh tp %d x cp %d x dp %d x pp %d = %lld ranks, ep %d, %d micro-batch(es), schedule %s; planner "
+  const std::string chunks =
+      in.mesh.virtual_stages > 1 ? " (" + std::to_string(in.mesh.virtual_stages) + " chunks per stage)" : "";
+  std::printf("mesh tp %d x cp %d x dp %d x pp %d = %lld ranks, ep %d, %d micro-batch(es), schedule %s%s; planner "
               "imbalance %.4f; all-gather overlap %s\n",
-              a.tp, a.cp, a.dp, a.pp, static_cast<long long>(world), a.ep, a.micro, a.schedule.c_str(), rep.imbalance,
-              a.overlap.c_str());
+              a.tp, a.cp, a.dp, a.pp, static_cast<long long>(world), a.ep, a.micro, a.schedule.c_str(), chunks.c_str(),
+              rep.imbalance, a.overlap.c_str());
   std::printf("%-10s %11s %11s %11s %11s %11s %9s %9s %8s %7s %7s %7s\n", "scheme", "step ms", "compute", "exposed",
               "hidden", "bubble", "intra GB", "inter GB", "mem GB", "cp<", "len x", "bw x");
   for (const SchemePrediction& p : rep.schemes) {
@@ -641,7 +647,10 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--micro-batches", a->micro, "Micro-batches per step, each the given batch")->capture_default_str();
   cmd->add_option("--schedule", a->schedule, "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1")
       ->capture_default_str();
-  cmd->add_option("--layers", a->layers, "Attention layers of the model (a multiple of --pp)")->capture_default_str();
+  cmd->add_option("--virtual", a->virtual_stages,
+                  "Model chunks per stage V for --schedule interleaved (default 2; --layers a multiple of --pp x V)");
+  cmd->add_option("--layers", a->layers, "Attention layers of the model (a multiple of --pp, and of --pp x "
+                                         "--virtual with interleaved)")->capture_default_str();
   cmd->add_option("--heads", a->heads, "Query heads")->check(at_least_one())->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")
       ->check(at_least_one())->capture_default_str();

@@ -83,6 +83,7 @@ struct SimMesh {
   int ep = 1;        // expert parallel (over the tp*cp*dp ranks of a stage)
   int micro = 1;     // micro-batches per step (each one the batch of cu_seqlens)
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
+  int virtual_stages = 1;  // model chunks per stage (V); only the interleaved schedule takes V > 1
   int world() const { return tp * cp * dp * pp; }
 };
 // Throws cpattn::Error naming the field (SimMesh::cp_inner, SimModel::num_heads_k, ...) and the

@@ -606,25 +606,34 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
       if (peers[k] > 0) ep_time = std::max(ep_time, 2.0 * static_cast<double>(peers[k]) * c.send_time(recv, k == 1));
     }
   }
-  const double layers_per_stage = static_cast<double>(model.layers) / mesh.pp;
-  const double fwd = layers_per_stage * (f.time_s() + tp_time + ep_time);
-  const double bwd = layers_per_stage * (b.time_s() + tp_time + ep_time);
+  // The schedule's unit of work is a model chunk: a stage's layers, or with interleaved 1F1B a
+  // V-th of them (each chunk's activation then crosses to the next stage: V sends per micro-batch).
+  const int chunks = mesh.virtual_stages;
+  const double layers_per_chunk = static_cast<double>(model.layers) / (int64_t{mesh.pp} * chunks);
+  const double fwd = layers_per_chunk * (f.time_s() + tp_time + ep_time);
+  const double bwd = layers_per_chunk * (b.time_s() + tp_time + ep_time);
   const bool pp_inter = int64_t{mesh.tp} * mesh.cp * mesh.dp >= in.profile.ranks_per_node;
   const double transfer = mesh.pp > 1 ? c.send_time(act, pp_inter) : 0.0;
   const Schedule sched = rewrite_errors(  // named by the fields (the CLI's flags) that set the schedule
-      [&] { return make_schedule({.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule}); },
-      [](const std::string& m) { return "SimMesh::schedule with SimMesh::pp stages and SimMesh::micro micro-batches: " + m; });
+      [&] {
+        return make_schedule(
+            {.stages = mesh.pp, .micro = mesh.micro, .schedule = mesh.schedule, .virtual_stages = chunks});
+      },
+      [](const std::string& m) {
+        return "SimMesh::schedule with SimMesh::pp stages, SimMesh::micro micro-batches and SimMesh::virtual_stages "
+               "chunks: " + m;
+      });
   const Simulation sim = simulate(sched, uniform_costs(mesh.pp, fwd, bwd, 0.0, transfer));
   p.step_s = sim.makespan;
   p.bubble_fraction = sim.bubble_fraction;
-  // Per action kind, how many the busiest stage runs (fill-drain runs no backward).
+  // Per action kind, how many the busiest stage runs (fill-drain runs no backward), each a chunk's.
   int n_f = 0, n_b = 0;
   for (const Action& a : sched.actions[0]) (a.kind == ActionKind::forward ? n_f : n_b) += a.kind != ActionKind::weight;
-  p.compute_s = layers_per_stage * (n_f * f.compute_s + n_b * b.compute_s);
-  p.hidden_comm_s = layers_per_stage * (n_f * f.hidden_s + n_b * b.hidden_s);
-  p.exposed_comm_s = n_f * (fwd - layers_per_stage * f.compute_s) + n_b * (bwd - layers_per_stage * b.compute_s);
+  p.compute_s = layers_per_chunk * (n_f * f.compute_s + n_b * b.compute_s);
+  p.hidden_comm_s = layers_per_chunk * (n_f * f.hidden_s + n_b * b.hidden_s);
+  p.exposed_comm_s = n_f * (fwd - layers_per_chunk * f.compute_s) + n_b * (bwd - layers_per_chunk * b.compute_s);
   p.bubble_s = std::max(0.0, p.step_s - p.compute_s - p.exposed_comm_s);
-  const auto layers_i = static_cast<int64_t>(std::llround(layers_per_stage));
+  const auto layers_i = static_cast<int64_t>(std::llround(layers_per_chunk));
   // Bytes are the busiest CP rank's (the most sent + received over the step), which need not
   // be the slowest one (pass-Q's partials, the hybrid's node boundaries).
   const auto call_bytes = [](const SimCall& x) {
@@ -644,13 +653,13 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   add_bytes(per_layer, ep_bytes);
   add_bytes(p.step_bytes, per_layer, int64_t{mesh.micro} * layers_i);
   if (mesh.pp > 1) {
-    const int64_t pp_bytes = 2 * int64_t{mesh.micro} * act;  // activation down, gradient up
+    const int64_t pp_bytes = 2 * int64_t{mesh.micro} * chunks * act;  // activation down, gradient up
     add_bytes(p.step_bytes, pp_inter, pp_bytes, pp_bytes);
   }
   const MemoryUse mem = memory_use(c, scheme, inner, h);
   int in_flight = 1;
   for (const int a : sim.peak_activations) in_flight = std::max(in_flight, a);
-  p.peak_memory_gb = (layers_per_stage * in_flight * mem.saved + mem.transient) / 1e9;
+  p.peak_memory_gb = (layers_per_chunk * in_flight * mem.saved + mem.transient) / 1e9;  // (chunk activations)
   p.fits_memory = p.peak_memory_gb <= in.profile.memory_gb;
   return p;
 }
@@ -764,8 +773,14 @@ void check_sim_mesh(const SimMesh& m, const SimModel& model) {
                "SimMesh::pp = ", int64_t{m.tp} * m.cp * m.dp * m.pp, " ranks must be <= 2^20");
   CPATTN_CHECK(m.cp_inner >= 0 && (m.cp_inner == 0 || m.cp % m.cp_inner == 0), "SimMesh::cp_inner = ", m.cp_inner,
                " must divide SimMesh::cp = ", m.cp, " (cp = cp_inner x cp_outer; 0 picks one)");
-  CPATTN_CHECK(model.layers >= 1 && model.layers % m.pp == 0, "SimModel::layers = ", model.layers,
-               " must be >= 1 and a multiple of SimMesh::pp = ", m.pp, " (equal stages)");
+  CPATTN_CHECK(m.virtual_stages >= 1 && m.virtual_stages <= 1024, "SimMesh::virtual_stages must be in 1..1024, got ",
+               m.virtual_stages);
+  CPATTN_CHECK(m.virtual_stages == 1 || m.schedule == PipelineSchedule::interleaved, "SimMesh::virtual_stages = ",
+               m.virtual_stages, " needs the interleaved schedule (SimMesh::schedule), not ",
+               pipeline_schedule_name(m.schedule));
+  CPATTN_CHECK(model.layers >= 1 && model.layers % (int64_t{m.pp} * m.virtual_stages) == 0, "SimModel::layers = ",
+               model.layers, " must be >= 1 and a multiple of SimMesh::pp = ", m.pp, " x SimMesh::virtual_stages = ",
+               m.virtual_stages, " (equal stages and chunks)");
   CPATTN_CHECK(model.num_heads_q >= 1 && model.num_heads_k >= 1 && model.num_heads_q % model.num_heads_k == 0,
                "SimModel::num_heads_q = ", model.num_heads_q, " must be a multiple of SimModel::num_heads_k = ",
                model.num_heads_k);

@@ -3,6 +3,7 @@
 // against the real schemes).
 #include <cpattn/error.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/pipeline.hpp>
 #include <cpattn/plan.hpp>
 #include <cpattn/sim.hpp>
 
@@ -231,6 +232,40 @@ TEST(Sim, EqualPipelineStagesGiveTheFillDrainBubble) {
   }
 }
 
+// Interleaved 1F1B (SimMesh::virtual_stages): each of a stage's V chunks runs a V-th of its
+// layers, so the step is pipeline.hpp's simulate() of the interleaved schedule at chunk costs;
+// the work is 1F1B's, the bubble smaller, and every chunk's activation crosses to the next
+// stage (V times 1F1B's stage transfers per micro-batch).
+TEST(Sim, InterleavedChunksRunAVthOfAStagesLayers) {
+  const int stages = 2, micro = 4, layers = 8;
+  SimInput in = hand_input();
+  in.model.layers = layers;
+  in.mesh.pp = stages;
+  in.mesh.micro = micro;
+  in.profile.inter = {.bandwidth_gbs = 1e12, .latency_us = 0};  // stage transfers ~0
+  const SchemePrediction base = simulate_scheme(in, CpScheme::allgather);  // 1F1B
+  for (const int v : {2, 4}) {
+    SCOPED_TRACE(::testing::Message() << "V " << v);
+    in.mesh.schedule = PipelineSchedule::interleaved;
+    in.mesh.virtual_stages = v;
+    const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+    const double per_chunk = static_cast<double>(layers) / (stages * v);
+    const double f = per_chunk * p.forward[0].time_s(), b = per_chunk * p.backward[0].time_s();
+    const Simulation want = simulate(
+        make_schedule({.stages = stages, .micro = micro, .schedule = PipelineSchedule::interleaved, .virtual_stages = v}),
+        uniform_costs(stages, f, b, 0.0, 0.0));
+    EXPECT_NEAR(p.step_s, want.makespan, 1e-6 * p.step_s);
+    EXPECT_NEAR(p.bubble_fraction, want.bubble_fraction, 1e-6);
+    EXPECT_LT(p.bubble_fraction, base.bubble_fraction);
+    EXPECT_NEAR(p.compute_s, base.compute_s, 1e-9 * base.compute_s);
+    // Stage transfers: T_loc 20 x hidden 8 x 4 bytes = 640 per activation, down and up, per
+    // micro-batch and chunk, sent and received.
+    const int64_t extra = 2 * int64_t{micro} * (v - 1) * 640;
+    EXPECT_EQ(p.step_bytes.sent() - base.step_bytes.sent(), extra);
+    EXPECT_EQ(p.step_bytes.received() - base.step_bytes.received(), extra);
+  }
+}
+
 TEST(Sim, PerRankWorkIsThePlannersAndSetsTheComputeTime) {
   const std::vector<int64_t> lengths{37, 100, 1, 64, 23, 9, 2};
   const std::vector<int64_t> cu = cu_seqlens_from_lengths(lengths);
@@ -394,6 +429,15 @@ TEST(Sim, BadProfilesAndMeshesAreRejectedNamingTheField) {
   in.mesh.pp = 2;
   in.model.layers = 3;
   expect_error(in, "SimModel::layers = 3 must be >= 1 and a multiple of SimMesh::pp = 2");
+  in.mesh.schedule = PipelineSchedule::interleaved;
+  in.mesh.virtual_stages = 2;
+  in.model.layers = 6;
+  expect_error(in, "SimModel::layers = 6 must be >= 1 and a multiple of SimMesh::pp = 2 x SimMesh::virtual_stages = 2");
+  in.mesh.schedule = PipelineSchedule::one_f_one_b;
+  in.model.layers = 4;
+  expect_error(in, "SimMesh::virtual_stages = 2 needs the interleaved schedule (SimMesh::schedule), not 1f1b");
+  in.mesh.virtual_stages = 0;
+  expect_error(in, "SimMesh::virtual_stages must be in 1..1024, got 0");
   in = hand_input();
   in.mesh.tp = 4;  // 2 KV heads
   expect_error(in, "SimModel::num_heads_k = 2 must be divisible by SimMesh::tp = 4");

@@ -143,8 +143,23 @@ bad(["simulate", "--distribution", "lognormal", "--mean-length", "0", "--cp", "2
 # (from a helper's hunt) fill-drain predicted a forward's time beside a training step's bytes
 bad(base + ["--pp", "2", "--layers", "2", "--schedule", "fill-drain"], "--schedule fill-drain runs forwards only")
 # the schedule's own rules, named by the flags (they named make_schedule's fields)
-bad(base + ["--pp", "2", "--layers", "2", "--micro-batches", "3", "--schedule", "interleaved", "--no-breakeven"],
-    "--schedule with --pp stages and --micro-batches micro-batches:")
+bad(base + ["--pp", "2", "--layers", "4", "--micro-batches", "3", "--schedule", "interleaved", "--no-breakeven"],
+    "--schedule with --pp stages, --micro-batches micro-batches and --virtual chunks:")
+# interleaved's chunks (--virtual, default 2): equal chunks, and V > 1 for interleaved only
+bad(base + ["--pp", "2", "--layers", "2", "--micro-batches", "2", "--schedule", "interleaved", "--no-breakeven"],
+    "--layers = 2 must be >= 1 and a multiple of --pp = 2 x --virtual = 2")
+bad(base + ["--pp", "2", "--layers", "2", "--virtual", "2", "--no-breakeven"],
+    "--virtual = 2 needs the interleaved schedule (--schedule), not 1f1b")
+# interleaved runs --virtual chunks (default 2): in the JSON, and the same work in a smaller bubble
+pipe = base + ["--pp", "2", "--layers", "8", "--micro-batches", "4", "--no-breakeven", "--json"]
+one = json.loads(run(*pipe).stdout)
+for extra, v in (([], 2), (["--virtual", "4"], 4)):
+    il = json.loads(run(*pipe, "--schedule", "interleaved", *extra).stdout)
+    check(il["mesh"]["virtual_stages"] == v and one["mesh"]["virtual_stages"] == 1, f"virtual_stages: {il['mesh']}")
+    for a, b in zip(one["schemes"], il["schemes"]):
+        if a["valid"]:
+            check(b["bubble_fraction"] < a["bubble_fraction"] and abs(b["compute_s"] - a["compute_s"]) <= 1e-9 * a["compute_s"],
+                  f"interleaved V {v} against 1f1b, {a['scheme']}: {b['bubble_fraction']} {a['bubble_fraction']}")
 sub = json.loads(json.dumps(good))
 sub["intra_node"]["bandwidth_gbs"] = 1e-320  # subnormal: passed "> 0", then inf costs named no field
 bad(base + ["--profile", write("subnormal.json", sub)], "profile.intra_node.bandwidth_gbs must be a finite number >= 0.001")
