@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <new>
 
 #include "plan_math.hpp"
 
@@ -116,12 +117,18 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
       nonempty += c.len > 0;
     }
 
-  plan.global_token_index.resize(t_loc);
-  plan.real_token_index.resize(t_loc);
+  try {  // (the index arrays grow with the tokens: a batch past memory is an error that says so)
+    plan.global_token_index.resize(static_cast<std::size_t>(t_loc));
+    plan.real_token_index.resize(static_cast<std::size_t>(t_loc));
+    plan.kv_gather_index.resize(static_cast<std::size_t>(total_kv));
+  } catch (const std::bad_alloc&) {
+    CPATTN_CHECK(false, "plan of rank ", rank, " of cp ", cp, " for ", plan.global_tokens, " tokens: its ", t_loc,
+                 " token indices (x2) and ", total_kv, " key gather indices (", 8.0 * (2.0 * static_cast<double>(t_loc) + static_cast<double>(total_kv)) / 1e9,
+                 " GB) could not be allocated");
+  }
   plan.cu_seqlens_q.resize(num_tasks + 1);
   plan.cu_seqlens_kv.resize(num_tasks + 1);
   plan.cu_seqlens_q[0] = plan.cu_seqlens_kv[0] = 0;
-  plan.kv_gather_index.resize(total_kv);
   plan.work.tasks.resize(nonempty);
   plan.work.runs.clear();
   plan.work.runs.reserve(nonempty * 2);

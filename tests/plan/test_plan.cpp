@@ -281,6 +281,24 @@ TEST(Plan, BadArgumentsAreNamed) {
   }
 }
 
+// One document of 2^47 tokens: the rank's index arrays (2.5 PB, past any address space, so
+// even an overcommitting kernel refuses them) cannot be allocated; the plan says so with the
+// sizes (it was a bare std::bad_alloc).
+TEST(Plan, ABatchPastMemoryIsAnErrorWithItsSizes) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' allocators end the process on a request this large instead of failing it";
+#else
+  try {
+    get_thd_load_balanced_cp_metadata(V{0, int64_t{1} << 47}, 2, 0);
+    FAIL() << "a plan of 2^47 tokens was allocated";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr("plan of rank 0 of cp 2 for 140737488355328 tokens: its 70368744177664 "
+                                       "token indices (x2) and 175921860444160 key gather indices"));
+    EXPECT_THAT(e.message(), HasSubstr("could not be allocated"));
+  }
+#endif
+}
+
 TEST(Plan, RowsGoToTheirRankAndBack) {
   const V cu{0, 5, 6, 13};
   const int cp = 3;
