@@ -25,6 +25,19 @@
 //                kept buffers: freed ones are what ASan flags) and ends the job with MPI_Abort;
 //                the others finish their forward and wait in a barrier the faulty rank never
 //                joins, until the abort or the deadline ends them.
+//   handover-fused, handover-overlap (2 ranks; the communicator throws on a timeout instead of
+//                ending the job): the last rank runs its backward on the portable kernels,
+//                seconds past the 1 s deadline, so rank 0 times out waiting for its dK/dV
+//                with its own dK/dV partials in flight, destroys its layer (which hands its
+//                state to the communicator) and fills new buffers of the partials' sizes; the
+//                late rank's transfers then complete against the kept state (freed partials
+//                would be read as the new buffers' 7s, crash the transfer, or be ASan's
+//                use-after-free). Rank 0's new buffers must stay untouched and its requests
+//                drain. Overlapped (2 KV-head groups, every group's transfers posted before
+//                rank 0 waits) the late rank finishes its backward, bitwise as under a 60 s
+//                deadline; fused, rank 0 gave up in the dK reduce-scatter and never posts the
+//                dV one, so the late rank times out there (the timeout then has to be its
+//                error). Every rank prints its line and the job exits 0.
 // CTest passes each on the expected message and bounds its time.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -35,15 +48,121 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
+
+namespace {
+
+// The handover faults above (`overlap`: handover-overlap). 0 when every check held.
+int timeout_handover(bool overlap) {
+  using cpattn::contiguous;
+  cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 1.0, .on_timeout = cpattn::TimeoutAction::throw_error});
+  cpattn::Communicator patient(MPI_COMM_WORLD, {.timeout_s = 60.0, .on_timeout = cpattn::TimeoutAction::throw_error});
+  const int rank = comm.rank();
+  const bool late = rank == comm.size() - 1;
+  const std::vector<int64_t> cu{0, 6000, 8192};
+  const auto plan = std::make_shared<const cpattn::RankPlan>(
+      cpattn::get_thd_load_balanced_cp_metadata(cu, comm.size(), rank));
+  // Overlapped: 2 KV-head groups of 4 query heads, each group's backward on the late rank well
+  // past the deadline (the other waits on one group's transfers at a time).
+  const int h = 8, hkv = overlap ? 2 : 8, d = overlap ? 128 : 64;
+  const int64_t t = plan->local_tokens;
+  const auto n = static_cast<std::size_t>(t * h * d), nkv = static_cast<std::size_t>(t * hkv * d);
+  std::vector<float> q(n), k(nkv), v(nkv), dout(n), out(n);
+  const auto fill = [rank](std::vector<float>& x, float scale, float offset) {
+    for (std::size_t i = 0; i < x.size(); ++i)  // varied values: the sums' order shows in their bits
+      x[i] = static_cast<float>((i * 2654435761u + static_cast<std::size_t>(rank) * 40503u) % 1000u) * scale + offset;
+  };
+  fill(q, 1e-3f, -0.5f);
+  fill(k, -7e-4f, 0.4f);
+  fill(v, 2e-3f, -1.0f);
+  fill(dout, -5e-4f, 0.3f);
+  const cpattn::CpAttnConfig cfg{.num_heads_q = h, .num_heads_k = hkv, .head_dim_qk = d, .head_dim_v = d,
+                                 .overlap = overlap, .shared_memory = false};
+  struct Grads {
+    std::vector<float> dq, dk, dv;
+  };
+  // One forward and backward; the late rank's backward on the portable kernels (its forward on
+  // the fast ones: a slow forward would make the other time out in backward's agreement).
+  const auto step = [&](cpattn::CpAttention& attn, Grads& g) {
+    g = {std::vector<float>(n), std::vector<float>(nkv), std::vector<float>(nkv)};
+    cpattn::CpContext ctx = attn.forward({.plan = plan, .q = contiguous(q.data(), t, h, d),
+                                          .k = contiguous(k.data(), t, hkv, d), .v = contiguous(v.data(), t, hkv, d),
+                                          .out = contiguous(out.data(), t, h, d)});
+    if (late) ::setenv("CPATTN_KERNEL_PATH", "portable", 1);
+    MPI_Barrier(MPI_COMM_WORLD);  // (the forwards' skew, seconds under ASan, is not the deadline's to cover)
+    try {
+      attn.backward(ctx, {.q = contiguous(q.data(), t, h, d), .out = contiguous(out.data(), t, h, d),
+                          .dout = contiguous(dout.data(), t, h, d), .dq = contiguous(g.dq.data(), t, h, d),
+                          .dk = contiguous(g.dk.data(), t, hkv, d), .dv = contiguous(g.dv.data(), t, hkv, d)});
+    } catch (...) {
+      ::unsetenv("CPATTN_KERNEL_PATH");
+      throw;
+    }
+    ::unsetenv("CPATTN_KERNEL_PATH");
+  };
+  Grads want, got;
+  {
+    cpattn::CpAttention attn(patient, cfg);
+    step(attn, want);
+  }
+  int failed = 0;
+  const auto fail = [&](const std::string& why) {
+    std::fprintf(stderr, "rank %d: FAILED: %s\n", rank, why.c_str());
+    failed = 1;
+  };
+  std::vector<std::vector<float>> reused;
+  auto attn = std::make_unique<cpattn::CpAttention>(comm, cfg);
+  bool late_timed_out = false;
+  try {
+    step(*attn, got);
+    if (!late) fail("the backward returned: no timeout");
+    if (late && !overlap) fail("the late rank's fused backward returned: rank 0 never posts its dV reduce-scatter");
+  } catch (const cpattn::Error& e) {
+    const std::string what = e.what();
+    if (late) {
+      late_timed_out = true;
+      if (overlap || what.find("timeout: reduce_scatter_sum") == std::string::npos)
+        fail("the late rank's backward threw: " + what);
+    } else {
+      if (what.find("timeout: ") == std::string::npos) fail("not a timeout: " + what);
+      if (!comm.poisoned()) fail("the communicator is not poisoned");
+      attn.reset();  // with the partials in flight: its state stays with the communicator
+      for (const std::size_t size : {n, 2 * n, nkv, 2 * nkv})  // the gathered partials' and the local sizes
+        for (int i = 0; i < 2; ++i) reused.emplace_back(size, 7.0f);
+    }
+  }
+  if (late_timed_out) attn.reset();
+  MPI_Barrier(MPI_COMM_WORLD);  // raw MPI: progress while the late rank's transfers land
+  if (!late) {
+    if (!comm.drain(30)) fail("transfers still pending 30 s after the late rank finished");
+    for (const auto& r : reused)
+      for (std::size_t i = 0; i < r.size(); ++i)
+        if (r[i] != 7.0f) {
+          fail("a new buffer was written at element " + std::to_string(i));
+          break;
+        }
+  } else if (!failed && !late_timed_out) {
+    for (const auto& [name, a, b] : {std::tuple{"dq", &got.dq, &want.dq}, {"dk", &got.dk, &want.dk},
+                                     {"dv", &got.dv, &want.dv}})
+      if (std::memcmp(a->data(), b->data(), a->size() * sizeof(float)) != 0) fail(std::string(name) + " differs from the run without a timeout");
+  }
+  if (!failed) std::fprintf(stderr, "rank %d: handover checks passed\n", rank);
+  return failed;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const cpattn::MpiSession mpi(argc, argv);
   const std::string fault = argc > 1 ? argv[1] : "";
+  if (fault == "handover-fused" || fault == "handover-overlap") return timeout_handover(fault == "handover-overlap");
   {
     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 2.0});
     const bool faulty = comm.rank() == comm.size() - 1;
