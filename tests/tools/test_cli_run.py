@@ -242,6 +242,23 @@ check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)"
 r, elapsed = mpmd(["--seq-len", "100", "--cp", "2"], ["--seq-len", "100", "--cp", "1"])
 check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --cp: rank 0 has 2, rank 1 has 1") == 1
       and elapsed < 30, f"--cp differing between ranks: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
+# --scheme all on one rank, one scheme on the other: rank 0 would time more layers (the layers'
+# agreements see only the first scheme) and wait in a barrier rank 1 never reaches.
+r, elapsed = mpmd(["--seq-len", "100", "--scheme", "all"], ["--seq-len", "100", "--scheme", "allgather"])
+check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --scheme all (1) or one scheme (0): "
+                                           "rank 0 has 1, rank 1 has 0") == 1 and elapsed < 30,
+      f"--scheme all on rank 0 only: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
+# The ranks of CP group 1 of 2 given other batches (world rank 3's --seed): that group's layers
+# fail alone; every rank must still end at once with that group's message (group 1 waited out
+# the deadline in a barrier group 0 never joined, and nobody printed its error).
+group = ["run", "--timeout", "60", "--cp", "2", "--seq-len", "100", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+start = time.monotonic()
+r = subprocess.run([MPIEXEC, "--oversubscribe", "-np", "3", CPATTN, *group, ":", "-np", "1", CPATTN, *group,
+                    "--seed", "7"], capture_output=True, text=True, timeout=120)
+elapsed = time.monotonic() - start
+check(r.returncode == 2 and r.stderr.count("cpattn run rejected its arguments: [ranks 2,3] CP group 1: ranks disagree "
+                                           "on CP attention: seed: rank 0 has 1, rank 1 has 7") == 1 and elapsed < 30,
+      f"CP group 1's error: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
 # Flags no library agreement sees (--repeats: rank 1 would time more steps and wait in a
 # collective rank 0 never reaches); another --split (told apart by the split, not by field names).
 r, elapsed = mpmd(["--seq-len", "100", "--repeats", "1"], ["--seq-len", "100", "--repeats", "3"])

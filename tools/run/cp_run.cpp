@@ -310,12 +310,24 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   // (a rank timing more steps would wait in a collective the others never reach).
   Fingerprint fp;
   fp.add("--repeats", a.repeats);
+  fp.add("--scheme all (1) or one scheme (0)", a.scheme == "all").add("--cp-inner", a.cp_inner);  // the layers run
   agree(groups.world, fp, "cpattn run", local_error);
   if (a.testing_stall_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(a.testing_stall_s));
   Local& l = *prepared;
   const check::Batch& b = l.b;
+  // The layers' agreements are their CP group's: an error there (ranks of one group given other
+  // batches) ends that group alone. Every rank of the world meets once more, so that every
+  // rank has the message and none waits in a collective the others left.
   std::vector<Measured> measured;
-  for (const std::unique_ptr<CpAttention>& attn : l.attns) measured.push_back(measure(comm, a, l, *attn));
+  std::string measure_error;
+  try {
+    for (const std::unique_ptr<CpAttention>& attn : l.attns) measured.push_back(measure(comm, a, l, *attn));
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const Error*>(&e);
+    measure_error = (groups.count > 1 ? "CP group " + std::to_string(groups.index) + ": " : std::string()) +
+                    (error ? error->message() : std::string("unexpected error: ") + e.what());
+  }
+  agree(groups.world, {}, "cpattn run", measure_error);
 
   // Rank 0 of each group checks alone, while every other rank waits for its verdict: that
   // wait gets a deadline sized for the serial check (serial_check_deadline), not the
