@@ -161,6 +161,16 @@ struct A2aLevel::Impl {
     outer_cfg.plan_cache_capacity = 1;  // it is handed plans
   }
 
+  // After a call on `c` threw with `c` poisoned (a timeout in throw mode), its pending requests
+  // may still read or write `bufs` (this level's, or the context's): their storage moves to
+  // `c`, which keeps it until those requests end, whatever happens to this object or the context.
+  template <class... V>
+  static void hand_over(Communicator& c, V&... bufs) {
+    if (c.poisoned()) c.retain_while_pending(std::make_shared<std::tuple<V...>>(std::move(bufs)...));
+  }
+
+  bool poisoned() const { return inner_comm && (inner_comm->poisoned() || outer_comm->poisoned()); }
+
   HeadRange q_heads() const { return {split, false}; }
   HeadRange kv_heads() const { return {split, true}; }
   std::size_t row_bytes(int heads, int dim) const { return static_cast<std::size_t>(heads) * dim * dtype_size(dtype); }
@@ -184,7 +194,12 @@ struct A2aLevel::Impl {
     const auto t0 = Clock::now();
     const std::vector<int64_t> counts(static_cast<std::size_t>(inner), static_cast<int64_t>(block));
     recv.resize(block * inner);
-    inner_comm->all_to_all_v<std::byte>(send, counts, recv, counts);
+    try {
+      inner_comm->all_to_all_v<std::byte>(send, counts, recv, counts);
+    } catch (...) {
+      hand_over(*inner_comm, send, recv);
+      throw;
+    }
     stats.comm_s += seconds_since(t0);
   }
 
@@ -229,13 +244,18 @@ struct A2aLevel::Impl {
     ctx.out.resize(static_cast<std::size_t>(g) * row_bytes(hq, dv));
     lse_g.resize(static_cast<std::size_t>(g) * hq);
     const CpStats before = outer_attn->stats();
-    ctx.outer = outer_attn->forward({.plan = outer_plan,
-                                     .q = contiguous(ctx.q.data(), g, hq, dqk, dtype),
-                                     .k = contiguous(k_g.data(), g, hk, dqk, dtype),
-                                     .v = contiguous(v_g.data(), g, hk, dv, dtype),
-                                     .out = contiguous(ctx.out.data(), g, hq, dv, dtype),
-                                     .lse = lse_g.data(),
-                                     .dropout_seed = seed});
+    try {
+      ctx.outer = outer_attn->forward({.plan = outer_plan,
+                                       .q = contiguous(ctx.q.data(), g, hq, dqk, dtype),
+                                       .k = contiguous(k_g.data(), g, hk, dqk, dtype),
+                                       .v = contiguous(v_g.data(), g, hk, dv, dtype),
+                                       .out = contiguous(ctx.out.data(), g, hq, dv, dtype),
+                                       .lse = lse_g.data(),
+                                       .dropout_seed = seed});
+    } catch (...) {  // the outer layer keeps its own buffers; the ones it was handed are ours
+      hand_over(*outer_comm, ctx.q, k_g, v_g, ctx.out, lse_g);
+      throw;
+    }
     add_outer(before, stats);
     gather_heads(ctx.out.data(), row_bytes(hq, dv), stats);
     unpack_heads(recv, q_heads(), inner, a.out);
@@ -266,12 +286,17 @@ struct A2aLevel::Impl {
     dk_g.resize(static_cast<std::size_t>(g) * row_bytes(hk, dqk));
     dv_g.resize(static_cast<std::size_t>(g) * row_bytes(hk, dv));
     const CpStats before = outer_attn->stats();
-    outer_attn->backward(ctx.outer, {.q = contiguous(ctx.q.data(), g, hq, dqk, dtype),
-                                     .out = contiguous(ctx.out.data(), g, hq, dv, dtype),
-                                     .dout = contiguous(dout_g.data(), g, hq, dv, dtype),
-                                     .dq = contiguous(dq_g.data(), g, hq, dqk, dtype),
-                                     .dk = contiguous(dk_g.data(), g, hk, dqk, dtype),
-                                     .dv = contiguous(dv_g.data(), g, hk, dv, dtype)});
+    try {
+      outer_attn->backward(ctx.outer, {.q = contiguous(ctx.q.data(), g, hq, dqk, dtype),
+                                       .out = contiguous(ctx.out.data(), g, hq, dv, dtype),
+                                       .dout = contiguous(dout_g.data(), g, hq, dv, dtype),
+                                       .dq = contiguous(dq_g.data(), g, hq, dqk, dtype),
+                                       .dk = contiguous(dk_g.data(), g, hk, dqk, dtype),
+                                       .dv = contiguous(dv_g.data(), g, hk, dv, dtype)});
+    } catch (...) {
+      hand_over(*outer_comm, ctx.q, ctx.out, dout_g, dq_g, dk_g, dv_g);
+      throw;
+    }
     add_outer(before, stats);
     gather_heads(dq_g.data(), row_bytes(hq, dqk), stats);
     unpack_heads(recv, q_heads(), inner, a.dq);
@@ -285,6 +310,7 @@ A2aLevel::A2aLevel(Communicator& comm, const CpAttnConfig& cfg, int inner)
 A2aLevel::~A2aLevel() = default;
 
 void A2aLevel::connect() { m_->connect(); }
+bool A2aLevel::poisoned() const { return m_->poisoned(); }
 void A2aLevel::forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
                        std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
   m_->forward(a, plan, seed, lse, ctx, stats);

@@ -40,6 +40,10 @@ class A2aLevel {
 
   // Collective over comm, once: splits the sub-groups and makes the outer layer.
   void connect();
+  // Whether a timeout (throw mode) poisoned its inner or outer group: its buffers then went to
+  // that group's communicator (which keeps them while its requests are pending), and every
+  // later call must fail on every rank at its agreement, before any group is used.
+  bool poisoned() const;
   // Collective over comm: out and lse ([local_tokens, Hq], fp32) of this rank's tokens.
   void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
                std::vector<float>& lse, A2aContext& ctx, CpStats& stats);

@@ -481,6 +481,14 @@ struct CpAttention::State {
   }
 
   bool uses_a2a() const { return a2a != nullptr; }
+  // After a timeout (throw mode) in the a2a or hybrid level's inner or outer group, that group's
+  // communicator is poisoned while this layer's own still works: a later call fails here, on
+  // this rank, and at its agreement on every rank, before any group is used.
+  void check_groups(const char* fn) const {
+    CPATTN_CHECK(!a2a || !a2a->poisoned(), fn, ": the ", to_string(cfg.scheme), " scheme's inner or outer group "
+                 "timed out in an earlier call (its communicator is poisoned): make a new CpAttention on a new "
+                 "communicator");
+  }
   // Whether this layer's calls may use the node's shared memory (the same on every rank:
   // configuration, communicator size and shm_off are agreed).
   bool shm_enabled() const {
@@ -1347,7 +1355,12 @@ CpScheme parse_cp_scheme(std::string_view name) {
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
   // or write the dK/dV buffers: the state outlives this object until they end.
-  if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
+  // (A communicator moved from since throws from poisoned(): nothing of this layer is then in
+  // flight on it, and no exception may leave a destructor.)
+  try {
+    if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
+  } catch (const Error&) {
+  }
 }
 
 std::shared_ptr<const RankPlan> CpAttention::plan(std::span<const int64_t> cu_seqlens) {
@@ -1364,6 +1377,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   ++s.stats.forward_calls;
   auto ctx = std::make_shared<CpContext::State>();
   std::string err = local_error(fn, a.caller_error, [&] {
+    s.check_groups(fn);
     if (a.plan) {
       CPATTN_CHECK(a.plan->cp == s.comm.size() && a.plan->rank == s.comm.rank(), fn, ": plan is for rank ",
                    a.plan->rank, " of cp = ", a.plan->cp, ", this is rank ", s.comm.rank(), " of ", s.comm.size());
@@ -1479,6 +1493,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   ++s.stats.backward_calls;
   int64_t grad_need = 0;  // a shared backward's attention_grad_share_bytes
   std::string err = local_error(fn, a.caller_error, [&] {
+    s.check_groups(fn);
     CPATTN_CHECK(ctx.s_ != nullptr, fn, ": the context holds no forward (each forward's context is consumed by "
                  "one backward); forward calls ", s.stats.forward_calls, ", backward calls ", s.stats.backward_calls);
     CPATTN_CHECK(ctx.s_->owner == s.id, fn, ": the context was made by another CpAttention's forward");

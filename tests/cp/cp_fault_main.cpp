@@ -38,6 +38,10 @@
 //                deadline; fused, rank 0 gave up in the dK reduce-scatter and never posts the
 //                dV one, so the late rank times out there (the timeout then has to be its
 //                error). Every rank prints its line and the job exits 0.
+//   handover-a2a the same with the a2a scheme: rank 0 times out in the all-to-all that
+//                returns dQ, with that level's send and receive blocks in flight on its inner
+//                group's communicator (the level hands them over; the layer's own state is
+//                not involved); the late rank then times out in the dK all-to-all.
 // CTest passes each on the expected message and bounds its time.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -59,8 +63,9 @@
 
 namespace {
 
-// The handover faults above (`overlap`: handover-overlap). 0 when every check held.
-int timeout_handover(bool overlap) {
+// The handover faults above, by the part after "handover-". 0 when every check held.
+int timeout_handover(const std::string& kind) {
+  const bool overlap = kind == "overlap";
   using cpattn::contiguous;
   cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 1.0, .on_timeout = cpattn::TimeoutAction::throw_error});
   cpattn::Communicator patient(MPI_COMM_WORLD, {.timeout_s = 60.0, .on_timeout = cpattn::TimeoutAction::throw_error});
@@ -84,6 +89,7 @@ int timeout_handover(bool overlap) {
   fill(v, 2e-3f, -1.0f);
   fill(dout, -5e-4f, 0.3f);
   const cpattn::CpAttnConfig cfg{.num_heads_q = h, .num_heads_k = hkv, .head_dim_qk = d, .head_dim_v = d,
+                                 .scheme = kind == "a2a" ? cpattn::CpScheme::a2a : cpattn::CpScheme::allgather,
                                  .overlap = overlap, .shared_memory = false};
   struct Grads {
     std::vector<float> dq, dk, dv;
@@ -123,16 +129,16 @@ int timeout_handover(bool overlap) {
   try {
     step(*attn, got);
     if (!late) fail("the backward returned: no timeout");
-    if (late && !overlap) fail("the late rank's fused backward returned: rank 0 never posts its dV reduce-scatter");
+    if (late && !overlap) fail("the late rank's backward returned: rank 0 never posts its later transfers");
   } catch (const cpattn::Error& e) {
     const std::string what = e.what();
     if (late) {
       late_timed_out = true;
-      if (overlap || what.find("timeout: reduce_scatter_sum") == std::string::npos)
+      if (overlap || what.find(kind == "a2a" ? "timeout: " : "timeout: reduce_scatter_sum") == std::string::npos)
         fail("the late rank's backward threw: " + what);
     } else {
       if (what.find("timeout: ") == std::string::npos) fail("not a timeout: " + what);
-      if (!comm.poisoned()) fail("the communicator is not poisoned");
+      if (kind != "a2a" && !comm.poisoned()) fail("the communicator is not poisoned");  // (a2a: its inner group's)
       attn.reset();  // with the partials in flight: its state stays with the communicator
       for (const std::size_t size : {n, 2 * n, nkv, 2 * nkv})  // the gathered partials' and the local sizes
         for (int i = 0; i < 2; ++i) reused.emplace_back(size, 7.0f);
@@ -162,7 +168,7 @@ int timeout_handover(bool overlap) {
 int main(int argc, char** argv) {
   const cpattn::MpiSession mpi(argc, argv);
   const std::string fault = argc > 1 ? argv[1] : "";
-  if (fault == "handover-fused" || fault == "handover-overlap") return timeout_handover(fault == "handover-overlap");
+  if (fault.starts_with("handover-")) return timeout_handover(fault.substr(9));
   {
     cpattn::Communicator comm(MPI_COMM_WORLD, {.timeout_s = 2.0});
     const bool faulty = comm.rank() == comm.size() - 1;
