@@ -89,9 +89,11 @@ struct Communicator::Impl {
   std::vector<std::shared_ptr<void>> retained;
 
   // What MPI reads while a request is pending must outlive it: the int counts and
-  // displacements of MPI_Iallgatherv, and all_gather_counts' receive buffer, live here.
+  // displacements of MPI_Iallgatherv, and all_gather_counts' and all_to_all_counts' receive
+  // buffers, live here.
   std::vector<int> v_count, v_displ;
   std::vector<std::int64_t> counts;
+  std::vector<std::int64_t> a2a_counts;  // all_to_all_counts' receive buffer (split uses counts)
 
   // Tests the pending requests once. true: none is left (or MPI is finalized, after which
   // nothing can touch their buffers); false: some are pending; an MPI error sets *failed and
@@ -718,7 +720,8 @@ std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::i
   CPATTN_CHECK(static_cast<int>(send_counts.size()) == p, "all_to_all_counts: send_counts.size() ",
                "must be size() = ", p, ", got ", send_counts.size());
   const std::vector<std::int64_t> ones(static_cast<std::size_t>(p), 1);
-  std::vector<std::int64_t> recv(static_cast<std::size_t>(p));
+  std::vector<std::int64_t>& recv = impl().a2a_counts;  // (a timed-out receive may land after this call)
+  recv.resize(static_cast<std::size_t>(p));
   all_to_all_v<std::int64_t>(send_counts, ones, recv, ones);
   return recv;
 }

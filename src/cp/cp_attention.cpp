@@ -1355,8 +1355,8 @@ CpScheme parse_cp_scheme(std::string_view name) {
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
   // or write the dK/dV buffers: the state outlives this object until they end.
-  // (A communicator moved from since throws from poisoned(): nothing of this layer is then in
-  // flight on it, and no exception may leave a destructor.)
+  // (poisoned() throws on a communicator moved from since, whose state went with the move and
+  // cannot be asked; no exception may leave a destructor.)
   try {
     if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
   } catch (const Error&) {
@@ -1641,8 +1641,14 @@ std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, Con
   agree(comm, fp, "gather_global_rows", err);
   const int64_t row = int64_t{local.heads} * local.dim;
   const std::size_t es = dtype_size(local.dtype);
-  std::vector<float> mine;
-  std::vector<int64_t> idx;
+  // What the all-gathers send and receive, shared: after a throw-mode timeout the
+  // communicator keeps it while their requests are pending (retain_while_pending).
+  struct Buffers {
+    std::vector<float> mine, all_val;
+    std::vector<int64_t> idx, all_idx;
+  };
+  const auto bufs = std::make_shared<Buffers>();
+  auto& [mine, all_val, idx, all_idx] = *bufs;
   mine.reserve(static_cast<std::size_t>((p.local_tokens - p.padding_tokens) * row));
   std::vector<float> tmp(static_cast<std::size_t>(local.dim));
   for (int64_t i = 0; i < p.local_tokens; ++i) {
@@ -1654,11 +1660,18 @@ std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, Con
     idx.push_back(p.real_token_index[i]);
   }
   const std::vector<int64_t> n_idx = comm.all_gather_counts(static_cast<int64_t>(idx.size()));
-  std::vector<int64_t> n_val(n_idx.size()), all_idx(static_cast<std::size_t>(p.global_tokens));
+  std::vector<int64_t> n_val(n_idx.size());
   for (std::size_t r = 0; r < n_idx.size(); ++r) n_val[r] = n_idx[r] * row;
-  std::vector<float> all_val(static_cast<std::size_t>(p.global_tokens * row)), out(all_val.size());
-  comm.all_gather_v<int64_t>(idx, n_idx, all_idx);
-  comm.all_gather_v<float>(mine, n_val, all_val);
+  all_idx.resize(static_cast<std::size_t>(p.global_tokens));
+  all_val.resize(static_cast<std::size_t>(p.global_tokens * row));
+  try {
+    comm.all_gather_v<int64_t>(idx, n_idx, all_idx);
+    comm.all_gather_v<float>(mine, n_val, all_val);
+  } catch (const Error&) {
+    if (comm.poisoned()) comm.retain_while_pending(bufs);
+    throw;
+  }
+  std::vector<float> out(all_val.size());
   for (int64_t i = 0; i < p.global_tokens; ++i)
     std::copy_n(all_val.begin() + i * row, row, out.begin() + all_idx[i] * row);
   return out;
