@@ -223,17 +223,21 @@ struct A2aLevel::Impl {
     exchange(send.size() / inner, stats);
   }
 
-  // Adds the outer layer's seconds since `before`.
-  void add_outer(const CpStats& before, CpStats& stats) const {
-    stats.compute_s += outer_attn->stats().compute_s - before.compute_s;
-    stats.comm_s += outer_attn->stats().comm_s - before.comm_s;
-    stats.shared_forwards += outer_attn->stats().shared_forwards - before.shared_forwards;
-    stats.shared_backwards += outer_attn->stats().shared_backwards - before.shared_backwards;
-    if (stats.shared_memory_off.empty()) stats.shared_memory_off = outer_attn->stats().shared_memory_off;
+  // Adds the outer layer's seconds and counts since `before`; returns its transfers' time in
+  // flight under its compute since then (comm_total_s - comm_s: the caller's hidden time).
+  double add_outer(const CpStats& before, CpStats& stats) const {
+    const CpStats& now = outer_attn->stats();
+    stats.compute_s += now.compute_s - before.compute_s;
+    stats.comm_s += now.comm_s - before.comm_s;
+    stats.shared_forwards += now.shared_forwards - before.shared_forwards;
+    stats.shared_backwards += now.shared_backwards - before.shared_backwards;
+    stats.shared_packs += now.shared_packs - before.shared_packs;
+    if (stats.shared_memory_off.empty()) stats.shared_memory_off = now.shared_memory_off;
+    return (now.comm_total_s - now.comm_s) - (before.comm_total_s - before.comm_s);
   }
 
-  void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& p, uint64_t seed, std::vector<float>& lse,
-               A2aContext& ctx, CpStats& stats) {
+  double forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& p, uint64_t seed,
+                 std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
     connect();
     prepare(p);
     const int64_t t = p->local_tokens, g = inner * t;
@@ -256,12 +260,13 @@ struct A2aLevel::Impl {
       hand_over(*outer_comm, ctx.q, k_g, v_g, ctx.out, lse_g);
       throw;
     }
-    add_outer(before, stats);
+    const double hidden = add_outer(before, stats);
     gather_heads(ctx.out.data(), row_bytes(hq, dv), stats);
     unpack_heads(recv, q_heads(), inner, a.out);
     gather_heads(reinterpret_cast<const std::byte*>(lse_g.data()), hq * sizeof(float), stats);
     lse.resize(static_cast<std::size_t>(t) * split.hq);
     unpack_heads(recv, q_heads(), inner, contiguous(lse.data(), t, split.hq, 1));
+    return hidden;
   }
 
   // dK or dV of the group layout ([inner*T, kv_loc, dim]) back to this rank's tokens, every
@@ -274,7 +279,7 @@ struct A2aLevel::Impl {
     stats.compute_s += seconds_since(t0);
   }
 
-  void backward(A2aContext& ctx, const RankPlan& p, const CpBackwardArgs& a, CpStats& stats) {
+  double backward(A2aContext& ctx, const RankPlan& p, const CpBackwardArgs& a, CpStats& stats) {
     if (plan.get() != &p) {  // another forward (another batch) ran since this context's
       row_of = group_rows(p, inner);
       plan = nullptr;  // the next forward prepares its own plan again
@@ -297,11 +302,12 @@ struct A2aLevel::Impl {
       hand_over(*outer_comm, ctx.q, ctx.out, dout_g, dq_g, dk_g, dv_g);
       throw;
     }
-    add_outer(before, stats);
+    const double hidden = add_outer(before, stats);
     gather_heads(dq_g.data(), row_bytes(hq, dqk), stats);
     unpack_heads(recv, q_heads(), inner, a.dq);
     return_kv_grad(dk_g, a.dk, stats);
     return_kv_grad(dv_g, a.dv, stats);
+    return hidden;
   }
 };
 
@@ -311,12 +317,12 @@ A2aLevel::~A2aLevel() = default;
 
 void A2aLevel::connect() { m_->connect(); }
 bool A2aLevel::poisoned() const { return m_->poisoned(); }
-void A2aLevel::forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
-                       std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
-  m_->forward(a, plan, seed, lse, ctx, stats);
+double A2aLevel::forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
+                         std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
+  return m_->forward(a, plan, seed, lse, ctx, stats);
 }
-void A2aLevel::backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats) {
-  m_->backward(ctx, plan, a, stats);
+double A2aLevel::backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats) {
+  return m_->backward(ctx, plan, a, stats);
 }
 
 std::size_t A2aLevel::buffer_bytes() const {

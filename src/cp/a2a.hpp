@@ -44,11 +44,13 @@ class A2aLevel {
   // that group's communicator (which keeps them while its requests are pending), and every
   // later call must fail on every rank at its agreement, before any group is used.
   bool poisoned() const;
-  // Collective over comm: out and lse ([local_tokens, Hq], fp32) of this rank's tokens.
-  void forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
-               std::vector<float>& lse, A2aContext& ctx, CpStats& stats);
+  // Collective over comm: out and lse ([local_tokens, Hq], fp32) of this rank's tokens. Both
+  // add their times and counts to `stats` and return the outer layer's transfer time hidden
+  // under its compute (the caller's comm_total_s - comm_s).
+  double forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
+                 std::vector<float>& lse, A2aContext& ctx, CpStats& stats);
   // Collective over comm; consumes ctx.outer.
-  void backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats);
+  double backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats);
 
   std::size_t buffer_bytes() const;  // its scratch plus the outer layer's peak
   int64_t bytes_sent() const;        // over its sub-groups

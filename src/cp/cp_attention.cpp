@@ -1410,7 +1410,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
 
   if (s.uses_a2a()) {
     ctx->a2a = std::make_unique<detail::A2aContext>();
-    s.a2a->forward(a, ctx->plan, ctx->seed, ctx->lse, *ctx->a2a, s.stats);
+    hidden = s.a2a->forward(a, ctx->plan, ctx->seed, ctx->lse, *ctx->a2a, s.stats);
   } else if (c.scheme == CpScheme::ring) {
     s.ring_forward(a, *ctx);
   } else if (c.scheme == CpScheme::pass_q) {
@@ -1523,7 +1523,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
 
   if (c.scheme != CpScheme::allgather || s.uses_a2a()) {
     if (s.uses_a2a())
-      s.a2a->backward(*cs->a2a, *cs->plan, a, s.stats);
+      hidden = s.a2a->backward(*cs->a2a, *cs->plan, a, s.stats);
     else if (c.scheme == CpScheme::ring)
       s.ring_backward(a, *cs);
     else

@@ -346,6 +346,41 @@ TEST_F(CpA2aTest, A2aForwardMovesExactlyEachPeersHeads) {
   EXPECT_EQ(attn.stats().bytes_received, want);
 }
 
+// The hybrid's outer all-gather overlaps by KV-head groups (cp_inner = 1: the outer layer spans
+// every rank and holds all 12 KV heads, 4 groups): its transfers' time in flight under compute
+// reaches the layer's comm_total_s (it equalled comm_s: the outer layer's hidden time was
+// dropped), and with shared memory on, its packs count.
+TEST_F(CpA2aTest, HybridCountsItsOuterLayersHiddenTransfersAndPacks) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const Shape s = shapes(comm.size())[0];
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{300, 200}), s, DType::bf16, 3);
+  for (const bool shm : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "shared memory " << shm);
+    CpAttnConfig cfg = config(s, DType::bf16, {.scheme = CpScheme::hybrid, .cp_inner = 1}, {});
+    cfg.shared_memory = shm;
+    CpAttention attn(comm, cfg);
+    const auto p = attn.plan(b.cu_seqlens);
+    const check::Tensor q = check::local_rows(b.q, *p), k = check::local_rows(b.k, *p), v = check::local_rows(b.v, *p),
+                        dout = check::local_rows(b.dout, *p);
+    check::Tensor out(DType::bf16, {p->local_tokens, s.heads_q, s.head_dim_v}), dq(DType::bf16, q.shape),
+        dk(DType::bf16, k.shape), dv(DType::bf16, v.shape);
+    for (int call = 0; call < 2; ++call) {  // (the first shared call packs alone: docs/cp.md)
+      CpContext ctx = attn.forward({.plan = p, .q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()});
+      attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
+                          .dv = dv.view()});
+    }
+    const CpStats& st = attn.stats();
+    if (shm) {
+      EXPECT_EQ(st.shared_forwards, 2);
+      EXPECT_EQ(st.shared_packs > 0,
+                attention_kv_pack_layout(best_kernel_path(), DType::bf16) != KvPackLayout::alone);
+    } else {
+      EXPECT_EQ(st.shared_forwards, 0);
+      EXPECT_GT(st.comm_total_s, st.comm_s);  // the outer groups' transfers in flight, beyond the waits
+    }
+  }
+}
+
 // Head counts that cannot be split, and cp_inner values that do not fit: one message, the
 // same on every rank, from the constructor (before any communication), and the same message
 // from check_cp_attn_config without a communicator (what the Python module calls first).

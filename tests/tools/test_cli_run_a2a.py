@@ -2,6 +2,7 @@
 single-process run (cpattn run's own check), byte counts in the JSON, and the flags' errors
 (exit 2 naming the flag). Few small jobs: the CI budget."""
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
@@ -22,6 +23,15 @@ for np_, flags in ((2, ("--scheme", "a2a", "--heads", "4", "--kv-heads", "2", "-
         check(j["cp_inner"] == (int(flags[3]) if scheme == "hybrid" else 0), f"cp_inner in the JSON: {j}")
         check(len(j["bytes_sent"]) == j["cp"] and all(b > 0 for b in j["bytes_sent"]), f"bytes: {j}")
         check(j["bytes_sent"] == j["bytes_received"], f"bytes balance: {j}")
+
+# The table's comm_s by part: the all-gather's four parts, the other schemes' agreement and their
+# own transfers (they printed the all-gather's parts, zero but the agreement, summing to more).
+for scheme, part in (("ring", "ring"), ("a2a", "a2a"), ("allgather", "first K/V")):
+    r = run(2, "--scheme", scheme, "--heads", "4", "--kv-heads", "2", *SMALL)
+    rows = re.findall(r"^  [01] +agreement ([0-9.]+) \+ " + re.escape(part) + r" ([0-9.]+) .*= ([0-9.]+)$", r.stdout, re.M)
+    check(r.returncode == 0 and len(rows) == 2, f"{scheme}: by-part rows {rows} in {r.stdout[-1500:]!r}")
+    if scheme != "allgather":
+        check(all(abs(float(a) + float(b) - float(c)) <= 2e-4 for a, b, c in rows), f"{scheme}: parts {rows} do not add up")
 
 # Bad flags: exit 2, the flag named, the same line from every rank.
 for np_, flags, flag in ((4, ("--scheme", "hybrid", "--cp-inner", "3"), "--cp-inner must divide the CP size 4"),
