@@ -142,7 +142,9 @@ class Communicator {
   // Collective over every rank of this Communicator (one call number), under the deadline:
   // the colors are first
   // all-gathered (a rank that never calls split() times out there, as in any
-  // collective), then MPI_Comm_split runs on ranks known to be present. The split
+  // collective), then MPI_Comm_split runs on ranks known to be present (a blocking call: a
+  // rank that stalls between the two, a narrow window, holds the others without a deadline;
+  // MPI 3.1, which Open MPI 4 implements, has no non-blocking split). The split
   // communicator is freed once the new Communicator has its own duplicate. Throws
   // cpattn::Error on every rank when any rank passes a negative color.
   Communicator split(int color, int key) const;
@@ -178,8 +180,9 @@ class Communicator {
 
   // Point to point, for ring algorithms: sends `send` to rank `dest` and receives
   // recv.size() elements from rank `source` (which sends the same count), non-blocking. One
-  // call number; its deadline starts here and wait() polls under it (the same timeout line
-  // and action as the collectives). Ranks must start their shifts in the same order (messages
+  // call number; wait() polls under a deadline that runs from the later of this start and the
+  // wait (the rank's own work between them is not the peer's delay), with the same timeout
+  // line and action as the collectives. Ranks must start their shifts in the same order (messages
   // of one source match in order). send and recv must not overlap and stay valid until
   // wait() returns. shift() is start and wait together. dest == source == rank() copies.
   template <CommElement T>

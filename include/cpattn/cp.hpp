@@ -248,7 +248,9 @@ struct CpStats {
   // see attention_backward_scratch_bytes, comes on top).
   std::size_t peak_buffer_bytes = 0;
   // Payload bytes this layer's calls sent and received, over every communicator it uses (the
-  // a2a and hybrid schemes' sub-groups too; Communicator::bytes_sent counts its own only).
+  // a2a and hybrid schemes' sub-groups too; Communicator::bytes_sent counts its own only); not
+  // the agreements', but the one-time setup of the shared-memory buffers in the call that makes
+  // them (their host names and handles, tens of bytes per rank) is counted.
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
 };

@@ -282,9 +282,6 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
                "MPI_Init before and MPI_Finalize after (initialized=", initialized,
                ", finalized=", finalized, ")");
   CPATTN_CHECK(comm != MPI_COMM_NULL, "Communicator needs a valid MPI_Comm, got MPI_COMM_NULL");
-  CPATTN_CHECK(options.max_count_per_call >= 1 && options.max_count_per_call <= INT_MAX,
-               "CommOptions::max_count_per_call must be in [1, INT_MAX], got ",
-               options.max_count_per_call);
   Impl& im = impl();
   im.opts = options;
   // While constructing: a timeout always aborts (in throw mode the pending requests would
@@ -310,16 +307,27 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
   im.check(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), op, "MPI_Comm_set_errhandler");
 
   // Ranks must agree on how collectives move data: other chunk sizes or algorithms would
-  // misplace data or hang. Every rank fails with the same message.
+  // misplace data or hang. The options are checked here, after the duplication every rank
+  // joins, so that one rank's bad value fails every rank with the same message (checked
+  // before it, the others waited in the duplication until the deadline); the duplicate is
+  // freed before the throw.
   const std::int64_t mine[3] = {options.max_count_per_call, static_cast<std::int64_t>(options.reduce_scatter_algorithm),
                                 static_cast<std::int64_t>(options.all_gather_algorithm)};
   std::vector<std::int64_t> all(3 * static_cast<std::size_t>(im.size));
   all_gather<std::int64_t>(mine, all);
-  for (int r = 0; r < im.size; ++r)
-    for (int f = 0; f < 3; ++f)
-      CPATTN_CHECK(all[3 * r + f] == all[f], "ranks disagree on CommOptions::",
-                   f == 0 ? "max_count_per_call" : f == 1 ? "reduce_scatter_algorithm" : "all_gather_algorithm",
-                   ": rank 0 has ", all[f], ", rank ", r, " has ", all[3 * r + f]);
+  try {
+    for (int r = 0; r < im.size; ++r)
+      CPATTN_CHECK(all[3 * r] >= 1 && all[3 * r] <= INT_MAX,
+                   "CommOptions::max_count_per_call must be in [1, INT_MAX], got ", all[3 * r], " on rank ", r);
+    for (int r = 0; r < im.size; ++r)
+      for (int f = 0; f < 3; ++f)
+        CPATTN_CHECK(all[3 * r + f] == all[f], "ranks disagree on CommOptions::",
+                     f == 0 ? "max_count_per_call" : f == 1 ? "reduce_scatter_algorithm" : "all_gather_algorithm",
+                     ": rank 0 has ", all[f], ", rank ", r, " has ", all[3 * r + f]);
+  } catch (const Error&) {
+    MPI_Comm_free(&im.comm);
+    throw;
+  }
   im.opts = options;
   im.calls = 0;  // the caller's first collective is call #1
 }

@@ -390,6 +390,21 @@ TEST(CommOptionsTest, RanksThatDisagreeOnOptionsFailTogether) {
     EXPECT_NE(std::string(e.what()).find("ranks disagree on CommOptions::max_count_per_call"), std::string::npos)
         << e.what();
   }
+  // A value only one rank rejects: every rank fails with its message, at once (checked before
+  // the duplication, the other ranks waited in it until the deadline and aborted).
+  CommOptions bad{.timeout_s = 30.0, .on_timeout = TimeoutAction::throw_error};
+  if (rank == size - 1) bad.max_count_per_call = 0;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    Communicator comm(MPI_COMM_WORLD, bad);
+    ADD_FAILURE() << "no error on rank " << rank;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CommOptions::max_count_per_call must be in [1, INT_MAX], got 0 on rank " +
+                                         std::to_string(size - 1)),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
   CommOptions algo{.timeout_s = 30.0};
   if (rank == 0) algo.reduce_scatter_algorithm = CommAlgorithm::mpi;
   EXPECT_THROW(Communicator(MPI_COMM_WORLD, algo), Error);
