@@ -4,8 +4,6 @@
 #include <cpattn/file.hpp>
 
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 
 namespace cpattn {
@@ -143,10 +141,10 @@ NpyArray parse_npy(std::span<const std::byte> file, std::string_view name) {
 }
 
 NpyArray read_npy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  CPATTN_CHECK(in.good(), path, ": cannot open");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return parse_npy(std::as_bytes(std::span(bytes)), path);
+  // A FIFO blocked here for ever (ifstream's open waits for a writer), a folder gave
+  // "basic_filebuf::underflow": both refused by their kind, naming the path.
+  const std::vector<std::byte> bytes = read_regular_file(path);
+  return parse_npy(bytes, path);
 }
 
 std::vector<std::byte> format_npy(const NpyArray& a) {

@@ -118,6 +118,15 @@ TEST(SafeFile, ReadsOnlyARegularFileWhole) {
   EXPECT_THAT(message_of([&] { read_regular_file(t / "missing"); }), HasSubstr("cannot read it: No such file"));
 }
 
+// read_npy reads through read_regular_file: a FIFO blocked it for ever (seen: the test ran
+// into its time limit), a folder said "basic_filebuf::underflow"; now both are named at once.
+TEST(SafeFile, ReadNpyRefusesAFifoAndAFolder) {
+  TempDir t;
+  ASSERT_EQ(::mkfifo((t / "q.npy").c_str(), 0600), 0);
+  EXPECT_EQ(message_of([&] { read_npy(t / "q.npy"); }), "'" + t / "q.npy" + "' is a FIFO, not a regular file");
+  EXPECT_EQ(message_of([&] { read_npy(t.dir.string()); }), "'" + t.dir.string() + "' is a folder, not a regular file");
+}
+
 TEST(SafeFile, SameFileByInodeOrByFolderAndName) {
   TempDir t;
   write_file_atomically(t / "a", bytes("x"));
