@@ -276,7 +276,11 @@ void run_plan(const PlanArgs& a) {
   }
   check_cp_size(a.cp, "--cp");
   const CpSplit split = parse_split(a.split);
-  if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
+  if (!a.svg.empty()) {  // before any work
+    check_output_path(a.svg, "--svg");
+    CPATTN_CHECK(a.lengths_file.empty() || !same_file(a.svg, a.lengths_file), "--svg '", a.svg,
+                 "' is the file of --lengths-file '", a.lengths_file, "': the drawing would replace its input");
+  }
   if (a.json) check_json_size(cu, a.cp, split);
   // With --cp and --split checked, what the planner still refuses is the boundaries' own
   // (documents too long to count their pairs in int64): named by the flag that gave them.

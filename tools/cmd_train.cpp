@@ -318,6 +318,18 @@ void check_args(const TrainArgs& a) {
                " chunks (2 * cp; 1 at cp = 1), so --seq-len must be at least ", train::min_seq_len(a.cp));
 }
 
+// An output that lands in the training data: in a --data file it replaced the corpus (and the
+// run exited 0); below a --data folder it became a document, and the resumed run failed on a
+// data hash that named no flag. Refused (rank 0 checks, every rank fails) before any work.
+void check_not_into_data(const TrainArgs& a, const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  const std::vector<std::string> roots = a.data.empty() ? std::vector<std::string>{train::kDefaultDataDir} : a.data;
+  for (const std::string& d : roots)
+    CPATTN_CHECK(!writes_into(path, d), flag, " '", path, "' ",
+                 same_file(path, d) ? "is the file of" : "lies in the folder of", " --data '", d,
+                 "': an output must not replace the training data or add a document to it");
+}
+
 struct StepRow {
   int64_t step = 0;
   double loss = 0, grad_norm = 0, lr = 0, step_s = 0, tokens_per_s = 0;
@@ -407,6 +419,8 @@ void train_run(const TrainArgs& a) {
   train::on_every_rank(comm, [&] {
     if (rank != 0) return;
     if (!a.save.empty()) check_output_path(a.save, "--save");
+    check_not_into_data(a, "--save", a.save);
+    check_not_into_data(a, "--json-log", a.json_log);
     if (a.json_log.empty()) return;
     check_output_path(a.json_log, "--json-log");
     // (A log in the checkpoint's file: resumed, its lines would be appended to the checkpoint;
@@ -681,7 +695,12 @@ void compare_run(const TrainArgs& a) {
     runs.push_back({compare_label(shapes.back()), shapes.back().dp * shapes.back().cp * shapes.back().pp});
   }
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
-  if (!a.compare_svg.empty()) check_output_path(a.compare_svg, "--svg");
+  if (!a.compare_svg.empty()) {
+    check_output_path(a.compare_svg, "--svg");
+    check_not_into_data(a, "--svg", a.compare_svg);
+    CPATTN_CHECK(a.resume.empty() || !same_file(a.compare_svg, a.resume), "--svg '", a.compare_svg,
+                 "' is the file of --resume '", a.resume, "': the chart would replace the checkpoint");
+  }
   compare_runs({.runs = runs,
                 .mpirun = a.mpirun,
                 .print_every = a.print_every,

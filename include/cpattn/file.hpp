@@ -34,6 +34,12 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
 // and an input, that would overwrite each other.
 bool same_file(const std::string& a, const std::string& b);
 
+// Whether a write to `path` would land in `input`: the same file (same_file), or a file
+// anywhere below the folder `input` (after the links of both; `path` need not exist). For
+// refusing an output that would replace an input file or add a file to an input folder (a
+// checkpoint saved into the training data's folder becomes a document of the next run).
+bool writes_into(const std::string& path, const std::string& input);
+
 // The whole of the regular file `path` (its size when opened). A FIFO, a device or a folder is
 // refused without blocking or reading; throws cpattn::Error naming `path` on any error.
 std::vector<std::byte> read_regular_file(const std::string& path);

@@ -6,11 +6,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <system_error>
 
 namespace cpattn {
 
@@ -76,6 +78,18 @@ bool same_file(const std::string& a, const std::string& b) {
   return std::filesystem::path(ra).filename() == std::filesystem::path(rb).filename() &&
          ::stat(folder_of(ra).c_str(), &da) == 0 && ::stat(folder_of(rb).c_str(), &db) == 0 &&
          da.st_dev == db.st_dev && da.st_ino == db.st_ino;
+}
+
+bool writes_into(const std::string& path, const std::string& input) {
+  if (same_file(path, input)) return true;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(input, ec)) return false;
+  const std::filesystem::path root = std::filesystem::canonical(input, ec);
+  if (ec) return false;
+  const std::filesystem::path out = std::filesystem::weakly_canonical(resolve_output_path(path), ec);
+  if (ec) return false;
+  // Component by component: /data2/x is not below /data.
+  return std::mismatch(root.begin(), root.end(), out.begin(), out.end()).first == root.end();
 }
 
 std::vector<std::byte> read_regular_file(const std::string& path) {

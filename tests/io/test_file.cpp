@@ -1,6 +1,6 @@
 // write_file_atomically and check_output_path (include/cpattn/file.hpp): refused targets, a
 // followed symlink, a failing write that leaves the old file and no temporary behind; and
-// read_regular_file, same_file.
+// read_regular_file, same_file, writes_into.
 #include <cpattn/error.hpp>
 #include <cpattn/file.hpp>
 #include <cpattn/npy.hpp>
@@ -140,6 +140,27 @@ TEST(SafeFile, SameFileByInodeOrByFolderAndName) {
   EXPECT_TRUE(same_file(t / "new", t / "sub/../new"));  // neither exists: the folder and the name
   EXPECT_FALSE(same_file(t / "new", t / "sub/new"));
   EXPECT_FALSE(same_file(t / "new", t / "a"));  // one exists, the other not
+}
+
+// An output into an input: its file (by name or link), or any file below its folder, there or
+// not yet; beside it (a sibling folder whose name starts the same) is not.
+TEST(SafeFile, WritesIntoAFileOrBelowAFolder) {
+  TempDir t;
+  fs::create_directories(t / "data/sub");
+  write_file_atomically(t / "data/doc.txt", bytes("x"));
+  fs::create_directory(t / "data2");
+  fs::create_symlink(t / "data/doc.txt", t / "link");
+  fs::create_directory_symlink(t / "data", t / "data-link");
+  EXPECT_TRUE(writes_into(t / "data/doc.txt", t / "data/doc.txt"));
+  EXPECT_TRUE(writes_into(t / "link", t / "data/doc.txt"));
+  EXPECT_TRUE(writes_into(t / "data/new.ckpt", t / "data"));
+  EXPECT_TRUE(writes_into(t / "data/sub/new.ckpt", t / "data-link"));
+  EXPECT_TRUE(writes_into(t / "data-link/sub/../new.ckpt", t / "data/"));
+  EXPECT_TRUE(writes_into(t / "link", t / "data"));  // the link's target lies in the folder
+  EXPECT_FALSE(writes_into(t / "data2/new.ckpt", t / "data"));
+  EXPECT_FALSE(writes_into(t / "new.ckpt", t / "data"));
+  EXPECT_FALSE(writes_into(t / "data/new.ckpt", t / "data/doc.txt"));
+  EXPECT_FALSE(writes_into(t / "new.ckpt", t / "missing"));
 }
 
 // A write that fails midway (the file-size limit, as a full disk would: EFBIG like ENOSPC):

@@ -136,5 +136,18 @@ for args, needle in bad.items():
     check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2")
     check(len(lines) == 1 and needle in lines[0], f"{args}: stderr {r.stderr!r} lacks {needle!r}")
 
+with tempfile.TemporaryDirectory() as d:
+    # --svg in --lengths-file's file (by name, through a link): refused, the input left as it
+    # was (the drawing replaced it).
+    lengths = os.path.join(d, "lens.txt")
+    with open(lengths, "w") as f:
+        f.write("16\n24\n")
+    os.symlink(lengths, os.path.join(d, "link.svg"))
+    for svg in (lengths, os.path.join(d, "link.svg")):
+        r = run("plan", "--lengths-file", lengths, "--svg", svg)
+        check(r.returncode == 2 and f"--svg '{svg}' is the file of --lengths-file '{lengths}'" in r.stderr,
+              f"--svg {svg} over its input: exit {r.returncode}\n{r.stderr}")
+    with open(lengths) as f:
+        check(f.read() == "16\n24\n", "--lengths-file left as it was")
 finish()
 print("cli plan: all checks passed")

@@ -1,0 +1,62 @@
+"""`cpattn train`'s files and flags (bad ones: exit 2 with one line naming the flags, no hang): an
+output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
+was."""
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
+from cli_lib import check, finish, train
+
+TINY = ["--layers", "1", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--seq-len", "32", "--warmup", "1"]
+
+
+def refused(r, msg, what):
+    """Exit 2 before training, with one error line saying `msg`."""
+    check(r.returncode == 2 and msg in r.stderr and r.stderr.count("cpattn: error:") == 1
+          and "step " not in r.stdout, f"{what}: exit {r.returncode}, want 2 saying {msg!r}\n{r.stderr[-1200:]}")
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    p = lambda name: os.path.join(tmp, name)
+    os.makedirs(p("e"))
+    os.makedirs(p("d/sub"))
+    os.makedirs(p("d2"))  # beside d, its name starting the same: not in d
+    corpus = b"the corpus, a document the user keeps. " * 8
+    for name in ("e/corpus.txt", "d/a.txt", "d/sub/b.txt"):
+        with open(p(name), "wb") as f:
+            f.write(corpus)
+    os.symlink(p("e/corpus.txt"), p("corpus_link"))
+
+    # Outputs in the training data: refused before any work (with a corpus replaced by a
+    # checkpoint, exit 0, before; a checkpoint in the data folder a document of the next run).
+    cases = [
+        (0, ["--data", p("e/corpus.txt"), "--save", p("e/corpus.txt")],
+         f"--save '{p('e/corpus.txt')}' is the file of --data '{p('e/corpus.txt')}'"),
+        (0, ["--data", p("e/corpus.txt"), "--save", p("corpus_link")], "is the file of --data"),
+        (0, ["--data", p("e/corpus.txt"), "--json-log", p("e/corpus.txt")], "--json-log '"),
+        (0, ["--data", p("d"), "--save", p("d/ck")], f"--save '{p('d/ck')}' lies in the folder of --data '{p('d')}'"),
+        (0, ["--data", p("d"), "--json-log", p("d/sub/log.jsonl")], "--json-log '" + p("d/sub/log.jsonl") + "' lies in"),
+        (0, ["--data", p("e"), p("d"), "--save", p("d/sub/../ck")], "lies in the folder of --data '" + p("d") + "'"),
+        (2, ["--cp", "2", "--data", p("d"), "--save", p("d/ck")], "lies in the folder of --data"),
+        (0, ["--data", p("d"), "--compare", "1", "--svg", p("d/loss.svg")], "--svg '" + p("d/loss.svg") + "' lies in"),
+    ]
+    for np_, args, msg in cases:
+        refused(train(np_, *TINY, "--steps", "2", *args, timeout=120), msg, args)
+    check(read(p("e/corpus.txt")) == corpus and read(p("d/a.txt")) == corpus, "the data is left as it was")
+    check(sorted(os.listdir(p("d"))) == ["a.txt", "sub"] and os.listdir(p("d/sub")) == ["b.txt"],
+          f"nothing written into the data folder: {os.listdir(p('d'))} {os.listdir(p('d/sub'))}")
+    # Beside the data folder is fine.
+    r = train(0, *TINY, "--steps", "2", "--data", p("d"), "--save", p("d2/ck"), timeout=120)
+    check(r.returncode == 0 and os.path.isfile(p("d2/ck")), f"--save beside --data: exit {r.returncode}\n{r.stderr[-800:]}")
+
+
+finish()
+print("all checks passed")
