@@ -3,11 +3,14 @@
 #include <cpattn/plan.hpp>
 #include <cpattn/train.hpp>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <utility>
 #include <system_error>
 
 namespace cpattn::train {
@@ -35,8 +38,17 @@ std::vector<Document> load_documents(std::span<const std::string> paths) {
     const fs::file_status st = fs::status(root, ec);
     CPATTN_CHECK(!ec && fs::exists(st), "load_documents: paths: no such file or folder '", root, "'");
     if (fs::is_directory(st)) {
+      // Folder links are followed, each folder entered once: two links back to a folder (d/l1
+      // -> ., d/l2 -> .) made the walk exponential in the depth, a run that never started.
+      std::set<std::pair<dev_t, ino_t>> entered;
+      const auto first_entry = [&entered](const fs::path& dir) {
+        struct stat ds {};
+        return ::stat(dir.c_str(), &ds) != 0 || entered.emplace(ds.st_dev, ds.st_ino).second;
+      };
+      first_entry(root);
       for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->is_directory(ec) && !first_entry(it->path())) it.disable_recursion_pending();
         if (it->is_regular_file(ec)) files.insert(fs::canonical(it->path(), ec));
       }
       CPATTN_CHECK(!ec, "load_documents: paths: cannot list folder '", root, "': ", ec.message());

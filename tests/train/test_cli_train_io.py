@@ -1,6 +1,6 @@
 """`cpattn train`'s files and flags (bad ones: exit 2 with one line naming the flags, no hang): an
 output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
-was."""
+was; a --data folder with link loops loads each file once, at once."""
 import os
 import stat
 import subprocess
@@ -56,6 +56,19 @@ with tempfile.TemporaryDirectory() as tmp:
     # Beside the data folder is fine.
     r = train(0, *TINY, "--steps", "2", "--data", p("d"), "--save", p("d2/ck"), timeout=120)
     check(r.returncode == 0 and os.path.isfile(p("d2/ck")), f"--save beside --data: exit {r.returncode}\n{r.stderr[-800:]}")
+
+    # A --data folder with two links back to itself: each file once, at once (the walk never
+    # ended before).
+    os.makedirs(p("d3"))
+    with open(p("d3/a.txt"), "wb") as f:
+        f.write(corpus)
+    os.symlink(".", p("d3/l1"))
+    os.symlink(".", p("d3/l2"))
+    try:
+        r = train(0, *TINY, "--steps", "1", "--data", p("d3"), timeout=60)
+        check(r.returncode == 0 and "data: 1 documents" in r.stdout, f"link loops: exit {r.returncode}\n{r.stdout[-600:]}")
+    except subprocess.TimeoutExpired:
+        check(False, "--data with two folder links back to itself: no answer in 60 s")
 
 
 finish()

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -84,6 +85,25 @@ TEST(TrainData, LoadsFoldersInSortedOrderSkippingEmptyFilesAndDuplicates) {
   EXPECT_EQ(docs[0].bytes, bytes("first"));
   EXPECT_EQ(docs[1].bytes, bytes("second"));
   EXPECT_EQ(docs[2].bytes, bytes("third"));
+}
+
+// Two links back to the folder (and one from a subfolder up to it): each folder is entered
+// once, each file counted once. The walk was exponential in the depth (it never returned: the
+// test ran into its time limit).
+TEST(TrainData, FolderLinkLoopsAreWalkedOnce) {
+  TempDir d;
+  d.write("a.txt", "first");
+  d.write("sub/b.txt", "second");
+  fs::create_directory_symlink(".", d.path / "l1");
+  fs::create_directory_symlink(".", d.path / "l2");
+  fs::create_directory_symlink("..", d.path / "sub" / "up");
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::string> paths = {d.path.string()};
+  const std::vector<Document> docs = load_documents(paths);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  ASSERT_EQ(docs.size(), 2u);
+  EXPECT_EQ(docs[0].bytes, bytes("first"));
+  EXPECT_EQ(docs[1].bytes, bytes("second"));
 }
 
 TEST(TrainData, MissingOrEmptyDataIsAClearError) {
