@@ -133,8 +133,13 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
   check_output_path(path, {});
   const std::string target = resolve_output_path(path);
   const std::string dir = folder_of(target);
+  // The temporary name is bounded: "." + name + ".tmp.XXXXXX" was 12 bytes past the name, so
+  // a valid name of 244 to 255 bytes failed with "File name too long", after all the work.
+  // At most the name's first kTmpNameChars bytes (enough to tell whose a leftover file is).
+  constexpr std::size_t kTmpNameChars = 64;
   std::string tmp = dir;
-  tmp.append("/.").append(std::filesystem::path(target).filename().string()).append(".tmp.XXXXXX");
+  tmp.append("/.").append(std::filesystem::path(target).filename().string().substr(0, kTmpNameChars))
+      .append(".tmp.XXXXXX");
   int fd = ::mkstemp(tmp.data());
   CPATTN_CHECK(fd >= 0, "'", path, "': cannot create a temporary file in '", dir, "': ", errno_text());
   try {

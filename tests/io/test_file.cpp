@@ -142,6 +142,16 @@ TEST(SafeFile, SameFileByInodeOrByFolderAndName) {
   EXPECT_FALSE(same_file(t / "new", t / "a"));  // one exists, the other not
 }
 
+// A name of 250 bytes (NAME_MAX is 255) is written whole: the temporary name was the name
+// plus 12 bytes, "File name too long" only when the write came (seen failing before the fix).
+TEST(SafeFile, WritesALongValidName) {
+  TempDir t;
+  const std::string name(250, 'n');
+  write_file_atomically(t / name, bytes("long"));
+  EXPECT_EQ(slurp(t / name), "long");
+  EXPECT_EQ(entries(t.dir), 1u);
+}
+
 // An output into an input: its file (by name or link), or any file below its folder, there or
 // not yet; beside it (a sibling folder whose name starts the same) is not.
 TEST(SafeFile, WritesIntoAFileOrBelowAFolder) {

@@ -149,5 +149,10 @@ with tempfile.TemporaryDirectory() as d:
               f"--svg {svg} over its input: exit {r.returncode}\n{r.stderr}")
     with open(lengths) as f:
         check(f.read() == "16\n24\n", "--lengths-file left as it was")
+    # A long valid --svg name (250 bytes; NAME_MAX 255) is written (its temporary name was too long).
+    svg = os.path.join(d, "s" * 250)
+    r = run("plan", "--lengths", "16,24", "--svg", svg)
+    check(r.returncode == 0 and os.path.isfile(svg), f"250-byte --svg name: exit {r.returncode}\n{r.stderr}")
+
 finish()
 print("cli plan: all checks passed")

@@ -1,6 +1,7 @@
 """`cpattn train`'s files and flags (bad ones: exit 2 with one line naming the flags, no hang): an
 output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
-was; a --data folder with link loops loads each file once, at once."""
+was; a --data folder with link loops loads each file once, at once; a long valid --save name is
+written."""
 import os
 import stat
 import subprocess
@@ -69,6 +70,13 @@ with tempfile.TemporaryDirectory() as tmp:
         check(r.returncode == 0 and "data: 1 documents" in r.stdout, f"link loops: exit {r.returncode}\n{r.stdout[-600:]}")
     except subprocess.TimeoutExpired:
         check(False, "--data with two folder links back to itself: no answer in 60 s")
+
+    # A --save name of 250 bytes (NAME_MAX 255) is written, not refused after the training
+    # ("File name too long": the temporary name was 12 bytes longer).
+    long_name = p("c" * 250)
+    r = train(0, *TINY, "--steps", "1", "--save", long_name, timeout=120)
+    check(r.returncode == 0 and os.path.isfile(long_name) and not any(".tmp." in n for n in os.listdir(tmp)),
+          f"250-byte --save name: exit {r.returncode}\n{r.stderr[-800:]}")
 
 
 finish()
