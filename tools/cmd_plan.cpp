@@ -2,6 +2,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/file.hpp>
 #include <cpattn/layout.hpp>
+#include <cpattn/memory.hpp>
 #include <cpattn/plan.hpp>
 
 #include <nlohmann/json.hpp>
@@ -255,6 +256,20 @@ void write_plan_svg(const std::string& path, const std::vector<int64_t>& cu, con
   }
 }
 
+// What planning holds at once, refused with both sizes before it starts (20,000 documents at
+// --cp 65536 are 84 GB of chunks: it was a bare std::bad_alloc): one split's chunk table, 2 x cp
+// chunks per document (each balance report, and the SVG, build theirs one at a time), and both
+// reports' rows of every rank. (--json's per-rank plans are bounded by check_json_size.)
+void check_plan_memory(const std::vector<int64_t>& cu, int cp, const std::string& source) {
+  const auto docs = static_cast<uint64_t>(cu.size() - 1), ranks = static_cast<uint64_t>(cp);
+  const uint64_t chunks = saturating_add(saturating_mul(saturating_mul(docs, 2 * ranks), sizeof(DocChunk)),
+                                         (ranks + 1) * sizeof(int64_t));
+  const uint64_t rows = 2 * ranks * sizeof(RankBalance);
+  check_memory(saturating_add(chunks, rows),
+               "cpattn plan of " + std::to_string(docs) + " documents (" + source + ") at --cp " + std::to_string(cp),
+               "chunk table " + format_bytes(chunks) + ", per-rank rows " + format_bytes(rows));
+}
+
 void run_plan(const PlanArgs& a) {
   std::vector<int64_t> cu;
   const char* source = "the built-in example";  // the flag that gave the boundaries
@@ -282,6 +297,7 @@ void run_plan(const PlanArgs& a) {
                  "' is the file of --lengths-file '", a.lengths_file, "': the drawing would replace its input");
   }
   if (a.json) check_json_size(cu, a.cp, split);
+  check_plan_memory(cu, a.cp, a.lengths_file.empty() ? std::string(source) : "--lengths-file " + a.lengths_file);
   // With --cp and --split checked, what the planner still refuses is the boundaries' own
   // (documents too long to count their pairs in int64): named by the flag that gave them.
   const SplitSummary both = with_flag(source, [&] {

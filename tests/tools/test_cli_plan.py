@@ -154,5 +154,20 @@ with tempfile.TemporaryDirectory() as d:
     r = run("plan", "--lengths", "16,24", "--svg", svg)
     check(r.returncode == 0 and os.path.isfile(svg), f"250-byte --svg name: exit {r.returncode}\n{r.stderr}")
 
+    # A plan past memory: refused with both sizes, naming --cp and the lengths' flag (a bare
+    # std::bad_alloc before). 2000 documents at cp 1024: 2000 x 2048 chunks of 32 bytes =
+    # 131072000 bytes of chunk table (125.0 MiB), against a limit of 10^7 bytes (9.5 MiB).
+    with open(lengths, "w") as f:
+        f.write("1\n" * 2000)
+    env = {**os.environ, "CPATTN_MEMORY_LIMIT_BYTES": "10000000"}
+    r = job(0, "plan", "--lengths-file", lengths, "--cp", "1024", timeout=60, env=env)
+    check(r.returncode == 2 and f"cpattn plan of 2000 documents (--lengths-file {lengths}) at --cp 1024 needs" in r.stderr
+          and "chunk table 125.0 MiB" in r.stderr and "more than the 9.5 MiB available (CPATTN_MEMORY_LIMIT_BYTES)"
+          in r.stderr and len(r.stderr.strip().splitlines()) == 1, f"plan past memory: exit {r.returncode}\n{r.stderr}")
+    r = job(0, "plan", "--lengths-file", lengths, "--cp", "8", timeout=60, env=env)  # 1 MiB of chunks: fits
+    check(r.returncode == 0, f"plan within memory: exit {r.returncode}\n{r.stderr}")
+    r = job(0, "plan", "--lengths", "1,2,3", "--cp", "65536", timeout=60, env=env)  # 12 MiB of chunks
+    check(r.returncode == 2 and "(--lengths) at --cp 65536 needs" in r.stderr, f"--lengths past memory: {r.stderr}")
+
 finish()
 print("cli plan: all checks passed")
