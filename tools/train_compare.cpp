@@ -75,18 +75,44 @@ int spawn(const std::vector<std::string>& argv, const std::string& out_path) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// The steps a run took (a step skipped under --skip-nonfinite has no timing and a null
+// loss: it is left out, and the runs are compared at the steps all of them took).
 std::vector<LogRow> read_log(const std::string& path) {
   std::ifstream in(path);
   CPATTN_CHECK(in.good(), "--compare: cannot read '", path, "'");
   std::vector<LogRow> rows;
+  int64_t line_no = 0;
   for (std::string line; std::getline(in, line);) {
+    ++line_no;
     if (line.empty()) continue;
-    const nlohmann::json j = nlohmann::json::parse(line);
-    rows.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
-                    j.at("lr").get<double>(), j.at("step_s").get<double>(), j.at("tokens_per_s").get<double>(),
-                    j.at("peak_rss_mb_per_rank").get<std::vector<double>>()});
+    try {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.value("skipped", false)) continue;
+      rows.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
+                      j.at("lr").get<double>(), j.at("step_s").get<double>(), j.at("tokens_per_s").get<double>(),
+                      j.at("peak_rss_mb_per_rank").get<std::vector<double>>()});
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("--compare: the run's log '" + path + "' line " + std::to_string(line_no) +
+                  " is not a step as cpattn train writes it: " + e.what());
+    }
   }
   return rows;
+}
+
+// The rows of every run at the steps all of them took, in the first run's order.
+std::vector<std::vector<LogRow>> common_steps(const std::vector<std::vector<LogRow>>& runs) {
+  std::vector<std::vector<LogRow>> out(runs.size());
+  for (const LogRow& row : runs[0]) {
+    std::vector<const LogRow*> at;
+    for (const auto& r : runs) {
+      const auto it = std::find_if(r.begin(), r.end(), [&row](const LogRow& x) { return x.step == row.step; });
+      if (it == r.end()) break;
+      at.push_back(&*it);
+    }
+    if (at.size() != runs.size()) continue;
+    for (std::size_t c = 0; c < runs.size(); ++c) out[c].push_back(*at[c]);
+  }
+  return out;
 }
 // The loss curves of every run on one chart: step across, loss up. Curves that agree lie on
 // top of each other, so each later run is drawn thinner and dashed over the wider earlier ones:
@@ -191,8 +217,8 @@ void compare_runs(const CompareOptions& o) {
 
   const std::size_t k = o.runs.size();
   const std::string& reference = o.runs[0].label;
-  std::size_t steps = runs[0].size();
-  for (const auto& r : runs) steps = std::min(steps, r.size());
+  const std::vector<std::vector<LogRow>> same = common_steps(runs);
+  const std::size_t steps = same[0].size();
   std::printf("\nper-step loss and grad norm (relative differences against %s)\n", reference.c_str());
   std::printf("%6s", "step");
   for (const CompareRun& r : o.runs) std::printf("  %12s", ("loss " + r.label).c_str());
@@ -203,7 +229,7 @@ void compare_runs(const CompareOptions& o) {
   for (std::size_t s = 0; s < steps; ++s) {
     double dl = 0, dg = 0;
     for (std::size_t c = 1; c < k; ++c) {
-      const double l = rel(runs[c][s].loss, runs[0][s].loss), g = rel(runs[c][s].grad_norm, runs[0][s].grad_norm);
+      const double l = rel(same[c][s].loss, same[0][s].loss), g = rel(same[c][s].grad_norm, same[0][s].grad_norm);
       dl = std::max(dl, l);
       dg = std::max(dg, g);
       max_dl[c] = std::max(max_dl[c], l);
@@ -214,9 +240,9 @@ void compare_runs(const CompareOptions& o) {
       }
     }
     if (s % static_cast<std::size_t>(o.print_every) != 0 && s + 1 != steps) continue;
-    std::printf("%6lld", static_cast<long long>(runs[0][s].step));
-    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].loss);
-    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", runs[c][s].grad_norm);
+    std::printf("%6lld", static_cast<long long>(same[0][s].step));
+    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", same[c][s].loss);
+    for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", same[c][s].grad_norm);
     std::printf("  %10.2e  %10.2e\n", dl, dg);
   }
   std::printf("\n%-12s %16s %16s %16s %16s %12s %12s %10s  %s\n", "run", "max dloss", "max dgnorm",
