@@ -690,8 +690,11 @@ void compare_run(const TrainArgs& a) {
   std::vector<TrainArgs> shapes;
   std::vector<CompareRun> runs;
   for (const std::string& entry : a.compare) {
-    shapes.push_back(with_compare_shape(a, entry));
-    check_args(shapes.back());
+    // The shape's own errors name its entry ("--compare '0': --cp must be >= 1, got 0").
+    rewrite_errors([&] {
+      shapes.push_back(with_compare_shape(a, entry));
+      check_args(shapes.back());
+    }, [&entry](const std::string& m) { return m.starts_with("--compare") ? m : "--compare '" + entry + "': " + m; });
     runs.push_back({compare_label(shapes.back()), shapes.back().dp * shapes.back().cp * shapes.back().pp});
   }
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");

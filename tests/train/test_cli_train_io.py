@@ -1,7 +1,7 @@
 """`cpattn train`'s files and flags (bad ones: exit 2 with one line naming the flags, no hang): an
 output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
 was; a --data folder with link loops loads each file once, at once; a long valid --save name is
-written; --compare with skipped (non-finite) steps."""
+written; --compare with skipped (non-finite) steps; --compare entries' errors."""
 import os
 import stat
 import subprocess
@@ -84,6 +84,12 @@ with tempfile.TemporaryDirectory() as tmp:
               timeout=300)
     check(r.returncode == 0 and "max dloss" in r.stdout and "unexpected error" not in r.stderr,
           f"--compare with skipped steps: exit {r.returncode}\n{r.stdout[-1200:]}\n{r.stderr[-1200:]}")
+
+    # --compare: an entry's errors name it.
+    refused(train(0, *TINY, "--compare", "0", "--steps", "1", timeout=60), "--compare '0': --cp must be >= 1, got 0",
+            "--compare 0")
+    refused(train(0, *TINY, "--compare", "dp0xcp1", "--steps", "1", timeout=60),
+            "--compare 'dp0xcp1': --dp must be >= 1, got 0", "--compare dp0xcp1")
 
 
 finish()
