@@ -652,7 +652,7 @@ std::vector<std::string> child_args(const TrainArgs& a, const std::string& log) 
   const int cp = a.cp;
   const auto f = [](double x) {
     char b[64];
-    std::snprintf(b, sizeof b, "%.9g", x);
+    std::snprintf(b, sizeof b, "%.17g", x);  // round-trips a double (%.9g only a float)
     return std::string(b);
   };
   std::vector<std::string> v = {"train", "--cp", std::to_string(cp), "--layers", std::to_string(a.model.layers),

@@ -1,7 +1,8 @@
 """`cpattn train`'s files and flags (bad ones: exit 2 with one line naming the flags, no hang): an
 output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
 was; a --data folder with link loops loads each file once, at once; a long valid --save name is
-written; --compare with skipped (non-finite) steps; --compare entries' errors."""
+written; --compare with skipped (non-finite) steps; --compare entries' errors; the doubles
+--compare hands its runs."""
 import os
 import stat
 import subprocess
@@ -90,6 +91,22 @@ with tempfile.TemporaryDirectory() as tmp:
             "--compare 0")
     refused(train(0, *TINY, "--compare", "dp0xcp1", "--steps", "1", timeout=60),
             "--compare 'dp0xcp1': --dp must be >= 1, got 0", "--compare dp0xcp1")
+
+    # --compare hands its runs every double flag as it was given (%.9g cut 0.1 + 2^-40 to 0.1):
+    # a stand-in mpirun records the command line.
+    fake = p("fake-mpirun")
+    with open(fake, "w") as f:
+        f.write(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {p('argv.txt')}\nexit 1\n")
+    os.chmod(fake, os.stat(fake).st_mode | stat.S_IEXEC)
+    coeff = 0.1 + 2.0 ** -40
+    r = train(0, *TINY, "--experts", "2", "--aux-loss-coeff", repr(coeff), "--capacity-factor", repr(1 + 2.0 ** -40),
+              "--compare", "1", "--mpirun", fake, "--steps", "1", timeout=60)
+    check(r.returncode != 0 and os.path.exists(p("argv.txt")), f"fake mpirun not run: {r.stderr[-800:]}")
+    if os.path.exists(p("argv.txt")):
+        argv = read(p("argv.txt")).decode().split("\n")
+        for flag, want in (("--aux-loss-coeff", coeff), ("--capacity-factor", 1 + 2.0 ** -40)):
+            got = argv[argv.index(flag) + 1] if flag in argv else None
+            check(got is not None and float(got) == want, f"{flag}: the run got {got}, want {want!r}")
 
 
 finish()
