@@ -460,6 +460,10 @@ void train_run(const TrainArgs& a) {
     train::DataPosition pos;
     with_flag("--resume", [&] { pos = trainer.load(a.resume, identity); });
     train::on_every_rank(comm, [&] { with_flag("--resume", [&] { data->seek(pos); }); });
+    // (It trained nothing, re-saved the checkpoint and exited 0: a --steps mistaken for the
+    // steps still to run looked like a finished run.)
+    CPATTN_CHECK(trainer.steps_done() <= a.steps, "--steps ", a.steps, " is below the checkpoint's step ",
+                 trainer.steps_done(), " (--resume '", a.resume, "'): --steps is the total to train up to");
   }
   JsonLog log;  // a resumed run appends to its log
   train::on_every_rank(comm, [&] {

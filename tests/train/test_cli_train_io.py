@@ -2,7 +2,7 @@
 output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
 was; a --data folder with link loops loads each file once, at once; a long valid --save name is
 written; --compare with skipped (non-finite) steps; --compare entries' errors; the doubles
---compare hands its runs."""
+--compare hands its runs; a resume with --steps below its step."""
 import os
 import stat
 import subprocess
@@ -107,6 +107,17 @@ with tempfile.TemporaryDirectory() as tmp:
         for flag, want in (("--aux-loss-coeff", coeff), ("--capacity-factor", 1 + 2.0 ** -40)):
             got = argv[argv.index(flag) + 1] if flag in argv else None
             check(got is not None and float(got) == want, f"{flag}: the run got {got}, want {want!r}")
+
+    # A resume with --steps below the checkpoint's step: an error, the checkpoint left as it was
+    # (it trained nothing, re-saved and exited 0).
+    r = train(0, *TINY, "--steps", "4", "--save", p("ck4"), timeout=120)
+    check(r.returncode == 0, f"4 steps: {r.stderr[-800:]}")
+    before = read(p("ck4"))
+    r = train(0, *TINY, "--steps", "2", "--resume", p("ck4"), "--save", p("ck4"), timeout=120)
+    refused(r, "--steps 2 is below the checkpoint's step 4", "--steps 2 --resume a step-4 checkpoint")
+    check("saved step" not in r.stdout and read(p("ck4")) == before, "the checkpoint is left as it was")
+    r = train(0, *TINY, "--steps", "4", "--resume", p("ck4"), timeout=120)
+    check(r.returncode == 0, f"--steps equal to the checkpoint's step: exit {r.returncode}\n{r.stderr[-800:]}")
 
 
 finish()
