@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -240,6 +241,11 @@ void check_moe_args(const TrainArgs& a) {
 void check_mesh_args(const TrainArgs& a) {
   CPATTN_CHECK(a.dp >= 1, "--dp must be >= 1, got ", a.dp);
   CPATTN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
+  // In int64 (in int, --dp 954437177 --pp 9 overflowed), and refused past any MPI world (an int
+  // of ranks) before MPI starts; the world's own size is compared once it has started.
+  CPATTN_CHECK(int64_t{a.dp} * a.cp <= std::numeric_limits<int>::max() / a.pp, "--dp ", a.dp, " * --cp ", a.cp,
+               " * --pp ", a.pp, " ranks is past any MPI world size (at most ", std::numeric_limits<int>::max(),
+               " ranks)");
   CPATTN_CHECK(a.micro >= 1, "--micro must be >= 1, got ", a.micro);
   CPATTN_CHECK(a.micro % a.dp == 0, "--micro ", a.micro, " must be a multiple of --dp ", a.dp,
                " (every data-parallel replica takes --micro / --dp sequences per step)");

@@ -2,7 +2,7 @@
 output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
 was; a --data folder with link loops loads each file once, at once; a long valid --save name is
 written; --compare with skipped (non-finite) steps; --compare entries' errors; the doubles
---compare hands its runs; a resume with --steps below its step."""
+--compare hands its runs; a resume with --steps below its step; a mesh past any MPI world."""
 import os
 import stat
 import subprocess
@@ -119,6 +119,11 @@ with tempfile.TemporaryDirectory() as tmp:
     r = train(0, *TINY, "--steps", "4", "--resume", p("ck4"), timeout=120)
     check(r.returncode == 0, f"--steps equal to the checkpoint's step: exit {r.returncode}\n{r.stderr[-800:]}")
 
+    # The mesh's rank count in int64: past any MPI world before MPI starts (in int it wrapped:
+    # 954437177 * 9 = 2^33 + 1 = 1 rank).
+    refused(train(0, *TINY, "--dp", "954437177", "--pp", "9", "--micro", "954437177", "--steps", "1", timeout=60),
+            "--dp 954437177 * --cp 1 * --pp 9 ranks is past any MPI world size (at most 2147483647 ranks)",
+            "--dp 954437177 --pp 9")
 
 finish()
 print("all checks passed")
