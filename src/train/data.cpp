@@ -10,8 +10,8 @@
 #include <fstream>
 #include <iterator>
 #include <set>
-#include <utility>
 #include <system_error>
+#include <utility>
 
 namespace cpattn::train {
 
