@@ -88,13 +88,23 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
                                        const PlanOptions& options, RankPlan& plan) {
   check_cp_size(cp);
   CPATTN_CHECK(rank >= 0 && rank < cp, "rank must be in [0, cp) = [0, ", cp, "), got ", rank);
+  // The documents' splits and the layout depend on the boundaries, cp and the split alone: a
+  // plan of another rank of the batch it already holds (a caller planning every rank in turn
+  // into one RankPlan, as `cpattn plan --json` does) keeps them, so that the loop over the ranks
+  // costs O(documents) a rank instead of O(documents x cp). Any other batch builds them anew;
+  // the boundaries are stored last, so that a failure leaves nothing to match.
+  const bool same_batch = plan.layout.cp == cp && plan.split == options.split && !plan.docs.empty() &&
+                          std::ranges::equal(plan.cu_seqlens, cu_seqlens);
   plan.cp = cp;
   plan.rank = rank;
   plan.split = options.split;
-  split_documents_into(cu_seqlens, cp, options.split, plan.docs);
-  split_layout(cu_seqlens, cp, options.split, plan.layout);
+  if (!same_batch) {
+    plan.cu_seqlens.clear();
+    split_documents_into(cu_seqlens, cp, options.split, plan.docs);
+    split_layout(cu_seqlens, cp, options.split, plan.layout);
+    plan.cu_seqlens.assign(cu_seqlens.begin(), cu_seqlens.end());
+  }
   const SplitLayout& layout = plan.layout;
-  plan.cu_seqlens.assign(cu_seqlens.begin(), cu_seqlens.end());
   plan.cu_seqlens_padded.resize(plan.docs.size() + 1);
   plan.cu_seqlens_padded[0] = 0;
   for (std::size_t d = 0; d < plan.docs.size(); ++d)

@@ -233,6 +233,39 @@ void expect_same_plan(const RankPlan& a, const RankPlan& b) {
   EXPECT_EQ(a.workload.visible_pairs, b.workload.visible_pairs);
 }
 
+// One RankPlan planned into again and again (every rank of a batch in turn keeps the batch's
+// layout; another batch, cp or split, or a call that failed, builds it anew): each time the
+// plan a fresh RankPlan gets. Also the layout itself, whose reuse the fields above would miss.
+TEST(Plan, AReusedPlanIsTheFreshPlanWhateverItHeldBefore) {
+  const V a{0, 5, 6, 40, 41}, b{0, 37, 38, 100};
+  RankPlan reused;
+  const auto expect_fresh = [&](const V& cu, int cp, int rank, CpSplit split) {
+    SCOPED_TRACE(::testing::Message() << "documents " << cu.size() - 1 << " cp " << cp << " rank " << rank
+                                      << " split " << to_string(split));
+    get_thd_load_balanced_cp_metadata(cu, cp, rank, PlanOptions{.split = split}, reused);
+    const RankPlan fresh = get_thd_load_balanced_cp_metadata(cu, cp, rank, PlanOptions{.split = split});
+    expect_same_plan(reused, fresh);
+    EXPECT_EQ(reused.split, fresh.split);
+    EXPECT_EQ(reused.layout.rank_begin, fresh.layout.rank_begin);
+    ASSERT_EQ(reused.layout.chunks.size(), fresh.layout.chunks.size());
+    for (std::size_t i = 0; i < fresh.layout.chunks.size(); ++i) {
+      EXPECT_EQ(reused.layout.chunks[i].pos, fresh.layout.chunks[i].pos);
+      EXPECT_EQ(reused.layout.chunks[i].len, fresh.layout.chunks[i].len);
+      EXPECT_EQ(reused.layout.chunks[i].rank, fresh.layout.chunks[i].rank);
+    }
+  };
+  for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free})
+    for (const int cp : {2, 3})
+      for (const V* cu : {&a, &b})
+        for (int r = 0; r < cp; ++r) expect_fresh(*cu, cp, r, split);
+  expect_fresh(a, 3, 1, CpSplit::padded);
+  expect_fresh(a, 2, 1, CpSplit::padded);        // another cp
+  expect_fresh(a, 2, 1, CpSplit::padding_free);  // another split
+  expect_fresh(V{0, 5, 6, 40}, 2, 0, CpSplit::padding_free);  // a prefix of the batch held
+  EXPECT_THROW(get_thd_load_balanced_cp_metadata(V{0, 5, 5}, 2, 0, {}, reused), Error);
+  expect_fresh(a, 2, 1, CpSplit::padded);
+}
+
 TEST(Plan, Int32BoundariesGiveTheInt64Plan) {
   const std::vector<int32_t> cu32{0, 5, 6, 40, 41};
   const V cu64{0, 5, 6, 40, 41};
