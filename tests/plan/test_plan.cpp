@@ -247,6 +247,11 @@ TEST(Plan, AReusedPlanIsTheFreshPlanWhateverItHeldBefore) {
     expect_same_plan(reused, fresh);
     EXPECT_EQ(reused.split, fresh.split);
     EXPECT_EQ(reused.layout.rank_begin, fresh.layout.rank_begin);
+    ASSERT_EQ(reused.docs.size(), fresh.docs.size());
+    for (std::size_t d = 0; d < fresh.docs.size(); ++d) {  // (local_begin is the rank's)
+      EXPECT_EQ(reused.docs[d].local_begin, fresh.docs[d].local_begin);
+      EXPECT_EQ(reused.docs[d].padded_len, fresh.docs[d].padded_len);
+    }
     ASSERT_EQ(reused.layout.chunks.size(), fresh.layout.chunks.size());
     for (std::size_t i = 0; i < fresh.layout.chunks.size(); ++i) {
       EXPECT_EQ(reused.layout.chunks[i].pos, fresh.layout.chunks[i].pos);
