@@ -217,7 +217,7 @@ void run_simulate(const SimulateArgs& a) {
                         .expert_skew = a.expert_skew},
               .mesh = {.tp = a.tp, .cp = a.cp, .cp_inner = a.cp_inner, .dp = a.dp, .pp = a.pp, .ep = a.ep,
                        .micro = a.micro, .schedule = *kind,
-                       .virtual_stages = a.virtual_stages.value_or(*kind == PipelineSchedule::interleaved ? 2 : 1)},
+                       .virtual_stages = a.virtual_stages.value_or(0)},
               .profile = a.profile.empty() ? default_profile() : read_profile(a.profile),
               .find_breakeven = !a.no_breakeven,
               .overlap = a.overlap == "on"};
@@ -234,7 +234,7 @@ void run_simulate(const SimulateArgs& a) {
     j["documents"] = cu.size() - 1;
     j["mesh"] = {{"tp", a.tp}, {"cp", a.cp}, {"cp_inner", a.cp_inner}, {"dp", a.dp}, {"pp", a.pp}, {"ep", a.ep},
                  {"micro_batches", a.micro}, {"schedule", a.schedule},
-                 {"virtual_stages", in.mesh.virtual_stages}, {"world", world}};
+                 {"virtual_stages", in.mesh.chunks()}, {"world", world}};
     j["overlap"] = in.overlap;
     j["model"] = {{"layers", a.layers}, {"heads", in.model.num_heads_q}, {"kv_heads", in.model.num_heads_k},
                   {"head_dim_qk", in.model.head_dim_qk}, {"head_dim_v", in.model.head_dim_v},
@@ -277,7 +277,7 @@ void run_simulate(const SimulateArgs& a) {
               static_cast<long long>(rep.tokens), static_cast<long long>(rep.padded_tokens), cu.size() - 1,
               in.profile.name.c_str());
   const std::string chunks =
-      in.mesh.virtual_stages > 1 ? " (" + std::to_string(in.mesh.virtual_stages) + " chunks per stage)" : "";
+      in.mesh.chunks() > 1 ? " (" + std::to_string(in.mesh.chunks()) + " chunks per stage)" : "";
   std::printf("mesh tp %d x cp %d x dp %d x pp %d = %lld ranks, ep %d, %d micro-batch(es), schedule %s%s; planner "
               "imbalance %.4f; all-gather overlap %s\n",
               a.tp, a.cp, a.dp, a.pp, static_cast<long long>(world), a.ep, a.micro, a.schedule.c_str(), chunks.c_str(),

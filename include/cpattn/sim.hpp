@@ -83,8 +83,11 @@ struct SimMesh {
   int ep = 1;        // expert parallel (over the tp*cp*dp ranks of a stage)
   int micro = 1;     // micro-batches per step (each one the batch of cu_seqlens)
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
-  int virtual_stages = 1;  // model chunks per stage (V); only the interleaved schedule takes V > 1
+  // Model chunks per stage (V) of the interleaved schedule, whose layers must divide into pp x V;
+  // 0: 2 with interleaved (as `cpattn pipeline --virtual`), else 1. Only interleaved takes V > 1.
+  int virtual_stages = 0;
   int world() const { return tp * cp * dp * pp; }
+  int chunks() const { return virtual_stages > 0 ? virtual_stages : schedule == PipelineSchedule::interleaved ? 2 : 1; }
 };
 // Throws cpattn::Error naming the field (SimMesh::cp_inner, SimModel::num_heads_k, ...) and the
 // rule (`cpattn simulate` names its flags instead).

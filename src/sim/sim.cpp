@@ -608,7 +608,7 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   }
   // The schedule's unit of work is a model chunk: a stage's layers, or with interleaved 1F1B a
   // V-th of them (each chunk's activation then crosses to the next stage: V sends per micro-batch).
-  const int chunks = mesh.virtual_stages;
+  const int chunks = mesh.chunks();
   const double layers_per_chunk = static_cast<double>(model.layers) / (int64_t{mesh.pp} * chunks);
   const double fwd = layers_per_chunk * (f.time_s() + tp_time + ep_time);
   const double bwd = layers_per_chunk * (b.time_s() + tp_time + ep_time);
@@ -651,7 +651,7 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   SimBytes per_layer;
   add_bytes(per_layer, tp_bytes);
   add_bytes(per_layer, ep_bytes);
-  add_bytes(p.step_bytes, per_layer, int64_t{mesh.micro} * layers_i);
+  add_bytes(p.step_bytes, per_layer, int64_t{mesh.micro} * chunks * layers_i);  // (every chunk's layers)
   if (mesh.pp > 1) {
     const int64_t pp_bytes = 2 * int64_t{mesh.micro} * chunks * act;  // activation down, gradient up
     add_bytes(p.step_bytes, pp_inter, pp_bytes, pp_bytes);
@@ -773,14 +773,15 @@ void check_sim_mesh(const SimMesh& m, const SimModel& model) {
                "SimMesh::pp = ", int64_t{m.tp} * m.cp * m.dp * m.pp, " ranks must be <= 2^20");
   CPATTN_CHECK(m.cp_inner >= 0 && (m.cp_inner == 0 || m.cp % m.cp_inner == 0), "SimMesh::cp_inner = ", m.cp_inner,
                " must divide SimMesh::cp = ", m.cp, " (cp = cp_inner x cp_outer; 0 picks one)");
-  CPATTN_CHECK(m.virtual_stages >= 1 && m.virtual_stages <= 1024, "SimMesh::virtual_stages must be in 1..1024, got ",
-               m.virtual_stages);
-  CPATTN_CHECK(m.virtual_stages == 1 || m.schedule == PipelineSchedule::interleaved, "SimMesh::virtual_stages = ",
+  CPATTN_CHECK(m.virtual_stages >= 0 && m.virtual_stages <= 1024, "SimMesh::virtual_stages must be in 0..1024 "
+               "(0: 2 with interleaved, else 1), got ", m.virtual_stages);
+  CPATTN_CHECK(m.virtual_stages <= 1 || m.schedule == PipelineSchedule::interleaved, "SimMesh::virtual_stages = ",
                m.virtual_stages, " needs the interleaved schedule (SimMesh::schedule), not ",
                pipeline_schedule_name(m.schedule));
-  CPATTN_CHECK(model.layers >= 1 && model.layers % (int64_t{m.pp} * m.virtual_stages) == 0, "SimModel::layers = ",
+  CPATTN_CHECK(model.layers >= 1 && model.layers % (int64_t{m.pp} * m.chunks()) == 0, "SimModel::layers = ",
                model.layers, " must be >= 1 and a multiple of SimMesh::pp = ", m.pp, " x SimMesh::virtual_stages = ",
-               m.virtual_stages, " (equal stages and chunks)");
+               m.chunks(), m.virtual_stages == 0 && m.chunks() > 1 ? " (its default with interleaved)" : "",
+               " (equal stages and chunks)");
   CPATTN_CHECK(model.num_heads_q >= 1 && model.num_heads_k >= 1 && model.num_heads_q % model.num_heads_k == 0,
                "SimModel::num_heads_q = ", model.num_heads_q, " must be a multiple of SimModel::num_heads_k = ",
                model.num_heads_k);

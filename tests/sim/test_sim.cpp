@@ -244,26 +244,38 @@ TEST(Sim, InterleavedChunksRunAVthOfAStagesLayers) {
   in.mesh.micro = micro;
   in.profile.inter = {.bandwidth_gbs = 1e12, .latency_us = 0};  // stage transfers ~0
   const SchemePrediction base = simulate_scheme(in, CpScheme::allgather);  // 1F1B
-  for (const int v : {2, 4}) {
+  for (const int v : {0, 2, 4}) {  // (0: interleaved's default, 2)
     SCOPED_TRACE(::testing::Message() << "V " << v);
     in.mesh.schedule = PipelineSchedule::interleaved;
     in.mesh.virtual_stages = v;
     const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
-    const double per_chunk = static_cast<double>(layers) / (stages * v);
+    const int chunks = v == 0 ? 2 : v;
+    EXPECT_EQ(in.mesh.chunks(), chunks);
+    const double per_chunk = static_cast<double>(layers) / (stages * chunks);
     const double f = per_chunk * p.forward[0].time_s(), b = per_chunk * p.backward[0].time_s();
-    const Simulation want = simulate(
-        make_schedule({.stages = stages, .micro = micro, .schedule = PipelineSchedule::interleaved, .virtual_stages = v}),
-        uniform_costs(stages, f, b, 0.0, 0.0));
+    const Simulation want = simulate(make_schedule({.stages = stages, .micro = micro,
+                                                    .schedule = PipelineSchedule::interleaved, .virtual_stages = chunks}),
+                                     uniform_costs(stages, f, b, 0.0, 0.0));
     EXPECT_NEAR(p.step_s, want.makespan, 1e-6 * p.step_s);
     EXPECT_NEAR(p.bubble_fraction, want.bubble_fraction, 1e-6);
     EXPECT_LT(p.bubble_fraction, base.bubble_fraction);
     EXPECT_NEAR(p.compute_s, base.compute_s, 1e-9 * base.compute_s);
     // Stage transfers: T_loc 20 x hidden 8 x 4 bytes = 640 per activation, down and up, per
     // micro-batch and chunk, sent and received.
-    const int64_t extra = 2 * int64_t{micro} * (v - 1) * 640;
+    const int64_t extra = 2 * int64_t{micro} * (chunks - 1) * 640;
     EXPECT_EQ(p.step_bytes.sent() - base.step_bytes.sent(), extra);
     EXPECT_EQ(p.step_bytes.received() - base.step_bytes.received(), extra);
   }
+  // With TP, every layer's all-reduces move the same bytes whatever the chunks: the difference
+  // is again the stage transfers alone (they were counted for one chunk of the V).
+  in.mesh.tp = 2;
+  in.mesh.schedule = PipelineSchedule::one_f_one_b;
+  in.mesh.virtual_stages = 0;
+  const SchemePrediction tp_base = simulate_scheme(in, CpScheme::allgather);
+  in.mesh.schedule = PipelineSchedule::interleaved;
+  in.mesh.virtual_stages = 2;
+  const SchemePrediction tp_v2 = simulate_scheme(in, CpScheme::allgather);
+  EXPECT_EQ(tp_v2.step_bytes.sent() - tp_base.step_bytes.sent(), 2 * int64_t{micro} * 640);
 }
 
 TEST(Sim, PerRankWorkIsThePlannersAndSetsTheComputeTime) {
@@ -436,8 +448,13 @@ TEST(Sim, BadProfilesAndMeshesAreRejectedNamingTheField) {
   in.mesh.schedule = PipelineSchedule::one_f_one_b;
   in.model.layers = 4;
   expect_error(in, "SimMesh::virtual_stages = 2 needs the interleaved schedule (SimMesh::schedule), not 1f1b");
-  in.mesh.virtual_stages = 0;
-  expect_error(in, "SimMesh::virtual_stages must be in 1..1024, got 0");
+  in.mesh.virtual_stages = -1;
+  expect_error(in, "SimMesh::virtual_stages must be in 0..1024 (0: 2 with interleaved, else 1), got -1");
+  in.mesh.virtual_stages = 0;  // interleaved's default: 2 chunks, so 6 layers over 2 stages do not divide
+  in.mesh.schedule = PipelineSchedule::interleaved;
+  in.model.layers = 6;
+  expect_error(in, "SimModel::layers = 6 must be >= 1 and a multiple of SimMesh::pp = 2 x SimMesh::virtual_stages = 2 "
+                   "(its default with interleaved)");
   in = hand_input();
   in.mesh.tp = 4;  // 2 KV heads
   expect_error(in, "SimModel::num_heads_k = 2 must be divisible by SimMesh::tp = 4");

@@ -147,7 +147,7 @@ bad(base + ["--pp", "2", "--layers", "4", "--micro-batches", "3", "--schedule", 
     "--schedule with --pp stages, --micro-batches micro-batches and --virtual chunks:")
 # interleaved's chunks (--virtual, default 2): equal chunks, and V > 1 for interleaved only
 bad(base + ["--pp", "2", "--layers", "2", "--micro-batches", "2", "--schedule", "interleaved", "--no-breakeven"],
-    "--layers = 2 must be >= 1 and a multiple of --pp = 2 x --virtual = 2")
+    "--layers = 2 must be >= 1 and a multiple of --pp = 2 x --virtual = 2 (its default with interleaved)")
 bad(base + ["--pp", "2", "--layers", "2", "--virtual", "2", "--no-breakeven"],
     "--virtual = 2 needs the interleaved schedule (--schedule), not 1f1b")
 # interleaved runs --virtual chunks (default 2): in the JSON, and the same work in a smaller bubble
