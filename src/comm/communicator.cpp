@@ -290,7 +290,16 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
   im.opts.on_timeout = TimeoutAction::abort;
   im.opts.max_count_per_call = INT_MAX;
   im.opts.all_gather_algorithm = CommAlgorithm::mpi;
-  im.timeout_s = resolve_timeout(options);
+  // A bad deadline (the option, or the variable of this rank's environment) fails every rank,
+  // after the duplication under the default deadline: thrown here, the other ranks would wait
+  // in the duplication until theirs.
+  std::string timeout_error;
+  try {
+    im.timeout_s = resolve_timeout(options);
+  } catch (const Error& e) {
+    timeout_error = e.message();
+    im.timeout_s = kDefaultTimeoutS;
+  }
   MPI_Comm_rank(comm, &im.rank);
   MPI_Comm_size(comm, &im.size);
 
@@ -311,19 +320,29 @@ Communicator::Communicator(MPI_Comm comm, CommOptions options)
   // joins, so that one rank's bad value fails every rank with the same message (checked
   // before it, the others waited in the duplication until the deadline); the duplicate is
   // freed before the throw.
-  const std::int64_t mine[3] = {options.max_count_per_call, static_cast<std::int64_t>(options.reduce_scatter_algorithm),
-                                static_cast<std::int64_t>(options.all_gather_algorithm)};
-  std::vector<std::int64_t> all(3 * static_cast<std::size_t>(im.size));
+  constexpr int kFields = 4;  // the three compared options, and whether the deadline was valid
+  const std::int64_t mine[kFields] = {options.max_count_per_call,
+                                      static_cast<std::int64_t>(options.reduce_scatter_algorithm),
+                                      static_cast<std::int64_t>(options.all_gather_algorithm), timeout_error.empty()};
+  std::vector<std::int64_t> all(kFields * static_cast<std::size_t>(im.size));
   all_gather<std::int64_t>(mine, all);
   try {
+    std::string bad_deadline;  // the ranks whose deadline was invalid
     for (int r = 0; r < im.size; ++r)
-      CPATTN_CHECK(all[3 * r] >= 1 && all[3 * r] <= INT_MAX,
-                   "CommOptions::max_count_per_call must be in [1, INT_MAX], got ", all[3 * r], " on rank ", r);
+      if (all[kFields * r + 3] == 0) {
+        if (!bad_deadline.empty()) bad_deadline += ',';
+        bad_deadline += std::to_string(r);
+      }
+    CPATTN_CHECK(bad_deadline.empty(), "the deadline (", options.timeout_name, ", else ", kTimeoutEnv,
+                 ") is invalid on rank(s) ", bad_deadline, timeout_error.empty() ? "" : ": " + timeout_error);
+    for (int r = 0; r < im.size; ++r)
+      CPATTN_CHECK(all[kFields * r] >= 1 && all[kFields * r] <= INT_MAX,
+                   "CommOptions::max_count_per_call must be in [1, INT_MAX], got ", all[kFields * r], " on rank ", r);
     for (int r = 0; r < im.size; ++r)
       for (int f = 0; f < 3; ++f)
-        CPATTN_CHECK(all[3 * r + f] == all[f], "ranks disagree on CommOptions::",
+        CPATTN_CHECK(all[kFields * r + f] == all[f], "ranks disagree on CommOptions::",
                      f == 0 ? "max_count_per_call" : f == 1 ? "reduce_scatter_algorithm" : "all_gather_algorithm",
-                     ": rank 0 has ", all[f], ", rank ", r, " has ", all[3 * r + f]);
+                     ": rank 0 has ", all[f], ", rank ", r, " has ", all[kFields * r + f]);
   } catch (const Error&) {
     MPI_Comm_free(&im.comm);
     throw;

@@ -169,7 +169,9 @@ struct A2aLevel::Impl {
     if (c.poisoned()) c.retain_while_pending(std::make_shared<std::tuple<V...>>(std::move(bufs)...));
   }
 
-  bool poisoned() const { return inner_comm && (inner_comm->poisoned() || outer_comm->poisoned()); }
+  bool poisoned() const {  // (connect may have split the inner group and failed on the outer one)
+    return (inner_comm && inner_comm->poisoned()) || (outer_comm && outer_comm->poisoned());
+  }
 
   HeadRange q_heads() const { return {split, false}; }
   HeadRange kv_heads() const { return {split, true}; }

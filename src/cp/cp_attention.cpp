@@ -486,8 +486,7 @@ struct CpAttention::State {
   // this rank, and at its agreement on every rank, before any group is used.
   void check_groups(const char* fn) const {
     CPATTN_CHECK(!a2a || !a2a->poisoned(), fn, ": the ", to_string(cfg.scheme), " scheme's inner or outer group "
-                 "timed out in an earlier call (its communicator is poisoned): make a new CpAttention on a new "
-                 "communicator");
+                 "timed out in an earlier call (its communicator is poisoned): make a new CpAttention");
   }
   // Whether this layer's calls may use the node's shared memory (the same on every rank:
   // configuration, communicator size and shm_off are agreed).
@@ -1355,11 +1354,14 @@ CpScheme parse_cp_scheme(std::string_view name) {
 CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
   // or write the dK/dV buffers: the state outlives this object until they end.
-  // (poisoned() throws on a communicator moved from since, whose state went with the move and
-  // cannot be asked; no exception may leave a destructor.)
+  // No exception may leave a destructor: where the communicator cannot be asked (moved from
+  // since: poisoned() throws; its state, pending requests included, went with the move) or
+  // cannot keep the state (no memory), the state is leaked on purpose rather than freed under
+  // requests that may still use it.
   try {
     if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
-  } catch (const Error&) {
+  } catch (...) {
+    (void)s_.release();
   }
 }
 

@@ -132,9 +132,10 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
     plan.real_token_index.resize(static_cast<std::size_t>(t_loc));
     plan.kv_gather_index.resize(static_cast<std::size_t>(total_kv));
   } catch (const std::bad_alloc&) {
-    CPATTN_CHECK(false, "plan of rank ", rank, " of cp ", cp, " for ", plan.global_tokens, " tokens: its ", t_loc,
-                 " token indices (x2) and ", total_kv, " key gather indices (", 8.0 * (2.0 * static_cast<double>(t_loc) + static_cast<double>(total_kv)) / 1e9,
-                 " GB) could not be allocated");
+    // (in GiB, as format_bytes writes the memory checks' sizes: the planner sits below that layer)
+    const double gib = 8.0 * (2.0 * static_cast<double>(t_loc) + static_cast<double>(total_kv)) / (1 << 30);
+    detail::fail(__FILE__, __LINE__, "plan of rank ", rank, " of cp ", cp, " for ", plan.global_tokens, " tokens: its ",
+                 t_loc, " token indices (x2) and ", total_kv, " key gather indices (", gib, " GiB) could not be allocated");
   }
   plan.cu_seqlens_q.resize(num_tasks + 1);
   plan.cu_seqlens_kv.resize(num_tasks + 1);

@@ -405,6 +405,27 @@ TEST(CommOptionsTest, RanksThatDisagreeOnOptionsFailTogether) {
         << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  // The same for a deadline only one rank finds invalid (its own environment's variable).
+  if (rank == size - 1) {
+    ASSERT_EQ(setenv("CPATTN_COMM_TIMEOUT_S", "soon", 1), 0);
+  }
+  const auto start2 = std::chrono::steady_clock::now();
+  try {
+    Communicator comm(MPI_COMM_WORLD, {.on_timeout = TimeoutAction::throw_error});
+    ADD_FAILURE() << "no error on rank " << rank;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    std::string want = "the deadline (CommOptions::timeout_s, else CPATTN_COMM_TIMEOUT_S) is invalid on rank(s) ";
+    want += std::to_string(size - 1);
+    EXPECT_NE(what.find(want), std::string::npos) << what;
+    if (rank == size - 1) {
+      EXPECT_NE(what.find("got 'soon'"), std::string::npos) << what;
+    }
+  }
+  if (rank == size - 1) {
+    ASSERT_EQ(unsetenv("CPATTN_COMM_TIMEOUT_S"), 0);
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start2).count(), 10.0);
   CommOptions algo{.timeout_s = 30.0};
   if (rank == 0) algo.reduce_scatter_algorithm = CommAlgorithm::mpi;
   EXPECT_THROW(Communicator(MPI_COMM_WORLD, algo), Error);

@@ -41,7 +41,9 @@
 //   handover-a2a the same with the a2a scheme: rank 0 times out in the all-to-all that
 //                returns dQ, with that level's send and receive blocks in flight on its inner
 //                group's communicator (the level hands them over; the layer's own state is
-//                not involved); the late rank then times out in the dK all-to-all.
+//                not involved); the late rank then times out in the dK all-to-all. Those
+//                requests are the inner group's, which the test cannot reach: the new buffers
+//                are its check, not a drain.
 // CTest passes each on the expected message and bounds its time.
 #include <cpattn/comm.hpp>
 #include <cpattn/cp.hpp>
@@ -147,7 +149,7 @@ int timeout_handover(const std::string& kind) {
   if (late_timed_out) attn.reset();
   MPI_Barrier(MPI_COMM_WORLD);  // raw MPI: progress while the late rank's transfers land
   if (!late) {
-    if (!comm.drain(30)) fail("transfers still pending 30 s after the late rank finished");
+    if (kind != "a2a" && !comm.drain(30)) fail("transfers still pending 30 s after the late rank finished");
     for (const auto& r : reused)
       for (std::size_t i = 0; i < r.size(); ++i)
         if (r[i] != 7.0f) {

@@ -205,7 +205,7 @@ for args, needle in ((("--dtype", "fp64"),
                      (("--dropout", "1"), "--dropout must be in [0, 1)"),
                      (("--head-dim", "300"), "--head-dim"),
                      (("--mode", "gather"), "--mode must be one of runs, index"),
-                     (("--npy-in", "/nonexistent"), "cannot open"),
+                     (("--npy-in", "/nonexistent"), "'/nonexistent/q.npy': cannot read it: No such file or directory"),
                      # an empty path was read as the flag not given
                      (("--npy-in", ""), "--npy-in: a path must not be empty"),
                      (("--npy-out", ""), "--npy-out: a path must not be empty"),
@@ -234,7 +234,7 @@ def mpmd(args0, args1):
 # An error on one nonzero rank only (here its own flags, through mpirun's MPMD form): every
 # rank ends at once, and rank 0 prints that rank's message, well before the deadline.
 r, elapsed = mpmd(["--seq-len", "100"], ["--npy-in", "/nonexistent"])
-check(r.returncode == 2 and r.stderr.count("[rank 1] /nonexistent/q.npy: cannot open") == 1,
+check(r.returncode == 2 and r.stderr.count("[rank 1] '/nonexistent/q.npy': cannot read it") == 1,
       f"error on rank 1 only: exit {r.returncode}, {r.stderr[-800:]!r}")
 check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)")
 
@@ -245,8 +245,8 @@ check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --cp: 
 # --scheme all on one rank, one scheme on the other: rank 0 would time more layers (the layers'
 # agreements see only the first scheme) and wait in a barrier rank 1 never reaches.
 r, elapsed = mpmd(["--seq-len", "100", "--scheme", "all"], ["--seq-len", "100", "--scheme", "allgather"])
-check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --scheme all (1) or one scheme (0): "
-                                           "rank 0 has 1, rank 1 has 0") == 1 and elapsed < 30,
+check(r.returncode == 2 and r.stderr.count("ranks disagree on cpattn run: --scheme (-1 all, 0 allgather, 1 ring, "
+                                           "2 pass-q, 3 a2a, 4 hybrid): rank 0 has -1, rank 1 has 0") == 1 and elapsed < 30,
       f"--scheme all on rank 0 only: exit {r.returncode} in {elapsed:.1f} s, {r.stderr[-800:]!r}")
 # The ranks of CP group 1 of 2 given other batches (world rank 3's --seed): that group's layers
 # fail alone; every rank must still end at once with that group's message (group 1 waited out

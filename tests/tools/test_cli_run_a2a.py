@@ -39,7 +39,9 @@ for np_, flags, flag in ((4, ("--scheme", "hybrid", "--cp-inner", "3"), "--cp-in
                          (4, ("--scheme", "a2a", "--heads", "12", "--kv-heads", "3"), "--kv-heads (3) must be divisible"),
                          # the all-gather's flags, given to a scheme without one (they were ignored)
                          (2, ("--scheme", "ring", "--overlap", "off"), "--overlap sets the all-gather's"),
-                         (2, ("--scheme", "a2a", "--shared-memory", "on"), "--shared-memory sets the all-gather's")):
+                         (2, ("--scheme", "a2a", "--shared-memory", "on"), "--shared-memory sets the all-gather's"),
+                         (2, ("--mode", "index", "--overlap", "off"), "--overlap sets the all-gather in runs mode: "
+                                                                      "--mode index would ignore it")):
     r = run(np_, *flags, "--lengths", "10")
     # Every rank rejects it: the line names all of them ([ranks 0,1], [ranks 0-3]).
     every = "0,1" if np_ == 2 else f"0-{np_ - 1}"

@@ -115,11 +115,14 @@ std::vector<std::pair<CpScheme, int>> schemes_of(const RunArgs& a, int cp, const
                  a.cp_inner, " with --scheme ", to_string(s));
     CPATTN_CHECK(s != CpScheme::hybrid || a.cp_inner >= 1, "--scheme hybrid needs --cp-inner N (N dividing the CP size ",
                  cp, ")");
-    // (--overlap and --shared-memory set the all-gather: a scheme without one would ignore them)
-    for (const auto& [given, flag] : {std::pair{a.overlap_given, "--overlap"}, {a.shared_memory_given, "--shared-memory"}})
+    // (--overlap and --shared-memory set the all-gather in runs mode: elsewhere they would be ignored)
+    for (const auto& [given, flag] : {std::pair{a.overlap_given, "--overlap"}, {a.shared_memory_given, "--shared-memory"}}) {
       CPATTN_CHECK(!given || s == CpScheme::allgather || s == CpScheme::hybrid, flag, " sets the all-gather's K/V "
                    "and dK/dV (--scheme allgather, or hybrid's outer all-gather): --scheme ", to_string(s),
                    " has none and would ignore it");
+      CPATTN_CHECK(!given || parse_kv_mode(a.mode) == "runs", flag, " sets the all-gather in runs mode: --mode ",
+                   a.mode, " would ignore it");
+    }
     check_heads_split(shape, inner_of(s));
     return {{s, inner_of(s)}};
   }
@@ -310,7 +313,10 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   // (a rank timing more steps would wait in a collective the others never reach).
   Fingerprint fp;
   fp.add("--repeats", a.repeats);
-  fp.add("--scheme all (1) or one scheme (0)", a.scheme == "all").add("--cp-inner", a.cp_inner);  // the layers run
+  // the layers run: --scheme's (-1 all, else CpScheme: 0 allgather, 1 ring, 2 pass-q, 3 a2a, 4 hybrid)
+  fp.add("--scheme (-1 all, 0 allgather, 1 ring, 2 pass-q, 3 a2a, 4 hybrid)",
+         a.scheme == "all" ? -1 : static_cast<int64_t>(parse_scheme(a.scheme)))
+      .add("--cp-inner", a.cp_inner);
   agree(groups.world, fp, "cpattn run", local_error);
   if (a.testing_stall_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(a.testing_stall_s));
   Local& l = *prepared;
