@@ -20,12 +20,8 @@
 namespace cpattn::cli {
 
 std::vector<int64_t> read_lengths_file(const std::string& path) {
-  std::vector<std::byte> bytes;  // (a FIFO, a device or a folder refused without blocking)
-  try {
-    bytes = read_regular_file(path);
-  } catch (const Error& e) {
-    throw Error("--lengths-file: " + e.message());
-  }
+  // (a FIFO, a device or a folder refused without blocking)
+  const std::vector<std::byte> bytes = with_flag("--lengths-file", [&] { return read_regular_file(path); });
   std::istringstream in(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
   return parse_lengths_file(in, path);
 }
@@ -249,11 +245,7 @@ void write_plan_svg(const std::string& path, const std::vector<int64_t>& cu, con
   }
   o << "</svg>\n";
   const std::string text = o.str();
-  try {
-    write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size())));
-  } catch (const Error& e) {
-    throw Error("--svg: " + e.message());
-  }
+  with_flag("--svg", [&] { write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size()))); });
 }
 
 // What planning holds at once, refused with both sizes before it starts (20,000 documents at

@@ -432,13 +432,7 @@ void run_calibrate(const CalibrateArgs& a) {
   for (const int64_t s : a.sizes)
     CPATTN_CHECK(s >= 1 && s <= (int64_t{1} << 30), "--sizes: every message size must be in [1, 2^30] bytes, got ", s);
   std::vector<DType> dtypes;
-  for (const std::string& name : a.dtypes) {
-    try {
-      dtypes.push_back(parse_dtype(name));
-    } catch (const Error& e) {
-      throw Error("--dtypes: " + e.message());
-    }
-  }
+  for (const std::string& name : a.dtypes) dtypes.push_back(with_flag("--dtypes", [&] { return parse_dtype(name); }));
   const auto kernel_case = [&a](DType t) {
     check::AttnBenchOptions o;
     o.lengths = a.lengths.empty() ? std::vector<int64_t>{a.seq_len} : a.lengths;

@@ -173,11 +173,7 @@ struct JsonLog {
     CPATTN_CHECK(fd >= 0, "--json-log: cannot open '", p, "': ", std::strerror(errno));
   }
   void write(const std::string& line) {
-    try {
-      write_all(fd, std::as_bytes(std::span(line.data(), line.size())), path);
-    } catch (const Error& e) {
-      throw Error("--json-log: " + e.message());
-    }
+    with_flag("--json-log", [&] { write_all(fd, std::as_bytes(std::span(line.data(), line.size())), path); });
   }
   void sync() {
     CPATTN_CHECK(fd < 0 || ::fsync(fd) == 0, "--json-log: fsync of '", path, "' failed: ", std::strerror(errno));
@@ -302,13 +298,10 @@ void check_args(const TrainArgs& a) {
                "--cp-scheme hybrid needs --cp-inner N, N dividing --cp (", a.cp, " = inner x outer), got --cp-inner ",
                a.cp_inner);
   // The scheme's own rules (the split it takes, the all-to-all's head counts) before MPI starts.
-  try {
-    check_cp_attn_config(attention_config(a), a.cp);
-  } catch (const Error& e) {
-    throw Error("--cp-scheme " + a.cp_scheme + " with --split " + a.split + ", --heads " + std::to_string(m.heads) +
-                ", --kv-heads " + std::to_string(m.kv_heads) + " and --cp " + std::to_string(a.cp) + ": " +
-                e.message());
-  }
+  const std::string flags = "--cp-scheme " + a.cp_scheme + " with --split " + a.split + ", --heads " +
+                            std::to_string(m.heads) + ", --kv-heads " + std::to_string(m.kv_heads) + " and --cp " +
+                            std::to_string(a.cp);
+  with_flag(flags.c_str(), [&] { check_cp_attn_config(attention_config(a), a.cp); });
   parse_window(a.window);
   check_softcap(a.softcap);
   CPATTN_CHECK(a.model.dropout >= 0.0f && a.model.dropout < 1.0f, "--dropout must be in [0, 1) (0 = off), got ",

@@ -21,6 +21,8 @@
 #include <iterator>
 #include <span>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "commands.hpp"
 
@@ -77,17 +79,27 @@ int spawn(const std::vector<std::string>& argv, const std::string& out_path) {
 
 // The steps a run took (a step skipped under --skip-nonfinite has no timing and a null
 // loss: it is left out, and the runs are compared at the steps all of them took).
-std::vector<LogRow> read_log(const std::string& path) {
+// A run's log: the steps it took, and those it skipped (--skip-nonfinite), in step order.
+struct RunLog {
+  std::vector<LogRow> rows;
+  std::vector<int64_t> skipped;
+};
+
+RunLog read_log(const std::string& path) {
   std::ifstream in(path);
   CPATTN_CHECK(in.good(), "--compare: cannot read '", path, "'");
-  std::vector<LogRow> rows;
+  RunLog log;
+  std::vector<LogRow>& rows = log.rows;
   int64_t line_no = 0;
   for (std::string line; std::getline(in, line);) {
     ++line_no;
     if (line.empty()) continue;
     try {
       const nlohmann::json j = nlohmann::json::parse(line);
-      if (j.value("skipped", false)) continue;
+      if (j.value("skipped", false)) {
+        log.skipped.push_back(j.at("step").get<int64_t>());
+        continue;
+      }
       rows.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
                       j.at("lr").get<double>(), j.at("step_s").get<double>(), j.at("tokens_per_s").get<double>(),
                       j.at("peak_rss_mb_per_rank").get<std::vector<double>>()});
@@ -96,33 +108,33 @@ std::vector<LogRow> read_log(const std::string& path) {
                   " is not a step as cpattn train writes it: " + e.what());
     }
   }
-  return rows;
+  return log;
 }
 
-// The rows of every run at the steps all of them took, in the first run's order.
-std::vector<std::vector<LogRow>> common_steps(const std::vector<std::vector<LogRow>>& runs) {
+// The rows of every run at the steps all of them took, in the first run's order. (A step that
+// only some runs skipped is a difference between them: compare() counts it as one.)
+std::vector<std::vector<LogRow>> common_steps(const std::vector<RunLog>& runs) {
+  std::vector<std::unordered_map<int64_t, std::size_t>> index(runs.size());
+  for (std::size_t c = 0; c < runs.size(); ++c)
+    for (std::size_t i = 0; i < runs[c].rows.size(); ++i) index[c].emplace(runs[c].rows[i].step, i);
   std::vector<std::vector<LogRow>> out(runs.size());
-  for (const LogRow& row : runs[0]) {
-    std::vector<const LogRow*> at;
-    for (const auto& r : runs) {
-      const auto it = std::find_if(r.begin(), r.end(), [&row](const LogRow& x) { return x.step == row.step; });
-      if (it == r.end()) break;
-      at.push_back(&*it);
-    }
-    if (at.size() != runs.size()) continue;
-    for (std::size_t c = 0; c < runs.size(); ++c) out[c].push_back(*at[c]);
+  for (const LogRow& row : runs[0].rows) {
+    const bool everywhere =
+        std::all_of(index.begin(), index.end(), [&row](const auto& ix) { return ix.contains(row.step); });
+    if (!everywhere) continue;
+    for (std::size_t c = 0; c < runs.size(); ++c) out[c].push_back(runs[c].rows[index[c].at(row.step)]);
   }
   return out;
 }
 // The loss curves of every run on one chart: step across, loss up. Curves that agree lie on
 // top of each other, so each later run is drawn thinner and dashed over the wider earlier ones:
 // a curve that departs shows as its own line.
-std::string loss_chart_svg(const std::vector<CompareRun>& labels, const std::vector<std::vector<LogRow>>& runs) {
+std::string loss_chart_svg(const std::vector<CompareRun>& labels, const std::vector<RunLog>& runs) {
   constexpr double W = 760, H = 420, left = 70, right = 190, top = 40, bottom = 50;
   double lo = INFINITY, hi = -INFINITY;
   int64_t last = 1;
-  for (const auto& r : runs)
-    for (const LogRow& row : r) {
+  for (const RunLog& r : runs)
+    for (const LogRow& row : r.rows) {
       lo = std::min(lo, row.loss);
       hi = std::max(hi, row.loss);
       last = std::max(last, row.step);
@@ -166,7 +178,7 @@ std::string loss_chart_svg(const std::vector<CompareRun>& labels, const std::vec
     o += "<polyline fill=\"none\" stroke=\"";
     o += colour;
     put("\" stroke-width=\"%.1f\"%s points=\"", width, c == 0 ? " stroke-opacity=\"0.5\"" : " stroke-dasharray=\"6 4\"");
-    for (const LogRow& row : runs[c]) put("%.1f,%.1f ", x(static_cast<double>(row.step)), y(row.loss));
+    for (const LogRow& row : runs[c].rows) put("%.1f,%.1f ", x(static_cast<double>(row.step)), y(row.loss));
     o += "\"><title>" + labels[c].label + "</title></polyline>\n";
     const double ly = top + 14 + 20 * static_cast<double>(c);
     put("<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"%.1f\"%s/>\n",
@@ -192,7 +204,7 @@ void compare_runs(const CompareOptions& o) {
   CPATTN_CHECK(n > 0, "--compare: cannot find this program's path");
   self[n] = '\0';
 
-  std::vector<std::vector<LogRow>> runs;
+  std::vector<RunLog> runs;
   std::vector<double> wall;
   for (std::size_t i = 0; i < o.runs.size(); ++i) {
     const std::string& label = o.runs[i].label;
@@ -245,29 +257,38 @@ void compare_runs(const CompareOptions& o) {
     for (std::size_t c = 0; c < k; ++c) std::printf("  %12.6f", same[c][s].grad_norm);
     std::printf("  %10.2e  %10.2e\n", dl, dg);
   }
+  // Steps skipped as non-finite (--skip-nonfinite) are left out of the curves above; a run that
+  // skipped other steps than the reference took a step the other did not: a difference, inf.
+  for (std::size_t c = 0; c < k; ++c) {
+    if (runs[c].skipped.empty() && runs[0].skipped.empty()) continue;
+    std::printf("%s skipped %zu step(s) as non-finite", o.runs[c].label.c_str(), runs[c].skipped.size());
+    if (c > 0 && runs[c].skipped != runs[0].skipped) {
+      max_dl[c] = max_dg[c] = INFINITY;
+      std::printf(", not the same as %s's: counted as a difference (inf)", reference.c_str());
+    }
+    std::printf("\n");
+  }
+  if (steps == 0) std::printf("no step was taken by every run: nothing compared\n");
   std::printf("\n%-12s %16s %16s %16s %16s %12s %12s %10s  %s\n", "run", "max dloss", "max dgnorm",
               "max dloss <20", "max dgnorm <20", "step_s", "tokens/s", "job s", "peak MB per rank");
   for (std::size_t c = 0; c < k; ++c) {
     double s_sum = 0, t_sum = 0;
     int cnt = 0;
-    for (std::size_t s = runs[c].size() > 1 ? 1 : 0; s < runs[c].size(); ++s, ++cnt) {
-      s_sum += runs[c][s].step_s;
-      t_sum += runs[c][s].tokens_per_s;
+    const std::vector<LogRow>& rows = runs[c].rows;
+    for (std::size_t s = rows.size() > 1 ? 1 : 0; s < rows.size(); ++s, ++cnt) {
+      s_sum += rows[s].step_s;
+      t_sum += rows[s].tokens_per_s;
     }
     std::printf("%-12s %16.3e %16.3e %16.3e %16.3e %12.4f %12.0f %10.1f ", o.runs[c].label.c_str(), max_dl[c], max_dg[c],
                 max_dl20[c], max_dg20[c], cnt ? s_sum / cnt : 0.0, cnt ? t_sum / cnt : 0.0, wall[c]);
-    if (!runs[c].empty())
-      for (const double m : runs[c].back().peak_rss_mb) std::printf(" %.1f", m);
+    if (!rows.empty())
+      for (const double m : rows.back().peak_rss_mb) std::printf(" %.1f", m);
     std::printf("\n");
   }
   std::printf("\n(differences are relative to %s; logs in %s)\n", reference.c_str(), dir);
   if (!o.svg.empty()) {
     const std::string text = loss_chart_svg(o.runs, runs);
-    try {
-      write_file_atomically(o.svg, std::as_bytes(std::span(text.data(), text.size())));
-    } catch (const Error& e) {
-      throw Error("--svg: " + e.message());
-    }
+    with_flag("--svg", [&] { write_file_atomically(o.svg, std::as_bytes(std::span(text.data(), text.size()))); });
     std::printf("loss curves drawn in %s\n", o.svg.c_str());
   }
 }

@@ -4,6 +4,7 @@ was; a --data folder with link loops loads each file once, at once; a long valid
 written; --compare with skipped (non-finite) steps; --compare entries' errors; the doubles
 --compare hands its runs; a resume with --steps below its step; a mesh past any MPI world."""
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -85,6 +86,13 @@ with tempfile.TemporaryDirectory() as tmp:
               timeout=300)
     check(r.returncode == 0 and "max dloss" in r.stdout and "unexpected error" not in r.stderr,
           f"--compare with skipped steps: exit {r.returncode}\n{r.stdout[-1200:]}\n{r.stderr[-1200:]}")
+    # ... and each run's skipped steps are told (steps one run skipped and another took would
+    # be counted a difference: the curves at the common steps alone hid them).
+    skips = re.findall(r"^(cp\d+) skipped (\d+) step\(s\) as non-finite(.*)$", r.stdout, re.M)
+    check(len(skips) == 2 and all(int(n) >= 1 for _, n, _ in skips), f"skipped steps not reported: {r.stdout[-1500:]}")
+    for label, n, rest in skips:
+        if "counted as a difference" in rest:
+            check(re.search(r"^" + label + r" +inf", r.stdout, re.M) is not None, f"{label}: {r.stdout[-1500:]}")
 
     # --compare: an entry's errors name it.
     refused(train(0, *TINY, "--compare", "0", "--steps", "1", timeout=60), "--compare '0': --cp must be >= 1, got 0",
@@ -118,6 +126,10 @@ with tempfile.TemporaryDirectory() as tmp:
     check("saved step" not in r.stdout and read(p("ck4")) == before, "the checkpoint is left as it was")
     r = train(0, *TINY, "--steps", "4", "--resume", p("ck4"), timeout=120)
     check(r.returncode == 0, f"--steps equal to the checkpoint's step: exit {r.returncode}\n{r.stderr[-800:]}")
+    # --compare's chart onto the checkpoint it resumes: refused, the checkpoint as it was.
+    r = train(0, *TINY, "--steps", "5", "--resume", p("ck4"), "--compare", "1", "--svg", p("ck4"), timeout=60)
+    refused(r, "--svg '" + p("ck4") + "' is the file of --resume", "--svg onto the --resume file")
+    check(read(p("ck4")) == before, "the checkpoint is left as it was (--svg)")
 
     # The mesh's rank count in int64: past any MPI world before MPI starts (in int it wrapped:
     # 954437177 * 9 = 2^33 + 1 = 1 rank).
