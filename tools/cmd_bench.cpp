@@ -26,13 +26,22 @@ namespace cpattn::cli {
 // outputs as many again, and the backward kernel's scratch.
 void check_bench_memory(const check::AttnBenchOptions& o, const std::string& what) {
   uint64_t tokens = 0;
-  for (const int64_t l : o.lengths) tokens = saturating_add(tokens, static_cast<uint64_t>(l));
-  const auto per_token = static_cast<uint64_t>(2 * (o.heads + o.kv_heads) * (o.head_dim + o.head_dim_v));
+  int64_t longest = 0;  // the longest document's queries size the backward's per-task buffers
+  for (const int64_t l : o.lengths) {
+    tokens = saturating_add(tokens, static_cast<uint64_t>(l));
+    longest = std::max(longest, l);
+  }
+  // (in 64 bits: --heads near INT_MAX made an int product wrap, and the check pass)
+  const uint64_t per_token = 2 * (static_cast<uint64_t>(o.heads) + static_cast<uint64_t>(o.kv_heads)) *
+                             (static_cast<uint64_t>(o.head_dim) + static_cast<uint64_t>(o.head_dim_v));
   const uint64_t tensor_bytes = 4 + (o.dtype == DType::f32 ? 0 : dtype_size(o.dtype));
   const auto rows = static_cast<int64_t>(std::min<uint64_t>(tokens, uint64_t{1} << 50));
+  WorkList longest_task;  // what attention_backward_scratch_bytes reads of the call's work list
+  longest_task.tasks.push_back({.q_len = std::min<int64_t>(longest, rows)});
   const AttnBwdParams p{.in = {.q = {nullptr, rows, o.heads, o.head_dim, o.dtype},
                                .k = {nullptr, rows, o.kv_heads, o.head_dim, o.dtype},
                                .v = {nullptr, rows, o.kv_heads, o.head_dim_v, o.dtype},
+                               .work = &longest_task,
                                .options = {.num_threads = o.threads}}};
   const uint64_t tensors = saturating_mul(saturating_mul(tokens, per_token), 2 * tensor_bytes);
   const uint64_t scratch = attention_backward_scratch_bytes(p);

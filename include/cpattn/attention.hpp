@@ -110,7 +110,7 @@ struct AttnOptions {
   // query position qp sees key position kp iff qp - left <= kp <= qp + right; -1 = unbounded
   // on that side. Intersected with the mask: under causal kp <= qp as well (so right has no
   // effect); with MaskType::none, (left, right) is a two-sided window. A query that sees no
-  // key gets out 0, lse -inf and zero gradients. Each >= -1.
+  // key gets out 0, lse -inf and zero gradients. Each >= -1 and <= 2^48 (kMaxTokens).
   int64_t window_size_left = -1;
   int64_t window_size_right = -1;
   // Logit soft-capping (FlashAttention / Gemma 2): S = softcap * tanh(S / softcap) before the
@@ -126,6 +126,8 @@ struct AttnOptions {
 
 // The standard ALiBi slopes for `num_heads` query heads, for AttnOptions::alibi_slopes: the
 // ALiBi paper's geometric sequence slope_h = 2^(-8 (h + 1) / num_heads), h = 0..num_heads-1.
+// (For a head count that is not a power of 2 the ALiBi code and BLOOM interleave two such
+// sequences instead; pass their slopes to match them.)
 std::vector<float> alibi_slopes(int num_heads);
 
 // The sizes of a call, named as in FlashAttention; derived from its views (AttnInputs::shape).
@@ -318,6 +320,8 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
 
 // fp32 scratch that attention_backward allocates internally (dK/dV per head set, packed
 // K/V, per-thread blocks), so that callers can budget memory. Forward needs about half.
+// The per-thread blocks grow with the longest task's queries, read from p.in.work: without a
+// work list they are counted for tasks of no rows (an underestimate).
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p);
 
 // The kernels keep the large scratch blocks a call freed for the next call (no page faults

@@ -1,8 +1,9 @@
 // The plain reference of attention_forward/backward: the same parameters and work list, the
 // obviously correct loops of docs/design.md section 5, no blocking, no SIMD, no threads
-// (options.num_threads and options.path are ignored). Tests compare every fast path against
-// it with RefAccum::f64; RefAccum::f32 is the "naive implementation in the same precision" that
-// grounds the fp16/bf16 tolerances. Outputs are rounded once to the storage dtype.
+// (options.num_threads and options.path do not change the result; the path is validated as
+// the kernels validate it: a path this CPU runs, and CPATTN_KERNEL_PATH under automatic).
+// Tests compare every fast path against it with RefAccum::f64; RefAccum::f32 is the "naive
+// implementation in the same precision" that grounds the fp16/bf16 tolerances. Outputs are rounded once to the storage dtype.
 #pragma once
 
 #include <cpattn/attention.hpp>

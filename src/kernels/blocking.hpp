@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 namespace cpattn::kernels {
@@ -68,13 +69,14 @@ constexpr int pad_up(int x) { return (x + PAD - 1) / PAD * PAD; }
 constexpr int bwd_set_heads(int num_heads_q, int num_heads_k, int64_t max_q, bool bf16_tiles) {
   const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
   const int at_least = bf16_tiles && max_q <= BWD_LONG_TASK ? 1 : BWD_SETS;
-  const int sets = std::max(std::min(group, at_least), (group + BWD_SET_HEADS - 1) / BWD_SET_HEADS);
-  return (group + sets - 1) / sets;
+  // (ceilings as (group - 1) / n + 1: group + n - 1 overflowed int for groups near INT_MAX)
+  const int sets = std::max(std::min(group, at_least), (group - 1) / BWD_SET_HEADS + 1);
+  return (group - 1) / sets + 1;
 }
 constexpr int bwd_sets(int num_heads_q, int num_heads_k, int64_t max_q, bool bf16_tiles) {
   const int group = std::max(1, num_heads_q / std::max(num_heads_k, 1));
   const int per = bwd_set_heads(num_heads_q, num_heads_k, max_q, bf16_tiles);
-  return (group + per - 1) / per;
+  return (group - 1) / per + 1;
 }
 // The shapes docs/kernels.md and the head-set tests name: the rule of BWD_SETS (any task
 // on the fp32-product paths, long tasks on bf16 tiles), then short tasks on bf16 tiles.
@@ -92,6 +94,9 @@ static_assert(bwd_set_heads(16, 4, 4096, true) == 4 && bwd_sets(16, 4, 4096, tru
               bwd_set_heads(16, 8, 4096, true) == 2 && bwd_sets(16, 8, 4096, true) == 1 &&
               bwd_set_heads(3, 1, 200, true) == 3 && bwd_sets(16, 1, 100, true) == 4 &&
               bwd_set_heads(8, 8, 100, true) == 1 && bwd_set_heads(20, 4, 4096, true) == 3);
+// The largest group (Hq = INT_MAX over one kv head): a constant expression only without overflow.
+static_assert(bwd_sets(std::numeric_limits<int>::max(), 1, 100, false) >= 1 &&
+              bwd_set_heads(std::numeric_limits<int>::max(), 1, 100, true) >= 1);
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it

@@ -1105,12 +1105,15 @@ using u16vec = std::vector<uint16_t, LineAligned<uint16_t>>;
 
 // How a call's products run: fp32 FMA (gemm), bf16 pairs (gemm_bf16) or tiles (gemm_tiles).
 enum class Dot { fma, bf16_pairs, bf16_tiles, fp16_tiles };
-inline Dot dot_for(DType dtype) {
+// inv_keep = 1 / (1 - dropout_p): the fp16 tiles round their A operand, a kept P / (1 - p) for
+// the products with V and dO, to fp16, which holds no more than 65504; a dropout that keeps
+// fewer than 1 in 65504 runs the FMA code (its P / (1 - p) came out inf: out and dV with it).
+inline Dot dot_for(DType dtype, [[maybe_unused]] float inv_keep) {
 #if defined(CPATTN_BF16_DOT)
   if (dtype == DType::bf16) return Dot::bf16_pairs;
 #elif defined(CPATTN_AMX)
   if (dtype == DType::bf16) return Dot::bf16_tiles;
-  if (dtype == DType::f16 && tiles_fp16()) return Dot::fp16_tiles;
+  if (dtype == DType::f16 && tiles_fp16() && inv_keep <= 65504.0f) return Dot::fp16_tiles;
 #endif
   (void)dtype;
   return Dot::fma;
@@ -1345,7 +1348,9 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   pk.vt.resize(backward ? nb * pk.dvp : 0);
   const auto [u0, u1] = packed_units(share, K.heads * pk.nblk);
   // one panel buffer per thread (live while packing, before a backward's per-thread buffers)
-  std::vector<std::vector<float>> panels(static_cast<size_t>(std::max(in.options.num_threads, 1)));
+  // (as many as the threads parallel_for starts: at most one a unit, whatever num_threads asks)
+  std::vector<std::vector<float>> panels(
+      static_cast<size_t>(std::clamp<int64_t>(u1 - u0, 1, std::max(in.options.num_threads, 1))));
   parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int th) {
     const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
@@ -1713,7 +1718,7 @@ struct CallRules {
         dropout(opt.dropout_p > 0.0f),
         thr(dropout_threshold(opt.dropout_p)),
         inv_keep(1.0f / (1.0f - opt.dropout_p)),
-        bd(dot_for(in.dtype())) {}
+        bd(dot_for(in.dtype(), inv_keep)) {}
 };
 
 // ---- forward -----------------------------------------------------------------------------

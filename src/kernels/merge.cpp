@@ -16,7 +16,13 @@ T weights_of(std::span<const T> lse_parts, std::span<T> weights) {
                lse_parts.size(), " entries but weights has ", weights.size());
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   T mx = kNegInf;
-  for (T l : lse_parts) mx = std::fmax(mx, l);
+  for (T l : lse_parts) {
+    if (std::isnan(l)) {  // (fmax would skip it: a NaN part beside empty ones read as empty)
+      for (T& w : weights) w = std::numeric_limits<T>::quiet_NaN();
+      return l;
+    }
+    mx = std::fmax(mx, l);
+  }
   if (mx == kNegInf) {  // every part empty: weight 0 everywhere, never exp(-inf - -inf)
     for (T& w : weights) w = T(0);
     return kNegInf;

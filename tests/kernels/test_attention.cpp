@@ -233,6 +233,45 @@ TEST(kernel_attention, RecomputedProbabilitiesStayAtMostOneInTheBackward) {
   }
 }
 
+// A dropout that keeps fewer than 1 in 65504 (p = 0.99999: a kept P / (1 - p) up to 1e5): the
+// fp16 tiles (amx_emulated, amx with AMX-FP16) rounded that operand to fp16, inf, and out and
+// dV with it; they now run such calls on the FMA code. A 1-token document (P = 1) and a seed
+// that keeps its one entry, V and dO of 0.1 (out = 1e4, within fp16), every path against the
+// reference.
+TEST(kernel_attention, ADropoutThatKeepsAlmostNothingStaysFiniteInFp16) {
+  constexpr float p = 0.99999f;
+  uint64_t seed = 1;
+  while (!dropout_keep(seed, 0, 0, 0, 0, p)) ++seed;  // (about 1e5 tries)
+  const AttnCase c{"keep_one", {1}, {1}, 1, 1, 16, 16, MaskType::none};
+  Problem pb(c, DType::f16, 7);
+  for (std::size_t i = 0; i < pb.v.f.size(); ++i) pb.v.set(i, 0.1f);
+  for (std::size_t i = 0; i < pb.dout.f.size(); ++i) pb.dout.set(i, 0.1f);
+  for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::amx,
+                          KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    auto go = [&](bool ref) {
+      Tensor out(DType::f16, pb.out_shape()), dq(DType::f16, pb.q_shape()), dk(DType::f32, pb.k_shape()),
+          dv(DType::f32, pb.v_shape());
+      std::vector<float> lse(pb.lse_size());
+      AttnFwdParams fp = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 1, &pb.work);
+      fp.in.options.dropout_p = p;
+      fp.in.options.seed = seed;
+      ref ? attention_forward_reference(fp) : attention_forward(fp);
+      AttnBwdParams bp = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, path, 1, &pb.work);
+      bp.in.options.dropout_p = p;
+      bp.in.options.seed = seed;
+      ref ? attention_backward_reference(bp) : attention_backward(bp);
+      return Results{out.values(), lse, dq.values(), dk.f, dv.f};
+    };
+    const Results got = go(false), want = go(true);
+    ASSERT_GT(want.out[0], 5000.0f) << "the entry was not kept (seed " << seed << ")";
+    for (auto m : {&Results::out, &Results::dv}) {
+      EXPECT_TRUE(all_finite(got.*m)) << to_string(path);
+      EXPECT_LE(rel_norm_error(got.*m, want.*m), tolerance(DType::f16).rel_norm) << to_string(path);
+    }
+  }
+}
+
 // ---- determinism ----------------------------------------------------------------------------
 TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   const AttnCase c{"det", {150, 1, 77, 200}, {150, 1, 77, 200}, 4, 2, 64, 64, MaskType::causal};

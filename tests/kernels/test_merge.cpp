@@ -40,6 +40,31 @@ TEST(kernel_merge, WeightsGuardEmptyParts) {
   EXPECT_NEAR(w[0], 0.5f, 1e-7);
 }
 
+// A NaN lse (a part computed from NaN inputs) makes the merge NaN, beside empty parts too
+// (fmax skipped it: alone or beside empty parts it read as empty, lse -inf and out 0), as the
+// kernels' accumulate mode does.
+TEST(kernel_merge, ANanPartIsNanEvenBesideEmptyOnes) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const std::vector<float>& lse_parts : {std::vector<float>{nan}, std::vector<float>{nan, kNegInf},
+                                              std::vector<float>{kNegInf, nan}, std::vector<float>{0.5f, nan}}) {
+    SCOPED_TRACE(::testing::Message() << lse_parts.size() << " parts");
+    std::vector<float> w(lse_parts.size());
+    EXPECT_TRUE(std::isnan(merge_weights(lse_parts, w)));
+    std::vector<std::vector<float>> outs(lse_parts.size(), std::vector<float>{1.0f, 2.0f});
+    std::vector<const float*> out_ptrs, lse_ptrs;
+    for (std::size_t a = 0; a < lse_parts.size(); ++a) {
+      out_ptrs.push_back(outs[a].data());
+      lse_ptrs.push_back(&lse_parts[a]);
+    }
+    float lse = 0.0f;
+    std::vector<float> out(2, 0.0f);
+    merge_partial_softmax({.num_parts = static_cast<int>(lse_parts.size()), .rows = 1, .num_heads = 1, .head_dim = 2,
+                           .lse_parts = lse_ptrs.data(), .out_parts = out_ptrs.data(), .lse = &lse, .out = out.data()});
+    EXPECT_TRUE(std::isnan(lse));
+    EXPECT_TRUE(std::isnan(out[0]) && std::isnan(out[1]));
+  }
+}
+
 TEST(kernel_merge, KeyPartsMergeToFullAttention) {
   // one document, no mask, keys split in three parts, the last part empty for task 0
   const AttnCase c{"merge", {40}, {90}, 2, 1, 32, 24, MaskType::none};

@@ -118,6 +118,9 @@ bad = [
     (["--no-causal"], "--no-causal"),
     (["--path", "portable"], "--path"),
     (["--head-dim", "300"], "--head-dim"),
+    # head counts whose per-token bytes wrapped an int (std::bad_alloc, exit 1; or "0 B")
+    (["--heads", "2147483647", "--kv-heads", "1", "--seq-len", "64"], "cpattn bench attention of 64 tokens needs"),
+    (["--heads", "1073741824", "--kv-heads", "1073741824", "--seq-len", "64"], "tensors and their reference 512.0 TiB"),
     (["--window", "5"], "--window must be LEFT,RIGHT"),
     (["--window", "-2,3"], "--window must be LEFT,RIGHT"),
     (["--window", "1,2,3"], "--window must be LEFT,RIGHT"),
