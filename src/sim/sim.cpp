@@ -609,7 +609,7 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   // The schedule's unit of work is a model chunk: a stage's layers, or with interleaved 1F1B a
   // V-th of them (each chunk's activation then crosses to the next stage: V sends per micro-batch).
   const int chunks = mesh.chunks();
-  const double layers_per_chunk = static_cast<double>(model.layers) / (int64_t{mesh.pp} * chunks);
+  const double layers_per_chunk = static_cast<double>(model.layers) / static_cast<double>(int64_t{mesh.pp} * chunks);
   const double fwd = layers_per_chunk * (f.time_s() + tp_time + ep_time);
   const double bwd = layers_per_chunk * (b.time_s() + tp_time + ep_time);
   const bool pp_inter = int64_t{mesh.tp} * mesh.cp * mesh.dp >= in.profile.ranks_per_node;
