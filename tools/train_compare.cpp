@@ -77,9 +77,8 @@ int spawn(const std::vector<std::string>& argv, const std::string& out_path) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// The steps a run took (a step skipped under --skip-nonfinite has no timing and a null
-// loss: it is left out, and the runs are compared at the steps all of them took).
-// A run's log: the steps it took, and those it skipped (--skip-nonfinite), in step order.
+// A run's log: the steps it took, and those it skipped under --skip-nonfinite (no timing, a null
+// loss: left out of the curves, and counted apart), in step order.
 struct RunLog {
   std::vector<LogRow> rows;
   std::vector<int64_t> skipped;
@@ -112,7 +111,7 @@ RunLog read_log(const std::string& path) {
 }
 
 // The rows of every run at the steps all of them took, in the first run's order. (A step that
-// only some runs skipped is a difference between them: compare() counts it as one.)
+// only some runs skipped is a difference between them: compare_runs counts it as one.)
 std::vector<std::vector<LogRow>> common_steps(const std::vector<RunLog>& runs) {
   std::vector<std::unordered_map<int64_t, std::size_t>> index(runs.size());
   for (std::size_t c = 0; c < runs.size(); ++c)
@@ -263,7 +262,7 @@ void compare_runs(const CompareOptions& o) {
     if (runs[c].skipped.empty() && runs[0].skipped.empty()) continue;
     std::printf("%s skipped %zu step(s) as non-finite", o.runs[c].label.c_str(), runs[c].skipped.size());
     if (c > 0 && runs[c].skipped != runs[0].skipped) {
-      max_dl[c] = max_dg[c] = INFINITY;
+      max_dl[c] = max_dg[c] = max_dl20[c] = max_dg20[c] = INFINITY;
       std::printf(", not the same as %s's: counted as a difference (inf)", reference.c_str());
     }
     std::printf("\n");

@@ -1355,9 +1355,9 @@ CpAttention::~CpAttention() {
   // After a timeout in throw_error mode, the communicator's pending requests may still read
   // or write the dK/dV buffers: the state outlives this object until they end.
   // No exception may leave a destructor: where the communicator cannot be asked (moved from
-  // since: poisoned() throws; its state, pending requests included, went with the move) or
-  // cannot keep the state (no memory), the state is leaked on purpose rather than freed under
-  // requests that may still use it.
+  // since: poisoned() throws; its state, pending requests included, went with the move), the
+  // state is leaked on purpose rather than freed under requests that may still use it. (Out of
+  // memory inside retain_while_pending, the state goes with its argument: not guarded.)
   try {
     if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
   } catch (...) {

@@ -456,7 +456,16 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
       p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, c.bf16_pairs, c.bf16_tiles);
   if (p.grad_share) f.per_set_grads = 0;  // the share's buffer holds them
-  return sizeof(float) * f.total(p.in.options.num_threads);
+  // backward_impl starts at most one thread per unit (kv head and head set) and per item of its
+  // final sum, whatever num_threads asks (every thread asked for counted a thread's buffers:
+  // 64 threads over 8 units were 8 times the scratch).
+  const int64_t threads = std::max(p.in.options.num_threads, 1);
+  const int64_t units =
+      int64_t{p.in.k.heads} * kernels::bwd_sets(p.in.q.heads, p.in.k.heads, max_q, c.bf16_tiles);
+  const int64_t total_k = p.in.k.rows;
+  const int64_t fin_items = c.bf16_tiles ? (total_k + kernels::BBK - 1) / kernels::BBK
+                                         : (total_k + kernels::kFinalSumRows - 1) / kernels::kFinalSumRows;
+  return sizeof(float) * f.total(std::min(units, threads), std::min(fin_items, threads));
 }
 
 }  // namespace cpattn

@@ -98,6 +98,8 @@ static_assert(bwd_set_heads(16, 4, 4096, true) == 4 && bwd_sets(16, 4, 4096, tru
 static_assert(bwd_sets(std::numeric_limits<int>::max(), 1, 100, false) >= 1 &&
               bwd_set_heads(std::numeric_limits<int>::max(), 1, 100, true) >= 1);
 
+constexpr int64_t kFinalSumRows = 256;  // key rows per item of the backward's final sum (not on tiles)
+
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
 // stays within this bound).
@@ -105,8 +107,13 @@ struct BwdScratchFloats {
   size_t packed_kv;       // K^T, K and V^T (the backward's operands) packed per kv head in blocks of BK rows
   size_t per_set_grads;   // dK, dV per (kv head, head set)
   size_t per_thread;      // one thread's buffers
-  size_t total(int threads) const {
-    return packed_kv + per_set_grads + per_thread * static_cast<size_t>(std::max(threads, 1));
+  size_t fin_row;         // one thread's buffers of the final sum over the head sets
+  // With `unit_threads` threads over the (kv head, head set) units and `fin_threads` in the final
+  // sum (each at least 1): backward_impl checks what it allocated against this, and
+  // attention_backward_scratch_bytes returns it for the threads such a call starts.
+  size_t total(int64_t unit_threads, int64_t fin_threads) const {
+    return packed_kv + per_set_grads + per_thread * static_cast<size_t>(std::max<int64_t>(unit_threads, 1)) +
+           fin_row * static_cast<size_t>(std::max<int64_t>(fin_threads, 1));
   }
 };
 
@@ -128,6 +135,8 @@ constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_head
   // (bf16 tiles: per block of BBK rows, the last one whole)
   const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
   f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles) * g_rows * (dp + dvp);
+  // the sets' pointers (2 x sets, two floats each) and, on rows, the sums of a key row
+  f.fin_row = 4 * static_cast<size_t>(bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles)) + dp + dvp;
   // Per head of a set: dq [max_q][dp], q and its panels [max_q][dp]; dout and its panels
   // [max_q][dvp]; lse, delta. Shared: S, P, dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles
   // [BBK][dp + dvp]; row buffers (an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp);

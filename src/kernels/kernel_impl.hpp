@@ -2173,7 +2173,6 @@ struct BwdScratch {
   }
 };
 
-constexpr int64_t kFinalSumRows = 256;  // key rows per item of the final sum's loop (not on tiles)
 
 // The sums over a KV head's head sets of its dK or dV (the per-set buffers of a backward),
 // in set order: the one code of backward_impl's final sum and of attention_grad_share_rows, so
@@ -2321,7 +2320,7 @@ void backward_impl(const AttnBwdParams& p) {
     BwdScratchFloats bound =
         backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q, cr.bd == Dot::bf16_pairs, t16);
     if (share) bound.per_set_grads = 0;  // (the share's buffer holds them: attention_backward_scratch_bytes)
-    check_scratch_bound(used, bound.total(std::max(nthr, fin_thr)));
+    check_scratch_bound(used, bound.total(nthr, fin_thr));
   }
 
   // The query heads [h0, h1) of a set of unit u (one kv head's): its tasks in order, the pieces

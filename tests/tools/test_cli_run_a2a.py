@@ -41,7 +41,9 @@ for np_, flags, flag in ((4, ("--scheme", "hybrid", "--cp-inner", "3"), "--cp-in
                          (2, ("--scheme", "ring", "--overlap", "off"), "--overlap sets the all-gather's"),
                          (2, ("--scheme", "a2a", "--shared-memory", "on"), "--shared-memory sets the all-gather's"),
                          (2, ("--mode", "index", "--overlap", "off"), "--overlap sets the all-gather in runs mode: "
-                                                                      "--mode index would ignore it")):
+                                                                      "--mode index would ignore it"),
+                         (2, ("--scheme", "all", "--mode", "index", "--shared-memory", "on"),
+                          "--shared-memory sets the all-gather in runs mode: --mode index would ignore it")):
     r = run(np_, *flags, "--lengths", "10")
     # Every rank rejects it: the line names all of them ([ranks 0,1], [ranks 0-3]).
     every = "0,1" if np_ == 2 else f"0-{np_ - 1}"

@@ -109,6 +109,11 @@ std::vector<std::pair<CpScheme, int>> schemes_of(const RunArgs& a, int cp, const
     CPATTN_CHECK(a.cp_inner >= 1 && cp % a.cp_inner == 0, "--cp-inner must divide the CP size ", cp,
                  " (--scheme hybrid: cp = cp_inner x cp_outer), got ", a.cp_inner);
   std::vector<std::pair<CpScheme, int>> out;
+  const std::pair<bool, const char*> allgather_flags[] = {{a.overlap_given, "--overlap"},
+                                                          {a.shared_memory_given, "--shared-memory"}};
+  for (const auto& [given, flag] : allgather_flags)  // (every scheme's run, --scheme all's too)
+    CPATTN_CHECK(!given || parse_kv_mode(a.mode) == "runs", flag, " sets the all-gather in runs mode: --mode ", a.mode,
+                 " would ignore it");
   if (a.scheme != "all") {
     const CpScheme s = parse_scheme(a.scheme);
     CPATTN_CHECK(s == CpScheme::hybrid || a.cp_inner == 0, "--cp-inner is for --scheme hybrid only, got --cp-inner ",
@@ -116,13 +121,10 @@ std::vector<std::pair<CpScheme, int>> schemes_of(const RunArgs& a, int cp, const
     CPATTN_CHECK(s != CpScheme::hybrid || a.cp_inner >= 1, "--scheme hybrid needs --cp-inner N (N dividing the CP size ",
                  cp, ")");
     // (--overlap and --shared-memory set the all-gather in runs mode: elsewhere they would be ignored)
-    for (const auto& [given, flag] : {std::pair{a.overlap_given, "--overlap"}, {a.shared_memory_given, "--shared-memory"}}) {
+    for (const auto& [given, flag] : allgather_flags)
       CPATTN_CHECK(!given || s == CpScheme::allgather || s == CpScheme::hybrid, flag, " sets the all-gather's K/V "
                    "and dK/dV (--scheme allgather, or hybrid's outer all-gather): --scheme ", to_string(s),
                    " has none and would ignore it");
-      CPATTN_CHECK(!given || parse_kv_mode(a.mode) == "runs", flag, " sets the all-gather in runs mode: --mode ",
-                   a.mode, " would ignore it");
-    }
     check_heads_split(shape, inner_of(s));
     return {{s, inner_of(s)}};
   }

@@ -16,8 +16,8 @@ namespace {
 
 // Elements of q, k, v and dout together (also of dq, dk, dv and out): per token.
 uint64_t input_elements_per_token(const check::BatchShape& s) {
-  return static_cast<uint64_t>(s.heads_q + s.heads_k) * static_cast<uint64_t>(s.head_dim_qk) +
-         static_cast<uint64_t>(s.heads_q + s.heads_k) * static_cast<uint64_t>(s.head_dim_v);
+  const uint64_t heads = static_cast<uint64_t>(s.heads_q) + static_cast<uint64_t>(s.heads_k);  // (an int sum wrapped)
+  return heads * static_cast<uint64_t>(s.head_dim_qk) + heads * static_cast<uint64_t>(s.head_dim_v);
 }
 
 // The ranks of this job on this node (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE; 1 outside mpirun):
