@@ -4,8 +4,9 @@
 //                print the timeout line naming the operation and MPI_Abort the whole job;
 //   kill-before  dies by SIGKILL before forward;
 //   kill-during  dies by SIGKILL from a second thread while forward moves a large K/V;
-//   stall-during stops (SIGSTOP, as a hung rank) 10 ms into an overlapped forward (4 KV-head
-//                groups), its transfers posted or in flight: the others, computing on the
+//   stall-during stops (SIGSTOP, as a hung rank) 10 ms into an overlapped forward (the second,
+//                after one whole forward on every rank; 4 KV-head groups), its transfers posted
+//                or in flight: the others, computing on the
 //                groups that arrived, must time out on a point-to-point transfer with it and end
 //                the job (a rank whose every transfer with it completed before the stop
 //                finishes that forward legitimately and goes on to a second one, which the
@@ -191,8 +192,20 @@ int main(int argc, char** argv) {
     }
     if (faulty && fault == "kill-before") std::raise(SIGKILL);
     if (faulty && fault == "throw-during") ::setenv("CPATTN_KERNEL_PATH", "no-such-path", 1);
+    const int64_t t = p.local_tokens;
+    const auto forward = [&] {
+      (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d),
+                          .k = cpattn::contiguous(k.data(), t, h, d), .v = cpattn::contiguous(v.data(), t, h, d),
+                          .out = cpattn::contiguous(out.data(), t, h, d)});
+    };
+    const bool stall = fault == "stall-during" || fault == "stall-shared";
+    // The stalls start after a whole first forward on every rank: 10 ms after the barrier, on a
+    // loaded machine, could land before the first forward's agreement (call #2, no transfer
+    // posted yet: the CI run of 2026-12-06 10:29 UTC); after it, in the next forward's
+    // transfers or its agreement (call #10 or later), which the pass expressions take.
+    if (stall) forward();
     std::thread killer;
-    if (faulty && (fault == "stall-during" || fault == "stall-shared"))
+    if (faulty && stall)
       killer = std::thread([] {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         std::raise(SIGSTOP);  // the whole process, as a hung rank
@@ -202,12 +215,8 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
         std::raise(SIGKILL);
       });
-    const int64_t t = p.local_tokens;
     try {
-      for (int call = 0; call < (fault == "stall-during" || fault == "stall-shared" ? 2 : 1); ++call)
-        (void)attn.forward({.cu_seqlens = cu, .q = cpattn::contiguous(q.data(), t, h, d),
-                            .k = cpattn::contiguous(k.data(), t, h, d), .v = cpattn::contiguous(v.data(), t, h, d),
-                            .out = cpattn::contiguous(out.data(), t, h, d)});
+      for (int call = 0; call < (stall ? 2 : 1); ++call) forward();
     } catch (const cpattn::Error& e) {
       if (!(faulty && fault == "throw-during")) throw;
       // The calls show where: past the barrier and the agreement, every group's posts.
