@@ -2,14 +2,22 @@
 line (argv: cpattn, then mpiexec for the tests that run jobs), check() collecting failures, a
 cpattn job on its own or under mpiexec, `cpattn run` and `cpattn train` jobs and their JSON, and
 finish(), the exit status. A script finds this module through the sys.path line above its
-import of it (tests/, its folder's parent)."""
+import of it (tests/, its folder's parent). What the script's jobs leave in $TMPDIR (--compare's
+logs, mpirun's session folders) lands in a folder of its own, removed when the script ends."""
+import atexit
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 CPATTN = sys.argv[1]
 MPIEXEC = sys.argv[2] if len(sys.argv) > 2 else None
 failures = []
+os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="cpattn-test-")
+tempfile.tempdir = None  # (this script's own temporary files go there too)
+atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)
 
 
 def check(cond, what):

@@ -195,9 +195,12 @@ void compare_runs(const CompareOptions& o) {
   const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
   CPATTN_CHECK(size == nullptr || std::atoi(size) == 1,
                "--compare starts its own MPI jobs: run it as plain `cpattn train --compare ...`, not under mpirun");
-  char dir_template[] = "/tmp/cpattn-compare-XXXXXX";
-  const char* dir = mkdtemp(dir_template);
-  CPATTN_CHECK(dir != nullptr, "--compare: cannot create a folder in /tmp: ", std::strerror(errno));
+  // The logs' folder: under $TMPDIR (POSIX's convention), else /tmp.
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  std::string dir_template = base + "/cpattn-compare-XXXXXX";
+  const char* dir = mkdtemp(dir_template.data());
+  CPATTN_CHECK(dir != nullptr, "--compare: cannot create a folder in ", base, ": ", std::strerror(errno));
   char self[4096];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   CPATTN_CHECK(n > 0, "--compare: cannot find this program's path");

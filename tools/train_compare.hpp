@@ -27,7 +27,7 @@ struct CompareOptions {
   std::function<std::vector<std::string>(std::size_t index, const std::string& json_log)> train_args;
 };
 
-// Runs the jobs one after the other (logs in a fresh folder under /tmp) and prints the table.
+// Runs the jobs one after the other (logs in a fresh folder under $TMPDIR, else /tmp) and prints the table.
 // Refuses to run under mpirun. A failed job ends the program (ExitCode) after printing the
 // tail of its output.
 void compare_runs(const CompareOptions& o);

@@ -74,6 +74,7 @@ with tempfile.TemporaryDirectory() as tmp:
     r = train(0, *SMALL, "--steps", "3", "--compare", "1,2", "--cp-scheme", "ring", "--window", "16,0")
     check(r.returncode == 0 and "max dloss" in r.stdout and "peak MB per rank" in r.stdout,
           f"--compare: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
+    check(f"logs in {os.environ['TMPDIR']}/cpattn-compare-" in r.stdout, f"--compare's logs under $TMPDIR: {r.stdout[-300:]}")
 
     # Resume: 3 + 3 steps equal 6 steps bitwise at cp 1; a cp 2 checkpoint (of the ring scheme)
     # resumes at cp 1 (with the all-gather).
