@@ -44,6 +44,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -240,6 +241,15 @@ class Communicator {
   // For objects that own buffers a timed-out call used (CpAttention hands its state here).
   // The scratch buffers of the Communicator itself are kept the same way.
   void retain_while_pending(std::shared_ptr<void> owner);
+  // For a call on this Communicator that threw: when it is poisoned, that call's requests may
+  // still read or write `bufs` (vectors, or pointers to what holds them), whose storage then
+  // moves into one object kept as above (a moved vector keeps its heap block, so the requests'
+  // addresses stay valid); otherwise `bufs` are left as they are. No-op when not poisoned.
+  template <class... B>
+  void keep_if_poisoned(B&... bufs) {
+    static_assert((!std::is_const_v<B> && ...), "the buffers move into the kept object: pass them non-const");
+    if (poisoned()) retain_while_pending(std::make_shared<std::tuple<B...>>(std::move(bufs)...));
+  }
 
  private:
   friend class CommRequest;

@@ -96,12 +96,12 @@ std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::
     std::vector<std::int64_t> all, values;
     std::string text;
   };
-  const auto buf = std::make_shared<Buffers>();
+  auto buf = std::make_shared<Buffers>();
   const auto gather = [&](auto&& collective) {
     try {
       collective();
     } catch (const Error&) {
-      if (comm.poisoned()) comm.retain_while_pending(buf);
+      comm.keep_if_poisoned(buf);
       throw;
     }
   };

@@ -67,12 +67,12 @@ struct Wire {
 // so nothing is ever left in /dev/shm, even when a rank dies half-way (the memory goes with the
 // last process that maps it).
 std::unique_ptr<NodeBuffer> NodeBuffer::create(Communicator& comm, std::size_t bytes, std::string* why) {
-  const auto w = std::make_shared<Wire>();
+  auto w = std::make_shared<Wire>();
   const auto collective = [&](auto&& call) {
     try {
       call();
     } catch (...) {
-      if (comm.poisoned()) comm.retain_while_pending(w);
+      comm.keep_if_poisoned(w);
       throw;
     }
   };

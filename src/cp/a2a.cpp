@@ -161,14 +161,6 @@ struct A2aLevel::Impl {
     outer_cfg.plan_cache_capacity = 1;  // it is handed plans
   }
 
-  // After a call on `c` threw with `c` poisoned (a timeout in throw mode), its pending requests
-  // may still read or write `bufs` (this level's, or the context's): their storage moves to
-  // `c`, which keeps it until those requests end, whatever happens to this object or the context.
-  template <class... V>
-  static void hand_over(Communicator& c, V&... bufs) {
-    if (c.poisoned()) c.retain_while_pending(std::make_shared<std::tuple<V...>>(std::move(bufs)...));
-  }
-
   bool poisoned() const {  // (connect may have split the inner group and failed on the outer one)
     return (inner_comm && inner_comm->poisoned()) || (outer_comm && outer_comm->poisoned());
   }
@@ -199,7 +191,7 @@ struct A2aLevel::Impl {
     try {
       inner_comm->all_to_all_v<std::byte>(send, counts, recv, counts);
     } catch (...) {
-      hand_over(*inner_comm, send, recv);
+      inner_comm->keep_if_poisoned(send, recv);
       throw;
     }
     stats.comm_s += seconds_since(t0);
@@ -259,7 +251,7 @@ struct A2aLevel::Impl {
                                        .lse = lse_g.data(),
                                        .dropout_seed = seed});
     } catch (...) {  // the outer layer keeps its own buffers; the ones it was handed are ours
-      hand_over(*outer_comm, ctx.q, k_g, v_g, ctx.out, lse_g);
+      outer_comm->keep_if_poisoned(ctx.q, k_g, v_g, ctx.out, lse_g);
       throw;
     }
     const double hidden = add_outer(before, stats);
@@ -301,7 +293,7 @@ struct A2aLevel::Impl {
                                        .dk = contiguous(dk_g.data(), g, hk, dqk, dtype),
                                        .dv = contiguous(dv_g.data(), g, hk, dv, dtype)});
     } catch (...) {
-      hand_over(*outer_comm, ctx.q, ctx.out, dout_g, dq_g, dk_g, dv_g);
+      outer_comm->keep_if_poisoned(ctx.q, ctx.out, dout_g, dq_g, dk_g, dv_g);
       throw;
     }
     const double hidden = add_outer(before, stats);

@@ -791,11 +791,7 @@ struct CpAttention::State {
       // to the communicator (which poisons itself), and the K/V's storage then stays alive
       // until they complete, moved out of the context (which the throw frees).
       f.reqs.clear();
-      if (comm.poisoned()) {
-        auto keep = std::make_shared<std::pair<std::vector<std::byte>, std::vector<std::byte>>>(std::move(ctx.k),
-                                                                                                 std::move(ctx.v));
-        comm.retain_while_pending(keep);
-      }
+      comm.keep_if_poisoned(ctx.k, ctx.v);
       throw;
     }
     return std::max(0.0, f.span() - waited);
@@ -1357,9 +1353,9 @@ CpAttention::~CpAttention() {
   // No exception may leave a destructor: where the communicator cannot be asked (moved from
   // since: poisoned() throws; its state, pending requests included, went with the move), the
   // state is leaked on purpose rather than freed under requests that may still use it. (Out of
-  // memory inside retain_while_pending, the state goes with its argument: not guarded.)
+  // memory once the state has moved, inside retain_while_pending, it is freed: not guarded.)
   try {
-    if (s_ && s_->comm.poisoned()) s_->comm.retain_while_pending(std::shared_ptr<State>(std::move(s_)));
+    if (s_) s_->comm.keep_if_poisoned(s_);
   } catch (...) {
     (void)s_.release();
   }
@@ -1439,11 +1435,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
       all_gather_rows(s.comm, c.dtype, plan, a.v.data, s.v_row(), v_all.data());
     } catch (...) {
       // A throw-mode timeout leaves requests that may still write the receive buffers.
-      if (s.comm.poisoned()) {
-        auto keep = std::make_shared<std::pair<std::vector<std::byte>, std::vector<std::byte>>>(std::move(k_all),
-                                                                                                 std::move(v_all));
-        s.comm.retain_while_pending(keep);
-      }
+      s.comm.keep_if_poisoned(k_all, v_all);
       throw;
     }
     s.stats.comm_s += seconds_since(t0);
@@ -1644,12 +1636,12 @@ std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, Con
   const int64_t row = int64_t{local.heads} * local.dim;
   const std::size_t es = dtype_size(local.dtype);
   // What the all-gathers send and receive, shared: after a throw-mode timeout the
-  // communicator keeps it while their requests are pending (retain_while_pending).
+  // communicator keeps it while their requests are pending (keep_if_poisoned).
   struct Buffers {
     std::vector<float> mine, all_val;
     std::vector<int64_t> idx, all_idx;
   };
-  const auto bufs = std::make_shared<Buffers>();
+  auto bufs = std::make_shared<Buffers>();
   auto& [mine, all_val, idx, all_idx] = *bufs;
   mine.reserve(static_cast<std::size_t>((p.local_tokens - p.padding_tokens) * row));
   std::vector<float> tmp(static_cast<std::size_t>(local.dim));
@@ -1670,7 +1662,7 @@ std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, Con
     comm.all_gather_v<int64_t>(idx, n_idx, all_idx);
     comm.all_gather_v<float>(mine, n_val, all_val);
   } catch (const Error&) {
-    if (comm.poisoned()) comm.retain_while_pending(bufs);
+    comm.keep_if_poisoned(bufs);
     throw;
   }
   std::vector<float> out(all_val.size());
