@@ -459,13 +459,11 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   // backward_impl starts at most one thread per unit (kv head and head set) and per item of its
   // final sum, whatever num_threads asks (every thread asked for counted a thread's buffers:
   // 64 threads over 8 units were 8 times the scratch).
-  const int64_t threads = std::max(p.in.options.num_threads, 1);
+  const int threads = p.in.options.num_threads;
   const int64_t units =
       int64_t{p.in.k.heads} * kernels::bwd_sets(p.in.q.heads, p.in.k.heads, max_q, c.bf16_tiles);
-  const int64_t total_k = p.in.k.rows;
-  const int64_t fin_items = c.bf16_tiles ? (total_k + kernels::BBK - 1) / kernels::BBK
-                                         : (total_k + kernels::kFinalSumRows - 1) / kernels::kFinalSumRows;
-  return sizeof(float) * f.total(std::min(units, threads), std::min(fin_items, threads));
+  return sizeof(float) * f.total(kernels::threads_started(units, threads),
+                                 kernels::threads_started(kernels::bwd_final_items(p.in.k.rows, c.bf16_tiles), threads));
 }
 
 }  // namespace cpattn

@@ -99,6 +99,12 @@ static_assert(bwd_sets(std::numeric_limits<int>::max(), 1, 100, false) >= 1 &&
               bwd_set_heads(std::numeric_limits<int>::max(), 1, 100, true) >= 1);
 
 constexpr int64_t kFinalSumRows = 256;  // key rows per item of the backward's final sum (not on tiles)
+// Items of the backward's final sum over `total_k` key rows: blocks of BBK on bf16 tiles, else
+// of kFinalSumRows (backward_impl's loop, and its scratch bound in attention_backward_scratch_bytes).
+constexpr int64_t bwd_final_items(int64_t total_k, bool bf16_tiles) {
+  const int64_t rows = bf16_tiles ? BBK : kFinalSumRows;
+  return (total_k + rows - 1) / rows;
+}
 
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it

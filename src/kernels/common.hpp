@@ -92,9 +92,14 @@ void validate(const AttnBwdParams& p);
 
 // ---- work splitting ---------------------------------------------------------------------
 // parallel_for(n, threads, fn): calls fn(i, thread) for i in [0, n), item i on thread
-// i % threads (static, so the assignment never depends on timing). std::thread based.
+// i % threads (static, so the assignment never depends on timing). std::thread based. It runs
+// threads_started(n, threads) threads: per-thread buffers are sized by that, never by what
+// num_threads asks.
 template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn);
+constexpr int threads_started(int64_t n, int threads) {
+  return static_cast<int>(std::min<int64_t>(std::max(threads, 1), std::max<int64_t>(n, 1)));
+}
 
 // ---- fast paths (kernel_*.cpp, one source compiled per ISA) -----------------------------
 // A kernel path's entry points. Each kernel_<path>.cpp defines its `table`; attention.cpp
@@ -183,7 +188,7 @@ void check_scratch_bound(size_t used_floats, size_t bound_floats);
 namespace cpattn::kernels {
 template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn) {
-  const int t = static_cast<int>(std::min<int64_t>(std::max(threads, 1), std::max<int64_t>(n, 1)));
+  const int t = threads_started(n, threads);
   if (t <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i, 0);
     return;

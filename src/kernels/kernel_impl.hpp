@@ -1349,8 +1349,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   const auto [u0, u1] = packed_units(share, K.heads * pk.nblk);
   // one panel buffer per thread (live while packing, before a backward's per-thread buffers)
   // (as many as the threads parallel_for starts: at most one a unit, whatever num_threads asks)
-  std::vector<std::vector<float>> panels(
-      static_cast<size_t>(std::clamp<int64_t>(u1 - u0, 1, std::max(in.options.num_threads, 1))));
+  std::vector<std::vector<float>> panels(static_cast<size_t>(threads_started(u1 - u0, in.options.num_threads)));
   parallel_for(u1 - u0, in.options.num_threads, [&](int64_t i, int th) {
     const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
@@ -1775,7 +1774,7 @@ void forward_impl(const AttnFwdParams& p) {
   const int hkn = in.k.heads;
   const int sets = (group + GH - 1) / GH;
   const int64_t units = static_cast<int64_t>(blocks.size()) * hkn * sets;
-  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
+  const int nthr = threads_started(units, opt.num_threads);
   std::vector<FwdScratch> scr(nthr);
   const size_t gh = static_cast<size_t>(std::min(group, GH));
   // fp32 products on AVX-512 run a set's heads' sub-blocks of the same rows as one product
@@ -2303,7 +2302,7 @@ void backward_impl(const AttnBwdParams& p) {
     std::memset(touched, 0, static_cast<size_t>(units * nbb));
   }
 
-  const int nthr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, units)));
+  const int nthr = threads_started(units, opt.num_threads);
   std::vector<BwdScratch> scr;  // made in place: a copied template would be one more thread's worth
   scr.reserve(static_cast<size_t>(nthr));
   for (int i = 0; i < nthr; ++i) scr.emplace_back(per, max_q, dp, dvp, t16);
@@ -2314,8 +2313,7 @@ void backward_impl(const AttnBwdParams& p) {
     // + the final sum's, per thread of its own loop: the sets' pointers (2 x sets, two floats
     // each) and, on rows, the sums of a key row (ak, av; the tiles' leave through 16 rows on
     // the stack)
-    const int64_t fin_items = t16 ? nbb : (total_k + kFinalSumRows - 1) / kFinalSumRows;
-    const int fin_thr = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(opt.num_threads, fin_items)));
+    const int fin_thr = threads_started(bwd_final_items(total_k, t16), opt.num_threads);
     used += static_cast<size_t>(fin_thr) * (4 * static_cast<size_t>(sets) + (t16 ? 0 : dp + dvp));
     BwdScratchFloats bound =
         backward_scratch_floats(total_k, hq, hkn, head_dim_qk, head_dim_v, max_q, cr.bd == Dot::bf16_pairs, t16);
@@ -2644,7 +2642,7 @@ void backward_impl(const AttnBwdParams& p) {
     }
   };
   if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, 16 rows at a time
-    parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {
+    parallel_for(bwd_final_items(total_k, true), opt.num_threads, [&](int64_t b, int) {  // (nbb of them)
       alignas(64) float rows16[16][256];  // 16 of the block's rows, whole (dp <= 256)
       std::vector<const float*> ks(static_cast<size_t>(sets)), vs(ks.size());
       const int64_t r0 = b * BBK;
@@ -2666,7 +2664,7 @@ void backward_impl(const AttnBwdParams& p) {
     });
     return;
   }
-  parallel_for((total_k + kFinalSumRows - 1) / kFinalSumRows, opt.num_threads, [&](int64_t u, int) {
+  parallel_for(bwd_final_items(total_k, false), opt.num_threads, [&](int64_t u, int) {
     std::vector<float> ak(dp), av(dvp);
     std::vector<const float*> ks(static_cast<size_t>(sets)), vs(ks.size());
     const int64_t r1 = std::min(total_k, (u + 1) * kFinalSumRows);
