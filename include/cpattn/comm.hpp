@@ -118,6 +118,18 @@ struct CommOptions {
   CommAlgorithm all_gather_algorithm = CommAlgorithm::ring;
 };
 
+namespace detail {
+// What Communicator::keep_if_poisoned takes: types whose move keeps the buffer's address.
+template <class T>
+inline constexpr bool keeps_storage_when_moved = false;
+template <class T, class A>
+inline constexpr bool keeps_storage_when_moved<std::vector<T, A>> = true;
+template <class T>
+inline constexpr bool keeps_storage_when_moved<std::shared_ptr<T>> = true;
+template <class T, class D>
+inline constexpr bool keeps_storage_when_moved<std::unique_ptr<T, D>> = true;
+}  // namespace detail
+
 class Communicator {
  public:
   // Duplicates `comm` (collective over `comm`, under the deadline; a timeout here always
@@ -241,13 +253,16 @@ class Communicator {
   // For objects that own buffers a timed-out call used (CpAttention hands its state here).
   // The scratch buffers of the Communicator itself are kept the same way.
   void retain_while_pending(std::shared_ptr<void> owner);
-  // For a call on this Communicator that threw: when it is poisoned, that call's requests may
-  // still read or write `bufs` (vectors, or pointers to what holds them), whose storage then
-  // moves into one object kept as above (a moved vector keeps its heap block, so the requests'
-  // addresses stay valid); otherwise `bufs` are left as they are. No-op when not poisoned.
+  // Where a call on this Communicator threw (its catch block, or the destructor of what it
+  // left): when the Communicator is poisoned, that call's requests may still read or write
+  // `bufs`, whose storage then moves into one object kept as above; otherwise `bufs` are left as
+  // they are. Vectors and smart pointers only: a moved vector keeps its heap block and a moved
+  // pointer its object, so the requests' addresses stay valid (a moved std::string or std::array
+  // would not keep them).
   template <class... B>
   void keep_if_poisoned(B&... bufs) {
-    static_assert((!std::is_const_v<B> && ...), "the buffers move into the kept object: pass them non-const");
+    static_assert(((!std::is_const_v<B> && detail::keeps_storage_when_moved<B>) && ...),
+                  "keep_if_poisoned takes non-const std::vector, std::shared_ptr or std::unique_ptr");
     if (poisoned()) retain_while_pending(std::make_shared<std::tuple<B...>>(std::move(bufs)...));
   }
 

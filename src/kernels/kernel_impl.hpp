@@ -2642,7 +2642,7 @@ void backward_impl(const AttnBwdParams& p) {
     }
   };
   if (t16) {  // per block of BBK rows: the sets' transposed blocks summed in set order, 16 rows at a time
-    parallel_for(bwd_final_items(total_k, true), opt.num_threads, [&](int64_t b, int) {  // (nbb of them)
+    parallel_for(nbb, opt.num_threads, [&](int64_t b, int) {  // (nbb = bwd_final_items(total_k, true))
       alignas(64) float rows16[16][256];  // 16 of the block's rows, whole (dp <= 256)
       std::vector<const float*> ks(static_cast<size_t>(sets)), vs(ks.size());
       const int64_t r0 = b * BBK;

@@ -295,10 +295,10 @@ TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
 // it gives on blocks fresh from the allocator, on every path this CPU runs; the cache holds
 // blocks after a call and none after release_kernel_scratch.
 TEST(kernel_attention, ScratchKeptBetweenCallsLeavesNoTrace) {
-  // big: several forward pieces (FBK_TILES = 256 keys) and backward pieces per document, more
-  // blocks and wider rows than small in every buffer
+  // big: several forward and backward pieces per document (FBK = BBK = 128 keys, FBK_TILES = 256),
+  // more packed K/V and longer tasks than small
   const AttnCase big{"big", {400, 1, 130, 333}, {400, 1, 130, 333}, 8, 2, 72, 72, MaskType::causal};
-  const AttnCase small{"small", {5, 200, 64}, {5, 200, 64}, 4, 4, 128, 128, MaskType::causal};
+  const AttnCase small{"small", {5, 120, 64}, {5, 120, 64}, 4, 4, 128, 128, MaskType::causal};
   for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                                 KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
     if (!kernel_path_supported(path)) continue;
