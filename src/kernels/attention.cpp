@@ -177,7 +177,8 @@ KernelPath env_kernel_path() {
     if (p.name == v) {
       CPATTN_CHECK(p.supported(), "CPATTN_KERNEL_PATH=", v, " cannot run on this CPU (the ", v,
                    " path needs ", p.needs, "); unset it or name a path this CPU runs (automatic picks ",
-                   to_string(best_kernel_path()), ")");
+                   to_string(best_kernel_path(DType::f32)), " for fp32, ", to_string(best_kernel_path(DType::bf16)),
+                   " for bf16, ", to_string(best_kernel_path(DType::f16)), " for fp16)");
       return p.path;
     }
   throw Error("CPATTN_KERNEL_PATH must be one of " + path_names() + " (or unset), got '" + std::string(v) + "'");

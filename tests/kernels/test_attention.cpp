@@ -1786,13 +1786,19 @@ TEST(kernel_paths, EnvironmentOverridesAutomaticAndIsValidated) {
   }
   // A path this CPU cannot run (amx, where the CPU lacks it) and a name that is no path: the
   // call fails before any work, naming the variable.
-  std::vector<std::pair<const char*, const char*>> bad = {
+  std::vector<std::pair<std::string, std::string>> bad = {
       {"fast", "CPATTN_KERNEL_PATH must be one of automatic, portable, avx2"}};
-  if (!kernel_path_supported(KernelPath::amx))
+  if (!kernel_path_supported(KernelPath::amx)) {
     bad.emplace_back("amx", "CPATTN_KERNEL_PATH=amx cannot run on this CPU (the amx path needs AVX-512F/BW/DQ/VL, "
                             "AVX512_BF16, AMX-TILE and AMX-BF16");
+    std::string picks = "(automatic picks ";
+    picks += to_string(best_kernel_path(DType::f32));
+    (picks += " for fp32, ") += to_string(best_kernel_path(DType::bf16));
+    (picks += " for bf16, ") += to_string(best_kernel_path(DType::f16));
+    bad.emplace_back("amx", picks + " for fp16)");
+  }
   for (const auto& [value, needle] : bad) {
-    const EnvPath env(value);
+    const EnvPath env(value.c_str());
     Tensor out(DType::bf16, pb.out_shape());
     for (size_t i = 0; i < out.size(); ++i) out.set(i, 7.0f);
     std::vector<float> lse(pb.lse_size(), 123.0f);
