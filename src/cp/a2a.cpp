@@ -327,10 +327,11 @@ std::size_t A2aLevel::buffer_bytes() const {
   return b;
 }
 int64_t A2aLevel::bytes_sent() const {
-  return m_->inner_comm ? m_->inner_comm->bytes_sent() + m_->outer_comm->bytes_sent() : 0;
+  return (m_->inner_comm ? m_->inner_comm->bytes_sent() : 0) + (m_->outer_comm ? m_->outer_comm->bytes_sent() : 0);
 }
 int64_t A2aLevel::bytes_received() const {
-  return m_->inner_comm ? m_->inner_comm->bytes_received() + m_->outer_comm->bytes_received() : 0;
+  return (m_->inner_comm ? m_->inner_comm->bytes_received() : 0) +
+         (m_->outer_comm ? m_->outer_comm->bytes_received() : 0);
 }
 
 }  // namespace cpattn::detail
