@@ -136,6 +136,15 @@ check(r.returncode == 2 and "cpattn moe of 100000000000 tokens per rank needs" i
 r, _ = mpirun(2, *TINY, env={"CPATTN_MEMORY_LIMIT_BYTES": "10000"})
 check(r.returncode == 2 and "more than the 9.8 KiB available (CPATTN_MEMORY_LIMIT_BYTES)" in r.stderr,
       f"memory limit: {r.stderr[-600:]!r}")
+# Rank 0's single-process check counts the backward's per-task buffers of the longest document
+# (its queries' rows): one document of 4096 tokens needs more than 64 documents of 64 tokens.
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+reference = {}
+for name, lengths in (("one", "4096"), ("many", ",".join(["64"] * 64))):
+    r, _ = mpirun(2, "--lengths", lengths, "--heads", "8", "--kv-heads", "2", "--head-dim", "64", env=LIMIT)
+    text = r.stderr.split("rank 0's single-process check ", 1)[1].split(")", 1)[0] if r.returncode == 2 else "0 B"
+    reference[name] = float(text.split()[0]) * UNITS.get(text.split()[-1], 0)
+check(reference["one"] > reference["many"] + 2**20, f"the longest document's backward buffers: {reference}")
 
 # Deadlines: the flag beats the variable beats the default (the deadline in effect is reported).
 for env, flag, want in (({}, [], 300.0), ({"CPATTN_COMM_TIMEOUT_S": "7"}, [], 7.0),

@@ -170,10 +170,11 @@ std::vector<CpAttnConfig> configs_of(const RunArgs& a, const CpAttnConfig& base,
   return out;
 }
 
-// The flags' request against this node's memory (`tokens`, `shape`: the flags', before the batch
-// exists, or --npy-in's once read), for every scheme the run measures.
-void check_memory_of(const RunArgs& a, int64_t tokens, const check::BatchShape& shape, DType dtype, int cp) {
-  check_run_memory(tokens, shape, configs_of(a, config_of(a, shape, dtype, nullptr), cp, shape), cp);
+// The flags' request against this node's memory (`tokens`, `longest` document, `shape`: the
+// flags', before the batch exists, or --npy-in's once read), for every scheme the run measures.
+void check_memory_of(const RunArgs& a, int64_t tokens, int64_t longest, const check::BatchShape& shape, DType dtype,
+                     int cp) {
+  check_run_memory(tokens, longest, shape, configs_of(a, config_of(a, shape, dtype, nullptr), cp, shape), cp);
 }
 
 Local prepare(const RunArgs& a, Communicator& comm) {
@@ -190,11 +191,17 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                  ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
   const DType dtype = parse_dtype(a.dtype);
   if (a.npy_in.empty())  // before the batch exists; --npy-in's files are checked once read
-    check_memory_of(a, flag_tokens(a), flag_shape(a), dtype, comm.size());
+    check_memory_of(a, flag_tokens(a), a.lengths.empty() ? flag_tokens(a) : std::ranges::max(a.lengths), flag_shape(a),
+                    dtype, comm.size());
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;
-  if (!a.npy_in.empty()) check_memory_of(a, b.tokens(), b.shape, dtype, comm.size());
+  if (!a.npy_in.empty()) {
+    int64_t longest = 0;
+    for (std::size_t d = 1; d < b.cu_seqlens.size(); ++d)
+      longest = std::max(longest, b.cu_seqlens[d] - b.cu_seqlens[d - 1]);
+    check_memory_of(a, b.tokens(), longest, b.shape, dtype, comm.size());
+  }
   if (a.check_finite) check_batch_finite(b);
   if (a.alibi) l.slopes = check::alibi_slopes(b.shape.heads_q);
   l.cfg = config_of(a, b.shape, b.dtype, a.alibi ? l.slopes.data() : nullptr);
@@ -315,10 +322,17 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   // (a rank timing more steps would wait in a collective the others never reach).
   Fingerprint fp;
   fp.add("--repeats", a.repeats);
-  // the layers run: --scheme's (-1 all, else CpScheme: 0 allgather, 1 ring, 2 pass-q, 3 a2a, 4 hybrid)
-  fp.add("--scheme (-1 all, 0 allgather, 1 ring, 2 pass-q, 3 a2a, 4 hybrid)",
-         a.scheme == "all" ? -1 : static_cast<int64_t>(parse_scheme(a.scheme)))
-      .add("--cp-inner", a.cp_inner);
+  // the layers run: --scheme's index in kCpSchemes, or -1 for all; the field's name lists them
+  const bool all = a.scheme == "all";
+  const CpScheme one = all ? kCpSchemes[0] : parse_scheme(a.scheme);
+  std::string scheme_field = "--scheme (-1 all";
+  int64_t scheme = -1;
+  for (std::size_t i = 0; i < std::size(kCpSchemes); ++i) {
+    (scheme_field += ", ") += std::to_string(i);
+    (scheme_field += " ") += to_string(kCpSchemes[i]);
+    if (!all && one == kCpSchemes[i]) scheme = static_cast<int64_t>(i);
+  }
+  fp.add(scheme_field + ")", scheme).add("--cp-inner", a.cp_inner);
   agree(groups.world, fp, "cpattn run", local_error);
   if (a.testing_stall_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(a.testing_stall_s));
   Local& l = *prepared;

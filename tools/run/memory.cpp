@@ -8,6 +8,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/memory.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -30,8 +31,8 @@ uint64_t ranks_on_this_node() {
 
 }  // namespace
 
-RunMemory run_memory_estimate(int64_t tokens, const check::BatchShape& s, std::span<const CpAttnConfig> configs,
-                              int cp) {
+RunMemory run_memory_estimate(int64_t tokens, int64_t longest, const check::BatchShape& s,
+                              std::span<const CpAttnConfig> configs, int cp) {
   CPATTN_CHECK(!configs.empty(), "run_memory_estimate: no scheme to run");
   const CpAttnConfig& cfg = configs.front();  // the schemes share shapes, dtype and options
   const auto t = static_cast<uint64_t>(tokens);
@@ -48,10 +49,14 @@ RunMemory run_memory_estimate(int64_t tokens, const check::BatchShape& s, std::s
   for (const CpAttnConfig& c : configs) m.cp = saturating_add(m.cp, cp_memory_estimate(c, cp, local_tokens).total());
   // Each scheme's results gathered in global order on every rank, with gather_global_rows' staging.
   m.results = saturating_mul(saturating_add(saturating_mul(all, 3 * 4), lse), configs.size());
-  // Rank 0: the single-process outputs (Tensors and fp32 results) and the kernel's scratch.
+  // Rank 0: the single-process outputs (Tensors and fp32 results) and the kernel's scratch,
+  // with the per-task buffers of the longest document (without a work list: none).
+  WorkList longest_task;
+  longest_task.tasks.push_back({.q_len = std::min(longest, local_tokens * cp)});
   const AttnBwdParams whole{.in = {.q = {nullptr, local_tokens * cp, s.heads_q, s.head_dim_qk, cfg.dtype},
                                    .k = {nullptr, local_tokens * cp, s.heads_k, s.head_dim_qk, cfg.dtype},
                                    .v = {nullptr, local_tokens * cp, s.heads_k, s.head_dim_v, cfg.dtype},
+                                   .work = &longest_task,
                                    .options = cfg.options}};
   m.reference = saturating_add(saturating_add(saturating_mul(all, tensor_bytes + 4), lse),
                                attention_backward_scratch_bytes(whole));
@@ -69,8 +74,9 @@ std::string RunMemory::describe() const {
          "; rank 0's single-process check " + format_bytes(reference);
 }
 
-void check_run_memory(int64_t tokens, const check::BatchShape& s, std::span<const CpAttnConfig> configs, int cp) {
-  const RunMemory m = run_memory_estimate(tokens, s, configs, cp);
+void check_run_memory(int64_t tokens, int64_t longest, const check::BatchShape& s,
+                      std::span<const CpAttnConfig> configs, int cp) {
+  const RunMemory m = run_memory_estimate(tokens, longest, s, configs, cp);
   check_memory(m.node_bytes(), "cpattn run of " + std::to_string(tokens) + " tokens", m.describe());
 }
 

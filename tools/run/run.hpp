@@ -68,11 +68,13 @@ struct RunMemory {  // bytes
   std::string describe() const;
 };
 // `configs`: one per scheme run (--scheme all: several layers, each keeping its buffers, and
-// each scheme's gathered results kept for the check).
-RunMemory run_memory_estimate(int64_t tokens, const check::BatchShape& s, std::span<const CpAttnConfig> configs,
-                              int cp);
+// each scheme's gathered results kept for the check); `longest`: the batch's longest document,
+// whose queries size the single-process backward's per-task buffers.
+RunMemory run_memory_estimate(int64_t tokens, int64_t longest, const check::BatchShape& s,
+                              std::span<const CpAttnConfig> configs, int cp);
 // cpattn::Error with both sizes when this node has less than run_memory_estimate's node_bytes().
-void check_run_memory(int64_t tokens, const check::BatchShape& s, std::span<const CpAttnConfig> configs, int cp);
+void check_run_memory(int64_t tokens, int64_t longest, const check::BatchShape& s,
+                      std::span<const CpAttnConfig> configs, int cp);
 
 // ---- check.cpp ----
 // A single-process run of the whole batch, made once for every scheme checked against it.
