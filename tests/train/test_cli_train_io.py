@@ -3,6 +3,7 @@ output (--save, --json-log, --svg) in a --data file or folder is refused, the da
 was; a --data folder with link loops loads each file once, at once; a long valid --save name is
 written; --compare with skipped (non-finite) steps; --compare entries' errors; the doubles
 --compare hands its runs; a resume with --steps below its step; a mesh past any MPI world."""
+import json
 import os
 import re
 import stat
@@ -93,6 +94,35 @@ with tempfile.TemporaryDirectory() as tmp:
     for label, n, rest in skips:
         if "counted as a difference" in rest:
             check(re.search(r"^" + label + r" +inf", r.stdout, re.M) is not None, f"{label}: {r.stdout[-1500:]}")
+
+    # The rule itself, on prepared logs (a launcher in place of mpirun writes each run's log):
+    # steps skipped by one run and taken by the other are a difference (inf), the same skips are
+    # not, and the steps all runs took are compared.
+    launcher = p("fake_mpirun.py")
+    with open(launcher, "w") as f:
+        f.write(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+ranks, log = int(args[args.index("-np") + 1]), args[args.index("--json-log") + 1]
+skipped = json.loads(os.environ["FAKE_SKIPS"])[str(ranks)]
+with open(log, "w") as out:
+    for step in range(1, 5):
+        row = {{"step": step, "skipped": True}} if step in skipped else {{
+            "step": step, "loss": 5.0 + step, "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.1,
+            "tokens_per_s": 1000.0, "peak_rss_mb_per_rank": [10.0] * ranks}}
+        out.write(json.dumps(row) + "\\n")
+""")
+    os.chmod(launcher, 0o755)
+    for skips, differ in (({"1": [2], "2": [3]}, True), ({"1": [2], "2": [2]}, False)):
+        os.environ["FAKE_SKIPS"] = json.dumps(skips)
+        r = train(0, *TINY, "--steps", "4", "--compare", "1,2", "--mpirun", launcher, timeout=60)
+        num = r"(inf|[0-9.]+e[-+][0-9]+)"
+        row = re.search(r"^cp2 +" + r" +".join([num] * 4) + " ", r.stdout, re.M)  # the table's maxima
+        said = "cp2 skipped 1 step(s) as non-finite, not the same as cp1's: counted as a difference (inf)" in r.stdout
+        check(r.returncode == 0 and row is not None and said == differ
+              and all((x == "inf") == differ for x in row.groups()) and (differ or float(row.group(1)) == 0.0),
+              f"--compare, skips {skips}: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-800:]}")
+    del os.environ["FAKE_SKIPS"]
 
     # --compare: an entry's errors name it.
     refused(train(0, *TINY, "--compare", "0", "--steps", "1", timeout=60), "--compare '0': --cp must be >= 1, got 0",
