@@ -15,7 +15,7 @@ namespace cpattn::check {
 
 std::vector<int64_t> document_mix(int64_t tokens, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(std::log(16.0), std::log(2048.0));
+  std::uniform_real_distribution<double> u(std::log(16.0), std::log(static_cast<double>(kDocumentMixLongest)));
   std::vector<int64_t> lengths;
   for (int64_t left = tokens; left > 0;) {
     const int64_t len = std::min<int64_t>(left, static_cast<int64_t>(std::exp(u(rng))));

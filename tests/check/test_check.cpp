@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -91,6 +92,10 @@ TEST(check_batch, RandomBatchIsOneReproducibleStream) {
   int64_t total = 0;
   for (int64_t l : mix) total += l;
   EXPECT_EQ(total, 1000);
+  // (cpattn run's memory estimate sizes the longest document's buffers by this bound)
+  const std::vector<int64_t> big = document_mix(200000, 5);
+  EXPECT_LE(std::ranges::max(big), kDocumentMixLongest);
+  EXPECT_GE(std::ranges::min(big), 1);
 }
 
 TEST(check_batch, LocalRowsAndPadding) {

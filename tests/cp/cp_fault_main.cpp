@@ -127,6 +127,7 @@ int timeout_handover(const std::string& kind) {
     cpattn::CpAttention attn(patient, cfg);
     step(attn, want, overlap);
   }
+  MPI_Barrier(MPI_COMM_WORLD);  // (the ranks leave the warm-up apart; the next call is under 1 s)
   int failed = 0;
   const auto fail = [&](const std::string& why) {
     std::fprintf(stderr, "rank %d: FAILED: %s\n", rank, why.c_str());

@@ -115,14 +115,16 @@ with open(log, "w") as out:
     os.chmod(launcher, 0o755)
     for skips, differ in (({"1": [2], "2": [3]}, True), ({"1": [2], "2": [2]}, False)):
         os.environ["FAKE_SKIPS"] = json.dumps(skips)
-        r = train(0, *TINY, "--steps", "4", "--compare", "1,2", "--mpirun", launcher, timeout=60)
+        try:
+            r = train(0, *TINY, "--steps", "4", "--compare", "1,2", "--mpirun", launcher, timeout=60)
+        finally:
+            del os.environ["FAKE_SKIPS"]
         num = r"(inf|[0-9.]+e[-+][0-9]+)"
         row = re.search(r"^cp2 +" + r" +".join([num] * 4) + " ", r.stdout, re.M)  # the table's maxima
         said = "cp2 skipped 1 step(s) as non-finite, not the same as cp1's: counted as a difference (inf)" in r.stdout
         check(r.returncode == 0 and row is not None and said == differ
               and all((x == "inf") == differ for x in row.groups()) and (differ or float(row.group(1)) == 0.0),
               f"--compare, skips {skips}: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-800:]}")
-    del os.environ["FAKE_SKIPS"]
 
     # --compare: an entry's errors name it.
     refused(train(0, *TINY, "--compare", "0", "--steps", "1", timeout=60), "--compare '0': --cp must be >= 1, got 0",

@@ -191,8 +191,9 @@ Local prepare(const RunArgs& a, Communicator& comm) {
                  ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
   const DType dtype = parse_dtype(a.dtype);
   if (a.npy_in.empty())  // before the batch exists; --npy-in's files are checked once read
-    check_memory_of(a, flag_tokens(a), a.lengths.empty() ? flag_tokens(a) : std::ranges::max(a.lengths), flag_shape(a),
-                    dtype, comm.size());
+    check_memory_of(a, flag_tokens(a),
+                    a.lengths.empty() ? std::min(a.seq_len, check::kDocumentMixLongest) : std::ranges::max(a.lengths),
+                    flag_shape(a), dtype, comm.size());
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;

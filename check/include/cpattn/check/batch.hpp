@@ -40,8 +40,9 @@ struct Batch {
   TensorShape out_shape() const { return {tokens(), shape.heads_q, shape.head_dim_v}; }
 };
 
-// A realistic mix: log-uniform lengths between 16 and 2048 tokens, the last one cut so that
-// the batch holds exactly `tokens`.
+// A realistic mix: log-uniform lengths between 16 and kDocumentMixLongest tokens, the last one
+// cut so that the batch holds exactly `tokens`.
+inline constexpr int64_t kDocumentMixLongest = 2048;
 std::vector<int64_t> document_mix(int64_t tokens, uint64_t seed);
 
 // Normal(0, stddev) values rounded to `t`; a fresh distribution on `rng` (so that tensors drawn
