@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -319,14 +320,32 @@ void check_args(const TrainArgs& a) {
 
 // An output that lands in the training data: in a --data file it replaced the corpus (and the
 // run exited 0); below a --data folder it became a document, and the resumed run failed on a
-// data hash that named no flag. Refused (rank 0 checks, every rank fails) before any work.
+// data hash that named no flag. Refused (rank 0 checks, every rank fails) before any work:
+// below the --data paths, in a folder the data's walk reaches through a link, or onto a data
+// file under another name (a hard link, a link to it).
 void check_not_into_data(const TrainArgs& a, const char* flag, const std::string& path) {
   if (path.empty()) return;
   const std::vector<std::string> roots = a.data.empty() ? std::vector<std::string>{train::kDefaultDataDir} : a.data;
+  constexpr const char* kWhy = ": an output must not replace the training data or add a document to it";
   for (const std::string& d : roots)
     CPATTN_CHECK(!writes_into(path, d), flag, " '", path, "' ",
-                 same_file(path, d) ? "is the file of" : "lies in the folder of", " --data '", d,
-                 "': an output must not replace the training data or add a document to it");
+                 same_file(path, d) ? "is the file of" : "lies in the folder of", " --data '", d, "'", kWhy);
+  train::DataTree tree;
+  try {
+    tree = train::data_tree(roots);
+  } catch (const Error&) {
+    return;  // a --data path that is not there: the loading's error, which names the flag
+  }
+  for (const std::string& f : tree.folders)
+    CPATTN_CHECK(!writes_into(path, f), flag, " '", path, "' lies in the folder '", f,
+                 "', which --data reaches through a link", kWhy);
+  struct stat out {};
+  if (::stat(resolve_output_path(path).c_str(), &out) != 0) return;  // not there yet: no data file
+  for (const std::string& f : tree.files) {
+    struct stat in {};
+    CPATTN_CHECK(::stat(f.c_str(), &in) != 0 || in.st_dev != out.st_dev || in.st_ino != out.st_ino, flag, " '",
+                 path, "' is the data file '", f, "' of --data under another name", kWhy);
+  }
 }
 
 struct StepRow {

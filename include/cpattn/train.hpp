@@ -59,6 +59,16 @@ struct Document {
 // cpattn::Error for a missing path, an unreadable file or when no non-empty document is left.
 std::vector<Document> load_documents(std::span<const std::string> paths);
 
+// What load_documents(paths) reads, without reading it: its files and the folders its walk
+// enters (folder links followed, each folder once), all canonical. For the checks that an
+// output never lands among the data (a hard link to a data file, a folder reached through a
+// link below a data folder). Throws as load_documents does for a missing path.
+struct DataTree {
+  std::vector<std::string> files;    // sorted, each once
+  std::vector<std::string> folders;  // in walk order
+};
+DataTree data_tree(std::span<const std::string> paths);
+
 // One packed sequence of the whole batch (global order, real tokens only).
 struct PackedSequence {
   std::vector<int64_t> tokens;      // [T]

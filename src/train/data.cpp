@@ -29,10 +29,11 @@ std::vector<uint8_t> read_file(const fs::path& p) {
 
 }  // namespace
 
-std::vector<Document> load_documents(std::span<const std::string> paths) {
+DataTree data_tree(std::span<const std::string> paths) {
   std::vector<std::string> roots(paths.begin(), paths.end());
   if (roots.empty()) roots.emplace_back(kDefaultDataDir);
   std::set<fs::path> files;  // canonical, sorted, each once
+  DataTree tree;
   for (const std::string& root : roots) {
     std::error_code ec;
     const fs::file_status st = fs::status(root, ec);
@@ -41,9 +42,13 @@ std::vector<Document> load_documents(std::span<const std::string> paths) {
       // Folder links are followed, each folder entered once: two links back to a folder (d/l1
       // -> ., d/l2 -> .) made the walk exponential in the depth, a run that never started.
       std::set<std::pair<dev_t, ino_t>> entered;
-      const auto first_entry = [&entered](const fs::path& dir) {
+      const auto first_entry = [&entered, &tree](const fs::path& dir) {
         struct stat ds {};
-        return ::stat(dir.c_str(), &ds) != 0 || entered.emplace(ds.st_dev, ds.st_ino).second;
+        if (::stat(dir.c_str(), &ds) != 0) return true;
+        if (!entered.emplace(ds.st_dev, ds.st_ino).second) return false;
+        std::error_code cec;
+        tree.folders.push_back(fs::canonical(dir, cec).string());
+        return true;
       };
       first_entry(root);
       for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
@@ -57,14 +62,22 @@ std::vector<Document> load_documents(std::span<const std::string> paths) {
       files.insert(fs::canonical(root, ec));
     }
   }
+  for (const fs::path& f : files) tree.files.push_back(f.string());
+  return tree;
+}
+
+std::vector<Document> load_documents(std::span<const std::string> paths) {
+  std::vector<std::string> roots(paths.begin(), paths.end());
+  if (roots.empty()) roots.emplace_back(kDefaultDataDir);
+  const DataTree tree = data_tree(roots);
   std::vector<Document> docs;
-  for (const fs::path& f : files) {
-    Document d{f.string(), read_file(f)};
+  for (const std::string& f : tree.files) {
+    Document d{f, read_file(f)};
     if (!d.bytes.empty()) docs.push_back(std::move(d));
   }
   std::string where;
   for (const std::string& r : roots) where += (where.empty() ? "'" : ", '") + r + "'";
-  CPATTN_CHECK(!docs.empty(), "load_documents: paths: no non-empty document in ", where, " (", files.size(),
+  CPATTN_CHECK(!docs.empty(), "load_documents: paths: no non-empty document in ", where, " (", tree.files.size(),
                " file(s) found, all empty)");
   return docs;
 }

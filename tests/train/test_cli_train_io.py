@@ -60,6 +60,22 @@ with tempfile.TemporaryDirectory() as tmp:
     # Beside the data folder is fine.
     r = train(0, *TINY, "--steps", "2", "--data", p("d"), "--save", p("d2/ck"), timeout=120)
     check(r.returncode == 0 and os.path.isfile(p("d2/ck")), f"--save beside --data: exit {r.returncode}\n{r.stderr[-800:]}")
+    # ... but not in a folder the data's walk reaches through a link below it, nor onto a data
+    # file under another name (a hard link): both were taken before.
+    os.makedirs(p("f/g"))
+    os.makedirs(p("far"))
+    with open(p("f/a.txt"), "wb") as f:
+        f.write(corpus)
+    os.symlink(p("far"), p("f/g/to_far"))
+    os.link(p("f/a.txt"), p("hard.txt"))
+    far = os.path.realpath(p("far"))
+    for args, msg in (
+            (["--save", p("far/ck")], f"--save '{p('far/ck')}' lies in the folder '{far}', which --data reaches through a link"),
+            (["--json-log", p("far/new/log.jsonl")], "which --data reaches through a link"),
+            (["--json-log", p("hard.txt")], f"--json-log '{p('hard.txt')}' is the data file '{os.path.realpath(p('f/a.txt'))}' "
+                                             "of --data under another name")):
+        refused(train(0, *TINY, "--steps", "1", "--data", p("f"), *args, timeout=120), msg, args)
+    check(read(p("hard.txt")) == corpus and os.listdir(p("far")) == [], "the linked data is left as it was")
 
     # A --data folder with two links back to itself: each file once, at once (the walk never
     # ended before).
