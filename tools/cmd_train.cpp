@@ -323,25 +323,33 @@ void check_args(const TrainArgs& a) {
 // data hash that named no flag. Refused (rank 0 checks, every rank fails) before any work:
 // below the --data paths, in a folder the data's walk reaches through a link, or onto a data
 // file under another name (a hard link, a link to it).
-void check_not_into_data(const TrainArgs& a, const char* flag, const std::string& path) {
+// The data's files and folders (train::data_tree), or none where they cannot be walked (a
+// --data path that is not there, a folder that cannot be listed): the loading then fails on
+// the same tree, naming the flag, before any output is written.
+std::optional<train::DataTree> data_tree_of(const TrainArgs& a) {
+  try {
+    return train::data_tree(a.data);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+// `tree`: data_tree_of(a), walked once for every output.
+void check_not_into_data(const TrainArgs& a, const char* flag, const std::string& path,
+                         const std::optional<train::DataTree>& tree) {
   if (path.empty()) return;
   const std::vector<std::string> roots = a.data.empty() ? std::vector<std::string>{train::kDefaultDataDir} : a.data;
   constexpr const char* kWhy = ": an output must not replace the training data or add a document to it";
   for (const std::string& d : roots)
     CPATTN_CHECK(!writes_into(path, d), flag, " '", path, "' ",
                  same_file(path, d) ? "is the file of" : "lies in the folder of", " --data '", d, "'", kWhy);
-  train::DataTree tree;
-  try {
-    tree = train::data_tree(roots);
-  } catch (const Error&) {
-    return;  // a --data path that is not there: the loading's error, which names the flag
-  }
-  for (const std::string& f : tree.folders)
+  if (!tree) return;
+  for (const std::string& f : tree->folders)
     CPATTN_CHECK(!writes_into(path, f), flag, " '", path, "' lies in the folder '", f,
                  "', which --data reaches through a link", kWhy);
   struct stat out {};
   if (::stat(resolve_output_path(path).c_str(), &out) != 0) return;  // not there yet: no data file
-  for (const std::string& f : tree.files) {
+  for (const std::string& f : tree->files) {
     struct stat in {};
     CPATTN_CHECK(::stat(f.c_str(), &in) != 0 || in.st_dev != out.st_dev || in.st_ino != out.st_ino, flag, " '",
                  path, "' is the data file '", f, "' of --data under another name", kWhy);
@@ -437,8 +445,10 @@ void train_run(const TrainArgs& a) {
   train::on_every_rank(comm, [&] {
     if (rank != 0) return;
     if (!a.save.empty()) check_output_path(a.save, "--save");
-    check_not_into_data(a, "--save", a.save);
-    check_not_into_data(a, "--json-log", a.json_log);
+    const std::optional<train::DataTree> tree =
+        a.save.empty() && a.json_log.empty() ? std::nullopt : data_tree_of(a);
+    check_not_into_data(a, "--save", a.save, tree);
+    check_not_into_data(a, "--json-log", a.json_log, tree);
     if (a.json_log.empty()) return;
     check_output_path(a.json_log, "--json-log");
     // (A log in the checkpoint's file: resumed, its lines would be appended to the checkpoint;
@@ -722,7 +732,7 @@ void compare_run(const TrainArgs& a) {
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
   if (!a.compare_svg.empty()) {
     check_output_path(a.compare_svg, "--svg");
-    check_not_into_data(a, "--svg", a.compare_svg);
+    check_not_into_data(a, "--svg", a.compare_svg, data_tree_of(a));
     CPATTN_CHECK(a.resume.empty() || !same_file(a.compare_svg, a.resume), "--svg '", a.compare_svg,
                  "' is the file of --resume '", a.resume, "': the chart would replace the checkpoint");
   }

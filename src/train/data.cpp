@@ -47,7 +47,8 @@ DataTree data_tree(std::span<const std::string> paths) {
         if (::stat(dir.c_str(), &ds) != 0) return true;
         if (!entered.emplace(ds.st_dev, ds.st_ino).second) return false;
         std::error_code cec;
-        tree.folders.push_back(fs::canonical(dir, cec).string());
+        const fs::path canonical = fs::canonical(dir, cec);
+        if (!cec) tree.folders.push_back(canonical.string());
         return true;
       };
       first_entry(root);

@@ -138,14 +138,14 @@ check(r.returncode == 2 and "more than the 9.8 KiB available (CPATTN_MEMORY_LIMI
       f"memory limit: {r.stderr[-600:]!r}")
 # Rank 0's single-process check counts the backward's per-task buffers of the longest document
 # (its queries' rows): one document of 4096 tokens needs more than 64 documents of 64 tokens.
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50, "EiB": 2**60}
 reference = {}
 for name, lengths in (("one", "4096"), ("many", ",".join(["64"] * 64))):
     r, _ = mpirun(2, "--lengths", lengths, "--heads", "8", "--kv-heads", "2", "--head-dim", "64", env=LIMIT)
-    said = r.returncode == 2 and "rank 0's single-process check " in r.stderr
+    text = r.stderr.split("rank 0's single-process check ", 1)[-1].split(")", 1)[0].split()
+    said = r.returncode == 2 and len(text) == 2 and text[1] in UNITS and text[0].replace(".", "", 1).isdigit()
     check(said, f"--lengths {lengths[:20]} past CPATTN_MEMORY_LIMIT_BYTES: exit {r.returncode} {r.stderr[-600:]!r}")
     if said:
-        text = r.stderr.split("rank 0's single-process check ", 1)[1].split(")", 1)[0].split()
         reference[name] = float(text[0]) * UNITS[text[1]]
 if len(reference) == 2:
     check(reference["one"] > reference["many"] + 2**20, f"the longest document's backward buffers: {reference}")

@@ -50,13 +50,14 @@ RunMemory run_memory_estimate(int64_t tokens, int64_t longest, const check::Batc
   // Each scheme's results gathered in global order on every rank, with gather_global_rows' staging.
   m.results = saturating_mul(saturating_add(saturating_mul(all, 3 * 4), lse), configs.size());
   // Rank 0: the single-process outputs (Tensors and fp32 results) and the kernel's scratch,
-  // with the per-task buffers of the longest document (rows bounded as cp_memory_estimate's:
-  // past 2^50 the batch's own terms refuse the run, and the scratch's sums must not wrap).
+  // with the per-task buffers of the longest document. Rows bounded as cp_memory_estimate's:
+  // past 2^50 the batch's own terms refuse the run, and the scratch's sums must not wrap.
+  const auto rows = static_cast<int64_t>(std::min(t, uint64_t{1} << 50));
   WorkList longest_task;
-  longest_task.tasks.push_back({.q_len = std::clamp<int64_t>(longest, 0, std::min(local_tokens * cp, int64_t{1} << 50))});
-  const AttnBwdParams whole{.in = {.q = {nullptr, local_tokens * cp, s.heads_q, s.head_dim_qk, cfg.dtype},
-                                   .k = {nullptr, local_tokens * cp, s.heads_k, s.head_dim_qk, cfg.dtype},
-                                   .v = {nullptr, local_tokens * cp, s.heads_k, s.head_dim_v, cfg.dtype},
+  longest_task.tasks.push_back({.q_len = std::clamp<int64_t>(longest, 0, rows)});
+  const AttnBwdParams whole{.in = {.q = {nullptr, rows, s.heads_q, s.head_dim_qk, cfg.dtype},
+                                   .k = {nullptr, rows, s.heads_k, s.head_dim_qk, cfg.dtype},
+                                   .v = {nullptr, rows, s.heads_k, s.head_dim_v, cfg.dtype},
                                    .work = &longest_task,
                                    .options = cfg.options}};
   m.reference = saturating_add(saturating_add(saturating_mul(all, tensor_bytes + 4), lse),
