@@ -40,6 +40,11 @@ bool same_file(const std::string& a, const std::string& b);
 // checkpoint saved into the training data's folder becomes a document of the next run).
 bool writes_into(const std::string& path, const std::string& input);
 
+// Whether `path` is `folder` or lies below it, component by component (/data2/x is not below
+// /data), both already canonical (no links, no . or ..): writes_into's last test, for callers
+// that compare one output with many canonical folders.
+bool lies_below(const std::string& path, const std::string& folder);
+
 // The whole of the regular file `path` (its size when opened). A FIFO, a device or a folder is
 // refused without blocking or reading; throws cpattn::Error naming `path` on any error.
 std::vector<std::byte> read_regular_file(const std::string& path);

@@ -41,6 +41,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cpattn::train {
@@ -65,6 +66,7 @@ std::vector<Document> load_documents(std::span<const std::string> paths);
 // link below a data folder). Throws as load_documents does for a missing path.
 struct DataTree {
   std::vector<std::string> files;    // sorted, each once
+  std::vector<std::pair<uint64_t, uint64_t>> file_ids;  // files[i]'s (device, inode) when walked
   std::vector<std::string> folders;  // in walk order
 };
 DataTree data_tree(std::span<const std::string> paths);

@@ -88,8 +88,13 @@ bool writes_into(const std::string& path, const std::string& input) {
   if (ec) return false;
   const std::filesystem::path out = std::filesystem::weakly_canonical(resolve_output_path(path), ec);
   if (ec) return false;
+  return lies_below(out.string(), root.string());
+}
+
+bool lies_below(const std::string& path, const std::string& folder) {
+  const std::filesystem::path p(path), f(folder);
   // Component by component: /data2/x is not below /data.
-  return std::mismatch(root.begin(), root.end(), out.begin(), out.end()).first == root.end();
+  return std::mismatch(f.begin(), f.end(), p.begin(), p.end()).first == f.end();
 }
 
 std::vector<std::byte> read_regular_file(const std::string& path) {

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -32,8 +33,19 @@ std::vector<uint8_t> read_file(const fs::path& p) {
 DataTree data_tree(std::span<const std::string> paths) {
   std::vector<std::string> roots(paths.begin(), paths.end());
   if (roots.empty()) roots.emplace_back(kDefaultDataDir);
-  std::set<fs::path> files;  // canonical, sorted, each once
+  std::map<fs::path, std::pair<uint64_t, uint64_t>> files;  // canonical, sorted, each once: (device, inode)
   DataTree tree;
+  // A regular file by its canonical name and identity; on an error `ec` says which, nothing added.
+  const auto add_file = [&files](const fs::path& p, std::error_code& ec) {
+    fs::path canonical = fs::canonical(p, ec);
+    if (ec) return;
+    struct stat st {};
+    if (::stat(canonical.c_str(), &st) != 0) {
+      ec.assign(errno, std::generic_category());
+      return;
+    }
+    files.emplace(std::move(canonical), std::pair<uint64_t, uint64_t>(st.st_dev, st.st_ino));
+  };
   for (const std::string& root : roots) {
     std::error_code ec;
     const fs::file_status st = fs::status(root, ec);
@@ -55,15 +67,19 @@ DataTree data_tree(std::span<const std::string> paths) {
       for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
         if (it->is_directory(ec) && !first_entry(it->path())) it.disable_recursion_pending();
-        if (it->is_regular_file(ec)) files.insert(fs::canonical(it->path(), ec));
+        if (it->is_regular_file(ec)) add_file(it->path(), ec);
       }
       CPATTN_CHECK(!ec, "load_documents: paths: cannot list folder '", root, "': ", ec.message());
     } else {
       CPATTN_CHECK(fs::is_regular_file(st), "load_documents: paths: '", root, "' is neither a file nor a folder");
-      files.insert(fs::canonical(root, ec));
+      add_file(root, ec);
+      CPATTN_CHECK(!ec, "load_documents: paths: cannot read '", root, "': ", ec.message());
     }
   }
-  for (const fs::path& f : files) tree.files.push_back(f.string());
+  for (const auto& [f, id] : files) {
+    tree.files.push_back(f.string());
+    tree.file_ids.push_back(id);
+  }
   return tree;
 }
 

@@ -1,6 +1,6 @@
 // write_file_atomically and check_output_path (include/cpattn/file.hpp): refused targets, a
 // followed symlink, a failing write that leaves the old file and no temporary behind; and
-// read_regular_file, same_file, writes_into.
+// read_regular_file, same_file, writes_into, lies_below.
 #include <cpattn/error.hpp>
 #include <cpattn/file.hpp>
 #include <cpattn/npy.hpp>
@@ -171,6 +171,16 @@ TEST(SafeFile, WritesIntoAFileOrBelowAFolder) {
   EXPECT_FALSE(writes_into(t / "new.ckpt", t / "data"));
   EXPECT_FALSE(writes_into(t / "data/new.ckpt", t / "data/doc.txt"));
   EXPECT_FALSE(writes_into(t / "new.ckpt", t / "missing"));
+}
+
+// lies_below on canonical names: by components, the folder itself included.
+TEST(SafeFile, LiesBelowComparesComponents) {
+  EXPECT_TRUE(lies_below("/data", "/data"));
+  EXPECT_TRUE(lies_below("/data/sub/x.ckpt", "/data"));
+  EXPECT_TRUE(lies_below("/x", "/"));
+  EXPECT_FALSE(lies_below("/data2/x.ckpt", "/data"));
+  EXPECT_FALSE(lies_below("/dat", "/data"));
+  EXPECT_FALSE(lies_below("/other/data/x", "/data"));
 }
 
 // A write that fails midway (the file-size limit, as a full disk would: EFBIG like ENOSPC):

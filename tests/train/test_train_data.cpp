@@ -5,12 +5,15 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cpattn::train {
@@ -104,6 +107,42 @@ TEST(TrainData, FolderLinkLoopsAreWalkedOnce) {
   ASSERT_EQ(docs.size(), 2u);
   EXPECT_EQ(docs[0].bytes, bytes("first"));
   EXPECT_EQ(docs[1].bytes, bytes("second"));
+}
+
+// data_tree: what the loading reads and the folders its walk enters, canonical, each once.
+// A folder outside the root reached through a link is among the folders (an output there would
+// become a document), a root named twice (as a folder and as its file) counts each file once, a
+// link loop enters each folder once, and a dangling link is neither a file nor an error.
+TEST(TrainData, DataTreeNamesEveryFileAndFolderTheWalkReaches) {
+  TempDir d;
+  d.write("data/a.txt", "first");
+  d.write("data/sub/b.txt", "second");
+  d.write("outside/c.txt", "third");
+  fs::create_directory_symlink(d.path / "outside", d.path / "data" / "ext");
+  fs::create_directory_symlink("..", d.path / "data" / "sub" / "up");
+  fs::create_symlink(d.path / "missing.txt", d.path / "data" / "gone.txt");
+  const fs::path root = fs::canonical(d.path);
+  const std::vector<std::string> paths = {(d.path / "data").string(), (d.path / "data" / "a.txt").string()};
+  const DataTree tree = data_tree(paths);
+  EXPECT_THAT(tree.files, ElementsAreArray(std::vector<std::string>{
+                              (root / "data/a.txt").string(), (root / "data/sub/b.txt").string(),
+                              (root / "outside/c.txt").string()}));
+  std::vector<std::string> folders = tree.folders;
+  std::sort(folders.begin(), folders.end());
+  EXPECT_THAT(folders, ElementsAreArray(std::vector<std::string>{
+                           (root / "data").string(), (root / "data/sub").string(), (root / "outside").string()}));
+  EXPECT_EQ(tree.folders.front(), (root / "data").string());  // the root first, in walk order
+  // Each file's identity, as a hard link to it has.
+  ASSERT_EQ(tree.file_ids.size(), tree.files.size());
+  fs::create_hard_link(d.path / "outside" / "c.txt", d.path / "hard.txt");
+  struct stat st {};
+  ASSERT_EQ(::stat((d.path / "hard.txt").c_str(), &st), 0);
+  EXPECT_EQ(tree.file_ids[2], (std::pair<uint64_t, uint64_t>(st.st_dev, st.st_ino)));
+  EXPECT_NE(tree.file_ids[0], tree.file_ids[2]);
+  // load_documents reads exactly these files.
+  const std::vector<Document> docs = load_documents(paths);
+  ASSERT_EQ(docs.size(), 3u);
+  EXPECT_EQ(docs[2].bytes, bytes("third"));
 }
 
 TEST(TrainData, MissingOrEmptyDataIsAClearError) {
