@@ -36,15 +36,12 @@ void check_bench_memory(const check::AttnBenchOptions& o, const std::string& wha
                              (static_cast<uint64_t>(o.head_dim) + static_cast<uint64_t>(o.head_dim_v));
   const uint64_t tensor_bytes = 4 + (o.dtype == DType::f32 ? 0 : dtype_size(o.dtype));
   const auto rows = static_cast<int64_t>(std::min<uint64_t>(tokens, uint64_t{1} << 50));
-  WorkList longest_task;  // what attention_backward_scratch_bytes reads of the call's work list
-  longest_task.tasks.push_back({.q_len = std::min<int64_t>(longest, rows)});
   const AttnBwdParams p{.in = {.q = {nullptr, rows, o.heads, o.head_dim, o.dtype},
                                .k = {nullptr, rows, o.kv_heads, o.head_dim, o.dtype},
                                .v = {nullptr, rows, o.kv_heads, o.head_dim_v, o.dtype},
-                               .work = &longest_task,
                                .options = {.num_threads = o.threads}}};
   const uint64_t tensors = saturating_mul(saturating_mul(tokens, per_token), 2 * tensor_bytes);
-  const uint64_t scratch = attention_backward_scratch_bytes(p);
+  const uint64_t scratch = attention_backward_scratch_bytes(p, longest);
   check_memory(saturating_add(tensors, scratch), what + " of " + std::to_string(tokens) + " tokens",
                "tensors and their reference " + format_bytes(tensors) + ", kernel scratch " + format_bytes(scratch));
 }

@@ -323,6 +323,9 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
 // The per-thread blocks grow with the longest task's queries, read from p.in.work: without a
 // work list they are counted for tasks of no rows (an underestimate).
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p);
+// The same for a call whose longest task has `longest_task` query rows (clamped to
+// [0, p.in.q.rows]; p.in.work is not read): for budgets made before the work list exists.
+size_t attention_backward_scratch_bytes(const AttnBwdParams& p, int64_t longest_task);
 
 // The kernels keep the large scratch blocks a call freed for the next call (no page faults
 // and fresh zeroing of the same pages in every step of a training loop), never more than the

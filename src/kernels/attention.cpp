@@ -452,6 +452,11 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
   int64_t max_q = 0;
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
+  return attention_backward_scratch_bytes(p, max_q);
+}
+
+size_t attention_backward_scratch_bytes(const AttnBwdParams& p, int64_t longest_task) {
+  const int64_t max_q = std::clamp<int64_t>(longest_task, 0, std::max<int64_t>(p.in.q.rows, 0));
   // (blocking.hpp: bf16 products pack K/V in pairs too, tiles keep bf16 copies of the query side)
   const CallProducts c = call_products(p.in.options.path, p.in.dtype());
   kernels::BwdScratchFloats f = kernels::backward_scratch_floats(

@@ -290,6 +290,34 @@ TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   }
 }
 
+// attention_backward_scratch_bytes(p, longest): the per-task buffers of a call whose longest task
+// has that many query rows, as the work list's longest task counts them; clamped to the rows.
+TEST(kernel_attention, ScratchBytesForTheLongestTask) {
+  for (const DType dt : {DType::f32, DType::bf16})
+    for (const KernelPath path : {KernelPath::portable, KernelPath::avx512, KernelPath::amx_emulated}) {
+      if (!kernel_path_supported(path)) continue;  // (amx_emulated: the tiles' scratch, on any AVX2 CPU)
+      SCOPED_TRACE(std::string(to_string(dt)) + " " + std::string(to_string(path)));
+      const int64_t rows = 10000;
+      AttnBwdParams p{.in = {.q = {nullptr, rows, 16, 128, dt},
+                             .k = {nullptr, rows, 4, 128, dt},
+                             .v = {nullptr, rows, 4, 128, dt},
+                             .options = {.num_threads = 2, .path = path}}};
+      for (const int64_t longest : {int64_t{0}, int64_t{1}, int64_t{300}, int64_t{4097}, rows}) {
+        WorkList work;
+        work.tasks.push_back({.q_len = 7});
+        work.tasks.push_back({.q_len = longest});
+        p.in.work = &work;
+        const size_t listed = attention_backward_scratch_bytes(p);
+        p.in.work = nullptr;
+        EXPECT_EQ(attention_backward_scratch_bytes(p, std::max<int64_t>(longest, 7)), listed) << longest;
+      }
+      EXPECT_LT(attention_backward_scratch_bytes(p, 1), attention_backward_scratch_bytes(p, rows));
+      EXPECT_EQ(attention_backward_scratch_bytes(p, -5), attention_backward_scratch_bytes(p, 0));
+      EXPECT_EQ(attention_backward_scratch_bytes(p, rows * 4), attention_backward_scratch_bytes(p, rows));
+      EXPECT_EQ(attention_backward_scratch_bytes(p, 0), attention_backward_scratch_bytes(p));  // no work list
+    }
+}
+
 // The kernels keep their large scratch blocks between calls (src/kernels/scratch.cpp): a call
 // that follows calls of other shapes, whose data the kept blocks still hold, gives bitwise what
 // it gives on blocks fresh from the allocator, on every path this CPU runs; the cache holds

@@ -53,15 +53,12 @@ RunMemory run_memory_estimate(int64_t tokens, int64_t longest, const check::Batc
   // with the per-task buffers of the longest document. Rows bounded as cp_memory_estimate's:
   // past 2^50 the batch's own terms refuse the run, and the scratch's sums must not wrap.
   const auto rows = static_cast<int64_t>(std::min(t, uint64_t{1} << 50));
-  WorkList longest_task;
-  longest_task.tasks.push_back({.q_len = std::clamp<int64_t>(longest, 0, rows)});
   const AttnBwdParams whole{.in = {.q = {nullptr, rows, s.heads_q, s.head_dim_qk, cfg.dtype},
                                    .k = {nullptr, rows, s.heads_k, s.head_dim_qk, cfg.dtype},
                                    .v = {nullptr, rows, s.heads_k, s.head_dim_v, cfg.dtype},
-                                   .work = &longest_task,
                                    .options = cfg.options}};
   m.reference = saturating_add(saturating_add(saturating_mul(all, tensor_bytes + 4), lse),
-                               attention_backward_scratch_bytes(whole));
+                               attention_backward_scratch_bytes(whole, longest));
   m.ranks_on_node = ranks_on_this_node();
   return m;
 }
