@@ -251,22 +251,34 @@ class Communicator {
   // Keeps `owner` alive while timed-out requests are pending, even past this Communicator's
   // own end (it then lives until the process exits); freed at once when none is pending.
   // For objects that own buffers a timed-out call used (CpAttention hands its state here).
-  // The scratch buffers of the Communicator itself are kept the same way.
+  // The scratch buffers of the Communicator itself are kept the same way. Out of memory for
+  // the slot that keeps it, the job ends (MPI_Abort, a line naming the timed-out operation)
+  // with `owner` alive: freeing it would let the pending requests write into freed memory.
   void retain_while_pending(std::shared_ptr<void> owner);
   // Where a call on this Communicator threw (its catch block, or the destructor of what it
   // left): when the Communicator is poisoned, that call's requests may still read or write
   // `bufs`, whose storage then moves into one object kept as above; otherwise `bufs` are left as
   // they are. Vectors and smart pointers only: a moved vector keeps its heap block and a moved
   // pointer its object, so the requests' addresses stay valid (a moved std::string or std::array
-  // would not keep them).
+  // would not keep them). Out of memory for the object that keeps them, the job ends as
+  // retain_while_pending's does, `bufs` untouched.
   template <class... B>
   void keep_if_poisoned(B&... bufs) {
     static_assert(((!std::is_const_v<B> && detail::keeps_storage_when_moved<B>) && ...),
                   "keep_if_poisoned takes non-const std::vector, std::shared_ptr or std::unique_ptr");
-    if (poisoned()) retain_while_pending(std::make_shared<std::tuple<B...>>(std::move(bufs)...));
+    if (!poisoned()) return;
+    std::shared_ptr<void> owner;
+    try {
+      owner = std::make_shared<std::tuple<B...>>(std::move(bufs)...);  // moves only once allocated
+    } catch (...) {
+      keeping_failed();
+    }
+    retain_while_pending(std::move(owner));
   }
 
  private:
+  // Ends the job: what a timed-out call's requests may still use could not be kept.
+  [[noreturn]] void keeping_failed() const noexcept;
   friend class CommRequest;
   struct Impl;
   // The state, or cpattn::Error when this object was moved from (a CpAttention that borrowed

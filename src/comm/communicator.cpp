@@ -69,6 +69,19 @@ bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_b
   return a_bytes > 0 && b_bytes > 0 && pa < pb + b_bytes && pb < pa + a_bytes;
 }
 
+// What a timed-out call's requests may still read or write could not be kept (out of memory
+// for the record or the object that keeps it): ends the job with those buffers alive, since
+// freeing them would let MPI write into freed memory. Allocates nothing on the way out.
+[[noreturn]] void end_job_unkept(int rank, const char* op, int abort_code) noexcept {
+  std::fprintf(stderr,
+               "cpattn comm: rank %d: out of memory keeping the buffers of the timed-out %s alive for its "
+               "pending requests: ending the job rather than freeing memory that MPI may still write\n",
+               rank, op);
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, abort_code);
+  std::abort();  // (MPI_Abort does not return)
+}
+
 }  // namespace
 
 struct Communicator::Impl {
@@ -193,24 +206,30 @@ struct Communicator::Impl {
 
   [[noreturn]] void timed_out(const Op& op, std::span<MPI_Request> reqs, MPI_Comm abort_comm) {
     const bool abort = opts.on_timeout == TimeoutAction::abort;
-    std::ostringstream os;
-    os << "cpattn comm: timeout: " << op.name << " (call #" << op.call << ") on rank " << rank
-       << " of " << size << " did not complete within the deadline of " << timeout_s << " s (set by "
-       << opts.timeout_name << ", else " << kTimeoutEnv << ", else " << kDefaultTimeoutS << " s); "
-       << (abort ? "aborting the job" : "throwing");
-    const std::string msg = os.str();
-    std::fprintf(stderr, "%s\n", msg.c_str());
+    std::string msg;
+    try {
+      if (!abort) {  // the requests recorded first: one not recorded would let its buffers be freed under it
+        for (MPI_Request req : reqs)
+          if (req != MPI_REQUEST_NULL) pending.push_back(req);
+        poisoned = true;
+        poisoned_by = std::string(op.name) + " (call #" + std::to_string(op.call) + ")";
+      }
+      std::ostringstream os;
+      os << "cpattn comm: timeout: " << op.name << " (call #" << op.call << ") on rank " << rank << " of " << size
+         << " did not complete within the deadline of " << timeout_s << " s (set by " << opts.timeout_name
+         << ", else " << kTimeoutEnv << ", else " << kDefaultTimeoutS << " s); "
+         << (abort ? "aborting the job" : "throwing");
+      msg = os.str();
+    } catch (...) {  // out of memory: the line could not be made, or a request not recorded
+      if (abort) std::fprintf(stderr, "cpattn comm: timeout: %s on rank %d; aborting the job\n", op.name, rank);
+      else end_job_unkept(rank, op.name, opts.abort_code);
+    }
+    if (!msg.empty()) std::fprintf(stderr, "%s\n", msg.c_str());
     std::fflush(stderr);
     if (abort) {
       MPI_Abort(abort_comm, opts.abort_code);
       std::abort();  // MPI_Abort does not return; never continue past a timeout
     }
-    for (MPI_Request req : reqs)
-      if (req != MPI_REQUEST_NULL) pending.push_back(req);
-    poisoned = true;
-    std::ostringstream by;
-    by << op.name << " (call #" << op.call << ")";
-    poisoned_by = by.str();
     throw Error(msg);
   }
 
@@ -420,7 +439,17 @@ Communicator Communicator::split(int color, int key) const {
 }
 
 void Communicator::retain_while_pending(std::shared_ptr<void> owner) {
-  if (!impl().settle()) impl().retained.push_back(std::move(owner));
+  Impl& im = impl();
+  if (im.settle()) return;
+  try {
+    im.retained.push_back(std::move(owner));  // moves `owner` only once its slot is allocated
+  } catch (...) {
+    keeping_failed();  // `owner` still holds the buffers, never freed under the requests
+  }
+}
+
+void Communicator::keeping_failed() const noexcept {
+  end_job_unkept(impl_->rank, impl_->poisoned_by.c_str(), impl_->opts.abort_code);
 }
 
 bool Communicator::drain(double timeout_s) {

@@ -1352,8 +1352,8 @@ CpAttention::~CpAttention() {
   // or write the dK/dV buffers: the state outlives this object until they end.
   // No exception may leave a destructor: where the communicator cannot be asked (moved from
   // since: poisoned() throws; its state, pending requests included, went with the move), the
-  // state is leaked on purpose rather than freed under requests that may still use it. (Out of
-  // memory once the state has moved, inside retain_while_pending, it is freed: not guarded.)
+  // state is leaked on purpose rather than freed under requests that may still use it (out of
+  // memory while keeping it, keep_if_poisoned ends the job with the state alive).
   try {
     if (s_) s_->comm.keep_if_poisoned(s_);
   } catch (...) {
