@@ -8,6 +8,7 @@ mpi4py communicator, or a torch.distributed process group made under mpirun, for
 module derives the MPI communicator of the same processes (docs/python.md).
 """
 
+import re
 import weakref
 from collections import OrderedDict
 
@@ -18,6 +19,8 @@ from . import _cpattn
 from .attention import (alibi, boundaries, check_same_dtype, check_tensor, check_thd, dtype_name,
                         in_place_or_copy, number, option_values, options_of, unit_head_dim)
 
+# A failing rank's entry in the message of the ranks' meeting, and the kind of its error.
+_FAILED_KIND = re.compile(r"\[ranks? [^\]]*\] (TypeError|ValueError): ")
 _LAYERS_KEPT = 8  # layers (shapes x option combinations) a module keeps, the most recently used
 
 
@@ -239,8 +242,9 @@ class ContextParallelAttention(torch.nn.Module):
     def forward(self, q, k, v, cu_seqlens):
         # The checks here may fail on one rank alone (its tensors): the ranks then meet (one
         # agreement under the deadline, which also carries rank 0's dropout seed) before anything
-        # else is sent, and every rank raises the failing ranks' messages (ValueError). Alone, the
-        # error is raised as it is.
+        # else is sent, and every rank raises the failing ranks' messages, each after its kind:
+        # a TypeError when every failing rank's was one (as the same call raises alone), else a
+        # ValueError. Alone, the error is raised as it is.
         dropout = False
         try:
             dropout = self.training and number("dropout_p", self.dropout_p) > 0.0
@@ -254,6 +258,14 @@ class ContextParallelAttention(torch.nn.Module):
         except (TypeError, ValueError) as e:
             if self._cp_comm.size == 1:
                 raise
-            error = str(e)
-        seed = self._cp_comm.meet(error, int(torch.randint(0, 2**63 - 1, ())) if dropout else None)
+            error = f"{type(e).__name__}: {e}"
+        try:
+            seed = self._cp_comm.meet(error, int(torch.randint(0, 2**63 - 1, ())) if dropout else None)
+        except ValueError as e:
+            # "... rejected its arguments: [rank 1] TypeError: ... [ranks 2-3] ValueError: ...":
+            # the same text, so the same kind, on every rank.
+            kinds = _FAILED_KIND.findall(str(e))
+            if kinds and all(kind == "TypeError" for kind in kinds):
+                raise TypeError(str(e)) from None
+            raise
         return _CpFunction.apply(q, k, v, cu, layer, seed)

@@ -79,15 +79,16 @@ def check(group, scheme, kwargs, dtype, causal, lengths, heads):
             assert torch.all((got - want).abs() <= tol + tol * want.abs()), f"{what} {name}: outside {tol} + {tol}|ref|"
 
 
-def expect_same_error(make, *words):
-    """make() raises ValueError on every rank, with the same message, naming `words`."""
+def expect_same_error(make, *words, kind=ValueError):
+    """make() raises `kind` on every rank, with the same message, naming `words`."""
     try:
         make()
         message = "no error"
-    except ValueError as e:
-        message = str(e)
+    except (TypeError, ValueError) as e:
+        message = f"{type(e).__name__}: {e}"
     messages = WORLD.allgather(message)
     assert len(set(messages)) == 1, f"ranks disagree: {messages}"
+    assert message.startswith(kind.__name__ + ": "), f"expected a {kind.__name__}: {message}"
     assert all(w in message for w in words), f"expected {words} in: {message}"
 
 
@@ -164,6 +165,14 @@ def bad_arguments(group):
                       "q must be [local_tokens, heads, head_dim] (3 dimensions)")
     expect_same_error(lambda: attn(torch.zeros(4, 2, 16)[..., ::2] if last else q, q, q, cu), f"[rank {size - 1}]",
                       "q must have unit stride in head_dim")
+    # The kind as alone (test_errors.py): a wrong dtype on one rank is a TypeError on every rank;
+    # with another rank's ValueError beside it, a ValueError naming both.
+    expect_same_error(lambda: attn(q.double() if last else q, q, q, cu), f"[rank {size - 1}] TypeError: q must be "
+                      "float32, float16 or bfloat16", kind=TypeError)
+    first = WORLD.rank == 0
+    expect_same_error(lambda: attn(q.double() if last else q.reshape(4, 16) if first else q, q, q, cu),
+                      f"[rank {size - 1}] TypeError: q must be float32", "[rank 0] ValueError: q must be [local_tokens",
+                      kind=ValueError)
     assert attn(q, q, q, cu).shape == (4, 2, 8)
 
 
