@@ -26,13 +26,11 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <string>
-#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -347,17 +345,15 @@ void check_not_into_data(const TrainArgs& a, const char* flag, const std::string
     CPATTN_CHECK(!writes_into(path, d), flag, " '", path, "' ",
                  same_file(path, d) ? "is the file of" : "lies in the folder of", " --data '", d, "'", kWhy);
   if (!tree) return;
-  // The output once, canonical where its folder exists, against the walk's canonical folders and
-  // the files' identities as the walk found them.
-  const std::string target = resolve_output_path(path);
-  std::error_code ec;
-  const std::string out = std::filesystem::weakly_canonical(target, ec).string();
-  if (!ec)
+  // Where the output lands (output_location), once, against the walk's canonical folders, and
+  // its identity against the files' as the walk found them.
+  const std::string out = output_location(path);
+  if (!out.empty())
     for (const std::string& f : tree->folders)
       CPATTN_CHECK(!lies_below(out, f), flag, " '", path, "' lies in the folder '", f,
                    "', which --data reaches through a link", kWhy);
   struct stat st {};
-  if (::stat(target.c_str(), &st) != 0) return;  // not there yet: no data file
+  if (::stat(resolve_output_path(path).c_str(), &st) != 0) return;  // not there yet: no data file
   const std::pair<uint64_t, uint64_t> id(st.st_dev, st.st_ino);
   for (size_t i = 0; i < tree->files.size(); ++i)
     CPATTN_CHECK(tree->file_ids[i] != id, flag, " '", path, "' is the data file '", tree->files[i],

@@ -320,8 +320,9 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
 
 // fp32 scratch that attention_backward allocates internally (dK/dV per head set, packed
 // K/V, per-thread blocks), so that callers can budget memory. Forward needs about half.
-// The per-thread blocks grow with the longest task's queries, read from p.in.work: without a
-// work list they are counted for tasks of no rows (an underestimate).
+// The per-thread blocks grow with the longest task's queries, read from p.in.work (at most
+// p.in.q.rows, as a valid work list has): without a work list they are counted for tasks of no
+// rows (an underestimate).
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p);
 // The same for a call whose longest task has `longest_task` query rows (clamped to
 // [0, p.in.q.rows]; p.in.work is not read): for budgets made before the work list exists.

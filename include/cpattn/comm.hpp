@@ -266,7 +266,7 @@ class Communicator {
   void keep_if_poisoned(B&... bufs) {
     static_assert(((!std::is_const_v<B> && detail::keeps_storage_when_moved<B>) && ...),
                   "keep_if_poisoned takes non-const std::vector, std::shared_ptr or std::unique_ptr");
-    if (!poisoned()) return;
+    if (!poisoned() || !requests_pending()) return;
     std::shared_ptr<void> owner;
     try {
       owner = std::make_shared<std::tuple<B...>>(std::move(bufs)...);  // moves only once allocated
@@ -279,6 +279,8 @@ class Communicator {
  private:
   // Ends the job: what a timed-out call's requests may still use could not be kept.
   [[noreturn]] void keeping_failed() const noexcept;
+  // Whether requests of a timed-out call are still pending (tested once; none after MPI_Finalize).
+  bool requests_pending() const;
   friend class CommRequest;
   struct Impl;
   // The state, or cpattn::Error when this object was moved from (a CpAttention that borrowed

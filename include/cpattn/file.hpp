@@ -40,9 +40,14 @@ bool same_file(const std::string& a, const std::string& b);
 // checkpoint saved into the training data's folder becomes a document of the next run).
 bool writes_into(const std::string& path, const std::string& input);
 
+// Where a write to `path` lands, absolute: its links followed (resolve_output_path), the part
+// that exists canonical, the rest as written (a relative `path` from the working folder); empty
+// when it cannot be had. For comparing one output with many canonical folders (lies_below).
+std::string output_location(const std::string& path);
+
 // Whether `path` is `folder` or lies below it, component by component (/data2/x is not below
-// /data), both already canonical (no links, no . or ..): writes_into's last test, for callers
-// that compare one output with many canonical folders.
+// /data), both absolute and canonical (no links, no . or ..; a trailing separator on either is
+// ignored): writes_into's last test.
 bool lies_below(const std::string& path, const std::string& folder);
 
 // The whole of the regular file `path` (its size when opened). A FIFO, a device or a folder is

@@ -20,7 +20,7 @@ from .attention import (alibi, boundaries, check_same_dtype, check_tensor, check
                         in_place_or_copy, number, option_values, options_of, unit_head_dim)
 
 # A failing rank's entry in the message of the ranks' meeting, and the kind of its error.
-_FAILED_KIND = re.compile(r"\[ranks? [^\]]*\] (TypeError|ValueError): ")
+_FAILED_KIND = re.compile(r"\[ranks? [0-9,-]+\] (\w+): ")
 _LAYERS_KEPT = 8  # layers (shapes x option combinations) a module keeps, the most recently used
 
 
@@ -264,7 +264,7 @@ class ContextParallelAttention(torch.nn.Module):
         except ValueError as e:
             # "... rejected its arguments: [rank 1] TypeError: ... [ranks 2-3] ValueError: ...":
             # the same text, so the same kind, on every rank.
-            kinds = _FAILED_KIND.findall(str(e))
+            kinds = _FAILED_KIND.findall(str(e))  # (a ValueError subclass's name counts as not TypeError)
             if kinds and all(kind == "TypeError" for kind in kinds):
                 raise TypeError(str(e)) from None
             raise

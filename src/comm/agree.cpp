@@ -100,7 +100,7 @@ std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::
   const auto gather = [&](auto&& collective) {
     try {
       collective();
-    } catch (const Error&) {
+    } catch (...) {
       comm.keep_if_poisoned(buf);
       throw;
     }

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -69,14 +70,15 @@ bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_b
   return a_bytes > 0 && b_bytes > 0 && pa < pb + b_bytes && pb < pa + a_bytes;
 }
 
-// What a timed-out call's requests may still read or write could not be kept (out of memory
-// for the record or the object that keeps it): ends the job with those buffers alive, since
-// freeing them would let MPI write into freed memory. Allocates nothing on the way out.
-[[noreturn]] void end_job_unkept(int rank, const char* op, int abort_code) noexcept {
-  std::fprintf(stderr,
-               "cpattn comm: rank %d: out of memory keeping the buffers of the timed-out %s alive for its "
-               "pending requests: ending the job rather than freeing memory that MPI may still write\n",
-               rank, op);
+// What the pending requests of a call (timed out, or dropped before its wait) may still read or
+// write could not be kept (out of memory for the record of the requests, the object that keeps
+// the buffers or its slot): ends the job with those buffers alive, since freeing them would let
+// MPI write into freed memory. `call` < 0: `op` names the call whole. Allocates nothing.
+[[noreturn]] void end_job_unkept(int rank, const char* op, std::int64_t call, int abort_code) noexcept {
+  std::fprintf(stderr, "cpattn comm: rank %d: out of memory keeping the buffers of %s", rank, op);
+  if (call >= 0) std::fprintf(stderr, " (call #%lld)", static_cast<long long>(call));
+  std::fprintf(stderr, " alive for its pending requests: ending the job rather than freeing memory that MPI may "
+                       "still write\n");
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, abort_code);
   std::abort();  // (MPI_Abort does not return)
@@ -207,6 +209,7 @@ struct Communicator::Impl {
   [[noreturn]] void timed_out(const Op& op, std::span<MPI_Request> reqs, MPI_Comm abort_comm) {
     const bool abort = opts.on_timeout == TimeoutAction::abort;
     std::string msg;
+    std::optional<Error> error;  // made here: a bad_alloc past the record would unwind callers that catch Error
     try {
       if (!abort) {  // the requests recorded first: one not recorded would let its buffers be freed under it
         for (MPI_Request req : reqs)
@@ -220,9 +223,10 @@ struct Communicator::Impl {
          << ", else " << kTimeoutEnv << ", else " << kDefaultTimeoutS << " s); "
          << (abort ? "aborting the job" : "throwing");
       msg = os.str();
+      if (!abort) error.emplace(msg);
     } catch (...) {  // out of memory: the line could not be made, or a request not recorded
       if (abort) std::fprintf(stderr, "cpattn comm: timeout: %s on rank %d; aborting the job\n", op.name, rank);
-      else end_job_unkept(rank, op.name, opts.abort_code);
+      else end_job_unkept(rank, op.name, op.call, opts.abort_code);
     }
     if (!msg.empty()) std::fprintf(stderr, "%s\n", msg.c_str());
     std::fflush(stderr);
@@ -230,7 +234,7 @@ struct Communicator::Impl {
       MPI_Abort(abort_comm, opts.abort_code);
       std::abort();  // MPI_Abort does not return; never continue past a timeout
     }
-    throw Error(msg);
+    throw std::move(*error);  // (moving an Error allocates nothing)
   }
 
   void wait(const Op& op, std::vector<MPI_Request>& reqs) {
@@ -381,8 +385,12 @@ Communicator::~Communicator() {
     // Requests of a timed-out call (throw_error mode) still point into the scratch buffers
     // and the retained owners: they must never be freed while MPI may use them. Kept for
     // the life of the process, reachable (not a leak to LeakSanitizer).
-    static auto* graveyard = new std::vector<std::unique_ptr<Impl>>;
-    graveyard->push_back(std::move(impl_));
+    try {
+      static auto* graveyard = new std::vector<std::unique_ptr<Impl>>;
+      graveyard->push_back(std::move(impl_));  // (moves impl_ only once its slot is allocated)
+    } catch (...) {
+      end_job_unkept(impl_->rank, impl_->poisoned_by.c_str(), -1, impl_->opts.abort_code);
+    }
   }
 }
 
@@ -449,8 +457,10 @@ void Communicator::retain_while_pending(std::shared_ptr<void> owner) {
 }
 
 void Communicator::keeping_failed() const noexcept {
-  end_job_unkept(impl_->rank, impl_->poisoned_by.c_str(), impl_->opts.abort_code);
+  end_job_unkept(impl_->rank, impl_->poisoned_by.c_str(), -1, impl_->opts.abort_code);
 }
+
+bool Communicator::requests_pending() const { return !impl().settle(); }
 
 bool Communicator::drain(double timeout_s) {
   Impl& im = impl();
@@ -814,11 +824,15 @@ bool Communicator::test(CommRequest& r) {
 CommRequest::~CommRequest() {
   if (reqs_.empty() || impl_ == nullptr) return;
   auto* im = static_cast<Communicator::Impl*>(impl_);
-  for (MPI_Request q : reqs_)
-    if (q != MPI_REQUEST_NULL) im->pending.push_back(q);
-  if (!im->poisoned) {
-    im->poisoned = true;
-    im->poisoned_by = std::string(name_) + " (call #" + std::to_string(call_) + ", dropped before wait)";
+  try {
+    for (MPI_Request q : reqs_)
+      if (q != MPI_REQUEST_NULL) im->pending.push_back(q);
+    if (!im->poisoned) {
+      im->poisoned = true;
+      im->poisoned_by = std::string(name_) + " (call #" + std::to_string(call_) + ", dropped before wait)";
+    }
+  } catch (...) {  // out of memory: a request not recorded would let its buffers be freed under it
+    end_job_unkept(im->rank, name_, call_, im->opts.abort_code);
   }
 }
 CommRequest::CommRequest(CommRequest&& o) noexcept

@@ -1661,7 +1661,7 @@ std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, Con
   try {
     comm.all_gather_v<int64_t>(idx, n_idx, all_idx);
     comm.all_gather_v<float>(mine, n_val, all_val);
-  } catch (const Error&) {
+  } catch (...) {
     comm.keep_if_poisoned(bufs);
     throw;
   }

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <system_error>
 
 namespace cpattn {
@@ -86,15 +87,27 @@ bool writes_into(const std::string& path, const std::string& input) {
   if (!std::filesystem::is_directory(input, ec)) return false;
   const std::filesystem::path root = std::filesystem::canonical(input, ec);
   if (ec) return false;
-  const std::filesystem::path out = std::filesystem::weakly_canonical(resolve_output_path(path), ec);
-  if (ec) return false;
-  return lies_below(out.string(), root.string());
+  const std::string out = output_location(path);
+  return !out.empty() && lies_below(out, root.string());
+}
+
+std::string output_location(const std::string& path) {
+  std::error_code ec;
+  // (absolute first: weakly_canonical keeps a relative name whose first component does not exist
+  // relative, which no canonical folder is a prefix of)
+  const std::filesystem::path abs = std::filesystem::absolute(resolve_output_path(path), ec);
+  if (ec) return {};
+  const std::filesystem::path out = std::filesystem::weakly_canonical(abs, ec);
+  return ec ? std::string() : out.string();
 }
 
 bool lies_below(const std::string& path, const std::string& folder) {
   const std::filesystem::path p(path), f(folder);
-  // Component by component: /data2/x is not below /data.
-  return std::mismatch(f.begin(), f.end(), p.begin(), p.end()).first == f.end();
+  // Component by component: /data2/x is not below /data. A trailing separator is an empty last
+  // component: not one of the folder's to match.
+  auto f_end = f.end();
+  if (f_end != f.begin() && std::prev(f_end)->empty()) --f_end;
+  return std::mismatch(f.begin(), f_end, p.begin(), p.end()).first == f_end;
 }
 
 std::vector<std::byte> read_regular_file(const std::string& path) {

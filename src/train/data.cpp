@@ -35,7 +35,8 @@ DataTree data_tree(std::span<const std::string> paths) {
   if (roots.empty()) roots.emplace_back(kDefaultDataDir);
   std::map<fs::path, std::pair<uint64_t, uint64_t>> files;  // canonical, sorted, each once: (device, inode)
   DataTree tree;
-  // A regular file by its canonical name and identity; on an error `ec` says which, nothing added.
+  // A regular file by its canonical name and identity; on an error `ec` says which, nothing added
+  // (each caller then fails naming the file).
   const auto add_file = [&files](const fs::path& p, std::error_code& ec) {
     fs::path canonical = fs::canonical(p, ec);
     if (ec) return;
@@ -67,7 +68,11 @@ DataTree data_tree(std::span<const std::string> paths) {
       for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
         if (it->is_directory(ec) && !first_entry(it->path())) it.disable_recursion_pending();
-        if (it->is_regular_file(ec)) add_file(it->path(), ec);
+        if (it->is_regular_file(ec)) {  // (a dangling link is none: its error is cleared by the next step)
+          add_file(it->path(), ec);
+          CPATTN_CHECK(!ec, "load_documents: paths: cannot resolve '", it->path().string(), "' in folder '", root,
+                       "': ", ec.message());
+        }
       }
       CPATTN_CHECK(!ec, "load_documents: paths: cannot list folder '", root, "': ", ec.message());
     } else {

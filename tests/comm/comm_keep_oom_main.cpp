@@ -7,9 +7,10 @@
 //   none    nothing fails: the buffers are kept, the late rank's data lands, the requests drain
 //           and every rank prints its line (the case the other two would reach without the rule).
 // Out of memory, the buffers must never be freed under the pending requests: the rank prints
-// the line naming the timed-out operation and ends the job (MPI_Abort) instead of returning.
+// the line naming the timed-out call and ends the job (MPI_Abort) instead of returning.
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -22,11 +23,11 @@
 #include "cpattn/error.hpp"
 
 namespace {
-int fail_in = 0;  // > 0: the fail_in-th operator new from now throws std::bad_alloc
+std::atomic<int> fail_in{0};  // > 0: the fail_in-th operator new from now throws std::bad_alloc (any thread)
 }  // namespace
 
 void* operator new(std::size_t n) {
-  if (fail_in > 0 && --fail_in == 0) throw std::bad_alloc();
+  if (fail_in.load() > 0 && fail_in.fetch_sub(1) == 1) throw std::bad_alloc();
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }

@@ -171,6 +171,16 @@ TEST(SafeFile, WritesIntoAFileOrBelowAFolder) {
   EXPECT_FALSE(writes_into(t / "new.ckpt", t / "data"));
   EXPECT_FALSE(writes_into(t / "data/new.ckpt", t / "data/doc.txt"));
   EXPECT_FALSE(writes_into(t / "new.ckpt", t / "missing"));
+  // A relative name from inside the folder (`cd data && ... --save new.ckpt`): it was compared
+  // as written, relative, and no folder is a prefix of that.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(t / "data");
+  const std::string where = output_location("new.ckpt");
+  const bool into = writes_into("new.ckpt", t / "data"), into_sub = writes_into("sub/../x", "..");
+  fs::current_path(cwd);
+  EXPECT_EQ(where, (fs::canonical(t / "data") / "new.ckpt").string());
+  EXPECT_TRUE(into);
+  EXPECT_TRUE(into_sub);
 }
 
 // lies_below on canonical names: by components, the folder itself included.
@@ -181,6 +191,9 @@ TEST(SafeFile, LiesBelowComparesComponents) {
   EXPECT_FALSE(lies_below("/data2/x.ckpt", "/data"));
   EXPECT_FALSE(lies_below("/dat", "/data"));
   EXPECT_FALSE(lies_below("/other/data/x", "/data"));
+  EXPECT_TRUE(lies_below("/data/x", "/data/"));  // a trailing separator is no component
+  EXPECT_TRUE(lies_below("/data/", "/data"));
+  EXPECT_FALSE(lies_below("/data2/", "/data/"));
 }
 
 // A write that fails midway (the file-size limit, as a full disk would: EFBIG like ENOSPC):
