@@ -26,6 +26,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -345,13 +346,21 @@ void check_not_into_data(const TrainArgs& a, const char* flag, const std::string
     CPATTN_CHECK(!writes_into(path, d), flag, " '", path, "' ",
                  same_file(path, d) ? "is the file of" : "lies in the folder of", " --data '", d, "'", kWhy);
   if (!tree) return;
-  // Where the output lands (output_location), once, against the walk's canonical folders, and
-  // its identity against the files' as the walk found them.
+  // Where the output lands (output_location): each folder above it that exists, by identity,
+  // against the folders the walk entered (so also one reached under another name, as through a
+  // bind mount), then its own identity against the data files'.
   const std::string out = output_location(path);
-  if (!out.empty())
-    for (const std::string& f : tree->folders)
-      CPATTN_CHECK(!lies_below(out, f), flag, " '", path, "' lies in the folder '", f,
-                   "', which --data reaches through a link", kWhy);
+  for (std::filesystem::path up = std::filesystem::path(out).parent_path(); !out.empty();
+       up = up.parent_path()) {
+    struct stat ds {};
+    if (::stat(up.c_str(), &ds) == 0) {
+      const std::pair<uint64_t, uint64_t> id(ds.st_dev, ds.st_ino);
+      for (size_t i = 0; i < tree->folders.size(); ++i)
+        CPATTN_CHECK(tree->folder_ids[i] != id, flag, " '", path, "' lies in the folder '", tree->folders[i],
+                     "', which --data reaches through a link or under another name", kWhy);
+    }
+    if (up == up.parent_path()) break;  // the root
+  }
   struct stat st {};
   if (::stat(resolve_output_path(path).c_str(), &st) != 0) return;  // not there yet: no data file
   const std::pair<uint64_t, uint64_t> id(st.st_dev, st.st_ino);

@@ -61,13 +61,15 @@ struct Document {
 std::vector<Document> load_documents(std::span<const std::string> paths);
 
 // What load_documents(paths) reads, without reading it: its files and the folders its walk
-// enters (folder links followed, each folder once), all canonical. For the checks that an
-// output never lands among the data (a hard link to a data file, a folder reached through a
-// link below a data folder). Throws as load_documents does for a missing path.
+// enters (folder links followed, each folder once), all canonical, with their identities. For
+// the checks that an output never lands among the data (a hard link to a data file, a folder
+// reached through a link below a data folder or under another name, as a bind mount gives).
+// Throws as load_documents does for a missing path.
 struct DataTree {
   std::vector<std::string> files;    // sorted, each once
   std::vector<std::pair<uint64_t, uint64_t>> file_ids;  // files[i]'s (device, inode) when walked
   std::vector<std::string> folders;  // in walk order
+  std::vector<std::pair<uint64_t, uint64_t>> folder_ids;  // folders[i]'s (device, inode)
 };
 DataTree data_tree(std::span<const std::string> paths);
 

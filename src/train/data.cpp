@@ -61,7 +61,10 @@ DataTree data_tree(std::span<const std::string> paths) {
         if (!entered.emplace(ds.st_dev, ds.st_ino).second) return false;
         std::error_code cec;
         const fs::path canonical = fs::canonical(dir, cec);
-        if (!cec) tree.folders.push_back(canonical.string());
+        if (!cec) {
+          tree.folders.push_back(canonical.string());
+          tree.folder_ids.emplace_back(ds.st_dev, ds.st_ino);
+        }
         return true;
       };
       first_entry(root);

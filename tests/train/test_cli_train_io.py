@@ -1,6 +1,6 @@
 """`cpattn train`'s files and flags (bad ones: exit 2 with one line naming the flags, no hang): an
-output (--save, --json-log, --svg) in a --data file or folder is refused, the data left as it
-was; a --data folder with link loops loads each file once, at once; a long valid --save name is
+output (--save, --json-log, --svg) in a --data file or folder is refused (by any name: a link, a
+relative name, a bind mount), the data left as it was; a --data folder with link loops loads each file once, at once; a long valid --save name is
 written; --compare with skipped (non-finite) steps; --compare entries' errors; the doubles
 --compare hands its runs; a resume with --steps below its step; a mesh past any MPI world."""
 import json
@@ -76,6 +76,28 @@ with tempfile.TemporaryDirectory() as tmp:
                                              "of --data under another name")):
         refused(train(0, *TINY, "--steps", "1", "--data", p("f"), *args, timeout=120), msg, args)
     check(read(p("hard.txt")) == corpus and os.listdir(p("far")) == [], "the linked data is left as it was")
+    # A name relative to the data folder (cd d && --data . --save ck): compared as written, it
+    # was let through and the checkpoint became a document.
+    cwd = os.getcwd()
+    os.chdir(p("d"))
+    try:
+        refused(train(0, *TINY, "--steps", "1", "--data", ".", "--save", "ck", timeout=120),
+                "--save 'ck' lies in the folder of --data '.'", "a relative --save in the data folder")
+    finally:
+        os.chdir(cwd)
+    # The data folder under another name, a bind mount (as root, where mount is allowed): taken
+    # before, its names not below the data's.
+    os.makedirs(p("alias"))
+    if os.geteuid() == 0 and subprocess.run(["mount", "--bind", p("f"), p("alias")], capture_output=True).returncode == 0:
+        try:
+            refused(train(0, *TINY, "--steps", "1", "--data", p("f"), "--save", p("alias/ck"), timeout=120),
+                    f"--save '{p('alias/ck')}' lies in the folder '{os.path.realpath(p('f'))}', which --data reaches "
+                    "through a link or under another name", "--save into a bind mount of the data")
+        finally:
+            subprocess.run(["umount", p("alias")], check=True)
+        check(sorted(os.listdir(p("f"))) == ["a.txt", "g"], f"nothing written into the data: {os.listdir(p('f'))}")
+    else:
+        print("skipped: --save into a bind mount of the data (mount --bind refused here)")
 
     # A --data folder with two links back to itself: each file once, at once (the walk never
     # ended before).
