@@ -323,8 +323,10 @@ void check_args(const TrainArgs& a) {
 // An output that lands in the training data: in a --data file it replaced the corpus (and the
 // run exited 0); below a --data folder it became a document, and the resumed run failed on a
 // data hash that named no flag. Refused (rank 0 checks, every rank fails) before any work:
-// below the --data paths, in a folder the data's walk reaches through a link, or onto a data
-// file under another name (a hard link, a link to it).
+// below the --data paths, in a folder the data's walk enters by any name (through a link, a
+// bind mount), or onto a data file under another name (a hard link, a link to it). Folders and
+// files are compared by (device, inode), which a filesystem whose inode numbers are not unique
+// (some FUSE ones) could make refuse an unrelated folder.
 // The data's files and folders (train::data_tree), or none where they cannot be walked (a
 // --data path that is not there, a folder that cannot be listed): the loading then fails on
 // the same tree, naming the flag, before any output is written.
@@ -350,17 +352,17 @@ void check_not_into_data(const TrainArgs& a, const char* flag, const std::string
   // against the folders the walk entered (so also one reached under another name, as through a
   // bind mount), then its own identity against the data files'.
   const std::string out = output_location(path);
-  for (std::filesystem::path up = std::filesystem::path(out).parent_path(); !out.empty();
-       up = up.parent_path()) {
-    struct stat ds {};
-    if (::stat(up.c_str(), &ds) == 0) {
-      const std::pair<uint64_t, uint64_t> id(ds.st_dev, ds.st_ino);
-      for (size_t i = 0; i < tree->folders.size(); ++i)
-        CPATTN_CHECK(tree->folder_ids[i] != id, flag, " '", path, "' lies in the folder '", tree->folders[i],
-                     "', which --data reaches through a link or under another name", kWhy);
+  if (!out.empty())
+    for (std::filesystem::path up = out;; up = up.parent_path()) {  // the output itself first (a folder)
+      struct stat ds {};
+      if (::stat(up.c_str(), &ds) == 0) {
+        const std::pair<uint64_t, uint64_t> id(ds.st_dev, ds.st_ino);
+        for (size_t i = 0; i < tree->folders.size(); ++i)
+          CPATTN_CHECK(tree->folder_ids[i] != id, flag, " '", path, "' lies in the folder '", tree->folders[i],
+                       "', which --data reaches through a link or under another name", kWhy);
+      }
+      if (up == up.parent_path()) break;  // the root
     }
-    if (up == up.parent_path()) break;  // the root
-  }
   struct stat st {};
   if (::stat(resolve_output_path(path).c_str(), &st) != 0) return;  // not there yet: no data file
   const std::pair<uint64_t, uint64_t> id(st.st_dev, st.st_ino);

@@ -260,8 +260,8 @@ class Communicator {
   // `bufs`, whose storage then moves into one object kept as above; otherwise `bufs` are left as
   // they are. Vectors and smart pointers only: a moved vector keeps its heap block and a moved
   // pointer its object, so the requests' addresses stay valid (a moved std::string or std::array
-  // would not keep them). Out of memory for the object that keeps them, the job ends as
-  // retain_while_pending's does, `bufs` untouched.
+  // would not keep them). Nothing is kept once those requests have completed. Out of memory for
+  // the object that keeps them, the job ends as retain_while_pending's does, `bufs` untouched.
   template <class... B>
   void keep_if_poisoned(B&... bufs) {
     static_assert(((!std::is_const_v<B> && detail::keeps_storage_when_moved<B>) && ...),

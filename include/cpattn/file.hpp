@@ -40,9 +40,10 @@ bool same_file(const std::string& a, const std::string& b);
 // checkpoint saved into the training data's folder becomes a document of the next run).
 bool writes_into(const std::string& path, const std::string& input);
 
-// Where a write to `path` lands, absolute: its links followed (resolve_output_path), the part
-// that exists canonical, the rest as written (a relative `path` from the working folder); empty
-// when it cannot be had. For comparing one output with many canonical folders (lies_below).
+// Where a write to `path` lands, absolute: its links followed (resolve_output_path, which
+// throws cpattn::Error on a link loop), the part that exists canonical, the rest normalized (a
+// relative `path` from the working folder); empty when the working folder or a component cannot
+// be read. For comparing one output with many canonical folders (lies_below).
 std::string output_location(const std::string& path);
 
 // Whether `path` is `folder` or lies below it, component by component (/data2/x is not below

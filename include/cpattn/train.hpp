@@ -64,7 +64,7 @@ std::vector<Document> load_documents(std::span<const std::string> paths);
 // enters (folder links followed, each folder once), all canonical, with their identities. For
 // the checks that an output never lands among the data (a hard link to a data file, a folder
 // reached through a link below a data folder or under another name, as a bind mount gives).
-// Throws as load_documents does for a missing path.
+// Throws as load_documents does for a missing path, and naming a file the walk cannot resolve.
 struct DataTree {
   std::vector<std::string> files;    // sorted, each once
   std::vector<std::pair<uint64_t, uint64_t>> file_ids;  // files[i]'s (device, inode) when walked

@@ -176,11 +176,10 @@ TEST(SafeFile, WritesIntoAFileOrBelowAFolder) {
   const fs::path cwd = fs::current_path();
   fs::current_path(t / "data");
   const std::string where = output_location("new.ckpt");
-  const bool into = writes_into("new.ckpt", t / "data"), into_sub = writes_into("sub/../x", "..");
+  const bool into = writes_into("new.ckpt", t / "data");
   fs::current_path(cwd);
   EXPECT_EQ(where, (fs::canonical(t / "data") / "new.ckpt").string());
   EXPECT_TRUE(into);
-  EXPECT_TRUE(into_sub);
 }
 
 // lies_below on canonical names: by components, the folder itself included.

@@ -134,9 +134,9 @@ TEST(TrainData, DataTreeNamesEveryFileAndFolderTheWalkReaches) {
   EXPECT_EQ(tree.folders.front(), (root / "data").string());  // the root first, in walk order
   ASSERT_EQ(tree.folder_ids.size(), tree.folders.size());  // and each folder's identity
   for (size_t i = 0; i < tree.folders.size(); ++i) {
-    struct stat fs_ {};
-    ASSERT_EQ(::stat(tree.folders[i].c_str(), &fs_), 0);
-    EXPECT_EQ(tree.folder_ids[i], (std::pair<uint64_t, uint64_t>(fs_.st_dev, fs_.st_ino))) << tree.folders[i];
+    struct stat ds {};
+    ASSERT_EQ(::stat(tree.folders[i].c_str(), &ds), 0);
+    EXPECT_EQ(tree.folder_ids[i], (std::pair<uint64_t, uint64_t>(ds.st_dev, ds.st_ino))) << tree.folders[i];
   }
   // Each file's identity, as a hard link to it has.
   ASSERT_EQ(tree.file_ids.size(), tree.files.size());
