@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 #include <fcntl.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -354,21 +353,19 @@ void check_not_into_data(const TrainArgs& a, const char* flag, const std::string
   const std::string out = output_location(path);
   if (!out.empty())
     for (std::filesystem::path up = out;; up = up.parent_path()) {  // the output itself first (a folder)
-      struct stat ds {};
-      if (::stat(up.c_str(), &ds) == 0) {
-        const std::pair<uint64_t, uint64_t> id(ds.st_dev, ds.st_ino);
-        for (size_t i = 0; i < tree->folders.size(); ++i)
-          CPATTN_CHECK(tree->folder_ids[i] != id, flag, " '", path, "' lies in the folder '", tree->folders[i],
-                       "', which --data reaches through a link or under another name", kWhy);
+      if (const std::optional<FileId> id = file_id(up.string())) {
+        const auto entered = tree->folders.find(*id);
+        CPATTN_CHECK(entered == tree->folders.end(), flag, " '", path, "' lies in the folder '", entered->second,
+                     "', which --data reaches through a link or under another name", kWhy);
       }
       if (up == up.parent_path()) break;  // the root
     }
-  struct stat st {};
-  if (::stat(resolve_output_path(path).c_str(), &st) != 0) return;  // not there yet: no data file
-  const std::pair<uint64_t, uint64_t> id(st.st_dev, st.st_ino);
-  for (size_t i = 0; i < tree->files.size(); ++i)
-    CPATTN_CHECK(tree->file_ids[i] != id, flag, " '", path, "' is the data file '", tree->files[i],
-                 "' of --data under another name", kWhy);
+  const std::optional<FileId> id = file_id(path);  // (not there yet: no data file)
+  if (!id) return;
+  const auto data_file = std::find(tree->file_ids.begin(), tree->file_ids.end(), *id);
+  CPATTN_CHECK(data_file == tree->file_ids.end(), flag, " '", path, "' is the data file '",
+               tree->files[static_cast<size_t>(data_file - tree->file_ids.begin())], "' of --data under another name",
+               kWhy);
 }
 
 struct StepRow {

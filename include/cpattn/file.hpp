@@ -3,7 +3,10 @@
 // check_output_path before any work.
 #pragma once
 
+#include <compare>
 #include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -28,6 +31,19 @@ void check_output_path(const std::string& path, std::string_view what);
 // file is removed, the previous file is intact, and cpattn::Error names `path`. The new file
 // keeps the old one's permission bits (new files: 0666 less the umask).
 void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
+
+// A file's or folder's identity: the device and inode its name leads to, after its symbolic
+// links. Two names with one identity are one file: a hard link, a symbolic link, a bind mount.
+// (A filesystem whose inode numbers are not unique, as some FUSE ones and overlayfs without
+// xino, can give two files one identity.)
+struct FileId {
+  std::uint64_t device = 0, inode = 0;
+  friend auto operator<=>(const FileId&, const FileId&) = default;
+};
+
+// `path`'s identity (stat: links followed), or none where it cannot be read (missing, a link
+// loop, a component not searchable).
+std::optional<FileId> file_id(const std::string& path);
 
 // Whether `a` and `b` name the same file (after their symbolic links): the same inode when
 // either exists, else the same name in the same folder. For refusing two outputs, or an output

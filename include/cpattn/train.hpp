@@ -29,6 +29,7 @@
 #include <cpattn/cp.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/moe.hpp>
 #include <cpattn/pipeline.hpp>
@@ -37,6 +38,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -66,10 +68,9 @@ std::vector<Document> load_documents(std::span<const std::string> paths);
 // reached through a link below a data folder or under another name, as a bind mount gives).
 // Throws as load_documents does for a missing path, and naming a file the walk cannot resolve.
 struct DataTree {
-  std::vector<std::string> files;    // sorted, each once
-  std::vector<std::pair<uint64_t, uint64_t>> file_ids;  // files[i]'s (device, inode) when walked
-  std::vector<std::string> folders;  // in walk order
-  std::vector<std::pair<uint64_t, uint64_t>> folder_ids;  // folders[i]'s (device, inode)
+  std::vector<std::string> files;         // sorted, each once
+  std::vector<FileId> file_ids;           // files[i]'s identity when walked
+  std::map<FileId, std::string> folders;  // each folder entered, by identity: its canonical name
 };
 DataTree data_tree(std::span<const std::string> paths);
 

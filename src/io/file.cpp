@@ -69,16 +69,20 @@ void check_output_path(const std::string& path, std::string_view what) {
                "' is not writable: ", errno_text());
 }
 
+std::optional<FileId> file_id(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return FileId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+}
+
 bool same_file(const std::string& a, const std::string& b) {
   const std::string ra = resolve_output_path(a), rb = resolve_output_path(b);
-  struct stat sa {}, sb {};
-  const bool ea = ::stat(ra.c_str(), &sa) == 0, eb = ::stat(rb.c_str(), &sb) == 0;
-  if (ea || eb) return ea && eb && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  const std::optional<FileId> ia = file_id(ra), ib = file_id(rb);
+  if (ia || ib) return ia == ib;
   // Neither exists yet: the same name in the same folder.
-  struct stat da {}, db {};
-  return std::filesystem::path(ra).filename() == std::filesystem::path(rb).filename() &&
-         ::stat(folder_of(ra).c_str(), &da) == 0 && ::stat(folder_of(rb).c_str(), &db) == 0 &&
-         da.st_dev == db.st_dev && da.st_ino == db.st_ino;
+  const std::optional<FileId> da = file_id(folder_of(ra));
+  return std::filesystem::path(ra).filename() == std::filesystem::path(rb).filename() && da &&
+         da == file_id(folder_of(rb));
 }
 
 bool writes_into(const std::string& path, const std::string& input) {

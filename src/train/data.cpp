@@ -10,7 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
-#include <set>
+#include <optional>
 #include <system_error>
 #include <utility>
 
@@ -33,40 +33,36 @@ std::vector<uint8_t> read_file(const fs::path& p) {
 DataTree data_tree(std::span<const std::string> paths) {
   std::vector<std::string> roots(paths.begin(), paths.end());
   if (roots.empty()) roots.emplace_back(kDefaultDataDir);
-  std::map<fs::path, std::pair<uint64_t, uint64_t>> files;  // canonical, sorted, each once: (device, inode)
+  std::map<fs::path, FileId> files;  // canonical, sorted, each once
   DataTree tree;
   // A regular file by its canonical name and identity; on an error `ec` says which, nothing added
   // (each caller then fails naming the file).
   const auto add_file = [&files](const fs::path& p, std::error_code& ec) {
     fs::path canonical = fs::canonical(p, ec);
     if (ec) return;
-    struct stat st {};
-    if (::stat(canonical.c_str(), &st) != 0) {
+    const std::optional<FileId> id = file_id(canonical.string());
+    if (!id) {
       ec.assign(errno, std::generic_category());
       return;
     }
-    files.emplace(std::move(canonical), std::pair<uint64_t, uint64_t>(st.st_dev, st.st_ino));
+    files.emplace(std::move(canonical), *id);
+  };
+  // Folder links are followed, each folder entered once over all roots (tree.folders, by
+  // identity, is the walk's guard): two links back to a folder (d/l1 -> ., d/l2 -> .) made the
+  // walk exponential in the depth, a run that never started. A folder whose identity cannot be
+  // read is walked (its listing then fails, naming it).
+  const auto first_entry = [&tree](const fs::path& dir) {
+    const std::optional<FileId> id = file_id(dir.string());
+    if (!id) return true;
+    std::error_code cec;
+    const fs::path canonical = fs::canonical(dir, cec);
+    return tree.folders.try_emplace(*id, cec ? dir.string() : canonical.string()).second;
   };
   for (const std::string& root : roots) {
     std::error_code ec;
     const fs::file_status st = fs::status(root, ec);
     CPATTN_CHECK(!ec && fs::exists(st), "load_documents: paths: no such file or folder '", root, "'");
     if (fs::is_directory(st)) {
-      // Folder links are followed, each folder entered once: two links back to a folder (d/l1
-      // -> ., d/l2 -> .) made the walk exponential in the depth, a run that never started.
-      std::set<std::pair<dev_t, ino_t>> entered;
-      const auto first_entry = [&entered, &tree](const fs::path& dir) {
-        struct stat ds {};
-        if (::stat(dir.c_str(), &ds) != 0) return true;
-        if (!entered.emplace(ds.st_dev, ds.st_ino).second) return false;
-        std::error_code cec;
-        const fs::path canonical = fs::canonical(dir, cec);
-        if (!cec) {
-          tree.folders.push_back(canonical.string());
-          tree.folder_ids.emplace_back(ds.st_dev, ds.st_ino);
-        }
-        return true;
-      };
       first_entry(root);
       for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::follow_directory_symlink, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {

@@ -1,6 +1,6 @@
 // write_file_atomically and check_output_path (include/cpattn/file.hpp): refused targets, a
 // followed symlink, a failing write that leaves the old file and no temporary behind; and
-// read_regular_file, same_file, writes_into, lies_below.
+// read_regular_file, file_id, same_file, writes_into, lies_below.
 #include <cpattn/error.hpp>
 #include <cpattn/file.hpp>
 #include <cpattn/npy.hpp>
@@ -12,9 +12,11 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -140,6 +142,19 @@ TEST(SafeFile, SameFileByInodeOrByFolderAndName) {
   EXPECT_TRUE(same_file(t / "new", t / "sub/../new"));  // neither exists: the folder and the name
   EXPECT_FALSE(same_file(t / "new", t / "sub/new"));
   EXPECT_FALSE(same_file(t / "new", t / "a"));  // one exists, the other not
+  // file_id: the identity stat gives, through links and hard links; none for a missing name.
+  struct stat st {};
+  ASSERT_EQ(::stat((t / "a").c_str(), &st), 0);
+  const std::optional<FileId> a = file_id(t / "a");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->device, static_cast<std::uint64_t>(st.st_dev));
+  EXPECT_EQ(a->inode, static_cast<std::uint64_t>(st.st_ino));
+  fs::create_hard_link(t / "a", t / "hard");
+  EXPECT_EQ(file_id(t / "hard"), a);
+  EXPECT_EQ(file_id(t / "sub/link"), a);
+  EXPECT_NE(file_id(t / "b"), a);
+  EXPECT_EQ(file_id(t / "new"), std::nullopt);
+  EXPECT_EQ(file_id(t / "sub"), file_id(t / "sub/../sub"));  // a folder too
 }
 
 // A name of 250 bytes (NAME_MAX is 255) is written whole: the temporary name was the name
