@@ -46,7 +46,7 @@ struct MoeArgs {
 
 constexpr double kTolerance = 1e-5;  // max relative error of every tensor against one process
 
-// The flags' own rules, named by flag; the same on every rank (they depend on flags only).
+// The flags' own rules, named by flag.
 MoeConfig config_of(const MoeArgs& a, int world) {
   CPATTN_CHECK(a.ep == world, "--ep ", a.ep, " must equal the number of MPI ranks (", world,
                "): launch with mpirun -np ", a.ep);
@@ -54,8 +54,7 @@ MoeConfig config_of(const MoeArgs& a, int world) {
   CPATTN_CHECK(a.top_k >= 1 && a.top_k <= a.experts, "--top-k must be in 1..--experts = ", a.experts, ", got ",
                a.top_k);
   CPATTN_CHECK(a.experts % a.ep == 0, "--ep ", a.ep, " must divide --experts ", a.experts);
-  CPATTN_CHECK(!a.capacity_factor || *a.capacity_factor > 0, "--capacity-factor must be > 0, got ",
-               a.capacity_factor.value_or(0));
+  check_router_flags(a.capacity_factor, a.aux_loss_coeff, a.router);
   CPATTN_CHECK(a.tokens >= 0 && a.hidden >= 1 && a.ffn >= 1, "--tokens must be >= 0, --hidden and --ffn >= 1");
   CPATTN_CHECK(std::isfinite(a.skew) && std::abs(a.skew) <= 1e4, "--skew must be in [-10000, 10000] (logits that "
                "large already route every token alike; past the float range they made the router NaN), got ", a.skew);
@@ -236,8 +235,14 @@ void check_moe_memory(const MoeArgs& a) {
 
 // Returns whether the check passed. Errors are the same on every rank (flags, agree()).
 bool run_moe(Communicator& comm, const MoeArgs& a) {
-  const MoeConfig cfg = config_of(a, comm.size());
-  check_moe_memory(a);
+  // (Agreed: the memory check reads each node's own free memory, and a launch may give ranks
+  // different flags; a rank failing alone left the others in the layer's agreement until the
+  // timeout.)
+  MoeConfig cfg;
+  on_every_rank(comm, [&] {
+    cfg = config_of(a, comm.size());
+    check_moe_memory(a);
+  });
   MoeEpLayer layer(comm, cfg);
   MoeWeights all = moe_init_weights(cfg, a.seed);
   const std::vector<float> x_all = make_batch(a, cfg, all);
@@ -291,6 +296,16 @@ void run(const MoeArgs& a) {
 }
 
 }  // namespace
+
+void check_router_flags(const std::optional<double>& capacity_factor, double aux_loss_coeff,
+                        const std::string& router) {
+  CPATTN_CHECK(!capacity_factor || (std::isfinite(*capacity_factor) && *capacity_factor > 0),
+               "--capacity-factor must be finite and > 0, got ", capacity_factor.value_or(0));
+  CPATTN_CHECK(std::isfinite(aux_loss_coeff) && aux_loss_coeff >= 0, "--aux-loss-coeff must be finite and >= 0, got ",
+               aux_loss_coeff);
+  CPATTN_CHECK(aux_loss_coeff == 0 || router == "softmax",
+               "--aux-loss-coeff needs --router softmax (sigmoid-bias balances by its bias instead)");
+}
 
 void add_moe_command(CLI::App& app) {
   auto a = std::make_shared<MoeArgs>();

@@ -226,13 +226,8 @@ void check_moe_args(const TrainArgs& a) {
   CPATTN_CHECK(E % a.ep == 0, "--ep ", a.ep, " must divide --experts ", E, " (each EP rank holds --experts / --ep)");
   CPATTN_CHECK((a.dp * a.cp) % a.ep == 0, "--ep ", a.ep, " must divide --dp * --cp = ", a.dp, " * ", a.cp, " = ",
                a.dp * a.cp, " (EP is folded over the data- and context-parallel ranks of a pipeline stage)");
-  CPATTN_CHECK(!a.capacity_factor || (std::isfinite(*a.capacity_factor) && *a.capacity_factor > 0),
-               "--capacity-factor must be > 0, got ", a.capacity_factor.value_or(0));
-  CPATTN_CHECK(std::isfinite(a.aux_loss_coeff) && a.aux_loss_coeff >= 0, "--aux-loss-coeff must be >= 0, got ",
-               a.aux_loss_coeff);
-  CPATTN_CHECK(a.aux_loss_coeff == 0 || a.router == "softmax",
-               "--aux-loss-coeff needs --router softmax (sigmoid-bias balances by its bias instead)");
-  CPATTN_CHECK(std::isfinite(a.bias_update_rate) && a.bias_update_rate > 0, "--bias-update-rate must be > 0, got ",
+  check_router_flags(a.capacity_factor, a.aux_loss_coeff, a.router);
+  CPATTN_CHECK(std::isfinite(a.bias_update_rate) && a.bias_update_rate > 0, "--bias-update-rate must be finite and > 0, got ",
                a.bias_update_rate);
 }
 
@@ -452,9 +447,9 @@ void train_run(const TrainArgs& a) {
                " does not match the MPI world size ", comm.size(), ": launch as mpirun -np ", ranks, " cpattn train");
   // Every rank runs the same settings, or every rank fails at once naming the field.
   agree(comm, settings_fingerprint(a), "cpattn train");
-  train::on_every_rank(comm, [&] { check_train_memory(a); });
+  on_every_rank(comm, [&] { check_train_memory(a); });
   // Output paths before any work: a FIFO, a device, a folder or an unwritable folder is exit 2.
-  train::on_every_rank(comm, [&] {
+  on_every_rank(comm, [&] {
     if (rank != 0) return;
     if (!a.save.empty()) check_output_path(a.save, "--save");
     const std::optional<train::DataTree> tree =
@@ -471,7 +466,7 @@ void train_run(const TrainArgs& a) {
   });
 
   std::unique_ptr<train::DataStream> data;
-  train::on_every_rank(comm, [&] {
+  on_every_rank(comm, [&] {
     with_flag("--data", [&] { data = std::make_unique<train::DataStream>(train::load_documents(a.data)); });
   });
   train::Trainer trainer(comm, model_config(a), a.optim,
@@ -499,18 +494,18 @@ void train_run(const TrainArgs& a) {
   if (!a.resume.empty()) {
     train::DataPosition pos;
     with_flag("--resume", [&] { pos = trainer.load(a.resume, identity); });
-    train::on_every_rank(comm, [&] { with_flag("--resume", [&] { data->seek(pos); }); });
+    on_every_rank(comm, [&] { with_flag("--resume", [&] { data->seek(pos); }); });
     // (It trained nothing, re-saved the checkpoint and exited 0: a --steps mistaken for the
     // steps still to run looked like a finished run.)
     CPATTN_CHECK(trainer.steps_done() <= a.steps, "--steps ", a.steps, " is below the checkpoint's step ",
                  trainer.steps_done(), " (--resume '", a.resume, "'): --steps is the total to train up to");
   }
   JsonLog log;  // a resumed run appends to its log
-  train::on_every_rank(comm, [&] {
+  on_every_rank(comm, [&] {
     if (rank == 0 && !a.json_log.empty()) log.open(a.json_log, !a.resume.empty());
   });
   const auto save = [&] {
-    train::on_every_rank(comm, [&] {
+    on_every_rank(comm, [&] {
       if (rank == 0) log.sync();
     });
     with_flag("--save", [&] { trainer.save(a.save, data->position(), identity); });
@@ -613,7 +608,7 @@ void train_run(const TrainArgs& a) {
         }
       }
     }
-    train::on_every_rank(comm, [&] { CPATTN_CHECK(log_error.empty(), log_error); });
+    on_every_rank(comm, [&] { CPATTN_CHECK(log_error.empty(), log_error); });
     if (!st.skipped) rows.push_back(std::move(row));
     // A signal on any rank stops every rank after the same step.
     int64_t sig = g_stop_signal;
@@ -631,7 +626,7 @@ void train_run(const TrainArgs& a) {
     }
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-  train::on_every_rank(comm, [&] {
+  on_every_rank(comm, [&] {
     if (rank == 0) log.sync();
   });
   if (!a.save.empty()) {

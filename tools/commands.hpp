@@ -6,6 +6,7 @@
 #include <cpattn/error.hpp>
 
 #include <iosfwd>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,12 @@ std::vector<int64_t> parse_lengths_file(std::istream& text, const std::string& p
 // Refuses an attention benchmark case (check::run_attention_bench) past the available memory,
 // naming `what` and both sizes (cmd_bench.cpp; cpattn bench attention and cpattn calibrate).
 void check_bench_memory(const check::AttnBenchOptions& o, const std::string& what);
+
+// The router flags' rules that `cpattn moe` and `cpattn train` share, named by flag:
+// --capacity-factor finite and > 0 (when given), --aux-loss-coeff finite and >= 0 and only with
+// --router softmax (cmd_moe.cpp).
+void check_router_flags(const std::optional<double>& capacity_factor, double aux_loss_coeff,
+                        const std::string& router);
 
 void add_plan_command(CLI::App& app);
 void add_run_command(CLI::App& app);

@@ -35,6 +35,8 @@
 
 #include <mpi.h>
 
+#include <cpattn/error.hpp>
+
 #include <climits>
 #include <concepts>
 #include <cstddef>
@@ -358,5 +360,29 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
 // order they were added.
 std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::string_view what,
                                 std::string_view local_error = {});
+
+// Runs `f` on every rank; when it throws on any rank (cpattn::Error, or any std::exception as
+// "unexpected error: ..."), every rank throws cpattn::Error with the lowest failing rank's
+// message, so that no rank is left waiting in a later collective. For checks a rank makes
+// alone (its node's free memory, a file it reads) before work the ranks do together. Collective:
+// an all-reduce, and two broadcasts when a rank failed.
+template <class F>
+void on_every_rank(Communicator& comm, F&& f);
+
+void rethrow_agreed(Communicator& comm, const std::string& local_error);  // its collective half
+
+template <class F>
+void on_every_rank(Communicator& comm, F&& f) {
+  std::string err;
+  try {
+    f();
+  } catch (const Error& e) {
+    err = e.message();
+    if (err.empty()) err = "error";
+  } catch (const std::exception& e) {  // bad_alloc, a stream's failure: still every rank's error
+    err = std::string("unexpected error: ") + e.what();
+  }
+  rethrow_agreed(comm, err);
+}
 
 }  // namespace cpattn

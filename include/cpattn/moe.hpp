@@ -83,6 +83,10 @@ struct MoeWeights {
 MoeWeights moe_init_weights(const MoeConfig& cfg, std::uint64_t seed);
 // The router, bias and experts [first, first + count) of `all` (which holds every expert).
 MoeWeights moe_slice_experts(const MoeWeights& all, int first, int count);
+// Throws cpattn::Error naming the tensor and the size `cfg` gives it when `w` does not match:
+// router [D, E], bias [E] (also with the softmax router: zeros), each expert matrix
+// local_experts * D * F values, experts [first_expert, first_expert + local_experts) within E.
+void moe_check_weights(const MoeConfig& cfg, const MoeWeights& w);
 
 // What a routing group's capacity and auxiliary loss read of the whole group. On one process
 // the group's own; for a group spread over several ranks, the sums over its ranks' parts.
@@ -124,7 +128,9 @@ MoeRouting moe_route(const MoeConfig& cfg, const MoeWeights& w, std::span<const 
 MoeRouting moe_route_tokens(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x,
                             std::int64_t tokens);
 
-// ceil(capacity_factor * group_tokens * K / E); -1 without a capacity factor.
+// ceil(capacity_factor * group_tokens * K / E), a value within 1e-9 (relative) of an integer
+// taken as that integer (1.1 * 100 * 2 / 4 is 55, not the 56 its doubles' rounding gives), and at
+// most group_tokens * K; -1 without a capacity factor.
 std::int64_t moe_capacity(const MoeConfig& cfg, std::int64_t group_tokens);
 
 // One assignment of a token to an expert, as the capacity decision sees it.
@@ -134,7 +140,13 @@ struct MoeAssignment {
   float weight = 0;         // the combine weight
 };
 
-// r's assignments in (token, slot) order; positions [r.tokens] (on one process 0 .. T-1).
+// The largest position moe_assignments takes with `top_k` slots: its keys, position * top_k +
+// slot, stay within int64.
+constexpr std::int64_t moe_max_position(int top_k) {
+  return (INT64_MAX - (top_k - 1)) / (top_k < 1 ? 1 : top_k);
+}
+// r's assignments in (token, slot) order; positions [r.tokens] (on one process 0 .. T-1), each
+// in 0..moe_max_position(top_k) (else cpattn::Error).
 std::vector<MoeAssignment> moe_assignments(const MoeRouting& r, std::span<const std::int64_t> positions);
 
 // Which of a group's assignments its experts keep, 1 per kept entry in the order of `group`:

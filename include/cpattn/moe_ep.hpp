@@ -78,8 +78,10 @@ class MoeEpLayer {
   // Collective over `comm` (the EP group, ep = comm.size()) and `group` (this rank's routing
   // group, borrowed; nullptr or one rank: the rank's tokens are their own group): validates cfg
   // and that ep divides num_experts, then agrees on every field of cfg over the group, then
-  // over the EP group. Any rank's error, or ranks disagreeing, throws the same cpattn::Error on
-  // every rank before any other communication.
+  // over the EP group, a group's failure passed into the EP group's agreement. Any rank's error,
+  // or ranks disagreeing, throws the same cpattn::Error on every rank of its group and of the EP
+  // groups its group's ranks are in (every rank when EP spans the groups, as training lays them
+  // out) before any other communication. forward() agrees on its arguments the same way.
   MoeEpLayer(Communicator& comm, const MoeConfig& cfg, Communicator* group = nullptr);
 
   int first_expert() const { return first_; }

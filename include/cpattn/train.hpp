@@ -235,25 +235,4 @@ class Trainer {
 // Smallest seq_len such that every rank holds a chunk: chunks_per_document(cp), 2 * cp (1 at cp = 1).
 inline int64_t min_seq_len(int cp) { return chunks_per_document(cp); }
 
-// Runs `f` on every rank; when it throws cpattn::Error on any rank, every rank throws the
-// lowest failing rank's message (no rank is left waiting in a later collective). Collective.
-template <class F>
-void on_every_rank(Communicator& comm, F&& f);
-
-void rethrow_agreed(Communicator& comm, const std::string& local_error);  // its collective half
-
-template <class F>
-void on_every_rank(Communicator& comm, F&& f) {
-  std::string err;
-  try {
-    f();
-  } catch (const Error& e) {
-    err = e.message();
-    if (err.empty()) err = "error";
-  } catch (const std::exception& e) {  // bad_alloc, a stream's failure: still every rank's error
-    err = std::string("unexpected error: ") + e.what();
-  }
-  rethrow_agreed(comm, err);
-}
-
 }  // namespace cpattn::train

@@ -138,7 +138,9 @@ void select_row(const MoeConfig& cfg, const float* score, const float* bias, int
   for (int k = 0; k < K; ++k) sum += score[idx[static_cast<std::size_t>(k)]];
   for (int k = 0; k < K; ++k) {
     expert[k] = idx[static_cast<std::size_t>(k)];
-    weight[k] = cfg.router == MoeRouter::sigmoid_bias ? score[expert[k]] / sum : score[expert[k]];
+    // (sigmoid_bias: every chosen score 0, as sigmoid gives below a logit of about -104, weighs 0,
+    // not 0 / 0 = NaN)
+    weight[k] = cfg.router != MoeRouter::sigmoid_bias ? score[expert[k]] : sum > 0 ? score[expert[k]] / sum : 0.0f;
   }
 }
 
@@ -177,18 +179,6 @@ std::vector<T> slice(const std::vector<T>& v, std::size_t first, std::size_t cou
           v.begin() + static_cast<std::ptrdiff_t>((first + count) * each)};
 }
 
-void check_weights(const MoeConfig& cfg, const MoeWeights& w) {
-  const std::size_t D = static_cast<std::size_t>(cfg.hidden), E = static_cast<std::size_t>(cfg.num_experts);
-  const std::size_t m = static_cast<std::size_t>(w.local_experts) * expert_matrix(cfg);
-  CPATTN_CHECK(w.router.size() == D * E && w.bias.size() == E, "moe weights: router must be [D, E] = [",
-               D, ", ", E, "] and bias [E], got ", w.router.size(), " and ", w.bias.size(), " values");
-  CPATTN_CHECK(w.first_expert >= 0 && w.local_experts >= 0 &&
-                   w.first_expert + w.local_experts <= cfg.num_experts,
-               "moe weights: experts [", w.first_expert, ", ", w.first_expert + w.local_experts,
-               ") are not within the ", E, " experts");
-  CPATTN_CHECK(w.w_gate.size() == m && w.w_up.size() == m && w.w_down.size() == m,
-               "moe weights: each expert matrix must hold local_experts * D * F = ", m, " values");
-}
 
 }  // namespace
 
@@ -199,13 +189,26 @@ void moe_validate(const MoeConfig& cfg) {
   CPATTN_CHECK(cfg.top_k >= 1 && cfg.top_k <= cfg.num_experts, "moe: top_k must be in 1..num_experts = ",
                cfg.num_experts, ", got ", cfg.top_k);
   CPATTN_CHECK(!cfg.capacity_factor || (std::isfinite(*cfg.capacity_factor) && *cfg.capacity_factor > 0),
-               "moe: capacity_factor must be > 0, got ", cfg.capacity_factor.value_or(0));
+               "moe: capacity_factor must be finite and > 0, got ", cfg.capacity_factor.value_or(0));
   CPATTN_CHECK(std::isfinite(cfg.aux_loss_coeff) && cfg.aux_loss_coeff >= 0,
                "moe: aux_loss_coeff must be >= 0, got ", cfg.aux_loss_coeff);
   CPATTN_CHECK(cfg.aux_loss_coeff == 0 || cfg.router == MoeRouter::softmax,
                "moe: aux_loss_coeff needs the softmax router (sigmoid_bias balances by its bias)");
   CPATTN_CHECK(std::isfinite(cfg.bias_update_rate) && cfg.bias_update_rate > 0,
                "moe: bias_update_rate must be > 0, got ", cfg.bias_update_rate);
+}
+
+void moe_check_weights(const MoeConfig& cfg, const MoeWeights& w) {
+  const std::size_t D = static_cast<std::size_t>(cfg.hidden), E = static_cast<std::size_t>(cfg.num_experts);
+  const std::size_t m = static_cast<std::size_t>(w.local_experts) * expert_matrix(cfg);
+  CPATTN_CHECK(w.router.size() == D * E && w.bias.size() == E, "moe weights: router must be [D, E] = [",
+               D, ", ", E, "] and bias [E], got ", w.router.size(), " and ", w.bias.size(), " values");
+  CPATTN_CHECK(w.first_expert >= 0 && w.local_experts >= 0 &&
+                   w.first_expert + w.local_experts <= cfg.num_experts,
+               "moe weights: experts [", w.first_expert, ", ", w.first_expert + w.local_experts,
+               ") are not within the ", E, " experts");
+  CPATTN_CHECK(w.w_gate.size() == m && w.w_up.size() == m && w.w_down.size() == m,
+               "moe weights: each expert matrix must hold local_experts * D * F = ", m, " values");
 }
 
 MoeWeights moe_init_weights(const MoeConfig& cfg, std::uint64_t seed) {
@@ -268,14 +271,24 @@ MoeRouting moe_route_tokens(const MoeConfig& cfg, const MoeWeights& w, std::span
 
 int64_t moe_capacity(const MoeConfig& cfg, int64_t group_tokens) {
   if (!cfg.capacity_factor) return -1;
-  return static_cast<int64_t>(
-      std::ceil(*cfg.capacity_factor * static_cast<double>(group_tokens * cfg.top_k) / cfg.num_experts));
+  const int64_t assignments = group_tokens * cfg.top_k;
+  const double c = *cfg.capacity_factor * static_cast<double>(assignments) / cfg.num_experts;
+  // No expert can keep more than every assignment (and a huge factor's ceil overflowed int64).
+  if (!(c < static_cast<double>(assignments))) return assignments;
+  // A product that is an integer in exact arithmetic can land a rounding error above it in
+  // doubles (1.1 * 100 * 2 / 4 = 55.000000000000007, whose ceil is 56): within 1e-9 of an
+  // integer, relative, the value is that integer.
+  const double whole = std::round(c);
+  return static_cast<int64_t>(std::abs(c - whole) <= 1e-9 * std::max(1.0, whole) ? whole : std::ceil(c));
 }
 
 std::vector<MoeAssignment> moe_assignments(const MoeRouting& r, std::span<const int64_t> positions) {
   CPATTN_CHECK(positions.size() == static_cast<std::size_t>(r.tokens), "moe_assignments: positions must have the ",
                r.tokens, " tokens' values, got ", positions.size());
   const std::size_t K = r.tokens ? r.expert.size() / static_cast<std::size_t>(r.tokens) : 0;
+  for (const int64_t p : positions)
+    CPATTN_CHECK(p >= 0 && p <= moe_max_position(static_cast<int>(K)), "moe_assignments: positions must be in 0..",
+                 moe_max_position(static_cast<int>(K)), " (each key is position * top_k + slot), got ", p);
   std::vector<MoeAssignment> a(r.expert.size());
   for (std::size_t s = 0; s < a.size(); ++s)
     a[s] = {.key = positions[s / K] * static_cast<int64_t>(K) + static_cast<int64_t>(s % K),
@@ -525,10 +538,11 @@ void moe_router_backward(const MoeConfig& cfg, const MoeWeights& w, const MoeRou
         sum += p[ex[k]];
         dot += dw[k] * wt[k];
       }
-      for (int64_t k = 0; k < K; ++k) {
-        const float s = p[ex[k]];
-        dl[ex[k]] = (dw[k] - dot) / sum * s * (1.0f - s);
-      }
+      if (sum > 0)  // (else every weight is the constant 0: no gradient)
+        for (int64_t k = 0; k < K; ++k) {
+          const float s = p[ex[k]];
+          dl[ex[k]] = (dw[k] - dot) / sum * s * (1.0f - s);
+        }
     }
   }
   gemm_tn_acc(x.data(), dlogits.data(), g.router.data(), D, E, T);   // dWr += x^T dlogits
@@ -539,7 +553,7 @@ void moe_router_backward(const MoeConfig& cfg, const MoeWeights& w, const MoeRou
 MoeForward moe_forward(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x,
                        std::span<const int64_t> group_sizes) {
   moe_validate(cfg);
-  check_weights(cfg, w);
+  moe_check_weights(cfg, w);
   CPATTN_CHECK(w.first_expert == 0 && w.local_experts == cfg.num_experts,
                "moe_forward: the single-process layer needs all ", cfg.num_experts, " experts");
   const int64_t D = cfg.hidden, T = static_cast<int64_t>(x.size()) / D;
@@ -577,8 +591,11 @@ MoeForward moe_forward(const MoeConfig& cfg, const MoeWeights& w, std::span<cons
 MoeGrads moe_backward(const MoeConfig& cfg, const MoeWeights& w, std::span<const float> x, const MoeForward& f,
                       std::span<const float> dy) {
   const int64_t D = cfg.hidden;
-  CPATTN_CHECK(dy.size() == f.y.size(), "moe_backward: dy must be [tokens, hidden] like y (", f.y.size(),
-               " values), got ", dy.size());
+  moe_validate(cfg);
+  moe_check_weights(cfg, w);
+  CPATTN_CHECK(x.size() == f.y.size() && dy.size() == f.y.size(),
+               "moe_backward: x and dy must be [tokens, hidden] like y (", f.y.size(), " values), got ", x.size(),
+               " and ", dy.size());
   MoeGrads g = moe_zero_grads(cfg, w, static_cast<int64_t>(f.y.size()) / D);
   std::vector<float> d_out;
   std::vector<std::vector<float>> d_weight(f.routing.size());

@@ -56,6 +56,24 @@ double max_over_mean(std::span<const int64_t> v) {
   return static_cast<double>(*std::max_element(v.begin(), v.end())) / (sum / static_cast<double>(v.size()));
 }
 
+// agree() over the routing group (when there is one), then over the EP group with the group's
+// failure as each of its ranks' error: an error on one rank of a group reaches its whole group
+// and every EP group of those ranks (with EP across the groups, every rank). The group's
+// agreement alone threw on the group's ranks only, and the other groups' ranks waited in the EP
+// agreement for them until the timeout.
+void agree_group_then_ep(Communicator* group, Communicator& ep, const Fingerprint& fp, const std::string& what,
+                         const std::string& err) {
+  std::string merged = err;
+  if (group) {
+    try {
+      agree(*group, fp, what + " (routing group)", err);
+    } catch (const Error& e) {
+      merged = e.message();
+    }
+  }
+  agree(ep, fp, what, merged);
+}
+
 }  // namespace
 
 MoeEpLayer::MoeEpLayer(Communicator& comm, const MoeConfig& cfg, Communicator* group)
@@ -76,8 +94,7 @@ MoeEpLayer::MoeEpLayer(Communicator& comm, const MoeConfig& cfg, Communicator* g
       .add("drop_policy", static_cast<int64_t>(cfg.drop_policy))
       .add("aux_loss_coeff", bits(cfg.aux_loss_coeff))
       .add("bias_update_rate", bits(cfg.bias_update_rate));
-  if (group_) agree(*group_, fp, "moe layer (routing group)", err);
-  agree(comm, fp, "moe layer", err);
+  agree_group_then_ep(group_, comm, fp, "moe layer", err);
   local_ = cfg.num_experts / ep;
   first_ = comm.rank() * local_;
 }
@@ -127,20 +144,18 @@ MoeEpForward MoeEpLayer::forward(const MoeWeights& w, std::span<const float> x, 
   const std::string err = local_error([&] {
     CPATTN_CHECK(x.size() % static_cast<std::size_t>(D) == 0, "moe forward: x must be [tokens, hidden = ", D,
                  "], got ", x.size(), " values");
+    const int64_t max_position = moe_max_position(cfg_.top_k);
     CPATTN_CHECK(!grouped || (positions.size() == x.size() / static_cast<std::size_t>(D) &&
-                             std::ranges::all_of(positions, [](int64_t p) { return p >= 0; })),
+                             std::ranges::all_of(positions, [&](int64_t p) { return p >= 0 && p <= max_position; })),
                  "moe forward: with a routing group (and a capacity factor or the aux loss), positions must hold "
-                 "one value >= 0 per token (",
+                 "one value in 0..", max_position, " per token (",
                  x.size() / static_cast<std::size_t>(D), "), got ", positions.size(), " values");
     CPATTN_CHECK(w.first_expert == first_ && w.local_experts == local_, "moe forward: this rank holds experts [",
                  first_, ", ", first_ + local_, "), the weights hold [", w.first_expert, ", ",
                  w.first_expert + w.local_experts, ")");
-    CPATTN_CHECK(w.router.size() == static_cast<std::size_t>(D * cfg_.num_experts) &&
-                     w.w_gate.size() == static_cast<std::size_t>(local_ * D * cfg_.ffn),
-                 "moe forward: the weights' shapes do not match the config");
+    moe_check_weights(cfg_, w);
   });
-  if (grouped) agree(*group_, Fingerprint{}, "moe forward (routing group)", err);
-  agree(*comm_, Fingerprint{}, "moe forward", err);
+  agree_group_then_ep(grouped ? group_ : nullptr, *comm_, Fingerprint{}, "moe forward", err);
   MoeEpForward f;
   double clock = now_s();
   f.routing = grouped ? route_in_group(w, x, positions) : moe_route(cfg_, w, x, static_cast<int64_t>(x.size()) / D);
@@ -185,6 +200,10 @@ MoeEpBackward MoeEpLayer::backward(const MoeWeights& w, std::span<const float> x
   const std::string err = local_error([&] {
     CPATTN_CHECK(dy.size() == f.y.size() && x.size() == f.y.size(), "moe backward: x and dy must be [tokens, hidden] like y (",
                  f.y.size(), " values), got ", x.size(), " and ", dy.size());
+    CPATTN_CHECK(w.first_expert == first_ && w.local_experts == local_, "moe backward: this rank holds experts [",
+                 first_, ", ", first_ + local_, "), the weights hold [", w.first_expert, ", ",
+                 w.first_expert + w.local_experts, ")");
+    moe_check_weights(cfg_, w);
   });
   agree(*comm_, Fingerprint{}, "moe backward", err);
   MoeEpBackward b{.grads = moe_zero_grads(cfg_, w, f.routing.tokens), .times = {}};

@@ -21,20 +21,6 @@
 
 namespace cpattn::train {
 
-void rethrow_agreed(Communicator& comm, const std::string& local_error) {
-  const int cp = comm.size(), rank = comm.rank();
-  int64_t flag = local_error.empty() ? 0 : cp - rank;  // the lowest failing rank wins
-  comm.all_reduce<int64_t>(std::span(&flag, 1), ReduceOp::max);
-  if (flag == 0) return;
-  const int root = static_cast<int>(cp - flag);
-  int64_t len = rank == root ? static_cast<int64_t>(local_error.size()) : 0;
-  comm.broadcast<int64_t>(std::span(&len, 1), root);
-  std::string msg(static_cast<std::size_t>(len), '\0');
-  if (rank == root) msg = local_error;
-  comm.broadcast<std::byte>(std::as_writable_bytes(std::span(msg)), root);
-  throw Error(msg);
-}
-
 namespace {
 std::string number(double x) {
   if (std::isnan(x)) return "nan";

@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "moe/moe_cases.hpp"
 #include "moe/moe_naive.hpp"
@@ -192,6 +195,87 @@ TEST(Moe, SigmoidBiasSelectsWithTheBiasAndWeighsWithoutIt) {
   EXPECT_FLOAT_EQ(r.weight[1], s0 / (s0 + s2));
 }
 
+// Every chosen sigmoid 0 (logits below about -104): the weights are 0 and the gradients
+// finite, where 0 / 0 made both NaN.
+TEST(Moe, SigmoidBiasWithEveryChosenScoreZeroWeighsZero) {
+  const MoeConfig cfg{.hidden = 2, .ffn = 3, .num_experts = 3, .top_k = 2, .router = MoeRouter::sigmoid_bias};
+  MoeWeights w = moe_init_weights(cfg, 1);
+  w.router = {-100, -100, -100, -100, -100, -100};  // logits -200 on every expert
+  const std::vector<float> x = {1, 1};
+  const MoeRouting r = moe_route(cfg, w, x, 1);
+  ASSERT_EQ(r.scores[0], 0.0f);  // the case itself: the sigmoid underflows to 0
+  EXPECT_EQ(r.weight, (std::vector<float>{0, 0}));
+  const MoeForward f = moe_forward(cfg, w, x, {});
+  EXPECT_EQ(f.y, (std::vector<float>{0, 0}));
+  const MoeGrads g = moe_backward(cfg, w, x, f, std::vector<float>{1, -1});
+  for (const std::vector<float>* t : {&g.dx, &g.router, &g.w_gate, &g.w_up, &g.w_down})
+    for (const float v : *t) EXPECT_TRUE(std::isfinite(v));
+}
+
+// The capacity: ceil(C * T_g * K / E), a value within 1e-9 of an integer taken as it (in doubles
+// 1.1 * 100 * 2 / 4 is 55.000000000000007), and no more than every assignment (a factor of
+// 1e300 overflowed the conversion to int64).
+TEST(Moe, CapacityIsTheCeilingOfTheExactProduct) {
+  MoeConfig cfg{.hidden = 2, .ffn = 3, .num_experts = 4, .top_k = 2};
+  EXPECT_EQ(moe_capacity(cfg, 100), -1);
+  const auto capacity = [&](double c, std::int64_t tokens) {
+    cfg.capacity_factor = c;
+    return moe_capacity(cfg, tokens);
+  };
+  ASSERT_GT(1.1 * 200.0 / 4, 55.0);  // the rounding the rule corrects
+  EXPECT_EQ(capacity(1.1, 100), 55);
+  EXPECT_EQ(capacity(1.25, 10), 7);   // 6.25
+  EXPECT_EQ(capacity(1.0, 3), 2);     // 1.5
+  EXPECT_EQ(capacity(0.01, 1), 1);    // 0.005
+  EXPECT_EQ(capacity(1.0001, 2000), 1001);  // 1000.1: above by far more than the rounding
+  EXPECT_EQ(capacity(4.0, 10), 20);   // exactly every assignment
+  EXPECT_EQ(capacity(1e300, 10), 20);
+  EXPECT_EQ(capacity(1.0, 0), 0);
+}
+
+// A position whose key (position * top_k + slot) would overflow int64 is refused, naming the
+// limit (the drops and ties went by a wrapped key).
+TEST(Moe, AssignmentsRefuseAPositionPastTheKeyRange) {
+  const MoeConfig cfg{.hidden = 2, .ffn = 3, .num_experts = 2, .top_k = 2};
+  const MoeRouting r = moe_route(cfg, moe_init_weights(cfg, 1), std::vector<float>{1, 2}, 1);
+  const std::int64_t last = moe_max_position(2);
+  EXPECT_EQ(last, (INT64_MAX - 1) / 2);
+  const std::vector<MoeAssignment> a = moe_assignments(r, std::vector<std::int64_t>{last});
+  EXPECT_EQ(a[1].key, INT64_MAX);
+  try {
+    (void)moe_assignments(r, std::vector<std::int64_t>{last + 1});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("positions must be in 0.."), std::string::npos) << e.message();
+  }
+}
+
+// The weights' shapes are checked, each tensor named: an empty bias was read past its end by the
+// sigmoid router, and a short x by the backward.
+TEST(Moe, RejectsWeightsAndInputsOfTheWrongShape) {
+  const MoeConfig cfg{.hidden = 2, .ffn = 3, .num_experts = 2, .top_k = 1, .router = MoeRouter::sigmoid_bias};
+  MoeWeights w = moe_init_weights(cfg, 1);
+  EXPECT_NO_THROW(moe_check_weights(cfg, w));
+  MoeWeights bad = w;
+  bad.bias.clear();
+  try {
+    moe_check_weights(cfg, bad);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message(), "moe weights: router must be [D, E] = [2, 2] and bias [E], got 4 and 0 values");
+  }
+  EXPECT_THROW(moe_forward(cfg, bad, std::vector<float>{1, 2}, {}), Error);
+  const std::vector<float> x = {1, 2, 3, 4};
+  const MoeForward f = moe_forward(cfg, w, x, {});
+  try {
+    (void)moe_backward(cfg, w, std::vector<float>{1, 2}, f, std::vector<float>(4, 1.0f));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message(), "moe_backward: x and dy must be [tokens, hidden] like y (4 values), got 2 and 4");
+  }
+  EXPECT_THROW(moe_backward(cfg, bad, x, f, std::vector<float>(4, 1.0f)), Error);
+}
+
 TEST(Moe, BiasRuleMovesTowardsTheMeanLoad) {
   const MoeConfig cfg{.hidden = 1, .ffn = 1, .num_experts = 4, .top_k = 1, .router = MoeRouter::sigmoid_bias,
                       .bias_update_rate = 0.25};
@@ -218,10 +302,12 @@ TEST(Moe, RejectsBadArguments) {
   EXPECT_EQ(error_of(c), "moe: top_k must be in 1..num_experts = 4, got 5");
   c = ok;
   c.capacity_factor = 0.0;
-  EXPECT_EQ(error_of(c), "moe: capacity_factor must be > 0, got 0");
+  EXPECT_EQ(error_of(c), "moe: capacity_factor must be finite and > 0, got 0");
   c = ok;
   c.capacity_factor = -1.0;
-  EXPECT_NE(error_of(c).find("capacity_factor must be > 0"), std::string::npos);
+  EXPECT_NE(error_of(c).find("capacity_factor must be finite and > 0"), std::string::npos);
+  c.capacity_factor = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(error_of(c), "moe: capacity_factor must be finite and > 0, got inf");
   c = ok;
   c.router = MoeRouter::sigmoid_bias;
   c.aux_loss_coeff = 0.1;

@@ -293,7 +293,36 @@ TEST(MoeEpGroup, BadPositionsOnOneRankFailEveryRank) {
     msg = e.message();
   }
   EXPECT_NE(msg.find(cat("[rank ", W - 1, "] moe forward: with a routing group (and a capacity factor or the aux "
-                         "loss), positions must hold one value >= 0 per token (3), got 2 values")), std::string::npos) << msg;
+                         "loss), positions must hold one value in 0..", moe_max_position(1), " per token (3), got 2 values")), std::string::npos) << msg;
+}
+
+// Groups {0, 1} and {2, 3}, EP across them ({0, 2} and {1, 3}: the train mesh's dp x cp with ep
+// 2 across the CP groups), bad positions on rank 0 alone: every rank throws the same message
+// (ranks 2 and 3 passed their group's agreement and waited in the EP one until the timeout).
+TEST(MoeEpGroup, BadPositionsInOneGroupFailTheOtherGroups) {
+  if (mpi_test::world_size() != 4) GTEST_SKIP() << "two groups of two ranks need four";
+  Communicator comm = world();
+  Communicator group = comm.split(comm.rank() / 2, comm.rank());
+  Communicator ep = comm.split(comm.rank() % 2, comm.rank());
+  const MoeConfig cfg = moe_test::with_capacity(moe_test::moe_config(2, 1), 1.0, MoeDropPolicy::by_position);
+  const MoeWeights all = moe_init_weights(cfg, 3);
+  std::string msg = "no error";
+  try {
+    MoeEpLayer layer(ep, cfg, &group);
+    const MoeWeights mine = moe_slice_experts(all, layer.first_expert(), layer.local_experts());
+    const std::vector<float> x = random_values(static_cast<std::size_t>(3 * cfg.hidden), 5 + comm.rank());
+    std::vector<std::int64_t> pos{3 * group.rank(), 3 * group.rank() + 1, 3 * group.rank() + 2};
+    if (comm.rank() == 0) pos[1] = -1;
+    (void)layer.forward(mine, x, pos);
+  } catch (const Error& e) {
+    msg = e.message();
+  }
+  EXPECT_NE(msg.find("[rank 0] moe forward: with a routing group"), std::string::npos) << msg;
+  const unsigned long h = std::hash<std::string>{}(msg);
+  unsigned long lo = 0, hi = 0;
+  MPI_Allreduce(&h, &lo, 1, MPI_UNSIGNED_LONG, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&h, &hi, 1, MPI_UNSIGNED_LONG, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(lo, hi) << "ranks saw different messages; this one: " << msg;
 }
 
 // The same message on every rank (hashes compared with plain MPI), containing `part`.
@@ -317,7 +346,7 @@ TEST(MoeEp, RejectsBadArgumentsOnEveryRank) {
   const int ep = mpi_test::world_size();
   expect_same_error_everywhere(moe_test::moe_config(ep, ep + 1), "top_k must be in 1..num_experts");
   expect_same_error_everywhere(moe_test::with_capacity(moe_test::moe_config(ep, 1), 0.0, MoeDropPolicy::by_position),
-                               "capacity_factor must be > 0");
+                               "capacity_factor must be finite and > 0");
   if (ep > 1)
     expect_same_error_everywhere(moe_test::moe_config(ep + 1, 1), cat("the EP size ", ep, " must divide num_experts = ", ep + 1));
 }

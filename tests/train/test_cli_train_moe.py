@@ -133,7 +133,7 @@ with tempfile.TemporaryDirectory() as tmp:
             (["--experts", "6", "--cp", "2", "--ep", "4"], "--ep 4 must divide --experts 6"),
             (["--experts", "4", "--cp", "2", "--ep", "4"], "--ep 4 must divide --dp * --cp = 1 * 2 = 2"),
             (["--experts", "4", "--cp", "2", "--ep", "2", "--capacity-factor", "0"],
-             "--capacity-factor must be > 0, got 0"),
+             "--capacity-factor must be finite and > 0, got 0"),
             (["--cp", "2", "--ep", "2"], "need --experts E"),
             (["--experts", "4", "--router", "sigmoid-bias", "--aux-loss-coeff", "0.1"],
              "--aux-loss-coeff needs --router softmax"),
