@@ -316,12 +316,18 @@ void run_pipeline(const PipelineArgs& a) {
                "rule), got --micro ", a.micro, " and --stages ", a.stages);
   CPATTN_CHECK(std::isfinite(a.transfer) && a.transfer >= 0, "--transfer must be >= 0, got ",
                a.transfer);
+  // make_schedule's limits, by flag and before the costs are laid out per stage (a billion
+  // stages allocated 24 GB first).
+  const int v = a.virtual_stages.value_or(interleaved ? 2 : 1);
+  CPATTN_CHECK(a.stages <= 1024, "--stages must be <= 1024, got ", a.stages);
+  CPATTN_CHECK(int64_t{a.stages} * a.micro * v <= 1'000'000, "--stages * --micro * --virtual must be <= 10^6 (the "
+               "schedule's tick table), got ", a.stages, " * ", a.micro, " * ", v);
   if (!a.svg.empty()) check_output_path(a.svg, "--svg");  // before any work
   const PipelineCosts costs = parse_costs(a.costs, a.stages, a.transfer);
   const Schedule schedule = make_schedule({.stages = a.stages,
                                            .micro = a.micro,
                                            .schedule = kind,
-                                           .virtual_stages = a.virtual_stages.value_or(interleaved ? 2 : 1)});
+                                           .virtual_stages = v});
   // (what simulate still refuses is the costs' sum past the largest double: the flags' values)
   const Simulation sim = with_flag("--costs, --transfer", [&] { return simulate(schedule, costs); });
   const TickTable ticks = tick_table(schedule);

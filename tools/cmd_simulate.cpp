@@ -642,7 +642,8 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--schedule", a->schedule, "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1")
       ->capture_default_str();
   cmd->add_option("--virtual", a->virtual_stages,
-                  "Model chunks per stage V for --schedule interleaved (default 2; --layers a multiple of --pp x V)");
+                  "Model chunks per stage V for --schedule interleaved (default 2; --layers a multiple of --pp x V)")
+      ->check(at_least_one());  // (0 is SimMesh's "the default", which the flag must not mean)
   cmd->add_option("--layers", a->layers, "Attention layers of the model (a multiple of --pp, and of --pp x "
                                          "--virtual with interleaved)")->capture_default_str();
   cmd->add_option("--heads", a->heads, "Query heads")->check(at_least_one())->capture_default_str();

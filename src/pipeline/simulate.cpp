@@ -99,9 +99,17 @@ Simulation run(const Schedule& schedule, const std::function<double(int, const A
   for (double t : free_at) sim.makespan = std::max(sim.makespan, t);
   CPATTN_CHECK(std::isfinite(sim.makespan), "the costs add up past the largest double (makespan ", sim.makespan,
                "): forward, backward, weight and transfer costs must be smaller");
-  const double slots = static_cast<double>(S) * sim.makespan;
-  sim.utilization = slots > 0 ? sim.busy / slots : 1.0;
-  sim.bubble_fraction = slots > 0 ? (slots - sim.busy) / slots : 0.0;
+  // The mean over the stages of each one's busy share, each share summed in parts of the
+  // makespan: S x makespan overflowed to inf for costs near the largest double (utilization 0,
+  // bubble NaN, where both were 0.5).
+  sim.utilization = 1.0;
+  if (sim.makespan > 0) {
+    double shares = 0;
+    for (const auto& stage : sim.timeline)
+      for (const auto& done : stage) shares += (done.end - done.start) / sim.makespan;
+    sim.utilization = shares / static_cast<double>(S);
+  }
+  sim.bubble_fraction = 1.0 - sim.utilization;
   for (int s = 0; s < S; ++s)
     sim.peak_activations[static_cast<std::size_t>(s)] = peak_activations(schedule, s);
   return sim;

@@ -382,8 +382,11 @@ void pass_q_call(const Ctx& c, int r, int64_t block, int64_t part, double comput
   // each owner whose queries see r's block) and sends its own to every other rank (a partial
   // from each helper whose block they see).
   const double part_t = partials_home(c, r, visible_queries(c, r), visible_blocks(c, r), part, call.payload);
-  overlap_steps(cp, compute, block_t + part_t, call);
-  call.exposed_s += part_t;  // the last partial comes home after the last step
+  // cp - 1 shifts and cp - 1 partials (step 0 is local): all but the last partial (sent after
+  // the last step, exposed) travel under a later step, as the ring's backward counts them (this
+  // counted cp partials, one too many).
+  overlap_steps(cp, compute, block_t + part_t * (cp - 2) / (cp - 1), call);
+  call.exposed_s += part_t;
 }
 
 void pass_q_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
@@ -653,7 +656,11 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   add_bytes(per_layer, ep_bytes);
   add_bytes(p.step_bytes, per_layer, int64_t{mesh.micro} * chunks * layers_i);  // (every chunk's layers)
   if (mesh.pp > 1) {
-    const int64_t pp_bytes = 2 * int64_t{mesh.micro} * chunks * act;  // activation down, gradient up
+    // The busiest stage's: a middle one sends each chunk's activation down and its gradient up
+    // (2 V per micro-batch); at pp = 2 there is none, and each stage sends 2 V - 1 (the model's
+    // first chunk receives no activation, its last sends none). This counted 2 V at pp = 2.
+    const int64_t per_micro = mesh.pp == 2 ? 2 * int64_t{chunks} - 1 : 2 * int64_t{chunks};
+    const int64_t pp_bytes = int64_t{mesh.micro} * per_micro * act;
     add_bytes(p.step_bytes, pp_inter, pp_bytes, pp_bytes);
   }
   const MemoryUse mem = memory_use(c, scheme, inner, h);
@@ -785,6 +792,8 @@ void check_sim_mesh(const SimMesh& m, const SimModel& model) {
   CPATTN_CHECK(model.num_heads_q >= 1 && model.num_heads_k >= 1 && model.num_heads_q % model.num_heads_k == 0,
                "SimModel::num_heads_q = ", model.num_heads_q, " must be a multiple of SimModel::num_heads_k = ",
                model.num_heads_k);
+  // (so that a row's and a context's sizes stay within int: 16777216 heads wrapped a K/V row to 0)
+  CPATTN_CHECK(model.num_heads_q <= 65536, "SimModel::num_heads_q must be <= 65536, got ", model.num_heads_q);
   CPATTN_CHECK(model.num_heads_k % m.tp == 0, "SimModel::num_heads_k = ", model.num_heads_k,
                " must be divisible by SimMesh::tp = ", m.tp, " (each TP rank holds whole KV heads)");
   CPATTN_CHECK(model.head_dim_qk >= 1 && model.head_dim_qk <= 256 && model.head_dim_v >= 1 && model.head_dim_v <= 256,

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace cpattn {
@@ -151,6 +152,26 @@ TEST(Sim, RingHidesItsShiftsWhenComputeIsLonger) {
   EXPECT_NEAR(p.backward[0].exposed_s, 408e-12 + 1.28e-9, 1e-18);
 }
 
+// Pass-Q at cp = 2: one step after the local one; rank 0's Q block (20 x 2 x 4 x 4 = 640 bytes)
+// travels under it, and its one partial coming home (O and lse: 40 x 5 x 4 = 800 bytes), sent
+// after the last step, is exposed. cp - 1 partials, not cp: the hidden time counted the partial
+// a second time (1.44 ns).
+TEST(Sim, PassQHidesItsBlocksAndExposesTheLastPartial) {
+  SimInput in = hand_input();
+  in.profile.intra = {.bandwidth_gbs = 1000, .latency_us = 0};
+  const SchemePrediction p = simulate_scheme(in, CpScheme::pass_q);
+  EXPECT_NEAR(p.forward[0].hidden_s, 0.64e-9, 1e-18);
+  EXPECT_NEAR(p.forward[0].exposed_s, 408e-12 + 0.8e-9, 1e-18);
+  // At cp = 3 two steps each carry a block and, under the second, the first partial.
+  in.mesh.cp = 3;
+  in.profile.ranks_per_node = 3;  // (one node: every transfer on the intra link)
+  const std::vector<int64_t> one{0, 60};
+  in.cu_seqlens = one;
+  const SchemePrediction q = simulate_scheme(in, CpScheme::pass_q);
+  const double block = 20 * 2 * 4 * 4 * 1e-12, part = 40 * 5 * 4 * 1e-12;  // T_loc 20 at cp 3
+  EXPECT_NEAR(q.forward[1].hidden_s, 2 * (block + part / 2), 1e-18);
+}
+
 // The CP overhead (MachineProfile::fwd_overhead / bwd_overhead, a fraction of the kernel time)
 // adds to compute: with it 0 the hand-worked cases above hold (the profile leaves it 0); with
 // it set, each call's compute grows by exactly the fraction of its kernel time, and a step
@@ -211,6 +232,29 @@ TEST(Sim, CpOverheadHidesMoreOfTheRingsTransfers) {
   EXPECT_NEAR(p.forward[0].time_s(), base.forward[0].time_s() + 3.488e-6, 1e-15);
   EXPECT_GT(p.step_s, base.step_s);
   EXPECT_LT(p.step_s, base.step_s + 6.976e-6);
+}
+
+// The stage transfers of the busiest stage, alone at cp = 1 (T_loc 40 x hidden 8 x 4 bytes =
+// 1280 per activation): a middle stage sends an activation down and a gradient up per chunk and
+// micro-batch (2 V), a stage of two sends 2 V - 1 (stage 0 receives no activation for the
+// model's first chunk; stage 1 sends none from its last), sent and received alike.
+TEST(Sim, StageTransfersAreTheBusiestStagesSendsAndReceives) {
+  for (const auto& [pp, v, per_micro] : {std::tuple{2, 1, 1}, std::tuple{2, 2, 3}, std::tuple{2, 3, 5},
+                                         std::tuple{3, 1, 2}, std::tuple{4, 2, 4}}) {
+    SimInput in = hand_input();
+    in.mesh.cp = 1;
+    in.mesh.pp = pp;
+    in.mesh.micro = 4;
+    in.model.layers = 2 * pp * v;
+    if (v > 1) {
+      in.mesh.schedule = PipelineSchedule::interleaved;
+      in.mesh.virtual_stages = v;
+    }
+    const SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+    SCOPED_TRACE(::testing::Message() << "pp " << pp << " V " << v);
+    EXPECT_EQ(p.step_bytes.sent(), 4 * per_micro * 1280);
+    EXPECT_EQ(p.step_bytes.received(), 4 * per_micro * 1280);
+  }
 }
 
 TEST(Sim, EqualPipelineStagesGiveTheFillDrainBubble) {

@@ -127,12 +127,29 @@ bad = {
     ("pipeline", "--costs", "1e308,1e308,1", "--svg", "/tmp/cpattn_pipeline_inf.svg"): "--costs, --transfer: the costs add up",
     ("pipeline", "--transfer", "1e308"): "--costs, --transfer: the costs add up",
     ("pipeline", "--bogus"): "--bogus",
+    # the schedule's limits by flag, before the per-stage costs (a billion stages: bad_alloc, or
+    # 24 GB allocated first)
+    ("pipeline", "--stages", "1000000000", "--micro", "1"): "--stages must be <= 1024, got 1000000000",
+    ("pipeline", "--stages", "1000", "--micro", "1001"): "--stages * --micro * --virtual must be <= 10^6",
+    ("simulate", "--lengths", "64", "--pp", "2", "--layers", "4", "--schedule", "interleaved", "--virtual", "0"):
+        "--virtual: must be >= 1, got 0",
+    ("simulate", "--lengths", "4096", "--cp", "2", "--heads", "16777216", "--kv-heads", "16777216"):
+        "--heads must be <= 65536, got 16777216",
 }
 for args, needle in bad.items():
     r = run(*args)
     lines = r.stderr.strip().splitlines()
     check(r.returncode == 2, f"{args}: exit {r.returncode}, want 2")
     check(len(lines) == 1 and needle in lines[0], f"{args}: stderr {r.stderr!r} lacks {needle!r}")
+
+# Costs near the largest double: the makespan is finite, and so are the bubble and the
+# utilization (S x makespan overflowed: bubble NaN, utilization 0).
+r = run("pipeline", "--stages", "2", "--micro", "1", "--schedule", "fill-drain", "--costs", "5e307,0,0", "--json")
+check(r.returncode == 0, f"huge costs: {r.stderr}")
+if r.returncode == 0:
+    hj = json.loads(r.stdout)
+    check(hj["makespan"] == 1e308 and hj["bubble_fraction"] == 0.5 and hj["utilization"] == 0.5,
+          f"huge costs: makespan {hj['makespan']}, bubble {hj['bubble_fraction']}, utilization {hj['utilization']}")
 
 h = run("pipeline", "--help")
 for flag in ("--stages", "--micro", "--schedule", "--virtual", "--costs", "--transfer", "--json", "--svg"):
