@@ -174,7 +174,7 @@ void add_bench_command(CLI::App& app) {
   at->add_option("--seq-len", args->seq_len, "One document of this many tokens")
       ->check(at_least_one())->capture_default_str();
   at->add_option("--lengths", args->lengths, "Document lengths of a packed batch (overrides --seq-len)")
-      ->delimiter(',');
+      ->delimiter(',')->check(int64_value());
   at->add_option("--heads", args->heads, "Query heads")->check(at_least_one())->capture_default_str();
   at->add_option("--kv-heads", args->kv_heads, "Key/value heads (GQA when fewer than --heads)")
       ->check(at_least_one())->capture_default_str();

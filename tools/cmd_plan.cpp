@@ -147,20 +147,24 @@ nlohmann::json rank_json(const RankBalance& r, const RankPlan& p) {
 // Streamed one rank at a time: the output grows with cp times the batch (every rank's index
 // lists), the memory held only with one rank's plan (cp = 4096 with many documents is
 // gigabytes of text, never gigabytes of JSON objects). A failed write is an error.
-// The most index entries --json writes (about 1 GB of text): every rank lists its
+// The most entries --json writes (about 1 GB of text): every rank lists its
 // global_token_index and kv_gather_index, together up to (cp + 1) times the padded batch,
-// which at cp = 4096 and many documents is terabytes.
+// which at cp = 4096 and many documents is terabytes, and per document its two tasks' lengths
+// and key runs (up to 2 cp + 1 a rank, each an object of three numbers: four entries' text).
 constexpr int64_t kMaxJsonEntries = int64_t{1} << 27;
 
 // Refuses --json past kMaxJsonEntries, from the boundaries alone (before the balance reports,
-// which at cp = 4096 and many documents take seconds themselves).
+// which at cp = 4096 and many documents take seconds themselves). (Counting the index lists
+// alone, 100 one-token documents at --cp 256 wrote 488 MB under a bound of about 98 MB.)
 void check_json_size(const std::vector<int64_t>& cu, int cp, CpSplit split) {
   const int64_t tokens = split == CpSplit::padded ? pad_cu_seqlens(cu, cp).back() : cu.back();
-  const int64_t entries = tokens > kMaxJsonEntries / (cp + 1) ? kMaxJsonEntries + 1 : tokens * (cp + 1);
-  CPATTN_CHECK(entries <= kMaxJsonEntries, "--json: the plan of ", cu.size() - 1, " documents (", tokens,
-               split == CpSplit::padded ? " padded" : "", " tokens) at --cp ", cp, " lists up to (cp + 1) x ", tokens,
-               " index entries, past --json's bound of ", kMaxJsonEntries,
-               " (about 1 GB of text); the table (without --json) summarizes any size");
+  const auto docs = static_cast<double>(cu.size() - 1), c = static_cast<double>(cp);
+  const double entries = static_cast<double>(tokens) * (c + 1) + docs * c * (4 + 4 * (2 * c + 1));
+  CPATTN_CHECK(entries <= static_cast<double>(kMaxJsonEntries), "--json: the plan of ", cu.size() - 1, " documents (",
+               tokens, split == CpSplit::padded ? " padded" : "", " tokens) at --cp ", cp, " lists about ",
+               static_cast<int64_t>(std::min(entries, 9e18)), " entries ((cp + 1) x ", tokens,
+               " index entries, and each rank's tasks and key runs of every document), past --json's bound of ",
+               kMaxJsonEntries, " (about 1 GB of text); the table (without --json) summarizes any size");
 }
 
 void print_json(const BalanceReport& b, const std::vector<int64_t>& cu, const SplitSummary& both) {
@@ -316,13 +320,13 @@ void add_plan_command(CLI::App& app) {
       "batch (document lengths " + join(kExampleLengths) + ").");
   auto* cu = cmd->add_option("--cu-seqlens", args->cu_seqlens,
                              "Document boundaries with a leading 0, comma-separated: 0,16,40")
-                 ->delimiter(',');
+                 ->delimiter(',')->check(int64_value());
   auto* ends = cmd->add_option("--ends", args->ends,
                                "Document ends without the leading 0 (actual_seq_qlen form): 16,40")
-                   ->delimiter(',');
+                   ->delimiter(',')->check(int64_value());
   auto* lengths = cmd->add_option("--lengths", args->lengths,
                                   "Document lengths, packed in order into one batch: 16,24")
-                      ->delimiter(',');
+                      ->delimiter(',')->check(int64_value());
   auto* file = cmd->add_option("--lengths-file", args->lengths_file,
                                "File with one document length per line ('#' starts a comment), "
                                "packed in order into one batch")->check(path_flag());

@@ -30,7 +30,8 @@ void add_run_command(CLI::App& app) {
       "Distributed CP attention, forward and backward, on one packed batch, checked against a "
       "single-process run. Launch as: mpirun -np N cpattn run [flags]. Exits 1 when the check fails.");
   auto* lengths = cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated (default: a "
-                                                           "realistic mix drawn from --seed)")->delimiter(',');
+                                                           "realistic mix drawn from --seed)")
+                      ->delimiter(',')->check(int64_value());
   auto* seq_len = cmd->add_option("--seq-len", a->seq_len, "Tokens of the default document mix")->capture_default_str();
   auto* npy = cmd->add_option("--npy-in", a->npy_in,
                               "Read the global unpadded batch from DIR: q.npy, k.npy, v.npy, dout.npy (float32 "

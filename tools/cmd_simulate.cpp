@@ -625,7 +625,7 @@ void add_simulate_command(CLI::App& app) {
       "simulate", "Predict every CP scheme's step (compute, exposed and hidden communication, pipeline bubble, "
                   "bytes per link class, memory) for a batch on a mesh and a machine profile. See docs/simulate.md.");
   cmd->add_option("--lengths-file", a->lengths_file, "One document length per line ('#' comments)")->check(path_flag());
-  cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated")->delimiter(',');
+  cmd->add_option("--lengths", a->lengths, "Document lengths, comma-separated")->delimiter(',')->check(int64_value());
   cmd->add_option("--distribution", a->distribution, "A named length distribution: fixed, uniform or lognormal");
   cmd->add_option("--tokens", a->tokens, "--distribution: tokens of the batch")->capture_default_str();
   cmd->add_option("--mean-length", a->mean_length, "--distribution: mean document length")->capture_default_str();
@@ -683,7 +683,7 @@ void add_calibrate_command(CLI::App& app) {
   cmd->add_option("--seq-len", a->seq_len, "Kernel case: one causal document of this many tokens")
       ->check(at_least_one())->capture_default_str();
   cmd->add_option("--lengths", a->lengths, "Kernel case: these document lengths instead (e.g. a batch to predict)")
-      ->delimiter(',');
+      ->delimiter(',')->check(int64_value());
   cmd->add_option("--heads", a->heads, "Kernel case: query heads")->check(at_least_one())->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "Kernel case: key/value heads")->check(at_least_one())
       ->capture_default_str();

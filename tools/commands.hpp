@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <cpattn/error.hpp>
 
+#include <charconv>
+#include <cstdint>
 #include <iosfwd>
 #include <optional>
 #include <string>
@@ -46,6 +48,22 @@ inline const CLI::Validator& at_least_one() {
         return CLI::detail::lexical_cast(s, x) && x < 1 ? "must be >= 1, got " + s : std::string();
       },
       "INT >= 1");
+  return v;
+}
+
+// The check of each value of an integer list flag (--lengths 16,24): within int64. CLI11's
+// conversion takes a value past it as the limit, so an error quoted -9223372036854775808 for a
+// --lengths of -99999999999999999999. Other malformed values are left to the conversion.
+inline const CLI::Validator& int64_value() {
+  static const CLI::Validator v(
+      [](const std::string& s) {
+        std::int64_t x = 0;
+        const char* b = s.data() + (s.starts_with('+') ? 1 : 0);
+        return std::from_chars(b, s.data() + s.size(), x).ec == std::errc::result_out_of_range
+                   ? "must be an integer within int64 (|x| <= 9223372036854775807), got " + s
+                   : std::string();
+      },
+      "INT");
   return v;
 }
 

@@ -21,7 +21,10 @@
 namespace cpattn {
 
 inline constexpr int64_t kUnknownTokens = -1;
-// Limits that keep every count and offset of a plan inside int64: 2^48 tokens, cp <= 65536.
+// Limits that keep every token count and offset of a plan inside int64: 2^48 tokens, cp <=
+// 65536. Work counts (pairs, and rect_work: a task's queries x keys) grow as the square of a
+// document's length and can pass int64 below them (one document of about 3.04e9 tokens at
+// cp = 1): the planner then fails with an error saying so (src/plan/plan_math.hpp).
 inline constexpr int64_t kMaxTokens = int64_t{1} << 48;
 inline constexpr int kMaxCp = 65536;
 

@@ -26,7 +26,8 @@ static_assert(visible_pairs_prefix(0, 3, 2) == 5);    // 1+2+2 (keys end first)
 inline int64_t checked_mul(int64_t a, int64_t b) {
   int64_t r = 0;
   CPATTN_CHECK(!__builtin_mul_overflow(a, b, &r), "work count overflows int64 (", a, " * ", b,
-               "): documents are too long to count their attention pairs");
+               "): a document's attention work (its visible pairs, or a task's queries x keys, which grow as "
+               "the square of its length) is too large to count");
   return r;
 }
 inline void checked_add(int64_t& acc, int64_t v) {

@@ -269,6 +269,16 @@ TEST(Plan, AReusedPlanIsTheFreshPlanWhateverItHeldBefore) {
   expect_fresh(V{0, 5, 6, 40}, 2, 0, CpSplit::padding_free);  // a prefix of the batch held
   EXPECT_THROW(get_thd_load_balanced_cp_metadata(V{0, 5, 5}, 2, 0, {}, reused), Error);
   expect_fresh(a, 2, 1, CpSplit::padded);
+  // After a failed call, empty boundaries are checked (they matched the cleared boundaries and
+  // returned the batch held before, reading back() of an empty span).
+  EXPECT_THROW(get_thd_load_balanced_cp_metadata(V{0, 5, 5}, 2, 0, {}, reused), Error);
+  EXPECT_THROW(get_thd_load_balanced_cp_metadata(V{}, 2, 0, {}, reused), Error);
+  expect_fresh(b, 2, 0, CpSplit::padded);
+  // The plan's own boundaries, at another cp: read before they are replaced.
+  const V own = reused.cu_seqlens;
+  get_thd_load_balanced_cp_metadata(reused.cu_seqlens, 3, 2, PlanOptions{}, reused);
+  expect_same_plan(reused, get_thd_load_balanced_cp_metadata(own, 3, 2, PlanOptions{}));
+  EXPECT_EQ(reused.cu_seqlens, own);
 }
 
 TEST(Plan, Int32BoundariesGiveTheInt64Plan) {

@@ -129,6 +129,12 @@ bad = {
     ("plan", "--lengths", "6,4444444448", "--cp", "1"): "--lengths: work count overflows int64",  # found by fuzz_cli
     ("plan", "--cu-seqlens", "0,1099511627776", "--cp", "2"): "--cu-seqlens: work count overflows int64",
     ("plan", "--ends", "4294967295", "--cp", "1"): "--ends: work count overflows int64",
+    # past int64: named as given (the conversion's clamped value, -9223372036854775808, was quoted)
+    ("plan", "--lengths", "-99999999999999999999"): "--lengths: must be an integer within int64 (|x| <= "
+                                                    "9223372036854775807), got -99999999999999999999",
+    ("plan", "--cu-seqlens", "0,99999999999999999999"): "--cu-seqlens: must be an integer within int64",
+    ("run", "--lengths", "99999999999999999999"): "--lengths: must be an integer within int64",
+    ("simulate", "--lengths", "99999999999999999999"): "--lengths: must be an integer within int64",
 }
 for args, needle in bad.items():
     r = run(*args)

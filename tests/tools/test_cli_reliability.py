@@ -204,5 +204,15 @@ with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
                        text=True, timeout=60)
     check(r.returncode == 2 and "past --json's bound of 134217728" in r.stderr and time.monotonic() - start < 20,
           f"plan --json at cp 4096: exit {r.returncode} {r.stderr[-400:]!r}")
+# ... and where the key runs, not the index lists, are what is large: 1,000 one-token documents
+# at cp = 256 (about 5 GB of text; the index lists alone, 131 million entries, passed the bound).
+r = subprocess.run([CPATTN, "plan", "--cp", "256", "--lengths", ",".join(["1"] * 1000), "--json"], capture_output=True,
+                   text=True, timeout=60)
+check(r.returncode == 2 and "past --json's bound of 134217728" in r.stderr,
+      f"plan --json of 1000 tiny documents at cp 256: exit {r.returncode} {r.stderr[-400:]!r}")
+# ... while a plan under the bound is written whole.
+r = subprocess.run([CPATTN, "plan", "--cp", "64", "--lengths", ",".join(["1"] * 50), "--json"], capture_output=True,
+                   text=True, timeout=60)
+check(r.returncode == 0 and r.stdout.count('"rank"') >= 64, f"plan --json of 50 tiny documents at cp 64: {r.stderr[-400:]!r}")
 
 finish()
