@@ -266,6 +266,7 @@ void run_simulate(const SimulateArgs& a) {
       s["faster_smaller_cp"] = p.faster_smaller_cp;
       s["breakeven_length_scale"] = p.breakeven_length_scale;
       s["breakeven_bandwidth_scale"] = p.breakeven_bandwidth_scale;
+      s["cp_group_offset"] = p.cp_group_offset;
       s["forward"] = call_json(p.forward);
       s["backward"] = call_json(p.backward);
       j["schemes"].push_back(s);

@@ -117,8 +117,12 @@ struct SchemePrediction {
   int cp_inner = 0;       // hybrid: the all-to-all group used
   bool valid = true;      // false when the scheme cannot run this shape (heads, cp)
   std::string reason;     // why not, when !valid
-  // Per CP rank (index = CP rank), one attention layer, one micro-batch.
+  // Per CP rank (index = CP rank), one attention layer, one micro-batch, of the CP group whose
+  // slowest rank is slowest (groups differ where their node boundaries fall differently, e.g.
+  // cp 3 on nodes of 4 ranks): its CP index i is world rank cp_group_offset + tp i, modulo
+  // ranks_per_node (the offset's residue is all that decides its links).
   std::vector<SimCall> forward, backward;
+  std::int64_t cp_group_offset = 0;
   // The step: every layer of a stage, every micro-batch, the pipeline around them.
   double step_s = 0;          // predicted step time (the slowest rank, pipeline included)
   double compute_s = 0;       // of the step, on the slowest stage

@@ -31,18 +31,23 @@ void check_link(const SimLink& l, const char* name) {
                ".latency_us must be a finite number >= 0 (microseconds), got ", l.latency_us);
 }
 
-// Which CP ranks sit on which node: CP index i of the first CP group is world rank tp * i
-// (the mesh's tp-cp-dp-pp order, docs/mesh.md); every CP group has the same shape. The node
-// of a CP index only grows with it, so the CP indices of one node form an interval: peers
-// are counted per link class in closed form, never by a loop over the group (cp up to 65536,
-// every rank of every prediction).
+// ceil(a / b) for b > 0 and any a.
+int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
+
+// Which CP ranks sit on which node: CP index i of the CP group whose index 0 is world rank
+// `offset` is world rank offset + tp * i (the mesh's tp-cp-dp-pp order, docs/mesh.md; offset =
+// tp_i + tp cp (dp_i + dp pp_i)). The node of a CP index only grows with it, so the CP indices
+// of one node form an interval: peers are counted per link class in closed form, never by a
+// loop over the group (cp up to 65536, every rank of every prediction).
 struct Topology {
   int tp = 1, rpn = 1;
-  int node(int world_rank) const { return world_rank / rpn; }
-  bool inter(int a_world, int b_world) const { return node(a_world) != node(b_world); }
+  int64_t offset = 0;
+  int64_t node(int64_t world_rank) const { return world_rank / rpn; }
+  bool inter(int64_t a_world, int64_t b_world) const { return node(a_world) != node(b_world); }
+  int64_t world(int i) const { return offset + int64_t{tp} * i; }
   // The CP indices on CP index i's node: [lo, hi).
-  int64_t node_lo(int i) const { return (int64_t{node(tp * i)} * rpn + tp - 1) / tp; }
-  int64_t node_hi(int i) const { return ((int64_t{node(tp * i)} + 1) * rpn + tp - 1) / tp; }
+  int64_t node_lo(int i) const { return ceil_div(node(world(i)) * rpn - offset, tp); }
+  int64_t node_hi(int i) const { return ceil_div((node(world(i)) + 1) * rpn - offset, tp); }
   // How many CP indices j in [a, b), j != i, share CP index i's node.
   int64_t same_node(int i, int64_t a, int64_t b) const {
     const int64_t n = std::max<int64_t>(0, std::min(b, node_hi(i)) - std::max(a, node_lo(i)));
@@ -93,7 +98,7 @@ struct Ctx {
   double fwd_rate = 0, bwd_rate = 0;  // FLOP/s
   Topology topo;
 
-  int world(int cp_index) const { return topo.tp * cp_index; }
+  int64_t world(int cp_index) const { return topo.world(cp_index); }
   // The overlapped all-gather's KV-head groups over `ranks` ranks of `kv_heads` KV heads each
   // (cp_overlap_groups: 1 without SimInput::overlap or with nothing to gather).
   int overlap_groups(int kv_heads, int ranks) const { return in.overlap && ranks > 1 ? overlap_kv_groups(kv_heads) : 1; }
@@ -535,6 +540,25 @@ double expert_imbalance(const SimModel& m, int ep) {
   return *std::max_element(load.begin(), load.end()) / (total / ep);
 }
 
+// Where the CP groups begin relative to the node boundaries: group (tp_i, dp_i, pp_i) starts at
+// world rank tp_i + tp cp (dp_i + dp pp_i), and a group's link classes depend only on that
+// rank modulo ranks_per_node, so each distinct residue once (one where the groups line up with
+// the nodes; at most ranks_per_node).
+std::vector<int64_t> cp_group_offsets(const SimMesh& m, int rpn) {
+  std::vector<int64_t> out;
+  std::vector<bool> seen(static_cast<std::size_t>(rpn), false);
+  const int64_t groups = int64_t{m.dp} * m.pp, stride = int64_t{m.tp} * m.cp;
+  for (int64_t k = 0; k < std::min<int64_t>(groups, rpn); ++k)
+    for (int64_t t = 0; t < std::min<int64_t>(m.tp, rpn); ++t) {
+      const int64_t residue = (t + stride % rpn * k) % rpn;
+      if (!seen[static_cast<std::size_t>(residue)]) {
+        seen[static_cast<std::size_t>(residue)] = true;
+        out.push_back(residue);
+      }
+    }
+  return out;
+}
+
 SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   const SimInput& in = c.in;
   const SimMesh& mesh = in.mesh;
@@ -559,25 +583,43 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
     }
     h = {.inner = inner, .hq = c.hq, .hkv = c.hk};
   }
-  p.forward.resize(static_cast<std::size_t>(cp));
-  p.backward.resize(static_cast<std::size_t>(cp));
-  for (int r = 0; r < cp; ++r) {
-    SimCall& f = p.forward[r];
-    SimCall& b = p.backward[r];
-    switch (scheme) {
-      case CpScheme::allgather: allgather_calls(c, r, f, b); break;
-      case CpScheme::ring: ring_calls(c, r, f, b); break;
-      case CpScheme::pass_q: pass_q_calls(c, r, f, b); break;
-      case CpScheme::a2a:
-      case CpScheme::hybrid: a2a_calls(c, scheme, r, inner, h, f, b); break;
+  // Every CP group, by where its node boundaries fall (cp_group_offsets; one where the groups
+  // line up with the nodes): the calls of the group whose slowest rank is slowest. (Group 0's
+  // alone priced a group that crosses nodes as one that does not.)
+  const auto slowest = [cp](const std::vector<SimCall>& f, const std::vector<SimCall>& b) {
+    int slow = 0;
+    for (int r = 1; r < cp; ++r)
+      if (f[r].time_s() + b[r].time_s() > f[slow].time_s() + b[slow].time_s()) slow = r;
+    return slow;
+  };
+  std::vector<SimCall> fs, bs;
+  double worst = -1;
+  for (const int64_t offset : cp_group_offsets(mesh, in.profile.ranks_per_node)) {
+    Ctx g = c;
+    g.topo.offset = offset;
+    fs.assign(static_cast<std::size_t>(cp), SimCall{});
+    bs.assign(static_cast<std::size_t>(cp), SimCall{});
+    for (int r = 0; r < cp; ++r) {
+      SimCall& f = fs[r];
+      SimCall& b = bs[r];
+      switch (scheme) {
+        case CpScheme::allgather: allgather_calls(g, r, f, b); break;
+        case CpScheme::ring: ring_calls(g, r, f, b); break;
+        case CpScheme::pass_q: pass_q_calls(g, r, f, b); break;
+        case CpScheme::a2a:
+        case CpScheme::hybrid: a2a_calls(g, scheme, r, inner, h, f, b); break;
+      }
+    }
+    const int s = slowest(fs, bs);
+    if (fs[s].time_s() + bs[s].time_s() > worst) {
+      worst = fs[s].time_s() + bs[s].time_s();
+      p.cp_group_offset = offset;
+      p.forward.swap(fs);
+      p.backward.swap(bs);
     }
   }
   // The slowest CP rank sets the pace (every call ends in collectives over the group).
-  int slow = 0;
-  for (int r = 1; r < cp; ++r)
-    if (p.forward[r].time_s() + p.backward[r].time_s() >
-        p.forward[slow].time_s() + p.backward[slow].time_s())
-      slow = r;
+  const int slow = slowest(p.forward, p.backward);
   const SimCall& f = p.forward[slow];
   const SimCall& b = p.backward[slow];
 
@@ -586,8 +628,12 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   const int64_t act = c.t_loc * hidden * c.es;  // one activation of one micro-batch on a CP rank
   double tp_time = 0;
   SimBytes tp_bytes;
+  const int64_t world = int64_t{mesh.tp} * mesh.cp * mesh.dp * mesh.pp;
+  const int rpn = in.profile.ranks_per_node;
   if (mesh.tp > 1) {  // Megatron: two all-reduces forward (attention, MLP), two backward; ring
-    const bool inter = mesh.tp > in.profile.ranks_per_node;
+    // (a TP group crosses nodes where it is larger than one, or where the node size is no
+    // multiple of tp and the mesh spans nodes: a group then straddles the first boundary)
+    const bool inter = mesh.tp > rpn || (rpn % mesh.tp != 0 && world > rpn);
     const int64_t piece = act / mesh.tp;
     const double one = 2.0 * (mesh.tp - 1) * c.send_time(piece, inter);
     tp_time = 2 * one;  // per direction
@@ -615,7 +661,10 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
   const double layers_per_chunk = static_cast<double>(model.layers) / static_cast<double>(int64_t{mesh.pp} * chunks);
   const double fwd = layers_per_chunk * (f.time_s() + tp_time + ep_time);
   const double bwd = layers_per_chunk * (b.time_s() + tp_time + ep_time);
-  const bool pp_inter = int64_t{mesh.tp} * mesh.cp * mesh.dp >= in.profile.ranks_per_node;
+  // Stage s's rank r sends to rank r + tp cp dp of stage s + 1: some such pair crosses a node
+  // boundary whenever the mesh spans nodes, and the slowest link paces the uniform transfer.
+  // (It read intra when tp cp dp < ranks_per_node, though pairs across the first boundary cross.)
+  const bool pp_inter = world > rpn;
   const double transfer = mesh.pp > 1 ? c.send_time(act, pp_inter) : 0.0;
   const Schedule sched = rewrite_errors(  // named by the fields (the CLI's flags) that set the schedule
       [&] {

@@ -552,10 +552,15 @@ TEST(Sim, PeersByLinkClassMatchANaiveCountOnEveryRank) {
             in.mesh.tp = tp;
             in.mesh.cp = cp;
             in.profile.ranks_per_node = rpn;
-            const auto node = [&](int i) { return tp * i / rpn; };
             const SchemePrediction a2a = simulate_scheme(in, CpScheme::a2a);
             const SchemePrediction pq = simulate_scheme(in, CpScheme::pass_q);
             ASSERT_TRUE(a2a.valid && pq.valid) << a2a.reason;
+            // Each priced group begins at a TP coordinate (the only groups of a tp x cp mesh),
+            // the one whose slowest rank is slowest for that scheme.
+            ASSERT_LT(pq.cp_group_offset, std::min(tp, rpn));
+            ASSERT_LT(a2a.cp_group_offset, std::min(tp, rpn));
+            const auto node_at = [&](int64_t offset) { return [=](int i) { return (offset + tp * i) / rpn; }; };
+            const auto node = node_at(pq.cp_group_offset);
             // The padded split's chunks and the most real ones of any document.
             int64_t t_loc = 0, n = 0;
             for (const int64_t len : lengths) {
@@ -587,23 +592,29 @@ TEST(Sim, PeersByLinkClassMatchANaiveCountOnEveryRank) {
               EXPECT_EQ(got.received_intra, want.received_intra) << "pass-q rank " << r;
               EXPECT_EQ(got.received_inter, want.received_inter) << "pass-q rank " << r;
               // a2a: every all-to-all sends one equal block to each of the cp - 1 peers.
+              const auto a2a_node = node_at(a2a.cp_group_offset);
+              inter_peers = 0;
+              for (int j = 0; j < cp; ++j) inter_peers += j != r && a2a_node(j) != a2a_node(r);
+              const bool a2a_right = a2a_node((r + 1) % cp) != a2a_node(r);
+              const bool a2a_left = a2a_node((r + cp - 1) % cp) != a2a_node(r);
               const SimBytes& x = a2a.forward[r].payload;
               EXPECT_EQ(x.sent_inter * (cp - 1), x.sent() * inter_peers) << "a2a rank " << r;
               EXPECT_EQ(x.received_inter * (cp - 1), x.received() * inter_peers) << "a2a rank " << r;
-              EXPECT_EQ(a2a.forward[r].agreement.sent_inter > 0, right_inter) << "agreement rank " << r;
-              EXPECT_EQ(a2a.forward[r].agreement.received_inter > 0, left_inter) << "agreement rank " << r;
+              EXPECT_EQ(a2a.forward[r].agreement.sent_inter > 0, a2a_right) << "agreement rank " << r;
+              EXPECT_EQ(a2a.forward[r].agreement.received_inter > 0, a2a_left) << "agreement rank " << r;
             }
           }
 }
 
 TEST(Sim, ExpertPeersByLinkClassMatchANaiveCount) {
-  // cp 1, so the only traffic beside TP's (on one node here) is EP's dispatch and combine: four
+  // cp 1, so the only traffic beside TP's (within nodes here: tp divides the node) is EP's
+  // dispatch and combine: four
   // all-to-alls a layer of block = T_loc x top_k x hidden x es / ep bytes to each EP peer, EP rank
   // j being world rank j x tp.
   for (const int tp : {1, 2, 3})
     for (const int ep : {2, 3, 4, 6})
       for (const int rpn : {3, 4, 6, 12}) {
-        if (tp > rpn) continue;
+        if (rpn % tp != 0) continue;
         SCOPED_TRACE(::testing::Message() << "tp " << tp << " ep " << ep << " ranks_per_node " << rpn);
         SimInput in = hand_input();
         in.model.num_heads_q = in.model.num_heads_k = 6;
@@ -617,6 +628,41 @@ TEST(Sim, ExpertPeersByLinkClassMatchANaiveCount) {
         EXPECT_EQ(p.step_bytes.sent_inter, 4 * inter * block);
         EXPECT_EQ(p.step_bytes.received_inter, 4 * inter * block);  // a uniform router
       }
+}
+
+// The groups that do not line up with the nodes: cp 3 on nodes of 4 ranks at dp 2 (group 0 is
+// ranks 0-2 on node 0, group 1 ranks 3-5 across nodes 0 and 1: its links are priced, where only
+// group 0's were), TP groups of 2 on nodes of 3 (ranks 2 and 3 straddle), and a pipeline whose
+// stages are 3 ranks apart on nodes of 4 (ranks 1 and 4 cross).
+TEST(Sim, GroupsAcrossNodeBoundariesArePricedOnTheInterNodeLink) {
+  SimInput in = hand_input();
+  const std::vector<int64_t> cu{0, 4096, 8192};
+  in.cu_seqlens = cu;
+  in.mesh.cp = 3;
+  in.profile.ranks_per_node = 4;
+  const SchemePrediction one = simulate_scheme(in, CpScheme::ring);
+  EXPECT_EQ(one.cp_group_offset, 0);
+  EXPECT_EQ(one.step_bytes.sent_inter, 0);
+  in.mesh.dp = 2;
+  const SchemePrediction two = simulate_scheme(in, CpScheme::ring);
+  EXPECT_EQ(two.cp_group_offset, 3);  // group 1: world ranks 3, 4, 5
+  EXPECT_GT(two.step_bytes.sent_inter, 0);
+  EXPECT_GT(two.step_s, one.step_s);  // the inter link is the slow one
+  // TP of 2 on nodes of 3, one CP rank, two replicas: ranks 2 and 3 form a TP group across nodes.
+  SimInput t = hand_input();
+  t.mesh = {.tp = 2, .cp = 1, .dp = 2};
+  t.profile.ranks_per_node = 3;
+  EXPECT_GT(simulate_scheme(t, CpScheme::allgather).step_bytes.sent_inter, 0);
+  t.profile.ranks_per_node = 4;  // the groups line up
+  EXPECT_EQ(simulate_scheme(t, CpScheme::allgather).step_bytes.sent_inter, 0);
+  // Stages of 3 ranks on nodes of 4: stage 0 is ranks 0-2, stage 1 ranks 3-5; 1 -> 4 crosses.
+  SimInput s = hand_input();
+  s.mesh = {.cp = 3, .pp = 2};
+  s.model.layers = 2;
+  s.cu_seqlens = cu;
+  s.profile.ranks_per_node = 4;
+  const SchemePrediction pp = simulate_scheme(s, CpScheme::allgather);
+  EXPECT_GT(pp.step_bytes.sent_inter, 0);
 }
 
 TEST(Sim, OneDocumentOf16MTokensCountsAndStopsTheLengthSweepBeforeOverflow) {
