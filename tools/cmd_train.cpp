@@ -168,11 +168,31 @@ struct JsonLog {
   ~JsonLog() {
     if (fd >= 0) ::close(fd);
   }
-  void open(const std::string& p, bool append) {
+  // `resume_step` >= 0: a resumed run's, appended to after its records of the steps before the
+  // checkpoint's (records of later steps, written by a run that ended before its next save,
+  // and a torn last line are cut: the resumed run writes those steps again, which left them
+  // twice in the log).
+  void open(const std::string& p, int64_t resume_step) {
     path = p;
     check_output_path(p, "--json-log");
-    fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0666);
+    const bool append = resume_step >= 0;
+    fd = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0666);
     CPATTN_CHECK(fd >= 0, "--json-log: cannot open '", p, "': ", std::strerror(errno));
+    if (!append) return;
+    const std::vector<std::byte> bytes = read_regular_file(p);
+    const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    std::size_t keep = 0;
+    for (std::size_t at = 0; at < text.size();) {
+      const std::size_t end = text.find('\n', at);
+      if (end == std::string_view::npos) break;  // a torn last line
+      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at), nullptr, false);
+      if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer() ||
+          j["step"].get<int64_t>() >= resume_step)
+        break;
+      keep = at = end + 1;
+    }
+    CPATTN_CHECK(keep == text.size() || ::ftruncate(fd, static_cast<off_t>(keep)) == 0, "--json-log: cannot cut '",
+                 p, "' to its records before step ", resume_step, ": ", std::strerror(errno));
   }
   void write(const std::string& line) {
     with_flag("--json-log", [&] { write_all(fd, std::as_bytes(std::span(line.data(), line.size())), path); });
@@ -273,7 +293,7 @@ void check_args(const TrainArgs& a) {
   CPATTN_CHECK(a.steps >= 0, "--steps must be >= 0, got ", a.steps);
   CPATTN_CHECK(a.threads >= 1, "--threads must be >= 1, got ", a.threads);
   CPATTN_CHECK(a.optim.warmup >= 0, "--warmup must be >= 0, got ", a.optim.warmup);
-  CPATTN_CHECK(a.optim.lr > 0 && std::isfinite(a.optim.lr), "--lr must be > 0, got ", a.optim.lr);
+  CPATTN_CHECK(a.optim.lr > 0 && std::isfinite(a.optim.lr), "--lr must be finite and > 0, got ", a.optim.lr);
   CPATTN_CHECK(a.optim.weight_decay >= 0 && std::isfinite(a.optim.weight_decay), "--weight-decay must be >= 0 and "
                "finite, got ", a.optim.weight_decay);
   CPATTN_CHECK(a.optim.clip >= 0, "--clip must be >= 0 (0: no clipping), got ", a.optim.clip);
@@ -443,10 +463,13 @@ void train_run(const TrainArgs& a) {
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
   const int rank = comm.rank();
   const int ranks = a.dp * a.cp * a.pp;
+  // Every rank runs the same settings, or every rank fails at once naming the field; first, so
+  // that the world size check below fails on every rank alike (a rank whose --cp alone differed
+  // failed it alone and waited in MPI_Finalize while the others waited for it in the agreement
+  // until --timeout, its message never printed).
+  agree(comm, settings_fingerprint(a), "cpattn train");
   CPATTN_CHECK(ranks == comm.size(), "--dp ", a.dp, " * --cp ", a.cp, " * --pp ", a.pp, " = ", ranks,
                " does not match the MPI world size ", comm.size(), ": launch as mpirun -np ", ranks, " cpattn train");
-  // Every rank runs the same settings, or every rank fails at once naming the field.
-  agree(comm, settings_fingerprint(a), "cpattn train");
   on_every_rank(comm, [&] { check_train_memory(a); });
   // Output paths before any work: a FIFO, a device, a folder or an unwritable folder is exit 2.
   on_every_rank(comm, [&] {
@@ -500,9 +523,9 @@ void train_run(const TrainArgs& a) {
     CPATTN_CHECK(trainer.steps_done() <= a.steps, "--steps ", a.steps, " is below the checkpoint's step ",
                  trainer.steps_done(), " (--resume '", a.resume, "'): --steps is the total to train up to");
   }
-  JsonLog log;  // a resumed run appends to its log
+  JsonLog log;  // a resumed run appends to its log, after the records of the steps before its checkpoint
   on_every_rank(comm, [&] {
-    if (rank == 0 && !a.json_log.empty()) log.open(a.json_log, !a.resume.empty());
+    if (rank == 0 && !a.json_log.empty()) log.open(a.json_log, a.resume.empty() ? -1 : trainer.steps_done());
   });
   const auto save = [&] {
     on_every_rank(comm, [&] {

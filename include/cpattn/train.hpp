@@ -204,9 +204,10 @@ class Trainer {
   double loss(const PackedSequence& seq);
 
   // This rank's parameters, gradients and tensors: the whole model, or with experts the
-  // replicated tensors and then this rank's experts only (expert tensors [experts / ep, ...]),
-  // each region followed by zeros in no tensor up to a multiple of the world size (so that the
-  // gradient all-reduces need no padded copy; tensors() gives the offsets).
+  // replicated tensors and then this rank's experts only (expert tensors [experts / ep, ...]).
+  // With experts each region of params() is followed by zeros in no tensor up to a multiple of
+  // the world size, as grads() always is (so that the gradient all-reduces need no padded copy);
+  // without, params() is exactly the tensors. tensors() gives the offsets.
   std::span<float> params();
   std::span<const float> grads() const;
   const std::vector<ParamTensor>& tensors() const;

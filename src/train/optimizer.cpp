@@ -41,6 +41,10 @@ void check_optim_config(const OptimConfig& oc) {
   CPATTN_CHECK(oc.warmup >= 0, "OptimConfig::warmup must be >= 0, got ", oc.warmup);
   CPATTN_CHECK(oc.weight_decay >= 0, "OptimConfig::weight_decay must be >= 0, got ", oc.weight_decay);
   CPATTN_CHECK(oc.clip >= 0, "OptimConfig::clip must be >= 0 (0: no clipping), got ", oc.clip);
+  // (beta 1 made the bias correction divide by 0: NaN weights)
+  CPATTN_CHECK(oc.beta1 >= 0 && oc.beta1 < 1 && oc.beta2 >= 0 && oc.beta2 < 1, "OptimConfig::beta1 and beta2 must be in "
+               "[0, 1), got ", oc.beta1, " and ", oc.beta2);
+  CPATTN_CHECK(oc.eps > 0 && std::isfinite(oc.eps), "OptimConfig::eps must be finite and > 0, got ", oc.eps);
 }
 
 void adamw_update(const OptimConfig& oc, const std::vector<ParamTensor>& tensors, std::span<float> params,

@@ -7,8 +7,10 @@
 // alignment.
 #include "layers.hpp"
 #include "model.hpp"
+#include "optimizer.hpp"
 
 #include <cpattn/attention.hpp>
+#include <cpattn/error.hpp>
 #include <cpattn/plan.hpp>
 
 #include <gtest/gtest.h>
@@ -275,4 +277,22 @@ TEST(ParamLayoutAlign, RegionsAreMultiplesAndShardsRoundTrip) {
 }
 
 }  // namespace
+// AdamW's settings, each rule named: beta = 1 made the bias correction divide by 0 (NaN
+// weights), eps = 0 divided by 0 where a gradient and its moment are 0.
+TEST(OptimConfigCheck, RejectsBetasOutsideZeroToOneAndANonPositiveEps) {
+  const auto message = [](const OptimConfig& oc) {
+    try {
+      check_optim_config(oc);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(OptimConfig{}), "no error");
+  EXPECT_EQ(message(OptimConfig{.beta1 = 1.0f}), "OptimConfig::beta1 and beta2 must be in [0, 1), got 1 and 0.95");
+  EXPECT_EQ(message(OptimConfig{.beta2 = -0.5f}), "OptimConfig::beta1 and beta2 must be in [0, 1), got 0.9 and -0.5");
+  EXPECT_EQ(message(OptimConfig{.eps = 0.0f}), "OptimConfig::eps must be finite and > 0, got 0");
+  EXPECT_EQ(message(OptimConfig{.beta1 = 0.0f, .beta2 = 0.0f}), "no error");
+}
+
 }  // namespace cpattn::train
