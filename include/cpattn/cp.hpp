@@ -48,6 +48,9 @@ enum class KvMode {
   index,  // the reference design: index_select copy by kv_gather_index, index_add_ in backward
 };
 
+// The most plans a CpAttention's cache keeps (CpAttnConfig::plan_cache_capacity).
+inline constexpr std::size_t kMaxPlanCacheCapacity = 4096;
+
 struct CpAttnConfig {
   int num_heads_q = 0;   // Hq, a multiple of num_heads_k
   int num_heads_k = 0;   // Hkv
@@ -65,7 +68,7 @@ struct CpAttnConfig {
   bool deterministic = true;
   KvMode kv_mode = KvMode::runs;  // where K/V are all-gathered (allgather, a2a, hybrid over allgather)
   bool check_finite = false;      // reject non-finite q/k/v/dout on every rank (costs a pass)
-  std::size_t plan_cache_capacity = 8;
+  std::size_t plan_cache_capacity = 8;  // 1..kMaxPlanCacheCapacity
   CpScheme scheme = CpScheme::allgather;  // part of the ranks' agreement
   // hybrid only (docs/cp.md): ranks of one all-to-all group, 1 <= cp_inner <= cp, dividing
   // cp; the groups are consecutive ranks. Hq and Hkv split as for a2a at cp = cp_inner.

@@ -97,10 +97,10 @@ def unit_head_dim(t):
 
 def in_place_or_copy(t):
     """An input q, k or v as the kernels take it: t itself (unit head_dim stride, heads and
-    tokens apart), else, if its head_dim is unit-stride, a contiguous copy that autograd sees
-    (a head-major tensor's transpose, a broadcast); a head_dim of another stride is the
-    binding's error (FlashAttention's rule: the last dimension contiguous)."""
-    return t if t.stride(2) != 1 and t.shape[2] > 1 else unit_head_dim(t)
+    tokens apart), else a contiguous copy that autograd sees (a head-major tensor's transpose,
+    a broadcast, a head_dim of another stride: FlashAttention's Python function copies such
+    a tensor too; its last-dimension rule is its C++ entry point's)."""
+    return unit_head_dim(t)
 
 
 def option_values(causal, softmax_scale, dropout_p, window_size, softcap):
@@ -175,7 +175,7 @@ class _VarlenAttention(torch.autograd.Function):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """FlashAttention 2's flash_attn_varlen_func on CPU tensors.
 
     q: [total_q, num_heads_q, head_dim_qk], k: [total_k, num_heads_k, head_dim_qk],
@@ -185,8 +185,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_lse is FlashAttention's [num_heads_q, total_q] float32 (a transposed view), and the
     attention probabilities are not materialized (None). deterministic is accepted and has no
     effect: the kernels are always deterministic. Dropout draws its seed from torch's
-    generator (torch.manual_seed reproduces it).
+    generator (torch.manual_seed reproduces it). block_table (FlashAttention's paged KV cache)
+    must be None: a ValueError otherwise.
     """
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache) is not supported: pass k and v as [total_k, num_heads_k, "
+                         "head_dim] tensors and block_table=None")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         check_thd(name, t)

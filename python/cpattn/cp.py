@@ -182,8 +182,9 @@ class ContextParallelAttention(torch.nn.Module):
         if scheme == "hybrid" and cp_inner is None:
             raise ValueError(f"cp_inner is required for scheme 'hybrid': the ranks of one all-to-all group, a "
                              f"divisor of the group's size {size}")
-        if plan_cache_capacity < 0:
-            raise ValueError(f"plan_cache_capacity must be >= 0, got {plan_cache_capacity}")
+        if not 1 <= plan_cache_capacity <= _cpattn.MAX_PLAN_CACHE_CAPACITY:
+            raise ValueError(f"plan_cache_capacity must be in 1..{_cpattn.MAX_PLAN_CACHE_CAPACITY}, got "
+                             f"{plan_cache_capacity}")
         if timeout is not None:  # its range is the Communicator's rule, checked before its duplicate
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
                 raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
@@ -209,6 +210,7 @@ class ContextParallelAttention(torch.nn.Module):
         # The C++ layers' communicator, one duplicate for all of them (a collective, every rank
         # alike): making a layer then sends nothing, and every call meets on it first.
         self._cp_comm = _cpattn.CpComm(_mpi()._addressof(self.comm), timeout)
+        # (fixed from here: the layers are built with them, so __setattr__ refuses a new value)
         self.scheme, self.cp_inner, self.hybrid_outer, self.split = scheme, cp_inner, hybrid_outer, split
         self.kv_mode, self.check_finite, self.plan_cache_capacity = kv_mode, check_finite, plan_cache_capacity
         self.overlap, self.shared_memory = bool(overlap), bool(shared_memory)
@@ -217,6 +219,18 @@ class ContextParallelAttention(torch.nn.Module):
         self.alibi_slopes = slopes
         self.timeout = timeout
         self._layers = OrderedDict()  # (Hq, Hkv, Dqk, Dv, dtype, attention options) -> _cpattn.CpLayer
+
+    # The arguments a module is built with: assigning one afterwards raised nothing and changed
+    # nothing (the layers keep their construction's). The attention options (causal,
+    # softmax_scale, dropout_p, window_size, softcap, alibi_slopes) are read at each call.
+    _FIXED = frozenset({"scheme", "cp_inner", "hybrid_outer", "split", "kv_mode", "overlap", "shared_memory",
+                        "deterministic", "check_finite", "plan_cache_capacity", "timeout"})
+
+    def __setattr__(self, name, value):
+        if name in self._FIXED and name in self.__dict__:
+            raise AttributeError(f"{name} is fixed when a ContextParallelAttention is made (its layers are built "
+                                 f"with it): make another module with {name}={value!r}")
+        super().__setattr__(name, value)
 
     def _layer(self, q, k, v, dropout):
         # The attention options are read at each call (attributes set after construction count),

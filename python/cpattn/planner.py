@@ -59,7 +59,10 @@ def as_boundaries(cu_seqlens, name="cu_seqlens"):
         if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
             raise ValueError(f"{name} must fit in int64, got {int(a.max())}")
         a = a.astype(np.int64)
-    return np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a)
+    # (the binding takes writable arrays only: a read-only one, from np.load(mmap_mode="r") or
+    # np.broadcast_to, met nanobind's "incompatible function arguments" naming no argument)
+    return a if a.flags.writeable else a.copy()
 
 
 def check_cp(cp_size, rank):

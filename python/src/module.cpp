@@ -456,6 +456,7 @@ CpLayer* make_cp_layer(const CpComm& comm, int num_heads_q, int num_heads_k, int
 NB_MODULE(_cpattn, m) {
   namespace py = cpattn::python;
   m.attr("__version__") = CPATTN_VERSION_STRING;
+  m.attr("MAX_PLAN_CACHE_CAPACITY") = cpattn::kMaxPlanCacheCapacity;
   // Options and CP layers live in autograd graphs and modules that Python may still hold at
   // interpreter exit; nanobind's leak report would then be noise.
   nb::set_leak_warnings(false);

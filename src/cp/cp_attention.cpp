@@ -1296,6 +1296,10 @@ int cp_overlap_groups(const CpAttnConfig& cfg, int cp) {
 
 void check_cp_scheme(const CpAttnConfig& cfg, int cp) {
   CPATTN_CHECK(cp >= 1, "cp (the communicator's size) must be >= 1, got ", cp);
+  // (0 failed in PlanCache's constructor under its own name; a huge one threw length_error)
+  CPATTN_CHECK(cfg.plan_cache_capacity >= 1 && cfg.plan_cache_capacity <= kMaxPlanCacheCapacity,
+               "CpAttnConfig::plan_cache_capacity must be in 1..", kMaxPlanCacheCapacity, ", got ",
+               cfg.plan_cache_capacity);
   CPATTN_CHECK(cfg.scheme >= CpScheme::allgather && cfg.scheme <= CpScheme::hybrid,
                "scheme must be allgather, ring, pass-q, a2a or hybrid, got ", static_cast<int>(cfg.scheme));
   if (cfg.scheme == CpScheme::hybrid) {
@@ -1331,8 +1335,14 @@ void check_cp_attn_config(const CpAttnConfig& cfg, int cp) {
 
 CpAttention::CpAttention(Communicator& comm, const CpAttnConfig& cfg) {
   check_cp_attn_config(cfg, comm.size());
-  CPATTN_CHECK(!cfg.deterministic || kv_scheme(cfg) != CpScheme::allgather ||
-                   comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
+  // Where dK/dV are reduce-scattered over more than one rank: the all-gather scheme's padded
+  // split at cp > 1, and the hybrid's outer all-gather over more than one group. (It was asked
+  // of every configuration whose K/V move by all-gather, cp = 1, a2a and the padding-free
+  // split's all_to_all_v sums included, none of which reduce-scatters.)
+  const bool reduce_scatters = cfg.scheme == CpScheme::hybrid
+                                   ? cfg.hybrid_outer == CpScheme::allgather && comm.size() / cfg.cp_inner > 1
+                                   : cfg.scheme == CpScheme::allgather && cfg.split == CpSplit::padded && comm.size() > 1;
+  CPATTN_CHECK(!cfg.deterministic || !reduce_scatters || comm.options().reduce_scatter_algorithm == CommAlgorithm::ring,
                "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter");
   s_ = std::make_unique<State>(comm, cfg);
 }
@@ -1624,14 +1634,21 @@ void CpAttention::reset_stats() {
 
 std::vector<float> gather_global_rows(Communicator& comm, const RankPlan& p, ConstTensorView local) {
   std::string err;
-  if (local.rows != p.local_tokens)
+  // (The plan must be this rank's, of one batch on every rank: another rank's plan, or another
+  // batch's of the same token count, gave wrong rows without a word.)
+  if (p.cp != comm.size() || p.rank != comm.rank())
+    err = "gather_global_rows: the plan is rank " + std::to_string(p.rank) + "'s of cp = " + std::to_string(p.cp) +
+          ", this is rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
+  else if (local.rows != p.local_tokens)
     err = "gather_global_rows: local must have the plan's local_tokens = " + std::to_string(p.local_tokens) +
           " rows, got " + std::to_string(local.rows);
   else if (!local.addressable())
     err = "gather_global_rows: local must not be null";
   Fingerprint fp;
   if (err.empty())
-    fp.add("heads", local.heads).add("dim", local.dim).add("global tokens", p.global_tokens).add("cp", p.cp);
+    fp.add("heads", local.heads).add("dim", local.dim).add("global tokens", p.global_tokens).add("cp", p.cp)
+        .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(p.cu_seqlens)))
+        .add("split", static_cast<int64_t>(p.split));
   agree(comm, fp, "gather_global_rows", err);
   const int64_t row = int64_t{local.heads} * local.dim;
   const std::size_t es = dtype_size(local.dtype);

@@ -146,6 +146,35 @@ TEST_F(CpAttentionTest, OneLayerObjectRunsTwoLayersForwardsThenBackwardsInRevers
   EXPECT_EQ(attn.plan_cache().hits(), 0);    // the forwards took the plan, not the boundaries
 }
 
+// deterministic = true asks for the fixed-order ring reduce-scatter only where dK/dV are
+// reduce-scattered over more than one rank (every all-gather configuration was refused with
+// MPI's reduce-scatter before: cp = 1, a2a, the padding-free split).
+TEST_F(CpAttentionTest, DeterministicNeedsTheRingReduceScatterOnlyWhereOneRuns) {
+  Communicator mpi(MPI_COMM_WORLD, {.reduce_scatter_algorithm = CommAlgorithm::mpi});
+  const int cp = mpi.size();
+  SmallBatch b(cp, mpi.rank());
+  const auto makes = [&](CpScheme scheme, CpSplit split, int inner = 0) {
+    CpAttnConfig c = b.config();
+    c.num_heads_q = c.num_heads_k = 4 * cp;  // (heads the all-to-all can split)
+    c.scheme = scheme;
+    c.split = split;
+    c.cp_inner = inner;
+    try {
+      CpAttention attn(mpi, c);
+      return std::string();
+    } catch (const Error& e) {
+      return e.message();
+    }
+  };
+  const std::string refused = "deterministic CP attention needs the communicator's fixed-order ring reduce-scatter";
+  EXPECT_EQ(makes(CpScheme::allgather, CpSplit::padded), cp > 1 ? refused : "");
+  EXPECT_EQ(makes(CpScheme::allgather, CpSplit::padding_free), "");
+  EXPECT_EQ(makes(CpScheme::ring, CpSplit::padded), "");
+  EXPECT_EQ(makes(CpScheme::a2a, CpSplit::padded), "");
+  EXPECT_EQ(makes(CpScheme::hybrid, CpSplit::padded, 1), cp > 1 ? refused : "");  // cp groups of one
+  EXPECT_EQ(makes(CpScheme::hybrid, CpSplit::padded, cp), "");                   // one group
+}
+
 // gather_global_rows is the inverse of take_local_rows on the real tokens: exact.
 TEST_F(CpAttentionTest, GatherGlobalRowsRestoresTheGlobalOrder) {
   const std::vector<int64_t> cu = cu_seqlens_from_lengths(kLengths);
@@ -153,6 +182,18 @@ TEST_F(CpAttentionTest, GatherGlobalRowsRestoresTheGlobalOrder) {
   const check::Tensor g = check::random_tensor(DType::bf16, {cu.back(), 3, 5}, 9);
   const check::Tensor l = check::local_rows(g, p);
   EXPECT_EQ(gather_global_rows(comm, p, l.view()), g.values());
+  if (comm.size() == 1) return;
+  // Another rank's plan, or another batch's of the same token count on one rank: every rank
+  // fails naming it (wrong rows came back without a word).
+  const RankPlan other = get_thd_load_balanced_cp_metadata(cu, comm.size(), (comm.rank() + 1) % comm.size());
+  for (const std::string& m : check::error_on_every_rank(comm, [&] { (void)gather_global_rows(comm, other, l.view()); }))
+    EXPECT_THAT(m, ::testing::HasSubstr("gather_global_rows: the plan is rank "));
+  std::vector<int64_t> moved = cu;
+  if (comm.rank() == 0) moved[1] += 1;  // one boundary one token later, the same total
+  const RankPlan shifted = get_thd_load_balanced_cp_metadata(moved, comm.size(), comm.rank());
+  const check::Tensor ls = check::local_rows(g, shifted);
+  for (const std::string& m : check::error_on_every_rank(comm, [&] { (void)gather_global_rows(comm, shifted, ls.view()); }))
+    EXPECT_THAT(m, ::testing::HasSubstr("cu_seqlens hash"));
 }
 
 TEST_F(CpAttentionTest, DropoutDropsTheSameEntriesAsASingleProcess) {

@@ -416,6 +416,11 @@ TEST_F(CpA2aTest, BadHeadCountsAndCpInnerAreRejectedOnEveryRank) {
   c = base;
   c.cp_inner = 1;
   expect_same_error(c, "cp_inner is the hybrid scheme's and must be 0 for scheme a2a");
+  c = base;  // (0 failed in the plan cache's constructor under its own name; a huge one threw length_error)
+  c.plan_cache_capacity = 0;
+  expect_same_error(c, "CpAttnConfig::plan_cache_capacity must be in 1..4096, got 0");
+  c.plan_cache_capacity = std::size_t{1} << 62;
+  expect_same_error(c, "CpAttnConfig::plan_cache_capacity must be in 1..4096, got 4611686018427387904");
   c = base;
   c.scheme = CpScheme::hybrid;
   c.cp_inner = 1;

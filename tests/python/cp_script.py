@@ -155,16 +155,16 @@ def bad_arguments(group):
     q = torch.zeros(cu[-1] // size, 2 * size + 1, 8)
     expect_same_error(lambda: cpattn.ContextParallelAttention(group, scheme="a2a")(q, q, q, cu),
                       f"num_heads_q = {2 * size + 1} must be divisible by the all-to-all group size {size}")
-    # One rank's tensors fail a check, the module's own (a 2-D q) or the binding's (a head_dim
-    # stride): the ranks meet first, and every rank raises that rank's message; then the same
-    # module runs a good call.
+    # One rank's tensors fail a check, the module's own (a 2-D q) or the C++ layer's (heads
+    # that do not group): the ranks meet first, and every rank raises that rank's message; then
+    # the same module runs a good call.
     attn = cpattn.ContextParallelAttention(group)
     last = WORLD.rank == size - 1
     q = torch.zeros(4, 2, 8)
     expect_same_error(lambda: attn(q.reshape(4, 16) if last else q, q, q, cu), f"[rank {size - 1}]",
                       "q must be [local_tokens, heads, head_dim] (3 dimensions)")
-    expect_same_error(lambda: attn(torch.zeros(4, 2, 16)[..., ::2] if last else q, q, q, cu), f"[rank {size - 1}]",
-                      "q must have unit stride in head_dim")
+    expect_same_error(lambda: attn(torch.zeros(4, 3, 8) if last else q, q, q, cu), f"[rank {size - 1}]",
+                      "num_heads_q must be a multiple of num_heads_k, got 3 and 2")
     # The kind as alone (test_errors.py): a wrong dtype on one rank is a TypeError on every rank;
     # with another rank's ValueError beside it, a ValueError naming both.
     expect_same_error(lambda: attn(q.double() if last else q, q, q, cu), f"[rank {size - 1}] TypeError: q must be "

@@ -211,6 +211,27 @@ def test_head_major_inputs_and_gradients_are_taken():
         assert torch.equal(x, y), f"d{t} differs"
 
 
+def test_a_head_dim_of_another_stride_is_copied():
+    """q, k, v whose head_dim is not unit-stride (every other element of a wider tensor): taken
+    as their contiguous copies, as FlashAttention's Python function takes them (they were
+    refused), with the gradients reaching the wider tensors' elements."""
+    lengths = [3, 6]
+    cu = cu_from_lengths(lengths)
+    wide = [torch.randn(9, h, 16, generator=torch.Generator().manual_seed(s)).requires_grad_()
+            for h, s in ((4, 1), (2, 2), (2, 3))]
+    q, k, v = (w[:, :, ::2] for w in wide)
+    assert q.stride(2) == 2
+    out = cpattn.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+    cq, ck, cv = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    want = cpattn.flash_attn_varlen_func(cq, ck, cv, cu, cu, 6, 6, causal=True)
+    assert torch.equal(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    for w, c, t in zip(wide, (cq, ck, cv), "qkv"):
+        assert torch.equal(w.grad[:, :, ::2], c.grad), f"d{t}"
+        assert torch.count_nonzero(w.grad[:, :, 1::2]) == 0, f"d{t} off the view"
+
+
 def test_double_backward_is_refused():
     """The backward is not differentiable: a second-order gradient raises instead of silently
     leaving out the first-order gradients' dependence on the inputs."""

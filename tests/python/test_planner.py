@@ -43,6 +43,16 @@ def test_worked_example_of_plan_hpp():
     assert plan.padding_tokens == 0 and plan.docs["chunk"].tolist() == [4, 6]
 
 
+def test_read_only_boundaries_are_taken():
+    """A read-only array (np.load(mmap_mode="r"), np.broadcast_to) plans as a writable one (it
+    met the binding's "incompatible function arguments", naming no argument)."""
+    cu = np.array([0, 16, 40])
+    ro = cu.copy()
+    ro.flags.writeable = False
+    plan = cpattn.get_thd_load_balanced_cp_metadata(ro, 2, 0)
+    np.testing.assert_array_equal(plan.global_token_index, cpattn.get_thd_load_balanced_cp_metadata(cu, 2, 0).global_token_index)
+
+
 def test_padding_free_split_by_hand():
     """Documents of 1 and 5 tokens at cp = 2 without padding: each cut into 2 * cp = 4 chunks of sizes
     differing by at most one, every real token on exactly one rank, no padding row anywhere."""
