@@ -104,17 +104,6 @@ std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o,
   return sees;
 }
 
-const float* as_f32(ConstTensorView t, std::vector<float>& buf) {
-  if (t.dtype == DType::f32 && t.is_contiguous()) return static_cast<const float*>(t.data);
-  buf.resize(static_cast<std::size_t>(t.rows) * t.heads * t.dim);
-  const std::size_t es = dtype_size(t.dtype);
-  for (int64_t i = 0; i < t.rows; ++i)
-    for (int h = 0; h < t.heads; ++h)
-      to_float(static_cast<const std::byte*>(t.data) + t.offset(i, h) * es, t.dtype, static_cast<std::size_t>(t.dim),
-               buf.data() + (i * t.heads + h) * t.dim);
-  return buf.data();
-}
-
 void store_f32(const float* src, TensorView t) {
   const std::size_t es = dtype_size(t.dtype);
   for (int64_t i = 0; i < t.rows; ++i)

@@ -55,9 +55,6 @@ WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOpt
 // empty by it.
 std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o, int block);
 
-// A view's values as fp32 [rows, heads, dim] contiguous: converted into `buf`, or, when the
-// view is already fp32 and contiguous, its own data (nothing copied).
-const float* as_f32(ConstTensorView t, std::vector<float>& buf);
 
 // fp32 contiguous [rows, heads, dim] into a (possibly strided) view of any dtype.
 void store_f32(const float* src, TensorView t);

@@ -129,8 +129,8 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
 
 // Pass-Q (pass_q.cpp): the context keeps this rank's K/V and lse; the buffers are the
 // double-buffered visiting block (backward's [lse | q | out | dout] the larger), the partials
-// sent and coming back (double-buffered), the owner's running result, and the fp32 copies and
-// dK/dV sums of PassQBuffers.
+// sent and coming back (double-buffered), the owner's running result, and the dK/dV sums of
+// PassQBuffers (the steps read q, out and dout in the storage dtype from the visiting block).
 CpMemoryEstimate pass_q(const CpAttnConfig& c, int64_t local_tokens, const WorkList* work) {
   const auto t = static_cast<uint64_t>(local_tokens);
   const uint64_t es = dtype_size(c.dtype), f = sizeof(float);
@@ -146,7 +146,7 @@ CpMemoryEstimate pass_q(const CpAttnConfig& c, int64_t local_tokens, const WorkL
   const uint64_t part = grown(product(t, hq, 1 + dv, f), product(t, hq, dqk, f));  // [lse | out], then dQ
   const uint64_t acc = product(t, hq, std::max(1 + dv, dqk), f);                    // assigned: exact
   e.buffers = saturating_add(saturating_add(saturating_mul(visit, 2), saturating_add(saturating_mul(part, 4), acc)),
-                             saturating_add(product(2, t, kv_row, f), product(t, hq, dqk + 2 * dv, f)));
+                             product(t, kv_row, f));
   e.kernel_scratch = kernel_scratch(c, local_tokens, t, c.num_heads_q, c.num_heads_k, work);
   return e;
 }

@@ -15,17 +15,15 @@ namespace {
 constexpr int kTagPartial = 11;  // the partials' start_send/start_recv stream (shifts have their own)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The kernels' fp32 inputs of one step: the visiting queries over this rank's K/V.
-AttnInputs step_inputs(const SchemeEnv& env, const float* q, int64_t t, const float* k, const float* v,
+// The kernels' inputs of one step: the visiting queries over this rank's K/V, in the storage
+// dtype (fp16/bf16 run the path's own products, as one process and the other schemes do; they
+// ran as fp32 copies, slower on the bf16 and AMX paths and rounded otherwise than a single
+// process, which `cpattn run`'s check of bf16 with dropout failed on an AMX CPU).
+AttnInputs step_inputs(const SchemeEnv& env, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                        const WorkList& work, uint64_t seed) {
-  const CpAttnConfig& c = env.cfg;
-  AttnOptions o = c.options;
+  AttnOptions o = env.cfg.options;
   o.seed = seed;  // dropout is keyed by document and positions: the owner's plan gives both
-  return {.q = contiguous(q, t, c.num_heads_q, c.head_dim_qk),
-          .k = contiguous(k, t, c.num_heads_k, c.head_dim_qk),
-          .v = contiguous(v, t, c.num_heads_k, c.head_dim_v),
-          .work = &work,
-          .options = o};
+  return {.q = q, .k = k, .v = v, .work = &work, .options = o};
 }
 
 }  // namespace
@@ -112,7 +110,7 @@ std::size_t HomeRingBuffers::bytes() const {
 
 std::size_t PassQBuffers::bytes() const {
   std::size_t n = HomeRingBuffers::bytes();
-  for (const std::vector<float>* f : {&acc, &kf, &vf, &qf, &of, &dof, &dk, &dv}) n += f->capacity() * sizeof(float);
+  for (const std::vector<float>* f : {&acc, &dk, &dv}) n += f->capacity() * sizeof(float);
   return n;
 }
 
@@ -125,18 +123,20 @@ void pass_q_forward(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, uint64_
   auto t0 = Clock::now();
   b.visit[0].resize(n_lse * c.head_dim_qk * dtype_size(c.dtype));
   pack_rows(q, b.visit[0].data());
-  const float* kp = as_f32(k, b.kf);  // this rank's K/V, converted once for every step
-  const float* vp = as_f32(v, b.vf);
   b.acc.assign(n_part, 0.0f);
   std::fill_n(b.acc.begin(), n_lse, kNegInf);  // nothing merged yet: every part empty
   env.stats.compute_s += seconds_since(t0);
+  // A step's part is fp32 [lse | out]: fp32 storage writes it; fp16/bf16 accumulate into the
+  // empty part (lse -inf, out 0), the kernels' fp32 running result.
+  const OutMode mode = c.dtype == DType::f32 ? OutMode::write : OutMode::accumulate;
   const auto compute = [&](int s, const std::byte* block, float* part) {
-    const float* qp = as_f32(contiguous(block, t, c.num_heads_q, c.head_dim_qk, c.dtype), b.qf);
     std::fill_n(part, n_lse, kNegInf);  // rows without a task stay empty parts
     std::fill(part + n_lse, part + n_part, 0.0f);
-    attention_forward({.in = step_inputs(env, qp, t, kp, vp, w.visiting[s], seed),
+    attention_forward({.in = step_inputs(env, contiguous(block, t, c.num_heads_q, c.head_dim_qk, c.dtype), k, v,
+                                         w.visiting[s], seed),
                        .out = contiguous(part + n_lse, t, c.num_heads_q, c.head_dim_v),
-                       .lse = part});
+                       .lse = part,
+                       .out_mode = mode});
   };
   const auto take = [&](const float* part) {
     const float* lse_parts[2] = {b.acc.data(), part};
@@ -168,27 +168,26 @@ void pass_q_backward(SchemeEnv& env, PassQBuffers& b, const PassQWork& w, uint64
   pack_rows(a.q, p + n_lse * sizeof(float));
   pack_rows(a.out, p + n_lse * sizeof(float) + q_bytes);
   pack_rows(a.dout, p + n_lse * sizeof(float) + q_bytes + o_bytes);
-  const float* kp = as_f32(k, b.kf);
-  const float* vp = as_f32(v, b.vf);
   b.dk.assign(static_cast<std::size_t>(k.rows) * k.heads * k.dim, 0.0f);
   b.dv.assign(static_cast<std::size_t>(v.rows) * v.heads * v.dim, 0.0f);
   b.acc.assign(n_dq, 0.0f);
   env.stats.compute_s += seconds_since(t0);
+  // A step's dq is fp32: fp32 storage writes it; fp16/bf16 add into the zeroed part (its
+  // storage dtype would round it before the steps' sum).
+  const GradMode mode = c.dtype == DType::f32 ? GradMode::accumulate : GradMode::accumulate_all;
   const auto compute = [&](int s, const std::byte* block, float* dq) {
     const std::byte* at = block + n_lse * sizeof(float);
-    const float* qp = as_f32(contiguous(at, t, c.num_heads_q, c.head_dim_qk, c.dtype), b.qf);
-    const float* op = as_f32(contiguous(at + q_bytes, t, c.num_heads_q, c.head_dim_v, c.dtype), b.of);
-    const float* dop = as_f32(contiguous(at + q_bytes + o_bytes, t, c.num_heads_q, c.head_dim_v, c.dtype), b.dof);
     std::fill_n(dq, n_dq, 0.0f);
     // dK/dV of this rank's keys add up over the steps in order 0..cp-1: deterministic.
-    attention_backward({.in = step_inputs(env, qp, t, kp, vp, w.visiting[s], seed),
-                        .out = contiguous(op, t, c.num_heads_q, c.head_dim_v),
+    attention_backward({.in = step_inputs(env, contiguous(at, t, c.num_heads_q, c.head_dim_qk, c.dtype), k, v,
+                                          w.visiting[s], seed),
+                        .out = contiguous(at + q_bytes, t, c.num_heads_q, c.head_dim_v, c.dtype),
                         .lse = reinterpret_cast<const float*>(block),
-                        .dout = contiguous(dop, t, c.num_heads_q, c.head_dim_v),
+                        .dout = contiguous(at + q_bytes + o_bytes, t, c.num_heads_q, c.head_dim_v, c.dtype),
                         .dq = contiguous(dq, t, c.num_heads_q, c.head_dim_qk),
                         .dk = contiguous(b.dk.data(), t, c.num_heads_k, c.head_dim_qk),
                         .dv = contiguous(b.dv.data(), t, c.num_heads_k, c.head_dim_v),
-                        .grad_mode = GradMode::accumulate});
+                        .grad_mode = mode});
   };
   const auto take = [&](const float* dq) {
     for (std::size_t i = 0; i < n_dq; ++i) b.acc[i] += dq[i];

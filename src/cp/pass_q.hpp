@@ -60,7 +60,7 @@ void run_home_ring(SchemeEnv& env, HomeRingBuffers& b, std::span<const WorkList>
 // The scheme's buffers, kept across calls (one forward or backward runs at a time).
 struct PassQBuffers : HomeRingBuffers {
   std::vector<float> acc;             // the owner's running result: [lse | out] or dQ
-  std::vector<float> kf, vf, qf, of, dof, dk, dv;  // fp32 conversions and dK/dV sums
+  std::vector<float> dk, dv;          // dK/dV sums
   std::size_t bytes() const;
 };
 

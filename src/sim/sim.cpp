@@ -496,14 +496,14 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       m.saved += t * kv_row * es;
       // The double-buffered visiting block and the partials (two out, two back), each sized for
       // forward, then grown for backward as a std::vector grows; the owner's running result; the
-      // fp32 dK/dV sums and copies of q, out and dout (cp_memory.cpp's pass_q).
+      // fp32 dK/dV sums (cp_memory.cpp's pass_q).
       const auto grown = [](double first, double second) {
         return second <= first ? first : std::max(2 * first, second);
       };
       const double visit = grown(t * c.hq * c.dqk * es, t * c.hq * (4 + (c.dqk + 2 * c.dv) * es));
       const double part = grown(t * c.hq * (1 + c.dv) * 4, t * c.hq * c.dqk * 4.0);
       const double acc = t * c.hq * std::max(1 + c.dv, c.dqk) * 4.0;
-      m.transient = 2 * visit + 4 * part + acc + 2 * t * kv_row * 4 + t * c.hq * (c.dqk + 2 * c.dv) * 4.0;
+      m.transient = 2 * visit + 4 * part + acc + t * kv_row * 4;
       break;
     }
     case CpScheme::a2a:
