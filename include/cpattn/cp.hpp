@@ -137,7 +137,7 @@ struct CpMemoryEstimate {
                                 // (index mode: and of the copy; padding-free: the reduce-scatter's
                                 // blocks; the overlap: one group's sums and lse, and its receive
                                 // blocks, kept too), the ring's
-                                // and pass-Q's blocks and fp32 copies, the all-to-all's blocks and
+                                // and pass-Q's blocks and fp32 sums, the all-to-all's blocks and
                                 // the outer layer's buffers. The overlap also keeps consumed
                                 // contexts' K/V for the next forwards: in `context`, not here
   uint64_t kernel_scratch = 0;  // attention_backward's own (attention_backward_scratch_bytes)

@@ -92,18 +92,22 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
   // plan of another rank of the batch it already holds (a caller planning every rank in turn
   // into one RankPlan, as `cpattn plan --json` does) keeps them, so that the loop over the ranks
   // costs O(documents) a rank instead of O(documents x cp). Any other batch builds them anew;
-  // the documents are cleared first, so that a failure leaves nothing to match (clearing the
-  // boundaries instead let an empty cu_seqlens match them next and skip its checks), and the
-  // boundaries stored last, copied first where the caller passed the plan's own.
+  // the documents are cleared when building them fails, so that a failure leaves nothing to
+  // match (clearing the boundaries instead let an empty cu_seqlens match them next and skip its
+  // checks), and the boundaries stored last, copied first where the caller passed the plan's own.
   const bool same_batch = plan.layout.cp == cp && plan.split == options.split && !plan.docs.empty() &&
                           std::ranges::equal(plan.cu_seqlens, cu_seqlens);
   plan.cp = cp;
   plan.rank = rank;
   plan.split = options.split;
   if (!same_batch) {
-    plan.docs.clear();
-    split_documents_into(cu_seqlens, cp, options.split, plan.docs);
-    split_layout(cu_seqlens, cp, options.split, plan.layout);
+    try {
+      split_documents_into(cu_seqlens, cp, options.split, plan.docs);
+      split_layout(cu_seqlens, cp, options.split, plan.layout);
+    } catch (...) {  // (the documents of this batch beside another's boundaries would match those next)
+      plan.docs.clear();
+      throw;
+    }
     const std::less<const int64_t*> before;
     const bool own = !plan.cu_seqlens.empty() && !before(cu_seqlens.data(), plan.cu_seqlens.data()) &&
                      before(cu_seqlens.data(), plan.cu_seqlens.data() + plan.cu_seqlens.size());
@@ -111,6 +115,7 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
       plan.cu_seqlens = std::vector<int64_t>(cu_seqlens.begin(), cu_seqlens.end());
     else
       plan.cu_seqlens.assign(cu_seqlens.begin(), cu_seqlens.end());
+    cu_seqlens = plan.cu_seqlens;  // (the caller's span may have pointed into the storage just replaced)
   }
   const SplitLayout& layout = plan.layout;
   plan.cu_seqlens_padded.resize(plan.docs.size() + 1);

@@ -646,7 +646,8 @@ SchemePrediction predict(const Ctx& c, CpScheme scheme, int inner_req) {
     // Dispatch and combine, forward and backward: each an all-to-all of the rank's routed tokens;
     // the busiest rank receives imbalance x the mean. EP ranks are tp apart (etp = tp).
     const int64_t block = c.t_loc * model.top_k * hidden * c.es / mesh.ep;
-    // EP rank j is world rank j * tp: those below ranks_per_node share rank 0's node.
+    // EP rank j is world rank j * tp: those below ranks_per_node share rank 0's node. (The
+    // group of world rank 0 alone: one that straddles a node boundary elsewhere is not priced.)
     const int64_t same = std::min<int64_t>(mesh.ep, (int64_t{in.profile.ranks_per_node} + mesh.tp - 1) / mesh.tp) - 1;
     const int64_t peers[2] = {same, mesh.ep - 1 - same};
     for (int k = 0; k < 2; ++k) {

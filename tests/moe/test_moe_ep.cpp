@@ -296,8 +296,8 @@ TEST(MoeEpGroup, BadPositionsOnOneRankFailEveryRank) {
                          "loss), positions must hold one value in 0..", moe_max_position(1), " per token (3), got 2 values")), std::string::npos) << msg;
 }
 
-// Groups {0, 1} and {2, 3}, EP across them ({0, 2} and {1, 3}: the train mesh's dp x cp with ep
-// 2 across the CP groups), bad positions on rank 0 alone: every rank throws the same message
+// Groups {0, 1} and {2, 3}, EP across them ({0, 2} and {1, 3}: a layout of the test's own, EP
+// strided over the groups), bad positions on rank 0 alone: every rank throws the same message
 // (ranks 2 and 3 passed their group's agreement and waited in the EP one until the timeout).
 TEST(MoeEpGroup, BadPositionsInOneGroupFailTheOtherGroups) {
   if (mpi_test::world_size() != 4) GTEST_SKIP() << "two groups of two ranks need four";
