@@ -176,11 +176,19 @@ struct JsonLog {
     path = p;
     check_output_path(p, "--json-log");
     const bool append = resume_step >= 0;
-    fd = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0666);
+    fd = ::open(p.c_str(), (append ? O_RDWR | O_APPEND : O_WRONLY | O_TRUNC) | O_CREAT | O_CLOEXEC, 0666);
     CPATTN_CHECK(fd >= 0, "--json-log: cannot open '", p, "': ", std::strerror(errno));
     if (!append) return;
-    const std::vector<std::byte> bytes = read_regular_file(p);
-    const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    // The records, read through the descriptor that will write (the file the path names now).
+    std::string bytes;
+    for (char chunk[65536];;) {
+      const ssize_t n = ::pread(fd, chunk, sizeof chunk, static_cast<off_t>(bytes.size()));
+      if (n < 0 && errno == EINTR) continue;
+      CPATTN_CHECK(n >= 0, "--json-log: cannot read '", p, "': ", std::strerror(errno));
+      if (n == 0) break;
+      bytes.append(chunk, static_cast<std::size_t>(n));
+    }
+    const std::string_view text(bytes);
     std::size_t keep = 0;
     for (std::size_t at = 0; at < text.size();) {
       const std::size_t end = text.find('\n', at);
@@ -513,7 +521,8 @@ void train_run(const TrainArgs& a) {
   // bytes agree, and a rank whose copy lies under another path resumes as rank 0 does.
   std::array<int64_t, 1> data_id{rank == 0 ? static_cast<int64_t>(train::data_identity(data->documents())) : 0};
   comm.broadcast<int64_t>(data_id, 0);
-  const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = static_cast<uint64_t>(data_id[0])};
+  const train::RunIdentity identity{.seq_len = a.seq_len, .data_hash = static_cast<uint64_t>(data_id[0]),
+                                    .micro = a.micro};
   if (!a.resume.empty()) {
     train::DataPosition pos;
     with_flag("--resume", [&] { pos = trainer.load(a.resume, identity); });

@@ -71,6 +71,7 @@ struct DataTree {
   std::vector<std::string> files;         // sorted, each once
   std::vector<FileId> file_ids;           // files[i]'s identity when walked
   std::map<FileId, std::string> folders;  // each folder entered, by identity: its canonical name
+                                          // (the name walked where it has none)
 };
 DataTree data_tree(std::span<const std::string> paths);
 
@@ -118,8 +119,9 @@ struct RunOptions {
   // A step whose loss or gradient norm is not finite: false (default) stops training with
   // cpattn::Error "step N: loss is nan, gradient norm nan: ..." on every rank alike (both are
   // all-reduced, so every rank sees the same values) and leaves the weights as they were;
-  // true skips that step's update (the step still counts, its data is consumed, the AdamW
-  // moments are untouched) and counts it in Trainer::skipped_steps().
+  // true skips that step's update (the step still counts for the schedule, its data is
+  // consumed, the AdamW moments are untouched and its bias correction counts only updates)
+  // and counts it in Trainer::skipped_steps(), which a checkpoint keeps.
   bool skip_nonfinite = false;
   // Internal, for tests: rank 0's loss of this step (counting from 0) becomes NaN before the
   // all-reduce, so every rank sees a NaN loss. -1: off.

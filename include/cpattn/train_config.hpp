@@ -82,6 +82,7 @@ struct OptimConfig {
 struct RunIdentity {
   int64_t seq_len = 0;
   uint64_t data_hash = 0;  // data_identity() of the documents
+  int64_t micro = 0;       // sequences per step (0: not recorded; a checkpoint without it matches any)
 };
 
 }  // namespace cpattn::train

@@ -17,7 +17,7 @@ namespace cpattn::train {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'P', 'A', 'T', 'T', 'N', 'T', 'R'};
-constexpr int64_t kVersion = 5;
+constexpr int64_t kVersion = 6;
 
 // model_real64: a double's bits; capacity: the same, 0 shown as "none" (an unset capacity
 // factor); router and drop_policy: the enums, shown by name.
@@ -41,17 +41,21 @@ constexpr FieldName kFields[] = {
     {"lr", Kind::real},             {"warmup", Kind::integer},     {"weight_decay", Kind::real},
     {"clip", Kind::real},           {"beta1", Kind::real},         {"beta2", Kind::real},
     {"eps", Kind::real},            {"seed", Kind::integer},       {"attention dtype", Kind::dtype},
-    {"seq_len", Kind::integer},     {"data", Kind::hash},          {"step", Kind::state},
-    {"data doc", Kind::state},      {"data offset", Kind::state},  {"data epoch", Kind::state}};
+    {"seq_len", Kind::integer},     {"data", Kind::hash},          {"micro", Kind::integer},
+    {"step", Kind::state},          {"data doc", Kind::state},     {"data offset", Kind::state},
+    {"data epoch", Kind::state},    {"skipped steps", Kind::state}};
 constexpr int64_t kFieldCount = std::size(kFields);
-constexpr int64_t kConfigFields = 32;  // before the state
+constexpr int64_t kConfigFields = 33;  // before the state
 constexpr int64_t kParamsField = 8;
 constexpr int64_t kMoeFirst = 13, kMoeFields = 7;  // experts .. bias_update_rate, new in version 4
 constexpr int64_t kDropoutField = 20;               // new in version 5
+constexpr int64_t kMicroField = 32, kSkippedField = 37;  // new in version 6
 
-// Whether field i (of kFields) is in a file of `version` (3, 4 or 5): version 4 has no
-// dropout, version 3 no MoE fields either. A missing field reads as 0 (no experts, no dropout).
+// Whether field i (of kFields) is in a file of `version` (3 to 6): version 5 has no micro and
+// no skipped steps, version 4 no dropout either, version 3 no MoE fields either. A missing
+// field reads as 0 (no experts, no dropout, micro not recorded, no step skipped).
 bool in_version(int64_t i, int64_t version) {
+  if (i == kMicroField || i == kSkippedField) return version >= 6;
   if (i == kDropoutField) return version >= 5;
   if (i >= kMoeFirst && i < kMoeFirst + kMoeFields) return version >= 4;
   return true;
@@ -65,7 +69,7 @@ int64_t fields_in_version(int64_t version) {
 int64_t bits(float x) { return std::bit_cast<int32_t>(x); }
 int64_t bits64(double x) { return std::bit_cast<int64_t>(x); }
 
-std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const DataPosition& d) {
+std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, int64_t skipped, const DataPosition& d) {
   const ModelConfig& m = c.model;
   const OptimConfig& o = c.optim;
   // Without experts the MoE fields mean nothing: recorded as 0, whatever they hold.
@@ -78,8 +82,8 @@ std::vector<int64_t> fields_of(const CheckpointConfig& c, int64_t step, const Da
           moe ? bits64(m.aux_loss_coeff) : 0, moe ? bits64(m.bias_update_rate) : 0, bits(m.dropout),
           bits(o.lr),      o.warmup,   bits(o.weight_decay), bits(o.clip), bits(o.beta1),
           bits(o.beta2),   bits(o.eps), static_cast<int64_t>(c.seed), static_cast<int64_t>(c.attn_dtype),
-          c.id.seq_len,    static_cast<int64_t>(c.id.data_hash),
-          step,            d.doc,      d.offset,        d.epoch};
+          c.id.seq_len,    static_cast<int64_t>(c.id.data_hash), c.id.micro,
+          step,            d.doc,      d.offset,        d.epoch,  skipped};
 }
 
 std::string shown(Kind k, int64_t v) {
@@ -118,10 +122,10 @@ uint64_t fnv1a64(std::span<const std::byte> bytes, uint64_t h) {
   return h;
 }
 
-std::vector<std::byte> format_checkpoint(const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
-                                         std::span<const float> params, std::span<const float> m,
-                                         std::span<const float> v) {
-  const std::vector<int64_t> f = fields_of(cfg, step, data);
+std::vector<std::byte> format_checkpoint(const CheckpointConfig& cfg, int64_t step, int64_t skipped,
+                                         const DataPosition& data, std::span<const float> params,
+                                         std::span<const float> m, std::span<const float> v) {
+  const std::vector<int64_t> f = fields_of(cfg, step, skipped, data);
   std::vector<int64_t> head = {kVersion, kFieldCount};
   head.insert(head.end(), f.begin(), f.end());
   const std::size_t n = params.size();
@@ -140,9 +144,10 @@ std::vector<std::byte> format_checkpoint(const CheckpointConfig& cfg, int64_t st
   return out;
 }
 
-void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, const DataPosition& data,
-                     std::span<const float> params, std::span<const float> m, std::span<const float> v) {
-  const std::vector<std::byte> out = format_checkpoint(cfg, step, data, params, m, v);
+void save_checkpoint(const std::string& path, const CheckpointConfig& cfg, int64_t step, int64_t skipped,
+                     const DataPosition& data, std::span<const float> params, std::span<const float> m,
+                     std::span<const float> v) {
+  const std::vector<std::byte> out = format_checkpoint(cfg, step, skipped, data, params, m, v);
   try {
     write_file_atomically(path, out);
   } catch (const Error& e) {
@@ -171,9 +176,10 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   };
   CPATTN_CHECK(size >= 24, "checkpoint '", path, "' is truncated (", size, " bytes)");
   const int64_t version = at(0);
-  // Version 4 is version 5 without dropout, version 3 without the mixture-of-experts fields
-  // too: read as a model without dropout (and experts), what version 5 records for one, so
-  // that their runs resume.
+  // Version 5 is version 6 without micro and the skipped steps, version 4 without dropout too,
+  // version 3 without the mixture-of-experts fields too: read as a model without dropout (and
+  // experts), what version 6 records for one, micro unchecked and no step skipped, so that
+  // their runs resume.
   CPATTN_CHECK(version >= 3 && version <= kVersion, "checkpoint '", path, "' has version ", version,
                ", this cpattn reads versions 3 to ", kVersion,
                version == 1   ? " (version 1 has no checksum and no configuration: train again)"
@@ -202,12 +208,13 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   std::memcpy(&stored, bytes + header - 8, 8);
   CPATTN_CHECK(h == stored, "checkpoint '", path, "' fails its checksum (the file is corrupt)");
 
-  const std::vector<int64_t> want = fields_of(cfg, 0, {});
+  const std::vector<int64_t> want = fields_of(cfg, 0, 0, {});
   // The parameter count last: a field that explains it (experts, dim, ...) is the better message.
   for (int64_t k = 0; k < kConfigFields; ++k) {
     const int64_t i = k == kConfigFields - 1 ? kParamsField : k < kParamsField ? k : k + 1;
     const FieldName& f = kFields[i];
     if (got[i] == want[i]) continue;
+    if (i == kMicroField && (got[i] == 0 || want[i] == 0)) continue;  // not recorded on one side
     if (f.kind == Kind::model || f.kind == Kind::model_real || f.kind == Kind::model_real64 ||
         f.kind == Kind::capacity || f.kind == Kind::router || f.kind == Kind::drop_policy)
       CPATTN_CHECK(false, "checkpoint '", path, "' holds a model with ", f.name, " = ", shown(f.kind, got[i]),
@@ -221,6 +228,9 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   s.checksum = stored;
   s.step = got[kConfigFields];
   s.data = {got[kConfigFields + 1], got[kConfigFields + 2], got[kConfigFields + 3]};
+  s.skipped = got[kSkippedField];
+  s.micro = got[kMicroField];
+  CPATTN_CHECK(s.skipped <= s.step, "checkpoint '", path, "' has ", s.skipped, " skipped steps of ", s.step);
   const std::size_t n = static_cast<std::size_t>(n_file);
   const char* names[] = {"weight", "first moment", "second moment"};
   int which = 0;

@@ -51,7 +51,7 @@ void adamw_update(const OptimConfig& oc, const std::vector<ParamTensor>& tensors
                   std::span<const float> grads, double norm, AdamW& state) {
   const float lr = static_cast<float>(lr_at(oc, state.step));
   const float scale = oc.clip > 0 && norm > oc.clip ? static_cast<float>(oc.clip / norm) : 1.0f;
-  const auto t = static_cast<double>(state.step + 1);
+  const auto t = static_cast<double>(state.step - state.skipped + 1);
   const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(oc.beta1), t));
   const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(oc.beta2), t));
   std::vector<float>& m = state.m;

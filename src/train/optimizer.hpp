@@ -29,11 +29,15 @@ void check_optim_config(const OptimConfig& oc);
 // AdamW's moments, one of each per parameter.
 struct AdamW {
   std::vector<float> m, v;
-  int64_t step = 0;  // updates done
+  int64_t step = 0;     // steps taken: the learning-rate schedule's
+  int64_t skipped = 0;  // of them, skipped as non-finite: step - skipped updates done
 };
 
 // One AdamW update of `params` from `grads` (scaled by clip / norm when the global norm
-// exceeds oc.clip > 0), decoupled weight decay on the tensors marked `decay`. ++state.step.
+// exceeds oc.clip > 0), decoupled weight decay on the tensors marked `decay`; the bias
+// correction counts the updates (step - skipped + 1: a skipped step left the moments as they
+// were, and counting it shrank every later update, to 0.73 of a first one after one skip).
+// ++state.step.
 void adamw_update(const OptimConfig& oc, const std::vector<ParamTensor>& tensors, std::span<float> params,
                   std::span<const float> grads, double norm, AdamW& state);
 

@@ -83,7 +83,6 @@ struct Trainer::Impl {
   int64_t dropped = 0;  // MoE assignments dropped in the last backward, all ranks
   std::vector<int64_t> load;  // sigmoid_bias router: [L, E] the last backward's assignments, all ranks
   uint64_t seed = 0;
-  int64_t skipped = 0;
 
   Impl(Communicator& c, const ModelConfig& mc, const OptimConfig& optim, const RunOptions& ro, uint64_t sd,
        const MeshConfig& mesh_config)
@@ -257,7 +256,7 @@ StepStats Trainer::step(std::span<const PackedSequence> micro) {
                   number(st.grad_norm) + ": training stopped before this step's update (skip such steps with "
                   "RunOptions::skip_nonfinite, --skip-nonfinite in cpattn train)");
     st.skipped = true;
-    ++s.skipped;
+    ++s.adam.skipped;
     ++s.adam.step;  // the step is spent (its data consumed, the schedule moves on), the weights unchanged
     return st;
   }
@@ -294,7 +293,7 @@ const std::vector<ParamTensor>& Trainer::tensors() const { return impl_->model.l
 const ModelConfig& Trainer::model() const { return impl_->model.config; }
 int64_t Trainer::steps_done() const { return impl_->adam.step; }
 double Trainer::global_grad_norm() const { return impl_->norm; }
-int64_t Trainer::skipped_steps() const { return impl_->skipped; }
+int64_t Trainer::skipped_steps() const { return impl_->adam.skipped; }
 
 namespace {
 // FNV-1a over every document in order: its sizes, its name when `names`, its bytes. (Without
@@ -332,7 +331,7 @@ void Trainer::save(const std::string& path, const DataPosition& data, const RunI
   const bool moe = s.model.config.moe();
   on_every_rank(s.comm, [&] {
     if (s.comm.rank() == 0)
-      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, data,
+      save_checkpoint(path, checkpoint_config(s.model, s.whole.count, s.oc, s.seed, id), s.adam.step, s.adam.skipped, data,
                       moe ? w.p : s.model.params, moe ? w.m : s.adam.m, moe ? w.v : s.adam.v);
   });
 }
@@ -347,6 +346,7 @@ DataPosition Trainer::load(const std::string& path, const RunIdentity& id) {
     s.adam.m = s.take_mine(c.m);
     s.adam.v = s.take_mine(c.v);
     s.adam.step = c.step;
+    s.adam.skipped = c.skipped;
     d = c.data;
     checksum = c.checksum;
   });

@@ -4,9 +4,9 @@
 // is recomputed first, so that the fuzzer gets past it to the configuration and value checks
 // (else the bytes are read as they are); bit 1 set, the model with experts is the run's. Any
 // bytes either raise cpattn::Error or parse to a state that holds only finite weights and
-// moments (second moments >= 0) and a non-negative step and data position, and that formats
-// back to exactly the bytes read (a version 3 or 4 file: to a version 5 file that reads back
-// to the same state).
+// moments (second moments >= 0), a non-negative step and data position and at most `step`
+// skipped steps, and that formats back to exactly the bytes read (a version 3 to 5 file: to a
+// version 6 file that reads back to the same state).
 #include <cpattn/error.hpp>
 
 #include <cmath>
@@ -50,23 +50,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const CheckpointConfig& cfg = (data[0] & 2) ? kMoe : kDense;
   try {
     const CheckpointState s = parse_checkpoint(file, "fuzz", cfg);
-    if (s.step < 0 || s.data.doc < 0 || s.data.offset < 0 || s.data.epoch < 0) std::abort();
+    if (s.step < 0 || s.skipped < 0 || s.skipped > s.step || s.data.doc < 0 || s.data.offset < 0 || s.data.epoch < 0) std::abort();
     if (s.params.size() != static_cast<std::size_t>(cfg.n_params) || s.m.size() != s.params.size() ||
         s.v.size() != s.params.size())
       std::abort();
     for (std::size_t i = 0; i < s.params.size(); ++i)
       if (!std::isfinite(s.params[i]) || !std::isfinite(s.m[i]) || !std::isfinite(s.v[i]) || s.v[i] < 0) std::abort();
-    const std::vector<std::byte> again = format_checkpoint(cfg, s.step, s.data, s.params, s.m, s.v);
+    CheckpointConfig as_read = cfg;  // (micro as the file has it: 0, not recorded, matches any run)
+    as_read.id.micro = s.micro;
+    const std::vector<std::byte> again = format_checkpoint(as_read, s.step, s.skipped, s.data, s.params, s.m, s.v);
     int64_t version = 0;
     std::memcpy(&version, file.data() + 8, 8);  // parsed: at least the magic, version and count
-    if (version == 5 && again != file) std::abort();
+    if (version == 6 && again != file) std::abort();
     CheckpointState t;
     try {  // what this cpattn writes, it reads: an error here is the reader's or the writer's bug
-      t = parse_checkpoint(again, "fuzz", cfg);
+      t = parse_checkpoint(again, "fuzz", as_read);
     } catch (const cpattn::Error&) {
       std::abort();
     }
-    if (t.step != s.step || !(t.data == s.data) || t.params != s.params || t.m != s.m || t.v != s.v) std::abort();
+    if (t.step != s.step || t.skipped != s.skipped || !(t.data == s.data) || t.params != s.params || t.m != s.m || t.v != s.v) std::abort();
   } catch (const cpattn::Error&) {
   }
   return 0;

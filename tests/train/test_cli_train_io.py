@@ -200,6 +200,9 @@ with open(log, "w") as out:
     r = train(0, *TINY, "--steps", "2", "--resume", p("ck4"), "--save", p("ck4"), timeout=120)
     refused(r, "--steps 2 is below the checkpoint's step 4", "--steps 2 --resume a step-4 checkpoint")
     check("saved step" not in r.stdout and read(p("ck4")) == before, "the checkpoint is left as it was")
+    # ... and one with another --micro (it trained on another global batch without a word).
+    r = train(0, *TINY, "--steps", "6", "--micro", "2", "--resume", p("ck4"), timeout=120)
+    refused(r, "has micro 1, this run 2", "--micro 2 resuming a --micro 1 checkpoint")
     r = train(0, *TINY, "--steps", "4", "--resume", p("ck4"), timeout=120)
     check(r.returncode == 0, f"--steps equal to the checkpoint's step: exit {r.returncode}\n{r.stderr[-800:]}")
     # --compare's chart onto the checkpoint it resumes: refused, the checkpoint as it was.

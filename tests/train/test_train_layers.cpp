@@ -295,4 +295,21 @@ TEST(OptimConfigCheck, RejectsBetasOutsideZeroToOneAndANonPositiveEps) {
   EXPECT_EQ(message(OptimConfig{.beta1 = 0.0f, .beta2 = 0.0f}), "no error");
 }
 
+// A skipped step (non-finite) advances the schedule but not the updates: the first update
+// after it is a first update (bias correction t = 1), bitwise; t counted the skipped step (2)
+// and shrank it to 0.73 of one.
+TEST(AdamWUpdate, TheBiasCorrectionCountsUpdatesNotSkippedSteps) {
+  const OptimConfig oc{.lr = 1e-2f, .warmup = 0, .weight_decay = 0.0f};
+  const std::vector<ParamTensor> tensors = {{.name = "w", .offset = 0, .size = 3, .shape = {3}, .decay = false}};
+  const std::vector<float> grads = {0.5f, -1.0f, 2.0f};
+  std::vector<float> fresh = {1.0f, 2.0f, 3.0f}, after_skip = fresh;
+  AdamW a{.m = std::vector<float>(3), .v = std::vector<float>(3), .step = 0, .skipped = 0};
+  AdamW b{.m = std::vector<float>(3), .v = std::vector<float>(3), .step = 1, .skipped = 1};
+  adamw_update(oc, tensors, fresh, grads, 1.0, a);
+  adamw_update(oc, tensors, after_skip, grads, 1.0, b);
+  EXPECT_EQ(after_skip, fresh);
+  EXPECT_EQ(b.step, 2);
+  EXPECT_NEAR(fresh[0], 1.0f - 1e-2f, 1e-6f);  // the first update moves each weight by about lr
+}
+
 }  // namespace cpattn::train

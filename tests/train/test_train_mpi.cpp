@@ -21,6 +21,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cpattn::train {
@@ -579,7 +580,7 @@ TEST(TrainNonFinite, AHugeLearningRateDivergesIntoAnErrorNotANanRun) {
 
 // The format's checksum (FNV-1a 64), rewritten into a corrupted copy so that the field checks
 // behind it are reached. Offsets: magic 8, version and count 16, 36 fields, checksum, payload.
-constexpr std::size_t kStepAt = 8 + 16 + 32 * 8, kChecksumAt = 8 + 16 + 36 * 8, kPayloadAt = kChecksumAt + 8;
+constexpr std::size_t kStepAt = 8 + 16 + 33 * 8, kChecksumAt = 8 + 16 + 38 * 8, kPayloadAt = kChecksumAt + 8;
 
 uint64_t fnv(const std::string& b, std::size_t from, std::size_t to, uint64_t h = 14695981039346656037ull) {
   for (std::size_t i = from; i < to; ++i) h = (h ^ static_cast<uint8_t>(b[i])) * 1099511628211ull;
@@ -652,24 +653,43 @@ TEST(TrainCheckpoint, CorruptOrForeignCheckpointsAreRefusedNamingTheProblem) {
     const int64_t v1 = 1;
     b.replace(8, 8, reinterpret_cast<const char*>(&v1), 8);
     return b;
-  }, false, "has version 1, this cpattn reads versions 3 to 5");
-  // Version 4 (no dropout field) and version 3 (no mixture-of-experts fields either; this
-  // file's model has neither): the same run resumes. The fields [at, at + bytes) go, which
-  // are zeros for this model.
-  const auto older = [](int64_t version, std::size_t at, std::size_t bytes) {
+  }, false, "has version 1, this cpattn reads versions 3 to 6");
+  // Version 5 (no micro, no skipped steps), version 4 (no dropout field either) and version 3
+  // (no mixture-of-experts fields either; this file's model has neither, its run records no
+  // micro and skipped no step): the same run resumes. The fields of `cut` ([at, at + bytes),
+  // in descending order) go, which are zeros here.
+  const auto older = [](int64_t version, std::vector<std::pair<std::size_t, std::size_t>> cut) {
     return [=](std::string b) {
-      for (std::size_t i = at; i < at + bytes; ++i) EXPECT_EQ(b[i], 0) << "a field version " << version << " lacks";
-      b.erase(at, bytes);
-      const int64_t head[2] = {version, 36 - static_cast<int64_t>(bytes / 8)};
+      std::size_t gone = 0;
+      for (const auto& [at, bytes] : cut) {
+        for (std::size_t i = at; i < at + bytes; ++i) EXPECT_EQ(b[i], 0) << "a field version " << version << " lacks";
+        b.erase(at, bytes);
+        gone += bytes;
+      }
+      const int64_t head[2] = {version, 38 - static_cast<int64_t>(gone / 8)};
       b.replace(8, 16, reinterpret_cast<const char*>(head), 16);
-      const std::size_t sum_at = kChecksumAt - bytes;
+      const std::size_t sum_at = kChecksumAt - gone;
       const uint64_t h = fnv(b, sum_at + 8, b.size(), fnv(b, 8, sum_at));
       return b.replace(sum_at, 8, reinterpret_cast<const char*>(&h), 8);
     };
   };
-  constexpr std::size_t moe_at = 8 + 16 + 13 * 8, dropout_at = moe_at + 7 * 8;  // the MoE fields, then dropout
-  refused(older(4, dropout_at, 8), false, "no error");
-  refused(older(3, moe_at, 8 * 8), false, "no error");
+  // The MoE fields, then dropout; micro before the step; the skipped steps after the epoch.
+  constexpr std::size_t moe_at = 8 + 16 + 13 * 8, dropout_at = moe_at + 7 * 8, micro_at = kStepAt - 8,
+                        skipped_at = kStepAt + 4 * 8;
+  const std::pair<std::size_t, std::size_t> skipped{skipped_at, 8}, micro{micro_at, 8}, dropout{dropout_at, 8},
+      moe{moe_at, 7 * 8};
+  refused(older(5, {skipped, micro}), false, "no error");
+  refused(older(4, {skipped, micro, dropout}), false, "no error");
+  refused(older(3, {skipped, micro, dropout, moe}), false, "no error");
+  // micro, where both record it: another is refused (RunIdentity::micro); not recorded on
+  // one side (this file, 0), any.
+  const auto micro_1 = [](std::string b) {
+    const int64_t one = 1;
+    return b.replace(kStepAt - 8, 8, reinterpret_cast<const char*>(&one), 8);
+  };
+  const RunIdentity micro_2{.seq_len = kSmallSeq, .data_hash = id.data_hash, .micro = 2};
+  refused(micro_1, true, "has micro 1, this run 2", {.warmup = 3}, 7, micro_2);
+  refused(same, false, "no error", {.warmup = 3}, 7, micro_2);
   refused(same, false, "has lr 0.0005, this run 0.001", {.lr = 1e-3f, .warmup = 3});
   refused(same, false, "has warmup 3, this run 10", {});
   refused(same, false, "has seed 7, this run 8", {.warmup = 3}, 8);
