@@ -216,16 +216,17 @@ class Trainer {
   const ModelConfig& model() const;
   int64_t steps_done() const;
   double global_grad_norm() const;  // of grads()
-  int64_t skipped_steps() const;    // steps skipped as non-finite (RunOptions::skip_nonfinite)
+  int64_t skipped_steps() const;    // steps skipped as non-finite (RunOptions::skip_nonfinite),
+                                    // since step 0: a loaded checkpoint's included
 
   // Checkpoint: the full configuration (model config, optimizer settings, seed, attention
-  // dtype, `id`'s seq_len and data hash), step, data position, weights and AdamW moments
+  // dtype, `id`'s seq_len, data hash and micro), step, skipped steps, data position, weights and AdamW moments
   // (fp32), under an FNV-1a 64 checksum (src/train/checkpoint.hpp). Written by rank 0
   // (weights are replicated; experts are first gathered over its EP group, so the file holds
   // every expert whatever ep) through write_file_atomically, read by every rank (each keeps
   // its experts); a file saved at one cp, ep or mesh resumes at any other. load() refuses, with the same cpattn::Error on every rank,
   // a file that is truncated, has trailing bytes, fails its checksum, holds a negative step or
-  // data position or a non-finite weight or moment, or whose configuration differs from this
+  // data position, more skipped steps than steps, or a non-finite weight or moment, or whose configuration differs from this
   // run's (the message names the field: "checkpoint 'c' has lr 0.001, this run 0.0005").
   void save(const std::string& path, const DataPosition& data, const RunIdentity& id = {}) const;  // collective
   DataPosition load(const std::string& path, const RunIdentity& id = {});                         // collective

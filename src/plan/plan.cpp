@@ -94,7 +94,7 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
   // costs O(documents) a rank instead of O(documents x cp). Any other batch builds them anew;
   // the documents are cleared when building them fails, so that a failure leaves nothing to
   // match (clearing the boundaries instead let an empty cu_seqlens match them next and skip its
-  // checks), and the boundaries stored last, copied first where the caller passed the plan's own.
+  // checks), and the boundaries, copied first, stored last.
   const bool same_batch = plan.layout.cp == cp && plan.split == options.split && !plan.docs.empty() &&
                           std::ranges::equal(plan.cu_seqlens, cu_seqlens);
   plan.cp = cp;
@@ -102,21 +102,17 @@ void get_thd_load_balanced_cp_metadata(std::span<const int64_t> cu_seqlens, int 
   plan.split = options.split;
   if (!same_batch) {
     try {
+      // (copied first: the caller may pass the plan's own boundaries, which the swap replaces)
+      std::vector<int64_t> boundaries(cu_seqlens.begin(), cu_seqlens.end());
       split_documents_into(cu_seqlens, cp, options.split, plan.docs);
       split_layout(cu_seqlens, cp, options.split, plan.layout);
+      plan.cu_seqlens.swap(boundaries);
     } catch (...) {  // (the documents of this batch beside another's boundaries would match those next)
       plan.docs.clear();
       throw;
     }
-    const std::less<const int64_t*> before;
-    const bool own = !plan.cu_seqlens.empty() && !before(cu_seqlens.data(), plan.cu_seqlens.data()) &&
-                     before(cu_seqlens.data(), plan.cu_seqlens.data() + plan.cu_seqlens.size());
-    if (own)
-      plan.cu_seqlens = std::vector<int64_t>(cu_seqlens.begin(), cu_seqlens.end());
-    else
-      plan.cu_seqlens.assign(cu_seqlens.begin(), cu_seqlens.end());
-    cu_seqlens = plan.cu_seqlens;  // (the caller's span may have pointed into the storage just replaced)
   }
+  cu_seqlens = plan.cu_seqlens;  // (the caller's span may have pointed into storage replaced above)
   const SplitLayout& layout = plan.layout;
   plan.cu_seqlens_padded.resize(plan.docs.size() + 1);
   plan.cu_seqlens_padded[0] = 0;

@@ -224,6 +224,7 @@ CheckpointState parse_checkpoint(std::span<const std::byte> file, const std::str
   }
   for (int64_t i = kConfigFields; i < kFieldCount; ++i)
     CPATTN_CHECK(got[i] >= 0, "checkpoint '", path, "' has a negative ", kFields[i].name, " (", got[i], ")");
+  CPATTN_CHECK(got[kMicroField] >= 0, "checkpoint '", path, "' has a negative micro (", got[kMicroField], ")");
   CheckpointState s;
   s.checksum = stored;
   s.step = got[kConfigFields];

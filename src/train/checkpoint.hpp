@@ -19,7 +19,8 @@
 // The file is exactly this long: a shorter one is truncated, a longer one has trailing bytes;
 // both are refused, as are version 1 (no checksum, no configuration) and version 2 (no
 // attention masks). Version 5 (no micro, no skipped steps) is read with micro unchecked and no
-// step skipped, version 4 (no dropout either) as a model without dropout, version 3 (no
+// step skipped (a version 5 run that did skip steps resumes with its bias correction counting
+// them, as it did), version 4 (no dropout either) as a model without dropout, version 3 (no
 // mixture-of-experts fields either) as one without experts and dropout. Every expert of
 // every block is in the payload (sent to rank 0 by its EP group before it writes; each rank
 // holds only its E/ep experts in training), so a file saved at one ep

@@ -428,15 +428,17 @@ TEST(TrainLearning, LossFallsWellBelowLn257) {
 
 // n steps on `comm`, optionally resuming from / saving to `path`. Returns the losses.
 std::vector<double> steps_with_checkpoint(MPI_Comm mpi, int n, const std::string& resume, const std::string& save,
-                                          std::vector<float>* params = nullptr) {
+                                          std::vector<float>* params = nullptr, const RunOptions& ro = {},
+                                          int64_t* skipped = nullptr) {
   Communicator comm(mpi);
-  Trainer t(comm, kSmall, {.warmup = 3}, {}, 7);
+  Trainer t(comm, kSmall, {.warmup = 3}, ro, 7);
   DataStream data(default_docs());
   if (!resume.empty()) data.seek(t.load(resume));
   std::vector<double> losses;
   for (int s = 0; s < n; ++s) losses.push_back(t.step(data.next(kSmallSeq)).loss);
   if (!save.empty()) t.save(save, data.position());
   if (params) params->assign(t.params().begin(), t.params().end());
+  if (skipped) *skipped = t.skipped_steps();
   return losses;
 }
 
@@ -448,6 +450,32 @@ TEST(TrainCheckpoint, ResumedRunIsBitwiseTheUninterruptedOne) {
   const std::vector<double> rest = steps_with_checkpoint(MPI_COMM_WORLD, 3, ck.path, "", &p_resumed);
   resumed.insert(resumed.end(), rest.begin(), rest.end());
   EXPECT_EQ(resumed, straight);  // bitwise, at every cp (the gradient reduction is deterministic)
+  ASSERT_EQ(p_resumed.size(), p_straight.size());
+  EXPECT_EQ(std::memcmp(p_resumed.data(), p_straight.data(), p_straight.size() * sizeof(float)), 0);
+}
+
+// With a step skipped as non-finite before the save: the resumed run's updates count as the
+// uninterrupted run's (AdamW's bias correction counts updates, and the checkpoint keeps the
+// skipped steps), bitwise, and the count goes on.
+TEST(TrainCheckpoint, ResumedRunAfterASkippedStepIsBitwiseTheUninterruptedOne) {
+  const SharedPath ck("resume-skip.ckpt");
+  const RunOptions skip{.skip_nonfinite = true, .testing_nan_at_step = 1};
+  std::vector<float> p_straight, p_resumed;
+  int64_t skipped_straight = 0, skipped_resumed = 0;
+  const std::vector<double> straight = steps_with_checkpoint(MPI_COMM_WORLD, 6, "", "", &p_straight, skip,
+                                                             &skipped_straight);
+  std::vector<double> resumed = steps_with_checkpoint(MPI_COMM_WORLD, 3, "", ck.path, nullptr, skip);
+  const std::vector<double> rest = steps_with_checkpoint(MPI_COMM_WORLD, 3, ck.path, "", &p_resumed, {},
+                                                         &skipped_resumed);
+  resumed.insert(resumed.end(), rest.begin(), rest.end());
+  ASSERT_EQ(resumed.size(), straight.size());
+  for (std::size_t i = 0; i < straight.size(); ++i) {  // (step 1's loss is NaN in both)
+    if (i != 1) {
+      EXPECT_EQ(resumed[i], straight[i]) << "step " << i;
+    }
+  }
+  EXPECT_EQ(skipped_straight, 1);
+  EXPECT_EQ(skipped_resumed, 1);
   ASSERT_EQ(p_resumed.size(), p_straight.size());
   EXPECT_EQ(std::memcmp(p_resumed.data(), p_straight.data(), p_straight.size() * sizeof(float)), 0);
 }
@@ -580,6 +608,7 @@ TEST(TrainNonFinite, AHugeLearningRateDivergesIntoAnErrorNotANanRun) {
 
 // The format's checksum (FNV-1a 64), rewritten into a corrupted copy so that the field checks
 // behind it are reached. Offsets: magic 8, version and count 16, 36 fields, checksum, payload.
+// (version 6: 33 configuration fields, then step, data doc, offset, epoch, skipped steps)
 constexpr std::size_t kStepAt = 8 + 16 + 33 * 8, kChecksumAt = 8 + 16 + 38 * 8, kPayloadAt = kChecksumAt + 8;
 
 uint64_t fnv(const std::string& b, std::size_t from, std::size_t to, uint64_t h = 14695981039346656037ull) {
