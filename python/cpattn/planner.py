@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from . import _cpattn
+from .attention import integer
 
 IGNORE_INDEX = -100  # cpattn::kIgnoreIndex: the label of a token the loss skips
 
@@ -69,8 +70,8 @@ def check_cp(cp_size, rank):
     for name, value in (("cp_size", cp_size), ("rank", rank)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 1 <= cp_size <= 65536:  # (cpattn::kMaxCp; past int, nanobind's message named no argument)
+        raise ValueError(f"cp_size must be in 1..65536, got {cp_size}")
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank must be in [0, cp_size) = [0, {cp_size}), got {rank}")
 
@@ -140,6 +141,7 @@ def get_batch_on_this_cp_rank(batch, cu_seqlens, cp_size, rank, pad_token_id=0, 
     """
     check_cp(cp_size, rank)
     check_split(split)
+    pad_token_id = integer("pad_token_id", pad_token_id)  # (1.7 was truncated to 1, "7" read as 7)
     if not isinstance(batch, dict):
         raise TypeError(f"batch must be a dict with keys {', '.join(_BATCH_FIELDS)}, got {type(batch).__name__}")
     arrays = {}
@@ -149,9 +151,11 @@ def get_batch_on_this_cp_rank(batch, cu_seqlens, cp_size, rank, pad_token_id=0, 
         x = np.asarray(batch[key].detach().numpy() if isinstance(batch[key], torch.Tensor) else batch[key])
         if dtype is np.int64 and x.size and x.dtype.kind not in "iu":
             raise TypeError(f"batch['{key}'] must hold integers, got {x.dtype}")  # (floats were truncated)
+        if dtype is np.int64 and x.size and x.dtype.kind == "u" and int(x.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"batch['{key}'] must fit in int64, got {int(x.max())}")  # (it wrapped to negative)
         arrays[key] = np.ascontiguousarray(x, dtype=dtype)
         if arrays[key].ndim != 1:
             raise ValueError(f"batch['{key}'] must be 1-D [tokens], got shape {list(arrays[key].shape)}")
     local = _cpattn.batch_on_rank(**arrays, cu_seqlens=as_boundaries(cu_seqlens), cp_size=int(cp_size),
-                                  rank=int(rank), pad_token_id=int(pad_token_id), split=split)
+                                  rank=int(rank), pad_token_id=pad_token_id, split=split)
     return {key: torch.from_numpy(value) for key, value in local.items()}

@@ -92,8 +92,11 @@ def test_bad_planner_arguments():
         cpattn.take_local_rows(torch.zeros(5), cpattn.get_thd_load_balanced_cp_metadata([0, 4], 1, 0))
     plan = cpattn.get_thd_load_balanced_cp_metadata([0, 4], 1, 0)
     for call, error, words in (
-            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], 0, 0), ValueError, "cp_size must be >= 1, got 0"),
-            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], -1, 0), ValueError, "cp_size must be >= 1"),
+            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], 0, 0), ValueError, "cp_size must be in 1..65536, got 0"),
+            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], -1, 0), ValueError, "cp_size must be in 1..65536"),
+            # (past int: nanobind's "incompatible function arguments", naming no argument)
+            (lambda: cpattn.get_thd_load_balanced_cp_metadata([0, 4], 2**40, 0), ValueError,
+             "cp_size must be in 1..65536, got 1099511627776"),
             (lambda: cpattn.get_thd_load_balanced_cp_metadata(np.array([0, 2**63], dtype=np.uint64), 1, 0),
              ValueError, "cu_seqlens must fit in int64"),
             (lambda: cpattn.take_local_rows(np.zeros(4), plan), TypeError, "x must be a torch.Tensor"),
@@ -102,7 +105,17 @@ def test_bad_planner_arguments():
              "out.shape[0] must equal the plan's global_tokens = 4, got 3"),
             (lambda: cpattn.get_batch_on_this_cp_rank({"tokens": [1.5, 2.0], "labels": [1, 2], "position_ids": [0, 1],
                                                        "loss_mask": [1.0, 1.0]}, [0, 2], 1, 0),
-             TypeError, "batch['tokens'] must hold integers")):
+             TypeError, "batch['tokens'] must hold integers"),
+            # pad_token_id 1.7 was truncated to 1 and "7" read as 7; uint64 tokens past int64 wrapped
+            (lambda: cpattn.get_batch_on_this_cp_rank({"tokens": [1, 2], "labels": [1, 2], "position_ids": [0, 1],
+                                                       "loss_mask": [1.0, 1.0]}, [0, 2], 1, 0, pad_token_id=1.7),
+             TypeError, "pad_token_id must be an int, got float"),
+            (lambda: cpattn.get_batch_on_this_cp_rank({"tokens": [1, 2], "labels": [1, 2], "position_ids": [0, 1],
+                                                       "loss_mask": [1.0, 1.0]}, [0, 2], 1, 0, pad_token_id="7"),
+             TypeError, "pad_token_id must be an int, got str"),
+            (lambda: cpattn.get_batch_on_this_cp_rank({"tokens": np.array([1, 2**63], dtype=np.uint64), "labels": [1, 2],
+                                                       "position_ids": [0, 1], "loss_mask": [1.0, 1.0]}, [0, 2], 1, 0),
+             ValueError, "batch['tokens'] must fit in int64, got 9223372036854775808")):
         with pytest.raises(error, match=re.escape(words)):
             call()
 
