@@ -99,12 +99,13 @@ std::vector<int64_t> group_rows(const RankPlan& p, int inner) {
   return row_of;
 }
 
-// The outer layer's plan for group `group` of `outer` groups: the cp-padded documents split
-// at cp = outer (no further padding: their lengths are multiples of 2cp), with each
-// document's real length restored, so that the outer layer cuts the padding out of its tasks
-// and zeroes the padding rows as usual.
-RankPlan group_plan(const RankPlan& p, int outer, int group) {
-  RankPlan g = get_thd_load_balanced_cp_metadata(p.cu_seqlens_padded, outer, group);
+}  // namespace
+
+RankPlan a2a_outer_plan(const RankPlan& p, int inner) {
+  CPATTN_CHECK(inner >= 1 && p.cp % inner == 0, "a2a_outer_plan: inner = ", inner, " must divide cp = ", p.cp);
+  CPATTN_CHECK(p.split == CpSplit::padded, "a2a_outer_plan: the a2a and hybrid schemes take the padded split, the plan is ",
+               to_string(p.split));
+  RankPlan g = get_thd_load_balanced_cp_metadata(p.cu_seqlens_padded, p.cp / inner, p.rank / inner);
   g.cu_seqlens = p.cu_seqlens;
   g.global_tokens = p.global_tokens;
   for (std::size_t d = 0; d < g.docs.size(); ++d) g.docs[d].len = p.docs[d].len;
@@ -120,19 +121,18 @@ RankPlan group_plan(const RankPlan& p, int outer, int group) {
   return g;
 }
 
-}  // namespace
-
 struct A2aLevel::Impl {
   Communicator& comm;
   CpAttnConfig outer_cfg;  // the outer layer's: this member's heads
   HeadSplit split;
   DType dtype;
   int dqk, dv;
-  int inner, outer, member, group;
+  int inner, member, group;
   std::optional<Communicator> inner_comm, outer_comm;  // split at the first forward
   std::unique_ptr<CpAttention> outer_attn;
-  // Of the last plan seen: the group layout's rows and the outer layer's plan.
-  std::shared_ptr<const RankPlan> plan;
+  // The group layout's rows, of rows_plan (the last forward's or backward's), and the outer
+  // layer's plan, of plan (the last forward's).
+  std::shared_ptr<const RankPlan> rows_plan, plan;
   std::vector<int64_t> row_of;
   std::shared_ptr<const RankPlan> outer_plan;
   std::vector<std::byte> send, recv, k_g, v_g, dout_g, dq_g, dk_g, dv_g;
@@ -147,7 +147,6 @@ struct A2aLevel::Impl {
         dqk(cfg.head_dim_qk),
         dv(cfg.head_dim_v),
         inner(inner_size),
-        outer(c.size() / inner_size),
         member(c.rank() % inner_size),
         group(c.rank() / inner_size) {
     outer_cfg.num_heads_q = split.hq_loc();
@@ -169,18 +168,29 @@ struct A2aLevel::Impl {
   HeadRange kv_heads() const { return {split, true}; }
   std::size_t row_bytes(int heads, int dim) const { return static_cast<std::size_t>(heads) * dim * dtype_size(dtype); }
 
-  void connect() {
+  void connect(const std::function<void(CpAttention&)>& made) {
     if (outer_attn) return;
     inner_comm.emplace(comm.split(group, member));
     outer_comm.emplace(comm.split(member, group));
     outer_attn = std::make_unique<CpAttention>(*outer_comm, outer_cfg);
+    made(*outer_attn);
   }
 
-  void prepare(const std::shared_ptr<const RankPlan>& p) {
-    if (plan == p) return;
+  // (Each key is cleared first: a failure leaves nothing half made to be taken for p's.)
+  void rows_for(const std::shared_ptr<const RankPlan>& p) {
+    if (rows_plan == p) return;
+    rows_plan = nullptr;
     row_of = group_rows(*p, inner);
-    outer_plan = std::make_shared<const RankPlan>(group_plan(*p, outer, group));
-    plan = p;
+    rows_plan = p;
+  }
+  const RankPlan& prepare(const std::shared_ptr<const RankPlan>& p) {
+    rows_for(p);
+    if (plan != p) {
+      plan = nullptr;
+      outer_plan = std::make_shared<const RankPlan>(a2a_outer_plan(*p, inner));
+      plan = p;
+    }
+    return *outer_plan;
   }
 
   // Equal blocks of `block` bytes to and from every member.
@@ -232,8 +242,7 @@ struct A2aLevel::Impl {
 
   double forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& p, uint64_t seed,
                  std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
-    connect();
-    prepare(p);
+    prepare(p);  // (CpAttention connected and prepared before its agreement: a no-op then)
     const int64_t t = p->local_tokens, g = inner * t;
     const int hq = split.hq_loc(), hk = split.kv_loc();
     scatter_heads(a.q, q_heads(), ctx.q, stats);
@@ -273,12 +282,10 @@ struct A2aLevel::Impl {
     stats.compute_s += seconds_since(t0);
   }
 
-  double backward(A2aContext& ctx, const RankPlan& p, const CpBackwardArgs& a, CpStats& stats) {
-    if (plan.get() != &p) {  // another forward (another batch) ran since this context's
-      row_of = group_rows(p, inner);
-      plan = nullptr;  // the next forward prepares its own plan again
-    }
-    const int64_t g = inner * p.local_tokens;
+  double backward(A2aContext& ctx, const std::shared_ptr<const RankPlan>& p, const CpBackwardArgs& a,
+                  CpStats& stats) {
+    rows_for(p);  // (another forward, of another batch, may have run since this context's)
+    const int64_t g = inner * p->local_tokens;
     const int hq = split.hq_loc(), hk = split.kv_loc();
     scatter_heads(a.dout, q_heads(), dout_g, stats);
     dq_g.resize(static_cast<std::size_t>(g) * row_bytes(hq, dqk));
@@ -309,13 +316,15 @@ A2aLevel::A2aLevel(Communicator& comm, const CpAttnConfig& cfg, int inner)
     : m_(std::make_unique<Impl>(comm, cfg, inner)) {}
 A2aLevel::~A2aLevel() = default;
 
-void A2aLevel::connect() { m_->connect(); }
+void A2aLevel::connect(const std::function<void(CpAttention&)>& made) { m_->connect(made); }
+const RankPlan& A2aLevel::prepare(const std::shared_ptr<const RankPlan>& plan) { return m_->prepare(plan); }
 bool A2aLevel::poisoned() const { return m_->poisoned(); }
 double A2aLevel::forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
                          std::vector<float>& lse, A2aContext& ctx, CpStats& stats) {
   return m_->forward(a, plan, seed, lse, ctx, stats);
 }
-double A2aLevel::backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats) {
+double A2aLevel::backward(A2aContext& ctx, const std::shared_ptr<const RankPlan>& plan, const CpBackwardArgs& a,
+                          CpStats& stats) {
   return m_->backward(ctx, plan, a, stats);
 }
 

@@ -17,6 +17,7 @@
 #include <cpattn/plan.hpp>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -29,6 +30,13 @@ struct A2aContext {
   std::size_t bytes() const { return q.capacity() + out.capacity(); }  // the outer's: its own peak
 };
 
+// The outer layer's plan of this rank's group (rank / inner of cp / inner groups), for member
+// rank % inner: the cp-padded documents split at cp_outer = plan.cp / inner (no further
+// padding: their lengths are multiples of 2 cp), each document's real length restored, so that
+// the outer layer cuts the padding out of its tasks and zeroes the padding rows as usual. The
+// same for every member of a group. Not collective.
+RankPlan a2a_outer_plan(const RankPlan& plan, int inner);
+
 class A2aLevel {
  public:
   // Not collective (the sub-groups are split at the first forward, after the agreement).
@@ -38,8 +46,14 @@ class A2aLevel {
   A2aLevel(const A2aLevel&) = delete;
   A2aLevel& operator=(const A2aLevel&) = delete;
 
-  // Collective over comm, once: splits the sub-groups and makes the outer layer.
-  void connect();
+  // Collective over comm, once: splits the sub-groups and makes the outer layer, which checks
+  // no memory of its own (CpAttention counts it in its estimate, agreed over comm: the outer
+  // layer's check, agreed over its group alone, could fail there and leave the other members
+  // waiting in the all-to-all for their deadline).
+  void connect(const std::function<void(CpAttention&)>& made);
+  // Not collective: the group layout's rows and the outer layer's plan for `plan` (kept for
+  // the forwards of the same plan), before the agreement, so that a failure here is agreed.
+  const RankPlan& prepare(const std::shared_ptr<const RankPlan>& plan);
   // Whether a timeout (throw mode) poisoned its inner or outer group: its buffers then went to
   // that group's communicator (which keeps them while its requests are pending), and every
   // later call must fail on every rank at its agreement, before any group is used.
@@ -50,7 +64,8 @@ class A2aLevel {
   double forward(const CpForwardArgs& a, const std::shared_ptr<const RankPlan>& plan, uint64_t seed,
                  std::vector<float>& lse, A2aContext& ctx, CpStats& stats);
   // Collective over comm; consumes ctx.outer.
-  double backward(A2aContext& ctx, const RankPlan& plan, const CpBackwardArgs& a, CpStats& stats);
+  double backward(A2aContext& ctx, const std::shared_ptr<const RankPlan>& plan, const CpBackwardArgs& a,
+                  CpStats& stats);
 
   std::size_t buffer_bytes() const;  // its scratch plus the outer layer's peak
   int64_t bytes_sent() const;        // over its sub-groups

@@ -413,6 +413,8 @@ struct CpAttention::State {
   PlanCache cache;
   CpStats stats;
   std::shared_ptr<const PreparedWork> prepared;  // of the last plan seen
+  // The a2a level's outer layer (A2aLevel::connect): its maker counts it in its memory check.
+  bool nested = false;
   std::shared_ptr<std::size_t> live_bytes = std::make_shared<std::size_t>(0);
   // Backward's buffers, kept across calls (one backward runs at a time): fp32 dK/dV of every
   // key row the kernel reads, the gathered rows' sums in index mode, this rank's share.
@@ -614,10 +616,15 @@ struct CpAttention::State {
   bool indexed() const { return cfg.kv_mode == KvMode::index; }
 
   std::shared_ptr<const PreparedWork> prepare(const std::shared_ptr<const RankPlan>& plan) {
+    const RankPlan* outer = a2a ? &a2a->prepare(plan) : nullptr;  // (its own key: kept across backwards)
     if (prepared && prepared->plan == plan) return prepared;
-    check_memory_for(*plan);
+    if (!nested) check_memory_for(*plan, outer);
     auto w = std::make_shared<PreparedWork>();
     w->plan = plan;
+    if (a2a) {  // the all-to-all level and its outer layer hold the work
+      prepared = std::move(w);
+      return prepared;
+    }
     const WorkList keys = without_padding(*plan, keys_for_mask(*plan, cfg.options.mask));
     if (cfg.scheme == CpScheme::ring) {
       w->steps = ring_steps(*plan, keys, cfg.options);
@@ -1125,8 +1132,9 @@ struct CpAttention::State {
 
   // A new plan's forward + backward must fit in what the machine has, beside the buffers this
   // layer already holds (reused) and the contexts alive (already allocated).
-  void check_memory_for(const RankPlan& plan) const {
-    const CpMemoryEstimate e = cp_memory_estimate(cfg, plan);
+  // `outer`: the a2a level's outer plan, whose work the estimate counts.
+  void check_memory_for(const RankPlan& plan, const RankPlan* outer) const {
+    const CpMemoryEstimate e = outer ? cp_detail::a2a_memory_estimate(cfg, plan, *outer) : cp_memory_estimate(cfg, plan);
     const uint64_t held = buffer_bytes(true);
     const uint64_t needed = e.total() > held ? e.total() - held : 0;
     check_memory(needed, "CpAttention: a forward and backward of " + std::to_string(plan.local_tokens) +
@@ -1413,7 +1421,8 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
   const std::vector<char> kv_free = s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
-  if (s.uses_a2a()) s.a2a->connect();  // before the byte count: the split is no payload
+  if (s.uses_a2a())  // before the byte count: the split is no payload
+    s.a2a->connect([](CpAttention& outer) { outer.s_->nested = true; });
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
 
   if (s.uses_a2a()) {
@@ -1527,7 +1536,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
 
   if (c.scheme != CpScheme::allgather || s.uses_a2a()) {
     if (s.uses_a2a())
-      hidden = s.a2a->backward(*cs->a2a, *cs->plan, a, s.stats);
+      hidden = s.a2a->backward(*cs->a2a, cs->plan, a, s.stats);
     else if (c.scheme == CpScheme::ring)
       s.ring_backward(a, *cs);
     else

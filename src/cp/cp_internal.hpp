@@ -56,6 +56,11 @@ WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOpt
 std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o, int block);
 
 
+// cp_memory_estimate of the a2a and hybrid schemes for `plan`, whose a2a_outer_plan (a2a.hpp)
+// is `outer_plan`: its work counts the outer layer's kernel blocks (CpAttention's check, which
+// holds the outer plan already).
+CpMemoryEstimate a2a_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan, const RankPlan& outer_plan);
+
 // fp32 contiguous [rows, heads, dim] into a (possibly strided) view of any dtype.
 void store_f32(const float* src, TensorView t);
 

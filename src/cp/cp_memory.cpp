@@ -6,6 +6,7 @@
 #include <cpattn/error.hpp>
 #include <cpattn/memory.hpp>
 
+#include "a2a.hpp"
 #include "cp_internal.hpp"
 
 #include <algorithm>
@@ -152,16 +153,20 @@ CpMemoryEstimate pass_q(const CpAttnConfig& c, int64_t local_tokens, const WorkL
 }
 
 CpMemoryEstimate estimate(const CpAttnConfig& c, int cp, int64_t local_tokens, uint64_t gathered,
-                          const WorkList* work);
+                          const WorkList* work, const WorkList* outer_work);
+
+// The ranks of an all-to-all group: all of them for a2a, cp_inner for hybrid.
+int a2a_inner(const CpAttnConfig& c, int cp) { return c.scheme == CpScheme::a2a ? cp : std::max(1, c.cp_inner); }
 
 // The a2a and hybrid schemes (a2a.cpp): the group layout of `inner` ranks' tokens holds this
 // member's heads (q, out kept for backward; k, v, dout, dq, dk, dv and lse as scratch), the
 // all-to-all's send and receive blocks and the fp32 sum of replicated dK/dV; the outer layer,
 // an all-gather or ring over cp / inner ranks on inner x local_tokens rows of those heads,
-// comes on top (its context in ours, its buffers and kernel scratch too).
-CpMemoryEstimate a2a(const CpAttnConfig& c, int cp, int64_t local_tokens) {
+// comes on top (its context in ours, its buffers and kernel scratch too; `outer_work`: the
+// outer plan's tasks, for the kernel's per-thread blocks, a2a_outer_plan's work).
+CpMemoryEstimate a2a(const CpAttnConfig& c, int cp, int64_t local_tokens, const WorkList* outer_work) {
   const auto hq = static_cast<uint64_t>(c.num_heads_q), hkv = static_cast<uint64_t>(c.num_heads_k);
-  const int inner = c.scheme == CpScheme::a2a ? cp : std::max(1, c.cp_inner);
+  const int inner = a2a_inner(c, cp);
   const int outer = std::max(1, cp / inner);
   const int group = std::max(1, c.num_heads_q / std::max(1, c.num_heads_k));  // query heads per KV head
   const int hq_loc = std::max(1, c.num_heads_q / inner);
@@ -178,7 +183,7 @@ CpMemoryEstimate a2a(const CpAttnConfig& c, int cp, int64_t local_tokens) {
   o.cp_inner = 0;
   o.split = CpSplit::padded;
   const auto g_rows = static_cast<int64_t>(std::min<uint64_t>(g, uint64_t{1} << 50));
-  const CpMemoryEstimate in = estimate(o, outer, g_rows, saturating_mul(g, static_cast<uint64_t>(outer)), nullptr);
+  const CpMemoryEstimate in = estimate(o, outer, g_rows, saturating_mul(g, static_cast<uint64_t>(outer)), outer_work, nullptr);
   const auto hql = static_cast<uint64_t>(hq_loc), kvl = static_cast<uint64_t>(kv_loc);
   CpMemoryEstimate e;
   e.context = saturating_add(saturating_add(product(g, hql, dqk + dv, es), product(t, hq, f)), in.context);
@@ -193,14 +198,15 @@ CpMemoryEstimate a2a(const CpAttnConfig& c, int cp, int64_t local_tokens) {
   return e;
 }
 
+// `work`: the plan's tasks; `outer_work`: the a2a level's outer plan's (a2a_outer_plan).
 CpMemoryEstimate estimate(const CpAttnConfig& c, int cp, int64_t local_tokens, uint64_t gathered,
-                          const WorkList* work) {
+                          const WorkList* work, const WorkList* outer_work) {
   switch (c.scheme) {
     case CpScheme::pass_q:
       return pass_q(c, local_tokens, work);
     case CpScheme::a2a:
     case CpScheme::hybrid:
-      return a2a(c, cp, local_tokens);
+      return a2a(c, cp, local_tokens, outer_work);
     default:
       return gather_or_ring(c, cp, local_tokens, gathered, work);
   }
@@ -220,13 +226,20 @@ std::string CpMemoryEstimate::describe() const {
 
 CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, int cp, int64_t local_tokens) {
   return estimate(cfg, cp, local_tokens, product(static_cast<uint64_t>(local_tokens), static_cast<uint64_t>(cp)),
-                  nullptr);
+                  nullptr, nullptr);
 }
 
 CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan) {
+  if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
+    return cp_detail::a2a_memory_estimate(cfg, plan, detail::a2a_outer_plan(plan, a2a_inner(cfg, plan.cp)));
   const auto gathered = static_cast<uint64_t>(plan.split == CpSplit::padded ? plan.local_tokens * plan.cp
                                                                              : plan.layout.rank_begin.back());
-  return estimate(cfg, plan.cp, plan.local_tokens, gathered, &plan.work);
+  return estimate(cfg, plan.cp, plan.local_tokens, gathered, &plan.work, nullptr);
+}
+
+CpMemoryEstimate cp_detail::a2a_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan,
+                                                const RankPlan& outer_plan) {
+  return a2a(cfg, plan.cp, plan.local_tokens, &outer_plan.work);
 }
 
 }  // namespace cpattn

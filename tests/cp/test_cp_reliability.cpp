@@ -214,6 +214,55 @@ uint64_t rss_bytes() {
   return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+// The a2a and hybrid schemes count their outer layer's kernel blocks, which need its plan's
+// longest task (they were estimated without a work list: ~168 MB per thread missing for one
+// 32K document at head dim 128). a2a at cp = 3 runs its outer layer as one process over a third
+// of the heads, on the whole documents; hybrid at cp_inner = 1 is a ring over the same plan.
+TEST(CpMemoryEstimate, TheAllToAllSchemesCountTheOuterLayersKernelBlocks) {
+  const std::vector<int64_t> cu{0, 6, 4806};  // multiples of 2 cp: no padding at cp = 3
+  const RankPlan plan = get_thd_load_balanced_cp_metadata(cu, 3, 1);
+  const RankPlan whole = get_thd_load_balanced_cp_metadata(cu, 1, 0);
+  CpAttnConfig cfg{.num_heads_q = 6, .num_heads_k = 3, .head_dim_qk = 128, .head_dim_v = 128, .dtype = DType::bf16,
+                   .scheme = CpScheme::a2a};
+  const AttnBwdParams outer{
+      .in = {.q = {nullptr, whole.local_tokens, 2, 128, DType::bf16},
+             .k = {nullptr, whole.local_tokens, 1, 128, DType::bf16},
+             .v = {nullptr, whole.local_tokens, 1, 128, DType::bf16},
+             .work = &whole.work,
+             .options = cfg.options}};
+  EXPECT_GE(cp_memory_estimate(cfg, plan).kernel_scratch, attention_backward_scratch_bytes(outer));
+  cfg.scheme = CpScheme::hybrid;
+  cfg.cp_inner = 1;
+  cfg.hybrid_outer = CpScheme::ring;
+  CpAttnConfig ring = cfg;
+  ring.scheme = CpScheme::ring;
+  EXPECT_GE(cp_memory_estimate(cfg, plan).kernel_scratch, cp_memory_estimate(ring, plan).kernel_scratch);
+}
+
+// One rank short of memory fails every rank at the agreement, the outer layer's share counted:
+// with the limit just under the estimate on rank 1 alone, the a2a and hybrid layers refuse on
+// every rank, naming it (the outer layer's own check, agreed over its group only, could fail
+// there alone and leave the other members in the all-to-all until the deadline).
+TEST_F(CpReliabilityTest, TheAllToAllSchemesRefuseOnEveryRankWhenOneLacksMemory) {
+  constexpr check::BatchShape shape{.heads_q = 6, .heads_k = 3, .head_dim_qk = 64, .head_dim_v = 64};
+  const check::Batch b = check::random_batch({0, 5, 1805}, shape, DType::f32, 12);
+  for (const CpScheme scheme : {CpScheme::a2a, CpScheme::hybrid}) {
+    SCOPED_TRACE(to_string(scheme));
+    Local l(b, comm.size(), comm.rank());
+    CpAttention attn(comm, {.num_heads_q = shape.heads_q, .num_heads_k = shape.heads_k,
+                            .head_dim_qk = shape.head_dim_qk, .head_dim_v = shape.head_dim_v, .scheme = scheme,
+                            .cp_inner = scheme == CpScheme::hybrid ? 1 : 0});
+    const CpMemoryEstimate e = cp_memory_estimate(attn.config(), l.plan);
+    if (comm.rank() == 1) ::setenv("CPATTN_MEMORY_LIMIT_BYTES", std::to_string(e.total() - 1).c_str(), 1);
+    const std::string m = error_of([&] { (void)attn.forward(l.fwd(b.cu_seqlens)); });
+    ::unsetenv("CPATTN_MEMORY_LIMIT_BYTES");
+    EXPECT_THAT(m, HasSubstr("[rank 1]"));
+    EXPECT_THAT(m, HasSubstr("needs " + format_bytes(e.total())));
+    CpContext ctx = attn.forward(l.fwd(b.cu_seqlens));  // the refusal left the layer usable
+    attn.backward(ctx, l.bwd());
+  }
+}
+
 TEST_F(CpReliabilityTest, TwoHundredCallsOverChangingBatchesKeepMemoryFlat) {
   // 12 batch layouts in turn (more than the plan cache's 8): every call after the first round
   // replans some, evicting others.
