@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <string_view>
+#include <vector>
 #include <thread>
 
 #include "commands.hpp"
@@ -37,6 +39,37 @@ int quiet_exit(int code, const std::string& message) {
     std::fprintf(stderr, "cpattn: error (rank %s): %s\n", rank != nullptr ? rank : "?", message.c_str());
   return code;
 }
+// CLI11 drops the empty fields of a comma-separated value (`--lengths 16,,24` read as 16,24,
+// `--lengths 16,` as 16): a value of an option that splits at commas is refused, naming the flag,
+// where a field is empty. Follows the command line's subcommands as CLI11 does; a value is a
+// token after the option (or after its '=') up to the next flag.
+void refuse_empty_list_fields(CLI::App& app, int argc, const char* const* argv) {
+  CLI::App* at = &app;
+  const CLI::Option* list = nullptr;  // the comma-splitting option whose values follow
+  const auto check = [](const CLI::Option& o, std::string_view v) {
+    if (v.empty() || v.front() == ',' || v.back() == ',' || v.find(",,") != std::string_view::npos)
+      throw Error(o.get_name() + ": an empty field in '" + std::string(v) +
+                  "' (one value between each two commas, none at either end)");
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view t = argv[i];
+    const bool flag = t.size() > 1 && t[0] == '-' && !(t[1] >= '0' && t[1] <= '9') && t[1] != '.';
+    if (flag) {
+      const std::size_t eq = t.find('=');
+      const CLI::Option* o = t.starts_with("--") ? at->get_option_no_throw(std::string(t.substr(0, eq))) : nullptr;
+      list = o != nullptr && o->get_delimiter() == ',' ? o : nullptr;
+      if (list != nullptr && eq != std::string_view::npos) {
+        check(*list, t.substr(eq + 1));
+        list = nullptr;
+      }
+    } else if (list != nullptr) {
+      check(*list, t);
+    } else {
+      const std::vector<CLI::App*> sub = at->get_subcommands([&](CLI::App* a) { return a->get_name() == t; });
+      if (!sub.empty()) at = sub.front();
+    }
+  }
+}
 }  // namespace
 
 void configure_app(CLI::App& app) {
@@ -48,6 +81,7 @@ void configure_app(CLI::App& app) {
 
 int run_app(CLI::App& app, int argc, const char* const* argv) {
   try {
+    refuse_empty_list_fields(app, argc, argv);
     app.parse(argc, argv);
   } catch (const ExitCode& e) {
     return e.code != 0 && quiet_rank() ? quiet_exit(e.code, {}) : e.code;  // (the command said why)

@@ -135,6 +135,13 @@ bad = {
     ("plan", "--cu-seqlens", "0,99999999999999999999"): "--cu-seqlens: must be an integer within int64",
     ("run", "--lengths", "99999999999999999999"): "--lengths: must be an integer within int64",
     ("simulate", "--lengths", "99999999999999999999"): "--lengths: must be an integer within int64",
+    # an empty field of a comma-separated value (CLI11 dropped it: 16,,24 planned 16,24)
+    ("plan", "--lengths", "16,,24"): "--lengths: an empty field in '16,,24'",
+    ("plan", "--lengths=16,24,"): "--lengths: an empty field in '16,24,'",
+    ("plan", "--cu-seqlens", ",0,16"): "--cu-seqlens: an empty field in ',0,16'",
+    ("run", "--lengths", "8", "8,,8"): "--lengths: an empty field in '8,,8'",
+    ("bench", "attention", "--lengths", "5,,6"): "--lengths: an empty field in '5,,6'",
+    ("train", "--compare", "1,,2"): "--compare: an empty field in '1,,2'",
 }
 for args, needle in bad.items():
     r = run(*args)
