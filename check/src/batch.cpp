@@ -53,7 +53,13 @@ Batch random_batch(std::vector<int64_t> cu_seqlens, BatchShape shape, DType t, u
 
 Batch npy_batch(const std::string& dir, DType t, std::string_view what) {
   const std::string w(what);
-  const auto load = [&](const char* name) { return read_npy(dir + "/" + name); };
+  const auto load = [&](const char* name) {  // the reader's errors name the file; these the flag too
+    try {
+      return read_npy(dir + "/" + name);
+    } catch (const Error& e) {
+      throw Error(w + ": " + e.message());
+    }
+  };
   const NpyArray q = load("q.npy"), k = load("k.npy"), v = load("v.npy"), dout = load("dout.npy");
   const NpyArray cu = load("cu_seqlens.npy");
   CPATTN_CHECK(cu.type == NpyType::i32 || cu.type == NpyType::i64,

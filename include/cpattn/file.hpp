@@ -32,6 +32,17 @@ void check_output_path(const std::string& path, std::string_view what);
 // keeps the old one's permission bits (new files: 0666 less the umask).
 void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
 
+// A set of files that belong together (a run's outputs): each written and fsynced in full as
+// write_file_atomically does, beside its target, before any target is replaced; then renamed
+// into place one after the other. An error while writing (a full disk, a refused path) removes
+// every temporary file and leaves every target as it was, so the set is never part old, part
+// new (only a rename failing after others succeeded could leave that: it names its path).
+struct FileBytes {
+  std::string path;
+  std::span<const std::byte> bytes;
+};
+void write_files_atomically(std::span<const FileBytes> files);
+
 // A file's or folder's identity: the device and inode its name leads to, after its symbolic
 // links. Two names with one identity are one file: a hard link, a symbolic link, a bind mount.
 // (A filesystem whose inode numbers are not unique, as some FUSE ones and overlayfs without

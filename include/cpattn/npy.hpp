@@ -33,6 +33,7 @@ NpyArray read_npy(const std::string& path);
 std::vector<std::byte> format_npy(const NpyArray& a);
 void write_npy(const std::string& path, const NpyArray& a);
 // A float32 array of the given shape.
+std::vector<std::byte> format_npy(std::span<const float> values, std::vector<int64_t> shape);
 void write_npy(const std::string& path, std::span<const float> values, std::vector<int64_t> shape);
 
 }  // namespace cpattn

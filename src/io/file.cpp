@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <iterator>
 #include <system_error>
+#include <vector>
 
 namespace cpattn {
 
@@ -151,47 +152,93 @@ void write_all(int fd, std::span<const std::byte> bytes, const std::string& path
   }
 }
 
-void write_file_atomically(const std::string& path, std::span<const std::byte> bytes) {
+namespace {
+
+// The process's umask, read without changing it (/proc/self/status's Umask line, Linux 4.7+):
+// umask(0) and back would give files another thread creates meanwhile mode 0666. Falls back to
+// that where the line is missing.
+mode_t current_umask() {
+  if (std::FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    unsigned mask = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f) != nullptr) found = std::sscanf(line, "Umask: %o", &mask) == 1;
+    std::fclose(f);
+    if (found) return static_cast<mode_t>(mask);
+  }
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  return mask;
+}
+
+// A file written in full, fsynced and closed beside its target, not yet in its place.
+struct Staged {
+  std::string path, target, tmp;  // as given, after its links, the temporary file
+};
+
+Staged stage(const std::string& path, std::span<const std::byte> bytes) {
   check_output_path(path, {});
-  const std::string target = resolve_output_path(path);
-  const std::string dir = folder_of(target);
+  Staged s{path, resolve_output_path(path), {}};
+  const std::string dir = folder_of(s.target);
   // The temporary name is bounded: "." + name + ".tmp.XXXXXX" was 12 bytes past the name, so
   // a valid name of 244 to 255 bytes failed with "File name too long", after all the work.
   // At most the name's first kTmpNameChars bytes (enough to tell whose a leftover file is).
   constexpr std::size_t kTmpNameChars = 64;
   std::string tmp = dir;
-  tmp.append("/.").append(std::filesystem::path(target).filename().string().substr(0, kTmpNameChars))
+  tmp.append("/.").append(std::filesystem::path(s.target).filename().string().substr(0, kTmpNameChars))
       .append(".tmp.XXXXXX");
   int fd = ::mkstemp(tmp.data());
   CPATTN_CHECK(fd >= 0, "'", path, "': cannot create a temporary file in '", dir, "': ", errno_text());
   try {
     struct stat old {};
-    mode_t mode = 0;
-    if (::stat(target.c_str(), &old) == 0) {
-      mode = old.st_mode & 07777;
-    } else {
-      const mode_t mask = ::umask(0);
-      ::umask(mask);
-      mode = 0666 & ~mask;
-    }
+    const mode_t mode = ::stat(s.target.c_str(), &old) == 0 ? old.st_mode & 07777 : 0666 & ~current_umask();
     CPATTN_CHECK(::fchmod(fd, mode) == 0, "'", path, "': cannot set the permissions: ", errno_text());
     write_all(fd, bytes, path);
     CPATTN_CHECK(::fsync(fd) == 0, "'", path, "': fsync failed: ", errno_text());
     const int rc = ::close(fd);
     fd = -1;
     CPATTN_CHECK(rc == 0, "'", path, "': close failed: ", errno_text());
-    CPATTN_CHECK(::rename(tmp.c_str(), target.c_str()) == 0, "'", path, "': cannot rename the temporary file over it: ",
-                 errno_text());
   } catch (...) {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {  // the rename itself durable; best effort (some file systems refuse)
-    ::fsync(dfd);
-    ::close(dfd);
+  s.tmp = std::move(tmp);
+  return s;
+}
+
+}  // namespace
+
+void write_files_atomically(std::span<const FileBytes> files) {
+  std::vector<Staged> staged;
+  staged.reserve(files.size());
+  try {
+    for (const FileBytes& f : files) staged.push_back(stage(f.path, f.bytes));
+    for (Staged& s : staged) {
+      CPATTN_CHECK(::rename(s.tmp.c_str(), s.target.c_str()) == 0, "'", s.path,
+                   "': cannot rename the temporary file over it: ", errno_text());
+      s.tmp.clear();  // in place
+    }
+  } catch (...) {
+    for (const Staged& s : staged)
+      if (!s.tmp.empty()) ::unlink(s.tmp.c_str());
+    throw;
   }
+  std::vector<std::string> dirs;
+  for (const Staged& s : staged)
+    if (const std::string d = folder_of(s.target); std::find(dirs.begin(), dirs.end(), d) == dirs.end()) dirs.push_back(d);
+  for (const std::string& d : dirs) {
+    const int dfd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {  // the renames themselves durable; best effort (some file systems refuse)
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+}
+
+void write_file_atomically(const std::string& path, std::span<const std::byte> bytes) {
+  const FileBytes f{path, bytes};
+  write_files_atomically(std::span(&f, 1));
 }
 
 }  // namespace cpattn

@@ -181,11 +181,15 @@ void write_npy(const std::string& path, const NpyArray& a) {
   write_file_atomically(path, bytes);  // checked, fsynced, renamed: never half a file
 }
 
-void write_npy(const std::string& path, std::span<const float> values, std::vector<int64_t> shape) {
+std::vector<std::byte> format_npy(std::span<const float> values, std::vector<int64_t> shape) {
   NpyArray a{.type = NpyType::f32, .shape = std::move(shape), .data = {}};
   a.data.resize(values.size_bytes());
   std::memcpy(a.data.data(), values.data(), values.size_bytes());
-  write_npy(path, a);
+  return format_npy(a);
+}
+
+void write_npy(const std::string& path, std::span<const float> values, std::vector<int64_t> shape) {
+  write_file_atomically(path, format_npy(values, std::move(shape)));
 }
 
 }  // namespace cpattn

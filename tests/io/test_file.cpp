@@ -231,6 +231,41 @@ TEST(SafeFile, AFailingWriteLeavesTheOldFileAndNoTemporary) {
   EXPECT_EQ(entries(t.dir), 1u);
 }
 
+// A set of files (cpattn run --npy-out's five): the third failing to write (EFBIG, as a full
+// disk) leaves all three old files as they were and no temporary file (write_npy one file at a
+// time replaced the first two: a set part new, part old). Then the whole set is replaced.
+TEST(SafeFile, ASetOfFilesIsReplacedOnlyWhenEveryOneIsWritten) {
+  TempDir t;
+  for (const char* name : {"a", "b", "c"}) write_file_atomically(t / name, bytes(std::string("old ") + name));
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string big(100000, 'x');
+  const std::string a = t / "a", b = t / "b", c = t / "c";
+  const FileBytes set[] = {{a, bytes("new a")}, {b, bytes("new b")}, {c, bytes(big)}};
+  const std::string msg = message_of([&] { write_files_atomically(set); });
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_THAT(msg, HasSubstr(c));
+  EXPECT_THAT(msg, HasSubstr("write failed after 4096 of 100000 bytes"));
+  EXPECT_EQ(slurp(a), "old a");
+  EXPECT_EQ(slurp(b), "old b");
+  EXPECT_EQ(slurp(c), "old c");
+  EXPECT_EQ(entries(t.dir), 3u);
+  // A refused path (a folder) fails the set before any work too.
+  fs::create_directory(t / "d");
+  const FileBytes refused[] = {{a, bytes("new a")}, {t / "d", bytes("x")}};
+  EXPECT_THAT(message_of([&] { write_files_atomically(refused); }), HasSubstr("is a folder"));
+  EXPECT_EQ(slurp(a), "old a");
+  const FileBytes fits[] = {{a, bytes("new a")}, {b, bytes("new b")}, {c, bytes("new c")}};
+  write_files_atomically(fits);
+  EXPECT_EQ(slurp(a) + slurp(b) + slurp(c), "new anew bnew c");
+  EXPECT_EQ(entries(t.dir), 4u);
+}
+
 TEST(SafeFile, AnUnwritableFolderIsFoundUpFront) {
   if (::geteuid() == 0) GTEST_SKIP() << "root writes into any folder";
   TempDir t;

@@ -191,6 +191,23 @@ with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout
     r = run(2, "--npy-in", din)
     check(r.returncode == 2 and r.stderr.count("cu_seqlens.npy must be 1-D, [documents + 1], got 2 dimensions") == 1,
           f"2-D cu_seqlens.npy: exit {r.returncode} {r.stderr[-500:]}")
+    # A run whose check fails (a NaN in q, --no-check-finite) writes nothing: the earlier run's
+    # --npy-out files stay as they were (they were replaced by the failed run's).
+    np.save(os.path.join(din, "cu_seqlens.npy"), cu.astype(np.int32))
+    before = {name: open(os.path.join(dout_dir, name + ".npy"), "rb").read() for name in ref}
+    bad_q = q.copy()
+    bad_q[20, 1, 3] = np.nan
+    np.save(os.path.join(din, "q.npy"), bad_q)
+    r = run(2, "--npy-in", din, "--npy-out", dout_dir, "--no-check-finite")
+    check(r.returncode == 1 and "--npy-out: nothing written, the check failed" in r.stderr,
+          f"failed run with --npy-out: exit {r.returncode} {r.stderr[-500:]}")
+    for name, old in before.items():
+        check(open(os.path.join(dout_dir, name + ".npy"), "rb").read() == old, f"{name}.npy left as it was")
+    # A reader's error names the flag as well as the file.
+    os.remove(os.path.join(din, "k.npy"))
+    r = run(2, "--npy-in", din)
+    check(r.returncode == 2 and r.stderr.count(f"--npy-in: '{din}/k.npy': cannot read it") == 1,
+          f"missing k.npy: exit {r.returncode} {r.stderr[-500:]}")
 
 with open("/proc/cpuinfo") as f:
     HAS_AMX = " amx_tile" in f.read()
@@ -207,11 +224,14 @@ for args, needle in ((("--dtype", "fp64"),
                      else (("--kernel-path", "fast"), "--kernel-path must be one of"),
                      (("--tokens", "100"), "--tokens"),
                      (("--lengths", "5,0"), "--lengths[1]"),
+                     # a total past int64: the lengths' own rule (was a memory refusal of 2^63 - 1 tokens)
+                     (("--lengths", "9223372036854775807,1"), "--lengths add up to more than the largest supported"),
                      (("--heads", "3", "--kv-heads", "2"), "--heads (3) must be a positive multiple of --kv-heads (2)"),
                      (("--dropout", "1"), "--dropout must be in [0, 1)"),
                      (("--head-dim", "300"), "--head-dim"),
                      (("--mode", "gather"), "--mode must be one of runs, index"),
-                     (("--npy-in", "/nonexistent"), "'/nonexistent/q.npy': cannot read it: No such file or directory"),
+                     (("--npy-in", "/nonexistent"),
+                      "--npy-in: '/nonexistent/q.npy': cannot read it: No such file or directory"),
                      # an empty path was read as the flag not given
                      (("--npy-in", ""), "--npy-in: a path must not be empty"),
                      (("--npy-out", ""), "--npy-out: a path must not be empty"),
@@ -240,7 +260,7 @@ def mpmd(args0, args1):
 # An error on one nonzero rank only (here its own flags, through mpirun's MPMD form): every
 # rank ends at once, and rank 0 prints that rank's message, well before the deadline.
 r, elapsed = mpmd(["--seq-len", "100"], ["--npy-in", "/nonexistent"])
-check(r.returncode == 2 and r.stderr.count("[rank 1] '/nonexistent/q.npy': cannot read it") == 1,
+check(r.returncode == 2 and r.stderr.count("[rank 1] --npy-in: '/nonexistent/q.npy': cannot read it") == 1,
       f"error on rank 1 only: exit {r.returncode}, {r.stderr[-800:]!r}")
 check(elapsed < 30, f"error on rank 1 only took {elapsed:.1f} s (deadline 60 s)")
 

@@ -190,6 +190,8 @@ Local prepare(const RunArgs& a, Communicator& comm) {
     CPATTN_CHECK(a.heads >= 1 && a.kv_heads >= 1 && a.heads % a.kv_heads == 0, "--heads (", a.heads,
                  ") must be a positive multiple of --kv-heads (", a.kv_heads, ")");
   const DType dtype = parse_dtype(a.dtype);
+  // --lengths' own rules first (a total past int64 read as a memory refusal of another total)
+  if (a.npy_in.empty() && !a.lengths.empty()) (void)cu_seqlens_from_lengths(a.lengths, "--lengths");
   if (a.npy_in.empty())  // before the batch exists; --npy-in's files are checked once read
     check_memory_of(a, flag_tokens(a),
                     a.lengths.empty() ? std::min(a.seq_len, check::kDocumentMixLongest) : std::ranges::max(a.lengths),
@@ -360,7 +362,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   // Rank 0 checks and reports; the others wait for its verdict. Whatever rank 0 meets
   // (a failed check, an exception) reaches every rank, so that none is left waiting.
   int64_t pass = 1;
-  std::string rank0_error;
+  std::string rank0_error, write_error;
   if (rank == 0) try {
     const Reference ref = single_process_reference(b, l.cfg.options);  // once, for every scheme
     const KernelPath path = l.cfg.options.path;
@@ -380,8 +382,20 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
     } else {
       print_report(report);
     }
-    // --npy-out: the first scheme's results (every scheme's pass the same check)
-    if (!a.npy_out.empty() && groups.world.rank() == 0) write_results(a.npy_out, b, measured.front().got);
+    // --npy-out: the first scheme's results (every scheme's pass the same check), only when
+    // they passed: a failed run leaves an earlier run's files as they were.
+    if (!a.npy_out.empty() && groups.world.rank() == 0) {
+      if (pass == 0) {
+        std::fprintf(stderr, "cpattn run: --npy-out: nothing written, the check failed (the files in '%s' are as "
+                     "they were)\n", a.npy_out.c_str());
+      } else {
+        try {
+          write_results(a.npy_out, b, measured.front().got);
+        } catch (const Error& e) {
+          write_error = "--npy-out: " + e.message();
+        }
+      }
+    }
   } catch (const Error& e) {
     rank0_error = e.message();
   } catch (const std::exception& e) {
@@ -390,7 +404,7 @@ bool check_in_groups(Communicator& world, const RunArgs& a) {
   // Each group's rank 0 verdict reaches every rank of every group (the agreement carries every
   // rank's error text; only the checkers have one).
   agree(verdict, {}, "cpattn run",
-        rank0_error.empty() ? std::string()
+        rank0_error.empty() ? write_error
                             : "the check on rank 0 of CP group " + std::to_string(groups.index) + " failed: " + rank0_error);
   const int64_t status[1] = {pass};
   std::vector<int64_t> passed(static_cast<std::size_t>(groups.world.size()));

@@ -4,6 +4,7 @@
 #include "../vocab.hpp"
 
 #include <cpattn/check/tolerance.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/npy.hpp>
 
 #include <algorithm>
@@ -234,11 +235,15 @@ void print_report(const RunReport& r) {
 void write_results(const std::string& dir, const check::Batch& b, const check::Results& got) {
   const int64_t t = b.tokens();
   const check::BatchShape& s = b.shape;
-  write_npy(dir + "/out.npy", got.out, {t, s.heads_q, s.head_dim_v});
-  write_npy(dir + "/lse.npy", got.lse, {t, s.heads_q});
-  write_npy(dir + "/dq.npy", got.dq, {t, s.heads_q, s.head_dim_qk});
-  write_npy(dir + "/dk.npy", got.dk, {t, s.heads_k, s.head_dim_qk});
-  write_npy(dir + "/dv.npy", got.dv, {t, s.heads_k, s.head_dim_v});
+  // One set: a failed write leaves every file of an earlier run as it was (not part new).
+  const std::vector<std::byte> bytes[] = {
+      format_npy(got.out, {t, s.heads_q, s.head_dim_v}), format_npy(got.lse, {t, s.heads_q}),
+      format_npy(got.dq, {t, s.heads_q, s.head_dim_qk}), format_npy(got.dk, {t, s.heads_k, s.head_dim_qk}),
+      format_npy(got.dv, {t, s.heads_k, s.head_dim_v})};
+  const char* const names[] = {"out", "lse", "dq", "dk", "dv"};
+  std::vector<FileBytes> files;
+  for (std::size_t i = 0; i < std::size(names); ++i) files.push_back({dir + "/" + names[i] + ".npy", bytes[i]});
+  write_files_atomically(files);
 }
 
 }  // namespace cpattn::cli::run_cmd
