@@ -210,21 +210,28 @@ TEST(SafeFile, LiesBelowComparesComponents) {
   EXPECT_FALSE(lies_below("/data2/", "/data/"));
 }
 
+// message_of(f) with files limited to 4096 bytes (RLIMIT_FSIZE; SIGXFSZ ignored: the write
+// fails with EFBIG, as one on a full disk with ENOSPC).
+std::string under_4096_byte_files(const std::function<void()>& f) {
+  rlimit old{};
+  EXPECT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string msg = message_of(f);
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  return msg;
+}
+
 // A write that fails midway (the file-size limit, as a full disk would: EFBIG like ENOSPC):
 // an error naming the path, the old file intact, no temporary file left.
 TEST(SafeFile, AFailingWriteLeavesTheOldFileAndNoTemporary) {
   TempDir t;
   write_file_atomically(t / "keep", bytes("precious"));
-  rlimit old{};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-  rlimit small = old;
-  small.rlim_cur = 4096;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
   const std::string big(100000, 'x');
-  const std::string msg = message_of([&] { write_file_atomically(t / "keep", bytes(big)); });
-  ::setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, old_handler);
+  const std::string msg = under_4096_byte_files([&] { write_file_atomically(t / "keep", bytes(big)); });
   EXPECT_THAT(msg, HasSubstr(t / "keep"));
   EXPECT_THAT(msg, HasSubstr("write failed after 4096 of 100000 bytes"));
   EXPECT_EQ(slurp(t / "keep"), "precious");
@@ -237,18 +244,10 @@ TEST(SafeFile, AFailingWriteLeavesTheOldFileAndNoTemporary) {
 TEST(SafeFile, ASetOfFilesIsReplacedOnlyWhenEveryOneIsWritten) {
   TempDir t;
   for (const char* name : {"a", "b", "c"}) write_file_atomically(t / name, bytes(std::string("old ") + name));
-  rlimit old{};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-  rlimit small = old;
-  small.rlim_cur = 4096;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
   const std::string big(100000, 'x');
   const std::string a = t / "a", b = t / "b", c = t / "c";
   const FileBytes set[] = {{a, bytes("new a")}, {b, bytes("new b")}, {c, bytes(big)}};
-  const std::string msg = message_of([&] { write_files_atomically(set); });
-  ::setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, old_handler);
+  const std::string msg = under_4096_byte_files([&] { write_files_atomically(set); });
   EXPECT_THAT(msg, HasSubstr(c));
   EXPECT_THAT(msg, HasSubstr("write failed after 4096 of 100000 bytes"));
   EXPECT_EQ(slurp(a), "old a");
