@@ -157,9 +157,11 @@ class Communicator {
   // Collective over every rank of this Communicator (one call number), under the deadline:
   // the colors are first
   // all-gathered (a rank that never calls split() times out there, as in any
-  // collective), then MPI_Comm_split runs on ranks known to be present (a blocking call: a
-  // rank that stalls between the two, a narrow window, holds the others without a deadline;
-  // MPI 3.1, which Open MPI 4 implements, has no non-blocking split). The split
+  // collective; that timeout aborts the job in throw_error mode too, since a late rank would
+  // then find the gather complete and wait in MPI_Comm_split alone), then MPI_Comm_split runs
+  // on ranks known to be present (a blocking call: a rank that stalls between the two, a
+  // narrow window, holds the others without a deadline; MPI 3.1, which Open MPI 4
+  // implements, has no non-blocking split). The split
   // communicator is freed once the new Communicator has its own duplicate. Throws
   // cpattn::Error on every rank when any rank passes a negative color.
   Communicator split(int color, int key) const;

@@ -23,7 +23,8 @@ class NodeBuffer {
   // /proc/<rank 0's pid>/fd, checks that it is that file (device, inode, size) and maps it,
   // and checks a random token rank 0 wrote. All learn whether every rank could. Returns null
   // on every rank when any rank could not (other pid namespaces, no memory); `why` then says
-  // what failed. The file has no name: nothing is left behind when a rank dies.
+  // what failed. The file has no name: nothing is left behind when a rank dies. Throws
+  // cpattn::Error, before any communication, for bytes past 2^63 - 65.
   static std::unique_ptr<NodeBuffer> create(Communicator& comm, std::size_t bytes, std::string* why = nullptr);
   ~NodeBuffer();  // unmaps this rank's mapping; no communication
   NodeBuffer(const NodeBuffer&) = delete;

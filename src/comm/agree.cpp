@@ -176,16 +176,28 @@ std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::
 
 void rethrow_agreed(Communicator& comm, const std::string& local_error) {
   const int n = comm.size(), rank = comm.rank();
-  int64_t flag = local_error.empty() ? 0 : n - rank;  // the lowest failing rank wins
-  comm.all_reduce<int64_t>(std::span(&flag, 1), ReduceOp::max);
-  if (flag == 0) return;
-  const int root = static_cast<int>(n - flag);
-  int64_t len = rank == root ? static_cast<int64_t>(local_error.size()) : 0;
-  comm.broadcast<int64_t>(std::span(&len, 1), root);
-  std::string msg(static_cast<std::size_t>(len), '\0');
-  if (rank == root) msg = local_error;
-  comm.broadcast<std::byte>(std::as_writable_bytes(std::span(msg)), root);
-  throw Error(msg);
+  // The collectives' buffers, kept alive past a timeout (throw_error mode) while their requests
+  // may still write them (they were this frame's: a late rank's data landed in a reused stack).
+  struct Buffers {
+    int64_t flag = 0, len = 0;
+    std::string msg;
+  };
+  auto b = std::make_shared<Buffers>();
+  try {
+    b->flag = local_error.empty() ? 0 : n - rank;  // the lowest failing rank wins
+    comm.all_reduce<int64_t>(std::span(&b->flag, 1), ReduceOp::max);
+    if (b->flag == 0) return;
+    const int root = static_cast<int>(n - b->flag);
+    b->len = rank == root ? static_cast<int64_t>(local_error.size()) : 0;
+    comm.broadcast<int64_t>(std::span(&b->len, 1), root);
+    b->msg.assign(static_cast<std::size_t>(b->len), '\0');
+    if (rank == root) b->msg = local_error;
+    comm.broadcast<std::byte>(std::as_writable_bytes(std::span(b->msg)), root);
+  } catch (...) {
+    comm.keep_if_poisoned(b);
+    throw;
+  }
+  throw Error(b->msg);
 }
 
 }  // namespace cpattn

@@ -428,7 +428,17 @@ Communicator Communicator::split(int color, int key) const {
   im.check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, im.counts.data(), 1, MPI_INT64_T,
                           im.comm, &req),
            op, "MPI_Iallgather");
-  im.wait(op, req);
+  // Its timeout aborts whatever on_timeout says: thrown, it let a late rank, its gather then
+  // complete, enter the blocking MPI_Comm_split alone and wait there for ever.
+  const TimeoutAction action = im.opts.on_timeout;
+  im.opts.on_timeout = TimeoutAction::abort;
+  try {
+    im.wait(op, req);
+  } catch (...) {
+    im.opts.on_timeout = action;
+    throw;
+  }
+  im.opts.on_timeout = action;
   for (int r = 0; r < im.size; ++r)
     CPATTN_CHECK(im.counts[r] >= 0, "split: every color must be >= 0, rank ", r, " passed ",
                  im.counts[r]);
@@ -463,6 +473,9 @@ void Communicator::keeping_failed() const noexcept {
 bool Communicator::requests_pending() const { return !impl().settle(); }
 
 bool Communicator::drain(double timeout_s) {
+  // (NaN, inf or a huge value made the duration conversion undefined: inf returned at once)
+  CPATTN_CHECK(timeout_s >= 0 && timeout_s <= kMaxTimeoutS, "drain: timeout_s must be in [0, ", kMaxTimeoutS,
+               "] seconds, got ", timeout_s);
   Impl& im = impl();
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
@@ -539,6 +552,8 @@ void Communicator::all_gather_v(std::span<const T> send, std::span<const std::in
   std::int64_t total = 0;
   for (int q = 0; q < p; ++q) {
     CPATTN_CHECK(count[q] >= 0, "all_gather_v: counts[", q, "] must be >= 0, got ", count[q]);
+    CPATTN_CHECK(count[q] <= INT64_MAX - total, "all_gather_v: counts[", q, "] = ", count[q],
+                 " takes sum(counts) past int64");  // (a wrapped sum passed the size checks)
     offset[q] = total;
     total += count[q];
   }
@@ -751,6 +766,9 @@ void Communicator::all_to_all_v(std::span<const T> send, std::span<const std::in
   for (int q = 0; q < p; ++q) {
     CPATTN_CHECK(send_counts[q] >= 0 && recv_counts[q] >= 0, "all_to_all_v: counts for rank ", q,
                  " must be >= 0, got send ", send_counts[q], ", recv ", recv_counts[q]);
+    CPATTN_CHECK(send_counts[q] <= INT64_MAX - stotal && recv_counts[q] <= INT64_MAX - rtotal,
+                 "all_to_all_v: counts for rank ", q, " (send ", send_counts[q], ", recv ", recv_counts[q],
+                 ") take a sum of counts past int64");  // (a wrapped sum passed the size checks)
     soff[q] = stotal;
     roff[q] = rtotal;
     stotal += send_counts[q];

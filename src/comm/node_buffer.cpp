@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string_view>
 #include <vector>
@@ -67,6 +68,9 @@ struct Wire {
 // so nothing is ever left in /dev/shm, even when a rank dies half-way (the memory goes with the
 // last process that maps it).
 std::unique_ptr<NodeBuffer> NodeBuffer::create(Communicator& comm, std::size_t bytes, std::string* why) {
+  // (Past it, kHeader + bytes wrapped: SIZE_MAX mapped one page of a buffer ~2^64 long.)
+  constexpr auto kMaxBytes = static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max()) - kHeader;
+  CPATTN_CHECK(bytes <= kMaxBytes, "NodeBuffer::create: bytes must be at most 2^63 - 65, got ", bytes);
   auto w = std::make_shared<Wire>();
   const auto collective = [&](auto&& call) {
     try {

@@ -2,6 +2,7 @@
 // runs 1, 2, 3 and 4), for both algorithms and with calls split into tiny pieces.
 // Plain MPI calls here are deliberate: checks of the duplicate (MPI_Comm_compare) and fault
 // injection (a raw trio and messages that hold a rank back) outside the Communicator under test.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "error_of.hpp"
@@ -351,7 +352,44 @@ TEST_P(Collectives, BadSizesThrowBeforeCommunicating) {
   EXPECT_THROW(comm.reduce_scatter_sum(b, a), Error);
   std::vector<std::int64_t> counts(comm.size() + 1, 0);
   EXPECT_THROW(comm.all_gather_v<float>(a, counts, b), Error);
+  // Counts whose sum wraps past int64 to the buffers' sizes (two peers' INT64_MAX: -2, plus
+  // this rank's): refused, where they passed the size checks and the copies went before the
+  // buffers (a heap write at recv - 2 in all_gather_v).
+  if (const int p = comm.size(), r = comm.rank(); p >= 3) {
+    std::vector<std::int64_t> wrap(static_cast<std::size_t>(p), 0);
+    wrap[static_cast<std::size_t>((r + 1) % p)] = wrap[static_cast<std::size_t>((r + 2) % p)] = INT64_MAX;
+    wrap[static_cast<std::size_t>(r)] = 5;
+    std::vector<float> five(5), three(3);
+    EXPECT_THAT(cpattn::testing::error_of([&] { comm.all_gather_v<float>(five, wrap, three); }),
+                ::testing::HasSubstr("takes sum(counts) past int64"));
+    wrap[static_cast<std::size_t>(r)] = 2;
+    std::vector<std::int64_t> recv_counts(static_cast<std::size_t>(p), 0);
+    recv_counts[static_cast<std::size_t>(r)] = 2;
+    std::vector<float> none, two(2);
+    EXPECT_THAT(cpattn::testing::error_of([&] { comm.all_to_all_v<float>(none, wrap, two, recv_counts); }),
+                ::testing::HasSubstr("take a sum of counts past int64"));
+  }
   comm.barrier();  // still usable
+}
+
+// drain() takes a deadline in [0, 1e7] seconds: NaN and infinity were undefined conversions
+// (infinity, "wait for ever", returned after one test).
+TEST(Deadline, DrainRefusesATimeoutOutsideItsRange) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  using cpattn::testing::error_of;
+  for (const double t : {std::nan(""), std::numeric_limits<double>::infinity(), -1.0, 1e8})
+    EXPECT_THAT(error_of([&] { (void)comm.drain(t); }), ::testing::HasSubstr("drain: timeout_s must be in [0, "))
+        << t;
+  EXPECT_TRUE(comm.drain(0.0));  // nothing pending
+}
+
+TEST(NodeBufferTest, ASizePastTheLargestMappingIsRefusedBeforeCommunicating) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  for (const std::size_t bytes : {std::numeric_limits<std::size_t>::max(), std::size_t{1} << 63})
+    EXPECT_THAT(cpattn::testing::error_of([&] { (void)NodeBuffer::create(comm, bytes); }),
+                ::testing::HasSubstr("NodeBuffer::create: bytes must be at most 2^63 - 65, got " +
+                                     std::to_string(bytes)));
+  comm.barrier();  // nothing sent: still in step
 }
 
 INSTANTIATE_TEST_SUITE_P(Comm, Collectives,
