@@ -14,6 +14,10 @@
 // started. Tags name the stream: activations or gradients, and the receiving chunk. On every
 // stage each chunk runs its F's, and its B's, in increasing micro-batch order (all schedules
 // of make_schedule() do), so the i-th message of a stream is the i-th micro-batch's.
+//
+// A schedule built by hand is checked first, on every rank and agreed before any message:
+// check_schedule's rules, an order that the simulator finds waiting on itself, and the
+// increasing micro-batch order above are refused with one message on every rank.
 #pragma once
 
 #include <cpattn/comm.hpp>

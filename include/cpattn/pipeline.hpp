@@ -64,6 +64,15 @@ struct Schedule {
 // interleaved schedule sends micro-batches through the chunks in groups of S), or a size
 // beyond S <= 1024 and S * M * V <= 10^6 (the tick table must fit in memory).
 Schedule make_schedule(const PipelineSpec& spec);
+// make_schedule's rules for a spec alone.
+void check_pipeline_spec(const PipelineSpec& spec);
+// A schedule built by hand (or edited): its spec by check_pipeline_spec, one action list per
+// stage, every action's micro-batch in [0, M) and chunk in [0, V), and on every stage each
+// chunk's micro-batch forwarded once, then (but fill-drain) its backward once, then (zb-h1
+// only) its weight gradient once. Throws cpattn::Error naming the stage and the action.
+// simulate, tick_table, peak_activations and run_pipeline check their schedule with it (a
+// micro-batch past M was written past the simulator's tables).
+void check_schedule(const Schedule& schedule);
 
 // The cost model. Each stage runs its actions one at a time in its schedule's order; an action
 // starts when its stage is free and its inputs are there:

@@ -4,8 +4,10 @@
 #include <cpattn/executor.hpp>
 
 #include <chrono>
+#include <algorithm>
 #include <deque>
 #include <string>
+#include <vector>
 
 namespace cpattn {
 
@@ -102,6 +104,36 @@ class StageRunner {
 
 }  // namespace
 
+namespace {
+
+// check_schedule's message, or the simulator's when the order waits on itself (ranks would
+// wait for each other until the deadline), or the executor's own rule: on every stage, each
+// chunk's forwards, backwards and weight gradients each in increasing micro-batch order (the
+// i-th message of a stream is the i-th micro-batch's); empty when the schedule runs.
+std::string order_error(const Schedule& schedule) {
+  try {
+    (void)simulate(schedule, uniform_costs(schedule.spec.stages));  // check_schedule's rules first
+  } catch (const Error& e) {
+    return e.message();
+  }
+  const int V = schedule.spec.virtual_stages;
+  std::vector<int> last(static_cast<std::size_t>(3 * V));
+  for (std::size_t st = 0; st < schedule.actions.size(); ++st) {
+    std::fill(last.begin(), last.end(), -1);
+    for (const Action& a : schedule.actions[st]) {
+      int& l = last[static_cast<std::size_t>(static_cast<int>(a.kind) * V + a.chunk)];
+      if (a.micro < l)
+        return "run_pipeline: stage " + std::to_string(st) + " runs " + action_label(a, V > 1) + " after " +
+               action_label({.kind = a.kind, .micro = l, .chunk = a.chunk}, V > 1) +
+               ": each chunk's actions of a kind must run in increasing micro-batch order";
+      l = a.micro;
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 std::vector<TimedAction> run_pipeline(Communicator& pp, const Schedule& schedule, PipelineStage& stage) {
   const PipelineSpec& spec = schedule.spec;
   std::string err;
@@ -111,6 +143,8 @@ std::vector<TimedAction> run_pipeline(Communicator& pp, const Schedule& schedule
   else if (spec.virtual_stages > kMaxChunkTags)
     err = "run_pipeline supports at most " + std::to_string(kMaxChunkTags) + " virtual stages, got " +
           std::to_string(spec.virtual_stages);
+  else
+    err = order_error(schedule);
   agree(pp,
         Fingerprint{}
             .add("stages", spec.stages)

@@ -109,7 +109,7 @@ std::string action_label(const Action& action, bool with_chunk) {
   return s;
 }
 
-Schedule make_schedule(const PipelineSpec& spec) {
+void check_pipeline_spec(const PipelineSpec& spec) {
   CPATTN_CHECK(spec.stages >= 1, "stages must be >= 1, got ", spec.stages);
   CPATTN_CHECK(spec.micro >= 1, "micro (micro-batches) must be >= 1, got ", spec.micro);
   CPATTN_CHECK(spec.virtual_stages >= 1, "virtual stages (V) must be >= 1, got ",
@@ -126,6 +126,52 @@ Schedule make_schedule(const PipelineSpec& spec) {
   CPATTN_CHECK(static_cast<long long>(spec.stages) * spec.micro * spec.virtual_stages <= 1'000'000,
                "stages * micro * virtual stages must be <= 10^6, got ", spec.stages, "*",
                spec.micro, "*", spec.virtual_stages);
+}
+
+void check_schedule(const Schedule& schedule) {
+  const PipelineSpec& spec = schedule.spec;
+  check_pipeline_spec(spec);
+  const int S = spec.stages, M = spec.micro, V = spec.virtual_stages;
+  CPATTN_CHECK(schedule.actions.size() == static_cast<std::size_t>(S), "schedule: ", schedule.actions.size(),
+               " stage lists for ", S, " stages");
+  const bool backward = spec.schedule != PipelineSchedule::fill_drain;
+  const bool weight = spec.schedule == PipelineSchedule::zb_h1;
+  // Per stage: where each (kind, chunk, micro) ran, -1 while not seen.
+  std::vector<int> at(static_cast<std::size_t>(3 * V * M));
+  for (int st = 0; st < S; ++st) {
+    std::fill(at.begin(), at.end(), -1);
+    const std::vector<Action>& list = schedule.actions[static_cast<std::size_t>(st)];
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const Action& a = list[i];
+      CPATTN_CHECK(a.micro >= 0 && a.micro < M && a.chunk >= 0 && a.chunk < V, "schedule: stage ", st, " action ", i,
+                   " (", action_label(a, true), ") is outside micro-batches [0, ", M, ") or chunks [0, ", V, ")");
+      CPATTN_CHECK(a.kind != ActionKind::backward || backward, "schedule: stage ", st, " runs ", action_label(a, V > 1),
+                   ", but ", pipeline_schedule_name(spec.schedule), " runs no backward");
+      CPATTN_CHECK(a.kind != ActionKind::weight || weight, "schedule: stage ", st, " runs ", action_label(a, V > 1),
+                   ", but only zb-h1 splits the weight gradient from the backward");
+      int& seen = at[static_cast<std::size_t>((static_cast<int>(a.kind) * V + a.chunk) * M + a.micro)];
+      CPATTN_CHECK(seen < 0, "schedule: stage ", st, " runs ", action_label(a, V > 1), " twice (actions ", seen,
+                   " and ", i, ")");
+      seen = static_cast<int>(i);
+    }
+    for (int c = 0; c < V; ++c)
+      for (int m = 0; m < M; ++m) {
+        const auto pos = [&](ActionKind k) { return at[static_cast<std::size_t>((static_cast<int>(k) * V + c) * M + m)]; };
+        const auto name = [&](ActionKind k) { return action_label({.kind = k, .micro = m, .chunk = c}, V > 1); };
+        const int f = pos(ActionKind::forward), b = pos(ActionKind::backward), w = pos(ActionKind::weight);
+        CPATTN_CHECK(f >= 0, "schedule: stage ", st, " lacks ", name(ActionKind::forward));
+        CPATTN_CHECK(!backward || b >= 0, "schedule: stage ", st, " lacks ", name(ActionKind::backward));
+        CPATTN_CHECK(!weight || w >= 0, "schedule: stage ", st, " lacks ", name(ActionKind::weight));
+        CPATTN_CHECK(!backward || f < b, "schedule: stage ", st, " runs ", name(ActionKind::backward), " before ",
+                     name(ActionKind::forward));
+        CPATTN_CHECK(!weight || b < w, "schedule: stage ", st, " runs ", name(ActionKind::weight), " before ",
+                     name(ActionKind::backward));
+      }
+  }
+}
+
+Schedule make_schedule(const PipelineSpec& spec) {
+  check_pipeline_spec(spec);
   Schedule out{.spec = spec, .actions = {}};
   const int S = spec.stages, M = spec.micro;
   out.actions.resize(static_cast<std::size_t>(S));

@@ -21,6 +21,23 @@ void check_costs(const std::vector<double>& v, const char* name, int stages) {
                  "] must be finite and >= 0, got ", v[i]);
 }
 
+// The most activations `stage` holds (peak_activations, unchecked).
+int stage_peak(const Schedule& schedule, int stage) {
+  const bool forward_only = schedule.spec.schedule == PipelineSchedule::fill_drain;
+  const ActionKind frees = splits_backward(schedule) ? ActionKind::weight : ActionKind::backward;
+  int held = 0, peak = 0;
+  for (const Action& a : schedule.actions[static_cast<std::size_t>(stage)]) {
+    if (a.kind == ActionKind::forward) {
+      ++held;
+      peak = std::max(peak, held);
+      if (forward_only) --held;
+    } else if (a.kind == frees) {
+      --held;
+    }
+  }
+  return peak;
+}
+
 // End times of every action, indexed [stage][kind][chunk * M + micro]; -1 while not run.
 struct Ends {
   int m = 0, v = 1;
@@ -35,6 +52,7 @@ struct Ends {
 // means the order waits on itself.
 Simulation run(const Schedule& schedule, const std::function<double(int, const Action&)>& cost,
                double transfer) {
+  check_schedule(schedule);
   const int S = schedule.spec.stages, M = schedule.spec.micro, V = schedule.spec.virtual_stages;
   const int last_virtual = S * V - 1;
   const auto US = static_cast<std::size_t>(S);
@@ -111,7 +129,7 @@ Simulation run(const Schedule& schedule, const std::function<double(int, const A
   }
   sim.bubble_fraction = 1.0 - sim.utilization;
   for (int s = 0; s < S; ++s)
-    sim.peak_activations[static_cast<std::size_t>(s)] = peak_activations(schedule, s);
+    sim.peak_activations[static_cast<std::size_t>(s)] = stage_peak(schedule, s);
   return sim;
 }
 
@@ -128,24 +146,15 @@ PipelineCosts uniform_costs(int stages, double forward, double backward, double 
 }
 
 int peak_activations(const Schedule& schedule, int stage) {
+  check_schedule(schedule);
   CPATTN_CHECK(stage >= 0 && stage < schedule.spec.stages, "stage must be in [0, ",
                schedule.spec.stages, "), got ", stage);
-  const bool forward_only = schedule.spec.schedule == PipelineSchedule::fill_drain;
-  const ActionKind frees = splits_backward(schedule) ? ActionKind::weight : ActionKind::backward;
-  int held = 0, peak = 0;
-  for (const Action& a : schedule.actions[static_cast<std::size_t>(stage)]) {
-    if (a.kind == ActionKind::forward) {
-      ++held;
-      peak = std::max(peak, held);
-      if (forward_only) --held;
-    } else if (a.kind == frees) {
-      --held;
-    }
-  }
-  return peak;
+  return stage_peak(schedule, stage);
 }
 
+
 Simulation simulate(const Schedule& schedule, const PipelineCosts& costs) {
+  check_schedule(schedule);  // (run checks it too; its stage count first, for the costs' checks)
   const int S = schedule.spec.stages;
   check_costs(costs.forward, "forward", S);
   check_costs(costs.backward, "backward", S);

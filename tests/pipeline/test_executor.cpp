@@ -184,6 +184,37 @@ TEST(Executor, MoreStagesThanRanks) {
   }
 }
 
+// A hand-built schedule is refused on every rank before any message, with stage 0's fault:
+// micro-batches out of order (their messages would match other micro-batches'), or a
+// backward missing (the next stage would wait for its gradient until the deadline).
+TEST(Executor, AHandBuiltScheduleIsCheckedOnEveryRank) {
+  Communicator pp(MPI_COMM_WORLD);
+  const PipelineSpec spec{.stages = pp.size(), .micro = 2, .schedule = PipelineSchedule::one_f_one_b};
+  const std::vector<PackedSequence> seqs = micro_batches(2);
+  Communicator cp(MPI_COMM_SELF);
+  Model m(cp, kTiny, {}, kSeed);
+  PipelineModel stage(m, spec, pp.rank(), seqs, labeled_rows(seqs));
+  Schedule swapped = make_schedule(spec);
+  std::vector<Action>& first = swapped.actions[0];
+  std::swap(*std::find(first.begin(), first.end(), Action{.kind = ActionKind::forward, .micro = 0}),
+            *std::find(first.begin(), first.end(), Action{.kind = ActionKind::forward, .micro = 1}));
+  Schedule missing = make_schedule(spec);
+  missing.actions[0].pop_back();  // its last backward
+  const std::pair<const Schedule*, std::string> cases[] = {
+      {&swapped, "stage 0 runs F0 after F1: each chunk's actions of a kind must run in increasing micro-batch order"},
+      {&missing, "schedule: stage 0 lacks B1"}};
+  for (const auto& [schedule, want] : cases) {
+    try {
+      (void)run_pipeline(pp, *schedule, stage);
+      ADD_FAILURE() << "no error for " << want;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.message(), HasSubstr(want));
+      EXPECT_THAT(e.message(), HasSubstr(pp.size() == 1 ? "[rank 0]" : "[ranks 0"));
+    }
+  }
+  pp.barrier();  // nothing was sent: the ranks are in step
+}
+
 TEST(Executor, ZeroStagesAndMicroBatches) {
   try {
     (void)make_schedule({.stages = 0, .micro = 2});

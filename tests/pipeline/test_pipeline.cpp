@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -322,6 +323,54 @@ TEST(Pipeline, Errors) {
   c = uniform_costs(3);
   c.backward[0] = std::nan("");
   EXPECT_THROW((void)simulate(s, c), Error);
+  // A schedule built by hand: make_schedule's pass check_schedule; each fault is named by stage
+  // and action, by simulate, tick_table and peak_activations alike (a micro-batch past M was
+  // written past the simulator's tables; a missing backward was timed as a shorter step).
+  for (const PipelineSchedule kind : {PipelineSchedule::fill_drain, PipelineSchedule::gpipe,
+                                      PipelineSchedule::one_f_one_b, PipelineSchedule::zb_h1})
+    for (const int st : {1, 3})
+      for (const int m : {1, 4}) EXPECT_NO_THROW(check_schedule(make(kind, st, m))) << st << " " << m;
+  EXPECT_NO_THROW(check_schedule(make(PipelineSchedule::interleaved, 2, 4, 3)));
+  const auto fault = [](Schedule bad, const std::string& want) {
+    for (const std::function<void()>& call : std::vector<std::function<void()>>{
+             [&] { (void)simulate(bad, uniform_costs(bad.spec.stages)); }, [&] { (void)tick_table(bad); },
+             [&] { (void)peak_activations(bad, 0); }, [&] { check_schedule(bad); }}) {
+      try {
+        call();
+        ADD_FAILURE() << "no error for " << want;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.message()).find(want), std::string::npos) << e.message();
+      }
+    }
+  };
+  Schedule bad = make(PipelineSchedule::one_f_one_b, 1, 1);
+  bad.actions[0][0].micro = 5;
+  fault(bad, "schedule: stage 0 action 0 (F5.0) is outside micro-batches [0, 1) or chunks [0, 1)");
+  bad = make(PipelineSchedule::one_f_one_b, 2, 1);
+  bad.actions.pop_back();
+  fault(bad, "schedule: 1 stage lists for 2 stages");
+  bad = make(PipelineSchedule::one_f_one_b, 2, 3);
+  bad.actions[1].erase(std::find(bad.actions[1].begin(), bad.actions[1].end(),
+                                 Action{.kind = ActionKind::backward, .micro = 2}));
+  fault(bad, "schedule: stage 1 lacks B2");
+  bad = make(PipelineSchedule::gpipe, 2, 3);
+  bad.actions[0].push_back({.kind = ActionKind::forward, .micro = 1});
+  fault(bad, "schedule: stage 0 runs F1 twice (actions 1 and 6)");
+  bad = make(PipelineSchedule::gpipe, 2, 2);
+  bad.actions[1].push_back({.kind = ActionKind::weight, .micro = 0});
+  fault(bad, "schedule: stage 1 runs W0, but only zb-h1 splits the weight gradient");
+  bad = make(PipelineSchedule::fill_drain, 2, 2);
+  bad.actions[0].push_back({.kind = ActionKind::backward, .micro = 0});
+  fault(bad, "schedule: stage 0 runs B0, but fill-drain runs no backward");
+  bad = make(PipelineSchedule::gpipe, 1, 2);
+  std::swap(bad.actions[0][1], bad.actions[0][2]);  // F0 B0 F1 B1 from F0 F1 B0 B1: fine
+  EXPECT_NO_THROW(check_schedule(bad));
+  bad.actions[0] = {{.kind = ActionKind::backward, .micro = 0}, {.kind = ActionKind::forward, .micro = 0},
+                    {.kind = ActionKind::forward, .micro = 1}, {.kind = ActionKind::backward, .micro = 1}};
+  fault(bad, "schedule: stage 0 runs B0 before F0");
+  bad = make(PipelineSchedule::zb_h1, 2, 2);
+  std::swap(bad.actions[0].back(), bad.actions[0][bad.actions[0].size() - 2]);
+  fault(bad, "before B");
   EXPECT_EQ(parse_pipeline_schedule("1f1b"), PipelineSchedule::one_f_one_b);
   EXPECT_EQ(parse_pipeline_schedule("zb-h1"), PipelineSchedule::zb_h1);
   EXPECT_FALSE(parse_pipeline_schedule("1F1B"));
