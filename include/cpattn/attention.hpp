@@ -102,7 +102,7 @@ struct AttnOptions {
   uint64_t seed = 0;       // dropout seed (see dropout_keep)
   // Query head h draws the dropout mask of head h + dropout_head_offset: a caller that runs a
   // slice of the heads (the all-to-all CP scheme) passes the slice's first head, so that it
-  // drops what a run of every head drops. >= 0.
+  // drops what a run of every head drops. In [0, INT_MAX - num_heads_q].
   int dropout_head_offset = 0;
   int num_threads = 1;     // >= 1; results do not depend on it
   KernelPath path = KernelPath::automatic;
@@ -322,7 +322,8 @@ bool dropout_keep(uint64_t seed, int64_t head, int64_t doc, int64_t q_pos, int64
 // K/V, per-thread blocks), so that callers can budget memory. Forward needs about half.
 // The per-thread blocks grow with the longest task's queries, read from p.in.work (at most
 // p.in.q.rows, as a valid work list has): without a work list they are counted for tasks of no
-// rows (an underestimate).
+// rows (an underestimate). Shapes may come without data (a budget); sizes whose bytes would
+// pass 2^62 give SIZE_MAX.
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p);
 // The same for a call whose longest task has `longest_task` query rows (clamped to
 // [0, p.in.q.rows]; p.in.work is not read): for budgets made before the work list exists.

@@ -4,6 +4,8 @@
 // the kernels validate it: a path this CPU runs, and CPATTN_KERNEL_PATH under automatic).
 // Tests compare every fast path against it with RefAccum::f64; RefAccum::f32 is the "naive
 // implementation in the same precision" that grounds the fp16/bf16 tolerances. Outputs are rounded once to the storage dtype.
+// The kernels' cooperation with peer processes (AttnInputs::kv_pack_share,
+// AttnBwdParams::grad_share) is theirs alone: the reference refuses both (cpattn::Error).
 #pragma once
 
 #include <cpattn/attention.hpp>

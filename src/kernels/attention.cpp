@@ -461,15 +461,22 @@ size_t attention_backward_scratch_bytes(const AttnBwdParams& p, int64_t longest_
   const CallProducts c = call_products(p.in.options.path, p.in.dtype());
   kernels::BwdScratchFloats f = kernels::backward_scratch_floats(
       p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim, p.in.v.dim, max_q, c.bf16_pairs, c.bf16_tiles);
-  if (p.grad_share) f.per_set_grads = 0;  // the share's buffer holds them
   // backward_impl starts at most one thread per unit (kv head and head set) and per item of its
   // final sum, whatever num_threads asks (every thread asked for counted a thread's buffers:
   // 64 threads over 8 units were 8 times the scratch).
   const int threads = p.in.options.num_threads;
   const int64_t units =
       int64_t{p.in.k.heads} * kernels::bwd_sets(p.in.q.heads, p.in.k.heads, max_q, c.bf16_tiles);
-  return sizeof(float) * f.total(kernels::threads_started(units, threads),
-                                 kernels::threads_started(kernels::bwd_final_items(p.in.k.rows, c.bf16_tiles), threads));
+  const int64_t unit_threads = kernels::threads_started(units, threads),
+                fin_threads = kernels::threads_started(kernels::bwd_final_items(p.in.k.rows, c.bf16_tiles), threads);
+  // A shape-only request (a memory estimate) of absurd sizes would wrap size_t: the same sum in
+  // double says so, and the bytes saturate (every real call's sizes are far inside).
+  const double approx = kernels::backward_scratch_floats<double>(p.in.k.rows, p.in.q.heads, p.in.k.heads, p.in.q.dim,
+                                                                 p.in.v.dim, max_q, c.bf16_pairs, c.bf16_tiles)
+                            .total(unit_threads, fin_threads);
+  if (approx * sizeof(float) > 0x1p62) return std::numeric_limits<size_t>::max();
+  if (p.grad_share) f.per_set_grads = 0;  // the share's buffer holds them
+  return sizeof(float) * f.total(unit_threads, fin_threads);
 }
 
 }  // namespace cpattn

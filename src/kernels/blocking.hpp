@@ -109,54 +109,59 @@ constexpr int64_t bwd_final_items(int64_t total_k, bool bf16_tiles) {
 // fp32 scratch of backward_impl, in floats, for a call with these sizes; max_q is the
 // longest task. Every buffer backward_impl allocates is counted here (it checks that it
 // stays within this bound).
-struct BwdScratchFloats {
-  size_t packed_kv;       // K^T, K and V^T (the backward's operands) packed per kv head in blocks of BK rows
-  size_t per_set_grads;   // dK, dV per (kv head, head set)
-  size_t per_thread;      // one thread's buffers
-  size_t fin_row;         // one thread's buffers of the final sum over the head sets
+// In floats, of U: size_t for the kernels' allocations, double for attention_backward_scratch_bytes'
+// check that a shape-only request's sizes stay far inside size_t.
+template <class U = size_t>
+struct BwdScratch {
+  U packed_kv;       // K^T, K and V^T (the backward's operands) packed per kv head in blocks of BK rows
+  U per_set_grads;   // dK, dV per (kv head, head set)
+  U per_thread;      // one thread's buffers
+  U fin_row;         // one thread's buffers of the final sum over the head sets
   // With `unit_threads` threads over the (kv head, head set) units and `fin_threads` in the final
   // sum (each at least 1): backward_impl checks what it allocated against this, and
   // attention_backward_scratch_bytes returns it for the threads such a call starts.
-  size_t total(int64_t unit_threads, int64_t fin_threads) const {
-    return packed_kv + per_set_grads + per_thread * static_cast<size_t>(std::max<int64_t>(unit_threads, 1)) +
-           fin_row * static_cast<size_t>(std::max<int64_t>(fin_threads, 1));
+  U total(int64_t unit_threads, int64_t fin_threads) const {
+    return packed_kv + per_set_grads + per_thread * static_cast<U>(std::max<int64_t>(unit_threads, 1)) +
+           fin_row * static_cast<U>(std::max<int64_t>(fin_threads, 1));
   }
 };
+using BwdScratchFloats = BwdScratch<size_t>;
 
 // bf16_pairs: the call's products are bf16 dot products (bf16 storage on avx512_bf16 or
 // bf16_emulated), whose packed K/V also hold their bf16 pairs (half as many 4-byte words).
 // bf16_tiles: bf16 storage on the amx paths, which pack the same pairs alone (pack_kv_tiles: no
 // float buffers) and keep bf16 copies of the query side.
-constexpr BwdScratchFloats backward_scratch_floats(int64_t total_k, int num_heads_q,
+template <class U = size_t>
+constexpr BwdScratch<U> backward_scratch_floats(int64_t total_k, int num_heads_q,
                                                    int num_heads_k, int head_dim_qk,
                                                    int head_dim_v, int64_t max_q,
                                                    bool bf16_pairs = false, bool bf16_tiles = false) {
-  const size_t dp = static_cast<size_t>(pad_up(head_dim_qk));
-  const size_t dvp = static_cast<size_t>(pad_up(head_dim_v));
-  const size_t tk = static_cast<size_t>((total_k + BK - 1) / BK * BK);
-  const size_t mq = static_cast<size_t>(max_q);
-  BwdScratchFloats f{};
+  const U dp = static_cast<U>(pad_up(head_dim_qk));
+  const U dvp = static_cast<U>(pad_up(head_dim_v));
+  const U tk = static_cast<U>((total_k + BK - 1) / BK * BK);
+  const U mq = static_cast<U>(max_q);
+  BwdScratch<U> f{};
   // (fp32: 2 dp + dvp floats a row; bf16 tiles: their pairs alone, half; bf16 pairs: both, 1.5 times)
-  f.packed_kv = static_cast<size_t>(num_heads_k) * tk * (bf16_tiles ? 1 : bf16_pairs ? 3 : 2) * (2 * dp + dvp) / 2;
+  f.packed_kv = static_cast<U>(num_heads_k) * tk * (bf16_tiles ? 1 : bf16_pairs ? 3 : 2) * (2 * dp + dvp) / 2;
   // (bf16 tiles: per block of BBK rows, the last one whole)
-  const size_t g_rows = static_cast<size_t>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
-  f.per_set_grads = static_cast<size_t>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles) * g_rows * (dp + dvp);
+  const U g_rows = static_cast<U>(bf16_tiles ? (total_k + BBK - 1) / BBK * BBK : total_k);
+  f.per_set_grads = static_cast<U>(num_heads_k) * bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles) * g_rows * (dp + dvp);
   // the sets' pointers (2 x sets, two floats each) and, on rows, the sums of a key row
-  f.fin_row = 4 * static_cast<size_t>(bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles)) + dp + dvp;
+  f.fin_row = 4 * static_cast<U>(bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles)) + dp + dvp;
   // Per head of a set: dq [max_q][dp], q and its panels [max_q][dp]; dout and its panels
   // [max_q][dvp]; lse, delta. Shared: S, P, dP blocks [BQB or BQB_TILES][BBK]; the piece's dK, dV tiles
   // [BBK][dp + dvp]; row buffers (an out row, the dK/dV sums of a key row) of at most 2 (dp + dvp);
   // the final sum's pointers to the sets' buffers (2 x sets, two floats each). (The packing's
   // panel of 16 rows per thread is gone before these are made.)
-  const size_t bq = bf16_tiles ? BQB_TILES : BQB;
-  const auto per = static_cast<size_t>(bwd_set_heads(num_heads_q, num_heads_k, max_q, bf16_tiles));
+  const U bq = bf16_tiles ? BQB_TILES : BQB;
+  const auto per = static_cast<U>(bwd_set_heads(num_heads_q, num_heads_k, max_q, bf16_tiles));
   // (bf16 tiles: q and dout are one row each, their task rows held in bf16 below, no panels)
-  const size_t q_rows = bf16_tiles ? 1 : mq, panel_rows = bf16_tiles ? 0 : mq;
+  const U q_rows = bf16_tiles ? 1 : mq, panel_rows = bf16_tiles ? 0 : mq;
   f.per_thread = per * (mq * (dp + 2) + (q_rows + panel_rows) * (dp + dvp)) + 3 * bq * BBK + BBK * (dp + dvp) +
-                 2 * (dp + dvp) + 4 * static_cast<size_t>(bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles));
+                 2 * (dp + dvp) + 4 * static_cast<U>(bwd_sets(num_heads_q, num_heads_k, max_q, bf16_tiles));
   if (bf16_tiles) {  // per head: bf16 copies of Q, dO and their transposes (4-byte units); pairs of P and dS, dS in bf16
-    const size_t mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
-    const size_t mq128 = (mq + BQB_TILES - 1) / BQB_TILES * BQB_TILES;  // the transposes, per step
+    const U mq32 = (mq + 31) / 32 * 32, dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
+    const U mq128 = (mq + BQB_TILES - 1) / BQB_TILES * BQB_TILES;  // the transposes, per step
     f.per_thread += per * ((mq32 * (dq32 + dv32) + mq128 * (dp + dvp)) / 2) + bq * BBK * 3 / 2;
   }
   return f;

@@ -2,6 +2,7 @@
 // float (the naive same-precision baseline).
 #include "common.hpp"
 
+#include <cpattn/error.hpp>
 #include <cpattn/reference.hpp>
 
 #include <cmath>
@@ -203,12 +204,18 @@ void backward_impl(const AttnBwdParams& p) {
 }  // namespace
 
 void attention_forward_reference(const AttnFwdParams& p, RefAccum accum) {
+  CPATTN_CHECK(p.in.kv_pack_share == nullptr, "attention_forward_reference: kv_pack_share is the kernels' (the "
+               "reference packs nothing, and its peers would wait for it at the share's barrier)");
   kernels::validate(p);
   if (accum == RefAccum::f64) forward_impl<double>(p);
   else forward_impl<float>(p);
 }
 
 void attention_backward_reference(const AttnBwdParams& p, RefAccum accum) {
+  CPATTN_CHECK(p.in.kv_pack_share == nullptr, "attention_backward_reference: kv_pack_share is the kernels' (the "
+               "reference packs nothing, and its peers would wait for it at the share's barrier)");
+  CPATTN_CHECK(p.grad_share == nullptr, "attention_backward_reference: grad_share is the kernels' (the reference "
+               "writes dk and dv, which grad_share leaves empty)");
   kernels::validate(p);
   if (accum == RefAccum::f64) backward_impl<double>(p);
   else backward_impl<float>(p);

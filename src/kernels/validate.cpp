@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -48,7 +49,9 @@ void check_shape(std::string_view fn, const AttnShape& s, const AttnOptions& o) 
     for (int h = 0; h < s.num_heads_q; ++h)
       CPATTN_CHECK(std::isfinite(o.alibi_slopes[h]), fn, ": alibi_slopes[", h,
                    "] must be finite, got ", o.alibi_slopes[h]);
-  CPATTN_CHECK(o.dropout_head_offset >= 0, fn, ": dropout_head_offset must be >= 0, got ", o.dropout_head_offset);
+  CPATTN_CHECK(o.dropout_head_offset >= 0 && o.dropout_head_offset <= std::numeric_limits<int>::max() - s.num_heads_q,
+               fn, ": dropout_head_offset must be in [0, INT_MAX - num_heads_q] (head + offset is an int), got ",
+               o.dropout_head_offset);
   CPATTN_CHECK(o.num_threads >= 1, fn, ": num_threads must be >= 1, got ", o.num_threads);
   CPATTN_CHECK(kernel_path_supported(o.path), fn, ": kernel path ", to_string(o.path),
                " is not supported by this CPU (best is ", to_string(best_kernel_path()), ")");
@@ -80,11 +83,17 @@ void check_view(const char* fn, const char* name, const ConstTensorView& t, Want
   CPATTN_CHECK(t.dim == dim.value, fn, ": ", name, ".dim must equal ", dim.name, " = ",
                dim.value, ", got ", t.dim);
   const int64_t hs = t.head_step(), rs = t.row_step();
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   CPATTN_CHECK(hs >= t.dim, fn, ": ", name, ".head_stride must be >= head dim ", t.dim,
                " (or 0: contiguous), got ", hs);
-  CPATTN_CHECK(t.rows <= 1 || rs >= hs * (t.heads - 1) + t.dim, fn, ": ", name,
-               ".row_stride must be >= ", hs * (t.heads - 1) + t.dim, " (", t.heads,
+  // Every element's offset fits int64 (a huge stride wrapped the row check's sum and passed it).
+  CPATTN_CHECK(t.heads <= 1 || hs <= (kMax - t.dim) / (t.heads - 1), fn, ": ", name, ".head_stride ", hs,
+               " puts the last of ", t.heads, " heads past int64's offsets");
+  const int64_t row_span = hs * (t.heads - 1) + t.dim;
+  CPATTN_CHECK(t.rows <= 1 || rs >= row_span, fn, ": ", name, ".row_stride must be >= ", row_span, " (", t.heads,
                " heads of stride ", hs, ", dim ", t.dim, ") or 0 (contiguous), got ", rs);
+  CPATTN_CHECK(t.rows <= 1 || rs <= (kMax - row_span) / (t.rows - 1), fn, ": ", name, ".row_stride ", rs,
+               " puts the last of ", t.rows, " rows past int64's offsets");
 }
 
 void check_dtype(const char* fn, const char* name, const ConstTensorView& t, DType want) {

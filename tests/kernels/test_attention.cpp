@@ -316,6 +316,12 @@ TEST(kernel_attention, ScratchBytesForTheLongestTask) {
       EXPECT_EQ(attention_backward_scratch_bytes(p, rows * 4), attention_backward_scratch_bytes(p, rows));
       EXPECT_EQ(attention_backward_scratch_bytes(p, 0), attention_backward_scratch_bytes(p));  // no work list
     }
+  // A shape-only request past size_t saturates: 2^50 key rows of 64 KV heads of dim 256 are
+  // ~5.5e19 floats of packed K/V alone, which wrapped to a small size.
+  const AttnBwdParams huge{.in = {.q = {nullptr, 1, 64, 256, DType::f32},
+                                  .k = {nullptr, int64_t{1} << 50, 64, 256, DType::f32},
+                                  .v = {nullptr, int64_t{1} << 50, 64, 256, DType::f32}}};
+  EXPECT_EQ(attention_backward_scratch_bytes(huge, 1), std::numeric_limits<size_t>::max());
 }
 
 // The kernels keep their large scratch blocks between calls (src/kernels/scratch.cpp): a call
@@ -1171,6 +1177,23 @@ TEST(kernel_grad_share, BadUsesAreRefused) {
                 .find("holds no backward's partial sums"),
             std::string::npos);
   bp.grad_mode = GradMode::write;
+  // The reference writes dk and dv itself: refused (with empty dk/dv, as grad_share allows, it
+  // stored through null pointers).
+  AttnBwdParams ref = bp;
+  ref.dk = {};
+  ref.dv = {};
+  EXPECT_NE(error_of([&] { attention_backward_reference(ref); }).find("grad_share is the kernels'"), std::string::npos);
+  // Nor does it pack a KvPackShare: its peers waited at the share's barrier for ever.
+  KvPackShare pack{.buffer = buf, .bytes = bytes, .part = 0, .parts = 2, .sync = [] {}};
+  ref = bp;
+  ref.grad_share = nullptr;
+  ref.in.kv_pack_share = &pack;
+  EXPECT_NE(error_of([&] { attention_backward_reference(ref); }).find("kv_pack_share is the kernels'"),
+            std::string::npos);
+  AttnFwdParams fwd_ref = pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), KernelPath::automatic, 1);
+  fwd_ref.in.kv_pack_share = &pack;
+  EXPECT_NE(error_of([&] { attention_forward_reference(fwd_ref); }).find("kv_pack_share is the kernels'"),
+            std::string::npos);
   attention_backward(bp);
   EXPECT_NO_THROW(attention_grad_share_rows(buf, bytes, shape, 0, 8, rk.data(), rv.data()));
   EXPECT_NE(error_of([&] { attention_grad_share_rows(buf, bytes, shape, 5, 4, rk.data(), rv.data()); })
@@ -1461,6 +1484,17 @@ TEST_F(kernel_bad_params, Raise) {
   p = good();
   p.in.options.num_threads = 0;
   expect_error(p, "num_threads");
+  // head + dropout_head_offset is an int: an offset near INT_MAX overflowed it
+  p = good();
+  p.in.options.dropout_head_offset = std::numeric_limits<int>::max() - 3;  // 4 query heads
+  expect_error(p, "dropout_head_offset must be in [0, INT_MAX - num_heads_q]");
+  // strides whose offsets pass int64 (2^62 x 3 heads wrapped the row check's sum and passed it)
+  p = good();
+  p.in.q.head_stride = int64_t{1} << 62;
+  expect_error(p, "q.head_stride 4611686018427387904 puts the last of 4 heads past int64's offsets");
+  p = good();
+  p.in.q.row_stride = int64_t{1} << 61;
+  expect_error(p, "q.row_stride 2305843009213693952 puts the last of 16 rows past int64's offsets");
   p = good();
   p.in.q.row_stride = 10;
   expect_error(p, "q.row_stride");
