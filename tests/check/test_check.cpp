@@ -50,6 +50,38 @@ TEST(check_compare, PassRulePerDtypeAndWorstRow) {
   EXPECT_NE(nan.describe().find("x (bf16): FAIL"), std::string::npos) << nan.describe();
 }
 
+// Half dtypes also bound the relative L2 error: gradients of a loss averaged over tokens sit
+// below atol everywhere, where zeros (or a sign flip) passed |diff| <= atol + rtol |ref|.
+TEST(check_compare, SmallReferencesAreHeldToTheRelativeError) {
+  std::vector<float> ref(64);
+  for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = 3e-4f * static_cast<float>(static_cast<int>(i % 7) - 3);
+  const std::vector<float> zeros(ref.size(), 0.0f);
+  std::vector<float> flipped(ref), close(ref);
+  for (float& x : flipped) x = -x;
+  for (float& x : close) x *= 1.001f;
+  for (const DType t : {DType::f16, DType::bf16}) {
+    EXPECT_FALSE(compare("dk", zeros, ref, t).pass) << to_string(t);
+    EXPECT_FALSE(compare("dk", flipped, ref, t).pass) << to_string(t);
+    EXPECT_TRUE(compare("dk", close, ref, t).pass) << to_string(t);
+  }
+  // allclose_excess: a NaN is not close (std::max dropped it: -1e300, "close")
+  EXPECT_GT(allclose_excess(std::vector<float>{std::numeric_limits<float>::quiet_NaN()}, std::vector<float>{1.0f},
+                            0.0, 0.0),
+            0.0);
+}
+
+// lse is fp32 whatever the storage: a CP run's lse 1e-3 off (an lse rounded through fp16 at 9
+// is 4e-3 off) fails in every dtype (fp16/bf16 allowed 1e-2).
+TEST(check_compare, LseIsHeldToTheFp32BoundInEveryDtype) {
+  const std::vector<float> ref{9.0f, -2.5f, 0.75f};
+  std::vector<float> off(ref);
+  off[1] += 1e-3f;
+  for (const DType t : {DType::f32, DType::f16, DType::bf16}) {
+    EXPECT_TRUE(compare_lse(ref, ref, t, 1).pass) << to_string(t);
+    EXPECT_FALSE(compare_lse(off, ref, t, 1).pass) << to_string(t);
+  }
+}
+
 TEST(check_compare, ExactInfinitiesAreSkipped) {
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<float> ref{-inf, 1.0f}, got{-inf, 1.0f};

@@ -10,8 +10,10 @@
 namespace cpattn::check {
 
 // f32: ||diff|| / ||ref|| <= rel_norm. f16/bf16: elementwise |diff| <= atol + rtol |ref| (the
-// reference design's values) and, against the float64 reference, the norm error at most
-// `naive_factor` times a naive same-precision implementation's.
+// reference design's values) and ||diff|| / ||ref|| <= rtol (atol alone passed anything, zeros
+// too, where every |ref| is below it: gradients of a loss averaged over tokens); against the
+// float64 reference, the norm error at most `naive_factor` times a naive same-precision
+// implementation's.
 struct Tolerance {
   double rel_norm;
   double atol, rtol;
@@ -22,8 +24,10 @@ struct Tolerance {
 constexpr Tolerance tolerance(DType t) {
   switch (t) {
     case DType::f32: return {1e-5, 0.0, 0.0, 0.0, "fp32: relative L2 error <= 1e-5"};
-    case DType::f16: return {0.0, 5e-3, 5e-3, 2.0, "fp16: |diff| <= 5e-3 + 5e-3*|ref|"};
-    case DType::bf16: return {0.0, 2.5e-2, 2.5e-2, 2.0, "bf16: |diff| <= 2.5e-2 + 2.5e-2*|ref|"};
+    case DType::f16:
+      return {0.0, 5e-3, 5e-3, 2.0, "fp16: |diff| <= 5e-3 + 5e-3*|ref| and relative L2 error <= 5e-3"};
+    case DType::bf16:
+      return {0.0, 2.5e-2, 2.5e-2, 2.0, "bf16: |diff| <= 2.5e-2 + 2.5e-2*|ref| and relative L2 error <= 2.5e-2"};
   }
   return {0.0, 0.0, 0.0, 0.0, ""};
 }
@@ -32,10 +36,10 @@ constexpr Tolerance tolerance(DType t) {
 inline constexpr double kLseRelNorm = tolerance(DType::f32).rel_norm;
 
 // lse of a CP run against a single-process run of the same inputs (compare_lse): elementwise
-// |diff| <= lse_atol(storage dtype), the bounds tests/cp has always held CP to.
-constexpr double lse_atol(DType storage) { return storage == DType::f32 ? 1e-5 : 1e-2; }
-constexpr std::string_view lse_rule(DType storage) {
-  return storage == DType::f32 ? "lse: |diff| <= 1e-5" : "lse: |diff| <= 1e-2";
-}
+// |diff| <= lse_atol, in every storage dtype (lse is fp32 and computed from the same rounded
+// inputs; 1e-2 for fp16/bf16 let an lse rounded through fp16 pass, 4e-3 off at lse 9; measured
+// differences are below 1e-6).
+constexpr double lse_atol(DType) { return 1e-5; }
+constexpr std::string_view lse_rule(DType) { return "lse: |diff| <= 1e-5"; }
 
 }  // namespace cpattn::check
