@@ -7,6 +7,7 @@
 #include <cpattn/cp.hpp>
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/memory.hpp>
 #include <cpattn/sim.hpp>
@@ -19,13 +20,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <initializer_list>
 #include <iostream>
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
@@ -142,8 +145,7 @@ void write_svg(const std::string& path, const SimInput& in, int max_cp) {
   };
   const auto ys = [&](double v) { return T + (H - T - B) * (ly1 - std::log10(v)) / (ly1 - ly0); };
   const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"};
-  std::ofstream o(path);
-  CPATTN_CHECK(o.good(), "--svg: cannot write '", path, "'");
+  std::ostringstream o;
   o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
     << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   o << "<text x=\"" << L << "\" y=\"18\">cpattn simulate: predicted step time (s, log) against CP size, profile "
@@ -165,6 +167,18 @@ void write_svg(const std::string& path, const SimInput& in, int max_cp) {
       << colors[s] << "\">" << to_string(kCpSchemes[s]) << "</text>\n";
   }
   o << "</svg>\n";
+  const std::string text = o.str();  // written whole or not at all (a full disk: an error, not half a drawing)
+  with_flag("--svg", [&] { write_file_atomically(path, std::as_bytes(std::span(text.data(), text.size()))); });
+}
+
+// An output's path, before any work: writable, and not one of the command's inputs (the
+// output would replace it).
+void check_output_beside_inputs(const std::string& path, const char* flag,
+                                std::initializer_list<std::pair<const char*, const std::string*>> inputs) {
+  check_output_path(path, flag);
+  for (const auto& [input_flag, input] : inputs)
+    CPATTN_CHECK(input->empty() || !same_file(path, *input), flag, " '", path, "' is the file of ", input_flag, " '",
+                 *input, "': the output would replace its input");
 }
 
 void run_simulate(const SimulateArgs& a) {
@@ -172,6 +186,8 @@ void run_simulate(const SimulateArgs& a) {
   const int sources = !a.lengths_file.empty() + !a.lengths.empty() + !a.distribution.empty();
   CPATTN_CHECK(sources == 1, "give the batch once: --lengths-file FILE, --lengths L1,L2,... or --distribution "
                "NAME (with --tokens, --mean-length, --sigma, --seed)");
+  if (!a.svg.empty())  // before any work
+    check_output_beside_inputs(a.svg, "--svg", {{"--lengths-file", &a.lengths_file}, {"--profile", &a.profile}});
   if (!a.lengths_file.empty()) cu = cu_seqlens_from_lengths(read_lengths_file(a.lengths_file), "--lengths-file");
   if (!a.lengths.empty()) cu = cu_seqlens_from_lengths(a.lengths, "--lengths");
   if (!a.distribution.empty()) {
@@ -432,6 +448,7 @@ void run_calibrate(const CalibrateArgs& a) {
   for (const int64_t l : a.lengths) CPATTN_CHECK(l >= 1, "--lengths: every length must be >= 1, got ", l);
   for (const int64_t s : a.sizes)
     CPATTN_CHECK(s >= 1 && s <= (int64_t{1} << 30), "--sizes: every message size must be in [1, 2^30] bytes, got ", s);
+  if (!a.out.empty()) check_output_path(a.out, "--out");  // before the calibration (it failed only at its end)
   std::vector<DType> dtypes;
   for (const std::string& name : a.dtypes) dtypes.push_back(with_flag("--dtypes", [&] { return parse_dtype(name); }));
   const auto kernel_case = [&a](DType t) {
@@ -482,6 +499,9 @@ void run_calibrate(const CalibrateArgs& a) {
   std::sort(sizes.begin(), sizes.end());
   double lat = 0, bw = 0;
   if (comm.size() > 1) {
+    // (With one size the bandwidth divided by max(0, 1e-12): 65536 GB/s written, and accepted.)
+    CPATTN_CHECK(sizes.front() < sizes.back(), "--sizes: give at least two different message sizes (latency from the "
+                 "smallest, bandwidth from the largest less it), got only ", sizes.front());
     std::vector<double> secs;
     for (const int64_t s : sizes) {
       secs.push_back(shift_seconds(comm, s, a.iters));
@@ -489,7 +509,11 @@ void run_calibrate(const CalibrateArgs& a) {
                        {"gbs", static_cast<double>(s) / secs.back() / 1e9}});
     }
     lat = secs.front();
-    bw = static_cast<double>(sizes.back()) / std::max(secs.back() - lat, 1e-12) / 1e9;
+    // (The slowest rank's medians: the same on every rank.)
+    CPATTN_CHECK(secs.back() > lat, "--sizes: the ", sizes.back(), "-byte shift took no longer than the ",
+                 sizes.front(), "-byte one (", secs.back(), " s against ", lat,
+                 " s): no bandwidth can be read from them; give sizes further apart, or more --iters");
+    bw = static_cast<double>(sizes.back()) / (secs.back() - lat) / 1e9;
     src << "links: ring shifts between the " << comm.size() << " ranks of one node (median of " << a.iters
         << "; latency = the " << sizes.front() << "-byte shift, bandwidth = the " << sizes.back()
         << "-byte one less that latency); inter_node = intra_node (one node: not measured)";
@@ -592,10 +616,9 @@ void run_calibrate(const CalibrateArgs& a) {
   nlohmann::json j = profile_json(p, src.str());
   j["measured"] = {{"kernels", kernels}, {"shifts", links}, {"cp_overhead", overheads}};
   if (!overhead_lengths.empty()) j["measured"]["cp_overhead_lengths"] = overhead_lengths;
-  if (!a.out.empty()) {
-    std::ofstream o(a.out);
-    CPATTN_CHECK(o.good(), "--out: cannot write '", a.out, "'");
-    o << j.dump(2) << '\n';
+  if (!a.out.empty()) {  // whole or not at all
+    const std::string text = j.dump(2) + '\n';
+    with_flag("--out", [&] { write_file_atomically(a.out, std::as_bytes(std::span(text.data(), text.size()))); });
   }
   if (a.json) {
     std::cout << j.dump() << '\n';
@@ -650,9 +673,14 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--heads", a->heads, "Query heads")->check(at_least_one())->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "Key/value heads (GQA when fewer than --heads)")
       ->check(at_least_one())->capture_default_str();
-  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->capture_default_str();
-  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA), overrides --head-dim");
-  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA), overrides --head-dim");
+  // (each by its own flag: a bad --head-dim-qk was ignored for --head-dim, and a bad --head-dim
+  // was named as --head-dim-qk and --head-dim-v)
+  cmd->add_option("--head-dim", a->head_dim, "Head dimension of q, k and v")->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--head-dim-qk", a->head_dim_qk, "Head dimension of q and k (MLA), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--head-dim-v", a->head_dim_v, "Head dimension of v (MLA), overrides --head-dim")
+      ->check(CLI::Range(1, 256));
   cmd->add_option("--hidden", a->hidden, "Model width (pipeline activations, TP all-reduces, EP tokens; default "
                                          "heads x head-dim-v)");
   cmd->add_option("--dtype", a->dtype, "Storage type: fp32, fp16 or bf16 (or float32, float16, bfloat16)")

@@ -133,6 +133,22 @@ bad(base + ["--profile", write("neg.json", neg)], "profile.inter_node.latency_us
 bad(base + ["--profile", write("fp8.json", fp8)], "unknown dtype 'fp8'")
 bad(base + ["--profile", write("nobf16.json", nobf16)], "profile.compute.bwd.bf16")
 bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: cannot open")
+# --svg: checked before any work, never over an input (it replaced --lengths-file's file and the
+# profile with a drawing), written whole (--svg /dev/full said nothing and exited 0).
+with open(lf) as f:
+    lengths_text = f.read()
+bad(["simulate", "--lengths-file", lf, "--cp", "2", "--svg", lf],
+    f"--svg '{lf}' is the file of --lengths-file '{lf}': the output would replace its input")
+with open(lf) as f:
+    check(f.read() == lengths_text, "--lengths-file left as it was")
+prof = write("prof.json", good)
+bad(base + ["--profile", prof, "--svg", prof], f"--svg '{prof}' is the file of --profile '{prof}'")
+bad(base + ["--svg", "/dev/full"], "--svg: '/dev/full' is a character device, not a regular file")
+# each head dim by its own flag (a bad --head-dim-qk was ignored; a bad --head-dim was named as
+# --head-dim-qk and --head-dim-v)
+bad(base + ["--head-dim-qk", "-5"], "--head-dim-qk: Value -5 not in range 1 to 256")
+bad(base + ["--head-dim-v", "0"], "--head-dim-v: Value 0 not in range 1 to 256")
+bad(base + ["--head-dim", "300"], "--head-dim: Value 300 not in range 1 to 256")
 bad(["simulate", "--lengths", "100,50", "--cp", "4", "--cp-inner", "3"], "--cp-inner = 3 must divide --cp = 4")
 bad(base + ["--experts", "4", "--ep", "3"], "--ep = 3 must divide --experts = 4")
 bad(base + ["--pp", "2", "--layers", "3"], "--layers = 3", "multiple of --pp = 2")
@@ -203,7 +219,7 @@ check(r.returncode == 0 and all(s["valid"] for s in json.loads(r.stdout)["scheme
 
 # ---- calibrate: one process (links not measured), then two ranks (ring shifts) -----------------
 tiny = ["calibrate", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--repeats", "1",
-        "--iters", "3", "--sizes", "8,4096", "--overhead-tokens", "96"]
+        "--iters", "3", "--sizes", "8,1048576", "--overhead-tokens", "96"]
 out = os.path.join(tmp, "calibrated.json")
 r = run(*tiny, "--json", "--out", out)
 check(r.returncode == 0, f"calibrate: {r.stderr}")
@@ -245,11 +261,19 @@ for o in ov:
         check(abs(t - o[f"measured_{d}_s"]) <= 1e-3 * o[f"measured_{d}_s"],
               f"{o['scheme']} {d}: the fitted model's call {t} vs measured {o[f'measured_{d}_s']}")
 bad(["calibrate", "--dtypes", "fp8"], "--dtypes: --dtype must be one of")
+# --out checked before the calibration (it failed at the end), written whole (/dev/full: exit 0)
+bad(["calibrate", "--out", os.path.join(tmp, "no-such-folder", "p.json")], "--out: the folder")
+bad(["calibrate", "--out", "/dev/full"], "--out: '/dev/full' is a character device")
+# One message size gives no bandwidth (65536 GB/s was written from a 1e-12 s difference).
+r = run("calibrate", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--repeats", "1",
+        "--iters", "3", "--dtypes", "fp32", "--sizes", "65536", "--overhead-tokens", "0", mpi=2)
+check(r.returncode == 2 and "--sizes: give at least two different message sizes" in r.stderr,
+      f"calibrate --sizes 65536 at np 2: exit {r.returncode} {r.stderr[-400:]!r}")
 # A kernel case past memory: refused before anything is allocated, with both sizes.
 bad(["calibrate", "--seq-len", "10000000000"], "cpattn calibrate's fp32 kernel case of 10000000000 tokens needs",
     "available")
 # The CP overhead's case needs the world size: refused after MPI starts, on every rank alike.
-r = run("calibrate", "--seq-len", "16", "--dtypes", "fp32", "--overhead-tokens", "65536", "--sizes", "8", mpi=2,
+r = run("calibrate", "--seq-len", "16", "--dtypes", "fp32", "--overhead-tokens", "65536", "--sizes", "8,1048576", mpi=2,
         env={"CPATTN_MEMORY_LIMIT_BYTES": "100000000"})
 check(r.returncode == 2 and "fp32 CP overhead case (--overhead-tokens x 2 ranks) of 131072 tokens needs" in r.stderr,
       f"calibrate's overhead case past memory: exit {r.returncode} {r.stderr[-400:]!r}")
