@@ -51,24 +51,26 @@ Batch random_batch(std::vector<int64_t> cu_seqlens, BatchShape shape, DType t, u
   return b;
 }
 
-Batch npy_batch(const std::string& dir, DType t, std::string_view what) {
-  const std::string w(what);
-  const auto load = [&](const char* name) {  // the reader's errors name the file; these the flag too
-    try {
-      return read_npy(dir + "/" + name);
-    } catch (const Error& e) {
-      throw Error(w + ": " + e.message());
-    }
-  };
-  const NpyArray q = load("q.npy"), k = load("k.npy"), v = load("v.npy"), dout = load("dout.npy");
-  const NpyArray cu = load("cu_seqlens.npy");
+namespace {
+
+// One of npy_batch's files, whole or its header alone; the reader's errors name `what` too.
+NpyArray load_npy(const std::string& dir, const char* name, const std::string& what, bool header_only) {
+  try {
+    return header_only ? read_npy_header(dir + "/" + name) : read_npy(dir + "/" + name);
+  } catch (const Error& e) {
+    throw Error(what + ": " + e.message());
+  }
+}
+
+// The batch's boundaries and shape from its files' types and shapes (npy_batch's rules).
+NpyBatchInfo check_npy_batch(const NpyArray& q, const NpyArray& k, const NpyArray& v, const NpyArray& dout,
+                             const NpyArray& cu, const std::string& w) {
   CPATTN_CHECK(cu.type == NpyType::i32 || cu.type == NpyType::i64,
                w, ": cu_seqlens.npy must hold int32 or int64");
   CPATTN_CHECK(cu.shape.size() == 1, w, ": cu_seqlens.npy must be 1-D, [documents + 1], got ", cu.shape.size(),
                " dimensions");
-  Batch b;
-  b.dtype = t;
-  b.cu_seqlens = cu.as_int64();
+  NpyBatchInfo info;
+  info.cu_seqlens = cu.as_int64();
   const std::pair<const NpyArray*, const char*> inputs[] = {{&q, "q.npy"}, {&k, "k.npy"}, {&v, "v.npy"},
                                                             {&dout, "dout.npy"}};
   for (const auto& [arr, name] : inputs) {
@@ -77,18 +79,40 @@ Batch npy_batch(const std::string& dir, DType t, std::string_view what) {
     CPATTN_CHECK(arr->shape.size() == 3, w, ": ", name, " must be [tokens, heads, head_dim], got ",
                  arr->shape.size(), " dimensions");
   }
-  check_cu_seqlens(b.cu_seqlens, q.shape[0], w + " cu_seqlens.npy");
-  b.shape.heads_q = static_cast<int>(q.shape[1]);
-  b.shape.head_dim_qk = static_cast<int>(q.shape[2]);
-  b.shape.heads_k = static_cast<int>(k.shape[1]);
-  b.shape.head_dim_v = static_cast<int>(v.shape[2]);
-  const BatchShape& s = b.shape;
+  check_cu_seqlens(info.cu_seqlens, q.shape[0], w + " cu_seqlens.npy");
+  info.shape.heads_q = static_cast<int>(q.shape[1]);
+  info.shape.head_dim_qk = static_cast<int>(q.shape[2]);
+  info.shape.heads_k = static_cast<int>(k.shape[1]);
+  info.shape.head_dim_v = static_cast<int>(v.shape[2]);
+  const BatchShape& s = info.shape;
   CPATTN_CHECK(k.shape[0] == q.shape[0] && v.shape[0] == q.shape[0] && dout.shape[0] == q.shape[0],
                w, ": q, k, v and dout must hold the same token count");
   CPATTN_CHECK(k.shape[2] == s.head_dim_qk && v.shape[1] == s.heads_k, w,
                ": k must be [T, Hkv, Dqk] and v [T, Hkv, Dv]");
   CPATTN_CHECK(dout.shape[1] == s.heads_q && dout.shape[2] == s.head_dim_v, w,
                ": dout must be [T, Hq, Dv]");
+  return info;
+}
+
+}  // namespace
+
+NpyBatchInfo npy_batch_info(const std::string& dir, std::string_view what) {
+  const std::string w(what);
+  // (in this order, as npy_batch reads them: a missing q.npy is the one named)
+  const NpyArray q = load_npy(dir, "q.npy", w, true), k = load_npy(dir, "k.npy", w, true),
+                 v = load_npy(dir, "v.npy", w, true), dout = load_npy(dir, "dout.npy", w, true);
+  return check_npy_batch(q, k, v, dout, load_npy(dir, "cu_seqlens.npy", w, false), w);
+}
+
+Batch npy_batch(const std::string& dir, DType t, std::string_view what) {
+  const std::string w(what);
+  const NpyArray q = load_npy(dir, "q.npy", w, false), k = load_npy(dir, "k.npy", w, false),
+                 v = load_npy(dir, "v.npy", w, false), dout = load_npy(dir, "dout.npy", w, false);
+  NpyBatchInfo info = check_npy_batch(q, k, v, dout, load_npy(dir, "cu_seqlens.npy", w, false), w);
+  Batch b;
+  b.dtype = t;
+  b.cu_seqlens = std::move(info.cu_seqlens);
+  b.shape = info.shape;
   // Stored as `t`: a finite value past t's range would become inf silently.
   const auto stored = [&](const char* name, const NpyArray& arr, TensorShape shape) {
     const std::vector<float> values = arr.as_float();

@@ -81,6 +81,9 @@ bool lies_below(const std::string& path, const std::string& folder);
 // The whole of the regular file `path` (its size when opened). A FIFO, a device or a folder is
 // refused without blocking or reading; throws cpattn::Error naming `path` on any error.
 std::vector<std::byte> read_regular_file(const std::string& path);
+// Its first min(max_bytes, size) bytes, and its whole size in `size` (a header read before the
+// data, for a budget); the same checks.
+std::vector<std::byte> read_file_prefix(const std::string& path, std::size_t max_bytes, std::uint64_t& size);
 
 // Writes all of `bytes` to the open descriptor `fd`, retrying short writes and EINTR; throws
 // cpattn::Error naming `path` on any error.

@@ -29,6 +29,9 @@ struct NpyArray {
 // Parses the bytes of a whole .npy file; `name` is used in error messages.
 NpyArray parse_npy(std::span<const std::byte> file, std::string_view name = "npy");
 NpyArray read_npy(const std::string& path);
+// The type and shape of the file at `path` from its header alone (data left empty), its size
+// checked against them as read_npy does: for a budget before the data is read.
+NpyArray read_npy_header(const std::string& path);
 
 std::vector<std::byte> format_npy(const NpyArray& a);
 void write_npy(const std::string& path, const NpyArray& a);

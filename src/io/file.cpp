@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iterator>
+#include <limits>
 #include <system_error>
 #include <vector>
 
@@ -116,6 +117,11 @@ bool lies_below(const std::string& path, const std::string& folder) {
 }
 
 std::vector<std::byte> read_regular_file(const std::string& path) {
+  std::uint64_t size = 0;
+  return read_file_prefix(path, std::numeric_limits<std::size_t>::max(), size);
+}
+
+std::vector<std::byte> read_file_prefix(const std::string& path, std::size_t max_bytes, std::uint64_t& size) {
   // O_NONBLOCK: opening a FIFO does not wait for a writer (it is then refused by its kind).
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
   CPATTN_CHECK(fd >= 0, "'", path, "': cannot read it: ", errno_text());
@@ -129,7 +135,8 @@ std::vector<std::byte> read_regular_file(const std::string& path) {
   const int flags = ::fcntl(fd, F_GETFL);  // reads block again (a network filesystem may say EAGAIN)
   CPATTN_CHECK(flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0, "'", path, "': fcntl failed: ",
                errno_text());
-  std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
+  size = static_cast<std::uint64_t>(st.st_size);
+  std::vector<std::byte> bytes(static_cast<std::size_t>(std::min<std::uint64_t>(size, max_bytes)));
   std::size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);

@@ -3,8 +3,10 @@
 #include <cpattn/npy.hpp>
 #include <cpattn/file.hpp>
 
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 namespace cpattn {
 
@@ -84,7 +86,17 @@ std::vector<int64_t> NpyArray::as_int64() const {
   return out;
 }
 
-NpyArray parse_npy(std::span<const std::byte> file, std::string_view name) {
+namespace {
+
+// A header's fields and where its data begins.
+struct Header {
+  NpyArray a;  // type and shape; data empty
+  std::size_t data_at = 0;
+};
+
+// The header at the start of `file` (the whole file, or its first bytes: at least the header's)
+// of a file of `file_size` bytes, whose data must be exactly the shape's.
+Header parse_header(std::span<const std::byte> file, std::uint64_t file_size, std::string_view name) {
   CPATTN_CHECK(file.size() >= 10 && std::memcmp(file.data(), kMagic, 6) == 0, name,
                ": not a .npy file (no \\x93NUMPY magic)");
   const auto major = static_cast<uint8_t>(file[6]), minor = static_cast<uint8_t>(file[7]);
@@ -99,8 +111,9 @@ NpyArray parse_npy(std::span<const std::byte> file, std::string_view name) {
     for (int i = 0; i < 4; ++i) header_len |= static_cast<std::size_t>(file[8 + i]) << (8 * i);
     header_at = 12;
   }
-  CPATTN_CHECK(header_len <= file.size() - header_at, name, ": .npy header length ", header_len,
-               " runs past the end of the file (", file.size(), " bytes)");
+  CPATTN_CHECK(header_len <= file_size - header_at, name, ": .npy header length ", header_len,
+               " runs past the end of the file (", file_size, " bytes)");
+  CPATTN_CHECK(header_len <= file.size() - header_at, name, ": .npy header of ", header_len, " bytes not read whole");
   const std::string_view header(reinterpret_cast<const char*>(file.data() + header_at), header_len);
 
   NpyArray a;
@@ -131,20 +144,44 @@ NpyArray parse_npy(std::span<const std::byte> file, std::string_view name) {
     shape.remove_prefix(digits);
   }
   const std::size_t data_at = header_at + header_len;
-  const std::size_t have = file.size() - data_at;
+  const std::uint64_t have = file_size - data_at;
   CPATTN_CHECK(static_cast<uint64_t>(n) <= have / type_size(a.type), name, ": .npy data holds ", have,
                " bytes, the shape needs ", n, " elements of ", type_size(a.type), " bytes");
-  CPATTN_CHECK(static_cast<std::size_t>(n) * type_size(a.type) == have, name, ": .npy data holds ", have,
+  CPATTN_CHECK(static_cast<std::uint64_t>(n) * type_size(a.type) == have, name, ": .npy data holds ", have,
                " bytes, the shape needs exactly ", static_cast<std::size_t>(n) * type_size(a.type));
-  a.data.assign(file.begin() + static_cast<std::ptrdiff_t>(data_at), file.end());
-  return a;
+  return {std::move(a), data_at};
+}
+
+}  // namespace
+
+NpyArray parse_npy(std::span<const std::byte> file, std::string_view name) {
+  Header h = parse_header(file, file.size(), name);
+  h.a.data.assign(file.begin() + static_cast<std::ptrdiff_t>(h.data_at), file.end());
+  return std::move(h.a);
 }
 
 NpyArray read_npy(const std::string& path) {
   // A FIFO blocked here for ever (ifstream's open waits for a writer), a folder gave
   // "basic_filebuf::underflow": both refused by their kind, naming the path.
-  const std::vector<std::byte> bytes = read_regular_file(path);
-  return parse_npy(bytes, path);
+  std::vector<std::byte> bytes = read_regular_file(path);
+  Header h = parse_header(bytes, bytes.size(), path);
+  // The data moved to the front of the file's own buffer: no second copy of a large tensor.
+  bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(h.data_at));
+  h.a.data = std::move(bytes);
+  return std::move(h.a);
+}
+
+NpyArray read_npy_header(const std::string& path) {
+  // NumPy's headers are small (version 1.0: at most 65535 bytes); a longer 2.0/3.0 header is
+  // read again whole.
+  std::uint64_t size = 0;
+  std::vector<std::byte> head = read_file_prefix(path, std::size_t{1} << 16, size);
+  if (head.size() >= 12 && std::memcmp(head.data(), kMagic, 6) == 0 && static_cast<uint8_t>(head[6]) >= 2) {
+    std::uint64_t len = 0;
+    for (int i = 0; i < 4; ++i) len |= static_cast<std::uint64_t>(head[8 + static_cast<std::size_t>(i)]) << (8 * i);
+    if (12 + len > head.size() && 12 + len <= size) head = read_file_prefix(path, static_cast<std::size_t>(12 + len), size);
+  }
+  return parse_header(head, size, path).a;
 }
 
 std::vector<std::byte> format_npy(const NpyArray& a) {

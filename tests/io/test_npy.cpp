@@ -4,6 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -62,6 +65,55 @@ TEST(Npy, RoundTripsEveryTypeAndShape) {
   EXPECT_EQ(parse_npy(format_npy(i)).as_int64(), (std::vector<int64_t>{0, 40}));
   NpyArray scalar{.type = NpyType::f32, .shape = {}, .data = std::vector<std::byte>(4)};
   EXPECT_EQ(parse_npy(format_npy(scalar)).elements(), 1);
+}
+
+// A header read alone gives the file's type and shape, with its size checked as read_npy checks
+// it; read_npy gives the same type, shape and data. A 16 GiB sparse file's header is read in
+// a moment without its data (a budget before the read: cpattn run --npy-in).
+TEST(Npy, AHeaderReadAloneIsTheFilesTypeAndShape) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = dir + "/h.npy";
+  const std::string f = hand_made_i8();
+  {
+    std::FILE* out = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    std::fwrite(f.data(), 1, f.size(), out);
+    std::fclose(out);
+  }
+  const NpyArray head = read_npy_header(path), whole = read_npy(path);
+  EXPECT_EQ(head.type, NpyType::i64);
+  EXPECT_EQ(head.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(head.data.empty());
+  EXPECT_EQ(whole.shape, head.shape);
+  EXPECT_EQ(whole.as_int64(), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(f.size() - 8)), 0);  // one element short
+  try {
+    (void)read_npy_header(path);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr(path + ": .npy data holds 40 bytes, the shape needs 6 elements of 8 bytes"));
+  }
+  // 2^31 rows of 8 bytes: the data is never read (the file is sparse: its blocks are holes)
+  const std::string big = dir + "/big.npy";
+  NpyArray shape_only{.type = NpyType::f32, .shape = {int64_t{1} << 31, 2}, .data = {}};
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (2147483648, 2), }";
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+  header += '\n';
+  std::string file = std::string("\x93NUMPY\x01\x00", 8);
+  file += static_cast<char>(header.size() & 0xff);
+  file += static_cast<char>(header.size() >> 8);
+  file += header;
+  {
+    std::FILE* out = std::fopen(big.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    std::fwrite(file.data(), 1, file.size(), out);
+    std::fclose(out);
+  }
+  ASSERT_EQ(::truncate(big.c_str(), static_cast<off_t>(file.size() + (uint64_t{1} << 34))), 0);
+  const NpyArray big_head = read_npy_header(big);
+  EXPECT_EQ(big_head.shape, shape_only.shape);
+  EXPECT_TRUE(big_head.data.empty());
+  std::remove(big.c_str());
 }
 
 std::string error_of(const std::string& file) {

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/cli_lib.py
-from cli_lib import CPATTN, MPIEXEC, check, finish, run, run_json
+from cli_lib import CPATTN, MPIEXEC, check, finish, job, run, run_json
 
 # The default batch, the main job.
 r = run(2)
@@ -208,6 +208,23 @@ with tempfile.TemporaryDirectory() as din, tempfile.TemporaryDirectory() as dout
     r = run(2, "--npy-in", din)
     check(r.returncode == 2 and r.stderr.count(f"--npy-in: '{din}/k.npy': cannot read it") == 1,
           f"missing k.npy: exit {r.returncode} {r.stderr[-500:]}")
+
+# --npy-in past memory: refused from the files' headers, before their data is read (every rank
+# read 9 GiB of these sparse files, twice over, before the same refusal).
+with tempfile.TemporaryDirectory() as din:
+    big_t = 1 << 22
+    for name, heads, dim in (("q", 4, 64), ("k", 2, 64), ("v", 2, 32), ("dout", 4, 32)):
+        m = np.lib.format.open_memmap(os.path.join(din, name + ".npy"), mode="w+", dtype=np.float32,
+                                      shape=(big_t, heads, dim))
+        del m  # a sparse file: its data blocks are holes
+    np.save(os.path.join(din, "cu_seqlens.npy"), np.array([0, big_t], dtype=np.int64))
+    start = time.monotonic()
+    r = job(2, "run", "--npy-in", din, timeout=120, env={**os.environ, "CPATTN_MEMORY_LIMIT_BYTES": "100000000"})
+    elapsed = time.monotonic() - start
+    check(r.returncode == 2 and f"cpattn run of {big_t} tokens needs" in r.stderr
+          and "more than the 95.4 MiB available (CPATTN_MEMORY_LIMIT_BYTES)" in r.stderr,
+          f"--npy-in past memory: exit {r.returncode} {r.stderr[-600:]}")
+    check(elapsed < 30, f"--npy-in past memory took {elapsed:.1f} s")
 
 with open("/proc/cpuinfo") as f:
     HAS_AMX = " amx_tile" in f.read()

@@ -196,15 +196,16 @@ Local prepare(const RunArgs& a, Communicator& comm) {
     check_memory_of(a, flag_tokens(a),
                     a.lengths.empty() ? std::min(a.seq_len, check::kDocumentMixLongest) : std::ranges::max(a.lengths),
                     flag_shape(a), dtype, comm.size());
+  if (!a.npy_in.empty()) {  // from the files' headers, before their data is read
+    const check::NpyBatchInfo info = check::npy_batch_info(a.npy_in, "--npy-in");
+    int64_t longest = 0;
+    for (std::size_t d = 1; d < info.cu_seqlens.size(); ++d)
+      longest = std::max(longest, info.cu_seqlens[d] - info.cu_seqlens[d - 1]);
+    check_memory_of(a, info.cu_seqlens.back(), longest, info.shape, dtype, comm.size());
+  }
   Local l;
   l.b = make_batch(a);
   const check::Batch& b = l.b;
-  if (!a.npy_in.empty()) {
-    int64_t longest = 0;
-    for (std::size_t d = 1; d < b.cu_seqlens.size(); ++d)
-      longest = std::max(longest, b.cu_seqlens[d] - b.cu_seqlens[d - 1]);
-    check_memory_of(a, b.tokens(), longest, b.shape, dtype, comm.size());
-  }
   if (a.check_finite) check_batch_finite(b);
   if (a.alibi) l.slopes = check::alibi_slopes(b.shape.heads_q);
   l.cfg = config_of(a, b.shape, b.dtype, a.alibi ? l.slopes.data() : nullptr);

@@ -56,6 +56,13 @@ Batch random_batch(std::vector<int64_t> cu_seqlens, BatchShape shape, DType t, u
 // q.npy, k.npy, v.npy, dout.npy (float32 or float16, [T, H, D]) and cu_seqlens.npy (int32 or
 // int64, leading 0) from `dir`, stored as `t`. Errors (cpattn::Error) begin with `what`.
 Batch npy_batch(const std::string& dir, DType t, std::string_view what = "npy batch");
+// What npy_batch would read, from the tensors' headers and cu_seqlens.npy alone (no tensor data
+// read): the boundaries and the shape, with npy_batch's errors for them (a budget first).
+struct NpyBatchInfo {
+  std::vector<int64_t> cu_seqlens;
+  BatchShape shape;
+};
+NpyBatchInfo npy_batch_info(const std::string& dir, std::string_view what = "npy batch");
 
 // The kernels over the whole batch in one process: varlen_worklist(cu, cu), forward then
 // backward with `options`. fp32 results of every real token in global order.
