@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -39,11 +40,11 @@ double parse_cost(std::string_view field, const std::string& whole) {
   const std::string word(field);
   std::size_t used = 0;
   double v = -1;
-  try {
-    v = std::stod(word, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
+  // strtod, not stod: a subnormal (1e-310) is a valid cost, not stod's out_of_range
+  const char* begin = word.c_str();
+  char* end = nullptr;
+  v = std::strtod(begin, &end);
+  used = static_cast<std::size_t>(end - begin);
   CPATTN_CHECK(used == word.size() && !word.empty() && std::isfinite(v) && v >= 0,
                "--costs: every cost must be a number >= 0, got '", word, "' in '", whole, "'");
   return v;
@@ -263,8 +264,12 @@ void write_svg(const std::string& path, const Simulation& sim, const PipelineCos
   const double ay = top + rows_h + 8;
   o << "<line x1=\"" << left << "\" y1=\"" << ay << "\" x2=\"" << left + plot_w << "\" y2=\"" << ay
     << "\" stroke=\"#333\"/>\n";
-  const double step = nice_step(std::max(sim.makespan, 1e-9));
-  for (double t = 0; t <= sim.makespan + 1e-9; t += step) {
+  // Ticks relative to the makespan (an absolute 1e-9 put the ticks of a 1e-15 makespan millions
+  // of pixels to the right); a zero makespan has the one tick at 0.
+  const double step = sim.makespan > 0 ? nice_step(sim.makespan) : 1.0;
+  const int ticks = static_cast<int>(std::floor(sim.makespan / step * (1 + 1e-9)));
+  for (int i = 0; i <= ticks; ++i) {
+    const double t = i * step;
     const double x = left + t * scale;
     o << "<line x1=\"" << x << "\" y1=\"" << ay << "\" x2=\"" << x << "\" y2=\"" << ay + 5
       << "\" stroke=\"#333\"/><text x=\"" << x << "\" y=\"" << ay + 18

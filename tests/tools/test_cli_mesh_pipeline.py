@@ -95,6 +95,21 @@ with tempfile.TemporaryDirectory() as d:
         check(len(blocks) == n_actions[sched], f"svg {sched}: {len(blocks)} blocks")
         text = "".join(t.text or "" for t in root.iter(ns + "text"))
         check("makespan" in text and "bubble" in text and "idle" in text, f"svg {sched} text")
+    # Tiny costs: every tick of the time axis lies on the plot (1e-15 costs put them millions of
+    # pixels to the right, from an absolute 1e-9 floor), and the labels cover the makespan.
+    for tiny in ("1e-15", "3e-9"):
+        path = os.path.join(d, "tiny.svg")
+        r = run("pipeline", "--stages", "2", "--micro", "2", "--costs", f"{tiny},{tiny},{tiny}", "--svg", path)
+        check(r.returncode == 0, f"svg of costs {tiny}: {r.stderr}")
+        root = ET.parse(path).getroot()
+        axis = [e for e in root.iter(ns + "line") if e.get("stroke") == "#333"]
+        left, right = float(axis[0].get("x1")), float(axis[0].get("x2"))
+        xs = [float(e.get("x1")) for e in axis[1:]]
+        check(len(xs) >= 2 and all(left - 1e-6 <= x <= right + 1e-6 for x in xs),
+              f"svg of costs {tiny}: ticks at {xs[:4]}... outside [{left}, {right}]")
+    # A subnormal cost is a number >= 0 (stod called it out of range)
+    r = run("pipeline", "--costs", "1e-310,1,1", "--json")
+    check(r.returncode == 0 and json.loads(r.stdout)["costs"]["forward"][0] == 1e-310, f"--costs 1e-310: {r.stderr}")
     bad_svg = run("pipeline", "--svg", os.path.join(d, "no", "such", "dir", "x.svg"))
     check(bad_svg.returncode == 2 and "--svg" in bad_svg.stderr, f"bad svg: {bad_svg.stderr}")
 
