@@ -4,7 +4,10 @@ add_library(cpattn_build_options INTERFACE)
 target_compile_features(cpattn_build_options INTERFACE cxx_std_20)
 target_compile_options(cpattn_build_options INTERFACE
   -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wno-sign-conversion -Wnon-virtual-dtor
-  $<$<BOOL:${CPATTN_WARNINGS_AS_ERRORS}>:-Werror>)
+  $<$<BOOL:${CPATTN_WARNINGS_AS_ERRORS}>:-Werror>
+  # __FILE__ (CPATTN_CHECK's location in every error's what()) relative to the source tree: the
+  # build machine's paths stay out of users' messages and the installed libraries
+  -fmacro-prefix-map=${PROJECT_SOURCE_DIR}/=)
 if(CPATTN_SANITIZE)
   target_compile_options(cpattn_build_options INTERFACE
     -fsanitize=${CPATTN_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)

@@ -31,5 +31,5 @@ PY
 fi
 # The package itself; build isolation off: the build requirements are the ones just installed.
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$py" -m pip install -q --no-build-isolation \
-  -Cbuild-dir=build/pywheel .
+  -Cbuild-dir=build/pywheel -Ccmake.define.CPATTN_WARNINGS_AS_ERRORS=ON .
 CPATTN_CLI=$PWD/build/ci/tools/cpattn "$py" -m pytest -q tests/python "$@"

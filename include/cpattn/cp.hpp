@@ -31,6 +31,7 @@
 #include <cpattn/plan.hpp>
 #include <cpattn/tensor.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
