@@ -467,6 +467,11 @@ void run_calibrate(const CalibrateArgs& a) {
     check_bench_memory(kernel_case(t), "cpattn calibrate's " + std::string(to_string(t)) + " kernel case");
   const MpiSession mpi;  // finalizes only what it initialized
   Communicator comm(MPI_COMM_WORLD, {.timeout_s = a.timeout, .timeout_name = "--timeout"});
+  // Before the kernels are timed (from the flags and the world size: every rank alike). With one
+  // size the bandwidth divided by max(0, 1e-12): 65536 GB/s was written, and accepted.
+  CPATTN_CHECK(comm.size() == 1 || *std::ranges::min_element(a.sizes) < *std::ranges::max_element(a.sizes),
+               "--sizes: give at least two different message sizes under mpirun (latency from the smallest, "
+               "bandwidth from the largest less it), got only ", a.sizes.front());
   MachineProfile p;
   p.name = a.name;
   std::ostringstream src;
@@ -499,9 +504,6 @@ void run_calibrate(const CalibrateArgs& a) {
   std::sort(sizes.begin(), sizes.end());
   double lat = 0, bw = 0;
   if (comm.size() > 1) {
-    // (With one size the bandwidth divided by max(0, 1e-12): 65536 GB/s written, and accepted.)
-    CPATTN_CHECK(sizes.front() < sizes.back(), "--sizes: give at least two different message sizes (latency from the "
-                 "smallest, bandwidth from the largest less it), got only ", sizes.front());
     std::vector<double> secs;
     for (const int64_t s : sizes) {
       secs.push_back(shift_seconds(comm, s, a.iters));

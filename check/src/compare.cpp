@@ -95,7 +95,7 @@ TensorReport compare(std::string_view name, std::span<const float> got,
 
 TensorReport compare_lse(std::span<const float> got, std::span<const float> ref, DType storage,
                          int heads) {
-  TensorReport r = measure("lse", got, ref, storage, heads, lse_atol(storage), 0.0, true);
+  TensorReport r = measure("lse", got, ref, storage, heads, lse_atol(storage), lse_rtol(storage), true);
   r.pass = r.finite && r.allclose_excess <= 0;
   r.rule = std::string(lse_rule(storage));
   return r;

@@ -149,6 +149,8 @@ struct CpMemoryEstimate {
 // Before a plan exists: `local_tokens` as the plan will have (at least ceil(tokens / cp));
 // the kernel's per-thread blocks are left out (they need the plan's longest task).
 CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, int cp, int64_t local_tokens);
+// (a2a and hybrid: throws cpattn::Error for a plan the scheme cannot run, padding-free or of a
+// cp that cp_inner does not divide.)
 CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan);
 
 

@@ -102,8 +102,9 @@ std::vector<int64_t> group_rows(const RankPlan& p, int inner) {
 }  // namespace
 
 RankPlan a2a_outer_plan(const RankPlan& p, int inner) {
-  CPATTN_CHECK(inner >= 1 && p.cp % inner == 0, "a2a_outer_plan: inner = ", inner, " must divide cp = ", p.cp);
-  CPATTN_CHECK(p.split == CpSplit::padded, "a2a_outer_plan: the a2a and hybrid schemes take the padded split, the plan is ",
+  CPATTN_CHECK(inner >= 1 && p.cp % inner == 0, "the a2a/hybrid scheme's all-to-all groups of ", inner,
+               " ranks (cp_inner) must divide the plan's cp = ", p.cp);
+  CPATTN_CHECK(p.split == CpSplit::padded, "the a2a and hybrid schemes take the padded split, the plan is ",
                to_string(p.split));
   RankPlan g = get_thd_load_balanced_cp_metadata(p.cu_seqlens_padded, p.cp / inner, p.rank / inner);
   g.cu_seqlens = p.cu_seqlens;

@@ -217,6 +217,7 @@ Staged stage(const std::string& path, std::span<const std::byte> bytes) {
 }  // namespace
 
 void write_files_atomically(std::span<const FileBytes> files) {
+  for (const FileBytes& f : files) check_output_path(f.path, {});  // every path before any write
   std::vector<Staged> staged;
   staged.reserve(files.size());
   try {

@@ -175,7 +175,7 @@ NpyArray read_npy_header(const std::string& path) {
   // NumPy's headers are small (version 1.0: at most 65535 bytes); a longer 2.0/3.0 header is
   // read again whole.
   std::uint64_t size = 0;
-  std::vector<std::byte> head = read_file_prefix(path, std::size_t{1} << 16, size);
+  std::vector<std::byte> head = read_file_prefix(path, (std::size_t{1} << 16) + 16, size);  // (10 + 65535)
   if (head.size() >= 12 && std::memcmp(head.data(), kMagic, 6) == 0 && static_cast<uint8_t>(head[6]) >= 2) {
     std::uint64_t len = 0;
     for (int i = 0; i < 4; ++i) len |= static_cast<std::uint64_t>(head[8 + static_cast<std::size_t>(i)]) << (8 * i);
@@ -184,34 +184,43 @@ NpyArray read_npy_header(const std::string& path) {
   return parse_header(head, size, path).a;
 }
 
-std::vector<std::byte> format_npy(const NpyArray& a) {
-  CPATTN_CHECK(static_cast<std::size_t>(a.elements()) * a.element_size() == a.data.size(),
-               "format_npy: data holds ", a.data.size(), " bytes for a shape of ", a.elements(), " elements");
+namespace {
+
+// A .npy file of `type` and `shape` whose data are `bytes` (one copy, into the file's bytes).
+std::vector<std::byte> format_file(NpyType type, const std::vector<int64_t>& shape, std::span<const std::byte> bytes) {
+  int64_t elements = 1;
+  for (const int64_t d : shape) elements *= d;
+  CPATTN_CHECK(static_cast<std::size_t>(elements) * type_size(type) == bytes.size(),
+               "format_npy: data holds ", bytes.size(), " bytes for a shape of ", elements, " elements");
   // As numpy writes it: (), (3,), (2, 3).
-  std::string shape = "(";
-  for (std::size_t i = 0; i < a.shape.size(); ++i) {
-    if (i > 0) shape += ", ";
-    shape += std::to_string(a.shape[i]);
+  std::string dims = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) dims += ", ";
+    dims += std::to_string(shape[i]);
   }
-  if (a.shape.size() == 1) shape += ",";
-  shape += ")";
-  std::string header = std::string("{'descr': '") + descr_of(a.type) + "', 'fortran_order': False, 'shape': " +
-                       shape + ", }";
+  if (shape.size() == 1) dims += ",";
+  dims += ")";
+  std::string header = std::string("{'descr': '") + descr_of(type) + "', 'fortran_order': False, 'shape': " +
+                       dims + ", }";
   // Pad with spaces so that the data starts at a multiple of 64 bytes; end with a newline.
   const std::size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header += '\n';
   CPATTN_CHECK(header.size() <= 65535, "format_npy: header too long");
-  std::vector<std::byte> out(10 + header.size() + a.data.size());
+  std::vector<std::byte> out(10 + header.size() + bytes.size());
   std::memcpy(out.data(), kMagic, 6);
   out[6] = std::byte{1};
   out[7] = std::byte{0};
   out[8] = static_cast<std::byte>(header.size() & 0xff);
   out[9] = static_cast<std::byte>(header.size() >> 8);
   std::memcpy(out.data() + 10, header.data(), header.size());
-  if (!a.data.empty()) std::memcpy(out.data() + 10 + header.size(), a.data.data(), a.data.size());
+  if (!bytes.empty()) std::memcpy(out.data() + 10 + header.size(), bytes.data(), bytes.size());
   return out;
 }
+
+}  // namespace
+
+std::vector<std::byte> format_npy(const NpyArray& a) { return format_file(a.type, a.shape, a.data); }
 
 void write_npy(const std::string& path, const NpyArray& a) {
   const std::vector<std::byte> bytes = format_npy(a);
@@ -219,10 +228,7 @@ void write_npy(const std::string& path, const NpyArray& a) {
 }
 
 std::vector<std::byte> format_npy(std::span<const float> values, std::vector<int64_t> shape) {
-  NpyArray a{.type = NpyType::f32, .shape = std::move(shape), .data = {}};
-  a.data.resize(values.size_bytes());
-  std::memcpy(a.data.data(), values.data(), values.size_bytes());
-  return format_npy(a);
+  return format_file(NpyType::f32, shape, std::as_bytes(values));
 }
 
 void write_npy(const std::string& path, std::span<const float> values, std::vector<int64_t> shape) {

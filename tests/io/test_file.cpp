@@ -5,6 +5,8 @@
 #include <cpattn/file.hpp>
 #include <cpattn/npy.hpp>
 
+#include "temp_dir.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -27,15 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-struct TempDir {
-  fs::path dir;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "cpattn-file-test-XXXXXX").string();
-    dir = ::mkdtemp(t.data());
-  }
-  ~TempDir() { fs::remove_all(dir); }
-  std::string operator/(const std::string& n) const { return (dir / n).string(); }
-};
+using cpattn::testing::TempDir;
 
 std::span<const std::byte> bytes(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
 
@@ -254,11 +248,13 @@ TEST(SafeFile, ASetOfFilesIsReplacedOnlyWhenEveryOneIsWritten) {
   EXPECT_EQ(slurp(b), "old b");
   EXPECT_EQ(slurp(c), "old c");
   EXPECT_EQ(entries(t.dir), 3u);
-  // A refused path (a folder) fails the set before any work too.
+  // A refused path (a folder) fails the set before any file is written (every path is checked
+  // first): no temporary file either.
   fs::create_directory(t / "d");
   const FileBytes refused[] = {{a, bytes("new a")}, {t / "d", bytes("x")}};
   EXPECT_THAT(message_of([&] { write_files_atomically(refused); }), HasSubstr("is a folder"));
   EXPECT_EQ(slurp(a), "old a");
+  EXPECT_EQ(entries(t.dir), 4u);
   const FileBytes fits[] = {{a, bytes("new a")}, {b, bytes("new b")}, {c, bytes("new c")}};
   write_files_atomically(fits);
   EXPECT_EQ(slurp(a) + slurp(b) + slurp(c), "new anew bnew c");
