@@ -82,14 +82,16 @@ void check_view(const char* fn, const char* name, const ConstTensorView& t, Want
                heads.value, ", got ", t.heads);
   CPATTN_CHECK(t.dim == dim.value, fn, ": ", name, ".dim must equal ", dim.name, " = ",
                dim.value, ", got ", t.dim);
-  const int64_t hs = t.head_step(), rs = t.row_step();
+  const int64_t hs = t.head_step();
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   CPATTN_CHECK(hs >= t.dim, fn, ": ", name, ".head_stride must be >= head dim ", t.dim,
                " (or 0: contiguous), got ", hs);
-  // Every element's offset fits int64 (a huge stride wrapped the row check's sum and passed it).
-  CPATTN_CHECK(t.heads <= 1 || hs <= (kMax - t.dim) / (t.heads - 1), fn, ": ", name, ".head_stride ", hs,
-               " puts the last of ", t.heads, " heads past int64's offsets");
-  const int64_t row_span = hs * (t.heads - 1) + t.dim;
+  // Every element's offset fits int64 (a huge stride wrapped the row check's sum and passed it),
+  // and so does the default row step, heads x head_stride, read next.
+  CPATTN_CHECK(hs <= kMax / t.heads, fn, ": ", name, ".head_stride ", hs, " puts the last of ", t.heads,
+               " heads past int64's offsets");
+  const int64_t rs = t.row_step();
+  const int64_t row_span = hs * (t.heads - 1) + t.dim;  // <= heads x hs
   CPATTN_CHECK(t.rows <= 1 || rs >= row_span, fn, ": ", name, ".row_stride must be >= ", row_span, " (", t.heads,
                " heads of stride ", hs, ", dim ", t.dim, ") or 0 (contiguous), got ", rs);
   CPATTN_CHECK(t.rows <= 1 || rs <= (kMax - row_span) / (t.rows - 1), fn, ": ", name, ".row_stride ", rs,

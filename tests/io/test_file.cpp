@@ -238,9 +238,10 @@ TEST(SafeFile, AFailingWriteLeavesTheOldFileAndNoTemporary) {
 TEST(SafeFile, ASetOfFilesIsReplacedOnlyWhenEveryOneIsWritten) {
   TempDir t;
   for (const char* name : {"a", "b", "c"}) write_file_atomically(t / name, bytes(std::string("old ") + name));
-  const std::string big(100000, 'x');
+  const std::string big(100000, 'x'), new_a = "new a", new_b = "new b", new_c = "new c", x = "x";
   const std::string a = t / "a", b = t / "b", c = t / "c";
-  const FileBytes set[] = {{a, bytes("new a")}, {b, bytes("new b")}, {c, bytes(big)}};
+  // (the spans view these strings: each alive for the whole test)
+  const FileBytes set[] = {{a, bytes(new_a)}, {b, bytes(new_b)}, {c, bytes(big)}};
   const std::string msg = under_4096_byte_files([&] { write_files_atomically(set); });
   EXPECT_THAT(msg, HasSubstr(c));
   EXPECT_THAT(msg, HasSubstr("write failed after 4096 of 100000 bytes"));
@@ -251,11 +252,11 @@ TEST(SafeFile, ASetOfFilesIsReplacedOnlyWhenEveryOneIsWritten) {
   // A refused path (a folder) fails the set before any file is written (every path is checked
   // first): no temporary file either.
   fs::create_directory(t / "d");
-  const FileBytes refused[] = {{a, bytes("new a")}, {t / "d", bytes("x")}};
+  const FileBytes refused[] = {{a, bytes(new_a)}, {t / "d", bytes(x)}};
   EXPECT_THAT(message_of([&] { write_files_atomically(refused); }), HasSubstr("is a folder"));
   EXPECT_EQ(slurp(a), "old a");
   EXPECT_EQ(entries(t.dir), 4u);
-  const FileBytes fits[] = {{a, bytes("new a")}, {b, bytes("new b")}, {c, bytes("new c")}};
+  const FileBytes fits[] = {{a, bytes(new_a)}, {b, bytes(new_b)}, {c, bytes(new_c)}};
   write_files_atomically(fits);
   EXPECT_EQ(slurp(a) + slurp(b) + slurp(c), "new anew bnew c");
   EXPECT_EQ(entries(t.dir), 4u);
