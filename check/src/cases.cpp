@@ -1,22 +1,28 @@
 #include <cpattn/check/cases.hpp>
 
-#include <cpattn/layout.hpp>
 
 #include <algorithm>
 #include <cmath>
 
 namespace cpattn::check {
 
-std::vector<int64_t> AttnCase::cu(const std::vector<int64_t>& lens) { return cu_seqlens_from_lengths(lens); }
+std::vector<int64_t> AttnCase::cu(const std::vector<int64_t>& lens) {
+  // (a 0: a document empty in both lists, which varlen_worklist skips; the planner's
+  // cu_seqlens_from_lengths refuses it)
+  std::vector<int64_t> cu{0};
+  for (const int64_t n : lens) cu.push_back(cu.back() + n);
+  return cu;
+}
 
 int64_t AttnCase::visible_pairs() const {
   int64_t n = 0;
   for (std::size_t d = 0; d < q_lens.size(); ++d) {
     const int64_t ql = q_lens[d], kl = k_lens[d];
-    const int64_t q_pos = std::max<int64_t>(kl - ql, 0);  // bottom-right alignment
+    // Bottom-right alignment: the queries end where the keys end (varlen_worklist's positions).
+    const int64_t q_pos = std::max<int64_t>(kl - ql, 0), k_pos = std::max<int64_t>(ql - kl, 0);
     for (int64_t i = 0; i < ql; ++i) {
       const int64_t qp = q_pos + i;
-      int64_t lo = 0, hi = kl - 1;
+      int64_t lo = k_pos, hi = k_pos + kl - 1;
       if (window_left >= 0) lo = std::max(lo, qp - window_left);
       if (mask == MaskType::causal) hi = std::min(hi, qp);
       else if (window_right >= 0) hi = std::min(hi, qp + window_right);
@@ -107,6 +113,12 @@ std::vector<AttnCase> attention_cases() {
   // overlap test before this row existed). Last, so that the seeds of the rows before it
   // (1234 + the row's index) stay as they were.
   cases.push_back({"mha_short_queries_long_keys", {1, 20, 32}, {600, 700, 1100}, 2, 2, 64, 64, M::causal});
+  // Causal with more queries than keys (FlashAttention 2.1's bottom-right rule: the first
+  // q_len - kv_len queries see no key), a document empty on both sides between (a padded
+  // batch's), with a window and ALiBi on the second. Last, for the seeds above.
+  cases.push_back({"causal_more_queries", {50, 0, 7, 1}, {30, 0, 3, 1}, 4, 2, 64, 32, M::causal});
+  cases.push_back(with({"win_alibi_causal_more_queries", {130, 9}, {70, 9}, 4, 1, 48, 48, M::causal},
+                       20, -1, 0, true, 0));
   return cases;
 }
 

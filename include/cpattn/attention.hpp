@@ -270,11 +270,14 @@ void attention_backward(const AttnBwdParams& p);
 // one task per document with one key run. Bottom-right alignment: with q_len queries and
 // kv_len keys the queries are the last q_len positions, q_pos = kv_len - q_len, so that under
 // a causal mask query row i sees keys 0 .. kv_len - q_len + i. Rules: both lists start at 0,
-// have the same number (>= 2) of entries and are strictly increasing (no empty documents);
-// with a causal mask q_len <= kv_len for every document. Without a mask any q_len goes
-// (cross-attention); a document with more queries than keys has q_pos = 0 and its key run
-// position q_len - kv_len (the same differences query - key, which windows and ALiBi read, as
-// FlashAttention's bottom-right alignment). Task d has doc = d.
+// have the same number (>= 2) of entries and do not decrease; a document is empty in both
+// (no task: a padded batch's, as FlashAttention takes them) or in neither. Any q_len goes
+// against any kv_len: a document with more queries than keys has q_pos = 0 and its key run at
+// position q_len - kv_len (the same differences query - key, which masks, windows and ALiBi
+// read, as FlashAttention's bottom-right alignment), so under a causal mask its first
+// q_len - kv_len queries see no key (out 0, lse -inf), as in FlashAttention 2.1 and later.
+// The task of document d has doc = d. The list is the same under every mask (`mask`, kept for
+// callers' code, is read by nothing: the kernels take the mask from AttnOptions).
 // int32 boundaries (what PyTorch users hold) are accepted as they are.
 WorkList varlen_worklist(std::span<const int64_t> cu_seqlens_q,
                          std::span<const int64_t> cu_seqlens_k,

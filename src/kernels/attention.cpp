@@ -194,9 +194,9 @@ const kernels::KernelTable& kernel_table(KernelPath path, DType dtype) {
   return *info->table;
 }
 
+// (The list is the same under every mask: the kernels read the mask from the options.)
 template <class Int>
-WorkList varlen_worklist_impl(std::span<const Int> cu_q, std::span<const Int> cu_k,
-                              MaskType mask) {
+WorkList varlen_worklist_impl(std::span<const Int> cu_q, std::span<const Int> cu_k) {
   CPATTN_CHECK(cu_q.size() >= 2, "varlen_worklist: cu_seqlens_q needs >= 2 entries, got ",
                cu_q.size());
   CPATTN_CHECK(cu_q.size() == cu_k.size(), "varlen_worklist: cu_seqlens_q has ", cu_q.size(),
@@ -210,19 +210,23 @@ WorkList varlen_worklist_impl(std::span<const Int> cu_q, std::span<const Int> cu
   w.runs.reserve(n);
   for (size_t d = 0; d < n; ++d) {
     const int64_t ql = int64_t{cu_q[d + 1]} - cu_q[d], kl = int64_t{cu_k[d + 1]} - cu_k[d];
-    CPATTN_CHECK(ql >= 1 && kl >= 1, "varlen_worklist: cu_seqlens must be strictly increasing, "
-                 "document ", d, " has q_len ", ql, " and kv_len ", kl);
-    CPATTN_CHECK(mask != MaskType::causal || ql <= kl, "varlen_worklist: document ", d,
-                 " has q_len ", ql, " > kv_len ", kl,
-                 " (a causal mask with bottom-right alignment needs q_len <= kv_len)");
+    CPATTN_CHECK(ql >= 0 && kl >= 0, "varlen_worklist: cu_seqlens must not decrease, document ", d, " has q_len ",
+                 ql, " and kv_len ", kl);
+    // A document empty on both sides (a padded batch's, as FlashAttention takes them): no task,
+    // no rows. Empty on one side only would leave rows unwritten (out of queries that see no
+    // key; dk/dv of keys no query reads): refused.
+    if (ql == 0 && kl == 0) continue;
+    CPATTN_CHECK(ql >= 1 && kl >= 1, "varlen_worklist: document ", d, " has q_len ", ql, " and kv_len ", kl,
+                 ": a document is empty on both sides or on neither");
     // Bottom-right alignment (FlashAttention's): query i sits at key position i + kl - ql.
-    // With more queries than keys (no causal mask) that is negative for the first ones, so
-    // there the keys start at position ql - kl and the queries at 0: the same differences,
-    // which are all that windows, ALiBi and the masks read (dropout reads the positions).
+    // With more queries than keys that is negative for the first ones, so there the keys start
+    // at position ql - kl and the queries at 0: the same differences, which are all that the
+    // masks, windows and ALiBi read (dropout reads the positions). Under a causal mask the first
+    // ql - kl queries then see no key (out 0, lse -inf), as in FlashAttention 2.1 and later.
+    const auto run = static_cast<int64_t>(w.runs.size());
     w.runs.push_back({.row = cu_k[d], .len = kl, .pos = ql <= kl ? 0 : ql - kl});
     w.tasks.push_back({.q_row = cu_q[d], .q_len = ql, .q_pos = ql <= kl ? kl - ql : 0,
-                       .doc = static_cast<int64_t>(d), .run_begin = static_cast<int64_t>(d),
-                       .run_end = static_cast<int64_t>(d + 1)});
+                       .doc = static_cast<int64_t>(d), .run_begin = run, .run_end = run + 1});
   }
   return w;
 }
@@ -438,14 +442,12 @@ void attention_backward(const AttnBwdParams& p) {
   kernel_table(p.in.options.path, p.in.dtype()).backward(p);
 }
 
-WorkList varlen_worklist(std::span<const int64_t> cu_q, std::span<const int64_t> cu_k,
-                         MaskType mask) {
-  return varlen_worklist_impl(cu_q, cu_k, mask);
+WorkList varlen_worklist(std::span<const int64_t> cu_q, std::span<const int64_t> cu_k, MaskType) {
+  return varlen_worklist_impl(cu_q, cu_k);
 }
 
-WorkList varlen_worklist(std::span<const int32_t> cu_q, std::span<const int32_t> cu_k,
-                         MaskType mask) {
-  return varlen_worklist_impl(cu_q, cu_k, mask);
+WorkList varlen_worklist(std::span<const int32_t> cu_q, std::span<const int32_t> cu_k, MaskType) {
+  return varlen_worklist_impl(cu_q, cu_k);
 }
 
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {

@@ -1703,13 +1703,30 @@ TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
   EXPECT_EQ(w.tasks[1].q_pos, 0);
   EXPECT_EQ(w.runs[1].row, 4);
   EXPECT_EQ(w.runs[1].len, 3);
-  const std::vector<int64_t> bad0{1, 2}, short1{0}, flat{0, 2, 2}, big_q{0, 5};
+  const std::vector<int64_t> bad0{1, 2}, short1{0}, flat{0, 2, 2}, big_q{0, 5}, down{0, 3, 2};
   const std::vector<int64_t> k2{0, 2}, k3{0, 4, 7}, small_k{0, 3};
   EXPECT_THROW(varlen_worklist(bad0, k2), Error);
   EXPECT_THROW(varlen_worklist(short1, short1), Error);
-  EXPECT_THROW(varlen_worklist(flat, k3), Error);
-  EXPECT_THROW(varlen_worklist(big_q, small_k), Error);
+  EXPECT_NE(error_of([&] { (void)varlen_worklist(flat, k3); })
+                .find("document 1 has q_len 0 and kv_len 3: a document is empty on both sides or on neither"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)varlen_worklist(down, k3); }).find("cu_seqlens must not decrease, document 1 has q_len -1"),
+            std::string::npos);
   EXPECT_THROW(varlen_worklist(k2, k3), Error);
+  // Causal with more queries than keys (refused before): FlashAttention 2.1's bottom-right
+  // rule, the keys at position q_len - kv_len (CausalWithMoreQueriesThanKeysFollowsFlashAttention)
+  const WorkList more = varlen_worklist(big_q, small_k);
+  ASSERT_EQ(more.tasks.size(), 1u);
+  EXPECT_EQ(more.tasks[0].q_pos, 0);
+  EXPECT_EQ(more.runs[0].pos, 2);
+  // A document empty on both sides (a padded batch's): no task, the next one's doc index kept
+  const std::vector<int64_t> pq{0, 2, 2, 5}, pk{0, 4, 4, 7};
+  const WorkList padded = varlen_worklist(pq, pk);
+  ASSERT_EQ(padded.tasks.size(), 2u);
+  EXPECT_EQ(padded.tasks[1].doc, 2);
+  EXPECT_EQ(padded.tasks[1].q_row, 2);
+  EXPECT_EQ(padded.tasks[1].run_begin, 1);
+  EXPECT_EQ(padded.runs[1].row, 4);
   // Without a mask any lengths go (cross-attention): more queries than keys start at 0 and
   // the keys at q_len - kv_len, so query i - key j = i + kv_len - q_len - j, FlashAttention's
   // bottom-right difference, which windows and ALiBi read (before: keys at 0, so a window
@@ -1730,6 +1747,90 @@ TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
     EXPECT_EQ(w32.tasks[t].q_pos, w.tasks[t].q_pos);
     EXPECT_EQ(w32.runs[t].row, w.runs[t].row);
     EXPECT_EQ(w32.runs[t].len, w.runs[t].len);
+  }
+}
+
+// Causal with more queries than keys, as FlashAttention 2.1 and later take it (bottom-right:
+// query i sees key j iff j <= i - (q_len - kv_len)): the first q_len - kv_len rows see no key
+// (out 0, lse -inf, dq 0) and the others are their softmax over the keys they see, against a
+// float64 computation of that rule written here (not the reference's visibility), forward and
+// backward, on every path this CPU runs; a document empty on both sides between changes nothing.
+TEST(kernel_varlen_worklist, CausalWithMoreQueriesThanKeysFollowsFlashAttention) {
+  const AttnCase c{"more_queries", {9, 0, 3}, {4, 0, 3}, 2, 1, 8, 8, MaskType::causal};
+  const Problem pb(c, DType::f32, 77);
+  const std::vector<float> q = pb.q.values(), k = pb.k.values(), v = pb.v.values(), dout = pb.dout.values();
+  const int hq = 2, d = 8;
+  const double scale = 1.0 / std::sqrt(8.0);
+  // float64: out, lse, dq, dk, dv of the rule, document by document
+  std::vector<double> out(q.size(), 0.0), lse(static_cast<std::size_t>(12 * hq), -INFINITY), dq(q.size(), 0.0),
+      dk(k.size(), 0.0), dv(v.size(), 0.0);
+  const struct {
+    int q0, ql, k0, kl;
+  } docs[] = {{0, 9, 0, 4}, {9, 3, 4, 3}};
+  const auto at = [d](int row, int heads, int h, int e) { return static_cast<std::size_t>((row * heads + h) * d + e); };
+  for (const auto& doc : docs)
+    for (int h = 0; h < hq; ++h)
+      for (int i = 0; i < doc.ql; ++i) {
+        const int seen = i - (doc.ql - doc.kl) + 1;  // keys 0 .. seen - 1
+        if (seen <= 0) continue;
+        const int qr = doc.q0 + i;
+        std::vector<double> p(static_cast<std::size_t>(seen));
+        double m = -INFINITY, sum = 0;
+        for (int j = 0; j < seen; ++j) {
+          double sdot = 0;
+          for (int e = 0; e < d; ++e) sdot += double{q[at(qr, hq, h, e)]} * k[at(doc.k0 + j, 1, 0, e)];
+          p[static_cast<std::size_t>(j)] = sdot * scale;
+          m = std::max(m, p[static_cast<std::size_t>(j)]);
+        }
+        for (double& x : p) sum += x = std::exp(x - m);
+        for (double& x : p) x /= sum;
+        lse[static_cast<std::size_t>(qr * hq + h)] = m + std::log(sum);
+        for (int e = 0; e < d; ++e)
+          for (int j = 0; j < seen; ++j) out[at(qr, hq, h, e)] += p[static_cast<std::size_t>(j)] * v[at(doc.k0 + j, 1, 0, e)];
+        double delta = 0;
+        for (int e = 0; e < d; ++e) delta += double{dout[at(qr, hq, h, e)]} * out[at(qr, hq, h, e)];
+        for (int j = 0; j < seen; ++j) {
+          double dp = 0;
+          for (int e = 0; e < d; ++e) dp += double{dout[at(qr, hq, h, e)]} * v[at(doc.k0 + j, 1, 0, e)];
+          const double pj = p[static_cast<std::size_t>(j)], ds = pj * (dp - delta);
+          for (int e = 0; e < d; ++e) {
+            dq[at(qr, hq, h, e)] += scale * ds * k[at(doc.k0 + j, 1, 0, e)];
+            dk[at(doc.k0 + j, 1, 0, e)] += scale * ds * q[at(qr, hq, h, e)];
+            dv[at(doc.k0 + j, 1, 0, e)] += pj * dout[at(qr, hq, h, e)];
+          }
+        }
+      }
+  const auto close = [](const std::vector<float>& got, const std::vector<double>& want, const char* what) {
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (std::isinf(want[i])) {
+        EXPECT_EQ(got[i], static_cast<float>(want[i])) << what << " " << i;
+        continue;
+      }
+      num += (got[i] - want[i]) * (got[i] - want[i]);
+      den += want[i] * want[i];
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-5) << what;
+  };
+  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                                KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    SCOPED_TRACE(std::string(to_string(path)));
+    Tensor o(DType::f32, pb.out_shape()), gq(DType::f32, pb.q_shape()), gk(DType::f32, pb.k_shape()),
+        gv(DType::f32, pb.v_shape());
+    std::vector<float> l(pb.lse_size());
+    attention_forward(pb.fwd(pb.q, pb.k, pb.v, o, l.data(), path, 2));
+    attention_backward(pb.bwd(pb.q, pb.k, pb.v, o, l.data(), pb.dout, gq, gk, gv, path, 2));
+    for (int r = 0; r < 5; ++r)  // the rows that see no key: exactly zero
+      for (int e = 0; e < hq * d; ++e) {
+        ASSERT_EQ(o.f[static_cast<std::size_t>(r * hq * d + e)], 0.0f) << r;
+        ASSERT_EQ(gq.f[static_cast<std::size_t>(r * hq * d + e)], 0.0f) << r;
+      }
+    close(o.values(), out, "out");
+    close(l, lse, "lse");
+    close(gq.values(), dq, "dq");
+    close(gk.values(), dk, "dk");
+    close(gv.values(), dv, "dv");
   }
 }
 

@@ -24,6 +24,8 @@ def assert_close(name, got, want, dtype):
     else:
         excess = float(((got - want).abs() - (tol + tol * want.abs())).max())
         assert excess <= 0, f"{name}: |diff| exceeds {tol} + {tol}|ref| by {excess:.3g}"
+        err = float((got - want).norm() / want.norm().clamp_min(1e-300))
+        assert err <= tol, f"{name}: relative L2 error {err:.3g} > {tol}"
 
 
 def sdpa_reference(q, k, v, cu_q, cu_k, causal, scale=None):

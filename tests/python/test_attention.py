@@ -53,6 +53,27 @@ def test_cross_attention_bottom_right(causal):
     assert_close("out", out, sdpa_reference(q, k, v, cu_q, cu_k, causal, scale=0.3), torch.float32)
 
 
+def test_causal_more_queries_than_keys_and_empty_documents():
+    """FlashAttention 2.1+'s rules, which cpattn refused before: causal with more queries than
+    keys is bottom-right aligned, so the first q_len - k_len queries see no key (out 0, dq 0), and
+    a document empty in both lists (a padded batch's) is taken; against PyTorch's attention."""
+    lq, lk = [7, 0, 3], [4, 0, 3]
+    q, k, v = batch(lq, 2, 1, 8, 8, torch.float32, lengths_k=lk)
+    cu_q, cu_k = cu_from_lengths(lq), cu_from_lengths(lk, torch.int64)
+    out = cpattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 4, causal=True)
+    want = torch.nan_to_num(sdpa_reference(q, k, v, cu_q, cu_k, True), nan=0.0)  # (rows of no key)
+    assert torch.all(out[:3] == 0)
+    assert_close("out", out, want, torch.float32)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.all(dq[:3] == 0)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.nan_to_num(sdpa_reference(*ref_in, cu_q, cu_k, True), nan=0.0)
+    rdq, rdk, rdv = torch.autograd.grad(ref.sum(), ref_in)
+    for name, got, w in (("dq", dq, torch.nan_to_num(rdq)), ("dk", dk, torch.nan_to_num(rdk)),
+                         ("dv", dv, torch.nan_to_num(rdv))):
+        assert_close(name, got, w, torch.float32)
+
+
 def test_finite_differences_fp32():
     """The kernels have no float64, so gradcheck's float64 rule cannot apply: central
     differences in fp32 instead. For L = <out, w> and a random direction d of each input,

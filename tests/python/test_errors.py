@@ -37,7 +37,9 @@ CASES = [  # (arguments, exception, words the message must hold)
     (dict(q=torch.randn(8, 3, 8)), ValueError, ["num_heads"]),
     (dict(v=torch.randn(8, 3, 8)), ValueError, ["v", "heads"]),
     (dict(cu_q=torch.tensor([0, 3, 9], dtype=torch.int32)), ValueError, ["cu_seqlens_q[-1]", "q.shape[0]"]),
-    (dict(cu_q=torch.tensor([0, 3, 3, 8]), cu_k=torch.tensor([0, 3, 3, 8])), ValueError, ["cu_seqlens", "strictly increasing"]),
+    # a document empty in one list only (empty in both is taken, as FlashAttention takes it)
+    (dict(cu_q=torch.tensor([0, 3, 3, 8]), cu_k=torch.tensor([0, 2, 3, 8])), ValueError,
+     ["document 1 has q_len 0 and kv_len 1", "empty on both sides or on neither"]),
     (dict(cu_q=torch.tensor([0, 8], dtype=torch.int32), max_q=8), ValueError, ["cu_seqlens_q has 2 entries"]),
     (dict(cu_q=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "0"]),
     (dict(cu_q=CU.float()), TypeError, ["cu_seqlens_q", "int32 or int64"]),

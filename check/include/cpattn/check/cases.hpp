@@ -14,7 +14,7 @@ namespace cpattn::check {
 struct AttnCase {
   std::string name;
   std::vector<int64_t> q_lens;  // queries per document
-  std::vector<int64_t> k_lens;  // keys per document (>= q_lens: bottom-right alignment)
+  std::vector<int64_t> k_lens;  // keys per document (bottom-right aligned to the queries; 0 with q_lens' 0)
   int num_heads_q = 1;
   int num_heads_k = 1;
   int head_dim_qk = 64;
