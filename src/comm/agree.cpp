@@ -31,11 +31,18 @@ std::string format_ranks(const std::vector<int>& ranks) {
 }
 
 // FNV-1a over the names, each followed by a 0 byte: equal on ranks with the same field list.
+// The field names and which fields are reduced, and how: a field one rank adds with add_min and
+// another with add compared on one rank and was reduced on the other, which went on alone.
 std::int64_t names_hash(const Fingerprint& fp) {
   std::uint64_t h = 14695981039346656037ull;
+  const auto mix = [&h](std::uint64_t x) { h = (h ^ x) * 1099511628211ull; };
   for (const auto& [name, value] : fp.fields) {
-    for (const char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    h = (h ^ 0u) * 1099511628211ull;
+    for (const char c : name) mix(static_cast<unsigned char>(c));
+    mix(0);
+  }
+  for (const auto& [field, by_min] : fp.reduced) {
+    mix(field + 1);
+    mix(by_min ? 2 : 1);
   }
   return static_cast<std::int64_t>(h);
 }

@@ -564,6 +564,24 @@ TEST(Agree, MinFieldsAreNotComparedButReduced) {
   EXPECT_TRUE(agree(comm, Fingerprint{}.add("a", 1), "x").empty());
 }
 
+// A field compared on one rank and reduced on another (add against add_min or add_and, under
+// one name) is a disagreement on every rank: the ranks that reduced it went on alone and left
+// the others waiting.
+TEST(Agree, AFieldReducedOnSomeRanksOnlyIsADisagreement) {
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS});
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (const bool by_min : {true, false}) {
+    Fingerprint fp;
+    fp.add("tokens", 4096);
+    if (comm.rank() == 0) fp.add("free", 1);
+    else if (by_min) fp.add_min("free", 1);
+    else fp.add_and("free", 1);
+    EXPECT_THAT(cpattn::testing::error_of([&] { (void)agree(comm, fp, "x"); }),
+                ::testing::HasSubstr("fingerprint field names (hash)"));
+  }
+  comm.barrier();
+}
+
 // A buffer every rank maps: what one rank writes, the others read after a barrier, at their
 // own addresses; a second buffer is another file; sizes of 0 and of a few MiB.
 TEST(NodeBufferTest, EveryRankSeesTheOthersWritesAfterABarrier) {
