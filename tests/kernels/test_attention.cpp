@@ -11,6 +11,7 @@
 #include "../src/kernels/blocking.hpp"  // GradShareLayout
 #include "../src/kernels/common.hpp"  // KernelTable::bf16_dot, tile_dot, tile_gemm and gemm_f32: the products' steps
 #include "error_of.hpp"
+#include "sanitize.hpp"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -27,10 +28,12 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 
@@ -90,6 +93,29 @@ void expect_close(const char* what, const std::vector<float>& got, const std::ve
       << what << ": error " << err << " vs naive same-precision error " << naive_err;
 }
 
+// The awkward cases: 1-token documents, head dims 16, 59, 111, MLA, GQA, cross-attention,
+// dropout. The emulated fp16 rows run these alone (below), and so do, under a sanitizer, the
+// emulated paths' rows where the CPU has their native path.
+constexpr std::string_view kAwkwardCases[] = {"one_token_docs", "seqlen_1_dim16",   "fewer_queries_gqa8",
+                                              "mla_192_128",    "no_mask_dim59",    "no_mask_more_queries",
+                                              "win_none_mla_gqa_dropout"};
+
+// Under a sanitizer (tests/sanitize.hpp) the emulated paths' scalar products are most of the
+// kernel tests' time (70 s of the asan build's case table, amx_emulated's bf16 rows above all).
+// Where the CPU has the native path, its rows run the same kernel template under the sanitizer
+// (at its own vector width), and kernel_amx_tiles and kernel_bf16_dot run the emulated products'
+// own code; the emulated path's rows then run the awkward cases alone, and the tests that loop
+// over every path (scratch, grad_share, kv_pack_share) leave it out. The optimized build, and a
+// CPU without the native path, run it everywhere.
+bool emulated_beside_native(KernelPath path) {
+  return (path == KernelPath::amx_emulated && kernel_path_supported(KernelPath::amx)) ||
+         (path == KernelPath::bf16_emulated && kernel_path_supported(KernelPath::avx512_bf16));
+}
+bool skipped_under_sanitizer(const AttnCase& c, KernelPath path) {
+  return test::kSanitize && emulated_beside_native(path) &&
+         std::ranges::find(kAwkwardCases, c.name) == std::end(kAwkwardCases);
+}
+
 TEST_P(kernel_table, MatchesReference) {
   const auto [ci, dt, path] = GetParam();
   if (!kernel_path_supported(path))
@@ -98,6 +124,9 @@ TEST_P(kernel_table, MatchesReference) {
                                                "permission for "
                                                "tile data; amx_emulated runs its algorithm here)"
                                              : "");
+  if (skipped_under_sanitizer(cases()[ci], path))
+    GTEST_SKIP() << "under a sanitizer, " << to_string(path) << " runs the awkward cases alone where the CPU has "
+                 << "its native path (the optimized build runs this row)";
   const Truth& t = truth(ci, dt);
   const Problem pb(cases()[ci], dt, 1234 + ci);
   const Results fwd_only = run_kernels(pb, dt, path, 2);
@@ -133,9 +162,9 @@ INSTANTIATE_TEST_SUITE_P(
 // The amx paths differ from their base paths only for bf16 and fp16 storage: their rows run
 // those (amx where the CPU has AMX and the OS grants tile data, amx_emulated on AVX2). The
 // emulated fp16 rows differ from the bf16 ones only in the 16-bit format (the tiling is the
-// same code), so they run on the awkward cases alone, keeping the emulator's share of the
-// suite small: 1-token documents, head dims 16, 59, 111, MLA, GQA, cross-attention, dropout.
-std::vector<size_t> cases_named(std::initializer_list<std::string_view> names) {
+// same code), so they run on the awkward cases alone (kAwkwardCases), keeping the emulator's
+// share of the suite small.
+std::vector<size_t> cases_named(std::span<const std::string_view> names) {
   std::vector<size_t> idx;
   for (const std::string_view n : names) {
     for (size_t i = 0; i < attention_cases().size(); ++i)
@@ -157,9 +186,7 @@ INSTANTIATE_TEST_SUITE_P(
     table_name);
 INSTANTIATE_TEST_SUITE_P(
     kernels_amx_emulated_fp16, kernel_table,
-    ::testing::Combine(::testing::ValuesIn(cases_named({"one_token_docs", "seqlen_1_dim16", "fewer_queries_gqa8",
-                                                        "mla_192_128", "no_mask_dim59", "no_mask_more_queries",
-                                                        "win_none_mla_gqa_dropout"})),
+    ::testing::Combine(::testing::ValuesIn(cases_named(kAwkwardCases)),
                        ::testing::Values(DType::f16), ::testing::Values(KernelPath::amx_emulated)),
     table_name);
 
@@ -335,7 +362,7 @@ TEST(kernel_attention, ScratchKeptBetweenCallsLeavesNoTrace) {
   const AttnCase small{"small", {5, 120, 64}, {5, 120, 64}, 4, 4, 128, 128, MaskType::causal};
   for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                                 KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
-    if (!kernel_path_supported(path)) continue;
+    if (!kernel_path_supported(path) || (test::kSanitize && emulated_beside_native(path))) continue;
     for (const DType dt : {DType::f32, DType::bf16}) {
       // fp32 on the bf16 and tile paths runs their base path's code (kernel_bf16_dot and
       // kernel_amx_tiles' *Fp32TheBasePath tests), which the loop runs itself
@@ -1084,7 +1111,7 @@ TEST(kernel_grad_share, RowsAreBitwiseTheFp32WriteOfTheSameCall) {
     for (DType dt : {DType::f32, DType::f16, DType::bf16})
       for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                               KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
-        if (!kernel_path_supported(path)) continue;
+        if (!kernel_path_supported(path) || (test::kSanitize && emulated_beside_native(path))) continue;
         if (c == &long_task && !(path == KernelPath::amx && dt == DType::bf16)) continue;  // (slow elsewhere)
         const int64_t tk = c->total_k();
         std::vector<int64_t> perm(static_cast<size_t>(tk));
@@ -1611,7 +1638,7 @@ TEST(kernel_kv_pack_share, CallersPackingTogetherGetBitwiseACallAlone) {
   int ran = 0;
   for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                                 KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
-    if (!kernel_path_supported(path)) continue;
+    if (!kernel_path_supported(path) || (test::kSanitize && emulated_beside_native(path))) continue;
     for (const DType dt : {DType::f32, DType::f16, DType::bf16}) {
       const Problem pb(c, dt, 41);
       const int64_t tk = c.total_k();

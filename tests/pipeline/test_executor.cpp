@@ -12,6 +12,7 @@
 #include "mpi_world.hpp"
 #include "model.hpp"
 #include "pipeline_model.hpp"
+#include "sanitize.hpp"
 
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
@@ -139,11 +140,7 @@ void check_case(const Case& c) {
   EXPECT_LE(err, 1e-5 * scale);
 }
 
-#ifdef CPATTN_SANITIZE_BUILD
-constexpr bool kSanitize = true;  // ASan/UBSan: M = 1 and S + 2 only (M < S and M > S still)
-#else
-constexpr bool kSanitize = false;
-#endif
+using ::cpattn::test::kSanitize;  // under a sanitizer M = 1 and S + 2 only (M < S and M > S still)
 
 TEST(Executor, EverySchedule) {
   const int S = world_size();

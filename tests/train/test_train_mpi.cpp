@@ -4,6 +4,7 @@
 // learning, checkpoints and bad input. Rank 0's CP=1 results reach the others by plain
 // MPI_Bcast on the world (<mpi.h> through cpattn/comm.hpp), outside the model under test.
 #include "mpi_world.hpp"
+#include "sanitize.hpp"
 #include <cpattn/comm.hpp>
 #include <cpattn/error.hpp>
 #include <cpattn/train.hpp>
@@ -29,11 +30,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#ifdef CPATTN_SANITIZE_BUILD
-constexpr bool kSanitize = true;  // ASan/UBSan: about 10x slower, so fewer and smaller steps
-#else
-constexpr bool kSanitize = false;
-#endif
+using ::cpattn::test::kSanitize;  // about 10x slower under a sanitizer: fewer and smaller steps
 
 using ::cpattn::mpi_test::world_rank;
 using ::cpattn::mpi_test::world_size;
