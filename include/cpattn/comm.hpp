@@ -355,8 +355,8 @@ std::optional<std::string> describe_disagreement(const Fingerprint& mine,
 // throws cpattn::Error with every rank's message, identical ones grouped:
 //   "CP attention rejected its arguments: [rank 1] forward: q must not be null"
 // Otherwise it checks that every rank has the same number of fields and the same names and
-// reduced fields (add_min, add_and; through one hash, named "fingerprint field names (hash)"),
-// then the values, and throws describe_disagreement's message on every
+// reduced fields (add_min, add_and; through one hash, named "fingerprint field names and
+// reductions (hash)"), then the values, and throws describe_disagreement's message on every
 // rank when any differs. A rank with an error takes part all the same, so that the others
 // fail with its message instead of waiting for it.
 // Returns each add_min field's minimum and each add_and field's AND over the ranks, in the

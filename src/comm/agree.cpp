@@ -153,7 +153,7 @@ std::vector<std::int64_t> agree(Communicator& comm, const Fingerprint& fp, std::
 
   Fingerprint shape;
   shape.add("fingerprint field count", static_cast<std::int64_t>(nf))
-      .add("fingerprint field names (hash)", mine[2]);
+      .add("fingerprint field names and reductions (hash)", mine[2]);
   std::vector<std::int64_t> shapes;
   for (int q = 0; q < p; ++q) shapes.insert(shapes.end(), {at(q, 1), at(q, 2)});
   if (auto msg = describe_disagreement(shape, shapes, p, what)) throw Error(*msg);

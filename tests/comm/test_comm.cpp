@@ -577,7 +577,7 @@ TEST(Agree, AFieldReducedOnSomeRanksOnlyIsADisagreement) {
     else if (by_min) fp.add_min("free", 1);
     else fp.add_and("free", 1);
     EXPECT_THAT(cpattn::testing::error_of([&] { (void)agree(comm, fp, "x"); }),
-                ::testing::HasSubstr("fingerprint field names (hash)"));
+                ::testing::HasSubstr("fingerprint field names and reductions (hash)"));
   }
   comm.barrier();
 }
