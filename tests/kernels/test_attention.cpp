@@ -1781,84 +1781,96 @@ TEST(kernel_varlen_worklist, BuildsBottomRightTasksAndRejectsBadBoundaries) {
 // query i sees key j iff j <= i - (q_len - kv_len)): the first q_len - kv_len rows see no key
 // (out 0, lse -inf, dq 0) and the others are their softmax over the keys they see, against a
 // float64 computation of that rule written here (not the reference's visibility), forward and
-// backward, on every path this CPU runs; a document empty on both sides between changes nothing.
+// backward, on every path this CPU runs, in fp32, fp16 and bf16 storage (the bf16 pairs and
+// tiles); a document empty on both sides between changes nothing. The second case has 260 such
+// rows: whole query blocks (64 rows, 128 on the tiles) that see no key.
 TEST(kernel_varlen_worklist, CausalWithMoreQueriesThanKeysFollowsFlashAttention) {
-  const AttnCase c{"more_queries", {9, 0, 3}, {4, 0, 3}, 2, 1, 8, 8, MaskType::causal};
-  const Problem pb(c, DType::f32, 77);
-  const std::vector<float> q = pb.q.values(), k = pb.k.values(), v = pb.v.values(), dout = pb.dout.values();
   const int hq = 2, d = 8;
-  const double scale = 1.0 / std::sqrt(8.0);
-  // float64: out, lse, dq, dk, dv of the rule, document by document
-  std::vector<double> out(q.size(), 0.0), lse(static_cast<std::size_t>(12 * hq), -INFINITY), dq(q.size(), 0.0),
-      dk(k.size(), 0.0), dv(v.size(), 0.0);
-  const struct {
-    int q0, ql, k0, kl;
-  } docs[] = {{0, 9, 0, 4}, {9, 3, 4, 3}};
-  const auto at = [d](int row, int heads, int h, int e) { return static_cast<std::size_t>((row * heads + h) * d + e); };
-  for (const auto& doc : docs)
-    for (int h = 0; h < hq; ++h)
-      for (int i = 0; i < doc.ql; ++i) {
-        const int seen = i - (doc.ql - doc.kl) + 1;  // keys 0 .. seen - 1
-        if (seen <= 0) continue;
-        const int qr = doc.q0 + i;
-        std::vector<double> p(static_cast<std::size_t>(seen));
-        double m = -INFINITY, sum = 0;
-        for (int j = 0; j < seen; ++j) {
-          double sdot = 0;
-          for (int e = 0; e < d; ++e) sdot += double{q[at(qr, hq, h, e)]} * k[at(doc.k0 + j, 1, 0, e)];
-          p[static_cast<std::size_t>(j)] = sdot * scale;
-          m = std::max(m, p[static_cast<std::size_t>(j)]);
-        }
-        for (double& x : p) sum += x = std::exp(x - m);
-        for (double& x : p) x /= sum;
-        lse[static_cast<std::size_t>(qr * hq + h)] = m + std::log(sum);
-        for (int e = 0; e < d; ++e)
-          for (int j = 0; j < seen; ++j) out[at(qr, hq, h, e)] += p[static_cast<std::size_t>(j)] * v[at(doc.k0 + j, 1, 0, e)];
-        double delta = 0;
-        for (int e = 0; e < d; ++e) delta += double{dout[at(qr, hq, h, e)]} * out[at(qr, hq, h, e)];
-        for (int j = 0; j < seen; ++j) {
-          double dp = 0;
-          for (int e = 0; e < d; ++e) dp += double{dout[at(qr, hq, h, e)]} * v[at(doc.k0 + j, 1, 0, e)];
-          const double pj = p[static_cast<std::size_t>(j)], ds = pj * (dp - delta);
-          for (int e = 0; e < d; ++e) {
-            dq[at(qr, hq, h, e)] += scale * ds * k[at(doc.k0 + j, 1, 0, e)];
-            dk[at(doc.k0 + j, 1, 0, e)] += scale * ds * q[at(qr, hq, h, e)];
-            dv[at(doc.k0 + j, 1, 0, e)] += pj * dout[at(qr, hq, h, e)];
+  const AttnCase few{"more_queries", {9, 0, 3}, {4, 0, 3}, hq, 1, d, d, MaskType::causal};
+  const AttnCase blocks{"blocks_see_no_key", {300, 0, 3}, {40, 0, 3}, hq, 1, d, d, MaskType::causal};
+  const double scale = 1.0 / std::sqrt(double{d});
+  const auto at = [](int64_t row, int heads, int h, int e) { return static_cast<std::size_t>((row * heads + h) * d + e); };
+  for (const AttnCase* c : {&few, &blocks})
+    for (const DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      SCOPED_TRACE(c->name + " " + std::string(to_string(dt)));
+      const Problem pb(*c, dt, 77);
+      const std::vector<float> q = pb.q.values(), k = pb.k.values(), v = pb.v.values(), dout = pb.dout.values();
+      // float64: out, lse, dq, dk, dv of the rule, document by document
+      std::vector<double> out(q.size(), 0.0), lse(static_cast<std::size_t>(c->total_q() * hq), -INFINITY),
+          dq(q.size(), 0.0), dk(k.size(), 0.0), dv(v.size(), 0.0);
+      int64_t q0 = 0, k0 = 0, unseen = 0;
+      for (std::size_t doc = 0; doc < c->q_lens.size(); q0 += c->q_lens[doc], k0 += c->k_lens[doc], ++doc) {
+        const int64_t ql = c->q_lens[doc], kl = c->k_lens[doc];
+        if (doc == 0) unseen = ql - kl;
+        for (int h = 0; h < hq; ++h)
+          for (int64_t i = 0; i < ql; ++i) {
+            const int64_t seen = i - (ql - kl) + 1;  // keys 0 .. seen - 1
+            if (seen <= 0) continue;
+            const int64_t qr = q0 + i;
+            std::vector<double> p(static_cast<std::size_t>(seen));
+            double m = -INFINITY, sum = 0;
+            for (int64_t j = 0; j < seen; ++j) {
+              double sdot = 0;
+              for (int e = 0; e < d; ++e) sdot += double{q[at(qr, hq, h, e)]} * k[at(k0 + j, 1, 0, e)];
+              p[static_cast<std::size_t>(j)] = sdot * scale;
+              m = std::max(m, p[static_cast<std::size_t>(j)]);
+            }
+            for (double& x : p) sum += x = std::exp(x - m);
+            for (double& x : p) x /= sum;
+            lse[static_cast<std::size_t>(qr * hq + h)] = m + std::log(sum);
+            for (int e = 0; e < d; ++e)
+              for (int64_t j = 0; j < seen; ++j) out[at(qr, hq, h, e)] += p[static_cast<std::size_t>(j)] * v[at(k0 + j, 1, 0, e)];
+            double delta = 0;
+            for (int e = 0; e < d; ++e) delta += double{dout[at(qr, hq, h, e)]} * out[at(qr, hq, h, e)];
+            for (int64_t j = 0; j < seen; ++j) {
+              double dp = 0;
+              for (int e = 0; e < d; ++e) dp += double{dout[at(qr, hq, h, e)]} * v[at(k0 + j, 1, 0, e)];
+              const double pj = p[static_cast<std::size_t>(j)], ds = pj * (dp - delta);
+              for (int e = 0; e < d; ++e) {
+                dq[at(qr, hq, h, e)] += scale * ds * k[at(k0 + j, 1, 0, e)];
+                dk[at(k0 + j, 1, 0, e)] += scale * ds * q[at(qr, hq, h, e)];
+                dv[at(k0 + j, 1, 0, e)] += pj * dout[at(qr, hq, h, e)];
+              }
+            }
           }
+      }
+      // relative L2 within fp32's rule, or the 16-bit dtype's rtol (the products' rounding); lse
+      // is fp32 in every dtype
+      const auto close = [](const std::vector<float>& got, const std::vector<double>& want, const char* what,
+                            double tol) {
+        double num = 0, den = 0;
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          if (std::isinf(want[i])) {
+            EXPECT_EQ(got[i], static_cast<float>(want[i])) << what << " " << i;
+            continue;
+          }
+          num += (got[i] - want[i]) * (got[i] - want[i]);
+          den += want[i] * want[i];
         }
+        EXPECT_LE(std::sqrt(num / den), tol) << what;
+      };
+      const double tol = dt == DType::f32 ? tolerance(dt).rel_norm : tolerance(dt).rtol;
+      for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                                    KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+        if (!kernel_path_supported(path)) continue;
+        SCOPED_TRACE(std::string(to_string(path)));
+        Tensor o(dt, pb.out_shape()), gq(dt, pb.q_shape()), gk(dt, pb.k_shape()), gv(dt, pb.v_shape());
+        std::vector<float> l(pb.lse_size());
+        attention_forward(pb.fwd(pb.q, pb.k, pb.v, o, l.data(), path, 2));
+        attention_backward(pb.bwd(pb.q, pb.k, pb.v, o, l.data(), pb.dout, gq, gk, gv, path, 2));
+        const std::vector<float> ov = o.values(), gqv = gq.values();
+        for (int64_t r = 0; r < unseen; ++r)  // the rows that see no key: exactly zero
+          for (int e = 0; e < hq * d; ++e) {
+            ASSERT_EQ(ov[static_cast<std::size_t>(r * hq * d + e)], 0.0f) << r;
+            ASSERT_EQ(gqv[static_cast<std::size_t>(r * hq * d + e)], 0.0f) << r;
+          }
+        close(ov, out, "out", tol);
+        close(l, lse, "lse", kLseRelNorm);
+        close(gqv, dq, "dq", tol);
+        close(gk.values(), dk, "dk", tol);
+        close(gv.values(), dv, "dv", tol);
       }
-  const auto close = [](const std::vector<float>& got, const std::vector<double>& want, const char* what) {
-    double num = 0, den = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      if (std::isinf(want[i])) {
-        EXPECT_EQ(got[i], static_cast<float>(want[i])) << what << " " << i;
-        continue;
-      }
-      num += (got[i] - want[i]) * (got[i] - want[i]);
-      den += want[i] * want[i];
     }
-    EXPECT_LE(std::sqrt(num / den), 1e-5) << what;
-  };
-  for (const KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
-                                KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
-    if (!kernel_path_supported(path)) continue;
-    SCOPED_TRACE(std::string(to_string(path)));
-    Tensor o(DType::f32, pb.out_shape()), gq(DType::f32, pb.q_shape()), gk(DType::f32, pb.k_shape()),
-        gv(DType::f32, pb.v_shape());
-    std::vector<float> l(pb.lse_size());
-    attention_forward(pb.fwd(pb.q, pb.k, pb.v, o, l.data(), path, 2));
-    attention_backward(pb.bwd(pb.q, pb.k, pb.v, o, l.data(), pb.dout, gq, gk, gv, path, 2));
-    for (int r = 0; r < 5; ++r)  // the rows that see no key: exactly zero
-      for (int e = 0; e < hq * d; ++e) {
-        ASSERT_EQ(o.f[static_cast<std::size_t>(r * hq * d + e)], 0.0f) << r;
-        ASSERT_EQ(gq.f[static_cast<std::size_t>(r * hq * d + e)], 0.0f) << r;
-      }
-    close(o.values(), out, "out");
-    close(l, lse, "lse");
-    close(gq.values(), dq, "dq");
-    close(gk.values(), dk, "dk");
-    close(gv.values(), dv, "dv");
-  }
 }
 
 TEST(kernel_paths, DispatchTable) {
