@@ -766,7 +766,13 @@ void compare_run(const TrainArgs& a) {
       shapes.push_back(with_compare_shape(a, entry));
       check_args(shapes.back());
     }, [&entry](const std::string& m) { return m.starts_with("--compare") ? m : "--compare '" + entry + "': " + m; });
-    runs.push_back({compare_label(shapes.back()), shapes.back().dp * shapes.back().cp * shapes.back().pp});
+    const std::string label = compare_label(shapes.back());
+    // Two entries of one shape ("1,cp1", "cp2,dp1xcp2") would write one log twice: the second
+    // run's replaced the first's and the table compared the run with itself.
+    for (std::size_t i = 0; i < runs.size(); ++i)
+      CPATTN_CHECK(runs[i].label != label, "--compare: '", entry, "' is the shape of '", a.compare[i], "' (", label,
+                   "): give each shape once");
+    runs.push_back({label, shapes.back().dp * shapes.back().cp * shapes.back().pp});
   }
   CPATTN_CHECK(a.json_log.empty() && a.save.empty(), "--compare writes its own logs: drop --json-log and --save");
   if (!a.compare_svg.empty()) {

@@ -124,6 +124,7 @@ with tempfile.TemporaryDirectory() as tmp:
         (0, ["--seq-len", "1"], "--seq-len must be >= 2"),
         (0, ["--weight-decay", "inf"], "--weight-decay must be >= 0 and finite, got inf"),
         (0, ["--compare", "99999999999"], "--compare: '99999999999' is neither a CP size nor a mesh shape"),
+        (0, ["--compare", "1,2,cp1"], "--compare: 'cp1' is the shape of '1' (cp1): give each shape once"),
         (2, ["--cp", "2", "--cp-scheme", "ring", "--split", "padding-free"],
          "--cp-scheme ring with --split padding-free, --heads 4, --kv-heads 2 and --cp 2: scheme ring takes only "
          "the padded split"),
