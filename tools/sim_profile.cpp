@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <string>
+#include <vector>
 
 namespace cpattn::cli {
 
@@ -130,11 +132,26 @@ MachineProfile read_profile(const std::string& path) {
   std::ifstream in(path);
   CPATTN_CHECK(in.good(), "--profile: cannot open '", path, "'");
   nlohmann::json j;
+  // A key twice in one object: the parser keeps the last one, silently, so a value added again
+  // below instead of changed (a profile edited by hand) was read as the one the reader did not
+  // see first. Such a profile is refused, naming the key.
+  std::vector<std::set<std::string>> keys;  // one set per object being read
+  std::string twice;
+  const auto each = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys.emplace_back();
+    else if (event == Event::object_end && !keys.empty()) keys.pop_back();
+    else if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
+             twice.empty())
+      twice = parsed.get<std::string>();
+    return true;
+  };
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(in, each);
   } catch (const nlohmann::json::exception& e) {
     throw Error("--profile " + path + ": not valid JSON: " + e.what());
   }
+  CPATTN_CHECK(twice.empty(), "--profile ", path, ": key '", twice, "' appears twice in one object: give each key once");
   return parse_profile(j, "--profile " + path);
 }
 

@@ -133,6 +133,11 @@ bad(base + ["--profile", write("neg.json", neg)], "profile.inter_node.latency_us
 bad(base + ["--profile", write("fp8.json", fp8)], "unknown dtype 'fp8'")
 bad(base + ["--profile", write("nobf16.json", nobf16)], "profile.compute.bwd.bf16")
 bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: cannot open")
+# a key twice in one object (the parser kept the last, silently): refused, naming the key
+twice = os.path.join(tmp, "twice.json")
+with open(twice, "w") as f:
+    f.write(json.dumps(good).replace('"inter_node": {', '"inter_node": {"latency_us": 1, ', 1))
+bad(base + ["--profile", twice], "key 'latency_us' appears twice in one object: give each key once")
 # --svg: checked before any work, never over an input (it replaced --lengths-file's file and the
 # profile with a drawing), written whole (--svg /dev/full said nothing and exited 0).
 with open(lf) as f:
