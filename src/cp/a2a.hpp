@@ -23,6 +23,12 @@
 
 namespace cpattn::detail {
 
+// The ranks of one all-to-all group of `cfg` over `cp` ranks: all of them for a2a, cp_inner for
+// hybrid (1 while a hybrid config's cp_inner is not yet checked).
+inline int a2a_group_size(const CpAttnConfig& cfg, int cp) {
+  return cfg.scheme == CpScheme::a2a ? cp : (cfg.cp_inner >= 1 ? cfg.cp_inner : 1);
+}
+
 // What an a2a forward keeps for its backward.
 struct A2aContext {
   CpContext outer;                // the outer layer's context

@@ -479,7 +479,7 @@ struct CpAttention::State {
       cfg.options.alibi_slopes = slopes.data();
     }
     if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
-      a2a = std::make_unique<detail::A2aLevel>(c, cfg, cfg.scheme == CpScheme::a2a ? c.size() : cfg.cp_inner);
+      a2a = std::make_unique<detail::A2aLevel>(c, cfg, detail::a2a_group_size(cfg, c.size()));
   }
 
   bool uses_a2a() const { return a2a != nullptr; }
@@ -1337,7 +1337,7 @@ void check_cp_attn_config(const CpAttnConfig& cfg, int cp) {
                          cfg.options, "CpAttention");
   check_cp_scheme(cfg, cp);
   if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
-    head_split(cfg.num_heads_q, cfg.num_heads_k, cfg.scheme == CpScheme::a2a ? cp : cfg.cp_inner,
+    head_split(cfg.num_heads_q, cfg.num_heads_k, detail::a2a_group_size(cfg, cp),
                "CpAttention (" + std::string(to_string(cfg.scheme)) + ")");
 }
 

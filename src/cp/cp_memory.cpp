@@ -155,9 +155,6 @@ CpMemoryEstimate pass_q(const CpAttnConfig& c, int64_t local_tokens, const WorkL
 CpMemoryEstimate estimate(const CpAttnConfig& c, int cp, int64_t local_tokens, uint64_t gathered,
                           const WorkList* work, const WorkList* outer_work);
 
-// The ranks of an all-to-all group: all of them for a2a, cp_inner for hybrid.
-int a2a_inner(const CpAttnConfig& c, int cp) { return c.scheme == CpScheme::a2a ? cp : std::max(1, c.cp_inner); }
-
 // The a2a and hybrid schemes (a2a.cpp): the group layout of `inner` ranks' tokens holds this
 // member's heads (q, out kept for backward; k, v, dout, dq, dk, dv and lse as scratch), the
 // all-to-all's send and receive blocks and the fp32 sum of replicated dK/dV; the outer layer,
@@ -166,7 +163,7 @@ int a2a_inner(const CpAttnConfig& c, int cp) { return c.scheme == CpScheme::a2a 
 // outer plan's tasks, for the kernel's per-thread blocks, a2a_outer_plan's work).
 CpMemoryEstimate a2a(const CpAttnConfig& c, int cp, int64_t local_tokens, const WorkList* outer_work) {
   const auto hq = static_cast<uint64_t>(c.num_heads_q), hkv = static_cast<uint64_t>(c.num_heads_k);
-  const int inner = a2a_inner(c, cp);
+  const int inner = detail::a2a_group_size(c, cp);
   const int outer = std::max(1, cp / inner);
   const int group = std::max(1, c.num_heads_q / std::max(1, c.num_heads_k));  // query heads per KV head
   const int hq_loc = std::max(1, c.num_heads_q / inner);
@@ -231,7 +228,8 @@ CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, int cp, int64_t loc
 
 CpMemoryEstimate cp_memory_estimate(const CpAttnConfig& cfg, const RankPlan& plan) {
   if (cfg.scheme == CpScheme::a2a || cfg.scheme == CpScheme::hybrid)
-    return cp_detail::a2a_memory_estimate(cfg, plan, detail::a2a_outer_plan(plan, a2a_inner(cfg, plan.cp)));
+    return cp_detail::a2a_memory_estimate(cfg, plan,
+                                          detail::a2a_outer_plan(plan, detail::a2a_group_size(cfg, plan.cp)));
   const auto gathered = static_cast<uint64_t>(plan.split == CpSplit::padded ? plan.local_tokens * plan.cp
                                                                              : plan.layout.rank_begin.back());
   return estimate(cfg, plan.cp, plan.local_tokens, gathered, &plan.work, nullptr);
