@@ -768,7 +768,7 @@ void compare_run(const TrainArgs& a) {
     }, [&entry](const std::string& m) { return m.starts_with("--compare") ? m : "--compare '" + entry + "': " + m; });
     const std::string label = compare_label(shapes.back());
     // Two entries of one shape ("1,cp1", "cp2,dp1xcp2") would write one log twice: the second
-    // run's replaced the first's and the table compared the run with itself.
+    // run's replaced the first's and the table compared two copies of one log.
     for (std::size_t i = 0; i < runs.size(); ++i)
       CPATTN_CHECK(runs[i].label != label, "--compare: '", entry, "' is the shape of '", a.compare[i], "' (", label,
                    "): give each shape once");

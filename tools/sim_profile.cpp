@@ -134,16 +134,28 @@ MachineProfile read_profile(const std::string& path) {
   nlohmann::json j;
   // A key twice in one object: the parser keeps the last one, silently, so a value added again
   // below instead of changed (a profile edited by hand) was read as the one the reader did not
-  // see first. Such a profile is refused, naming the key.
-  std::vector<std::set<std::string>> keys;  // one set per object being read
+  // see first. Such a profile is refused, naming the field (profile.inter_node.latency_us; an
+  // array's elements as []).
+  struct Open {
+    bool array = false;
+    std::set<std::string> keys;  // an object's keys so far
+    std::string key;             // the last of them: the field the parser is in
+  };
+  std::vector<Open> open;
   std::string twice;
   const auto each = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start) keys.emplace_back();
-    else if (event == Event::object_end && !keys.empty()) keys.pop_back();
-    else if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
-             twice.empty())
-      twice = parsed.get<std::string>();
+    if (event == Event::object_start || event == Event::array_start) {
+      open.push_back({.array = event == Event::array_start, .keys = {}, .key = {}});
+    } else if ((event == Event::object_end || event == Event::array_end) && !open.empty()) {
+      open.pop_back();
+    } else if (event == Event::key && !open.empty()) {
+      open.back().key = parsed.get<std::string>();
+      if (!open.back().keys.insert(open.back().key).second && twice.empty()) {
+        twice = "profile";
+        for (const Open& o : open) twice += o.array ? "[]" : "." + o.key;
+      }
+    }
     return true;
   };
   try {
@@ -151,7 +163,7 @@ MachineProfile read_profile(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     throw Error("--profile " + path + ": not valid JSON: " + e.what());
   }
-  CPATTN_CHECK(twice.empty(), "--profile ", path, ": key '", twice, "' appears twice in one object: give each key once");
+  CPATTN_CHECK(twice.empty(), "--profile ", path, ": ", twice, " appears twice in its object: give each key once");
   return parse_profile(j, "--profile " + path);
 }
 

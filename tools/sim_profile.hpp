@@ -11,7 +11,8 @@
 namespace cpattn::cli {
 
 // Reads and checks a profile; errors name the file and the field (profile.<path>) and the
-// rule: a missing or non-numeric field, an unknown key or dtype, a negative value.
+// rule: a missing or non-numeric field, an unknown key or dtype, a negative value, a key given
+// twice in one object.
 MachineProfile read_profile(const std::string& path);
 MachineProfile parse_profile(const nlohmann::json& j, const std::string& where);
 // The JSON form of `p` (rates of unknown dtypes left out), with `source` describing the numbers.

@@ -137,7 +137,7 @@ bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: cannot ope
 twice = os.path.join(tmp, "twice.json")
 with open(twice, "w") as f:
     f.write(json.dumps(good).replace('"inter_node": {', '"inter_node": {"latency_us": 1, ', 1))
-bad(base + ["--profile", twice], "key 'latency_us' appears twice in one object: give each key once")
+bad(base + ["--profile", twice], "profile.inter_node.latency_us appears twice in its object: give each key once")
 # --svg: checked before any work, never over an input (it replaced --lengths-file's file and the
 # profile with a drawing), written whole (--svg /dev/full said nothing and exited 0).
 with open(lf) as f:
