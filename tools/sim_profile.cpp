@@ -8,6 +8,7 @@
 #include <iterator>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cpattn::cli {
@@ -128,10 +129,7 @@ MachineProfile parse_profile(const nlohmann::json& j, const std::string& where) 
   return p;
 }
 
-MachineProfile read_profile(const std::string& path) {
-  std::ifstream in(path);
-  CPATTN_CHECK(in.good(), "--profile: cannot open '", path, "'");
-  nlohmann::json j;
+MachineProfile parse_profile_text(std::string_view text, const std::string& where) {
   // A key twice in one object: the parser keeps the last one, silently, so a value added again
   // below instead of changed (a profile edited by hand) was read as the one the reader did not
   // see first. Such a profile is refused, naming the field (profile.inter_node.latency_us; an
@@ -158,13 +156,22 @@ MachineProfile read_profile(const std::string& path) {
     }
     return true;
   };
+  nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in, each);
+    j = nlohmann::json::parse(text, each);
   } catch (const nlohmann::json::exception& e) {
-    throw Error("--profile " + path + ": not valid JSON: " + e.what());
+    throw Error(where + ": not valid JSON: " + e.what());
   }
-  CPATTN_CHECK(twice.empty(), "--profile ", path, ": ", twice, " appears twice in its object: give each key once");
-  return parse_profile(j, "--profile " + path);
+  CPATTN_CHECK(twice.empty(), where, ": ", twice, " appears twice in its object: give each key once");
+  return parse_profile(j, where);
+}
+
+MachineProfile read_profile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  CPATTN_CHECK(in.good(), "--profile: cannot open '", path, "'");
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  CPATTN_CHECK(!in.bad(), "--profile: cannot read '", path, "'");
+  return parse_profile_text(text, "--profile " + path);
 }
 
 nlohmann::json profile_json(const MachineProfile& p, const std::string& source) {

@@ -1,7 +1,7 @@
 // Fuzzes the machine-profile JSON parser of `cpattn simulate --profile` (tools/sim_profile.cpp):
-// any bytes are either not JSON, or rejected with a cpattn::Error naming the field, or parse
-// to a valid profile that writes back to JSON parsing to the same profile. Seeds: the
-// documented profiles in examples/profiles/.
+// any bytes are either rejected with a cpattn::Error (not JSON, a key twice in one object, a
+// field missing or out of its rule), or parse to a valid profile that writes back to JSON
+// parsing to the same profile. Seeds: the documented profiles in examples/profiles/.
 #include <cpattn/error.hpp>
 #include <cpattn/sim.hpp>
 
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 
 #include "sim_profile.hpp"
 
@@ -25,15 +26,10 @@ bool same(const cpattn::MachineProfile& a, const cpattn::MachineProfile& b) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(data, data + size);
-  } catch (const nlohmann::json::exception&) {
-    return 0;  // not JSON: read_profile's "not valid JSON" error
-  }
   cpattn::MachineProfile p;
   try {
-    p = cpattn::cli::parse_profile(j, "fuzz");
+    // read_profile's own path: the JSON parse, the duplicate-key check, the field checks.
+    p = cpattn::cli::parse_profile_text(std::string_view(reinterpret_cast<const char*>(data), size), "fuzz");
   } catch (const cpattn::Error&) {
     return 0;
   }

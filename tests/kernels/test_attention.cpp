@@ -100,6 +100,19 @@ constexpr std::string_view kAwkwardCases[] = {"one_token_docs", "seqlen_1_dim16"
                                               "mla_192_128",    "no_mask_dim59",    "no_mask_more_queries",
                                               "win_none_mla_gqa_dropout"};
 
+// The case table's indices of `names`; a name the table lacks throws (a renamed case must not
+// drop out of a list silently).
+std::vector<size_t> cases_named(std::span<const std::string_view> names) {
+  std::vector<size_t> idx;
+  for (const std::string_view n : names) {
+    for (size_t i = 0; i < attention_cases().size(); ++i)
+      if (attention_cases()[i].name == n) idx.push_back(i);
+    if (idx.empty() || attention_cases()[idx.back()].name != n)
+      throw std::invalid_argument("cases_named: the case table has no case named " + std::string(n));
+  }
+  return idx;
+}
+
 // Under a sanitizer (tests/sanitize.hpp) the emulated paths' scalar products are most of the
 // kernel tests' time (70 s of the asan build's case table, amx_emulated's bf16 rows above all).
 // bf16_emulated beside avx512_bf16: the native rows run the same kernel template under the
@@ -112,16 +125,18 @@ constexpr std::string_view kAwkwardCases[] = {"one_token_docs", "seqlen_1_dim16"
 // several 256-key pieces or many documents, and stays in the loops. The optimized build, and a
 // CPU without the native path, run every row.
 constexpr std::string_view kTileReachCases[] = {"mha_short_queries_long_keys", "seqlen_1025", "many_docs"};
-bool skipped_under_sanitizer(const AttnCase& c, KernelPath path) {
-  const auto named = [&c](std::span<const std::string_view> names) { return std::ranges::find(names, c.name) != names.end(); };
-  if (!test::kSanitize || named(kAwkwardCases)) return false;
-  if (path == KernelPath::bf16_emulated) return kernel_path_supported(KernelPath::avx512_bf16);
-  if (path == KernelPath::amx_emulated) return kernel_path_supported(KernelPath::amx) && !named(kTileReachCases);
-  return false;
-}
 // The loops over every path: bf16_emulated beside avx512_bf16 is left out under a sanitizer.
 bool loop_skips_under_sanitizer(KernelPath path) {
   return test::kSanitize && path == KernelPath::bf16_emulated && kernel_path_supported(KernelPath::avx512_bf16);
+}
+// The case table's rows: case `ci` on `path`. Both lists are looked up in every build, so a
+// renamed case fails the optimized build's rows too.
+bool skipped_under_sanitizer(size_t ci, KernelPath path) {
+  static const std::vector<size_t> awkward = cases_named(kAwkwardCases), tile_reach = cases_named(kTileReachCases);
+  const auto in = [ci](const std::vector<size_t>& v) { return std::ranges::find(v, ci) != v.end(); };
+  if (!test::kSanitize || in(awkward)) return false;
+  if (path == KernelPath::amx_emulated) return kernel_path_supported(KernelPath::amx) && !in(tile_reach);
+  return loop_skips_under_sanitizer(path);
 }
 
 TEST_P(kernel_table, MatchesReference) {
@@ -132,7 +147,7 @@ TEST_P(kernel_table, MatchesReference) {
                                                "permission for "
                                                "tile data; amx_emulated runs its algorithm here)"
                                              : "");
-  if (skipped_under_sanitizer(cases()[ci], path))
+  if (skipped_under_sanitizer(ci, path))
     GTEST_SKIP() << "under a sanitizer, " << to_string(path) << " runs a few cases where the CPU has its native "
                  << "path (the optimized build runs this row)";
   const Truth& t = truth(ci, dt);
@@ -172,16 +187,6 @@ INSTANTIATE_TEST_SUITE_P(
 // emulated fp16 rows differ from the bf16 ones only in the 16-bit format (the tiling is the
 // same code), so they run on the awkward cases alone (kAwkwardCases), keeping the emulator's
 // share of the suite small.
-std::vector<size_t> cases_named(std::span<const std::string_view> names) {
-  std::vector<size_t> idx;
-  for (const std::string_view n : names) {
-    for (size_t i = 0; i < attention_cases().size(); ++i)
-      if (attention_cases()[i].name == n) idx.push_back(i);
-    if (idx.empty() || attention_cases()[idx.back()].name != n)  // a renamed case must not drop out silently
-      throw std::invalid_argument("cases_named: the case table has no case named " + std::string(n));
-  }
-  return idx;
-}
 INSTANTIATE_TEST_SUITE_P(
     kernels_amx, kernel_table,
     ::testing::Combine(::testing::Range<size_t>(0, attention_cases().size()),
