@@ -592,9 +592,17 @@ void train_run(const TrainArgs& a) {
     }
     std::array<double, 1> dt{std::chrono::duration<double>(Clock::now() - t0).count()};
     comm.all_reduce<double>(dt, ReduceOp::max);  // a step takes as long as its slowest rank
-    const double mine = peak_rss_mb();
-    std::vector<double> rss(static_cast<std::size_t>(comm.size()));
-    comm.all_gather<double>(std::span(&mine, 1), rss);
+    // Each rank's peak memory and rows (its tokens of the step's micro-batches, padding
+    // included: the split's cost), in one collective.
+    const std::array<double, 2> mine{peak_rss_mb(), static_cast<double>(st.local_tokens)};
+    std::vector<double> gathered(static_cast<std::size_t>(2 * comm.size()));
+    comm.all_gather<double>(mine, gathered);
+    std::vector<double> rss;
+    std::vector<int64_t> local_rows;
+    for (std::size_t r = 0; r < gathered.size(); r += 2) {
+      rss.push_back(gathered[r]);
+      local_rows.push_back(static_cast<int64_t>(gathered[r + 1]));
+    }
     StepRow row{st.step, st.loss, st.grad_norm, st.lr, dt[0], static_cast<double>(a.micro * a.seq_len) / dt[0], rss};
     std::string log_error;
     if (rank == 0 && st.skipped) {
@@ -629,7 +637,8 @@ void train_run(const TrainArgs& a) {
                                   {"grad_norm", st.grad_norm}, {"lr", st.lr},
                                   {"step_s", row.step_s},      {"tokens_per_s", row.tokens_per_s},
                                   {"tokens", st.tokens},       {"peak_rss_mb", max_rss},
-                                  {"peak_rss_mb_per_rank", rss}, {"cp", a.cp},
+                                  {"peak_rss_mb_per_rank", rss}, {"local_tokens_per_rank", local_rows},
+                                  {"cp", a.cp},
                                   {"dp", a.dp},                {"pp", a.pp},
                                   {"aux_loss", st.aux_loss},   {"dropped", st.dropped},
                                   {"experts", a.model.experts}, {"ep", a.ep}};

@@ -4,6 +4,7 @@ against a single process at 2 and 3 ranks, `cpattn train --cp 2 --split padding-
 CP=1's losses (fp32, 1e-5 relative), and bad values exit 2 naming --split."""
 import json
 import os
+import re
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -41,6 +42,20 @@ with tempfile.TemporaryDirectory() as tmp:
         check(len(rects) == 12, f"svg chunks: {len(rects)}")
     else:
         check(False, "--svg wrote no file")
+    # The padded split drawn: every document in 2 cp = 6 chunks, chunk c on rank c or 2 cp - 1 - c,
+    # the padding marked (5 -> 6 tokens: its last chunk; 1 -> 6: its last five; 30: none).
+    r = job(0, "plan", "--lengths", "5,1,30", "--cp", "3", "--split", "padded", "--svg", p("padded.svg"))
+    check(r.returncode == 0 and os.path.exists(p("padded.svg")), f"padded --svg: {r.returncode}\n{r.stderr}")
+    if os.path.exists(p("padded.svg")):
+        titles = [t.text for t in ET.parse(p("padded.svg")).iter("{http://www.w3.org/2000/svg}title")]
+        chunks = [re.match(r"document (\d+) chunk (\d+): rank (\d+), positions (\d+)\.\.(\d+)( \(padding\))?$", t)
+                  for t in titles if t and t.startswith("document ")]
+        check(len(chunks) == 18 and all(chunks), f"padded svg chunks: {titles}")
+        if len(chunks) == 18 and all(chunks):
+            got = [(int(m[1]), int(m[2]), int(m[3]), m[6] is not None) for m in chunks]
+            want = [(d, c, c if c < 3 else 5 - c, (d == 0 and c == 5) or (d == 1 and c >= 1))
+                    for d in range(3) for c in range(6)]
+            check(got == want, f"padded svg: chunk ranks or padding {got}")
     r = job(0, "plan", "--split", "nopad")
     check(r.returncode == 2 and "--split" in r.stderr and "padding-free" in r.stderr, f"bad --split: {r.stderr}")
     r = job(0, "plan", "--svg", p("missing/dir/x.svg"))
@@ -64,18 +79,27 @@ with tempfile.TemporaryDirectory() as tmp:
           f"ring refuses the padding-free split: {r.returncode} {r.stderr[-800:]}")
 
     # train: CP=2 with the padding-free split on the training example's data is CP=1's curve.
-    small = ["train", "--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
+    small = ["train", "--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "130",
              "--warmup", "2", "--steps", "4"]
     r1 = job(0, *small, "--json-log", p("cp1.jsonl"))
     r2 = job(2, *small, "--cp", "2", "--split", "padding-free", "--json-log", p("cp2.jsonl"))
-    check(r1.returncode == 0 and r2.returncode == 0, f"train: {r1.returncode} {r2.returncode}\n{r2.stderr[-1500:]}")
-    if r1.returncode == 0 and r2.returncode == 0:
+    r3 = job(2, *small, "--cp", "2", "--split", "padded", "--json-log", p("cp2_padded.jsonl"))
+    check(r1.returncode == 0 and r2.returncode == 0 and r3.returncode == 0,
+          f"train: {r1.returncode} {r2.returncode} {r3.returncode}\n{r2.stderr[-1500:]}")
+    if r1.returncode == 0 and r2.returncode == 0 and r3.returncode == 0:
         load = lambda f: [json.loads(line) for line in open(f) if line.strip()]
-        a, b = load(p("cp1.jsonl")), load(p("cp2.jsonl"))
-        check(len(a) == 4 and len(b) == 4, "one log line per step")
+        a, b, c = load(p("cp1.jsonl")), load(p("cp2.jsonl")), load(p("cp2_padded.jsonl"))
+        check(len(a) == 4 and len(b) == 4 and len(c) == 4, "one log line per step")
         for x, y in zip(a, b):
             check(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], f"step {x['step']}: {x['loss']} vs {y['loss']}")
             check(abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"], f"grad norm step {x['step']}")
+        # The split reached the planner: padding-free, the ranks' rows are the sequence's 130
+        # tokens (split over both); padded, each document is rounded up to a multiple of 2 cp = 4,
+        # so the step's 130 tokens take at least 132 rows.
+        check([x["local_tokens_per_rank"] for x in a] == [[130]] * 4, f"cp1 rows: {[x['local_tokens_per_rank'] for x in a]}")
+        free, padded = [sum(y["local_tokens_per_rank"]) for y in b], [sum(z["local_tokens_per_rank"]) for z in c]
+        check(free == [130] * 4 and all(len(y["local_tokens_per_rank"]) == 2 for y in b), f"padding-free rows: {free}")
+        check(all(n >= 132 and n % 4 == 0 for n in padded), f"padded rows: {padded}")
     r = job(0, *small, "--split", "even")
     check(r.returncode == 2 and "--split" in r.stderr, f"train bad --split: {r.stderr}")
 
