@@ -573,7 +573,9 @@ void Communicator::all_gather_v(std::span<const T> send, std::span<const std::in
   // MPI_Iallgatherv takes int counts and displacements: use it only when the whole receive
   // fits one call; otherwise the ring splits each block.
   if (im.opts.all_gather_algorithm == CommAlgorithm::mpi && total <= im.chunk()) {
-    im.bytes_sent += (p - 1) * count[im.rank] * static_cast<std::int64_t>(sizeof(T));
+    // What the ring would move (bytes_sent's contract): every block but the right neighbour's
+    // out, every block but this rank's in.
+    im.bytes_sent += (total - count[(im.rank + 1) % p]) * static_cast<std::int64_t>(sizeof(T));
     im.bytes_received += (total - count[im.rank]) * static_cast<std::int64_t>(sizeof(T));
     im.v_count.resize(p);
     im.v_displ.resize(p);

@@ -129,11 +129,16 @@ void check_all_gather_v(Communicator& comm, const std::vector<std::int64_t>& cou
   std::int64_t total = 0;
   for (auto c : counts) total += c;
   std::vector<float> recv(total, -1.0f);
+  const auto sent = comm.bytes_sent(), recvd = comm.bytes_received();
   comm.all_gather_v<float>(send, counts, recv);
   std::int64_t at = 0;
   for (int q = 0; q < p; ++q)
     for (std::int64_t i = 0; i < counts[q]; ++i, ++at)
       ASSERT_EQ(recv[at], static_cast<float>(q * 1000 + i)) << "rank " << q << " elem " << i;
+  // The bytes a ring moves, whichever algorithm ran: each rank passes on every block but its
+  // right neighbour's (the last one it receives) and receives every block but its own.
+  EXPECT_EQ(comm.bytes_sent() - sent, p == 1 ? 0 : (total - counts[(r + 1) % p]) * 4);
+  EXPECT_EQ(comm.bytes_received() - recvd, p == 1 ? 0 : (total - counts[r]) * 4);
 }
 
 TEST_P(Collectives, AllGatherVaryingCountsWithZeros) {
