@@ -2,10 +2,9 @@
 #include "sim_profile.hpp"
 
 #include <cpattn/error.hpp>
+#include <cpattn/file.hpp>
 
 #include <algorithm>
-#include <fstream>
-#include <iterator>
 #include <set>
 #include <string>
 #include <string_view>
@@ -167,11 +166,16 @@ MachineProfile parse_profile_text(std::string_view text, const std::string& wher
 }
 
 MachineProfile read_profile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  CPATTN_CHECK(in.good(), "--profile: cannot open '", path, "'");
-  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  CPATTN_CHECK(!in.bad(), "--profile: cannot read '", path, "'");
-  return parse_profile_text(text, "--profile " + path);
+  // A regular file only (a FIFO or a device such as /dev/zero is refused before any read), read
+  // whole; errors name the file and the reason (errno).
+  std::vector<std::byte> bytes;
+  try {
+    bytes = read_regular_file(path);
+  } catch (const Error& e) {
+    throw Error("--profile: " + e.message());
+  }
+  return parse_profile_text(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                            "--profile " + path);
 }
 
 nlohmann::json profile_json(const MachineProfile& p, const std::string& source) {

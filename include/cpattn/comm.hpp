@@ -244,8 +244,8 @@ class Communicator {
   // (point to point, the ring algorithms; for the MPI library's all-gathers and reduce-scatter,
   // the bytes a ring moves for the same result: an all_gather_v sends every block but the
   // right neighbour's and receives every block but its own). Its own block is not counted, nor
-  // are all_reduce and broadcast, whose volume is the MPI library's own algorithm's (the
-  // training's gradient all-reduce among them).
+  // are all_reduce, broadcast, barrier and split, whose volume is the MPI library's own
+  // algorithm's (the training's gradient all-reduce among them).
   std::int64_t bytes_sent() const;
   std::int64_t bytes_received() const;
 

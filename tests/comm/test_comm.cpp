@@ -137,8 +137,9 @@ void check_all_gather_v(Communicator& comm, const std::vector<std::int64_t>& cou
       ASSERT_EQ(recv[at], static_cast<float>(q * 1000 + i)) << "rank " << q << " elem " << i;
   // The bytes a ring moves, whichever algorithm ran: each rank passes on every block but its
   // right neighbour's (the last one it receives) and receives every block but its own.
-  EXPECT_EQ(comm.bytes_sent() - sent, p == 1 ? 0 : (total - counts[(r + 1) % p]) * 4);
-  EXPECT_EQ(comm.bytes_received() - recvd, p == 1 ? 0 : (total - counts[r]) * 4);
+  const auto fs = static_cast<std::int64_t>(sizeof(float));
+  EXPECT_EQ(comm.bytes_sent() - sent, (total - counts[(r + 1) % p]) * fs);
+  EXPECT_EQ(comm.bytes_received() - recvd, (total - counts[r]) * fs);
 }
 
 TEST_P(Collectives, AllGatherVaryingCountsWithZeros) {

@@ -105,9 +105,9 @@ constexpr std::string_view kAwkwardCases[] = {"one_token_docs", "seqlen_1_dim16"
 std::vector<size_t> cases_named(std::span<const std::string_view> names) {
   std::vector<size_t> idx;
   for (const std::string_view n : names) {
-    for (size_t i = 0; i < attention_cases().size(); ++i)
-      if (attention_cases()[i].name == n) idx.push_back(i);
-    if (idx.empty() || attention_cases()[idx.back()].name != n)
+    for (size_t i = 0; i < cases().size(); ++i)
+      if (cases()[i].name == n) idx.push_back(i);
+    if (idx.empty() || cases()[idx.back()].name != n)
       throw std::invalid_argument("cases_named: the case table has no case named " + std::string(n));
   }
   return idx;

@@ -132,7 +132,8 @@ bad(base + ["--profile", write("missing.json", missing)], "missing field profile
 bad(base + ["--profile", write("neg.json", neg)], "profile.inter_node.latency_us", ">= 0")
 bad(base + ["--profile", write("fp8.json", fp8)], "unknown dtype 'fp8'")
 bad(base + ["--profile", write("nobf16.json", nobf16)], "profile.compute.bwd.bf16")
-bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: cannot open")
+bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: '" + os.path.join(tmp, "none.json") + "': cannot read it")
+bad(base + ["--profile", "/dev/zero"], "--profile: '/dev/zero' is a character device, not a regular file")
 # a key twice in one object (the parser kept the last, silently): refused, naming the key
 twice = os.path.join(tmp, "twice.json")
 with open(twice, "w") as f:
