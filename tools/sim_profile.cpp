@@ -168,12 +168,8 @@ MachineProfile parse_profile_text(std::string_view text, const std::string& wher
 MachineProfile read_profile(const std::string& path) {
   // A regular file only (a FIFO or a device such as /dev/zero is refused before any read), read
   // whole; errors name the file and the reason (errno).
-  std::vector<std::byte> bytes;
-  try {
-    bytes = read_regular_file(path);
-  } catch (const Error& e) {
-    throw Error("--profile: " + e.message());
-  }
+  const std::vector<std::byte> bytes =
+      rewrite_errors([&] { return read_regular_file(path); }, [](const std::string& m) { return "--profile: " + m; });
   return parse_profile_text(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
                             "--profile " + path);
 }

@@ -52,9 +52,10 @@ with tempfile.TemporaryDirectory() as tmp:
                   for t in titles if t and t.startswith("document ")]
         check(len(chunks) == 18 and all(chunks), f"padded svg chunks: {titles}")
         if len(chunks) == 18 and all(chunks):
-            got = [(int(m[1]), int(m[2]), int(m[3]), m[6] is not None) for m in chunks]
-            want = [(d, c, c if c < 3 else 5 - c, (d == 0 and c == 5) or (d == 1 and c >= 1))
-                    for d in range(3) for c in range(6)]
+            # chunk c of a document padded to 6 s tokens holds positions c s .. c s + s - 1
+            got = [(int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6] is not None) for m in chunks]
+            want = [(d, c, c if c < 3 else 5 - c, c * s, c * s + s - 1, (d == 0 and c == 5) or (d == 1 and c >= 1))
+                    for d, s in enumerate((1, 1, 5)) for c in range(6)]
             check(got == want, f"padded svg: chunk ranks or padding {got}")
     r = job(0, "plan", "--split", "nopad")
     check(r.returncode == 2 and "--split" in r.stderr and "padding-free" in r.stderr, f"bad --split: {r.stderr}")
