@@ -5,6 +5,7 @@
 #include <cpattn/dtype.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <exception>
 #include <new>
@@ -97,6 +98,12 @@ void validate(const AttnBwdParams& p);
 // num_threads asks.
 template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn);
+// parallel_for_dynamic(n, threads, fn): the same calls, items handed out in order to whichever
+// thread is free (an atomic counter), so that a thread that runs slower takes fewer. Only for
+// loops whose items write disjoint results and whose thread's scratch carries nothing from one
+// item to the next: then no result depends on which thread ran an item, or when.
+template <class Fn>
+void parallel_for_dynamic(int64_t n, int threads, Fn&& fn);
 constexpr int threads_started(int64_t n, int threads) {
   return static_cast<int>(std::min<int64_t>(std::max(threads, 1), std::max<int64_t>(n, 1)));
 }
@@ -186,17 +193,13 @@ void check_scratch_bound(size_t used_floats, size_t bound_floats);
 }  // namespace cpattn::kernels
 
 namespace cpattn::kernels {
-template <class Fn>
-void parallel_for(int64_t n, int threads, Fn&& fn) {
-  const int t = threads_started(n, threads);
-  if (t <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i, 0);
-    return;
-  }
+// Runs loop(id) on threads 0..t-1 (0 the caller's), then rethrows the first thread's error.
+template <class Loop>
+void run_threads(int t, Loop&& loop) {
   std::vector<std::exception_ptr> errors(t);
   auto body = [&](int id) {
     try {
-      for (int64_t i = id; i < n; i += t) fn(i, id);
+      loop(id);
     } catch (...) {
       errors[id] = std::current_exception();
     }
@@ -208,5 +211,31 @@ void parallel_for(int64_t n, int threads, Fn&& fn) {
   for (auto& th : pool) th.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+template <class Fn>
+void parallel_for(int64_t n, int threads, Fn&& fn) {
+  const int t = threads_started(n, threads);
+  if (t <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  run_threads(t, [&](int id) {
+    for (int64_t i = id; i < n; i += t) fn(i, id);
+  });
+}
+
+template <class Fn>
+void parallel_for_dynamic(int64_t n, int threads, Fn&& fn) {
+  const int t = threads_started(n, threads);
+  if (t <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  run_threads(t, [&](int id) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+      fn(i, id);
+  });
 }
 }  // namespace cpattn::kernels

@@ -1794,7 +1794,12 @@ void forward_impl(const AttnFwdParams& p) {
     s.seen.resize(gh * BQ);
   }
 
-  parallel_for(units, nthr, [&](int64_t u, int th) {
+  // Handed out as threads come free: a unit's results are its own rows and heads of out and lse
+  // and it writes its scratch before reading it (q, o, m, l, seen set at its start), so any
+  // thread may run any unit. With the static i % threads split, one of two threads often ran
+  // its half 10-20% slower than the other and left it idle at the end (Zen 2, 8192 tokens,
+  // GQA: 1.63-1.67x one thread's forward static, 2.01-2.03x dynamic; docs/benchmarks.md).
+  parallel_for_dynamic(units, nthr, [&](int64_t u, int th) {
     const TileScope tiles;
     FwdScratch& S = scr[th];
     const Unit un = blocks[u / (hkn * sets)];

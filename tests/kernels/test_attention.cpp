@@ -330,6 +330,34 @@ TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
   }
 }
 
+// The forward hands its units to whichever thread is free (parallel_for_dynamic), so which
+// thread runs a unit changes from call to call: on every path this CPU runs, with GQA (two
+// kv heads of five query heads: forward sets of 4 and 1), MLA-like head dims, a window and
+// ALiBi, every thread count gives one thread's results bitwise, call after call.
+TEST(kernel_attention, EveryPathIsBitwiseOneThreadForAnyThreadCount) {
+  AttnCase c{"det_paths", {150, 1, 77, 200}, {150, 1, 77, 200}, 10, 2, 40, 24, MaskType::causal};
+  c.window_left = 90;
+  c.alibi = true;
+  for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                          KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
+    if (!kernel_path_supported(path)) continue;
+    for (DType dt : {DType::f32, DType::bf16}) {
+      const Problem pb(c, dt, 7);
+      const Results one = run_kernels(pb, dt, path, 1);
+      for (int rep = 0; rep < 6; ++rep) {
+        const int threads = rep % 3 + 2;  // 2, 3, 4 threads
+        const Results r = run_kernels(pb, dt, path, threads);
+        const std::string at = std::string(to_string(path)) + " " + std::string(to_string(dt)) + " threads " + std::to_string(threads);
+        ASSERT_EQ(r.out, one.out) << at;
+        ASSERT_EQ(r.lse, one.lse) << at;
+        ASSERT_EQ(r.dq, one.dq) << at;
+        ASSERT_EQ(r.dk, one.dk) << at;
+        ASSERT_EQ(r.dv, one.dv) << at;
+      }
+    }
+  }
+}
+
 // attention_backward_scratch_bytes(p, longest): the per-task buffers of a call whose longest task
 // has that many query rows, as the work list's longest task counts them; clamped to the rows.
 TEST(kernel_attention, ScratchBytesForTheLongestTask) {
