@@ -166,10 +166,19 @@ MachineProfile parse_profile_text(std::string_view text, const std::string& wher
 }
 
 MachineProfile read_profile(const std::string& path) {
-  // A regular file only (a FIFO or a device such as /dev/zero is refused before any read), read
-  // whole; errors name the file and the reason (errno).
-  const std::vector<std::byte> bytes =
-      rewrite_errors([&] { return read_regular_file(path); }, [](const std::string& m) { return "--profile: " + m; });
+  // A regular file only (a FIFO or a device such as /dev/zero is refused before any read), of at
+  // most kMaxProfileBytes (a profile is a few hundred bytes: a larger file is a wrong path, refused
+  // by its size after reading no more than that); errors name the file and the reason (errno).
+  constexpr std::size_t kMaxProfileBytes = std::size_t{1} << 20;
+  std::uint64_t size = 0;
+  const std::vector<std::byte> bytes = rewrite_errors(
+      [&] {
+        std::vector<std::byte> b = read_file_prefix(path, kMaxProfileBytes, size);
+        CPATTN_CHECK(size <= kMaxProfileBytes, "'", path, "' is ", size, " bytes, more than a machine profile's ",
+                     kMaxProfileBytes, " (a JSON object of a few fields; docs/simulate.md)");
+        return b;
+      },
+      [](const std::string& m) { return "--profile: " + m; });
   return parse_profile_text(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
                             "--profile " + path);
 }

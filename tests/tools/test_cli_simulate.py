@@ -134,6 +134,12 @@ bad(base + ["--profile", write("fp8.json", fp8)], "unknown dtype 'fp8'")
 bad(base + ["--profile", write("nobf16.json", nobf16)], "profile.compute.bwd.bf16")
 bad(base + ["--profile", os.path.join(tmp, "none.json")], "--profile: '" + os.path.join(tmp, "none.json") + "': cannot read it")
 bad(base + ["--profile", "/dev/zero"], "--profile: '/dev/zero' is a character device, not a regular file")
+# a huge regular file (a sparse 2 GiB one, no disk used): refused by its size, 1 MiB of it read at most
+huge = os.path.join(tmp, "huge.json")
+with open(huge, "wb") as f:
+    f.truncate(2 << 30)
+bad(base + ["--profile", huge], f"--profile: '{huge}' is {2 << 30} bytes, more than a machine profile's 1048576")
+os.unlink(huge)
 # a key twice in one object (the parser kept the last, silently): refused, naming the key
 twice = os.path.join(tmp, "twice.json")
 with open(twice, "w") as f:
