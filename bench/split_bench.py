@@ -1,13 +1,15 @@
 """The padding-free split against the padded one: padding tokens and visible-pair imbalance
 (max/mean over ranks) at every cp in 2..16 (or --cps), from `cpattn plan --json`
-(docs/benchmarks.md, "The padding-free split: padding and balance"). Counts, not times: the figures are exact and the same on every machine.
+(docs/benchmarks.md, "The padding-free split: padding and balance"). Counts, not times: the
+figures are exact and the same on every machine.
 
   python3 bench/split_bench.py build/release/tools/cpattn [--cps 2,4,8,16]
 
 Corpora: short, 821 documents of log-normal lengths (median 18 tokens, seed 15); long, 64
-documents of log-normal lengths (median 4096 tokens, seed 16); the training example's, its 14 license files (/usr/share/common-licenses) as documents of
-bytes + 1 end-of-document token; and the same stream packed into 128-token sequences as
-`cpattn train --seq-len 128` cuts it (one batch of all its segments)."""
+documents of log-normal lengths (median 4096 tokens, seed 16); the training example's, its 14
+license files (/usr/share/common-licenses) as documents of bytes + 1 end-of-document token; and
+the same stream packed into 128-token sequences as `cpattn train --seq-len 128` cuts it (one
+batch of all its segments)."""
 import argparse
 import json
 import math
@@ -16,12 +18,23 @@ import random
 import subprocess
 import tempfile
 
+
+def cp_list(text):
+    try:
+        cps = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': comma-separated integers expected")
+    if any(c < 1 for c in cps):
+        raise argparse.ArgumentTypeError(f"'{text}': every cp must be >= 1")
+    return cps
+
+
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("cpattn", help="the cpattn binary")
-ap.add_argument("--cps", default=",".join(map(str, range(2, 17))), help="comma-separated cp values (default 2..16)")
+ap.add_argument("--cps", type=cp_list, default=list(range(2, 17)), help="comma-separated cp values (default 2..16)")
 args = ap.parse_args()
 CPATTN = args.cpattn
-CPS = [int(c) for c in args.cps.split(",")]
+CPS = args.cps
 
 
 def short_corpus():

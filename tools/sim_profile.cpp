@@ -174,8 +174,8 @@ MachineProfile read_profile(const std::string& path) {
   const std::vector<std::byte> bytes = rewrite_errors(
       [&] {
         std::vector<std::byte> b = read_file_prefix(path, kMaxProfileBytes, size);
-        CPATTN_CHECK(size <= kMaxProfileBytes, "'", path, "' is ", size, " bytes, more than a machine profile's ",
-                     kMaxProfileBytes, " (a JSON object of a few fields; docs/simulate.md)");
+        CPATTN_CHECK(size <= kMaxProfileBytes, "'", path, "' is ", size, " bytes, more than a machine profile's limit of ",
+                     kMaxProfileBytes, " bytes (a JSON object of a few fields; docs/simulate.md)");
         return b;
       },
       [](const std::string& m) { return "--profile: " + m; });

@@ -234,8 +234,14 @@ void parallel_for_dynamic(int64_t n, int threads, Fn&& fn) {
   }
   std::atomic<int64_t> next{0};
   run_threads(t, [&](int id) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
-      fn(i, id);
+    try {
+      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+           i = next.fetch_add(1, std::memory_order_relaxed))
+        fn(i, id);
+    } catch (...) {
+      next.store(n, std::memory_order_relaxed);  // the others stop at their next item
+      throw;
+    }
   });
 }
 }  // namespace cpattn::kernels

@@ -331,30 +331,36 @@ TEST(kernel_attention, BackwardIsBitwiseReproducibleAndThreadCountIndependent) {
 }
 
 // The forward hands its units to whichever thread is free (parallel_for_dynamic), so which
-// thread runs a unit changes from call to call: on every path this CPU runs, with GQA (two
-// kv heads of five query heads: forward sets of 4 and 1), MLA-like head dims, a window and
-// ALiBi, every thread count gives one thread's results bitwise, call after call.
+// thread runs a unit changes from call to call: on every path this CPU runs, every thread count
+// gives one thread's results bitwise, call after call, in fp32, fp16 and bf16. Two cases: GQA
+// of two kv heads of five query heads (forward sets of 4 and 1) with MLA-like head dims, a
+// window and ALiBi; and 64-dim heads (the tiles' S = Q K^T job) with softcap and dropout.
 TEST(kernel_attention, EveryPathIsBitwiseOneThreadForAnyThreadCount) {
-  AttnCase c{"det_paths", {150, 1, 77, 200}, {150, 1, 77, 200}, 10, 2, 40, 24, MaskType::causal};
-  c.window_left = 90;
-  c.alibi = true;
+  AttnCase gqa{"det_gqa", {150, 1, 77, 200}, {150, 1, 77, 200}, 10, 2, 40, 24, MaskType::causal};
+  gqa.window_left = 90;
+  gqa.alibi = true;
+  AttnCase soft{"det_soft", {130, 3, 96}, {130, 3, 96}, 4, 2, 64, 64, MaskType::causal};
+  soft.softcap = 20.0f;
+  soft.dropout_p = 0.2f;
   for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                           KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
-    if (!kernel_path_supported(path)) continue;
-    for (DType dt : {DType::f32, DType::bf16}) {
-      const Problem pb(c, dt, 7);
-      const Results one = run_kernels(pb, dt, path, 1);
-      for (int rep = 0; rep < 6; ++rep) {
-        const int threads = rep % 3 + 2;  // 2, 3, 4 threads
-        const Results r = run_kernels(pb, dt, path, threads);
-        const std::string at = std::string(to_string(path)) + " " + std::string(to_string(dt)) + " threads " + std::to_string(threads);
-        ASSERT_EQ(r.out, one.out) << at;
-        ASSERT_EQ(r.lse, one.lse) << at;
-        ASSERT_EQ(r.dq, one.dq) << at;
-        ASSERT_EQ(r.dk, one.dk) << at;
-        ASSERT_EQ(r.dv, one.dv) << at;
+    if (!kernel_path_supported(path) || loop_skips_under_sanitizer(path)) continue;
+    for (const AttnCase* c : {&gqa, &soft})
+      for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+        const Problem pb(*c, dt, 7);
+        const Results one = run_kernels(pb, dt, path, 1);
+        for (int rep = 0; rep < (test::kSanitize ? 3 : 6); ++rep) {  // (each count once under a sanitizer)
+          const int threads = rep % 3 + 2;  // 2, 3, 4 threads
+          const Results r = run_kernels(pb, dt, path, threads);
+          const std::string at = c->name + " " + std::string(to_string(path)) + " " + std::string(to_string(dt)) +
+                                 " threads " + std::to_string(threads);
+          ASSERT_EQ(r.out, one.out) << at;
+          ASSERT_EQ(r.lse, one.lse) << at;
+          ASSERT_EQ(r.dq, one.dq) << at;
+          ASSERT_EQ(r.dk, one.dk) << at;
+          ASSERT_EQ(r.dv, one.dv) << at;
+        }
       }
-    }
   }
 }
 

@@ -138,7 +138,7 @@ bad(base + ["--profile", "/dev/zero"], "--profile: '/dev/zero' is a character de
 huge = os.path.join(tmp, "huge.json")
 with open(huge, "wb") as f:
     f.truncate(2 << 30)
-bad(base + ["--profile", huge], f"--profile: '{huge}' is {2 << 30} bytes, more than a machine profile's 1048576")
+bad(base + ["--profile", huge], f"--profile: '{huge}' is {2 << 30} bytes, more than a machine profile's limit of 1048576 bytes")
 os.unlink(huge)
 # a key twice in one object (the parser kept the last, silently): refused, naming the key
 twice = os.path.join(tmp, "twice.json")
