@@ -79,6 +79,7 @@ struct TrainArgs {
   bool skip_nonfinite = false;  // skip a non-finite step instead of stopping
   int64_t testing_nan_at_step = -1;  // hidden: NaN loss at this step (for tests)
   int64_t testing_log_full_at_step = -1;  // hidden: the JSON log's disk is full from this step on
+  int64_t testing_rank_error_at_step = -1;  // hidden: the last rank alone meets an error before this step
   // Mixture of experts (docs/training.md): model.experts and model.top_k, the EP size, and
   // the layer's options as cpattn moe names them.
   int ep = 1;
@@ -148,6 +149,7 @@ Fingerprint settings_fingerprint(const TrainArgs& a) {
   fp.add("--skip-nonfinite", a.skip_nonfinite ? 1 : 0).add("--print-every", a.print_every);
   fp.add("--timeout (double bits)", std::bit_cast<int64_t>(a.timeout.value_or(0.0)));
   fp.add("--rope-local-offsets", a.rope_local ? 1 : 0).add("--testing-nan-at-step", a.testing_nan_at_step);
+  fp.add("--testing-rank-error-at-step", a.testing_rank_error_at_step);
   fp.add("--dp", a.dp).add("--pp", a.pp).add("--micro", a.micro).add("--schedule (hash)", static_cast<int64_t>(hash_of(a.schedule)));
   fp.add("--virtual", a.virtual_stages.value_or(0));
   const auto dbits = [](double x) { return std::bit_cast<int64_t>(x); };
@@ -465,6 +467,21 @@ void check_train_memory(const TrainArgs& a) {
                    (m.moe() ? ", every expert gathered " + format_bytes(gathered) : std::string()) + ", per rank");
 }
 
+// The longest a rank that met an error in a step waits for every other rank to meet it too.
+constexpr double kStepErrorWaitS = 10;
+
+// Whether every rank of `c` calls this within its deadline (false: this rank's call timed out,
+// and `c` is poisoned).
+bool every_rank_met_it(Communicator& c) {
+  try {
+    std::array<int64_t, 1> one{1};
+    c.all_reduce<int64_t>(one, ReduceOp::sum);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 void train_run(const TrainArgs& a) {
   check_args(a);
   const MpiSession mpi;  // finalizes only what it initialized
@@ -576,6 +593,12 @@ void train_run(const TrainArgs& a) {
     std::fflush(stdout);
   }
 
+  // Where the ranks that meet an error in a step meet, to learn whether every rank met it (its own
+  // communicator: the step's may hold the others' collectives, posted before the error).
+  Communicator step_errors(MPI_COMM_WORLD, {.timeout_s = std::min(kStepErrorWaitS, comm.timeout_s() / 2),
+                                            .timeout_name = "--timeout",
+                                            .on_timeout = TimeoutAction::throw_error,
+                                            .print_timeout = false});
   std::vector<StepRow> rows;
   const auto t_start = Clock::now();
   int stop_signal = 0;
@@ -585,8 +608,20 @@ void train_run(const TrainArgs& a) {
     const auto t0 = Clock::now();
     train::StepStats st;
     try {
+      if (s == a.testing_rank_error_at_step && rank == comm.size() - 1)
+        throw Error("testing: an error on rank " + std::to_string(rank) + " alone before step " + std::to_string(s));
       st = trainer.step(seqs);
-    } catch (const Error& e) {  // a non-finite step: the same on every rank; not an input error
+    } catch (const Error& e) {
+      // Not an input error. A step's errors are agreed (a non-finite loss or gradient norm, the
+      // CP layer's agreement), and rank 0 says them; an error only some ranks meet leaves the
+      // others in the step's collectives until --timeout, and this rank's message would be lost
+      // (its exit waits in MPI_Finalize for theirs): such a rank says it itself and ends the job.
+      if (!every_rank_met_it(step_errors)) {
+        std::fprintf(stderr, "cpattn: error (rank %d): %s (not every rank met this error: the others did not "
+                     "reach it within %g s; ending the job)\n", rank, e.message().c_str(), step_errors.timeout_s());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
       if (rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
       throw ExitCode{1};
     }
@@ -881,6 +916,9 @@ void add_train_command(CLI::App& app) {
                   "Testing only: the --json-log disk is full (writes fail with ENOSPC) from this step on")
       ->group("");
   cmd->add_option("--testing-nan-at-step", a->testing_nan_at_step, "Testing only: a NaN loss at this step")
+      ->group("");
+  cmd->add_option("--testing-rank-error-at-step", a->testing_rank_error_at_step,
+                  "Testing only: the last rank alone meets an error before this step")
       ->group("");
   cmd->add_option("--resume", a->resume, "Resume from a checkpoint FILE (any CP size)")->check(path_flag());
   cmd->add_option("--compare", a->compare,

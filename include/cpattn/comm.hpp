@@ -112,6 +112,9 @@ struct CommOptions {
   // invalid value (a command line passes its flag, "--timeout").
   std::string timeout_name = "CommOptions::timeout_s";
   TimeoutAction on_timeout = TimeoutAction::abort;
+  // throw_error only: false leaves the timeout line to the caller (it is the Error's message)
+  // instead of printing it, for a caller to whom a timeout is an answer, not a failure.
+  bool print_timeout = true;
   int abort_code = 3;  // the error code passed to MPI_Abort on timeout
   // Most elements one MPI call moves per rank block (1..INT_MAX); larger payloads are split.
   std::int64_t max_count_per_call = INT_MAX;

@@ -228,7 +228,7 @@ struct Communicator::Impl {
       if (abort) std::fprintf(stderr, "cpattn comm: timeout: %s on rank %d; aborting the job\n", op.name, rank);
       else end_job_unkept(rank, op.name, op.call, opts.abort_code);
     }
-    if (!msg.empty()) std::fprintf(stderr, "%s\n", msg.c_str());
+    if (!msg.empty() && (abort || opts.print_timeout)) std::fprintf(stderr, "%s\n", msg.c_str());
     std::fflush(stderr);
     if (abort) {
       MPI_Abort(abort_comm, opts.abort_code);

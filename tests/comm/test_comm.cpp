@@ -665,6 +665,34 @@ TEST(Deadline, LateShiftMakesOthersThrow) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// print_timeout = false: the timeout still throws the line, and stderr gets nothing (the
+// caller decides what to say: cpattn train's wait for every rank to meet a step's error).
+TEST(Deadline, QuietTimeoutLeavesTheLineToTheCaller) {
+  const int p = world_size(), r = world_rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD,
+                    {.timeout_s = 1.0, .on_timeout = TimeoutAction::throw_error, .print_timeout = false});
+  std::vector<double> x{1.0};
+  if (r == p - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    comm.all_reduce<double>(x, ReduceOp::sum);  // the others are draining: completes at once
+  } else {
+    ::testing::internal::CaptureStderr();
+    std::string what;
+    try {
+      comm.all_reduce<double>(x, ReduceOp::sum);
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(what.find("timeout: all_reduce(sum) (call #1) on rank " + std::to_string(r)), std::string::npos)
+        << "no timeout, or another line: '" << what << "'";
+    EXPECT_EQ(printed, "");
+    EXPECT_TRUE(comm.drain(30));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST(Deadline, LateRankMakesOthersThrow) {
   const int p = world_size(), r = world_rank();
   if (p < 2) GTEST_SKIP() << "needs 2 ranks";

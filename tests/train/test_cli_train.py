@@ -162,6 +162,17 @@ with tempfile.TemporaryDirectory() as tmp:
         check(r.returncode == 1 and r.stderr.count("cpattn: error: step 2: loss is nan") == 1
               and r.stderr.count("cpattn: error:") == 1 and not os.path.exists(p("nan.ckpt")),
               f"NaN loss at np {np_}: exit {r.returncode}\n{r.stderr[-1500:]}")
+    # An error the last rank meets alone (before step 2, while rank 0 goes on into the step's
+    # collectives): that rank says it, naming itself, and ends the job long before --timeout
+    # (it used to exit silently, waiting in MPI_Finalize, and rank 0 timed out at --timeout).
+    t0 = time.monotonic()
+    r = train(2, *SMALL, "--cp", "2", "--steps", "5", "--timeout", "120", "--testing-rank-error-at-step", "2",
+              timeout=200)
+    took = time.monotonic() - t0
+    check(r.returncode != 0 and took < 90 and "cpattn comm: timeout" not in r.stderr
+          and r.stderr.count("cpattn: error (rank 1): testing: an error on rank 1 alone before step 2 (not every rank "
+                             "met this error: the others did not reach it within 10 s; ending the job)") == 1,
+          f"an error on rank 1 alone: exit {r.returncode} after {took:.1f} s\n{r.stderr[-1500:]}")
     r = train(0, *SMALL[:-2], "--warmup", "0", "--lr", "1e30", "--steps", "10")
     check(r.returncode == 1 and "loss is" in r.stderr and "cpattn: error: step " in r.stderr,
           f"diverging --lr: exit {r.returncode}\n{r.stderr[-1500:]}")
