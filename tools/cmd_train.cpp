@@ -596,7 +596,8 @@ void train_run(const TrainArgs& a) {
   // Where the ranks that meet an error in a step meet, to learn whether every rank met it (its own
   // communicator: the step's may hold the others' collectives, posted before the error).
   Communicator step_errors(MPI_COMM_WORLD, {.timeout_s = std::min(kStepErrorWaitS, comm.timeout_s() / 2),
-                                            .timeout_name = "--timeout",
+                                            .timeout_name = "--timeout / 2 (at most 10 s: the wait for every rank "
+                                                            "to meet a step's error)",
                                             .on_timeout = TimeoutAction::throw_error,
                                             .print_timeout = false});
   std::vector<StepRow> rows;
