@@ -612,18 +612,21 @@ void train_run(const TrainArgs& a) {
       if (s == a.testing_rank_error_at_step && rank == comm.size() - 1)
         throw Error("testing: an error on rank " + std::to_string(rank) + " alone before step " + std::to_string(s));
       st = trainer.step(seqs);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       // Not an input error. A step's errors are agreed (a non-finite loss or gradient norm, the
-      // CP layer's agreement), and rank 0 says them; an error only some ranks meet leaves the
-      // others in the step's collectives until --timeout, and this rank's message would be lost
-      // (its exit waits in MPI_Finalize for theirs): such a rank says it itself and ends the job.
+      // CP layer's agreement), and rank 0 says them; an error only some ranks meet (out of memory
+      // on one, say) leaves the others in the step's collectives until --timeout, and this rank's
+      // message would be lost (its exit waits in MPI_Finalize for theirs): such a rank says it
+      // itself and ends the job.
+      const auto* error = dynamic_cast<const Error*>(&e);
+      const std::string what = error != nullptr ? error->message() : std::string("unexpected error: ") + e.what();
       if (!every_rank_met_it(step_errors)) {
         std::fprintf(stderr, "cpattn: error (rank %d): %s (not every rank met this error: the others did not "
-                     "reach it within %g s; ending the job)\n", rank, e.message().c_str(), step_errors.timeout_s());
+                     "reach it within %g s; ending the job)\n", rank, what.c_str(), step_errors.timeout_s());
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 1);
       }
-      if (rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", e.message().c_str());
+      if (rank == 0) std::fprintf(stderr, "cpattn: error: %s\n", what.c_str());
       throw ExitCode{1};
     }
     std::array<double, 1> dt{std::chrono::duration<double>(Clock::now() - t0).count()};

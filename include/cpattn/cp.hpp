@@ -257,8 +257,8 @@ struct CpStats {
   // a2a and hybrid schemes' sub-groups too; Communicator::bytes_sent counts its own only); not
   // the agreements', but the one-time setup of the shared-memory buffers in the call that makes
   // them (their host names and handles, tens of bytes per rank) is counted. Per rank they are
-  // what the algorithm that moved the payload sent: a ring forwards its peers' blocks (the
-  // total less its right neighbour's block), the overlapped all-gather sends its own block to
+  // what the algorithm that moved the payload sent: a ring sends every block but its right
+  // neighbour's (its own and those it forwards), the overlapped all-gather sends its own block to
   // each peer (cp - 1 times its own); where the ranks' blocks differ in size (the padding-free
   // split) the two differ per rank, and their sums over the ranks are the same.
   int64_t bytes_sent = 0;

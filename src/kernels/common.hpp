@@ -100,8 +100,8 @@ template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn);
 // parallel_for_dynamic(n, threads, fn): the same calls, items handed out in order to whichever
 // thread is free (an atomic counter), so that a thread that runs slower takes fewer. Only for
-// loops whose items write disjoint results and whose thread's scratch carries nothing from one
-// item to the next: then no result depends on which thread ran an item, or when.
+// loops whose items write disjoint results, none of which depends on what an earlier item left
+// in the thread's scratch: then no result depends on which thread ran an item, or when.
 template <class Fn>
 void parallel_for_dynamic(int64_t n, int threads, Fn&& fn);
 constexpr int threads_started(int64_t n, int threads) {
@@ -193,7 +193,8 @@ void check_scratch_bound(size_t used_floats, size_t bound_floats);
 }  // namespace cpattn::kernels
 
 namespace cpattn::kernels {
-// Runs loop(id) on threads 0..t-1 (0 the caller's), then rethrows the first thread's error.
+// Runs loop(id) on threads 0..t-1 (0 the caller's), joins them, then rethrows the error of the
+// lowest-numbered thread that threw.
 template <class Loop>
 void run_threads(int t, Loop&& loop) {
   std::vector<std::exception_ptr> errors(t);

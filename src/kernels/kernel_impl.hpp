@@ -1797,9 +1797,10 @@ void forward_impl(const AttnFwdParams& p) {
   // Handed out as threads come free: a unit's results are its own rows and heads of out and lse,
   // and no row it stores depends on scratch it did not set (q, o, m, l, seen are set at its
   // start; on tiles the rows past its last are computed from an earlier unit's and never
-  // stored), so any thread may run any unit. With the static i % threads split, one of two threads often ran
-  // its half 10-20% slower than the other and left it idle at the end (Zen 2, 8192 tokens,
-  // GQA: 1.63-1.67x one thread's forward static, 2.01-2.03x dynamic; docs/benchmarks.md).
+  // stored), so any thread may run any unit. With the static i % threads split, one of two
+  // threads often ran its half 10-20% slower than the other and left it idle at the end (Zen 2,
+  // 8192 tokens, GQA: 1.63-1.67x one thread's forward static, 2.01-2.03x dynamic;
+  // docs/benchmarks.md).
   parallel_for_dynamic(units, nthr, [&](int64_t u, int th) {
     const TileScope tiles;
     FwdScratch& S = scr[th];
