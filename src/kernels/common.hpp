@@ -194,9 +194,13 @@ void check_scratch_bound(size_t used_floats, size_t bound_floats);
 
 namespace cpattn::kernels {
 // Runs loop(id) on threads 0..t-1 (0 the caller's), joins them, then rethrows the error of the
-// lowest-numbered thread that threw.
+// lowest-numbered thread that threw; t <= 1: loop(0) on the caller's thread alone.
 template <class Loop>
 void run_threads(int t, Loop&& loop) {
+  if (t <= 1) {
+    loop(0);
+    return;
+  }
   std::vector<std::exception_ptr> errors(t);
   auto body = [&](int id) {
     try {
@@ -217,10 +221,6 @@ void run_threads(int t, Loop&& loop) {
 template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn) {
   const int t = threads_started(n, threads);
-  if (t <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i, 0);
-    return;
-  }
   run_threads(t, [&](int id) {
     for (int64_t i = id; i < n; i += t) fn(i, id);
   });
@@ -229,10 +229,6 @@ void parallel_for(int64_t n, int threads, Fn&& fn) {
 template <class Fn>
 void parallel_for_dynamic(int64_t n, int threads, Fn&& fn) {
   const int t = threads_started(n, threads);
-  if (t <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i, 0);
-    return;
-  }
   std::atomic<int64_t> next{0};
   run_threads(t, [&](int id) {
     try {
