@@ -172,6 +172,9 @@ KvPackLayout attention_kv_pack_layout(KernelPath path, DType dtype);
 std::size_t attention_kv_pack_bytes(int64_t total_k, int num_heads_k, int head_dim_qk, int head_dim_v,
                                     KvPackLayout layout);
 
+// The least time between two calls of AttnInputs::progress within one kernel call.
+inline constexpr double kProgressInterval = 100e-6;  // seconds
+
 struct AttnInputs {
   ConstTensorView q = {};  // [total_q, num_heads_q, head_dim_qk]
   ConstTensorView k = {};  // [total_k, num_heads_k, head_dim_qk]
@@ -186,6 +189,14 @@ struct AttnInputs {
   const int64_t* key_rows = nullptr;
   // Optional: K/V packed together with other callers (KvPackShare). Null: this call packs alone.
   const KvPackShare* kv_pack_share = nullptr;
+  // Optional: called while the call computes, on the calling thread only (never on the
+  // kernel's other threads), between pieces of its work (a forward's key piece of one query
+  // block, a backward's query block of one piece), at most once per kProgressInterval. What a
+  // caller does there runs beside the math: CpAttention moves its overlapped transfers along
+  // (MPI moves a message only while a rank is inside an MPI call; docs/cp.md "Overlap"). It
+  // must not touch the call's tensors; what it throws ends the call (the kernel's other
+  // threads stop at their next unit) and leaves out, lse, dq, dk and dv unspecified.
+  const std::function<void()>* progress = nullptr;
 
   // The stored row of key row r: key_rows[r], or r without a map.
   constexpr int64_t stored_key_row(int64_t r) const { return key_rows ? key_rows[r] : r; }

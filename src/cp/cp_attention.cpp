@@ -194,6 +194,16 @@ struct InFlight {
     for (CommRequest& r : reqs) any = (r.active() && comm.test(r)) || any;
     if (any) last_done = Clock::now();
   }
+  // One step of MPI's progress for every transfer, for the kernels' progress callback (a test
+  // drives Open MPI's progress engine for all requests): tests the first transfer not yet seen
+  // complete, and the next only once it is; never waits.
+  void advance() {
+    for (CommRequest& r : reqs) {
+      if (!r.active()) continue;
+      if (!comm.test(r)) return;
+      last_done = Clock::now();
+    }
+  }
   // Waits for reqs[i0, i1) under the communicator's deadline.
   void wait(std::size_t i0, std::size_t i1) {
     bool any = false;
@@ -687,6 +697,26 @@ struct CpAttention::State {
             .key_rows = key_rows(c)};
   }
 
+  // Runs call(in) with in.progress running step() (moving transfers along: InFlight::advance)
+  // while the kernel computes; the time of those calls is counted as communication (as waited,
+  // in comm_s and in `part`) and is left out of the compute time it returns.
+  template <class Step, class Call>
+  double compute_advancing(Step&& step, double& waited, double& part, AttnInputs in, Call&& call) {
+    double polled = 0;
+    const std::function<void()> progress = [&] {
+      const auto t0 = Clock::now();
+      step();
+      polled += seconds_since(t0);
+    };
+    in.progress = &progress;
+    const auto t0 = Clock::now();
+    call(in);
+    waited += polled;
+    stats.comm_s += polled;
+    part += polled;
+    return seconds_since(t0) - polled;
+  }
+
   // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in
   // `part` (one of CpStats' parts of comm_s).
   void wait_counted(InFlight& f, std::size_t i0, std::size_t i1, double& waited, double& part) {
@@ -752,34 +782,73 @@ struct CpAttention::State {
       stats.comm_s += seconds_since(t0);
       stats.first_kv_s += seconds_since(t0);
       waited += seconds_since(t0);
-      // Group by group: pack into the group's own rows, send to rank + 1, rank + 2, ... (each
-      // peer gets K then V of group 0, 1, ..., the order its receives were posted in), so that
-      // group 0 leaves first.
+      // Every group packed into its own rows first; then group by group sent to rank + 1,
+      // rank + 2, ... (each peer gets K then V of group 0, 1, ..., the order its receives were
+      // posted in). Group g's sends are posted once group g - 1's have completed, so that group
+      // 0's blocks, which every rank waits for before it computes anything, have the link to
+      // themselves (posted together, MPI interleaves the messages' fragments and group 0
+      // arrived with nearly all the others: 35 ms against 9 at 4 Gbit/s, docs/benchmarks.md).
+      // The later sends are posted from the kernels' progress callback as the earlier ones
+      // complete, and at the latest before this rank waits for a group's blocks: no rank waits
+      // for a group it has not sent, so none waits on another that waits on it.
+      t0 = Clock::now();
       for (int g = 0; g < groups; ++g) {
-        std::byte* const own_k = all_k + g * t_all * kg + row_off(me) * kg;
-        std::byte* const own_v = all_v + g * t_all * vg + row_off(me) * vg;
-        t0 = Clock::now();
-        copy_columns(k_in, own_k, t_loc, k_bytes, g * kg, kg, false);
-        copy_columns(v_in, own_v, t_loc, v_bytes, g * vg, vg, false);
-        stats.compute_s += seconds_since(t0);
-        t0 = Clock::now();
+        copy_columns(k_in, all_k + g * t_all * kg + row_off(me) * kg, t_loc, k_bytes, g * kg, kg, false);
+        copy_columns(v_in, all_v + g * t_all * vg + row_off(me) * vg, t_loc, v_bytes, g * vg, vg, false);
+      }
+      stats.compute_s += seconds_since(t0);
+      int sent = 0;                  // groups whose sends are posted
+      std::size_t last_sends = 0;    // where the requests of group sent - 1's sends begin
+      const auto post_sends = [&] {  // group `sent`'s
+        const int g = sent++;
+        const std::byte* own_k = all_k + g * t_all * kg + row_off(me) * kg;
+        const std::byte* own_v = all_v + g * t_all * vg + row_off(me) * vg;
+        last_sends = f.reqs.size();
         for (int st = 1; st < cp; ++st) {
           const int q = (me + st) % cp;
           f.reqs.push_back(comm.start_send<std::byte>({own_k, t_loc * kg}, q, kTagGather));
           f.reqs.push_back(comm.start_send<std::byte>({own_v, t_loc * vg}, q, kTagGather));
         }
-        stats.comm_s += seconds_since(t0);
-        stats.first_kv_s += seconds_since(t0);
-        waited += seconds_since(t0);
-      }
+      };
+      // Posts the next groups' sends while the last posted ones have completed; each test moves
+      // every transfer along. Never waits.
+      const auto send_more = [&] {
+        while (sent < groups) {
+          for (std::size_t i = last_sends; i < f.reqs.size(); ++i)
+            if (f.reqs[i].active() && !comm.test(f.reqs[i])) return;
+          f.last_done = Clock::now();
+          post_sends();
+        }
+      };
+      t0 = Clock::now();
+      post_sends();
+      stats.comm_s += seconds_since(t0);
+      stats.first_kv_s += seconds_since(t0);
+      waited += seconds_since(t0);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
+        t0 = Clock::now();
+        while (sent <= g) post_sends();  // (this rank's group g leaves before it waits for the peers')
+        const double posting = seconds_since(t0);
+        waited += posting;
+        stats.comm_s += posting;
+        (g == 0 ? stats.first_kv_s : stats.later_kv_s) += posting;
         // group g's blocks (and the earlier groups', done already)
         wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
 
         t0 = Clock::now();
         lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
-        attention_forward({.in = group_inputs(a.q, ctx, g), .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
+        stats.compute_s += seconds_since(t0);
+        // the later groups' transfers move along (and their sends leave) inside the call too
+        stats.compute_s += compute_advancing(
+            [&] {
+              f.advance();
+              send_more();
+            },
+            waited, stats.later_kv_s, group_inputs(a.q, ctx, g), [&](const AttnInputs& in) {
+              attention_forward({.in = in, .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
+            });
+        t0 = Clock::now();
         for (int64_t i = 0; i < t_loc; ++i)
           std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
         if (g == 0) note_peak(ctx.bytes());  // the forward's peak: the context being filled
@@ -787,6 +856,7 @@ struct CpAttention::State {
 
         t0 = Clock::now();
         f.poll();  // the later groups move along before the next kernel call
+        send_more();
         waited += seconds_since(t0);
         stats.comm_s += seconds_since(t0);
         stats.later_kv_s += seconds_since(t0);
@@ -971,15 +1041,19 @@ struct CpAttention::State {
       lse_group.resize(static_cast<std::size_t>(t_loc) * hq);
       for (int64_t i = 0; i < t_loc; ++i)
         std::copy_n(cs.lse.data() + i * cfg.num_heads_q + g * hq, hq, lse_group.data() + i * hq);
-      attention_backward({.in = group_inputs(a.q, cs, g),
-                          .out = head_slice(a.out, g * hq, hq),
-                          .lse = lse_group.data(),
-                          .dout = head_slice(a.dout, g * hq, hq),
-                          .dq = head_slice(a.dq, g * hq, hq),
-                          .dk = contiguous(dk_g, t_all, hk, cfg.head_dim_qk),  // every row written, in fp32
-                          .dv = contiguous(dv_g, t_all, hk, cfg.head_dim_v),
-                          .grad_mode = GradMode::write});
       stats.compute_s += seconds_since(t0);
+      // the earlier groups' dK/dV move along inside the call
+      stats.compute_s += compute_advancing([&] { f.advance(); }, waited, stats.dkv_s, group_inputs(a.q, cs, g),
+                                           [&](const AttnInputs& in) {
+        attention_backward({.in = in,
+                            .out = head_slice(a.out, g * hq, hq),
+                            .lse = lse_group.data(),
+                            .dout = head_slice(a.dout, g * hq, hq),
+                            .dq = head_slice(a.dq, g * hq, hq),
+                            .dk = contiguous(dk_g, t_all, hk, cfg.head_dim_qk),  // every row written, in fp32
+                            .dv = contiguous(dv_g, t_all, hk, cfg.head_dim_v),
+                            .grad_mode = GradMode::write});
+      });
 
       t0 = Clock::now();
       for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ...

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
+#include <functional>
 #include <exception>
 #include <new>
 #include <thread>
@@ -217,6 +219,25 @@ void run_threads(int t, Loop&& loop) {
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 }
+
+// AttnInputs::progress on the calling thread (th == 0: run_threads' thread 0 is the caller),
+// at most once per kProgressInterval: one clock read per call point, and none without a
+// callback.
+class Progress {
+ public:
+  explicit Progress(const std::function<void()>* fn) : fn_(fn), last_(std::chrono::steady_clock::now()) {}
+  void operator()(int th) {
+    if (fn_ == nullptr || th != 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (std::chrono::duration<double>(now - last_).count() < kProgressInterval) return;
+    (*fn_)();
+    last_ = std::chrono::steady_clock::now();
+  }
+
+ private:
+  const std::function<void()>* fn_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn) {

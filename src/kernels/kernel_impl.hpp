@@ -1801,6 +1801,7 @@ void forward_impl(const AttnFwdParams& p) {
   // threads often ran its half 10-20% slower than the other and left it idle at the end (Zen 2,
   // 8192 tokens, GQA: 1.63-1.67x one thread's forward static, 2.01-2.03x dynamic;
   // docs/benchmarks.md).
+  Progress progress(in.progress);  // (called by thread 0 alone)
   parallel_for_dynamic(units, nthr, [&](int64_t u, int th) {
     const TileScope tiles;
     FwdScratch& S = scr[th];
@@ -1848,6 +1849,7 @@ void forward_impl(const AttnFwdParams& p) {
       return static_cast<int>(std::min<int64_t>(pc.a1, (pc.c0 + (qp + cr.vz.hi - pc.p_lo) + PAD) / PAD * PAD));
     };
     auto run_piece = [&](Piece pc) {
+      progress(th);
       // Columns past the last row's right limit (causal or window) are masked for every row:
       // not computed.
       pc.a1 = trimmed_end(pc, qp_last);
@@ -2331,7 +2333,8 @@ void backward_impl(const AttnBwdParams& p) {
   // The query heads [h0, h1) of a set of unit u (one kv head's): its tasks in order, the pieces
   // of each in key order, and for each piece the set's heads in order, their dK/dV adding into
   // one tile (a piece's tile is written out once per set, not once per head).
-  auto run_set = [&](BwdScratch& S, int h0, int h1, float* gku, float* gvu, char* tu) {
+  Progress progress(in.progress);  // (called by thread 0 alone)
+  auto run_set = [&](BwdScratch& S, int th, int h0, int h1, float* gku, float* gvu, char* tu) {
     const int hk = h0 / group;
     for (const AttnTask& t : w.tasks) {
       const int64_t nq = t.q_len;
@@ -2424,6 +2427,7 @@ void backward_impl(const AttnBwdParams& p) {
         for (int h = h0; h < h1; ++h) {
           BwdHead& H = S.heads[static_cast<size_t>(h - h0)];
           for (int64_t qb = qb0; qb * bqb < nq; ++qb) {
+            progress(th);
             const int64_t i0 = qb * bqb, qp0 = t.q_pos + i0;
             if (cr.vz.lo_bounded && qp0 - cr.vz.lo > p_hi) break;
             const int m = static_cast<int>(std::min<int64_t>(bqb, nq - i0));
@@ -2628,7 +2632,7 @@ void backward_impl(const AttnBwdParams& p) {
     float* gvu = gv + static_cast<size_t>(u) * g_rows * dvp;
     const int h0 = hk * group + set * per, h1 = std::min(h0 + per, (hk + 1) * group);
     const TileScope tiles;
-    run_set(scr[th], h0, h1, gku, gvu, touched + u * nbb);
+    run_set(scr[th], th, h0, h1, gku, gvu, touched + u * nbb);
   });
   if (share) return;  // the reader sums (attention_grad_share_rows)
 
