@@ -28,12 +28,12 @@ done
 here=$(cd "$(dirname "$0")/.." && pwd)/tests/multihost
 export CPATTN_NETNS_SUBNET=${CPATTN_NETNS_SUBNET:-93} OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 prefix=nob
-trap 'bash "$here/hosts.sh" down $prefix 2' EXIT
+out=$(mktemp -d)
+trap 'bash "$here/hosts.sh" down $prefix 2; rm -rf "$out"' EXIT
 bash "$here/hosts.sh" up $prefix 2
 if [[ -n $rate ]]; then
   for h in ${prefix}ha ${prefix}hb; do ip netns exec $h tc qdisc add dev eth0 root tbf rate "$rate" burst 1mb latency 50ms; done
 fi
-out=$(mktemp -d)
 one() {  # BINARY LABEL
   ip netns exec ${prefix}ha mpirun --host ${prefix}ha,${prefix}hb -np 2 --bind-to none \
     --mca plm_rsh_agent "$here/rsh_agent.sh" --mca routed direct --mca btl tcp,self \
@@ -57,4 +57,3 @@ for ((r = 0; r < runs; ++r)); do
   [[ -n $old ]] && one "$old" old
   one "$new" new
 done
-rm -rf "$out"

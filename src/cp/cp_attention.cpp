@@ -182,8 +182,8 @@ void copy_columns(const std::byte* src, std::byte* dst, int64_t rows, std::size_
   }
 }
 
-// Transfers posted together and completed one by one (the overlapped all-gather and
-// reduce-scatter), and when the last of them was seen complete, for CpStats::comm_total_s.
+// Transfers in flight, completed one by one (the overlapped all-gather and reduce-scatter),
+// and when the last of them was seen complete, for CpStats::comm_total_s.
 struct InFlight {
   Communicator& comm;
   std::vector<CommRequest> reqs;
@@ -729,13 +729,13 @@ struct CpAttention::State {
   }
 
   // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
-  // "Overlap"): every group's K and V go to every peer at once, point to point, into the
-  // context's group-major K/V ([groups][gathered rows, group row], rank s's rows at
-  // layout.rank_begin[s], as all_gather_rows puts them; this rank's own rows packed there and
-  // sent from there); group g is computed as soon as its blocks are in, reading them in
-  // document order through the plan's key_rows, the later groups' transfers polled between
-  // the kernel calls. Returns the seconds the payload was in flight beyond the time this rank
-  // waited for it (CpStats::comm_total_s).
+  // "Overlap"): every group's K and V go to every peer, point to point, one group after the
+  // other, into the context's group-major K/V ([groups][gathered rows, group row], rank s's
+  // rows at layout.rank_begin[s], as all_gather_rows puts them; this rank's own rows packed
+  // there and sent from there); group g is computed as soon as its blocks are in, reading
+  // them in document order through the plan's key_rows, the later groups' transfers moved
+  // along inside and between the kernel calls. Returns the seconds the payload was in flight
+  // beyond the time this rank waited for it (CpStats::comm_total_s).
   double grouped_forward(const CpForwardArgs& a, CpContext::State& ctx, int groups) {
     const RankPlan& plan = *ctx.plan;
     const SplitLayout& layout = plan.layout;
@@ -787,7 +787,8 @@ struct CpAttention::State {
       // posted in). Group g's sends are posted once group g - 1's have completed, so that group
       // 0's blocks, which every rank waits for before it computes anything, have the link to
       // themselves (posted together, MPI interleaves the messages' fragments and group 0
-      // arrived with nearly all the others: 35 ms against 9 at 4 Gbit/s, docs/benchmarks.md).
+      // arrived with nearly all the others: 28-60 ms against 7-9 at 4 Gbit/s over TCP,
+      // docs/benchmarks.md).
       // The later sends are posted from the kernels' progress callback as the earlier ones
       // complete, and at the latest before this rank waits for a group's blocks: no rank waits
       // for a group it has not sent, so none waits on another that waits on it.

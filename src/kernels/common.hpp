@@ -239,11 +239,18 @@ class Progress {
   std::chrono::steady_clock::time_point last_;
 };
 
+// Item i on thread i % t; a throw stops the others at their next item (and is rethrown).
 template <class Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn) {
   const int t = threads_started(n, threads);
+  std::atomic<bool> stop{false};
   run_threads(t, [&](int id) {
-    for (int64_t i = id; i < n; i += t) fn(i, id);
+    try {
+      for (int64_t i = id; i < n && !stop.load(std::memory_order_relaxed); i += t) fn(i, id);
+    } catch (...) {
+      stop.store(true, std::memory_order_relaxed);
+      throw;
+    }
   });
 }
 

@@ -371,11 +371,15 @@ TEST(kernel_attention, EveryPathIsBitwiseOneThreadForAnyThreadCount) {
 // ends the call and comes out of it. Every path the CPU runs, fp32 and bf16 (the tiles' forward
 // has a loop of its own around the pieces).
 TEST(kernel_attention, ProgressRunsOnTheCallingThreadAndChangesNothing) {
-  // (0.7 GFLOP forward: 0.2 ms on three threads of an AMX core, still above the interval)
-  const AttnCase c{"progress", {1000, 1, 600}, {1000, 1, 600}, 4, 2, 64, 64, MaskType::causal};
+  // A forward of 0.7 GFLOP (a few ms on three threads of the vector paths), on the AMX
+  // instructions 11 GFLOP (their ~1 TFLOP/s per core would run the small one in ~0.2 ms): each
+  // call's loop runs several intervals on any CPU.
+  const AttnCase small{"progress", {1000, 1, 600}, {1000, 1, 600}, 4, 2, 64, 64, MaskType::causal};
+  const AttnCase large{"progress_amx", {4000, 1, 2400}, {4000, 1, 2400}, 4, 2, 64, 64, MaskType::causal};
   for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
                           KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated}) {
     if (!kernel_path_supported(path) || loop_skips_under_sanitizer(path)) continue;
+    const AttnCase& c = path == KernelPath::amx ? large : small;
     for (DType dt : {DType::f32, DType::bf16}) {
       const Problem pb(c, dt, 11);
       const Tensor Q = pb.q.as(dt), K = pb.k.as(dt), V = pb.v.as(dt), dO = pb.dout.as(dt);
@@ -384,14 +388,20 @@ TEST(kernel_attention, ProgressRunsOnTheCallingThreadAndChangesNothing) {
                                std::to_string(threads);
         const Results plain = run_kernels(pb, dt, path, threads);
         int calls = 0, elsewhere = 0;
+        double shortest_gap = 1e9;  // from the end of one call to the start of the next, seconds
+        std::chrono::steady_clock::time_point last_end{};
         const std::thread::id caller = std::this_thread::get_id();
         const std::function<void()> count = [&] {
+          const auto start = std::chrono::steady_clock::now();
           ++calls;  // (only the caller may call: elsewhere counts the calls that did not)
           if (std::this_thread::get_id() != caller) ++elsewhere;
+          if (last_end != std::chrono::steady_clock::time_point{})
+            shortest_gap = std::min(shortest_gap, std::chrono::duration<double>(start - last_end).count());
           // (a callback that takes time, as a transfer's copy does)
-          const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+          const auto until = start + std::chrono::microseconds(50);
           while (std::chrono::steady_clock::now() < until) {
           }
+          last_end = std::chrono::steady_clock::now();
         };
         Tensor out(dt, pb.out_shape()), dq(dt, pb.q_shape()), dk(dt, pb.k_shape()), dv(dt, pb.v_shape());
         std::vector<float> lse(pb.lse_size());
@@ -401,10 +411,12 @@ TEST(kernel_attention, ProgressRunsOnTheCallingThreadAndChangesNothing) {
         const int fwd_calls = calls;
         AttnBwdParams bp = pb.bwd(Q, K, V, out, lse.data(), dO, dq, dk, dv, path, threads);
         bp.in.progress = &count;
+        last_end = {};  // (the interval restarts with each call)
         attention_backward(bp);
         EXPECT_GE(fwd_calls, 1) << at;
         EXPECT_GE(calls - fwd_calls, 1) << at;
         EXPECT_EQ(elsewhere, 0) << at;
+        EXPECT_GE(shortest_gap, kProgressInterval) << at;  // throttled (fwd_calls + the backward's > 2 here)
         ASSERT_EQ(out.values(), plain.out) << at;
         ASSERT_EQ(lse, plain.lse) << at;
         ASSERT_EQ(dq.values(), plain.dq) << at;
@@ -414,7 +426,7 @@ TEST(kernel_attention, ProgressRunsOnTheCallingThreadAndChangesNothing) {
         const std::function<void()> fail = [] { throw std::runtime_error("from progress"); };
         fp.in.progress = &fail;
         bp.in.progress = &fail;
-        // (the first call comes after an interval: the calls above take many)
+        // (the first call comes an interval into each call's loop, which runs several)
         const auto thrown = [](auto&& call) -> std::string {
           try {
             call();
