@@ -422,9 +422,13 @@ double fit_overhead(F&& predict_at, double measured) {
   return hi;
 }
 
-// Seconds of one ring shift of `bytes` (every rank sends to the next, receives from the previous),
-// the median of `iters` after a warm-up, the slowest rank's.
-double shift_seconds(Communicator& comm, int64_t bytes, int iters) {
+// Seconds of one ring shift of `bytes` (every rank sends to the next, receives from the
+// previous) over `iters` shifts after a warm-up: the fastest and the median, each the slowest
+// rank's.
+struct ShiftSeconds {
+  double fastest, median;
+};
+ShiftSeconds shift_seconds(Communicator& comm, int64_t bytes, int iters) {
   std::vector<std::byte> send(static_cast<std::size_t>(bytes)), recv(send.size());
   const int p = comm.size(), r = comm.rank();
   std::vector<double> t;
@@ -437,9 +441,9 @@ double shift_seconds(Communicator& comm, int64_t bytes, int iters) {
     if (i > 0) t.push_back(s);
   }
   std::sort(t.begin(), t.end());
-  std::vector<double> med{t[t.size() / 2]};
-  comm.all_reduce<double>(med, ReduceOp::max);
-  return med[0];
+  std::vector<double> both{t.front(), t[t.size() / 2]};
+  comm.all_reduce<double>(both, ReduceOp::max);
+  return {.fastest = both[0], .median = both[1]};
 }
 
 void run_calibrate(const CalibrateArgs& a) {
@@ -497,28 +501,30 @@ void run_calibrate(const CalibrateArgs& a) {
         << " tokens, ";
   src << a.heads << "/" << a.kv_heads << " heads, dim "
       << a.head_dim << ", " << a.threads << " thread(s), median of " << a.repeats << ", slowest rank); ";
-  // Links: ring shifts by message size. Latency: the smallest message; bandwidth: the largest,
-  // less that latency.
+  // Links: ring shifts by message size. Latency: the smallest message's fastest shift (what a
+  // rank waits besides the bytes; a descheduled rank only adds to it, and on a loaded machine
+  // the median of a few 8-byte shifts once took longer than a 1 MiB one); bandwidth: the
+  // largest message's median, less that latency.
   nlohmann::json links = nlohmann::json::array();
   std::vector<int64_t> sizes = a.sizes;
   std::sort(sizes.begin(), sizes.end());
   double lat = 0, bw = 0;
   if (comm.size() > 1) {
-    std::vector<double> secs;
+    std::vector<ShiftSeconds> secs;
     for (const int64_t s : sizes) {
       secs.push_back(shift_seconds(comm, s, a.iters));
-      links.push_back({{"bytes", s}, {"seconds", secs.back()},
-                       {"gbs", static_cast<double>(s) / secs.back() / 1e9}});
+      links.push_back({{"bytes", s}, {"seconds", secs.back().median}, {"fastest_seconds", secs.back().fastest},
+                       {"gbs", static_cast<double>(s) / secs.back().median / 1e9}});
     }
-    lat = secs.front();
-    // (The slowest rank's medians: the same on every rank.)
-    CPATTN_CHECK(secs.back() > lat, "--sizes: the ", sizes.back(), "-byte shift took no longer than the ",
-                 sizes.front(), "-byte one (", secs.back(), " s against ", lat,
+    lat = secs.front().fastest;
+    // (The slowest rank's times: the same on every rank.)
+    CPATTN_CHECK(secs.back().median > lat, "--sizes: the ", sizes.back(), "-byte shift (median ",
+                 secs.back().median, " s) took no longer than the fastest ", sizes.front(), "-byte one (", lat,
                  " s): no bandwidth can be read from them; give sizes further apart, or more --iters");
-    bw = static_cast<double>(sizes.back()) / (secs.back() - lat) / 1e9;
-    src << "links: ring shifts between the " << comm.size() << " ranks of one node (median of " << a.iters
-        << "; latency = the " << sizes.front() << "-byte shift, bandwidth = the " << sizes.back()
-        << "-byte one less that latency); inter_node = intra_node (one node: not measured)";
+    bw = static_cast<double>(sizes.back()) / (secs.back().median - lat) / 1e9;
+    src << "links: ring shifts between the " << comm.size() << " ranks of one node (" << a.iters
+        << " each; latency = the fastest " << sizes.front() << "-byte shift, bandwidth = the median "
+        << sizes.back() << "-byte one less that latency); inter_node = intra_node (one node: not measured)";
   } else {
     // One rank: no peer to measure. A memcpy bounds what a shared-memory transport moves.
     std::vector<std::byte> x(static_cast<std::size_t>(sizes.back())), y(x.size());
