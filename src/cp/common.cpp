@@ -16,6 +16,30 @@ void SchemeEnv::wait(CommRequest& r) {
   stats.comm_s += seconds_since(t0);
 }
 
+void SchemeEnv::compute_moving(std::initializer_list<CommRequest*> in_flight, const std::function<void()>& compute) {
+  double polled = 0;
+  const std::function<void()> step = [&] {
+    const auto t0 = Clock::now();
+    for (CommRequest* r : in_flight)
+      if (r->active()) {
+        comm.test(*r);
+        break;
+      }
+    polled += seconds_since(t0);
+  };
+  progress = &step;
+  const auto t0 = Clock::now();
+  try {
+    compute();
+  } catch (...) {
+    progress = nullptr;
+    throw;
+  }
+  progress = nullptr;
+  stats.compute_s += seconds_since(t0) - polled;
+  stats.comm_s += polled;
+}
+
 WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {
   if (mask == MaskType::causal) return plan.work;
   WorkList w;

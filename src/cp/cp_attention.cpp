@@ -1311,12 +1311,15 @@ struct CpAttention::State {
       }
       const WorkList& w = ctx.work->steps[static_cast<std::size_t>(st)];
       if (!w.tasks.empty()) {  // skipped when no pair of this block is visible
-        t0 = Clock::now();
-        attention_forward({.in = ring_inputs(a.q, ring.visit[cur].data(), w, ctx.seed),
-                           .out = contiguous(acc_out.data(), t, cfg.num_heads_q, cfg.head_dim_v),
-                           .lse = acc_lse.data(),
-                           .out_mode = OutMode::accumulate});
-        stats.compute_s += seconds_since(t0);
+        SchemeEnv e = env();  // (the next block moves along inside the call)
+        e.compute_moving({&rq}, [&] {
+          AttnInputs in = ring_inputs(a.q, ring.visit[cur].data(), w, ctx.seed);
+          in.progress = e.progress;
+          attention_forward({.in = in,
+                             .out = contiguous(acc_out.data(), t, cfg.num_heads_q, cfg.head_dim_v),
+                             .lse = acc_lse.data(),
+                             .out_mode = OutMode::accumulate});
+        });
       }
       ring_wait(rq);
     }
@@ -1347,10 +1350,13 @@ struct CpAttention::State {
     dkv_home.assign(n_kv, 0.0f);  // [dK | dV] of this rank's keys
     dq_acc.assign(static_cast<std::size_t>(t) * cfg.num_heads_q * cfg.head_dim_qk, 0.0f);
     stats.compute_s += seconds_since(t0);
+    SchemeEnv e = env();
     const auto compute = [&](int s, const std::byte* block, float* part) {
       float* dkv = part ? part : dkv_home.data();
       if (part) std::fill_n(part, n_kv, 0.0f);
-      attention_backward({.in = ring_inputs(a.q, block, ctx.work->steps[static_cast<std::size_t>(s)], ctx.seed),
+      AttnInputs in = ring_inputs(a.q, block, ctx.work->steps[static_cast<std::size_t>(s)], ctx.seed);
+      in.progress = e.progress;  // (run_home_ring's compute_moving sets it)
+      attention_backward({.in = in,
                           .out = a.out,
                           .lse = ctx.lse.data(),
                           .dout = a.dout,
@@ -1362,7 +1368,6 @@ struct CpAttention::State {
     const auto take = [&](const float* part) {
       for (std::size_t i = 0; i < n_kv; ++i) dkv_home[i] += part[i];
     };
-    SchemeEnv e = env();
     run_home_ring(e, ring, ctx.work->steps, ctx.work->returns, n_kv, true, compute, take);
     t0 = Clock::now();
     store_f32(dq_acc.data(), a.dq);  // padding rows: 0 (no task has a padding query)

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <initializer_list>
 #include <cstdint>
 #include <cstddef>
 #include <vector>
@@ -30,8 +32,15 @@ struct SchemeEnv {
   Communicator& comm;
   const CpAttnConfig& cfg;
   CpStats& stats;
+  // While compute_moving runs a step: the kernels' progress callback (AttnInputs::progress),
+  // which the step's calls pass on; null otherwise.
+  const std::function<void()>* progress = nullptr;
   // Waits for `r` (a default-constructed request returns at once), counted as communication.
   void wait(CommRequest& r);
+  // Runs compute() (a step's kernel calls) with `progress` moving the step's transfers along:
+  // each call tests the first of `in_flight` still active (one test moves every transfer
+  // along). Its time is counted as communication; the rest of compute()'s as compute.
+  void compute_moving(std::initializer_list<CommRequest*> in_flight, const std::function<void()>& compute);
 };
 
 // The keys each task of `plan` reads, as runs of the rank-major gathered buffer

@@ -23,7 +23,7 @@ AttnInputs step_inputs(const SchemeEnv& env, ConstTensorView q, ConstTensorView 
                        const WorkList& work, uint64_t seed) {
   AttnOptions o = env.cfg.options;
   o.seed = seed;  // dropout is keyed by document and positions: the owner's plan gives both
-  return {.q = q, .k = k, .v = v, .work = &work, .options = o};
+  return {.q = q, .k = k, .v = v, .work = &work, .options = o, .progress = env.progress};
 }
 
 }  // namespace
@@ -63,11 +63,10 @@ void run_home_ring(SchemeEnv& env, HomeRingBuffers& b, std::span<const WorkList>
     env.stats.comm_s += seconds_since(t0);
     env.wait(sent[cur]);  // part[cur]'s send of step s - 2
     const bool any = !visiting[s].tasks.empty();
-    if (any) {  // skipped when no pair of the visiting block is visible here
-      t0 = Clock::now();
-      compute(s, b.visit[cur].data(), s == 0 && own_in_place ? nullptr : b.part[cur].data());
-      env.stats.compute_s += seconds_since(t0);
-    }
+    if (any)  // skipped when no pair of the visiting block is visible here; the transfers move along inside
+      env.compute_moving({&rq, &got[cur], &sent[nxt], &got[nxt]}, [&] {
+        compute(s, b.visit[cur].data(), s == 0 && own_in_place ? nullptr : b.part[cur].data());
+      });
     if (s == 0) {
       if (any && !own_in_place) timed_take(b.part[0].data());
     } else {
