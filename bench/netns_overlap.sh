@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A CP scheme's message path (--scheme, the all-gather by default) across two hosts made as
 # network namespaces on this machine (tests/multihost/hosts.sh; root), over TCP, one rank per
-# host: `cpattn run --shared-memory off --overlap on` at CP = 2 (T = 8192, Hkv 4, D 128), two
+# host: `cpattn run` at CP = 2 (the all-gather with --shared-memory off --overlap on) (T = 8192, Hkv 4, D 128), two
 # builds alternated run for run, and per run
 # each rank's step, compute and exposed communication (CpStats::comm_s) with its parts, in ms
 # (medians over --repeats 5 steps, as `cpattn run --json` reports them).
@@ -36,13 +36,15 @@ bash "$here/hosts.sh" up $prefix 2
 if [[ -n $rate ]]; then
   for h in ${prefix}ha ${prefix}hb; do ip netns exec $h tc qdisc add dev eth0 root tbf rate "$rate" burst 1mb latency 50ms; done
 fi
+only_allgather=()  # (the other schemes refuse these flags: they have neither)
+[[ $scheme == allgather ]] && only_allgather=(--shared-memory off --overlap on)
 one() {  # BINARY LABEL
   ip netns exec ${prefix}ha mpirun --host ${prefix}ha,${prefix}hb -np 2 --bind-to none \
     --mca plm_rsh_agent "$here/rsh_agent.sh" --mca routed direct --mca btl tcp,self \
     --mca btl_tcp_if_include "10.$CPATTN_NETNS_SUBNET.0.0/24" --mca oob_tcp_if_include "10.$CPATTN_NETNS_SUBNET.0.0/24" \
     -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
     "$1" run --seq-len 8192 --heads "$heads" --kv-heads 4 --head-dim 128 --dtype "$dtype" --repeats 5 \
-    --scheme "$scheme" --shared-memory off --overlap on --json > "$out/r.json"
+    --scheme "$scheme" "${only_allgather[@]}" --json > "$out/r.json"
   python3 - "$2" "$out/r.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[2]))
