@@ -44,7 +44,7 @@ one() {  # BINARY LABEL
     --mca btl_tcp_if_include "10.$CPATTN_NETNS_SUBNET.0.0/24" --mca oob_tcp_if_include "10.$CPATTN_NETNS_SUBNET.0.0/24" \
     -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
     "$1" run --seq-len 8192 --heads "$heads" --kv-heads 4 --head-dim 128 --dtype "$dtype" --repeats 5 \
-    --scheme "$scheme" "${only_allgather[@]}" --json > "$out/r.json"
+    --scheme "$scheme" ${only_allgather[@]+"${only_allgather[@]}"} --json > "$out/r.json"
   python3 - "$2" "$out/r.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[2]))

@@ -731,7 +731,7 @@ void add_calibrate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--dtypes", a->dtypes, "Dtypes to measure, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--sizes", a->sizes, "Message sizes in bytes, comma-separated")->delimiter(',')->capture_default_str();
-  cmd->add_option("--iters", a->iters, "Timed shifts per size (median)")->capture_default_str();
+  cmd->add_option("--iters", a->iters, "Timed shifts per size (latency: the smallest size's fastest; bandwidth: the largest's median)")->capture_default_str();
   cmd->add_flag("--json", a->json, "Print the profile as one JSON object");
   cmd->add_option("--overhead-tokens", a->overhead_tokens, "CP overhead: tokens per rank of its own batch (every "
                   "scheme's forward and backward against the model; 0 skips it)")->check(CLI::Range(int64_t{0}, int64_t{1} << 16))

@@ -18,25 +18,18 @@ void SchemeEnv::wait(CommRequest& r) {
 
 void SchemeEnv::compute_moving(std::initializer_list<CommRequest*> in_flight, const std::function<void()>& compute) {
   double polled = 0;
-  const std::function<void()> step = [&] {
-    const auto t0 = Clock::now();
-    for (CommRequest* r : in_flight)
-      if (r->active()) {
-        comm.test(*r);
-        break;
-      }
-    polled += seconds_since(t0);
-  };
-  progress = &step;
-  const auto t0 = Clock::now();
-  try {
-    compute();
-  } catch (...) {
-    progress = nullptr;
-    throw;
-  }
-  progress = nullptr;
-  stats.compute_s += seconds_since(t0) - polled;
+  const double total = run_with_progress([&] { test_first_active(comm, in_flight, [](CommRequest* r) -> CommRequest& { return *r; }); },
+                                         polled, [&](const std::function<void()>* p) {
+                                           progress = p;
+                                           try {
+                                             compute();
+                                           } catch (...) {
+                                             progress = nullptr;
+                                             throw;
+                                           }
+                                           progress = nullptr;
+                                         });
+  stats.compute_s += total - polled;
   stats.comm_s += polled;
 }
 

@@ -194,15 +194,9 @@ struct InFlight {
     for (CommRequest& r : reqs) any = (r.active() && comm.test(r)) || any;
     if (any) last_done = Clock::now();
   }
-  // One step of MPI's progress for every transfer, for the kernels' progress callback (a test
-  // drives Open MPI's progress engine for all requests): tests the first transfer not yet seen
-  // complete, and the next only once it is; never waits.
+  // One step of MPI's progress, for the kernels' progress callback (test_first_active).
   void advance() {
-    for (CommRequest& r : reqs) {
-      if (!r.active()) continue;
-      if (!comm.test(r)) return;
-      last_done = Clock::now();
-    }
+    if (test_first_active(comm, reqs, [](CommRequest& r) -> CommRequest& { return r; })) last_done = Clock::now();
   }
   // Waits for reqs[i0, i1) under the communicator's deadline.
   void wait(std::size_t i0, std::size_t i1) {
@@ -703,18 +697,14 @@ struct CpAttention::State {
   template <class Step, class Call>
   double compute_advancing(Step&& step, double& waited, double& part, AttnInputs in, Call&& call) {
     double polled = 0;
-    const std::function<void()> progress = [&] {
-      const auto t0 = Clock::now();
-      step();
-      polled += seconds_since(t0);
-    };
-    in.progress = &progress;
-    const auto t0 = Clock::now();
-    call(in);
+    const double total = run_with_progress(step, polled, [&](const std::function<void()>* progress) {
+      in.progress = progress;
+      call(in);
+    });
     waited += polled;
     stats.comm_s += polled;
     part += polled;
-    return seconds_since(t0) - polled;
+    return total - polled;
   }
 
   // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in

@@ -37,11 +37,41 @@ struct SchemeEnv {
   const std::function<void()>* progress = nullptr;
   // Waits for `r` (a default-constructed request returns at once), counted as communication.
   void wait(CommRequest& r);
-  // Runs compute() (a step's kernel calls) with `progress` moving the step's transfers along:
-  // each call tests the first of `in_flight` still active (one test moves every transfer
-  // along). Its time is counted as communication; the rest of compute()'s as compute.
+  // Runs compute() (a step's kernel calls) with `progress` moving the step's transfers along
+  // (test_first_active over `in_flight`). Its time is counted as communication; the rest of
+  // compute()'s as compute.
   void compute_moving(std::initializer_list<CommRequest*> in_flight, const std::function<void()>& compute);
 };
+
+// One step of MPI's progress for the kernels' progress callback: tests the first of `reqs`
+// still active (a test drives Open MPI's progress engine for every request), and the next
+// only once that one completed; never waits. Returns whether any completed.
+template <class Range, class Get>
+bool test_first_active(Communicator& comm, Range& reqs, Get&& get) {
+  bool any = false;
+  for (auto& x : reqs) {
+    CommRequest& r = get(x);
+    if (!r.active()) continue;
+    if (!comm.test(r)) return any;
+    any = true;
+  }
+  return any;
+}
+
+// Runs call(progress) with `progress` (for AttnInputs::progress) running step() while the
+// kernels compute. Returns the seconds of the whole call and, in `polled`, those inside step().
+template <class Step, class Call>
+double run_with_progress(Step&& step, double& polled, Call&& call) {
+  polled = 0;
+  const std::function<void()> progress = [&] {
+    const auto t0 = Clock::now();
+    step();
+    polled += seconds_since(t0);
+  };
+  const auto t0 = Clock::now();
+  call(&progress);
+  return seconds_since(t0);
+}
 
 // The keys each task of `plan` reads, as runs of the rank-major gathered buffer
 // [cp * local_tokens] (rank q's block at rows [q * local_tokens, (q + 1) * local_tokens)).

@@ -51,7 +51,9 @@ struct HomeRingBuffers {
 // partial goes to the owner (an empty message when there was none), and the owner hands its
 // own part (step 0) and the parts coming back (steps 1..cp-1, full where returns[s]) to `take`
 // in step order, whatever the timing. With own_in_place, step 0 gets part = nullptr (the
-// caller adds its own block's part straight into its result) and is not taken.
+// caller adds its own block's part straight into its result) and is not taken. compute runs
+// inside env.compute_moving: its kernel calls must pass env.progress as AttnInputs::progress
+// (step_inputs does), or the step's transfers move only in the waits after it.
 void run_home_ring(SchemeEnv& env, HomeRingBuffers& b, std::span<const WorkList> visiting,
                    std::span<const char> returns, std::size_t n_part, bool own_in_place,
                    const std::function<void(int, const std::byte*, float*)>& compute,
