@@ -17,17 +17,16 @@ void SchemeEnv::wait(CommRequest& r) {
 }
 
 void SchemeEnv::compute_moving(std::initializer_list<CommRequest*> in_flight, const std::function<void()>& compute) {
+  struct Reset {  // `progress` is the step's only while it runs, thrown out of or not
+    const std::function<void()>*& p;
+    ~Reset() { p = nullptr; }
+  };
   double polled = 0;
-  const double total = run_with_progress([&] { test_first_active(comm, in_flight, [](CommRequest* r) -> CommRequest& { return *r; }); },
-                                         polled, [&](const std::function<void()>* p) {
+  const double total = run_with_progress([&] { test_first_active(comm, in_flight); }, polled,
+                                         [&](const std::function<void()>* p) {
+                                           const Reset reset{progress};
                                            progress = p;
-                                           try {
-                                             compute();
-                                           } catch (...) {
-                                             progress = nullptr;
-                                             throw;
-                                           }
-                                           progress = nullptr;
+                                           compute();
                                          });
   stats.compute_s += total - polled;
   stats.comm_s += polled;

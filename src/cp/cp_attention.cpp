@@ -196,7 +196,7 @@ struct InFlight {
   }
   // One step of MPI's progress, for the kernels' progress callback (test_first_active).
   void advance() {
-    if (test_first_active(comm, reqs, [](CommRequest& r) -> CommRequest& { return r; })) last_done = Clock::now();
+    if (test_first_active(comm, reqs)) last_done = Clock::now();
   }
   // Waits for reqs[i0, i1) under the communicator's deadline.
   void wait(std::size_t i0, std::size_t i1) {
@@ -701,10 +701,16 @@ struct CpAttention::State {
       in.progress = progress;
       call(in);
     });
-    waited += polled;
-    stats.comm_s += polled;
-    part += polled;
+    count_waited(polled, waited, part);
     return total - polled;
+  }
+
+  // `s` seconds in communication calls: as waited (the overlap's), as exposed (comm_s) and in
+  // `part` (one of CpStats' parts of comm_s).
+  void count_waited(double s, double& waited, double& part) {
+    waited += s;
+    stats.comm_s += s;
+    part += s;
   }
 
   // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in
@@ -712,10 +718,7 @@ struct CpAttention::State {
   void wait_counted(InFlight& f, std::size_t i0, std::size_t i1, double& waited, double& part) {
     const auto t0 = Clock::now();
     f.wait(i0, i1);
-    const double s = seconds_since(t0);
-    waited += s;
-    stats.comm_s += s;
-    part += s;
+    count_waited(seconds_since(t0), waited, part);
   }
 
   // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
@@ -769,9 +772,7 @@ struct CpAttention::State {
         }
         recv_end[g] = f.reqs.size();
       }
-      stats.comm_s += seconds_since(t0);
-      stats.first_kv_s += seconds_since(t0);
-      waited += seconds_since(t0);
+      count_waited(seconds_since(t0), waited, stats.first_kv_s);
       // Every group packed into its own rows first; then group by group sent to rank + 1,
       // rank + 2, ... (each peer gets K then V of group 0, 1, ..., the order its receives were
       // posted in). Group g's sends are posted once group g - 1's have completed, so that group
@@ -813,17 +814,12 @@ struct CpAttention::State {
       };
       t0 = Clock::now();
       post_sends();
-      stats.comm_s += seconds_since(t0);
-      stats.first_kv_s += seconds_since(t0);
-      waited += seconds_since(t0);
+      count_waited(seconds_since(t0), waited, stats.first_kv_s);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
         t0 = Clock::now();
         while (sent <= g) post_sends();  // (this rank's group g leaves before it waits for the peers')
-        const double posting = seconds_since(t0);
-        waited += posting;
-        stats.comm_s += posting;
-        (g == 0 ? stats.first_kv_s : stats.later_kv_s) += posting;
+        count_waited(seconds_since(t0), waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
         // group g's blocks (and the earlier groups', done already)
         wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
 
@@ -848,9 +844,7 @@ struct CpAttention::State {
         t0 = Clock::now();
         f.poll();  // the later groups move along before the next kernel call
         send_more();
-        waited += seconds_since(t0);
-        stats.comm_s += seconds_since(t0);
-        stats.later_kv_s += seconds_since(t0);
+        count_waited(seconds_since(t0), waited, stats.later_kv_s);
       }
       wait_counted(f, 0, f.reqs.size(), waited, stats.later_kv_s);  // this rank's sends
     } catch (...) {
@@ -1060,9 +1054,7 @@ struct CpAttention::State {
       }
       if (g == 0) f.posted = f.last_done = t0;
       f.poll();
-      waited += seconds_since(t0);
-      stats.comm_s += seconds_since(t0);
-      stats.dkv_s += seconds_since(t0);
+      count_waited(seconds_since(t0), waited, stats.dkv_s);
     }
     t0 = Clock::now();
     zero_padding_rows(a.dq, plan);
@@ -1233,7 +1225,9 @@ struct CpAttention::State {
 
   // The kernels' inputs for one ring step: the caller's q (storage dtype, as it is) over the
   // visiting block [K | V] (storage dtype, as it arrived: the kernel converts while it packs).
-  AttnInputs ring_inputs(ConstTensorView q, const std::byte* block, const WorkList& w, uint64_t seed) const {
+  // (e.progress: the step's progress callback, as pass-Q's step_inputs passes it.)
+  AttnInputs ring_inputs(const SchemeEnv& e, ConstTensorView q, const std::byte* block, const WorkList& w,
+                         uint64_t seed) const {
     AttnOptions o = cfg.options;
     o.seed = seed;
     const int64_t t = q.rows;
@@ -1242,7 +1236,8 @@ struct CpAttention::State {
             .v = contiguous(block + static_cast<std::size_t>(t * k_row()) * dtype_size(cfg.dtype), t, cfg.num_heads_k,
                             cfg.head_dim_v, cfg.dtype),
             .work = &w,
-            .options = o};
+            .options = o,
+            .progress = e.progress};
   }
 
   void ring_wait(CommRequest& r) { env().wait(r); }
@@ -1303,9 +1298,7 @@ struct CpAttention::State {
       if (!w.tasks.empty()) {  // skipped when no pair of this block is visible
         SchemeEnv e = env();  // (the next block moves along inside the call)
         e.compute_moving({&rq}, [&] {
-          AttnInputs in = ring_inputs(a.q, ring.visit[cur].data(), w, ctx.seed);
-          in.progress = e.progress;
-          attention_forward({.in = in,
+          attention_forward({.in = ring_inputs(e, a.q, ring.visit[cur].data(), w, ctx.seed),
                              .out = contiguous(acc_out.data(), t, cfg.num_heads_q, cfg.head_dim_v),
                              .lse = acc_lse.data(),
                              .out_mode = OutMode::accumulate});
@@ -1344,9 +1337,7 @@ struct CpAttention::State {
     const auto compute = [&](int s, const std::byte* block, float* part) {
       float* dkv = part ? part : dkv_home.data();
       if (part) std::fill_n(part, n_kv, 0.0f);
-      AttnInputs in = ring_inputs(a.q, block, ctx.work->steps[static_cast<std::size_t>(s)], ctx.seed);
-      in.progress = e.progress;  // (run_home_ring's compute_moving sets it)
-      attention_backward({.in = in,
+      attention_backward({.in = ring_inputs(e, a.q, block, ctx.work->steps[static_cast<std::size_t>(s)], ctx.seed),
                           .out = a.out,
                           .lse = ctx.lse.data(),
                           .dout = a.dout,

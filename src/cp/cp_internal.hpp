@@ -44,13 +44,16 @@ struct SchemeEnv {
 };
 
 // One step of MPI's progress for the kernels' progress callback: tests the first of `reqs`
-// still active (a test drives Open MPI's progress engine for every request), and the next
-// only once that one completed; never waits. Returns whether any completed.
-template <class Range, class Get>
-bool test_first_active(Communicator& comm, Range& reqs, Get&& get) {
+// (CommRequests, or pointers to them) still active (a test drives Open MPI's progress engine
+// for every request), and the next only once that one completed; never waits. Returns whether
+// any completed.
+inline CommRequest& request_of(CommRequest& r) { return r; }
+inline CommRequest& request_of(CommRequest* r) { return *r; }
+template <class Range>
+bool test_first_active(Communicator& comm, Range& reqs) {
   bool any = false;
-  for (auto& x : reqs) {
-    CommRequest& r = get(x);
+  for (auto&& x : reqs) {
+    CommRequest& r = request_of(x);
     if (!r.active()) continue;
     if (!comm.test(r)) return any;
     any = true;
