@@ -773,13 +773,14 @@ struct CpAttention::State {
         recv_end[g] = f.reqs.size();
       }
       count_waited(seconds_since(t0), waited, stats.first_kv_s);
-      // Every group packed into its own rows first; then group by group sent to rank + 1,
-      // rank + 2, ... (each peer gets K then V of group 0, 1, ..., the order its receives were
-      // posted in). Group g's sends are posted once group g - 1's have completed, so that group
-      // 0's blocks, which every rank waits for before it computes anything, have the link to
-      // themselves (posted together, MPI interleaves the messages' fragments and group 0
-      // arrived with nearly all the others: 28-60 ms against 7-9 at 4 Gbit/s over TCP,
-      // docs/benchmarks.md).
+      // Every group packed into its own rows first; then group by group sent to each peer (rank
+      // + 1, rank + 2, ...; each peer gets K then V of group 0, 1, ..., the order its receives
+      // were posted in). Group g's sends to a peer are posted once group g - 1's to that peer
+      // have completed, so that group 0's blocks, which every rank waits for before it computes
+      // anything, have the link to themselves (posted together, MPI interleaves the messages'
+      // fragments and group 0 arrived with nearly all the others: 28-60 ms against 7-9 at
+      // 4 Gbit/s over TCP, docs/benchmarks.md); per peer, so that a slow peer holds back its own
+      // next group alone (cp > 2).
       // The later sends are posted from the kernels' progress callback as the earlier ones
       // complete, and at the latest before this rank waits for a group's blocks: no rank waits
       // for a group it has not sent, so none waits on another that waits on it.
@@ -789,36 +790,39 @@ struct CpAttention::State {
         copy_columns(v_in, all_v + g * t_all * vg + row_off(me) * vg, t_loc, v_bytes, g * vg, vg, false);
       }
       stats.compute_s += seconds_since(t0);
-      int sent = 0;                  // groups whose sends are posted
-      std::size_t last_sends = 0;    // where the requests of group sent - 1's sends begin
-      const auto post_sends = [&] {  // group `sent`'s
-        const int g = sent++;
-        const std::byte* own_k = all_k + g * t_all * kg + row_off(me) * kg;
-        const std::byte* own_v = all_v + g * t_all * vg + row_off(me) * vg;
-        last_sends = f.reqs.size();
-        for (int st = 1; st < cp; ++st) {
-          const int q = (me + st) % cp;
-          f.reqs.push_back(comm.start_send<std::byte>({own_k, t_loc * kg}, q, kTagGather));
-          f.reqs.push_back(comm.start_send<std::byte>({own_v, t_loc * vg}, q, kTagGather));
-        }
+      // Per step st (peer rank + st): the groups whose sends to it are posted, and where the
+      // requests of the last of them (K, then V) are.
+      std::vector<int> sent(static_cast<std::size_t>(cp), 0);
+      std::vector<std::size_t> last_sends(static_cast<std::size_t>(cp), 0);
+      const auto post_sends = [&](int st) {  // the next group's to peer rank + st
+        const int g = sent[st]++, q = (me + st) % cp;
+        last_sends[st] = f.reqs.size();
+        f.reqs.push_back(comm.start_send<std::byte>({all_k + g * t_all * kg + row_off(me) * kg, t_loc * kg}, q, kTagGather));
+        f.reqs.push_back(comm.start_send<std::byte>({all_v + g * t_all * vg + row_off(me) * vg, t_loc * vg}, q, kTagGather));
       };
-      // Posts the next groups' sends while the last posted ones have completed; each test moves
-      // every transfer along. Never waits.
+      const auto done = [&](std::size_t i) { return !f.reqs[i].active() || comm.test(f.reqs[i]); };
+      // Posts each peer's next groups while the last ones posted to it have completed; each test
+      // moves every transfer along. Never waits.
       const auto send_more = [&] {
-        while (sent < groups) {
-          for (std::size_t i = last_sends; i < f.reqs.size(); ++i)
-            if (f.reqs[i].active() && !comm.test(f.reqs[i])) return;
-          f.last_done = Clock::now();
-          post_sends();
-        }
+        for (int st = 1; st < cp; ++st)
+          while (sent[st] < groups && done(last_sends[st]) && done(last_sends[st] + 1)) {
+            f.last_done = Clock::now();
+            post_sends(st);
+          }
+      };
+      // Group g's sends to every peer not yet posted (this rank's group g leaves before it waits
+      // for the peers').
+      const auto send_through = [&](int g) {
+        for (int st = 1; st < cp; ++st)
+          while (sent[st] <= g) post_sends(st);
       };
       t0 = Clock::now();
-      post_sends();
+      send_through(0);
       count_waited(seconds_since(t0), waited, stats.first_kv_s);
       std::vector<float>& lse_g = lse_group;
       for (int g = 0; g < groups; ++g) {
         t0 = Clock::now();
-        while (sent <= g) post_sends();  // (this rank's group g leaves before it waits for the peers')
+        send_through(g);
         count_waited(seconds_since(t0), waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
         // group g's blocks (and the earlier groups', done already)
         wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
