@@ -39,7 +39,7 @@ struct MoeArgs {
   int64_t tokens = 256;  // per rank
   int hidden = 64, ffn = 128;
   uint64_t seed = 1;
-  int repeat = 1;
+  int repeats = 1;
   std::optional<double> timeout;  // --timeout (unset: CPATTN_COMM_TIMEOUT_S, else 300 s)
   bool json = false;
 };
@@ -58,7 +58,7 @@ MoeConfig config_of(const MoeArgs& a, int world) {
   CPATTN_CHECK(a.tokens >= 0 && a.hidden >= 1 && a.ffn >= 1, "--tokens must be >= 0, --hidden and --ffn >= 1");
   CPATTN_CHECK(std::isfinite(a.skew) && std::abs(a.skew) <= 1e4, "--skew must be in [-10000, 10000] (logits that "
                "large already route every token alike; past the float range they made the router NaN), got ", a.skew);
-  CPATTN_CHECK(a.repeat >= 1 && a.balance_steps >= 0, "--repeat must be >= 1 and --balance-steps >= 0");
+  CPATTN_CHECK(a.repeats >= 1 && a.balance_steps >= 0, "--repeats must be >= 1 and --balance-steps >= 0");
   CPATTN_CHECK(a.balance_steps == 0 || a.router == "sigmoid-bias", "--balance-steps needs --router sigmoid-bias");
   return {.hidden = a.hidden,
           .ffn = a.ffn,
@@ -170,7 +170,7 @@ nlohmann::json report_json(const MoeArgs& a, const MoeLoadReport& r, const Check
   return {{"experts", a.experts}, {"top_k", a.top_k}, {"ep", a.ep}, {"router", a.router},
           {"capacity_factor", a.capacity_factor ? nlohmann::json(*a.capacity_factor) : nlohmann::json()},
           {"drop_policy", a.drop_policy}, {"skew", a.skew}, {"tokens_per_rank_input", a.tokens},
-          {"hidden", a.hidden}, {"ffn", a.ffn}, {"seed", a.seed}, {"repeat", a.repeat},
+          {"hidden", a.hidden}, {"ffn", a.ffn}, {"seed", a.seed}, {"repeats", a.repeats},
           {"balance_steps", a.balance_steps}, {"aux_loss", aux_loss},
           {"check", {{"y", c.y}, {"dx", c.dx}, {"router", c.router}, {"experts", c.experts},
                      {"tolerance", kTolerance}, {"pass", c.max() <= kTolerance}}},
@@ -187,7 +187,7 @@ void print_report(const MoeArgs& a, const MoeLoadReport& r, const CheckResult& c
   else
     std::printf("no capacity");
   std::printf(", skew %g\n  %lld tokens per rank, hidden %d, ffn %d, seed %llu, %d repeat(s)\n", a.skew,
-              static_cast<long long>(a.tokens), a.hidden, a.ffn, static_cast<unsigned long long>(a.seed), a.repeat);
+              static_cast<long long>(a.tokens), a.hidden, a.ffn, static_cast<unsigned long long>(a.seed), a.repeats);
   std::printf("check against one process (max relative error, tolerance %g): y %.2e dx %.2e router %.2e experts "
               "%.2e: %s\n",
               kTolerance, c.y, c.dx, c.router, c.experts, c.max() <= kTolerance ? "PASS" : "FAIL");
@@ -258,7 +258,7 @@ bool run_moe(Communicator& comm, const MoeArgs& a) {
   std::vector<MoePhaseTimes> fwd, bwd;
   MoeEpForward f;
   MoeEpBackward b;
-  for (int i = 0; i < a.repeat; ++i) {
+  for (int i = 0; i < a.repeats; ++i) {
     comm.barrier();  // every rank starts each pass together, so that waits are the imbalance's
     f = layer.forward(mine, x);
     b = layer.backward(mine, x, f, dy);
@@ -336,7 +336,7 @@ void add_moe_command(CLI::App& app) {
   cmd->add_option("--hidden", a->hidden, "Hidden size H")->capture_default_str();
   cmd->add_option("--ffn", a->ffn, "Each expert's SwiGLU width F")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Seed of the batch and the weights")->capture_default_str();
-  cmd->add_option("--repeat", a->repeat, "Forward+backward passes timed (medians reported)")->capture_default_str();
+  cmd->add_option("--repeats,--repeat", a->repeats, "Forward+backward passes timed (medians reported; --repeat: the same, its older spelling)")->capture_default_str();
   add_timeout_option(cmd, a->timeout);
   cmd->add_flag("--json", a->json, "Print the report as one JSON object");
   cmd->callback([a] { run(*a); });

@@ -192,7 +192,7 @@ struct AttnInputs {
   // Optional: called while the call computes, on the calling thread only (never on the
   // kernel's other threads), between pieces of its work (a forward's key piece of one query
   // block, a backward's query block of one piece), at most once per kProgressInterval. What a
-  // caller does there runs beside the math: CpAttention moves its overlapped transfers along
+  // caller does there runs beside the math: CpAttention moves its transfers in flight along (the overlapped all-gather's, each ring and pass-Q step's)
   // (MPI moves a message only while a rank is inside an MPI call; docs/cp.md "Overlap"). It
   // must not touch the call's tensors; what it throws ends the call (the kernel's other
   // threads stop at their next unit) and leaves out, lse, dq, dk and dv unspecified.

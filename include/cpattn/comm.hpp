@@ -67,7 +67,7 @@ enum class CommAlgorithm {
 };
 
 // Element types the collectives accept. std::uint16_t carries fp16 and bf16 storage (moved
-// bit for bit; only gathers and broadcasts accept it).
+// bit for bit; every operation but reduce_scatter_sum and all_reduce accepts it).
 template <class T>
 concept CommElement = std::same_as<T, float> || std::same_as<T, double> ||
                       std::same_as<T, std::int32_t> || std::same_as<T, std::int64_t> ||
@@ -211,7 +211,7 @@ class Communicator {
   // Whether `req` has completed, without waiting: one MPI_Testall, which also moves every
   // transfer in flight along (Open MPI's shared-memory transport progresses a message only
   // inside MPI calls, so a scheme that computes between a start and its wait calls test()
-  // between its kernel calls). true: done, as after wait(); false: still in flight, to be
+  // between and inside its kernel calls: AttnInputs::progress). true: done, as after wait(); false: still in flight, to be
   // waited on (wait() keeps the deadline). A test never times out.
   bool test(CommRequest& req);
   template <CommElement T>
@@ -248,7 +248,8 @@ class Communicator {
   // the bytes a ring moves for the same result: an all_gather_v sends every block but the
   // right neighbour's and receives every block but its own). Its own block is not counted, nor
   // are all_reduce, broadcast, barrier and split, whose volume is the MPI library's own
-  // algorithm's (the training's gradient all-reduce among them).
+  // algorithm's (the training's gradient all-reduce, a reduce-scatter and an all-gather, is
+  // counted).
   std::int64_t bytes_sent() const;
   std::int64_t bytes_received() const;
 

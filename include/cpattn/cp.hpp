@@ -18,7 +18,9 @@
 // Forward: validate locally; agree across ranks on a fingerprint (shapes, dtype, heads, cp,
 // the boundaries' hash, options and the call counters) so that a disagreement fails on every
 // rank with the same message before any payload moves; all-gather K and V rank-major; one
-// fused kernel call for both local query chunks of every document. Backward: one fused
+// fused kernel call for both local query chunks of every document (CpAttnConfig::overlap: one
+// per group of KV heads; shared_memory, every rank on one host: every rank's K/V read in place,
+// nothing gathered). Backward: one fused
 // backward call, dK/dV accumulated in a rank-major fp32 buffer, reduce-scattered to each
 // rank's local tokens (CpAttnConfig::overlap: the same per group of KV heads, each group's
 // communication under another group's compute, bitwise the same results). Padding tokens
@@ -45,7 +47,8 @@ namespace cpattn {
 
 // How the kernel reads the gathered keys.
 enum class KvMode {
-  runs,   // in place, through the planner's runs of the rank-major buffer (no copy)
+  runs,   // in place, in document order through a row map onto the rank-major buffer
+          // (AttnInputs::key_rows; no copy)
   index,  // the reference design: index_select copy by kv_gather_index, index_add_ in backward
 };
 
@@ -80,14 +83,17 @@ struct CpAttnConfig {
   // dK/dV by all_to_all_v summed in rank order (deterministic). The other schemes refuse it.
   CpSplit split = CpSplit::padded;
   // The all-gather scheme in runs mode at cp > 1 (docs/cp.md "Overlap"): true (the default) runs the kernels
-  // per group of KV heads (cp_overlap_groups: the largest divisor of Hkv that is at most 4) with
-  // every group's K/V posted at once, so that group g is computed while groups g+1.. travel,
-  // and backward sends group g's dK/dV while group g+1's are computed. Heads are independent
+  // per group of KV heads (cp_overlap_groups: the largest divisor of Hkv that is at most 4):
+  // every group's receives posted at once, group g's sends to a peer once group g-1's to it have
+  // completed (from the kernels' progress callback, the polls, at the latest before this rank
+  // waits for group g), so that group 0 has the link to itself and group g is computed while
+  // groups g+1.. travel; backward sends group g's dK/dV while group g+1's are computed. Heads are independent
   // and every sum keeps its order, so the results are bitwise those of false (one all-gather,
   // one fused call, one reduce-scatter) when the communicator's reduce-scatter is its own
   // fixed-order ring (CommAlgorithm::ring, the default) or the split is padding-free; with
   // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. Hkv = 1 cannot split: no overlap (not an error). Part of
-  // the ranks' agreement; index mode, cp = 1 and the other schemes ignore it.
+  // the ranks' agreement; index mode, cp = 1 and the ring, pass-Q and a2a schemes ignore it (the
+  // hybrid's outer all-gather follows it).
   bool overlap = true;
   // The all-gather scheme in runs mode at cp > 1 (the hybrid's outer all-gather too), when every
   // rank runs on one host (docs/cp.md "Shared memory"): true (the default) moves K/V and the
@@ -139,8 +145,8 @@ struct CpMemoryEstimate {
                                 // blocks; the overlap: one group's sums and lse, and its receive
                                 // blocks, kept too), the ring's
                                 // and pass-Q's blocks and fp32 sums, the all-to-all's blocks and
-                                // the outer layer's buffers. The overlap also keeps consumed
-                                // contexts' K/V for the next forwards: in `context`, not here
+                                // the outer layer's buffers. Runs mode (message path) also keeps
+                                // consumed contexts' K/V for the next forwards: in `context`, not here
   uint64_t kernel_scratch = 0;  // attention_backward's own (attention_backward_scratch_bytes)
   // One forward + backward with `contexts` contexts alive at once (a model's layers).
   uint64_t total(int64_t contexts = 1) const;
@@ -190,7 +196,7 @@ struct CpBackwardArgs {
 
 // What a forward hands its backward, like an autograd context: the plan, the gathered K/V
 // (or their index_select copy; the ring and pass-q schemes: a copy of the local K/V only) and lse. Move-only; the caller keeps one per forward and hands
-// it to backward, which consumes it (releases its buffers; the overlapped all-gather's backward
+// it to backward, which consumes it (releases its buffers; the all-gather's backward in runs mode (message path)
 // hands its gathered K/V to the CpAttention, for the next forward's context). Not tied to the CpAttention's
 // lifetime in memory, but only that CpAttention's backward accepts it.
 class CpContext {
@@ -248,8 +254,8 @@ struct CpStats {
   std::string shared_memory_off;
   // The largest the layer's own buffers plus the contexts it handed out and that are still
   // alive have been, a forward's own transients included (the non-overlapped all-gather's
-  // gathered K/V beside their index-mode copy; the overlap keeps consumed contexts' K/V for the
-  // next forwards; the shared-memory K/V buffers in full on every rank, the dK/dV buffer as
+  // gathered K/V beside their index-mode copy; runs mode (message path) keeps consumed contexts'
+  // K/V for the next forwards; the shared-memory K/V buffers in full on every rank, the dK/dV buffer as
   // one slot) (the kernels' internal scratch,
   // see attention_backward_scratch_bytes, comes on top).
   std::size_t peak_buffer_bytes = 0;

@@ -8,11 +8,12 @@
 namespace cpattn {
 
 // How K/V reach the queries (docs/cp.md). allgather: every rank gathers every rank's K/V
-// once, one kernel call; backward reduce-scatters dK/dV. ring (pass-KV): each rank's K/V block
+// once, one kernel call (overlap: one per KV-head group; one host: every rank's K/V read from
+// shared memory, no gather); backward reduce-scatters dK/dV. ring (pass-KV): each rank's K/V block
 // travels around the ring of CP ranks by point-to-point shifts (the next block in flight while
 // the current one is computed); at step s rank r holds rank (r - s) mod cp's block and computes
-// only the pairs the plan makes visible (steps with none are skipped), merging each step's
-// partial (out, lse) in the fixed order 0..cp-1; backward sends dK/dV around the ring with
+// only the pairs the plan makes visible (steps with none are skipped), carrying the running
+// (out, lse) from step to step in the kernel's accumulate mode, in the fixed order 0..cp-1; backward sends dK/dV around the ring with
 // the blocks back to their owners. pass-q: the queries travel around the ring instead
 // (the choice when K/V are larger than Q: many KV heads, MLA); each step computes the visiting
 // queries' visible pairs with the local K/V, the partial (out, lse) goes back to the queries'

@@ -21,7 +21,7 @@ struct AvailableMemory {
 // CPATTN_MEMORY_LIMIT_BYTES, when set, lowers it further (tests, and users who share a node).
 AvailableMemory available_memory();
 
-// "12.3 GiB", "512 MiB", "4.0 KiB", "17 B": sizes in messages.
+// "12.3 GiB", "512.0 MiB", "4.0 KiB", "17 B": sizes in messages.
 std::string format_bytes(uint64_t bytes);
 
 // Throws cpattn::Error "<what> needs <needed> (<detail>), more than the <available> available

@@ -1,5 +1,6 @@
-// Exact merge of partial softmax results (docs/design.md section 6): the public API the ring
-// and pass-Q schemes use, in fp32 and float64.
+// Exact merge of partial softmax results (docs/design.md section 6): the public API the pass-Q
+// scheme uses, in fp32 and float64 (the ring carries its running (out, lse) in the kernel's
+// OutMode::accumulate instead).
 //
 // Attention over a key set split into parts a = 0..n-1 gives per part and per (row, head)
 // an lse_a and an out_a. The full result is
