@@ -197,6 +197,8 @@ struct AttnInputs {
   // must not touch the call's tensors; what it throws ends the call (the kernel's other
   // threads stop at their next unit) and leaves out, lse, dq, dk and dv unspecified.
   const std::function<void()>* progress = nullptr;
+  // (The kernels read only the K/V rows that the work list's tasks' runs name: the others may
+  // hold anything, a transfer still landing in them included.)
 
   // The stored row of key row r: key_rows[r], or r without a map.
   constexpr int64_t stored_key_row(int64_t r) const { return key_rows ? key_rows[r] : r; }
@@ -245,6 +247,15 @@ struct AttnBwdParams {
   // that maps it to finish with attention_grad_share_rows, and writes neither dk nor dv (which
   // may then be empty views; grad_mode must be write). Null: dk and dv are written.
   const KvGradShare* grad_share = nullptr;
+  // For a caller that splits one call's tasks over several calls into the same dk and dv (the
+  // overlapped CP backward, per group of documents: docs/cp.md "Overlap"). named_rows_only:
+  // the dk/dv rows that no task's key runs name are left as they are (false: every row is
+  // written, zeros where no task reads). longest_task: 0, or at least the longest task (q_len)
+  // of this call, taken as its longest: the longest of all the calls, so that each sizes and
+  // orders its sums as the one call over all their tasks would (on the bf16 tile paths the
+  // backward's head sets follow the longest task) and their dK/dV are that call's, bitwise.
+  bool named_rows_only = false;
+  int64_t longest_task = 0;
 };
 
 // The bytes of KvGradShare::buffer that a backward with these params needs (its shapes, work

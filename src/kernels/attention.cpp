@@ -364,7 +364,7 @@ CallProducts call_products(KernelPath path, DType dtype) {
 // attention_backward_scratch_bytes decides them: the table the call runs).
 // With no work list: the layout of the most head sets any work list gives (the longest tasks).
 kernels::GradShareLayout grad_share_layout_of(const AttnBwdParams& p) {
-  int64_t max_q = p.in.work ? 0 : std::numeric_limits<int64_t>::max();
+  int64_t max_q = p.in.work ? p.longest_task : std::numeric_limits<int64_t>::max();
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
   const bool tiles = call_products(p.in.options.path, p.in.dtype()).bf16_tiles;
@@ -451,7 +451,7 @@ WorkList varlen_worklist(std::span<const int32_t> cu_q, std::span<const int32_t>
 }
 
 size_t attention_backward_scratch_bytes(const AttnBwdParams& p) {
-  int64_t max_q = 0;
+  int64_t max_q = p.longest_task;  // (as backward_impl takes it)
   if (p.in.work)
     for (const AttnTask& t : p.in.work->tasks) max_q = std::max(max_q, t.q_len);
   return attention_backward_scratch_bytes(p, max_q);

@@ -1317,6 +1317,36 @@ void point_at_share(const KvPackShare& share, bool backward, size_t k_elems, B& 
     vr.ext = w;
   }
 }
+// The key rows a call's tasks' runs name: the kernels read no other K/V row (AttnInputs), and
+// with AttnBwdParams::named_rows_only write no other dK/dV row. all: every row is named (the
+// usual call: nothing to test per row); else row[r], and per packed block of BK rows whether
+// any of its rows is.
+struct NamedRows {
+  bool all = true;
+  std::vector<char> row, block;
+  NamedRows(const WorkList& w, int64_t total_k) {
+    std::vector<std::pair<int64_t, int64_t>> spans;  // [row, row + len) of every task's runs
+    for (const AttnTask& t : w.tasks)
+      for (int64_t r = t.run_begin; r < t.run_end; ++r) spans.emplace_back(w.runs[r].row, w.runs[r].row + w.runs[r].len);
+    std::sort(spans.begin(), spans.end());
+    int64_t covered = 0;  // rows [0, covered) are named, while the spans leave no gap
+    for (const auto& [a, b] : spans) {
+      if (a > covered) break;
+      covered = std::max(covered, b);
+    }
+    if (covered >= total_k) return;
+    all = false;
+    row.assign(static_cast<size_t>(total_k), 0);
+    block.assign(static_cast<size_t>((total_k + BK - 1) / BK), 0);
+    for (const auto& [a, b] : spans) {
+      std::fill(row.begin() + a, row.begin() + b, char{1});
+      for (int64_t k = a / BK; k * BK < b; ++k) block[static_cast<size_t>(k)] = 1;
+    }
+  }
+  bool named(int64_t r) const { return all || row[static_cast<size_t>(r)] != 0; }
+  bool block_named(int64_t b) const { return all || block[static_cast<size_t>(b)] != 0; }
+};
+
 // The (kv head, block) units [first, second) a call packs of `units`: its share's, or all.
 inline std::pair<int64_t, int64_t> packed_units(const KvPackShare* share, int64_t units) {
   if (!share) return {0, units};
@@ -1324,8 +1354,10 @@ inline std::pair<int64_t, int64_t> packed_units(const KvPackShare* share, int64_
 }
 
 // The packed K/V of a forward (backward = false: K^T and V, its products' B operands) or of a
-// backward (K^T, K and V^T; V rows are no operand of it).
-void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
+// backward (K^T, K and V^T; V rows are no operand of it). Alone (no KvPackShare), only the
+// blocks with a row that `nm` names are packed, and their rows it does not name as zeros (read
+// neither: a transfer may still be writing them); a share packs every row for every caller.
+void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk, const NamedRows& nm_in) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
   const int64_t total_k = K.rows;
@@ -1340,8 +1372,10 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   // in its buffer (K^T first, then V, or K then V^T), this call's share of the (kv head,
   // block) units alone; the caller syncs before any read.
   const KvPackShare* share = pairs ? nullptr : in.kv_pack_share;
+  const NamedRows* nm = share || nm_in.all ? nullptr : &nm_in;  // (null: every row)
   if (share) point_at_share(*share, backward, nb * pk.dp, pk.kt, pk.kr, pk.vr, pk.vt);  // nb (2 dp + dvp) floats
-  // Not zeroed: every element is written below, the last block's rows past total_k as zeros.
+  // Not zeroed: every element of a packed block is written below, the last block's rows past
+  // total_k as zeros (a block no run reaches is neither written nor read).
   pk.kt.resize(nb * pk.dp);
   pk.vr.resize(backward ? 0 : nb * pk.dvp);
   pk.kr.resize(backward ? nb * pk.dp : 0);
@@ -1354,6 +1388,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
     const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
+    if (nm && !nm->block_named(b)) return;
     float* kt = pk.kt.data() + u * BK * pk.dp;
     float* vr = backward ? nullptr : pk.vr.data() + hk * pk.nblk * BK * pk.dvp;
     float* kr = backward ? pk.kr.data() + hk * pk.nblk * BK * pk.dp : nullptr;
@@ -1370,7 +1405,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
       for (int c = 0; c < PAD; ++c) {
         const int64_t r = r0 + c;
         float* row = rows.data() + c * width;
-        if (r < total_k)
+        if (r < total_k && (!nm || nm->named(r)))
           ld_row(X.data, dtype, in.stored_key_row(r) * rs + hk * hs, X.dim, width, row);
         else
           std::fill(row, row + width, 0.0f);
@@ -1378,7 +1413,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
     };
     auto prefetch = [&](const ConstTensorView& X, int64_t rs, int64_t hs, int64_t r0) {
       for (int64_t r = r0; r < std::min(r0 + PAD, total_k); ++r)
-        prefetch_row(X.data, dtype, in.stored_key_row(r) * rs + hk * hs, X.dim);
+        if (!nm || nm->named(r)) prefetch_row(X.data, dtype, in.stored_key_row(r) * rs + hk * hs, X.dim);
     };
     // rows as PAD-float pieces of each row: piece d / PAD of row r at dst + (d / PAD) * vr_ps() + r * PAD.
     auto store_rows = [&](int64_t r0, int width, float* dst) {
@@ -1426,6 +1461,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk) {
   pk.vt2.resize(pk.vt.size() / 2);
   parallel_for(K.heads * pk.nblk, in.options.num_threads, [&](int64_t u, int) {
     const int64_t hk = u / pk.nblk, b = u % pk.nblk;
+    if (nm && !nm->block_named(b)) return;
     pair_panel_rows(pk.kt.data() + u * BK * pk.dp, BK * pk.dp / PAD / 2, pk.kt2.data() + u * BK * pk.dp / 2);
     if (!backward) {
       for (int pn = 0; pn < pk.dvp / PAD; ++pn) {
@@ -1512,7 +1548,7 @@ inline void transpose_rows32(const uint16_t* src, int64_t ld, int rows, int dims
 // pack_kv's operands (K^T and V, or with `backward` K^T, K and V^T) in bf16 pairs alone. With
 // in.kv_pack_share: in its buffer (K^T first, then V, or K then V^T), this call's share of the
 // (kv head, block) units alone; the caller syncs before any read.
-void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
+void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk, const NamedRows& nm_in) {
   const ConstTensorView& K = in.k;
   const ConstTensorView& V = in.v;
   const int64_t total_k = K.rows;
@@ -1524,6 +1560,7 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   const int dp = pk.dp, dvp = pk.dvp;
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
   const KvPackShare* share = in.kv_pack_share;
+  const NamedRows* nm = share || nm_in.all ? nullptr : &nm_in;  // (as pack_kv's)
   if (share) point_at_share(*share, backward, nb * dp / 2, pk.kt2, pk.kr2, pk.vr2, pk.vt2);  // nb (2 dp + dvp) bf16
   pk.kt2.resize(nb * dp / 2);
   pk.vr2.resize(backward ? 0 : nb * dvp / 2);
@@ -1537,9 +1574,12 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
     const int64_t u = u0 + i;
     const int hk = static_cast<int>(u / pk.nblk);
     const int64_t b = u % pk.nblk;
-    // Key row r of K or V for this kv head (stored row in.key_rows[r] if given), null past total_k.
-    auto k_row = [&](int64_t r) { return r < total_k ? kd + in.stored_key_row(r) * k_rs + hk * k_hs : nullptr; };
-    auto v_row = [&](int64_t r) { return r < total_k ? vd + in.stored_key_row(r) * v_rs + hk * v_hs : nullptr; };
+    if (nm && !nm->block_named(b)) return;
+    // Key row r of K or V for this kv head (stored row in.key_rows[r] if given), null past
+    // total_k and where no run names it.
+    auto at = [&](int64_t r) { return r < total_k && (!nm || nm->named(r)); };
+    auto k_row = [&](int64_t r) { return at(r) ? kd + in.stored_key_row(r) * k_rs + hk * k_hs : nullptr; };
+    auto v_row = [&](int64_t r) { return at(r) ? vd + in.stored_key_row(r) * v_rs + hk * v_hs : nullptr; };
     uint32_t* kt2 = pk.kt2.data() + u * BK * dp / 2;
     uint32_t* vr2 = backward ? nullptr : pk.vr2.data() + hk * pk.nblk * BK * dvp / 2;
     uint32_t* kr2 = backward ? pk.kr2.data() + hk * pk.nblk * BK * dp / 2 : nullptr;
@@ -1608,7 +1648,7 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk) {
   });
 }
 #else
-void pack_kv_tiles(const AttnInputs&, bool, Packed&) {}  // t16 is false without tiles
+void pack_kv_tiles(const AttnInputs&, bool, Packed&, const NamedRows&) {}  // t16 is false without tiles
 #endif
 
 // The forward's exp pass over a softmax row's computed columns [a0, a1) (a multiple of W
@@ -1749,10 +1789,11 @@ void forward_impl(const AttnFwdParams& p) {
   // bf16 tiles (the amx path) take their B operands in the pairs of the bf16 dot products
   // (the VNNI layout), Q and P rounded to bf16 rows once: per unit, per sub-block and piece.
   const bool t16 = cr.bd == Dot::bf16_tiles;
+  const NamedRows named(w, in.k.rows);
   if (t16)
-    pack_kv_tiles(in, false, pk);
+    pack_kv_tiles(in, false, pk, named);
   else
-    pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk);
+    pack_kv(in, false, cr.bd == Dot::bf16_pairs, pk, named);
   // Every caller's share packed (KvPackLayout fp32 or bf16_tiles); alone, a barrier the callers keep alike.
   if (in.kv_pack_share) in.kv_pack_share->sync();
   const int dp = pk.dp, dvp = pk.dvp;
@@ -2268,16 +2309,17 @@ void backward_impl(const AttnBwdParams& p) {
   // bf16 tiles (the amx path): K/V's B operands in pairs, as the bf16 dot products take them;
   // Q, dO and their transposes in bf16 once per task; P and dS paired and rounded per step.
   const bool t16 = cr.bd == Dot::bf16_tiles;
+  const NamedRows named(w, total_k);
   if (t16)
-    pack_kv_tiles(in, true, pk);
+    pack_kv_tiles(in, true, pk, named);
   else
-    pack_kv(in, true, cr.bd == Dot::bf16_pairs, pk);
+    pack_kv(in, true, cr.bd == Dot::bf16_pairs, pk, named);
   if (in.kv_pack_share) in.kv_pack_share->sync();
   const int dp = pk.dp, dvp = pk.dvp;
   const int dq32 = (dp + 31) / 32 * 32, dv32 = (dvp + 31) / 32 * 32;
   const int bqb = t16 ? BQB_TILES : BQB;  // query rows per step
 
-  int64_t max_q = 0;
+  int64_t max_q = p.longest_task;  // (0, or the longest of the calls this call's tasks are split over)
   for (const AttnTask& t : w.tasks) max_q = std::max(max_q, t.q_len);
   // A unit is (kv head, set of `per` consecutive query heads of its group): dK, dV of the
   // set's heads accumulate, one tile per piece for all of them, in the set's buffers
@@ -2639,8 +2681,10 @@ void backward_impl(const AttnBwdParams& p) {
   // dk[r, hk] = scale * sum over the kv head's sets (in set order) of gk; dv likewise.
   // Elements [d0, d0 + n) of key row r of kv head hk (dK when is_k, else dV; stored row
   // in.key_rows[r] if given) from their sums over the sets, src (unscaled dK). Write mode
-  // stores them in the views' dtype (the storage dtype or fp32).
+  // stores them in the views' dtype (the storage dtype or fp32). named_rows_only: a row that no
+  // run names is left as it is.
   auto write_kv = [&](bool is_k, int64_t r, int hk, int d0, int n, const float* src) {
+    if (p.named_rows_only && !named.named(r)) return;
     void* const data = is_k ? dk_data : dv_data;
     const int64_t sr = in.stored_key_row(r);
     const int64_t at = sr * (is_k ? dk_rs : dv_rs) + hk * (is_k ? dk_hs : dv_hs) + d0;

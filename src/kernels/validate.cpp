@@ -255,6 +255,13 @@ void validate(const AttnBwdParams& p) {
                  ", dv ", to_string(p.dv.dtype));
   }
   check_work(fn, p.in.work, s.total_q, s.total_k);
+  if (p.longest_task != 0) {  // (the work list's tasks are checked above: their rows are within q)
+    int64_t own = 0;
+    for (const AttnTask& t : p.in.work->tasks) own = std::max(own, t.q_len);
+    CPATTN_CHECK(p.longest_task >= own && p.longest_task <= s.total_q, fn,
+                 ": longest_task must be 0 or between the call's longest task (", own, ") and total_q (", s.total_q,
+                 "), got ", p.longest_task);
+  }
   if (p.grad_share) {  // (the layout reads the work list's tasks: checked above)
     const std::size_t need = attention_grad_share_bytes(p);
     CPATTN_CHECK(p.grad_share->bytes >= need, fn, ": grad_share.bytes is ", p.grad_share->bytes,

@@ -747,6 +747,93 @@ TEST(kernel_attention, ForwardOfOneCallPerQueryHeadIsBitwiseTheWholeCall) {
       }
 }
 
+// A call's tasks split by documents over calls into the same outputs (the overlapped CP
+// forward and backward: docs/cp.md "Overlap"): each call reads only the K/V rows its tasks'
+// runs name (the others hold NaN during it: a block shared with the other call's documents
+// included) and, with named_rows_only and the whole call's longest_task, writes only those
+// dK/dV rows; together the calls give bitwise the whole call, and rows that no run names (a
+// document left out of every task) keep what they held. Every path this CPU runs, every
+// dtype, GQA, a 1-token document.
+TEST(kernel_attention, CallsOverDocumentsReadAndWriteOnlyTheirRowsAndAreBitwiseTheWholeCall) {
+  const AttnCase c{"split", {300, 1, 45, 700, 9}, {300, 1, 45, 700, 9}, 4, 2, 40, 24, MaskType::causal};
+  for (KernelPath path : {KernelPath::portable, KernelPath::avx2, KernelPath::avx512, KernelPath::avx512_bf16,
+                          KernelPath::bf16_emulated, KernelPath::amx, KernelPath::amx_emulated})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      if (!kernel_path_supported(path) || loop_skips_under_sanitizer(path)) continue;
+      if (test::kSanitize && path == KernelPath::amx_emulated && dt != DType::bf16) continue;  // (slow; bf16 is its own)
+      SCOPED_TRACE(std::string(to_string(path)) + " " + std::string(to_string(dt)));
+      const Problem pb(c, dt, 41);
+      WorkList whole = pb.work;  // every document's tasks but the last document's: its rows named by none
+      const int64_t last_doc = static_cast<int64_t>(c.q_lens.size()) - 1;
+      std::erase_if(whole.tasks, [&](const AttnTask& t) { return t.doc == last_doc; });
+      WorkList part_a = whole, part_b = whole;  // documents 0..2, and 3 (the longest task)
+      std::erase_if(part_a.tasks, [](const AttnTask& t) { return t.doc >= 3; });
+      std::erase_if(part_b.tasks, [](const AttnTask& t) { return t.doc < 3; });
+      ASSERT_FALSE(part_a.tasks.empty());
+      ASSERT_FALSE(part_b.tasks.empty());
+      const auto named_by = [&](const WorkList& w) {
+        std::vector<char> named(static_cast<std::size_t>(c.total_k()), 0);
+        for (const AttnTask& t : w.tasks)
+          for (int64_t r = t.run_begin; r < t.run_end; ++r)
+            std::fill_n(named.begin() + w.runs[r].row, w.runs[r].len, char{1});
+        return named;
+      };
+      // K and V with the rows `w` does not name as NaN
+      const auto poisoned = [&](const Tensor& x, const WorkList& w) {
+        Tensor y = x;
+        const std::vector<char> named = named_by(w);
+        const auto row = static_cast<std::size_t>(x.shape.heads) * x.shape.dim;
+        for (std::size_t r = 0; r < named.size(); ++r)
+          if (!named[r])
+            for (std::size_t i = 0; i < row; ++i) y.set(r * row + i, std::numeric_limits<float>::quiet_NaN());
+        return y;
+      };
+      Tensor out(dt, pb.out_shape()), dq(dt, pb.q_shape()), dk(dt, pb.k_shape()), dv(dt, pb.v_shape());
+      std::vector<float> lse(pb.lse_size());
+      attention_forward(pb.fwd(pb.q, pb.k, pb.v, out, lse.data(), path, 2, &whole));
+      attention_backward(pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq, dk, dv, path, 2, &whole));
+
+      Tensor out_p(dt, pb.out_shape()), dq_p(dt, pb.q_shape()), dk_p(dt, pb.k_shape()), dv_p(dt, pb.v_shape());
+      std::vector<float> lse_p(pb.lse_size());
+      for (std::size_t i = 0; i < dk_p.size(); ++i) dk_p.set(i, 3.0f);  // what no run's rows may lose
+      for (std::size_t i = 0; i < dv_p.size(); ++i) dv_p.set(i, -5.0f);
+      for (const WorkList* w : {&part_a, &part_b}) {
+        const Tensor k = poisoned(pb.k, *w), v = poisoned(pb.v, *w);
+        attention_forward(pb.fwd(pb.q, k, v, out_p, lse_p.data(), path, 2, w));
+        AttnBwdParams bp = pb.bwd(pb.q, k, v, out, lse.data(), pb.dout, dq_p, dk_p, dv_p, path, 2, w);
+        bp.named_rows_only = true;
+        bp.longest_task = 700;
+        attention_backward(bp);
+      }
+      EXPECT_EQ(out_p.values(), out.values());
+      EXPECT_EQ(lse_p, lse);
+      EXPECT_EQ(dq_p.values(), dq.values());
+      const std::vector<char> named = named_by(whole);
+      const std::vector<float> dk_w = dk.values(), dv_w = dv.values(), dk_s = dk_p.values(), dv_s = dv_p.values();
+      int64_t unnamed = 0;
+      for (int64_t r = 0; r < c.total_k(); ++r) {
+        const auto rk = static_cast<std::size_t>(c.num_heads_k * c.head_dim_qk), rv = static_cast<std::size_t>(c.num_heads_k * c.head_dim_v);
+        const auto at = static_cast<std::size_t>(r);
+        const std::vector<float> k_part(dk_s.begin() + at * rk, dk_s.begin() + (at + 1) * rk),
+            v_part(dv_s.begin() + at * rv, dv_s.begin() + (at + 1) * rv);
+        if (named[at]) {
+          EXPECT_EQ(k_part, std::vector<float>(dk_w.begin() + at * rk, dk_w.begin() + (at + 1) * rk)) << "dk row " << r;
+          EXPECT_EQ(v_part, std::vector<float>(dv_w.begin() + at * rv, dv_w.begin() + (at + 1) * rv)) << "dv row " << r;
+        } else {
+          ++unnamed;
+          EXPECT_EQ(k_part, std::vector<float>(rk, 3.0f)) << "dk row " << r << " (no run names it)";
+          EXPECT_EQ(v_part, std::vector<float>(rv, -5.0f)) << "dv row " << r << " (no run names it)";
+        }
+        if (HasFailure()) return;
+      }
+      EXPECT_EQ(unnamed, c.k_lens.back());
+      // longest_task below a task of the call's own is refused
+      AttnBwdParams bad = pb.bwd(pb.q, pb.k, pb.v, out, lse.data(), pb.dout, dq_p, dk_p, dv_p, path, 1, &part_b);
+      bad.longest_task = 699;
+      EXPECT_NE(error_of([&] { attention_backward(bad); }).find("longest_task must be 0 or between"), std::string::npos);
+    }
+}
+
 TEST(kernel_attention, DropoutKeptFractionAndScaling) {
   // kept fraction over many pairs
   const float p = 0.25f;
