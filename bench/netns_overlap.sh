@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A CP scheme's message path (--scheme, the all-gather by default) across two hosts made as
 # network namespaces on this machine (tests/multihost/hosts.sh; root), over TCP, one rank per
-# host: `cpattn run` at CP = 2 (the all-gather with --shared-memory off --overlap on) (T = 8192, Hkv 4, D 128), two
+# host: `cpattn run` at CP = 2 (the all-gather with --shared-memory off --overlap on) (T = 8192, Hkv 4 or --kv-heads, D 128), two
 # builds alternated run for run, and per run
 # each rank's step, compute and exposed communication (CpStats::comm_s) with its parts, in ms
 # (medians over --repeats 5 steps, as `cpattn run --json` reports them).
 #
 #   bench/netns_overlap.sh NEW_CPATTN [OLD_CPATTN] [--rate 4gbit] [--runs 2] [--dtype fp32]
-#                          [--heads 16] [--scheme allgather|ring|pass-q]
+#                          [--heads 16] [--kv-heads 4] [--scheme allgather|ring|pass-q]
 #
 # --rate puts a token bucket of that rate on both hosts' links (tc tbf). The namespaces share
 # this machine's cores: TCP's copies run on the cores the ranks compute on, which a real
@@ -16,13 +16,14 @@ set -euo pipefail
 new=$1; shift
 old=""
 if [[ $# -gt 0 && $1 != --* ]]; then old=$1; shift; fi
-rate="" runs=2 dtype=fp32 heads=16 scheme=allgather
+rate="" runs=2 dtype=fp32 heads=16 kv_heads=4 scheme=allgather
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rate) rate=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --dtype) dtype=$2; shift 2 ;;
     --heads) heads=$2; shift 2 ;;
+    --kv-heads) kv_heads=$2; shift 2 ;;
     --scheme) scheme=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -43,7 +44,7 @@ one() {  # BINARY LABEL
     --mca plm_rsh_agent "$here/rsh_agent.sh" --mca routed direct --mca btl tcp,self \
     --mca btl_tcp_if_include "10.$CPATTN_NETNS_SUBNET.0.0/24" --mca oob_tcp_if_include "10.$CPATTN_NETNS_SUBNET.0.0/24" \
     -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
-    "$1" run --seq-len 8192 --heads "$heads" --kv-heads 4 --head-dim 128 --dtype "$dtype" --repeats 5 \
+    "$1" run --seq-len 8192 --heads "$heads" --kv-heads "$kv_heads" --head-dim 128 --dtype "$dtype" --repeats 5 \
     --scheme "$scheme" ${only_allgather[@]+"${only_allgather[@]}"} --json > "$out/r.json"
   python3 - "$2" "$out/r.json" <<'PY'
 import json, sys

@@ -91,7 +91,10 @@ struct CpAttnConfig {
   // and every sum keeps its order, so the results are bitwise those of false (one all-gather,
   // one fused call, one reduce-scatter) when the communicator's reduce-scatter is its own
   // fixed-order ring (CommAlgorithm::ring, the default) or the split is padding-free; with
-  // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. Hkv = 1 cannot split: no overlap (not an error). Part of
+  // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. The
+  // first group's forward and the last group's backward also run by two groups of documents
+  // where the batch cuts into one of about a quarter of the work (Hkv = 1: its one group;
+  // docs/cp.md "Overlap"), bitwise the same; one document and Hkv = 1: no overlap. Part of
   // the ranks' agreement; index mode, cp = 1 and the ring, pass-Q and a2a schemes ignore it (the
   // hybrid's outer all-gather follows it).
   bool overlap = true;

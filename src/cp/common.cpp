@@ -5,6 +5,7 @@
 #include <cpattn/layout.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -30,6 +31,24 @@ void SchemeEnv::compute_moving(std::initializer_list<CommRequest*> in_flight, co
                                          });
   stats.compute_s += total - polled;
   stats.comm_s += polled;
+}
+
+int64_t overlap_doc_cut(const RankPlan& plan, bool small_first) {
+  double total = 0;
+  for (const DocSplit& d : plan.docs) total += static_cast<double>(d.len) * static_cast<double>(d.len);
+  double before = 0, best_gap = 1;
+  int64_t best = 0;
+  const auto docs = static_cast<int64_t>(plan.docs.size());
+  for (int64_t d = 1; d < docs; ++d) {
+    const auto len = static_cast<double>(plan.docs[static_cast<std::size_t>(d - 1)].len);
+    before += len * len;
+    const double share = (small_first ? before : total - before) / total;
+    if (share >= 1.0 / 16 && share <= 0.5 && std::abs(share - 0.25) < best_gap) {
+      best_gap = std::abs(share - 0.25);
+      best = d;
+    }
+  }
+  return best;
 }
 
 WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {

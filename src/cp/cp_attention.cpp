@@ -303,7 +303,52 @@ struct PreparedWork {
   std::vector<WorkList> steps;
   std::vector<char> returns;
   PassQWork passq;  // pass-Q: the visiting query blocks' tasks over this rank's K/V
+  // The overlapped all-gather (runs mode, cp > 1; docs/cp.md "Overlap"): the forward's first
+  // KV-head group and the backward's last run as one call per group of documents, cut so that
+  // the first group (forward: a short first wait) or the last (backward: a short last
+  // transfer) holds about a quarter of the work (overlap_doc_cut); empty: one call.
+  struct DocPart {
+    WorkList work;                // `work`'s tasks of the part's documents (its runs all kept)
+    std::vector<int64_t> lo, hi;  // per rank: its local rows [lo, hi) of those documents
+  };
+  std::vector<DocPart> fwd_parts, bwd_parts;
+  int64_t longest_task = 0;  // of `work`: the parts' backward calls size and sum as the whole call
+  // Rows of the rank-major gathered buffer that no task of `work` reads (padding, keys the
+  // window leaves out): the parts' backward calls leave them alone, and they are zeroed first.
+  std::vector<std::pair<int64_t, int64_t>> unnamed;
 };
+
+// The parts of documents [0, cut) and [cut, documents) of `w` (its tasks in document order)
+// under `plan`'s layout.
+std::vector<PreparedWork::DocPart> doc_parts(const RankPlan& plan, const WorkList& w, int64_t cut) {
+  if (cut <= 0) return {};
+  const SplitLayout& layout = plan.layout;
+  const int cp = plan.cp;
+  const int64_t per_doc = chunks_per_document(cp);
+  const auto docs = static_cast<int64_t>(plan.docs.size());
+  std::vector<PreparedWork::DocPart> parts(2);
+  for (int p = 0; p < 2; ++p) {
+    PreparedWork::DocPart& part = parts[static_cast<std::size_t>(p)];
+    const int64_t d0 = p == 0 ? 0 : cut, d1 = p == 0 ? cut : docs;
+    part.work.runs = w.runs;
+    for (const AttnTask& t : w.tasks)
+      if (t.doc >= d0 && t.doc < d1) part.work.tasks.push_back(t);
+    part.lo.assign(static_cast<std::size_t>(cp), std::numeric_limits<int64_t>::max());
+    part.hi.assign(static_cast<std::size_t>(cp), 0);
+    for (int64_t d = d0; d < d1; ++d)
+      for (int64_t j = 0; j < per_doc; ++j) {
+        const DocChunk& ch = layout.chunks[static_cast<std::size_t>(d * per_doc + j)];
+        if (ch.len == 0) continue;
+        auto& lo = part.lo[static_cast<std::size_t>(ch.rank)];
+        auto& hi = part.hi[static_cast<std::size_t>(ch.rank)];
+        lo = std::min(lo, ch.local_row);
+        hi = std::max(hi, ch.local_row + ch.len);
+      }
+    for (int s = 0; s < cp; ++s)
+      if (part.hi[static_cast<std::size_t>(s)] == 0) part.lo[static_cast<std::size_t>(s)] = 0;
+  }
+  return parts;
+}
 
 // The ring's per-step work lists from `keys` (the tasks over the rank-major gathered buffer,
 // without padding, restricted to the mask): step s holds rank (rank - s) mod cp's block.
@@ -645,10 +690,33 @@ struct CpAttention::State {
       // bf16; docs/benchmarks.md).
       const std::vector<RowMove> moves = document_order_moves(*plan);
       w->work = moves.empty() ? keys : in_document_order(*plan, keys);
+      const int64_t t_all = plan->layout.rank_begin.back();
       if (!moves.empty()) {
-        w->key_rows.resize(static_cast<std::size_t>(plan->layout.rank_begin.back()));
+        w->key_rows.resize(static_cast<std::size_t>(t_all));
         for (const RowMove& m : moves)
           for (int64_t i = 0; i < m.len; ++i) w->key_rows[static_cast<std::size_t>(m.ordered + i)] = m.gathered + i;
+      }
+      if (cfg.overlap && comm.size() > 1) {
+        w->fwd_parts = doc_parts(*plan, w->work, overlap_doc_cut(*plan, true));
+        w->bwd_parts = doc_parts(*plan, w->work, overlap_doc_cut(*plan, false));
+        std::vector<char> named(static_cast<std::size_t>(t_all), 0);  // gathered rows
+        for (const AttnTask& t : w->work.tasks) {
+          w->longest_task = std::max(w->longest_task, t.q_len);
+          for (int64_t r = t.run_begin; r < t.run_end; ++r)
+            for (int64_t i = 0; i < w->work.runs[r].len; ++i) {
+              const int64_t row = w->work.runs[r].row + i;
+              named[static_cast<std::size_t>(w->key_rows.empty() ? row : w->key_rows[static_cast<std::size_t>(row)])] = 1;
+            }
+        }
+        for (int64_t r = 0; r < t_all;) {
+          if (named[static_cast<std::size_t>(r)]) {
+            ++r;
+            continue;
+          }
+          const int64_t r0 = r;
+          while (r < t_all && !named[static_cast<std::size_t>(r)]) ++r;
+          w->unnamed.emplace_back(r0, r);
+        }
       }
     }
     prepared = std::move(w);
@@ -673,8 +741,9 @@ struct CpAttention::State {
 
   // The kernels' inputs for KV-head group g of `groups` of a grouped context: query heads
   // [g hq, (g+1) hq) of q (a strided view) over the group's kv heads, the ALiBi slopes and the
-  // dropout heads of those query heads (so that each head computes what one call computes).
-  AttnInputs group_inputs(ConstTensorView q, const CpContext::State& c, int g) const {
+  // dropout heads of those query heads (so that each head computes what one call computes);
+  // `work`: the tasks of a group of documents (default: all of the context's).
+  AttnInputs group_inputs(ConstTensorView q, const CpContext::State& c, int g, const WorkList* work = nullptr) const {
     const int groups = c.groups, hq = cfg.num_heads_q / groups, hk = cfg.num_heads_k / groups;
     const std::size_t es = dtype_size(cfg.dtype);
     AttnOptions o = cfg.options;
@@ -686,9 +755,40 @@ struct CpAttention::State {
     return {.q = head_slice(q, g * hq, hq),
             .k = contiguous(c.k.data() + g * kg, c.total_k, hk, cfg.head_dim_qk, cfg.dtype),
             .v = contiguous(c.v.data() + g * vg, c.total_k, hk, cfg.head_dim_v, cfg.dtype),
-            .work = &c.work->work,
+            .work = work ? work : &c.work->work,
             .options = o,
             .key_rows = key_rows(c)};
+  }
+
+  // One transfer and kernel call of the overlapped all-gather: KV-head group g over every
+  // document (part null) or over a group of them (PreparedWork::DocPart).
+  struct Unit {
+    int g = 0;
+    const PreparedWork::DocPart* part = nullptr;
+    // Rank s's local rows [first, second) that the unit moves.
+    std::pair<int64_t, int64_t> rows(const RankPlan& plan, int s) const {
+      if (!part) return {0, plan.layout.rank_tokens(s)};
+      return {part->lo[static_cast<std::size_t>(s)], part->hi[static_cast<std::size_t>(s)]};
+    }
+    const WorkList* work() const { return part ? &part->work : nullptr; }
+    bool first_of_group(const std::vector<Unit>& all, std::size_t i) const { return i == 0 || all[i - 1].g != g; }
+    bool last_of_group(const std::vector<Unit>& all, std::size_t i) const { return i + 1 == all.size() || all[i + 1].g != g; }
+  };
+  // The forward's units (its first group split by documents) or the backward's (its last).
+  static std::vector<Unit> overlap_units(const PreparedWork& w, int groups, bool backward) {
+    const std::vector<PreparedWork::DocPart>& parts = backward ? w.bwd_parts : w.fwd_parts;
+    const int split = backward ? groups - 1 : 0;
+    std::vector<Unit> units;
+    for (int g = 0; g < groups; ++g)
+      if (g == split && !parts.empty())
+        for (const PreparedWork::DocPart& p : parts) units.push_back({g, &p});
+      else
+        units.push_back({g, nullptr});
+    return units;
+  }
+  // Whether the all-gather runs overlapped: by KV-head groups, or by groups of documents.
+  static bool overlapped(int groups, const PreparedWork& w, bool backward) {
+    return groups > 1 || !(backward ? w.bwd_parts : w.fwd_parts).empty();
   }
 
   // Runs call(in) with in.progress running step() (moving transfers along: InFlight::advance)
@@ -721,12 +821,14 @@ struct CpAttention::State {
     count_waited(seconds_since(t0), waited, part);
   }
 
-  // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups; docs/cp.md
-  // "Overlap"): every group's K and V go to every peer, point to point, one group after the
-  // other, into the context's group-major K/V ([groups][gathered rows, group row], rank s's
-  // rows at layout.rank_begin[s], as all_gather_rows puts them; this rank's own rows packed
-  // there and sent from there); group g is computed as soon as its blocks are in, reading
-  // them in document order through the plan's key_rows, the later groups' transfers moved
+  // The overlapped all-gather forward (runs mode, cp > 1, `groups` KV-head groups, the first
+  // split by documents where the plan has two groups of them; docs/cp.md "Overlap"): every
+  // unit's K and V go to every peer, point to point, one unit after the other, into the
+  // context's group-major K/V ([groups][gathered rows, group row], rank s's rows at
+  // layout.rank_begin[s], as all_gather_rows puts them; this rank's own rows packed there and
+  // sent from there); unit u is computed as soon as its blocks are in, reading them in
+  // document order through the plan's key_rows (a unit of some documents reads their rows
+  // alone: the kernels read no row its tasks do not name), the later units' transfers moved
   // along inside and between the kernel calls. Returns the seconds the payload was in flight
   // beyond the time this rank waited for it (CpStats::comm_total_s).
   double grouped_forward(const CpForwardArgs& a, CpContext::State& ctx, int groups) {
@@ -740,6 +842,8 @@ struct CpAttention::State {
     const auto vg = static_cast<std::size_t>(hk * cfg.head_dim_v) * es;
     const auto k_bytes = static_cast<std::size_t>(k_row()) * es, v_bytes = static_cast<std::size_t>(v_row()) * es;
     const auto row_off = [&](int rank) { return static_cast<std::size_t>(layout.rank_begin[rank]); };
+    const std::vector<Unit> units = overlap_units(*ctx.work, groups, false);
+    const std::size_t nu = units.size();
     auto t0 = Clock::now();
     ctx.groups = groups;
     ctx.total_k = t_all;
@@ -757,96 +861,109 @@ struct CpAttention::State {
     std::byte* const all_k = ctx.k.data();
     std::byte* const all_v = ctx.v.data();
     InFlight f{.comm = comm, .reqs = {}};
-    // recv_end[g]: the requests before it are groups 0..g's receives (every receive is posted
-    // before any send: the peers' blocks have somewhere to land as soon as they are sent).
-    std::vector<std::size_t> recv_end(static_cast<std::size_t>(groups));
+    // recv_end[u]: the requests before it are units 0..u's receives (every receive is posted
+    // before any send: the peers' blocks have somewhere to land as soon as they are sent). A
+    // rank with no rows in a unit sends an empty message (every rank makes the same calls).
+    std::vector<std::size_t> recv_end(nu);
     double waited = 0;
     try {
       t0 = Clock::now();
-      for (int g = 0; g < groups; ++g) {
+      for (std::size_t u = 0; u < nu; ++u) {
+        const int g = units[u].g;
         for (int st = 1; st < cp; ++st) {
           const int q = (me - st + cp) % cp;
-          const std::size_t n = static_cast<std::size_t>(layout.rank_tokens(q));
-          f.reqs.push_back(comm.start_recv<std::byte>({all_k + g * t_all * kg + row_off(q) * kg, n * kg}, q, kTagGather));
-          f.reqs.push_back(comm.start_recv<std::byte>({all_v + g * t_all * vg + row_off(q) * vg, n * vg}, q, kTagGather));
+          const auto [lo, hi] = units[u].rows(plan, q);
+          const auto at = row_off(q) + static_cast<std::size_t>(lo), n = static_cast<std::size_t>(hi - lo);
+          f.reqs.push_back(comm.start_recv<std::byte>({all_k + g * t_all * kg + at * kg, n * kg}, q, kTagGather));
+          f.reqs.push_back(comm.start_recv<std::byte>({all_v + g * t_all * vg + at * vg, n * vg}, q, kTagGather));
         }
-        recv_end[g] = f.reqs.size();
+        recv_end[u] = f.reqs.size();
       }
       count_waited(seconds_since(t0), waited, stats.first_kv_s);
-      // Every group packed into its own rows first; then group by group sent to each peer (rank
-      // + 1, rank + 2, ...; each peer gets K then V of group 0, 1, ..., the order its receives
-      // were posted in). Group g's sends to a peer are posted once group g - 1's to that peer
-      // have completed, so that group 0's blocks, which every rank waits for before it computes
+      // Every group packed into its own rows first; then unit by unit sent to each peer (rank
+      // + 1, rank + 2, ...; each peer gets K then V of unit 0, 1, ..., the order its receives
+      // were posted in). Unit u's sends to a peer are posted once unit u - 1's to that peer
+      // have completed, so that unit 0's blocks, which every rank waits for before it computes
       // anything, have the link to themselves (posted together, MPI interleaves the messages'
       // fragments and group 0 arrived with nearly all the others: 28-60 ms against 7-9 at
       // 4 Gbit/s over TCP, docs/benchmarks.md); per peer, so that a slow peer holds back its own
-      // next group alone (cp > 2).
+      // next unit alone (cp > 2).
       // The later sends are posted from the kernels' progress callback as the earlier ones
-      // complete, and at the latest before this rank waits for a group's blocks: no rank waits
-      // for a group it has not sent, so none waits on another that waits on it.
+      // complete, and at the latest before this rank waits for a unit's blocks: no rank waits
+      // for a unit it has not sent, so none waits on another that waits on it.
       t0 = Clock::now();
       for (int g = 0; g < groups; ++g) {
         copy_columns(k_in, all_k + g * t_all * kg + row_off(me) * kg, t_loc, k_bytes, g * kg, kg, false);
         copy_columns(v_in, all_v + g * t_all * vg + row_off(me) * vg, t_loc, v_bytes, g * vg, vg, false);
       }
       stats.compute_s += seconds_since(t0);
-      // Per step st (peer rank + st): the groups whose sends to it are posted, and where the
-      // requests of the last of them (K, then V) are.
-      std::vector<int> sent(static_cast<std::size_t>(cp), 0);
-      std::vector<std::size_t> last_sends(static_cast<std::size_t>(cp), 0);
-      const auto post_sends = [&](int st) {  // the next group's to peer rank + st
-        const int g = sent[st]++, q = (me + st) % cp;
+      // Per step st (peer rank + st): the units whose sends to it are posted, and where the
+      // requests of the last of them are (K, then V).
+      std::vector<std::size_t> sent(static_cast<std::size_t>(cp), 0), last_sends(sent.size(), 0);
+      const auto post_sends = [&](int st) {  // the next unit's to peer rank + st
+        const Unit& un = units[sent[st]++];
+        const int q = (me + st) % cp;
+        const auto [lo, hi] = un.rows(plan, me);
         last_sends[st] = f.reqs.size();
-        f.reqs.push_back(comm.start_send<std::byte>({all_k + g * t_all * kg + row_off(me) * kg, t_loc * kg}, q, kTagGather));
-        f.reqs.push_back(comm.start_send<std::byte>({all_v + g * t_all * vg + row_off(me) * vg, t_loc * vg}, q, kTagGather));
+        const auto at = row_off(me) + static_cast<std::size_t>(lo), n = static_cast<std::size_t>(hi - lo);
+        f.reqs.push_back(comm.start_send<std::byte>({all_k + un.g * t_all * kg + at * kg, n * kg}, q, kTagGather));
+        f.reqs.push_back(comm.start_send<std::byte>({all_v + un.g * t_all * vg + at * vg, n * vg}, q, kTagGather));
       };
-      const auto done = [&](std::size_t i) { return !f.reqs[i].active() || comm.test(f.reqs[i]); };
-      // Posts each peer's next groups while the last ones posted to it have completed; each test
-      // moves every transfer along. Never waits.
+      const auto last_done = [&](int st) {
+        for (std::size_t i = last_sends[st]; i < last_sends[st] + 2; ++i)
+          if (f.reqs[i].active() && !comm.test(f.reqs[i])) return false;
+        return true;
+      };
+      // Posts each peer's next units while the last ones posted to it have completed; each
+      // test moves every transfer along. Never waits.
       const auto send_more = [&] {
         for (int st = 1; st < cp; ++st)
-          while (sent[st] < groups && done(last_sends[st]) && done(last_sends[st] + 1)) {
+          while (sent[st] < nu && last_done(st)) {
             f.last_done = Clock::now();
             post_sends(st);
           }
       };
-      // Group g's sends to every peer not yet posted (this rank's group g leaves before it waits
+      // Unit u's sends to every peer not yet posted (this rank's unit u leaves before it waits
       // for the peers').
-      const auto send_through = [&](int g) {
+      const auto send_through = [&](std::size_t u) {
         for (int st = 1; st < cp; ++st)
-          while (sent[st] <= g) post_sends(st);
+          while (sent[st] <= u) post_sends(st);
       };
       t0 = Clock::now();
       send_through(0);
       count_waited(seconds_since(t0), waited, stats.first_kv_s);
       std::vector<float>& lse_g = lse_group;
-      for (int g = 0; g < groups; ++g) {
+      for (std::size_t u = 0; u < nu; ++u) {
+        const int g = units[u].g;
+        double& part = u == 0 ? stats.first_kv_s : stats.later_kv_s;
         t0 = Clock::now();
-        send_through(g);
-        count_waited(seconds_since(t0), waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
-        // group g's blocks (and the earlier groups', done already)
-        wait_counted(f, 0, recv_end[g], waited, g == 0 ? stats.first_kv_s : stats.later_kv_s);
+        send_through(u);
+        count_waited(seconds_since(t0), waited, part);
+        // unit u's blocks (and the earlier units', done already)
+        wait_counted(f, 0, recv_end[u], waited, part);
 
         t0 = Clock::now();
-        lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
+        if (units[u].first_of_group(units, u))
+          lse_g.assign(static_cast<std::size_t>(t_loc) * hq, -std::numeric_limits<float>::infinity());
         stats.compute_s += seconds_since(t0);
-        // the later groups' transfers move along (and their sends leave) inside the call too
+        // the later units' transfers move along (and their sends leave) inside the call too
         stats.compute_s += compute_advancing(
             [&] {
               f.advance();
               send_more();
             },
-            waited, stats.later_kv_s, group_inputs(a.q, ctx, g), [&](const AttnInputs& in) {
+            waited, stats.later_kv_s, group_inputs(a.q, ctx, g, units[u].work()), [&](const AttnInputs& in) {
               attention_forward({.in = in, .out = head_slice(a.out, g * hq, hq), .lse = lse_g.data()});
             });
         t0 = Clock::now();
-        for (int64_t i = 0; i < t_loc; ++i)
-          std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
-        if (g == 0) note_peak(ctx.bytes());  // the forward's peak: the context being filled
+        if (units[u].last_of_group(units, u))
+          for (int64_t i = 0; i < t_loc; ++i)
+            std::copy_n(lse_g.data() + i * hq, hq, ctx.lse.data() + i * cfg.num_heads_q + g * hq);
+        if (u == 0) note_peak(ctx.bytes());  // the forward's peak: the context being filled
         stats.compute_s += seconds_since(t0);
 
         t0 = Clock::now();
-        f.poll();  // the later groups move along before the next kernel call
+        f.poll();  // the later units move along before the next kernel call
         send_more();
         count_waited(seconds_since(t0), waited, stats.later_kv_s);
       }
@@ -1002,11 +1119,14 @@ struct CpAttention::State {
     }
   }
 
-  // The overlapped backward: group g's dK/dV (fp32) are written by the kernel at their
-  // rank-major rows (key_rows) and sent to their owners at once, while group g + 1 is computed; each
-  // owner sums its blocks in the order the non-overlapped reduce-scatter does (the padded
-  // split: the communicator's ring order ((x[r+1] + x[r+2]) + ...) + x[r]; the padding-free
-  // split: ranks 0..cp-1 from 0), so the sums are bitwise those of reduce_scatter_rows.
+  // The overlapped backward: unit u's dK/dV (fp32: a KV-head group's, the last group's per
+  // group of documents where the plan has two) are written by the kernel at their rank-major
+  // rows (key_rows) and sent to their owners at once, while unit u + 1 is computed; each owner
+  // sums its blocks in the order the non-overlapped reduce-scatter does (the padded split: the
+  // communicator's ring order ((x[r+1] + x[r+2]) + ...) + x[r]; the padding-free split: ranks
+  // 0..cp-1 from 0), so the sums are bitwise those of reduce_scatter_rows. A unit of some
+  // documents writes their rows alone (named_rows_only, the whole batch's longest task: the sums
+  // of the one call over every document); the rows no task reads are zeroed first.
   // Returns what grouped_forward returns.
   double grouped_backward(const CpBackwardArgs& a, const CpContext::State& cs) {
     const RankPlan& plan = *cs.plan;
@@ -1015,48 +1135,67 @@ struct CpAttention::State {
     const int64_t t_loc = plan.local_tokens, t_all = layout.rank_begin.back();
     const int hk = cfg.num_heads_k / groups, hq = cfg.num_heads_q / groups;
     const int64_t kg = int64_t{hk} * cfg.head_dim_qk, vg = int64_t{hk} * cfg.head_dim_v;  // floats per group row
+    const std::vector<Unit> units = overlap_units(*cs.work, groups, true);
     auto t0 = Clock::now();
     dk_all.resize(static_cast<std::size_t>(groups * t_all * kg));  // [groups][t_all, kg], rank-major
     dv_all.resize(static_cast<std::size_t>(groups * t_all * vg));
     rs_k.resize(static_cast<std::size_t>(groups * cp * t_loc * kg));  // [groups][cp][t_loc, kg]
     rs_v.resize(static_cast<std::size_t>(groups * cp * t_loc * vg));
+    for (const Unit& un : units)
+      if (un.part && un.part == &cs.work->bwd_parts.front())  // (its group's calls write the named rows alone)
+        for (const auto& [r0, r1] : cs.work->unnamed) {
+          std::fill(dk_all.begin() + (un.g * t_all + r0) * kg, dk_all.begin() + (un.g * t_all + r1) * kg, 0.0f);
+          std::fill(dv_all.begin() + (un.g * t_all + r0) * vg, dv_all.begin() + (un.g * t_all + r1) * vg, 0.0f);
+        }
     stats.compute_s += seconds_since(t0);
     InFlight f{.comm = comm, .reqs = {}};
+    std::vector<std::pair<std::size_t, std::size_t>> recvs(units.size());  // each unit's receives' requests
     double waited = 0;
-    for (int g = 0; g < groups; ++g) {
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const Unit& un = units[u];
+      const int g = un.g;
       t0 = Clock::now();
       float* dk_g = dk_all.data() + g * t_all * kg;
       float* dv_g = dv_all.data() + g * t_all * vg;
-      lse_group.resize(static_cast<std::size_t>(t_loc) * hq);
-      for (int64_t i = 0; i < t_loc; ++i)
-        std::copy_n(cs.lse.data() + i * cfg.num_heads_q + g * hq, hq, lse_group.data() + i * hq);
+      if (un.first_of_group(units, u)) {
+        lse_group.resize(static_cast<std::size_t>(t_loc) * hq);
+        for (int64_t i = 0; i < t_loc; ++i)
+          std::copy_n(cs.lse.data() + i * cfg.num_heads_q + g * hq, hq, lse_group.data() + i * hq);
+      }
       stats.compute_s += seconds_since(t0);
-      // the earlier groups' dK/dV move along inside the call
-      stats.compute_s += compute_advancing([&] { f.advance(); }, waited, stats.dkv_s, group_inputs(a.q, cs, g),
+      // the earlier units' dK/dV move along inside the call
+      stats.compute_s += compute_advancing([&] { f.advance(); }, waited, stats.dkv_s, group_inputs(a.q, cs, g, un.work()),
                                            [&](const AttnInputs& in) {
         attention_backward({.in = in,
                             .out = head_slice(a.out, g * hq, hq),
                             .lse = lse_group.data(),
                             .dout = head_slice(a.dout, g * hq, hq),
                             .dq = head_slice(a.dq, g * hq, hq),
-                            .dk = contiguous(dk_g, t_all, hk, cfg.head_dim_qk),  // every row written, in fp32
+                            .dk = contiguous(dk_g, t_all, hk, cfg.head_dim_qk),  // in fp32
                             .dv = contiguous(dv_g, t_all, hk, cfg.head_dim_v),
-                            .grad_mode = GradMode::write});
+                            .grad_mode = GradMode::write,
+                            .named_rows_only = un.part != nullptr,
+                            .longest_task = un.part ? cs.work->longest_task : 0});
       });
 
       t0 = Clock::now();
-      for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ...
+      recvs[u].first = f.reqs.size();
+      const auto [lo, hi] = un.rows(plan, me);
+      for (int st = 1; st < cp; ++st) {  // receives first, then sends rank + 1, rank + 2, ... (empty ones too)
         const int q = (me - st + cp) % cp;
-        f.reqs.push_back(comm.start_recv<float>({rs_k.data() + (g * cp + q) * t_loc * kg, static_cast<std::size_t>(t_loc * kg)}, q, kTagScatter));
-        f.reqs.push_back(comm.start_recv<float>({rs_v.data() + (g * cp + q) * t_loc * vg, static_cast<std::size_t>(t_loc * vg)}, q, kTagScatter));
+        const auto n = static_cast<std::size_t>(hi - lo);
+        f.reqs.push_back(comm.start_recv<float>({rs_k.data() + ((g * cp + q) * t_loc + lo) * kg, n * kg}, q, kTagScatter));
+        f.reqs.push_back(comm.start_recv<float>({rs_v.data() + ((g * cp + q) * t_loc + lo) * vg, n * vg}, q, kTagScatter));
       }
+      recvs[u].second = f.reqs.size();
       for (int st = 1; st < cp; ++st) {
         const int q = (me + st) % cp;
-        const auto n = static_cast<std::size_t>(layout.rank_tokens(q));
-        f.reqs.push_back(comm.start_send<float>({dk_g + layout.rank_begin[q] * kg, n * kg}, q, kTagScatter));
-        f.reqs.push_back(comm.start_send<float>({dv_g + layout.rank_begin[q] * vg, n * vg}, q, kTagScatter));
+        const auto [qlo, qhi] = un.rows(plan, q);
+        const auto n = static_cast<std::size_t>(qhi - qlo);
+        f.reqs.push_back(comm.start_send<float>({dk_g + (layout.rank_begin[q] + qlo) * kg, n * kg}, q, kTagScatter));
+        f.reqs.push_back(comm.start_send<float>({dv_g + (layout.rank_begin[q] + qlo) * vg, n * vg}, q, kTagScatter));
       }
-      if (g == 0) f.posted = f.last_done = t0;
+      if (u == 0) f.posted = f.last_done = t0;
       f.poll();
       count_waited(seconds_since(t0), waited, stats.dkv_s);
     }
@@ -1065,23 +1204,24 @@ struct CpAttention::State {
     stats.compute_s += seconds_since(t0);
 
     const std::size_t es = dtype_size(cfg.dtype);
-    const auto sum_group = [&](const std::vector<float>& all, const std::vector<float>& rs, int64_t w, int g,
-                               std::vector<float>& loc) {
+    // Rows [r0, r1) of this rank's block of group g, summed over the ranks into loc's rows.
+    const auto sum_block = [&](const std::vector<float>& all, const std::vector<float>& rs, int64_t w, int g,
+                              int64_t r0, int64_t r1, std::vector<float>& loc) {
       loc.resize(static_cast<std::size_t>(t_loc * w));
-      const float* own = all.data() + g * t_all * w + layout.rank_begin[me] * w;
-      const auto part = [&](int q) { return q == me ? own : rs.data() + (g * cp + q) * t_loc * w; };
-      sum_rank_parts(plan.split, cp, me, part, static_cast<std::size_t>(t_loc * w), loc.data());
+      const float* own = all.data() + (g * t_all + layout.rank_begin[me] + r0) * w;
+      const auto part = [&](int q) { return q == me ? own : rs.data() + ((g * cp + q) * t_loc + r0) * w; };
+      sum_rank_parts(plan.split, cp, me, part, static_cast<std::size_t>((r1 - r0) * w), loc.data() + r0 * w);
     };
-    // Group by group as its blocks come in: the earlier groups' sums run while the last
-    // group's dK/dV are still in flight or a slower peer still computes them. Per group the
-    // requests are its 2 (cp - 1) receives, then its 2 (cp - 1) sends.
-    const auto per_group = static_cast<std::size_t>(4 * (cp - 1));
-    for (int g = 0; g < groups; ++g) {
-      wait_counted(f, g * per_group, g * per_group + per_group / 2, waited, stats.dkv_s);
+    // Unit by unit as its blocks come in: the earlier units' sums run while the last unit's
+    // dK/dV are still in flight or a slower peer still computes them.
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      wait_counted(f, recvs[u].first, recvs[u].second, waited, stats.dkv_s);
       t0 = Clock::now();
-      sum_group(dk_all, rs_k, kg, g, dk_loc);
-      sum_group(dv_all, rs_v, vg, g, dv_loc);
-      for (int64_t i = 0; i < t_loc; ++i) {
+      const int g = units[u].g;
+      const auto [lo, hi] = units[u].rows(plan, me);
+      sum_block(dk_all, rs_k, kg, g, lo, hi, dk_loc);
+      sum_block(dv_all, rs_v, vg, g, lo, hi, dv_loc);
+      for (int64_t i = lo; i < hi; ++i) {
         from_float(dk_loc.data() + i * kg, static_cast<std::size_t>(kg), cfg.dtype,
                    static_cast<std::byte*>(a.dk.data) + static_cast<std::size_t>(i * k_row() + g * kg) * es);
         from_float(dv_loc.data() + i * vg, static_cast<std::size_t>(vg), cfg.dtype,
@@ -1499,7 +1639,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
     s.pass_q_forward(a, *ctx);
   } else if (std::shared_ptr<NodeBuffer> buf = s.take_kv_shared(*ctx->plan, kv_free)) {
     s.shared_forward(a, *ctx, std::move(buf));
-  } else if (const int groups = cp_overlap_groups(c, s.comm.size()); groups > 1) {
+  } else if (const int groups = cp_overlap_groups(c, s.comm.size()); State::overlapped(groups, *ctx->work, false)) {
     hidden = s.grouped_forward(a, *ctx, groups);
   } else {
     const RankPlan& plan = *ctx->plan;
@@ -1620,7 +1760,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     ctx.s_.reset();  // consumed: its K/V pool entry is free again once every rank's is
     return;
   }
-  if (cs->groups > 1) {
+  if (!s.indexed() && State::overlapped(cs->groups, *cs->work, true)) {
     hidden = s.grouped_backward(a, *cs);
     count_bytes();
     s.note_peak();

@@ -64,8 +64,10 @@ CpMemoryEstimate gather_or_ring(const CpAttnConfig& c, int cp, int64_t local_tok
     // (cp_attention.cpp's ring, acc_out ... dkv_home).
     e.buffers = saturating_add(saturating_add(product(2, t, kv_row, es), product(5, t, kv_row, f)),
                                product(t, hq, static_cast<uint64_t>(c.head_dim_qk + c.head_dim_v + 1), f));
-  } else if (const int groups = cp_overlap_groups(c, cp); groups > 1) {
-    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward):
+  } else if (const int groups = cp_overlap_groups(c, cp);
+             groups > 1 || (c.overlap && cp > 1 && !index && c.scheme == CpScheme::allgather)) {
+    // The overlapped all-gather (cp_attention.cpp's grouped_forward and grouped_backward; with
+    // one KV-head group, where the plan cuts its documents in two groups: counted whether it does):
     // fp32 dK/dV of every gathered row (rank-major, all groups, written there by the kernel),
     // one group's sums, the receive blocks of the reduce-scatter (cp of this rank's fp32 dK/dV
     // rows, all groups) and one group's lse. The forward receives and packs straight into the

@@ -101,7 +101,10 @@ struct Ctx {
   int64_t world(int cp_index) const { return topo.world(cp_index); }
   // The overlapped all-gather's KV-head groups over `ranks` ranks of `kv_heads` KV heads each
   // (cp_overlap_groups: 1 without SimInput::overlap or with nothing to gather).
-  int overlap_groups(int kv_heads, int ranks) const { return in.overlap && ranks > 1 ? overlap_kv_groups(kv_heads) : 1; }
+  int overlap_groups(int kv_heads, int ranks) const { return overlaps(ranks) ? overlap_kv_groups(kv_heads) : 1; }
+  // Whether the all-gather over `ranks` ranks runs overlapped (by KV-head groups, or with one
+  // group by groups of documents: its buffers either way).
+  bool overlaps(int ranks) const { return in.overlap && ranks > 1; }
   const SimLink& link(bool inter) const { return inter ? in.profile.inter : in.profile.intra; }
   double send_time(int64_t bytes, bool inter) const {
     const SimLink& l = link(inter);
@@ -463,9 +466,9 @@ struct MemoryUse {
 };
 // An all-gather's buffers past its context (cp_memory.cpp's gather_or_ring, runs mode): `rows`
 // local rows of kv_row elements and hq query heads gathered into `gathered` rows over `ranks`
-// ranks, in `groups` KV-head groups (overlap_groups).
-double allgather_buffers(double rows, double gathered, int ranks, double kv_row, double hq, int groups) {
-  if (groups > 1) {
+// ranks, in `groups` KV-head groups (overlap_groups), `overlapped` (Ctx::overlaps) or not.
+double allgather_buffers(double rows, double gathered, int ranks, double kv_row, double hq, int groups, bool overlapped) {
+  if (overlapped) {
     // fp32 dK/dV of every gathered row, one group's sums, the reduce-scatter's receive blocks
     // (ranks x rows), one group's lse (the forward receives and packs into its context).
     const double per = kv_row / groups;
@@ -484,7 +487,7 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
   switch (s) {
     case CpScheme::allgather:
       m.saved += c.cp * t * kv_row * es;  // the gathered K/V (read in document order through a row map)
-      m.transient = allgather_buffers(t, c.cp * t, c.cp, kv_row, c.hq, c.overlap_groups(c.hk, c.cp));
+      m.transient = allgather_buffers(t, c.cp * t, c.cp, kv_row, c.hq, c.overlap_groups(c.hk, c.cp), c.overlaps(c.cp));
       break;
     case CpScheme::ring:
       m.saved += t * kv_row * es;                                // the local K/V copy
@@ -522,7 +525,8 @@ MemoryUse memory_use(const Ctx& c, CpScheme s, int inner, const HeadSplit& h) {
       // The outer all-gather over cp / inner groups of g rows (overlapped per KV-head group of
       // this member's heads when SimInput::overlap).
       const int outer = c.cp / inner;
-      m.transient += allgather_buffers(g, gathered, outer, kv_row_loc, hq_loc, c.overlap_groups(h.kv_loc(), outer));
+      m.transient += allgather_buffers(g, gathered, outer, kv_row_loc, hq_loc, c.overlap_groups(h.kv_loc(), outer),
+                                       c.overlaps(outer));
       break;
     }
   }

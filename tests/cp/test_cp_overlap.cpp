@@ -311,6 +311,48 @@ TEST_F(CpAttentionTest, OverlapKeepsEachHeadsDropoutAndAlibi) {
   expect_matches_single_process(comm, b, p, s, t, o, on);
 }
 
+// Groups of documents (docs/cp.md "Overlap"): where the batch's documents cut into a group of
+// about a quarter of the work, the forward's first KV-head group and the backward's last run
+// as one call per group of documents, each moving its documents' rows (the kernels read and
+// write no other row), so one KV head (MQA) overlaps too. Bitwise the fused call for every dtype
+// and mask, with one and two KV-head groups, both splits (the padding-free split leaves some
+// ranks no rows of a short document: they send nothing for it); and against one process.
+TEST_F(CpAttentionTest, OverlapByGroupsOfDocumentsIsBitwiseTheFusedCall) {
+  // len^2 shares: the forward's first group is document 0 (6.5% of the work), the backward's
+  // last documents 6..8 (34%)
+  const std::vector<int64_t> lengths{120, 1, 300, 45, 200, 9, 260, 77, 33};
+  const Shape mqa{"mqa-odd", 4, 1, 17, 9};
+  for (const Shape& s : {mqa, kGroupShapes[0]})
+    for (const DType t : {DType::f32, DType::f16, DType::bf16})
+      for (const MaskCase& m : kMasks)
+        for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free}) {
+          if (split == CpSplit::padding_free && (m.mask != MaskType::causal || t == DType::f16)) continue;
+          SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " mask " << m.name << " split "
+                                            << to_string(split) << " cp " << comm.size());
+          const AttnOptions o{.mask = m.mask, .path = best_kernel_path(t), .window_size_left = m.left,
+                              .window_size_right = m.right};
+          const check::Batch b = check::random_batch(cu_seqlens_from_lengths(lengths), s.batch(), t, 9);
+          const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank(),
+                                                               PlanOptions{.split = split});
+          const Outputs on = run(comm, b, p, s, t, o, split, Path::overlapped);
+          const Outputs off = run(comm, b, p, s, t, o, split, Path::plain);
+          expect_bitwise_equal(on, off);
+          // Per unit (a KV-head group, or a group of its documents) and peer a send and a receive
+          // of K and V, and of dK and dV (empty where a rank holds none of the unit's rows): one
+          // unit more than the groups in each direction.
+          const int groups = cp_overlap_groups({.num_heads_q = s.hq, .num_heads_k = s.hkv, .overlap = true}, comm.size());
+          EXPECT_EQ(groups, s.hkv);
+          EXPECT_EQ(on.calls, 2 + 4 * int64_t{2 * (groups + 1)} * (comm.size() - 1));
+          if (split == CpSplit::padded) {  // (padding-free: per rank, blocks of differing sizes: CpStats::bytes_sent)
+            EXPECT_EQ(on.stats.bytes_sent, off.stats.bytes_sent);  // the same payload, point to point
+          }
+          EXPECT_GE(on.stats.comm_total_s, on.stats.comm_s);
+          EXPECT_LE(on.stats.peak_buffer_bytes, on.estimate);
+          if (t == DType::bf16 && m.left < 0) expect_matches_single_process(comm, b, p, s, t, o, on);
+          if (HasFailure()) return;
+        }
+}
+
 // The memory accounting holds the overlapped path's buffers, the forward's included: the
 // second step's forward holds the layer's kept buffers (dK/dV, receive blocks, one group's
 // lse) beside its context (the gathered K/V, received and packed in place), and that peak is
