@@ -198,7 +198,8 @@ struct AttnInputs {
   // threads stop at their next unit) and leaves out, lse, dq, dk and dv unspecified.
   const std::function<void()>* progress = nullptr;
   // (The kernels read only the K/V rows that the work list's tasks' runs name: the others may
-  // hold anything, a transfer still landing in them included.)
+  // hold anything, a transfer still landing in them included; but with kv_pack_share every row
+  // is packed, for all the callers.)
 
   // The stored row of key row r: key_rows[r], or r without a map.
   constexpr int64_t stored_key_row(int64_t r) const { return key_rows ? key_rows[r] : r; }

@@ -94,7 +94,7 @@ struct CpAttnConfig {
   // CommAlgorithm::mpi the fused path sums in MPI's order and the two may differ in rounding. The
   // first group's forward and the last group's backward also run by two groups of documents
   // where the batch cuts into one of about a quarter of the work (Hkv = 1: its one group;
-  // docs/cp.md "Overlap"), bitwise the same; one document and Hkv = 1: no overlap. Part of
+  // docs/cp.md "Overlap"), bitwise the same; Hkv = 1 without a cut: no overlap. Part of
   // the ranks' agreement; index mode, cp = 1 and the ring, pass-Q and a2a schemes ignore it (the
   // hybrid's outer all-gather follows it).
   bool overlap = true;

@@ -468,9 +468,10 @@ struct CpAttention::State {
   // Backward's buffers, kept across calls (one backward runs at a time): fp32 dK/dV of every
   // key row the kernel reads, the gathered rows' sums in index mode, this rank's share.
   std::vector<float> dk_all, dv_all, dkx, dvx, dk_loc, dv_loc;
-  // The overlapped backward's (cp_overlap_groups > 1): every peer's dK/dV blocks of this
-  // rank's rows, [group][rank][local_tokens, group's row] (the own rank's slot unused), and one
-  // group's lse, [local_tokens, Hq / groups].
+  // The overlapped backward's (by KV-head groups or groups of documents): every peer's dK/dV
+  // blocks of this rank's rows, [group][rank][local_tokens, group's row] (the own rank's slot
+  // unused; also the padding-free split's non-overlapped reduce-scatter's), and one group's lse,
+  // [local_tokens, Hq / groups].
   std::vector<float> rs_k, rs_v, lse_group;
   // The ring's buffers: the visiting [K | V] blocks (storage dtype, double buffered) and the
   // partial dK/dV (fp32) going home and coming back; the running result (fp32 out and lse, the
@@ -479,8 +480,8 @@ struct CpAttention::State {
   std::vector<float> acc_out, acc_lse, dq_acc, dkv_home;
 
   PassQBuffers passq;  // the pass-Q scheme's
-  // The K/V of the contexts overlapped backwards consumed, which the next overlapped
-  // forwards' contexts take, last in first out (every row of theirs is received or packed,
+  // The K/V of the contexts that runs-mode backwards on the message path consumed, which the
+  // next forwards' contexts on it take, last in first out (every row of theirs is received or packed,
   // so none is zeroed first). One entry per backward, one taken per forward: never more entries than
   // contexts were alive at once (a model's layers share a CpAttention: one per layer).
   struct SpareKv {
@@ -739,7 +740,9 @@ struct CpAttention::State {
     return c.work->key_rows.empty() ? nullptr : c.work->key_rows.data();
   }
 
-  // The kernels' inputs for KV-head group g of `groups` of a grouped context: query heads
+  // The kernels' inputs for KV-head group g of `groups` of a grouped context (or of a context
+  // of one group, whose K/V may be in the node's shared buffer: a backward that could not make
+  // its shared dK/dV buffer runs by groups of documents over them): query heads
   // [g hq, (g+1) hq) of q (a strided view) over the group's kv heads, the ALiBi slopes and the
   // dropout heads of those query heads (so that each head computes what one call computes);
   // `work`: the tasks of a group of documents (default: all of the context's).
@@ -753,8 +756,8 @@ struct CpAttention::State {
     const auto kg = static_cast<std::size_t>(c.total_k * hk * cfg.head_dim_qk) * es;
     const auto vg = static_cast<std::size_t>(c.total_k * hk * cfg.head_dim_v) * es;
     return {.q = head_slice(q, g * hq, hq),
-            .k = contiguous(c.k.data() + g * kg, c.total_k, hk, cfg.head_dim_qk, cfg.dtype),
-            .v = contiguous(c.v.data() + g * vg, c.total_k, hk, cfg.head_dim_v, cfg.dtype),
+            .k = contiguous(c.k_data() + g * kg, c.total_k, hk, cfg.head_dim_qk, cfg.dtype),
+            .v = contiguous(c.v_data() + g * vg, c.total_k, hk, cfg.head_dim_v, cfg.dtype),
             .work = work ? work : &c.work->work,
             .options = o,
             .key_rows = key_rows(c)};
@@ -1272,6 +1275,10 @@ struct CpAttention::State {
         .add("hybrid_outer", static_cast<int64_t>(cfg.hybrid_outer))
         .add("split (0 padded, 1 padding-free)", static_cast<int64_t>(cfg.split))
         .add("overlap", cfg.overlap)
+        // (from the plan's global lengths in floating point: ranks of different builds could
+        // differ, and would then move different rows)
+        .add("overlap document cuts (forward << 32 | backward)",
+             overlap_doc_cut(*plan, true) << 32 | overlap_doc_cut(*plan, false))
         .add("shared_memory", cfg.shared_memory)
         .add("shared memory found unusable", shm_off)
         // Only once shared memory was made (one host, so one CPU): ranks on several hosts may
@@ -1817,8 +1824,10 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
     s.stats.compute_s += seconds_since(t0);
   } else {
     t0 = Clock::now();
-    reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.dkx);
-    reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.dvx);
+    // (the padding-free split's receive blocks: in runs mode the overlapped backward's, the same
+    // size, so that a layer whose batches run either way holds one set: cp_memory_estimate)
+    reduce_scatter_rows(s.comm, plan, s.dk_all, k_row, s.dk_loc, s.indexed() ? s.dkx : s.rs_k);
+    reduce_scatter_rows(s.comm, plan, s.dv_all, v_row, s.dv_loc, s.indexed() ? s.dvx : s.rs_v);
     s.stats.comm_s += seconds_since(t0);
     s.stats.dkv_s += seconds_since(t0);
 

@@ -102,7 +102,8 @@ std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o,
 // "Overlap"): the document index d (0 < d < documents) that gives the small group (documents
 // [0, d) when small_first, else [d, documents)) the share of the batch's work nearest a
 // quarter, within [1/16, 1/2], the work counted as len^2 per document (from plan.docs: the
-// same on every rank); 0 when no cut gives one (one document, or one that holds nearly all).
+// same on every rank); 0 when no cut gives one (one document; the forward's first document,
+// or the backward's last, holding most of the work). Part of the ranks' agreement.
 int64_t overlap_doc_cut(const RankPlan& plan, bool small_first);
 
 // cp_memory_estimate of the a2a and hybrid schemes for `plan`, whose a2a_outer_plan (a2a.hpp)

@@ -28,6 +28,11 @@ namespace {
 // split over kv-head groups (a rule that looked at the call's kv-head count gave the groups
 // sets of 1 and broke bitwise equality; blocking.hpp's bwd_set_heads).
 constexpr Shape kGroupShapes[] = {{"gqa-odd", 4, 2, 17, 9}, {"kv3-odd", 6, 3, 11, 7}, {"kv4-gqa5", 20, 4, 9, 5}};
+// Documents that cut into groups of about a quarter of the work both ways (len^2 shares: the
+// forward's first group is document 0, 6.5% of the work; the backward's last documents 6..8,
+// 34%), and one KV head with odd head dims.
+const std::vector<int64_t> kDocGroupLengths{120, 1, 300, 45, 200, 9, 260, 77, 33};
+constexpr Shape kMqa{"mqa-odd", 4, 1, 17, 9};
 // A 1-token document, short ones that need padding at cp = 2..4, and one of 1100 tokens: several
 // key blocks per task on every path (FBK_TILES = 256 keys). Under a sanitizer 400 (still two
 // such blocks): the emulated tiles took 26 s per case at 1100 under ASan, and where the CPU has
@@ -318,11 +323,8 @@ TEST_F(CpAttentionTest, OverlapKeepsEachHeadsDropoutAndAlibi) {
 // and mask, with one and two KV-head groups, both splits (the padding-free split leaves some
 // ranks no rows of a short document: they send nothing for it); and against one process.
 TEST_F(CpAttentionTest, OverlapByGroupsOfDocumentsIsBitwiseTheFusedCall) {
-  // len^2 shares: the forward's first group is document 0 (6.5% of the work), the backward's
-  // last documents 6..8 (34%)
-  const std::vector<int64_t> lengths{120, 1, 300, 45, 200, 9, 260, 77, 33};
-  const Shape mqa{"mqa-odd", 4, 1, 17, 9};
-  for (const Shape& s : {mqa, kGroupShapes[0]})
+  const std::vector<int64_t>& lengths = kDocGroupLengths;
+  for (const Shape& s : {kMqa, kGroupShapes[0]})
     for (const DType t : {DType::f32, DType::f16, DType::bf16})
       for (const MaskCase& m : kMasks)
         for (const CpSplit split : {CpSplit::padded, CpSplit::padding_free}) {
@@ -605,6 +607,34 @@ TEST_F(CpAttentionTest, ABufferThatCannotBeMadeSendsEveryRankToMessagesSayingWhy
   }
   EXPECT_EQ(h.stats.shared_forwards + h.stats.shared_backwards, 0);
   expect_reason(h.stats.shared_memory_off);
+}
+
+// A forward over shared memory whose backward cannot make its shared dK/dV buffer: the backward
+// takes the message path with the context's K/V still in the node's buffer, by groups of
+// documents with one KV head, and reads them there (bitwise the plain run).
+TEST_F(CpAttentionTest, ABackwardSentToMessagesReadsTheSharedKv) {
+  const Shape& s = kMqa;
+  const DType t = DType::f32;
+  const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t)};
+  const check::Batch b = check::random_batch(cu_seqlens_from_lengths(kDocGroupLengths), s.batch(), t, 16);
+  const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+  CpAttention attn(comm, {.num_heads_q = s.hq, .num_heads_k = s.hkv, .head_dim_qk = s.dqk, .head_dim_v = s.dv,
+                          .dtype = t, .options = o});
+  LocalRows rows(b, p, s, t);
+  auto& [q, k, v, dout, out, dq, dk, dv, lse] = rows;
+  CpContext ctx = attn.forward({.cu_seqlens = b.cu_seqlens, .q = q.view(), .k = k.view(), .v = v.view(),
+                                .out = out.view(), .lse = lse.data()});
+  ASSERT_EQ(attn.stats().shared_forwards, 1);
+  {
+    const NoFileGrowthOnRank0 limit(comm);
+    ASSERT_TRUE(limit.ok());
+    attn.backward(ctx, {.q = q.view(), .out = out.view(), .dout = dout.view(), .dq = dq.view(), .dk = dk.view(),
+                        .dv = dv.view()});
+  }
+  EXPECT_EQ(attn.stats().shared_backwards, 0);
+  EXPECT_FALSE(attn.stats().shared_memory_off.empty());
+  const Outputs plain = run(comm, b, p, s, t, o, CpSplit::padded, Path::plain);
+  expect_bitwise_equal({.out = out, .dq = dq, .dk = dk, .dv = dv, .lse = lse, .stats = {}, .estimate = 0, .calls = 0}, plain);
 }
 
 // Ranks that disagree on overlap, or on shared_memory, fail every rank, naming the field,

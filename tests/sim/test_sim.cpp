@@ -87,7 +87,10 @@ TEST(Sim, AllGatherOverlapHidesTheLaterGroupsUnderTheEarlierCalls) {
   EXPECT_NEAR(p.backward[0].hidden_s, 6.4e-6, 1e-14);
 }
 
-// One KV head (nothing to split), cp = 1 (nothing to gather): overlap on predicts what off does.
+// One KV head (no KV-head group to split), cp = 1 (nothing to gather): overlap on predicts the
+// time off does (the groups of documents are not modelled in time); at cp > 1 its memory is
+// the overlapped path's, whose buffers one KV head's groups of documents use: the receive
+// blocks of every rank's dK/dV rows and one group's lse on top.
 TEST(Sim, AllGatherOverlapWithOneGroupIsTheNonOverlappedOrder) {
   for (const int cp : {1, 2, 3}) {
     SimInput off = hand_input();
@@ -97,7 +100,11 @@ TEST(Sim, AllGatherOverlapWithOneGroupIsTheNonOverlappedOrder) {
     on.overlap = true;
     const SchemePrediction a = simulate_scheme(on, CpScheme::allgather), b = simulate_scheme(off, CpScheme::allgather);
     EXPECT_DOUBLE_EQ(a.step_s, b.step_s) << cp;
-    EXPECT_DOUBLE_EQ(a.peak_memory_gb, b.peak_memory_gb) << cp;
+    if (cp == 1) {
+      EXPECT_DOUBLE_EQ(a.peak_memory_gb, b.peak_memory_gb);
+    } else {
+      EXPECT_GT(a.peak_memory_gb, b.peak_memory_gb) << cp;
+    }
     EXPECT_EQ(a.hidden_comm_s, 0.0) << cp;
   }
   // Two KV heads at cp = 1: no gather, one group.
