@@ -1275,10 +1275,6 @@ struct CpAttention::State {
         .add("hybrid_outer", static_cast<int64_t>(cfg.hybrid_outer))
         .add("split (0 padded, 1 padding-free)", static_cast<int64_t>(cfg.split))
         .add("overlap", cfg.overlap)
-        // (from the plan's global lengths in floating point: ranks of different builds could
-        // differ, and would then move different rows)
-        .add("overlap document cuts (forward << 32 | backward)",
-             overlap_doc_cut(*plan, true) << 32 | overlap_doc_cut(*plan, false))
         .add("shared_memory", cfg.shared_memory)
         .add("shared memory found unusable", shm_off)
         // Only once shared memory was made (one host, so one CPU): ranks on several hosts may
@@ -1305,6 +1301,10 @@ struct CpAttention::State {
         .add("documents", static_cast<int64_t>(plan->docs.size()))
         .add("global tokens", plan->global_tokens)
         .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(plan->cu_seqlens)))
+        // (from the boundaries in floating point: ranks of different builds could differ, and
+        // would then move different rows)
+        .add("overlap document cuts (forward << 32 | backward)",
+             overlap_doc_cut(*plan, true) << 32 | overlap_doc_cut(*plan, false))
         .add("shared K/V buffers", static_cast<int64_t>(kv_pool.size()))
         // Made and remade only on agreed facts; a rank whose creation threw after its
         // collectives would differ here (an error, not a wait in a collective the others skip).
