@@ -84,8 +84,9 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str()
       ->transform(split_transformer());
   auto* overlap = cmd->add_option("--overlap", a->overlap, "All-gather scheme (runs mode): on runs the kernels per group of KV "
-                                         "heads while the other groups' K/V and dK/dV travel; off: one all-gather, "
-                                         "one kernel call, one reduce-scatter (bitwise the same results)")
+                                         "heads (the first and last group, or with one KV head its one group, also "
+                                         "per group of documents) while the other groups' K/V and dK/dV travel; off: "
+                                         "one all-gather, one kernel call, one reduce-scatter (bitwise the same results)")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
   auto* shared_memory = cmd->add_option("--shared-memory", a->shared_memory,
