@@ -2,6 +2,8 @@
 // (cpattn/cp.hpp runs them).
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -68,5 +70,23 @@ HeadSplit head_split(int num_heads_q, int num_heads_k, int inner, std::string_vi
 // docs/cp.md "Overlap"): the largest divisor of num_heads_k that is at most 4 (1: no overlap).
 // Pure: what cp_overlap_groups and the simulator use.
 int overlap_kv_groups(int num_heads_k);
+
+// The (query, key) pairs of a document of `len` tokens that a mask leaves visible: causal or
+// not, within FlashAttention's window (key - query in [-window_left, window_right], -1: no
+// bound); len (len + 1) / 2 causal without a window, len^2 without a mask. What the overlapped
+// all-gather cuts its documents by, CpAttention and the simulator alike.
+double document_pairs(int64_t len, bool causal, int64_t window_left, int64_t window_right);
+
+// Where the overlapped all-gather cuts a batch's documents in two groups (docs/cp.md
+// "Overlap"): documents [0, cut) and [cut, documents), `work` per document (document_pairs).
+// The small group (the first with small_first: the forward's, whose transfer is the first
+// wait; else the last: the backward's, whose dK/dV transfer is the last) holds the share of
+// the work nearest a quarter within [1/16, 1/2]; cut 0 (no groups) where no cut gives one
+// (one document; a first, or last, document with most of the work).
+struct OverlapDocumentCut {
+  int64_t cut = 0;
+  double share = 0;  // the small group's share of the work (0 without a cut)
+};
+OverlapDocumentCut overlap_document_cut(std::span<const double> work, bool small_first);
 
 }  // namespace cpattn

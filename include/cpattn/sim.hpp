@@ -155,8 +155,10 @@ struct SimInput {
   MachineProfile profile;
   bool find_breakeven = true;  // the sweeps of SchemePrediction::breakeven_*
   // CpAttnConfig::overlap: the all-gather runs per group of KV heads (overlap_kv_groups of the
-  // KV heads per TP rank), the later groups' K/V and the earlier groups' dK/dV in flight under
-  // the kernel calls. false: one gather, one kernel call, one reduce-scatter.
+  // KV heads per TP rank), the forward's first and the backward's last also per group of
+  // documents where the batch has a cut (overlap_document_cut), the later units' K/V and the
+  // earlier units' dK/dV in flight under the kernel calls (docs/simulate.md). false: one
+  // gather, one kernel call, one reduce-scatter.
   bool overlap = true;
 };
 

@@ -20,7 +20,9 @@
 // split of the same batch into tasks drops the same (query, key) pairs.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace cpattn {
@@ -44,5 +46,26 @@ struct WorkList {
   std::vector<AttnTask> tasks;
   std::vector<KeyRun> runs;
 };
+
+// The key rows that `w`'s tasks' runs name, as sorted spans [first, second) with gaps between
+// them: a call reads no other row of K/V, and with AttnBwdParams::named_rows_only writes no
+// other row of dK/dV. Usually the runs come in row order (no sort).
+inline std::vector<std::pair<int64_t, int64_t>> named_key_rows(const WorkList& w) {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (const AttnTask& t : w.tasks)
+    for (int64_t r = t.run_begin; r < t.run_end; ++r) {
+      const KeyRun& run = w.runs[static_cast<std::size_t>(r)];
+      spans.emplace_back(run.row, run.row + run.len);
+    }
+  if (!std::is_sorted(spans.begin(), spans.end())) std::sort(spans.begin(), spans.end());
+  std::size_t n = 0;  // merged in place
+  for (const auto& s : spans)
+    if (n > 0 && s.first <= spans[n - 1].second)
+      spans[n - 1].second = std::max(spans[n - 1].second, s.second);
+    else
+      spans[n++] = s;
+  spans.resize(n);
+  return spans;
+}
 
 }  // namespace cpattn

@@ -1,6 +1,7 @@
 // The helpers the CP schemes share (cp_internal.hpp).
 #include "cp_internal.hpp"
 
+#include <cpattn/cp_scheme.hpp>
 #include <cpattn/dtype.hpp>
 #include <cpattn/layout.hpp>
 
@@ -33,22 +34,12 @@ void SchemeEnv::compute_moving(std::initializer_list<CommRequest*> in_flight, co
   stats.comm_s += polled;
 }
 
-int64_t overlap_doc_cut(const RankPlan& plan, bool small_first) {
-  double total = 0;
-  for (const DocSplit& d : plan.docs) total += static_cast<double>(d.len) * static_cast<double>(d.len);
-  double before = 0, best_gap = 1;
-  int64_t best = 0;
-  const auto docs = static_cast<int64_t>(plan.docs.size());
-  for (int64_t d = 1; d < docs; ++d) {
-    const auto len = static_cast<double>(plan.docs[static_cast<std::size_t>(d - 1)].len);
-    before += len * len;
-    const double share = (small_first ? before : total - before) / total;
-    if (share >= 1.0 / 16 && share <= 0.5 && std::abs(share - 0.25) < best_gap) {
-      best_gap = std::abs(share - 0.25);
-      best = d;
-    }
-  }
-  return best;
+int64_t overlap_doc_cut(const RankPlan& plan, const AttnOptions& o, bool small_first) {
+  std::vector<double> work;
+  work.reserve(plan.docs.size());
+  for (const DocSplit& d : plan.docs)
+    work.push_back(document_pairs(d.len, o.mask == MaskType::causal, o.window_size_left, o.window_size_right));
+  return overlap_document_cut(work, small_first).cut;
 }
 
 WorkList keys_for_mask(const RankPlan& plan, MaskType mask) {

@@ -308,10 +308,11 @@ struct PreparedWork {
   // the first group (forward: a short first wait) or the last (backward: a short last
   // transfer) holds about a quarter of the work (overlap_doc_cut); empty: one call.
   struct DocPart {
-    WorkList work;                // `work`'s tasks of the part's documents (its runs all kept)
+    WorkList work;                // `work`'s tasks of the part's documents, with their runs
     std::vector<int64_t> lo, hi;  // per rank: its local rows [lo, hi) of those documents
   };
   std::vector<DocPart> fwd_parts, bwd_parts;
+  int64_t fwd_cut = 0, bwd_cut = 0;  // the parts' overlap_doc_cut (0: no parts), agreed on
   int64_t longest_task = 0;  // of `work`: the parts' backward calls size and sum as the whole call
   // Rows of the rank-major gathered buffer that no task of `work` reads (padding, keys the
   // window leaves out): the parts' backward calls leave them alone, and they are zeroed first.
@@ -330,9 +331,18 @@ std::vector<PreparedWork::DocPart> doc_parts(const RankPlan& plan, const WorkLis
   for (int p = 0; p < 2; ++p) {
     PreparedWork::DocPart& part = parts[static_cast<std::size_t>(p)];
     const int64_t d0 = p == 0 ? 0 : cut, d1 = p == 0 ? cut : docs;
-    part.work.runs = w.runs;
-    for (const AttnTask& t : w.tasks)
-      if (t.doc >= d0 && t.doc < d1) part.work.tasks.push_back(t);
+    int64_t from = -1, to = -1;  // the runs of the last task copied (tasks may share them)
+    for (const AttnTask& t : w.tasks) {
+      if (t.doc < d0 || t.doc >= d1) continue;
+      AttnTask& u = part.work.tasks.emplace_back(t);
+      if (t.run_begin != from || t.run_end != to) {
+        from = t.run_begin;
+        to = t.run_end;
+        part.work.runs.insert(part.work.runs.end(), w.runs.begin() + from, w.runs.begin() + to);
+      }
+      u.run_end = static_cast<int64_t>(part.work.runs.size());
+      u.run_begin = u.run_end - (to - from);
+    }
     part.lo.assign(static_cast<std::size_t>(cp), std::numeric_limits<int64_t>::max());
     part.hi.assign(static_cast<std::size_t>(cp), 0);
     for (int64_t d = d0; d < d1; ++d)
@@ -698,17 +708,15 @@ struct CpAttention::State {
           for (int64_t i = 0; i < m.len; ++i) w->key_rows[static_cast<std::size_t>(m.ordered + i)] = m.gathered + i;
       }
       if (cfg.overlap && comm.size() > 1) {
-        w->fwd_parts = doc_parts(*plan, w->work, overlap_doc_cut(*plan, true));
-        w->bwd_parts = doc_parts(*plan, w->work, overlap_doc_cut(*plan, false));
+        w->fwd_cut = overlap_doc_cut(*plan, cfg.options, true);
+        w->bwd_cut = overlap_doc_cut(*plan, cfg.options, false);
+        w->fwd_parts = doc_parts(*plan, w->work, w->fwd_cut);
+        w->bwd_parts = doc_parts(*plan, w->work, w->bwd_cut);
+        for (const AttnTask& t : w->work.tasks) w->longest_task = std::max(w->longest_task, t.q_len);
         std::vector<char> named(static_cast<std::size_t>(t_all), 0);  // gathered rows
-        for (const AttnTask& t : w->work.tasks) {
-          w->longest_task = std::max(w->longest_task, t.q_len);
-          for (int64_t r = t.run_begin; r < t.run_end; ++r)
-            for (int64_t i = 0; i < w->work.runs[r].len; ++i) {
-              const int64_t row = w->work.runs[r].row + i;
-              named[static_cast<std::size_t>(w->key_rows.empty() ? row : w->key_rows[static_cast<std::size_t>(row)])] = 1;
-            }
-        }
+        for (const auto& [a, b] : named_key_rows(w->work))
+          for (int64_t row = a; row < b; ++row)
+            named[static_cast<std::size_t>(w->key_rows.empty() ? row : w->key_rows[static_cast<std::size_t>(row)])] = 1;
         for (int64_t r = 0; r < t_all;) {
           if (named[static_cast<std::size_t>(r)]) {
             ++r;
@@ -1242,13 +1250,14 @@ struct CpAttention::State {
   // Returns, per K/V pool entry, whether it is free on every rank (1) or not (0).
   // grad_share_need: a shared backward's attention_grad_share_bytes on this rank (0 otherwise);
   // their maximum over the ranks sets grad_slot_bytes.
-  std::vector<char> agree_or_throw(const std::string& local_error, const RankPlan* plan, int64_t local_tokens,
+  std::vector<char> agree_or_throw(const std::string& local_error, const PreparedWork* work, int64_t local_tokens,
                       int64_t phase, int64_t context_forward_call, uint64_t seed, int64_t grad_share_need = 0) {
     const auto t0 = Clock::now();
     const int64_t calls_before = comm.calls();
     const AttnOptions& o = cfg.options;
     pack_layout = attention_kv_pack_layout(o.path, cfg.dtype);
     share_pack = shm_enabled() && !kv_pool.empty() && pack_layout != KvPackLayout::alone;
+    const RankPlan* plan = work ? work->plan.get() : nullptr;
     // A rank with a local error may have no plan: it sends an empty fingerprint, and the
     // agreement reports the errors before it compares fingerprints.
     Fingerprint fp;
@@ -1303,8 +1312,7 @@ struct CpAttention::State {
         .add("cu_seqlens hash", static_cast<int64_t>(hash_boundaries(plan->cu_seqlens)))
         // (from the boundaries in floating point: ranks of different builds could differ, and
         // would then move different rows)
-        .add("overlap document cuts (forward << 32 | backward)",
-             overlap_doc_cut(*plan, true) << 32 | overlap_doc_cut(*plan, false))
+        .add("overlap document cuts (forward << 32 | backward)", work->fwd_cut << 32 | work->bwd_cut)
         .add("shared K/V buffers", static_cast<int64_t>(kv_pool.size()))
         // Made and remade only on agreed facts; a rank whose creation threw after its
         // collectives would differ here (an error, not a wait in a collective the others skip).
@@ -1632,7 +1640,7 @@ CpContext CpAttention::forward(const CpForwardArgs& a) {
   });
   ctx->seed = a.dropout_seed.value_or(c.options.seed);
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
-  const std::vector<char> kv_free = s.agree_or_throw(err, ctx->plan.get(), a.q.rows, 1, 0, ctx->seed);
+  const std::vector<char> kv_free = s.agree_or_throw(err, ctx->work.get(), a.q.rows, 1, 0, ctx->seed);
   if (s.uses_a2a())  // before the byte count: the split is no payload
     s.a2a->connect([](CpAttention& outer) { outer.s_->nested = true; });
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
@@ -1735,7 +1743,7 @@ void CpAttention::backward(CpContext& ctx, const CpBackwardArgs& a) {
   });
   const CpContext::State* cs = ctx.s_.get();
   double hidden = 0;  // the overlapped transfers' time in flight beyond the waits
-  s.agree_or_throw(err, cs ? cs->plan.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0,
+  s.agree_or_throw(err, cs ? cs->work.get() : nullptr, a.q.rows, 2, cs ? cs->forward_call : 0, cs ? cs->seed : 0,
                    grad_need);
   const int64_t sent0 = s.bytes_sent(), received0 = s.bytes_received();
   // Counted however backward leaves (the all-gather path below returns at its end).

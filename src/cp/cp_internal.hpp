@@ -98,13 +98,11 @@ WorkList work_on_block(const RankPlan& plan, const WorkList& keys, const AttnOpt
 std::vector<char> ranks_seeing_block(const RankPlan& plan, const AttnOptions& o, int block);
 
 
-// The overlapped all-gather's cut of the batch's documents into two groups (docs/cp.md
-// "Overlap"): the document index d (0 < d < documents) that gives the small group (documents
-// [0, d) when small_first, else [d, documents)) the share of the batch's work nearest a
-// quarter, within [1/16, 1/2], the work counted as len^2 per document (from plan.docs: the
-// same on every rank); 0 when no cut gives one (one document; the forward's first document,
-// or the backward's last, holding most of the work). Part of the ranks' agreement.
-int64_t overlap_doc_cut(const RankPlan& plan, bool small_first);
+// The overlapped all-gather's cut of the batch's documents into two groups
+// (overlap_document_cut, docs/cp.md "Overlap"), each document's work its pairs under `o`'s
+// mask and window (document_pairs of its real length, from plan.docs: the same on every rank).
+// Part of the ranks' agreement.
+int64_t overlap_doc_cut(const RankPlan& plan, const AttnOptions& o, bool small_first);
 
 // cp_memory_estimate of the a2a and hybrid schemes for `plan`, whose a2a_outer_plan (a2a.hpp)
 // is `outer_plan`: its work counts the outer layer's kernel blocks (CpAttention's check, which

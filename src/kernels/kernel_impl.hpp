@@ -1325,16 +1325,8 @@ struct NamedRows {
   bool all = true;
   std::vector<char> row, block;
   NamedRows(const WorkList& w, int64_t total_k) {
-    std::vector<std::pair<int64_t, int64_t>> spans;  // [row, row + len) of every task's runs
-    for (const AttnTask& t : w.tasks)
-      for (int64_t r = t.run_begin; r < t.run_end; ++r) spans.emplace_back(w.runs[r].row, w.runs[r].row + w.runs[r].len);
-    std::sort(spans.begin(), spans.end());
-    int64_t covered = 0;  // rows [0, covered) are named, while the spans leave no gap
-    for (const auto& [a, b] : spans) {
-      if (a > covered) break;
-      covered = std::max(covered, b);
-    }
-    if (covered >= total_k) return;
+    const std::vector<std::pair<int64_t, int64_t>> spans = named_key_rows(w);
+    if (total_k == 0 || (spans.size() == 1 && spans[0].first == 0 && spans[0].second >= total_k)) return;
     all = false;
     row.assign(static_cast<size_t>(total_k), 0);
     block.assign(static_cast<size_t>((total_k + BK - 1) / BK), 0);
@@ -1345,6 +1337,9 @@ struct NamedRows {
   }
   bool named(int64_t r) const { return all || row[static_cast<size_t>(r)] != 0; }
   bool block_named(int64_t b) const { return all || block[static_cast<size_t>(b)] != 0; }
+  // What a call's packing tests rows against: null (every row) when all are named or when it
+  // packs a KvPackShare's part, which its other callers read whatever their runs name.
+  const NamedRows* for_packing(const KvPackShare* share) const { return share || all ? nullptr : this; }
 };
 
 // The (kv head, block) units [first, second) a call packs of `units`: its share's, or all.
@@ -1372,7 +1367,7 @@ void pack_kv(const AttnInputs& in, bool backward, bool pairs, Packed& pk, const 
   // in its buffer (K^T first, then V, or K then V^T), this call's share of the (kv head,
   // block) units alone; the caller syncs before any read.
   const KvPackShare* share = pairs ? nullptr : in.kv_pack_share;
-  const NamedRows* nm = share || nm_in.all ? nullptr : &nm_in;  // (null: every row)
+  const NamedRows* nm = nm_in.for_packing(share);  // (null: every row)
   if (share) point_at_share(*share, backward, nb * pk.dp, pk.kt, pk.kr, pk.vr, pk.vt);  // nb (2 dp + dvp) floats
   // Not zeroed: every element of a packed block is written below, the last block's rows past
   // total_k as zeros (a block no run reaches is neither written nor read).
@@ -1560,7 +1555,7 @@ void pack_kv_tiles(const AttnInputs& in, bool backward, Packed& pk, const NamedR
   const int dp = pk.dp, dvp = pk.dvp;
   const size_t nb = static_cast<size_t>(K.heads) * pk.nblk * BK;
   const KvPackShare* share = in.kv_pack_share;
-  const NamedRows* nm = share || nm_in.all ? nullptr : &nm_in;  // (as pack_kv's)
+  const NamedRows* nm = nm_in.for_packing(share);
   if (share) point_at_share(*share, backward, nb * dp / 2, pk.kt2, pk.kr2, pk.vr2, pk.vt2);  // nb (2 dp + dvp) bf16
   pk.kt2.resize(nb * dp / 2);
   pk.vr2.resize(backward ? 0 : nb * dvp / 2);

@@ -84,6 +84,11 @@ struct Work {
   std::vector<int64_t> prefix;  // [cp + 1] running sums of pairs: a group's work in O(1)
   int64_t total_pairs = 0;      // of the whole batch, real positions only
   int max_real_chunks = 0;      // the most chunks holding a real token, over documents
+  // The overlapped all-gather's groups of documents (overlap_document_cut of the pairs under
+  // the mask), per direction: the small group's share of the work (0: no cut) and its rows on
+  // every rank (the padded split: padded_len / cp of each of its documents).
+  double fwd_share = 0, bwd_share = 0;
+  int64_t fwd_rows = 0, bwd_rows = 0;
 };
 
 // What every scheme's model needs about one simulation.
@@ -166,6 +171,17 @@ Work plan_work(std::span<const int64_t> cu, int cp, MaskType mask) {
     const int64_t len = cu[d + 1] - cu[d];
     const int64_t chunk = padded_length(len, cp) / chunks_per_document(cp);
     w.max_real_chunks = std::max<int>(w.max_real_chunks, static_cast<int>((len + chunk - 1) / chunk));
+  }
+  std::vector<double> doc_work;
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d)
+    doc_work.push_back(document_pairs(cu[d + 1] - cu[d], mask == MaskType::causal, -1, -1));
+  const OverlapDocumentCut f = overlap_document_cut(doc_work, true), b = overlap_document_cut(doc_work, false);
+  w.fwd_share = f.share;
+  w.bwd_share = b.share;
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t rows = padded_length(cu[d + 1] - cu[d], cp) / cp;
+    if (static_cast<int64_t>(d) < f.cut) w.fwd_rows += rows;
+    if (b.cut > 0 && static_cast<int64_t>(d) >= b.cut) w.bwd_rows += rows;
   }
   return w;
 }
@@ -295,33 +311,70 @@ int default_inner(const Ctx& c) {
 
 // ---- The schemes, one call on CP rank r -----------------------------------------------------
 
-// Without overlap: the gather, one kernel call, the reduce-scatter, all exposed. With G > 1
-// KV-head groups (CpAttnConfig::overlap): the payload moves in G equal parts and the kernel
-// time splits in G calls; forward waits for group 0's K/V, and group g's transfer hides
-// under group g - 1's kernel call (exposed: what exceeds it); backward sends group g's dK/dV
-// under group g + 1's call, and the last group's reduce-scatter is exposed.
+// One transfer and kernel call of the overlapped all-gather (CpAttention's units): the rows
+// it moves of every rank and its share of the call's work.
+struct SimUnit {
+  int64_t rows = 0;
+  double work = 0;
+};
+// The all-gather's units in their order: one per KV-head group (overlap_groups), the forward's
+// first group (the backward's last) in two groups of documents where the batch has a cut
+// (Work::fwd_share), the small one first in forward, last in backward. The work of a group of
+// documents is the batch's share of it on every rank (the balanced split's premise). Without
+// overlap: one unit of every row.
+std::vector<SimUnit> overlap_units(const Ctx& c, int groups, bool backward) {
+  const double per = 1.0 / groups, share = !c.overlaps(c.cp) ? 0 : backward ? c.work->bwd_share : c.work->fwd_share;
+  const int64_t rows = backward ? c.work->bwd_rows : c.work->fwd_rows;
+  const int split = backward ? groups - 1 : 0;
+  std::vector<SimUnit> units;
+  for (int g = 0; g < groups; ++g)
+    if (g != split || share == 0) {
+      units.push_back({c.t_loc, per});
+    } else {
+      const SimUnit small{rows, per * share}, rest{c.t_loc - rows, per * (1 - share)};
+      units.push_back(backward ? rest : small);
+      units.push_back(backward ? small : rest);
+    }
+  return units;
+}
+
+// The all-gather's units (overlap_units), on rank r. Forward: the units' K/V travel one after
+// the other (CpAttention chains each peer's sends), and unit u's call starts once its K/V are
+// in and unit u - 1's call has ended; what the calls waited is exposed: without overlap (one
+// unit) the whole gather, with it the first unit's transfer and what a later one takes beyond
+// the calls before it. Backward: unit u's dK/dV leave when its call ends and the unit before
+// has left; what the last takes past the last call is exposed. The rest is hidden.
 void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   const int cp = c.cp, groups = c.overlap_groups(c.hk, cp);
   const int64_t hk_g = c.hk / groups;
-  const auto hide = [](SimCall& call, double transfer, double under, bool exposed) {
-    const double hidden = exposed ? 0.0 : std::min(transfer, under);
-    call.hidden_s += hidden;
-    call.exposed_s += transfer - hidden;
+  // A unit's K and V (forward, storage dtype) or dK and dV (backward, fp32) of `rows` rows.
+  const auto transfer = [&](int64_t rows, int64_t es, SimBytes& bytes) {
+    return ring_transfer(c, r, 0, 1, cp, cp - 1, rows * hk_g * c.dqk * es, bytes) +
+           ring_transfer(c, r, 0, 1, cp, cp - 1, rows * hk_g * c.dv * es, bytes);
+  };
+  const auto account = [](SimCall& call, double moved, double exposed) {
+    exposed = std::clamp(exposed, 0.0, moved);  // (rounding of the units' work shares)
+    call.exposed_s += exposed;
+    call.hidden_s += moved - exposed;
   };
   set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, false, f);
   agreement(c, r, 0, 1, cp, f.agreement, f.exposed_s);
-  for (int g = 0; g < groups; ++g) {
-    const double x = ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dqk * c.es, f.payload) +
-                     ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dv * c.es, f.payload);
-    hide(f, x, f.compute_s / groups, g == 0);
+  double in = 0, end = 0;  // when the units' K/V are in; when the last call ends
+  for (const SimUnit& u : overlap_units(c, groups, false)) {
+    in += transfer(u.rows, c.es, f.payload);
+    end = std::max(end, in) + f.compute_s * u.work;
   }
+  account(f, in, end - f.compute_s);
   set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, true, b);
   agreement(c, r, 0, 1, cp, b.agreement, b.exposed_s);
-  for (int g = 0; g < groups; ++g) {
-    const double y = ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dqk * 4, b.payload) +
-                     ring_transfer(c, r, 0, 1, cp, cp - 1, c.t_loc * hk_g * c.dv * 4, b.payload);
-    hide(b, y, b.compute_s / groups, g == groups - 1);
+  double done = 0, sent = 0, moved = 0;  // when the calls end; when the units' dK/dV are out
+  for (const SimUnit& u : overlap_units(c, groups, true)) {
+    done += b.compute_s * u.work;
+    const double y = transfer(u.rows, 4, b.payload);
+    moved += y;
+    sent = std::max(sent, done) + y;
   }
+  account(b, moved, sent - b.compute_s);
 }
 
 // Partials of `part` bytes going home over a ring's steps: full to every rank of [to) but r,

@@ -3,6 +3,7 @@
 // leave the blocks that the window hides without work, so that those steps are skipped.
 #include "../src/cp/cp_internal.hpp"
 
+#include <cpattn/cp_scheme.hpp>
 #include <cpattn/layout.hpp>
 #include <cpattn/plan.hpp>
 
@@ -187,6 +188,63 @@ TEST(CpDocumentOrder, MovesCoverEveryRowOnceAndPutEachChunkAtItsPosition) {
           }
       }
   }
+}
+
+// The overlap's work per document in closed form against the pairs counted one by one.
+TEST(CpWorkLists, DocumentPairsAreTheVisiblePairsOfEveryMaskAndWindow) {
+  const std::pair<int64_t, int64_t> windows[] = {{-1, -1}, {0, 0}, {1, -1}, {-1, 2}, {3, 2}, {5, 0}, {200, 200}};
+  for (const int64_t len : {1, 2, 3, 7, 64, 129})
+    for (const MaskType mask : {MaskType::causal, MaskType::none})
+      for (const auto& [left, right] : windows) {
+        AttnOptions o;
+        o.mask = mask;
+        o.window_size_left = left;
+        o.window_size_right = right;
+        EXPECT_EQ(document_pairs(len, mask == MaskType::causal, left, right),
+                  static_cast<double>(dense_pairs({0, len}, o)))
+            << "len " << len << " causal " << (mask == MaskType::causal) << " window " << left << "," << right;
+      }
+  EXPECT_EQ(document_pairs(0, true, -1, -1), 0.0);
+}
+
+// Hand-worked cuts: the small group's share nearest 1/4 within [1/16, 1/2].
+TEST(CpWorkLists, OverlapDocumentCutsByHand) {
+  const auto cut = [](std::vector<double> w, bool small_first) { return overlap_document_cut(w, small_first); };
+  EXPECT_EQ(cut({1, 1, 1, 1}, true).cut, 1);  // [1 | 1 1 1]: 1/4
+  EXPECT_EQ(cut({1, 1, 1, 1}, false).cut, 3);
+  EXPECT_DOUBLE_EQ(cut({1, 1, 1, 1}, false).share, 0.25);
+  // total 31: prefixes 3, 4, 8 (8/31 = 0.258), 9, 14, 23; suffixes 6, 8 (0.258), 17 (over 1/2)
+  EXPECT_EQ(cut({3, 1, 4, 1, 5, 9, 2, 6}, true).cut, 3);
+  EXPECT_EQ(cut({3, 1, 4, 1, 5, 9, 2, 6}, false).cut, 6);
+  EXPECT_DOUBLE_EQ(cut({3, 1, 4, 1, 5, 9, 2, 6}, true).share, 8.0 / 31);
+  // No cut: one document; the first (last) holds most of the work; the rest under 1/16.
+  EXPECT_EQ(cut({5}, true).cut, 0);
+  EXPECT_EQ(cut({100, 1, 1}, true).cut, 0);
+  EXPECT_EQ(cut({1, 1, 100}, false).cut, 0);
+  EXPECT_EQ(cut({100, 1, 1}, false).cut, 0);  // 2/102 < 1/16
+  EXPECT_EQ(cut({100, 1, 1}, false).share, 0.0);
+  // A sliding window makes long documents' work linear in their length: the cut moves.
+  const std::vector<int64_t> lens{4000, 1000, 1000, 1000, 1000};
+  const auto work = [&](int64_t left) {
+    std::vector<double> w;
+    for (const int64_t l : lens) w.push_back(document_pairs(l, true, left, -1));
+    return w;
+  };
+  // Causal: the last four documents hold 0.2 of the work (a 1000-token document 0.05).
+  EXPECT_EQ(overlap_document_cut(work(-1), false).cut, 1);
+  // Window 128 wide: a document's work is about 128 len, the last two hold 0.244.
+  EXPECT_EQ(overlap_document_cut(work(127), false).cut, 3);
+}
+
+// Named rows: the union of every task's runs, sorted and merged, whatever the tasks' order.
+TEST(CpWorkLists, NamedKeyRowsAreTheRunsUnion) {
+  WorkList w;
+  w.runs = {{.row = 10, .len = 5}, {.row = 0, .len = 3}, {.row = 3, .len = 2}, {.row = 12, .len = 10}, {.row = 30, .len = 1}};
+  w.tasks = {{.q_len = 1, .run_begin = 0, .run_end = 2}, {.q_len = 1, .run_begin = 2, .run_end = 5},
+             {.q_len = 1, .run_begin = 0, .run_end = 1}};
+  const std::vector<std::pair<int64_t, int64_t>> want{{0, 5}, {10, 22}, {30, 31}};
+  EXPECT_EQ(named_key_rows(w), want);
+  EXPECT_TRUE(named_key_rows(WorkList{}).empty());
 }
 
 }  // namespace

@@ -57,61 +57,78 @@ TEST(Sim, AllGatherOnOneLinkClassWithoutOverlapMatchesTheHandWorkedTimes) {
   EXPECT_EQ(p.forward[0].agreement.sent_intra, 408);
 }
 
-// The all-gather's overlap (SimInput::overlap): Hkv = 2 gives two KV-head groups; each moves
-// half the payload (K then V: 20 rows x 1 head x 4 dims x 4 bytes = 320 bytes each) and runs
-// half the kernel time. Forward: group 0's gather exposed, group 1's under group 0's call;
-// backward: group 0's dK/dV under group 1's call, group 1's exposed.
-TEST(Sim, AllGatherOverlapHidesTheLaterGroupsUnderTheEarlierCalls) {
+// The all-gather's overlap (SimInput::overlap): Hkv = 2 gives two KV-head groups, and the
+// forward's first is cut in two groups of documents: document 0 holds 136 of the 436 causal
+// pairs (0.31, the share nearest 1/4 within [1/16, 1/2]); the backward's last document holds
+// 300 (over 1/2: no cut). Forward units: group 0 over document 0 (8 rows a rank: K then V of
+// 8 x 1 head x 4 dims x 4 bytes), over document 1 (12 rows), group 1 (20 rows); their calls
+// take 3.488 us x 136 / 436 = 1.088 us, 2.4 us and 3.488 us. Each unit's call starts once its
+// K/V are in and the call before has ended. Backward: group 0's dK/dV under group 1's call,
+// group 1's exposed.
+TEST(Sim, AllGatherOverlapHidesTheLaterUnitsUnderTheEarlierCalls) {
   SimInput in = hand_input();
   in.overlap = true;
-  in.profile.intra = {.bandwidth_gbs = 1, .latency_us = 0};  // a group's K + V: 0.64 us; agreement 0.408 us
+  in.profile.intra = {.bandwidth_gbs = 1, .latency_us = 0};  // 20 rows' K + V: 0.64 us; agreement 0.408 us
   SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
-  // Forward: 0.64 us hides entirely under half of 6.976 us; backward likewise under 17.44 us.
+  // Forward: document 0's 0.256 us exposed; document 1's 0.384 us in by 0.64 us, before the
+  // first call ends (1.344 us); group 1's in by 1.28 us, before the second ends.
   EXPECT_NEAR(p.forward[0].compute_s, 6.976e-6, 1e-15);
-  EXPECT_NEAR(p.forward[0].exposed_s, 0.408e-6 + 0.64e-6, 1e-15);
-  EXPECT_NEAR(p.forward[0].hidden_s, 0.64e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].exposed_s, 0.408e-6 + 0.256e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].hidden_s, 0.384e-6 + 0.64e-6, 1e-15);
+  // Backward: 0.64 us under half of 34.88 us.
   EXPECT_NEAR(p.backward[1].exposed_s, 0.408e-6 + 0.64e-6, 1e-15);
   EXPECT_NEAR(p.backward[1].hidden_s, 0.64e-6, 1e-15);
-  EXPECT_NEAR(p.exposed_comm_s, 2 * (0.408e-6 + 0.64e-6), 1e-14);
-  EXPECT_NEAR(p.hidden_comm_s, 2 * 0.64e-6, 1e-14);
-  // The same bytes as without overlap (two groups of half the rows' heads).
+  EXPECT_NEAR(p.exposed_comm_s, 2 * 0.408e-6 + 0.256e-6 + 0.64e-6, 1e-14);
+  EXPECT_NEAR(p.hidden_comm_s, 0.384e-6 + 2 * 0.64e-6, 1e-14);
+  // The same bytes as without overlap (the units' rows and heads tile the payload).
   EXPECT_EQ(p.forward[0].payload.sent_intra, 2 * 640);
   EXPECT_EQ(p.backward[0].payload.received_intra, 2 * 640);
-  // A slow link: a group's K + V take 6.4 us, longer than half the forward kernel (3.488 us):
-  // 6.4 - 3.488 us of group 1's gather is exposed; the backward's 17.44 us still hide it.
+  // A slow link: the units' K + V take 2.56, 3.84 and 6.4 us, in by 2.56, 6.4 and 12.8 us; the
+  // calls end at 3.648, 8.8 and 16.288 us: 16.288 - 6.976 us exposed (group 1's gather, longer
+  // than the calls before it). The backward's 17.44 us still hide group 0's dK/dV.
   in.profile.intra = {.bandwidth_gbs = 0.1, .latency_us = 0};
   p = simulate_scheme(in, CpScheme::allgather);
-  EXPECT_NEAR(p.forward[0].exposed_s, 4.08e-6 + 6.4e-6 + (6.4e-6 - 3.488e-6), 1e-14);
-  EXPECT_NEAR(p.forward[0].hidden_s, 3.488e-6, 1e-14);
+  EXPECT_NEAR(p.forward[0].exposed_s, 4.08e-6 + (16.288e-6 - 6.976e-6), 1e-14);
+  EXPECT_NEAR(p.forward[0].hidden_s, 12.8e-6 - (16.288e-6 - 6.976e-6), 1e-14);
   EXPECT_NEAR(p.backward[0].exposed_s, 4.08e-6 + 6.4e-6, 1e-14);
   EXPECT_NEAR(p.backward[0].hidden_s, 6.4e-6, 1e-14);
 }
 
-// One KV head (no KV-head group to split), cp = 1 (nothing to gather): overlap on predicts the
-// time off does (the groups of documents are not modelled in time); at cp > 1 its memory is
-// the overlapped path's, whose buffers one KV head's groups of documents use: the receive
-// blocks of every rank's dK/dV rows and one group's lse on top.
-TEST(Sim, AllGatherOverlapWithOneGroupIsTheNonOverlappedOrder) {
-  for (const int cp : {1, 2, 3}) {
-    SimInput off = hand_input();
-    off.model.num_heads_k = 1;
-    off.mesh.cp = cp;
-    SimInput on = off;
-    on.overlap = true;
-    const SchemePrediction a = simulate_scheme(on, CpScheme::allgather), b = simulate_scheme(off, CpScheme::allgather);
-    EXPECT_DOUBLE_EQ(a.step_s, b.step_s) << cp;
-    if (cp == 1) {
-      EXPECT_DOUBLE_EQ(a.peak_memory_gb, b.peak_memory_gb);
-    } else {
-      EXPECT_GT(a.peak_memory_gb, b.peak_memory_gb) << cp;
-    }
-    EXPECT_EQ(a.hidden_comm_s, 0.0) << cp;
+// One KV head: the forward overlaps by its groups of documents alone (document 0's K/V, 8 of
+// 20 rows: 0.256 us, exposed; document 1's, 0.384 us, under document 0's call of 2.176 us),
+// the backward not (no cut). cp = 1 (nothing to gather): overlap on predicts the time off
+// does. At cp > 1 the memory is the overlapped path's: the receive blocks of every rank's
+// dK/dV rows and one group's lse on top.
+TEST(Sim, AllGatherOverlapWithOneKvHeadOverlapsByDocuments) {
+  SimInput off = hand_input();
+  off.model.num_heads_k = 1;
+  off.profile.intra = {.bandwidth_gbs = 1, .latency_us = 0};
+  SimInput on = off;
+  on.overlap = true;
+  SchemePrediction a = simulate_scheme(on, CpScheme::allgather), b = simulate_scheme(off, CpScheme::allgather);
+  EXPECT_NEAR(a.forward[0].exposed_s, 0.408e-6 + 0.256e-6, 1e-15);
+  EXPECT_NEAR(a.forward[0].hidden_s, 0.384e-6, 1e-15);
+  EXPECT_NEAR(b.forward[0].exposed_s, 0.408e-6 + 0.64e-6, 1e-15);
+  EXPECT_DOUBLE_EQ(a.backward[1].exposed_s, b.backward[1].exposed_s);
+  EXPECT_EQ(a.backward[1].hidden_s, 0.0);
+  EXPECT_NEAR(b.step_s - a.step_s, 0.384e-6, 1e-14);
+  for (const int cp : {2, 3}) {
+    on.mesh.cp = off.mesh.cp = cp;
+    EXPECT_GT(simulate_scheme(on, CpScheme::allgather).peak_memory_gb,
+              simulate_scheme(off, CpScheme::allgather).peak_memory_gb)
+        << cp;
   }
+  on.mesh.cp = off.mesh.cp = 1;
+  a = simulate_scheme(on, CpScheme::allgather);
+  b = simulate_scheme(off, CpScheme::allgather);
+  EXPECT_DOUBLE_EQ(a.step_s, b.step_s);
+  EXPECT_DOUBLE_EQ(a.peak_memory_gb, b.peak_memory_gb);
+  EXPECT_EQ(a.hidden_comm_s, 0.0);
   // Two KV heads at cp = 1: no gather, one group.
-  SimInput on = hand_input();
+  on = hand_input();
   on.mesh.cp = 1;
   on.overlap = true;
-  SimInput off = on;
+  off = on;
   off.overlap = false;
   EXPECT_DOUBLE_EQ(simulate_scheme(on, CpScheme::allgather).step_s, simulate_scheme(off, CpScheme::allgather).step_s);
 }
