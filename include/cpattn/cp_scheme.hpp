@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace cpattn {
 
@@ -88,5 +89,15 @@ struct OverlapDocumentCut {
   double share = 0;  // the small group's share of the work (0 without a cut)
 };
 OverlapDocumentCut overlap_document_cut(std::span<const double> work, bool small_first);
+
+// The overlapped all-gather's units in their order (CpAttention's transfers and kernel calls,
+// the simulator's timeline): KV-head group `group` over every document (part -1) or over one
+// of the two groups of documents, [0, cut) (part 0) and [cut, documents) (part 1), which the
+// forward's first group and the backward's last run as where the batch has a cut.
+struct OverlapUnit {
+  int group = 0;
+  int part = -1;
+};
+std::vector<OverlapUnit> overlap_units(int groups, bool cut, bool backward);
 
 }  // namespace cpattn

@@ -42,6 +42,19 @@ double document_pairs(int64_t len, bool causal, int64_t window_left, int64_t win
   return f(hi) + f(-lo) - n;
 }
 
+std::vector<OverlapUnit> overlap_units(int groups, bool cut, bool backward) {
+  const int split = backward ? groups - 1 : 0;
+  std::vector<OverlapUnit> units;
+  for (int g = 0; g < groups; ++g)
+    if (g == split && cut) {
+      units.push_back({.group = g, .part = 0});
+      units.push_back({.group = g, .part = 1});
+    } else {
+      units.push_back({.group = g, .part = -1});
+    }
+  return units;
+}
+
 OverlapDocumentCut overlap_document_cut(std::span<const double> work, bool small_first) {
   double total = 0;
   for (const double w : work) total += w;

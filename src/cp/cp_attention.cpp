@@ -788,13 +788,9 @@ struct CpAttention::State {
   // The forward's units (its first group split by documents) or the backward's (its last).
   static std::vector<Unit> overlap_units(const PreparedWork& w, int groups, bool backward) {
     const std::vector<PreparedWork::DocPart>& parts = backward ? w.bwd_parts : w.fwd_parts;
-    const int split = backward ? groups - 1 : 0;
     std::vector<Unit> units;
-    for (int g = 0; g < groups; ++g)
-      if (g == split && !parts.empty())
-        for (const PreparedWork::DocPart& p : parts) units.push_back({g, &p});
-      else
-        units.push_back({g, nullptr});
+    for (const OverlapUnit& u : cpattn::overlap_units(groups, !parts.empty(), backward))
+      units.push_back({u.group, u.part < 0 ? nullptr : &parts[static_cast<std::size_t>(u.part)]});
     return units;
   }
   // Whether the all-gather runs overlapped: by KV-head groups, or by groups of documents.

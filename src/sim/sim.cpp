@@ -317,33 +317,32 @@ struct SimUnit {
   int64_t rows = 0;
   double work = 0;
 };
-// The all-gather's units in their order: one per KV-head group (overlap_groups), the forward's
-// first group (the backward's last) in two groups of documents where the batch has a cut
-// (Work::fwd_share), the small one first in forward, last in backward. The work of a group of
-// documents is the batch's share of it on every rank (the balanced split's premise). Without
-// overlap: one unit of every row.
-std::vector<SimUnit> overlap_units(const Ctx& c, int groups, bool backward) {
+// The all-gather's units (overlap_units: one per KV-head group of overlap_groups, the
+// forward's first group and the backward's last in two groups of documents where the batch has
+// a cut; without overlap one unit of every row) and each one's share of the call's work. A
+// group of documents holds the batch's share of the work on every rank (the balanced split's
+// premise): Work::fwd_share for the forward's first, Work::bwd_share for the backward's last.
+std::vector<SimUnit> sim_units(const Ctx& c, int groups, bool backward) {
   const double per = 1.0 / groups, share = !c.overlaps(c.cp) ? 0 : backward ? c.work->bwd_share : c.work->fwd_share;
   const int64_t rows = backward ? c.work->bwd_rows : c.work->fwd_rows;
-  const int split = backward ? groups - 1 : 0;
   std::vector<SimUnit> units;
-  for (int g = 0; g < groups; ++g)
-    if (g != split || share == 0) {
+  for (const OverlapUnit& u : overlap_units(groups, share > 0, backward)) {
+    const bool small = u.part == (backward ? 1 : 0);
+    if (u.part < 0)
       units.push_back({c.t_loc, per});
-    } else {
-      const SimUnit small{rows, per * share}, rest{c.t_loc - rows, per * (1 - share)};
-      units.push_back(backward ? rest : small);
-      units.push_back(backward ? small : rest);
-    }
+    else
+      units.push_back(small ? SimUnit{rows, per * share} : SimUnit{c.t_loc - rows, per * (1 - share)});
+  }
   return units;
 }
 
-// The all-gather's units (overlap_units), on rank r. Forward: the units' K/V travel one after
-// the other (CpAttention chains each peer's sends), and unit u's call starts once its K/V are
-// in and unit u - 1's call has ended; what the calls waited is exposed: without overlap (one
-// unit) the whole gather, with it the first unit's transfer and what a later one takes beyond
-// the calls before it. Backward: unit u's dK/dV leave when its call ends and the unit before
-// has left; what the last takes past the last call is exposed. The rest is hidden.
+// The all-gather's units (sim_units), on rank r. Forward: the units' K/V travel one after the
+// other (CpAttention chains each peer's sends), and unit u's call starts once its K/V are in
+// and unit u - 1's call has ended; what the calls wait is exposed: without overlap (one unit)
+// the whole gather, with it the first unit's transfer and what a later one takes beyond the
+// calls before it. Backward: unit u's dK/dV leave when its call has ended and unit u - 1's
+// have left; what the last takes past the last call is exposed. The rest is hidden. (Summed as
+// waits, so that one unit gives its transfer exactly, not (transfer + compute) - compute.)
 void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
   const int cp = c.cp, groups = c.overlap_groups(c.hk, cp);
   const int64_t hk_g = c.hk / groups;
@@ -353,28 +352,31 @@ void allgather_calls(const Ctx& c, int r, SimCall& f, SimCall& b) {
            ring_transfer(c, r, 0, 1, cp, cp - 1, rows * hk_g * c.dv * es, bytes);
   };
   const auto account = [](SimCall& call, double moved, double exposed) {
-    exposed = std::clamp(exposed, 0.0, moved);  // (rounding of the units' work shares)
     call.exposed_s += exposed;
-    call.hidden_s += moved - exposed;
+    call.hidden_s += std::max(0.0, moved - exposed);
   };
   set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, false, f);
   agreement(c, r, 0, 1, cp, f.agreement, f.exposed_s);
-  double in = 0, end = 0;  // when the units' K/V are in; when the last call ends
-  for (const SimUnit& u : overlap_units(c, groups, false)) {
+  double in = 0, end = 0, waited = 0;  // when the units' K/V are in; when the last call ends
+  for (const SimUnit& u : sim_units(c, groups, false)) {
     in += transfer(u.rows, c.es, f.payload);
+    waited += std::max(0.0, in - end);
     end = std::max(end, in) + f.compute_s * u.work;
   }
-  account(f, in, end - f.compute_s);
+  account(f, in, waited);
   set_compute(c, CpScheme::allgather, c.work->pairs[r], c.hq, true, b);
   agreement(c, r, 0, 1, cp, b.agreement, b.exposed_s);
-  double done = 0, sent = 0, moved = 0;  // when the calls end; when the units' dK/dV are out
-  for (const SimUnit& u : overlap_units(c, groups, true)) {
-    done += b.compute_s * u.work;
-    const double y = transfer(u.rows, 4, b.payload);
+  const std::vector<SimUnit> units = sim_units(c, groups, true);
+  double done = 0, sent = 0, moved = 0, exposed = 0;  // when the calls end; when the dK/dV are out
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    done += b.compute_s * units[i].work;
+    const double y = transfer(units[i].rows, 4, b.payload);
     moved += y;
+    // past the last call: what the earlier units' dK/dV still take, then the last's own
+    if (i + 1 == units.size()) exposed = std::max(0.0, sent - done) + y;
     sent = std::max(sent, done) + y;
   }
-  account(b, moved, sent - b.compute_s);
+  account(b, moved, exposed);
 }
 
 // Partials of `part` bytes going home over a ring's steps: full to every rank of [to) but r,

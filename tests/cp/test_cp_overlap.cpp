@@ -28,9 +28,10 @@ namespace {
 // split over kv-head groups (a rule that looked at the call's kv-head count gave the groups
 // sets of 1 and broke bitwise equality; blocking.hpp's bwd_set_heads).
 constexpr Shape kGroupShapes[] = {{"gqa-odd", 4, 2, 17, 9}, {"kv3-odd", 6, 3, 11, 7}, {"kv4-gqa5", 20, 4, 9, 5}};
-// Documents that cut into groups of about a quarter of the work both ways (len^2 shares: the
-// forward's first group is document 0, 6.5% of the work; the backward's last documents 6..8,
-// 34%), and one KV head with odd head dims.
+// Documents that cut into groups of about a quarter of the work both ways (by their causal
+// pairs: the forward's first group is documents 0 and 1, 6.5% of the work; the backward's
+// last documents 6..8, 34%; the same cuts under the masks of kMasks), and one KV head with odd
+// head dims.
 const std::vector<int64_t> kDocGroupLengths{120, 1, 300, 45, 200, 9, 260, 77, 33};
 constexpr Shape kMqa{"mqa-odd", 4, 1, 17, 9};
 // A 1-token document, short ones that need padding at cp = 2..4, and one of 1100 tokens: several
@@ -353,6 +354,25 @@ TEST_F(CpAttentionTest, OverlapByGroupsOfDocumentsIsBitwiseTheFusedCall) {
           if (t == DType::bf16 && m.left < 0) expect_matches_single_process(comm, b, p, s, t, o, on);
           if (HasFailure()) return;
         }
+}
+
+// A sliding window moves the backward's cut (by the pairs it leaves: documents 3 and 4 of
+// these, where len^2 gave 1..4; tests/cp/test_cp_worklists.cpp), and the forward has none
+// (its first document holds over half): still bitwise the fused call, and one process.
+TEST_F(CpAttentionTest, AWindowsCutOfDocumentsIsBitwiseTheFusedCall) {
+  for (const Shape& s : {kMqa, kGroupShapes[0]})
+    for (const DType t : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(::testing::Message() << s.name << " dtype " << to_string(t) << " cp " << comm.size());
+      const AttnOptions o{.mask = MaskType::causal, .path = best_kernel_path(t), .window_size_left = 15};
+      const check::Batch b =
+          check::random_batch(cu_seqlens_from_lengths(std::vector<int64_t>{400, 100, 100, 100, 100}), s.batch(), t, 5);
+      const RankPlan p = get_thd_load_balanced_cp_metadata(b.cu_seqlens, comm.size(), comm.rank());
+      const Outputs on = run(comm, b, p, s, t, o, CpSplit::padded, Path::overlapped);
+      const Outputs off = run(comm, b, p, s, t, o, CpSplit::padded, Path::plain);
+      expect_bitwise_equal(on, off);
+      if (t == DType::bf16) expect_matches_single_process(comm, b, p, s, t, o, on);
+      if (HasFailure()) return;
+    }
 }
 
 // The memory accounting holds the overlapped path's buffers, the forward's included: the

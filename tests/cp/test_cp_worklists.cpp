@@ -236,6 +236,31 @@ TEST(CpWorkLists, OverlapDocumentCutsByHand) {
   EXPECT_EQ(overlap_document_cut(work(127), false).cut, 3);
 }
 
+// The CP layer's cut from a plan: by the pairs the mask and window leave, not by len^2; and the
+// units' order it and the simulator share.
+TEST(CpWorkLists, TheLayersCutFollowsTheWindowAndTheUnitsTheirOrder) {
+  const std::vector<int64_t> cu = cu_seqlens_from_lengths(std::vector<int64_t>{400, 100, 100, 100, 100});
+  for (const int cp : {2, 3}) {
+    const RankPlan p = get_thd_load_balanced_cp_metadata(cu, cp, 0);
+    AttnOptions o;  // causal: the last four documents hold 0.20 of the pairs (3 of them 0.15)
+    EXPECT_EQ(overlap_doc_cut(p, o, false), 1);
+    EXPECT_EQ(overlap_doc_cut(p, o, true), 0);  // the first document holds 0.80
+    o.window_size_left = 15;                    // 16 keys at most: the last two hold 0.243
+    EXPECT_EQ(overlap_doc_cut(p, o, false), 3);
+    EXPECT_EQ(overlap_doc_cut(p, o, true), 0);  // 0.515: over 1/2
+  }
+  const auto order = [](int groups, bool cut, bool backward) {
+    std::vector<std::pair<int, int>> v;
+    for (const OverlapUnit& u : overlap_units(groups, cut, backward)) v.emplace_back(u.group, u.part);
+    return v;
+  };
+  using V = std::vector<std::pair<int, int>>;
+  EXPECT_EQ(order(3, true, false), (V{{0, 0}, {0, 1}, {1, -1}, {2, -1}}));
+  EXPECT_EQ(order(3, true, true), (V{{0, -1}, {1, -1}, {2, 0}, {2, 1}}));
+  EXPECT_EQ(order(1, true, true), (V{{0, 0}, {0, 1}}));
+  EXPECT_EQ(order(2, false, false), (V{{0, -1}, {1, -1}}));
+}
+
 // Named rows: the union of every task's runs, sorted and merged, whatever the tasks' order.
 TEST(CpWorkLists, NamedKeyRowsAreTheRunsUnion) {
   WorkList w;
