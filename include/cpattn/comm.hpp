@@ -41,6 +41,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -208,6 +209,12 @@ class Communicator {
   template <CommElement T>
   [[nodiscard]] CommRequest start_shift(std::span<const T> send, int dest, std::span<T> recv, int source);
   void wait(CommRequest& req);
+  // wait(), calling `between` after each poll that finds `req` still in flight, under the same
+  // deadline: what the caller must keep moving while it waits (the overlapped all-gather posts
+  // each peer's next sends from it as the last ones complete). `between` may start and test
+  // other requests, not this one; what it throws reaches the caller with `req`'s transfers
+  // recorded as pending and the communicator poisoned, as after a throw-mode timeout.
+  void wait(CommRequest& req, const std::function<void()>& between);
   // Whether `req` has completed, without waiting: one MPI_Testall, which also moves every
   // transfer in flight along (Open MPI's shared-memory transport progresses a message only
   // inside MPI calls, so a scheme that computes between a start and its wait calls test()

@@ -181,8 +181,9 @@ struct Communicator::Impl {
   // yields until 2 ms, so short operations keep their latency, then sleeps 20 us doubling up
   // to 250 us so that a rank waiting on a late peer leaves the core to others. On a
   // timeout in throw_error mode the requests in `in_flight` (default: `reqs`) stay pending.
+  // `between` (optional): called after each poll that leaves reqs in flight (Communicator::wait).
   void wait(const Op& op, MPI_Request* reqs, int n, MPI_Comm abort_comm,
-            std::span<MPI_Request> in_flight = {}) {
+            std::span<MPI_Request> in_flight = {}, const std::function<void()>* between = nullptr) {
     if (n == 0) return;
     const auto start = Clock::now();
     auto nap = std::chrono::microseconds(20);
@@ -190,6 +191,14 @@ struct Communicator::Impl {
       int done = 0;
       check(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), op, "MPI_Testall");
       if (done) return;
+      if (between) {
+        try {
+          (*between)();
+        } catch (...) {  // (MPI_Testall left every request as it was: all still to complete)
+          keep_pending(op, std::span<MPI_Request>(reqs, n), "left in flight by a throw while waiting");
+          throw;
+        }
+      }
       const auto now = Clock::now();
       if (now >= op.deadline) break;
       if (now - start < std::chrono::milliseconds(1)) {
@@ -206,17 +215,30 @@ struct Communicator::Impl {
     timed_out(op, in_flight, abort_comm);
   }
 
+  // Requests whose buffers must outlive them: kept until they complete (drain, or the
+  // destructor), the communicator poisoned for any later call, by `op` (and `why`) unless it
+  // was already.
+  void keep_pending(const Op& op, std::span<MPI_Request> reqs, const char* why) {
+    try {
+      for (MPI_Request req : reqs)
+        if (req != MPI_REQUEST_NULL) pending.push_back(req);
+      if (!poisoned) {
+        poisoned = true;
+        poisoned_by = std::string(op.name) + " (call #" + std::to_string(op.call) + (why ? ", " : "") +
+                      (why ? why : "") + ")";
+      }
+    } catch (...) {  // out of memory: a request not recorded would let its buffers be freed under it
+      end_job_unkept(rank, op.name, op.call, opts.abort_code);
+    }
+  }
+
   [[noreturn]] void timed_out(const Op& op, std::span<MPI_Request> reqs, MPI_Comm abort_comm) {
     const bool abort = opts.on_timeout == TimeoutAction::abort;
     std::string msg;
     std::optional<Error> error;  // made here: a bad_alloc past the record would unwind callers that catch Error
     try {
-      if (!abort) {  // the requests recorded first: one not recorded would let its buffers be freed under it
-        for (MPI_Request req : reqs)
-          if (req != MPI_REQUEST_NULL) pending.push_back(req);
-        poisoned = true;
-        poisoned_by = std::string(op.name) + " (call #" + std::to_string(op.call) + ")";
-      }
+      // the requests recorded first: one not recorded would let its buffers be freed under it
+      if (!abort) keep_pending(op, reqs, nullptr);
       std::ostringstream os;
       os << "cpattn comm: timeout: " << op.name << " (call #" << op.call << ") on rank " << rank << " of " << size
          << " did not complete within the deadline of " << timeout_s << " s (set by " << opts.timeout_name
@@ -812,7 +834,9 @@ std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::i
   return recv;
 }
 
-void Communicator::wait(CommRequest& r) {
+void Communicator::wait(CommRequest& r) { wait(r, {}); }
+
+void Communicator::wait(CommRequest& r, const std::function<void()>& between) {
   if (r.reqs_.empty()) return;
   Impl& im = impl();
   CPATTN_CHECK(r.impl_ == &im, "wait: the request was started on another Communicator");
@@ -825,8 +849,9 @@ void Communicator::wait(CommRequest& r) {
                                                                 std::chrono::duration<double>(im.timeout_s)))};
   std::vector<MPI_Request> reqs = std::move(r.reqs_);
   r.reqs_.clear();
-  // On a timeout in throw mode, wait() hands the requests to `pending` (poisoned).
-  im.wait(op, reqs);
+  // On a timeout in throw mode, or a throw of `between`, wait() hands the requests to
+  // `pending` (poisoned). `r` is not touched past this point: `between` may move it.
+  im.wait(op, reqs.data(), static_cast<int>(reqs.size()), im.comm, {}, between ? &between : nullptr);
 }
 
 bool Communicator::test(CommRequest& r) {

@@ -198,12 +198,18 @@ struct InFlight {
   void advance() {
     if (test_first_active(comm, reqs)) last_done = Clock::now();
   }
-  // Waits for reqs[i0, i1) under the communicator's deadline.
-  void wait(std::size_t i0, std::size_t i1) {
+  // Waits for reqs[i0, i1) under the communicator's deadline, calling `between` (if given)
+  // while they are in flight (Communicator::wait). Each is moved out first: `between` may add
+  // requests (and reallocate reqs).
+  void wait(std::size_t i0, std::size_t i1, const std::function<void()>* between = nullptr) {
     bool any = false;
     for (std::size_t i = i0; i < i1; ++i)
       if (reqs[i].active()) {
-        comm.wait(reqs[i]);
+        CommRequest r = std::move(reqs[i]);
+        if (between)
+          comm.wait(r, *between);
+        else
+          comm.wait(r);
         any = true;
       }
     if (any) last_done = Clock::now();
@@ -820,11 +826,12 @@ struct CpAttention::State {
     part += s;
   }
 
-  // Waits for f's requests [i0, i1), the time counted as waited, as exposed (comm_s) and in
-  // `part` (one of CpStats' parts of comm_s).
-  void wait_counted(InFlight& f, std::size_t i0, std::size_t i1, double& waited, double& part) {
+  // Waits for f's requests [i0, i1) (calling `between` while they are in flight, if given), the
+  // time counted as waited, as exposed (comm_s) and in `part` (one of CpStats' parts of comm_s).
+  void wait_counted(InFlight& f, std::size_t i0, std::size_t i1, double& waited, double& part,
+                    const std::function<void()>* between = nullptr) {
     const auto t0 = Clock::now();
-    f.wait(i0, i1);
+    f.wait(i0, i1, between);
     count_waited(seconds_since(t0), waited, part);
   }
 
@@ -868,6 +875,7 @@ struct CpAttention::State {
     std::byte* const all_k = ctx.k.data();
     std::byte* const all_v = ctx.v.data();
     InFlight f{.comm = comm, .reqs = {}};
+    f.reqs.reserve(4 * static_cast<std::size_t>(cp - 1) * nu);  // K and V of every unit, to and from every peer
     // recv_end[u]: the requests before it are units 0..u's receives (every receive is posted
     // before any send: the peers' blocks have somewhere to land as soon as they are sent). A
     // rank with no rows in a unit sends an empty message (every rank makes the same calls).
@@ -895,9 +903,10 @@ struct CpAttention::State {
       // fragments and group 0 arrived with nearly all the others: 28-60 ms against 7-9 at
       // 4 Gbit/s over TCP, docs/benchmarks.md); per peer, so that a slow peer holds back its own
       // next unit alone (cp > 2).
-      // The later sends are posted from the kernels' progress callback as the earlier ones
-      // complete, and at the latest before this rank waits for a unit's blocks: no rank waits
-      // for a unit it has not sent, so none waits on another that waits on it.
+      // The later sends are posted from the kernels' progress callback and while this rank
+      // waits for a unit's blocks, as the earlier ones complete, and at the latest before it
+      // waits for a unit's blocks: no rank waits for a unit it has not sent, so none waits on
+      // another that waits on it.
       t0 = Clock::now();
       for (int g = 0; g < groups; ++g) {
         copy_columns(k_in, all_k + g * t_all * kg + row_off(me) * kg, t_loc, k_bytes, g * kg, kg, false);
@@ -922,8 +931,9 @@ struct CpAttention::State {
         return true;
       };
       // Posts each peer's next units while the last ones posted to it have completed; each
-      // test moves every transfer along. Never waits.
-      const auto send_more = [&] {
+      // test moves every transfer along. Never waits. Also run while this rank waits for a
+      // unit's blocks: a peer that has sent its part holds back none of its later units.
+      const std::function<void()> send_more = [&] {
         for (int st = 1; st < cp; ++st)
           while (sent[st] < nu && last_done(st)) {
             f.last_done = Clock::now();
@@ -947,7 +957,7 @@ struct CpAttention::State {
         send_through(u);
         count_waited(seconds_since(t0), waited, part);
         // unit u's blocks (and the earlier units', done already)
-        wait_counted(f, 0, recv_end[u], waited, part);
+        wait_counted(f, 0, recv_end[u], waited, part, &send_more);
 
         t0 = Clock::now();
         if (units[u].first_of_group(units, u))

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -661,6 +662,66 @@ TEST(Deadline, LateShiftMakesOthersThrow) {
       EXPECT_THROW(comm.barrier(), Error);
       EXPECT_TRUE(comm.drain(30));
     }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// wait(req, between): `between` runs while the request is in flight, and what it starts moves
+// the peer along. Rank 0 waits for rank 1's data, which rank 1 sends only once it has rank 0's
+// "go", which rank 0 sends from `between`: without the calls, a wait until the deadline.
+TEST(WaitBetween, CallsWhileInFlightAndWhatTheyStartCompletesTheWait) {
+  const int p = world_size(), r = world_rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS, .on_timeout = TimeoutAction::throw_error});
+  std::vector<double> data{-1.0, -1.0}, go{-1.0}, go_send{7.0}, data_send{1.5, 2.5};
+  if (r == 0) {
+    CommRequest got = comm.start_recv<double>(data, 1, 3);
+    CommRequest sent;
+    int calls = 0;
+    const std::function<void()> between = [&] {
+      if (calls++ == 0) sent = comm.start_send<double>(go_send, 1, 4);
+      (void)comm.test(sent);
+    };
+    comm.wait(got, between);
+    comm.wait(sent);
+    EXPECT_GE(calls, 1);
+    EXPECT_EQ(data, (std::vector<double>{1.5, 2.5}));
+  } else if (r == 1) {
+    CommRequest g = comm.start_recv<double>(go, 0, 4);
+    comm.wait(g);
+    EXPECT_EQ(go[0], 7.0);
+    CommRequest d = comm.start_send<double>(data_send, 0, 3);
+    comm.wait(d);
+  }
+  EXPECT_FALSE(comm.poisoned());
+  comm.barrier();
+}
+
+// A throw from `between` reaches the caller; the request it left in flight is kept (the
+// communicator poisoned, as after a throw-mode timeout) until drain() sees it complete.
+TEST(WaitBetween, AThrowLeavesTheRequestPendingAndPoisons) {
+  const int p = world_size(), r = world_rank();
+  if (p < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, {.timeout_s = kTestTimeoutS, .on_timeout = TimeoutAction::throw_error});
+  std::vector<double> data{-1.0}, data_send{4.5};
+  if (r == 0) {
+    CommRequest got = comm.start_recv<double>(data, 1, 5);
+    const std::string what = cpattn::testing::error_of([&] {
+      comm.wait(got, [] { throw Error("between: stop"); });
+    });
+    EXPECT_EQ(what, "between: stop");
+    EXPECT_TRUE(comm.poisoned());
+    EXPECT_FALSE(got.active());
+    EXPECT_THROW(comm.barrier(), Error);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // rank 1 sends only now: the receive was still pending
+  if (r == 1) {
+    CommRequest d = comm.start_send<double>(data_send, 0, 5);
+    comm.wait(d);
+  }
+  if (r == 0) {
+    EXPECT_TRUE(comm.drain(30));
+    EXPECT_EQ(data[0], 4.5);  // landed in the buffer the pending receive kept
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
