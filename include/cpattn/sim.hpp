@@ -9,8 +9,9 @@
 // the overlap the implementation has by default (the all-gather and all-to-all schemes overlap
 // nothing unless SimInput::overlap; the ring and pass-Q overlap each step's transfer with its
 // compute). SimInput::overlap models CpAttnConfig::overlap (the all-gather's KV-head groups
-// and groups of documents, on by default as in CpAttnConfig): its time for the all-gather scheme, its buffers for the
-// all-gather and the hybrid's outer all-gather (docs/simulate.md "Overlap").
+// and groups of documents, on by default as in CpAttnConfig): its time for the all-gather
+// scheme, its buffers for the all-gather and the hybrid's outer all-gather (docs/simulate.md
+// "Overlap").
 //
 //   cpattn::SimInput in{.cu_seqlens = cu, .model = {.num_heads_q = 32, .num_heads_k = 8},
 //                       .mesh = {.cp = 8}, .profile = profile};

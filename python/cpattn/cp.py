@@ -151,8 +151,9 @@ class ContextParallelAttention(torch.nn.Module):
     size), hybrid_outer ("allgather" or "ring"), split ("padded" or "padding-free", the
     planner's; the padding-free split needs scheme allgather), kv_mode ("runs" or "index"),
     overlap (the all-gather's overlap by KV-head groups, and at its two ends by groups of
-    documents, default True: bitwise the results of False; docs/cp.md "Overlap"), shared_memory (the all-gather's K/V and dK/dV through
-    shared-memory buffers when every rank runs on one host, default True: bitwise the
+    documents, default True: bitwise the results of False; docs/cp.md "Overlap"),
+    shared_memory (the all-gather's K/V and dK/dV through shared-memory buffers when every
+    rank runs on one host, default True: bitwise the
     results of False; docs/cp.md "Shared memory"), deterministic, check_finite,
     plan_cache_capacity. They are checked here, on every rank
     alike, before anything is sent. Dropout applies in training mode only, with a seed drawn

@@ -95,7 +95,7 @@ struct Communicator::Impl {
   std::int64_t calls = 0;
   std::int64_t bytes_sent = 0, bytes_received = 0;
   bool poisoned = false;
-  std::string poisoned_by;              // the timed-out operation, for later errors
+  std::string poisoned_by;              // the failed operation and why, for later errors
   std::vector<MPI_Request> pending;     // requests left by a timeout in throw_error mode
   std::vector<float> scratch;           // ring reduce-scatter buffers, [2][len]
   std::vector<float> pack;              // mpi reduce-scatter staging when split, [size][len]
@@ -138,7 +138,7 @@ struct Communicator::Impl {
     if (poisoned) {
       std::ostringstream os;
       os << "cpattn comm: " << name << " refused on rank " << rank
-         << ": the communicator is poisoned by an earlier timeout in " << poisoned_by;
+         << ": the communicator is poisoned by an earlier failure in " << poisoned_by;
       throw Error(os.str());
     }
     ++calls;
@@ -216,8 +216,9 @@ struct Communicator::Impl {
   }
 
   // Requests whose buffers must outlive them: kept until they complete (drain, or the
-  // destructor), the communicator poisoned for any later call, by `op` (and `why`) unless it
-  // was already.
+  // destructor), the communicator poisoned for any later call, by `op` (and `why`, null for a
+  // timeout: the out-of-memory line names the call as the timeout's does) unless it was
+  // already (the first failure is the cause).
   void keep_pending(const Op& op, std::span<MPI_Request> reqs, const char* why) {
     try {
       for (MPI_Request req : reqs)

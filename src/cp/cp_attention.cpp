@@ -878,7 +878,8 @@ struct CpAttention::State {
     f.reqs.reserve(4 * static_cast<std::size_t>(cp - 1) * nu);  // K and V of every unit, to and from every peer
     // recv_end[u]: the requests before it are units 0..u's receives (every receive is posted
     // before any send: the peers' blocks have somewhere to land as soon as they are sent). A
-    // rank with no rows in a unit sends an empty message (every rank makes the same calls).
+    // rank with no rows in a unit makes empty sends and receives (every rank makes the same
+    // calls; a call of no elements moves no message).
     std::vector<std::size_t> recv_end(nu);
     double waited = 0;
     try {
@@ -903,10 +904,10 @@ struct CpAttention::State {
       // fragments and group 0 arrived with nearly all the others: 28-60 ms against 7-9 at
       // 4 Gbit/s over TCP, docs/benchmarks.md); per peer, so that a slow peer holds back its own
       // next unit alone (cp > 2).
-      // The later sends are posted from the kernels' progress callback and while this rank
-      // waits for a unit's blocks, as the earlier ones complete, and at the latest before it
-      // waits for a unit's blocks: no rank waits for a unit it has not sent, so none waits on
-      // another that waits on it.
+      // The later sends are posted as the earlier ones complete, from the kernels' progress
+      // callback and while this rank waits for a unit's blocks, and unit u's at the latest
+      // before it waits for unit u's blocks (send_through): no rank waits for a unit it has
+      // not sent, so none waits on another that waits on it.
       t0 = Clock::now();
       for (int g = 0; g < groups; ++g) {
         copy_columns(k_in, all_k + g * t_all * kg + row_off(me) * kg, t_loc, k_bytes, g * kg, kg, false);

@@ -94,6 +94,32 @@ TEST(Sim, AllGatherOverlapHidesTheLaterUnitsUnderTheEarlierCalls) {
   EXPECT_NEAR(p.backward[0].hidden_s, 6.4e-6, 1e-14);
 }
 
+// The mirror batch [0, 24, 40]: the backward's last document holds 136 of the 436 pairs
+// (0.31), the forward's first 300 (no cut). Backward units (fp32 dK + dV of 32 bytes a row):
+// group 0 (20 rows, 17.44 us of the 34.88 us call), group 1 over document 0 (12 rows, 17.44 x
+// 300 / 436 = 12 us), over document 1 (8 rows, 5.44 us), the small one last.
+TEST(Sim, AllGatherOverlapCutsTheBackwardsLastGroupSmallLast) {
+  SimInput in = hand_input();
+  const std::vector<int64_t> cu{0, 24, 40};
+  in.cu_seqlens = cu;
+  in.overlap = true;
+  in.profile.intra = {.bandwidth_gbs = 1, .latency_us = 0};
+  SchemePrediction p = simulate_scheme(in, CpScheme::allgather);
+  ASSERT_NEAR(p.backward[0].compute_s, 34.88e-6, 1e-15);
+  // 0.64 us out by 18.08 us, 0.384 by 29.824, before the last call ends (34.88): the last
+  // unit's 0.256 us exposed.
+  EXPECT_NEAR(p.backward[0].exposed_s, 0.408e-6 + 0.256e-6, 1e-15);
+  EXPECT_NEAR(p.backward[0].hidden_s, 0.64e-6 + 0.384e-6, 1e-15);
+  EXPECT_NEAR(p.forward[0].exposed_s, 0.408e-6 + 0.64e-6, 1e-15);  // no forward cut: group 0 whole
+  EXPECT_EQ(p.backward[0].payload.received_intra, 2 * 640);
+  // 0.05 GB/s: 12.8, 7.68 and 5.12 us; out by 30.24 and 37.92 us, past the last call's end
+  // (34.88) by 3.04 us before the last unit's own 5.12.
+  in.profile.intra = {.bandwidth_gbs = 0.05, .latency_us = 0};
+  p = simulate_scheme(in, CpScheme::allgather);
+  EXPECT_NEAR(p.backward[0].exposed_s, 8.16e-6 + 3.04e-6 + 5.12e-6, 1e-14);
+  EXPECT_NEAR(p.backward[0].hidden_s, 25.6e-6 - 3.04e-6 - 5.12e-6, 1e-14);
+}
+
 // One KV head: the forward overlaps by its groups of documents alone (document 0's K/V, 8 of
 // 20 rows: 0.256 us, exposed; document 1's, 0.384 us, under document 0's call of 2.176 us),
 // the backward not (no cut). cp = 1 (nothing to gather): overlap on predicts the time off
