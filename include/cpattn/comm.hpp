@@ -263,8 +263,9 @@ class Communicator {
   // After a timeout in throw_error mode (or a request dropped before its wait, or a throw
   // from wait()'s `between`) the Communicator is poisoned: those requests are still pending
   // (the buffers of that call must stay valid) and every later collective throws at once,
-  // naming the first failure. drain() waits up to `timeout_s` for those requests (they finish when the
-  // late ranks join the same operation) and returns true when none is left pending.
+  // naming the first failure. drain() waits up to `timeout_s` for those requests (they
+  // finish when the late ranks join the same operation) and returns true when none is left
+  // pending.
   bool poisoned() const;
   bool drain(double timeout_s);
   // Keeps `owner` alive while timed-out requests are pending, even past this Communicator's
